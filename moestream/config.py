@@ -1,0 +1,328 @@
+"""Frozen configuration objects.
+
+`ModelConfig.from_hf` reads an HF `config.json` (both the multimodal ForConditionalGeneration layout
+with `text_config` and the text-only ForCausalLM layout) into one flat, validated description of the
+language model. `EngineConfig` carries every engine option under its CLI flag name (underscored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .core import ConfigError
+
+# HF architecture name -> (our model family, where the language model's weights live).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "model."),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model."),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "model."),
+}
+
+
+def _supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "qwen3_moe" | "qwen3_5_moe"
+    architecture: str
+    weight_prefix: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]  # "full_attention" | "linear_attention" per layer
+    # Qwen3.5: attention output gate, zero-centred RMSNorm weights (scale = 1 + w).
+    attn_output_gate: bool
+    norm_zero_centered: bool
+    # MoE
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    moe_layers: tuple[bool, ...]  # False: dense MLP layer (Qwen3-MoE mlp_only_layers)
+    intermediate_size: int  # dense MLP width (only used where moe_layers is False)
+    # Gated DeltaNet (linear attention)
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+    quantization: dict | None = None
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_key_head_dim * self.linear_num_key_heads
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_value_head_dim * self.linear_num_value_heads
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: str | Path | dict) -> "ModelConfig":
+        """Build from a model folder, a config.json path, or an already-parsed dict."""
+        raw = _read_config(source)
+        archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not archs:
+            raise ConfigError(
+                "config.json has no 'architectures' list; supported architectures: " + _supported_list()
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported architectures: {_supported_list()}"
+            )
+        family, prefix = SUPPORTED_ARCHITECTURES[arch]
+        text = raw.get("text_config") if family == "qwen3_5_moe" and "text_config" in raw else raw
+        if not isinstance(text, dict):
+            raise ConfigError("config.json 'text_config' must be an object")
+        try:
+            return _build(cls, arch, family, prefix, raw, text)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"malformed config.json for {arch}: {e!r}") from None
+
+
+def _read_config(source: str | Path | dict) -> dict:
+    if isinstance(source, dict):
+        return source
+    p = Path(source)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"no config.json at {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a JSON object")
+    return data
+
+
+def _need(d: dict, key: str, kind=int):
+    if key not in d or d[key] is None:
+        raise ConfigError(f"config.json is missing required field {key!r}")
+    v = d[key]
+    if kind is int and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+        raise ConfigError(f"config.json field {key!r} must be a positive integer, got {v!r}")
+    if kind is float and not isinstance(v, (int, float)):
+        raise ConfigError(f"config.json field {key!r} must be a number, got {v!r}")
+    return v
+
+
+def _rope(text: dict, head_dim: int, default_partial: float) -> tuple[float, int]:
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(
+            f"rope type {rope_type!r} is not supported yet (supported: default); "
+            "remove rope scaling from config.json or use a model without it"
+        )
+    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", default_partial))
+    rotary_dim = int(head_dim * float(partial))
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ConfigError(f"partial_rotary_factor {partial} gives an invalid rotary dim {rotary_dim}")
+    return float(theta), rotary_dim
+
+
+def _eos(raw: dict, text: dict) -> tuple[int, ...]:
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> ModelConfig:
+    hidden = _need(text, "hidden_size")
+    num_layers = _need(text, "num_hidden_layers")
+    num_heads = _need(text, "num_attention_heads")
+    num_kv = text.get("num_key_value_heads") or num_heads
+    head_dim = text.get("head_dim") or hidden // num_heads
+    if num_heads % num_kv:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
+    if "num_experts" not in text and "num_local_experts" in text:  # transformers 5 writes this alias
+        text = {**text, "num_experts": text["num_local_experts"]}
+    num_experts = _need(text, "num_experts")
+    top_k = _need(text, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} exceeds num_experts {num_experts}")
+    is35 = family == "qwen3_5_moe"
+    theta, rotary_dim = _rope(text, head_dim, 0.25 if is35 else 1.0)
+    if text.get("use_sliding_window"):
+        raise ConfigError("sliding-window attention (use_sliding_window: true) is not supported yet")
+    if is35:
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = [
+                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
+            ]
+        moe_layers = tuple(True for _ in range(num_layers))
+    else:
+        layer_types = ["full_attention"] * num_layers
+        dense = set(text.get("mlp_only_layers") or [])
+        step = text.get("decoder_sparse_step", 1) or 1
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if len(layer_types) != num_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
+        raise ConfigError(f"layer_types must list full_attention/linear_attention for {num_layers} layers")
+    lin = {}
+    if is35:
+        lin = dict(
+            linear_conv_kernel=_need(text, "linear_conv_kernel_dim"),
+            linear_key_head_dim=_need(text, "linear_key_head_dim"),
+            linear_value_head_dim=_need(text, "linear_value_head_dim"),
+            linear_num_key_heads=_need(text, "linear_num_key_heads"),
+            linear_num_value_heads=_need(text, "linear_num_value_heads"),
+        )
+        if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    quant = raw.get("quantization_config") or text.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint")
+    return cls(
+        family=family,
+        architecture=arch,
+        weight_prefix=prefix,
+        vocab_size=_need(text, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rotary_dim=rotary_dim,
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        layer_types=tuple(layer_types),
+        attn_output_gate=is35,
+        norm_zero_centered=is35,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=_need(text, "moe_intermediate_size"),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if is35 else 0,
+        moe_layers=moe_layers,
+        intermediate_size=int(text.get("intermediate_size", 0) or 0),
+        torch_dtype=str(dtype).replace("torch.", ""),
+        eos_token_ids=_eos(raw, text),
+        quantization=None,
+        **lin,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine configuration: every field is a CLI flag (underscored). "auto" is resolved by the engine.
+# ---------------------------------------------------------------------------------------------
+MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    max_running_requests: int = 4
+    max_seq_len_override: int | None = None
+    num_tokens: int | None = None  # KV pool size in tokens (auto when None)
+    page_size: int = 16
+    chunked_prefill_size: int = 2048
+    memory_ratio: float = 0.9
+    gpu_memory_gb: float | None = None
+    linear_state_dtype: str = "float32"
+    moe_backend: str = "auto"
+    moe_cache_size: int | None = None
+    moe_cache_rate: float | None = None
+    moe_cpu_threads: int = 0
+    moe_prefetch: str = "on"
+    pin_budget_gb: float | None = None
+    tp_size: int = 1
+    seed: int = 0
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size < 1:
+            raise ConfigError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+        if self.num_tokens is not None and self.num_tokens < 1:
+            raise ConfigError(f"--num-tokens must be >= 1, got {self.num_tokens}")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
+            raise ConfigError(f"--max-seq-len-override must be >= 2, got {self.max_seq_len_override}")
+        if not (0.0 < self.memory_ratio <= 1.0):
+            raise ConfigError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ConfigError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
+        if self.moe_cache_size is not None and self.moe_cache_rate is not None:
+            raise ConfigError("give either --moe-cache-size or --moe-cache-rate, not both")
+        if self.moe_cache_rate is not None and not (0.0 < self.moe_cache_rate <= 1.0):
+            raise ConfigError(f"--moe-cache-rate must be in (0, 1], got {self.moe_cache_rate}")
+        if self.moe_cache_size is not None and self.moe_cache_size < 1:
+            raise ConfigError(f"--moe-cache-size must be >= 1, got {self.moe_cache_size}")
+        if self.moe_cpu_threads < 0:
+            raise ConfigError(f"--moe-cpu-threads must be >= 0, got {self.moe_cpu_threads}")
+        if self.moe_prefetch not in ("on", "off"):
+            raise ConfigError(f"--moe-prefetch must be on or off, got {self.moe_prefetch!r}")
+        if self.pin_budget_gb is not None and self.pin_budget_gb < 0:
+            raise ConfigError(f"--pin-budget-gb must be >= 0, got {self.pin_budget_gb}")
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--linear-state-dtype must be float32, bfloat16 or float16")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,43 @@
+"""What one forward pass computes: a flat run of new tokens from several requests.
+
+Tokens of all sequences are concatenated ([T] ids, [T] positions). Each sequence says where its new
+tokens sit in that run, how many of its tokens are already in the caches, its linear-attention state
+slot and the flat KV-pool index of every one of its positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqMeta:
+    start: int  # offset of this sequence's new tokens in the flat batch
+    length: int  # number of new tokens this step (1 for decode)
+    cached: int  # tokens of this sequence already in KV / linear state before this step
+    state_slot: int  # linear-attention state slot (-1 for models without linear attention)
+    kv_index: torch.Tensor  # [cached + length] flat KV-pool index of each position (long, on device)
+
+    @property
+    def total(self) -> int:
+        return self.cached + self.length
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    seqs: list[SeqMeta]
+    kv_write_index: torch.Tensor  # [T] flat KV-pool index where each new token's K/V goes
+    logits_index: torch.Tensor  # [B'] rows of the flat batch whose logits are needed
+    state_slots: torch.Tensor | None = None  # [B] long, the seqs' state slots (decode fast path)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.length == 1 for s in self.seqs)

@@ -1,0 +1,4 @@
+"""Paged KV pool for full-attention layers and the per-request state pool for linear-attention layers."""
+from .pools import KVPool, StatePool, PagePool
+
+__all__ = ["KVPool", "StatePool", "PagePool"]

@@ -1,0 +1,84 @@
+"""GQA attention with q/k norms, optional output gate (Qwen3.5), over the paged KV pool."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..engine.batch import ForwardBatch
+from .norm import RMSNorm
+from .rotary import Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 output_gate: bool, zero_centered_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        T = x.shape[0]
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            # Per head, the projection holds [query (D) | gate (D)].
+            q, gate = q.view(T, H, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(T, H * D)
+        q = self.q_norm(q.reshape(T, H, D))
+        k = self.k_norm(self.k_proj(x).view(T, Hk, D))
+        v = self.v_proj(x).view(T, Hk, D)
+        q, k = rotary.apply(q, k, batch.positions)
+        k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
+        if batch.is_decode and len(batch.seqs) > 1:
+            out = self._decode_batched(q, batch, k_cache, v_cache)
+        else:
+            out = torch.empty_like(q)
+            for s in batch.seqs:
+                qs = q[s.start:s.start + s.length]
+                out[s.start:s.start + s.length] = self._attend(qs, k_cache[s.kv_index], v_cache[s.kv_index], s.cached)
+        out = out.reshape(T, H * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
+        """q [L, H, D] attends causally to k, v [cached + L, Hk, D]."""
+        L, S = q.shape[0], k.shape[0]
+        groups = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 1)  # [H, L, D]
+        kh = k.to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)
+        vh = v.to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)
+        mask = None
+        if L > 1:
+            # query i (absolute position cached + i) sees keys 0..cached + i
+            mask = torch.arange(S, device=q.device)[None, :] <= (cached + torch.arange(L, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)
+
+    def _decode_batched(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """All sequences decode one token: pad their KV to the longest and attend in one call."""
+        B = len(batch.seqs)
+        S = max(s.total for s in batch.seqs)
+        idx = torch.zeros((B, S), dtype=torch.long, device=q.device)
+        valid = torch.zeros((B, S), dtype=torch.bool, device=q.device)
+        for i, s in enumerate(batch.seqs):
+            idx[i, :s.total] = s.kv_index
+            valid[i, :s.total] = True
+        groups = self.num_heads // self.num_kv_heads
+        k = k_cache[idx].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [B, H, S, D]
+        v = v_cache[idx].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
+        qh = q.view(B, 1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
+        return o.transpose(1, 2).reshape(B, self.num_heads, self.head_dim)

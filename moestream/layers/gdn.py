@@ -1,0 +1,139 @@
+"""Gated DeltaNet (the linear-attention token mixer of Qwen3.5/3.6).
+
+Per value head, the state S [Dk, Dv] evolves token by token:
+    S <- exp(g_t) * S;  u_t = beta_t * (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+with q, k L2-normalised and q scaled by Dk^-1/2. Prefill uses the equivalent chunked form
+(`chunk_gated_delta_rule`), decode the step above (`recurrent_gated_delta_rule`). Both in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..engine.batch import ForwardBatch
+from .norm import GatedRMSNorm
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """q, k [H, L, Dk] (normalised, q scaled); v [H, L, Dv]; g, beta [H, L]; state [H, Dk, Dv] (fp32).
+
+    Within a chunk with cumulative log-decay c (c_i = g_1 + ... + g_i) and start state S0, the
+    written values u solve the unit lower-triangular system
+        (I + A) u = beta*v - beta*exp(c) * (K S0),  A_ij = beta_i exp(c_i - c_j) k_i.k_j  (j < i)
+    and o = exp(c) * (Q S0) + (QK^T * exp(c_i - c_j), j <= i) u,
+        S_end = exp(c_last) S0 + (K * exp(c_last - c))^T u.
+    Returns (o [H, L, Dv], final state).
+    """
+    H, L, Dk = k.shape
+    pad = (-L) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # g = 0 and beta = 0: padding changes nothing
+    n = (L + pad) // chunk
+    q, k, v = (t.reshape(H, n, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(H, n, chunk), beta.reshape(H, n, chunk)
+    c = g.cumsum(-1)
+    diff = c.unsqueeze(-1) - c.unsqueeze(-2)  # [H, n, C, C]: c_i - c_j
+    lower_incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~lower_incl, float("-inf")).exp()
+    a = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2))) * decay.tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = eye + a
+    rhs_v = beta.unsqueeze(-1) * v
+    rhs_k = (beta * c.exp()).unsqueeze(-1) * k
+    u0 = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * c.exp().unsqueeze(-1)
+    k_dec = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    last = c[..., -1].exp()  # [H, n]
+    out = torch.empty_like(v)
+    S = state
+    for i in range(n):
+        u = u0[:, i] - w[:, i] @ S
+        out[:, i] = q_dec[:, i] @ S + qk[:, i] @ u
+        S = S * last[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ u
+    return out.reshape(H, n * chunk, -1)[:, :L], S
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """One token per sequence: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]."""
+    S = state * g.exp()[..., None, None]
+    kv = (S * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, H, Dv]
+    u = (v - kv) * beta.unsqueeze(-1)
+    S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
+    o = (S * q.unsqueeze(-1)).sum(-2)
+    return o, S
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int,
+                 conv_kernel: int, eps: float):
+        super().__init__()
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, k_dim, v_dim
+        self.key_dim, self.value_dim = num_k_heads * k_dim, num_v_heads * v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = conv_kernel
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                rec_state: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; conv_state [slots, conv_dim, K-1] and rec_state [slots, Hv, Dk, Dv] of this layer."""
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        core = torch.empty((x.shape[0], self.hv, self.dv), dtype=x.dtype, device=x.device)
+        if batch.is_decode:
+            self._decode(mixed, g, beta, batch, conv_state, rec_state, core)
+        else:
+            for s in batch.seqs:
+                sl = slice(s.start, s.start + s.length)
+                core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state)
+        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
+        return self.out_proj(out)
+
+    def _split(self, conv_out: torch.Tensor):
+        """conv_out [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, repeated to value heads), v [..., Hv, Dv]."""
+        q, k, v = torch.split(conv_out.float(), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.hv // self.hk
+        q = _l2norm(q.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=-2) * self.dk ** -0.5
+        k = _l2norm(k.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=-2)
+        return q, k, v.unflatten(-1, (self.hv, self.dv))
+
+    def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state):
+        L = mixed.shape[0]
+        w = self.conv1d.weight  # [conv_dim, 1, K]
+        window = torch.cat([conv_state[slot].to(mixed.dtype), mixed.t()], dim=-1)  # [conv_dim, K-1+L]
+        conv_state[slot] = window[:, -(self.kernel - 1):].to(conv_state.dtype)
+        conv_out = F.silu(F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim))[0].t()  # [L, conv]
+        conv_out = conv_out.to(mixed.dtype)
+        q, k, v = self._split(conv_out)  # [L, Hv, D]
+        o, S = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                      g.t(), beta.t(), rec_state[slot].float())
+        rec_state[slot] = S.to(rec_state.dtype)
+        return o.transpose(0, 1).to(mixed.dtype)
+
+    def _decode(self, mixed, g, beta, batch, conv_state, rec_state, core):
+        slots = batch.state_slots
+        w = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+        window = torch.cat([conv_state[slots].to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, conv, K]
+        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+        conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(mixed.dtype)  # [B, conv_dim]
+        q, k, v = self._split(conv_out)
+        o, S = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state[slots].float())
+        rec_state[slots] = S.to(rec_state.dtype)
+        core.copy_(o.to(core.dtype))

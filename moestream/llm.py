@@ -1,0 +1,128 @@
+"""Offline API in the shape users know from vLLM.
+
+    from moestream import LLM, SamplingParams
+    llm = LLM("Qwen/Qwen3-30B-A3B", moe_backend="offload", moe_cache_size=2048)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].text)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .config import EngineConfig, ModelConfig
+from .core import RequestError, RequestOutput, SamplingParams, next_request_id
+from .engine.engine import Engine
+from .models.loader import resolve_model_path
+from .scheduler.request import Request
+from .scheduler.scheduler import Scheduler
+
+log = logging.getLogger("moestream")
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model_path: str | Path, device: str = "auto", dtype: str = "auto", **engine_options: Any):
+        self.engine_config = EngineConfig.from_options(device=device, dtype=dtype, **engine_options)
+        self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
+        self.model_config = ModelConfig.from_hf(self.model_dir)
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
+        eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
+        eos += [e for e in self.model_config.eos_token_ids if e not in eos]
+        self.scheduler = Scheduler(self.engine, eos, self.tokenizer)
+        self.last_timing: dict = {}
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params(sampling_params, len(prompt_list))
+        reqs = [Request(next_request_id(), self._encode(p), sp) for p, sp in zip(prompt_list, params)]
+        for r in reqs:
+            self.scheduler.add(r)
+        self._run(reqs)
+        return [self._output(r) for r in reqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so chat() cannot apply a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                      **(chat_template_kwargs or {})) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> dict:
+        s = self.engine.runtime.stats()
+        s["timing"] = dict(self.last_timing)
+        return s
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _run(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        prefill_tokens = decode_tokens = 0
+        prefill_s = decode_s = 0.0
+        while any(r.finish_reason is None for r in reqs):
+            self.scheduler.step()
+            st = self.scheduler.last_step
+            if st.get("prefill_tokens"):
+                prefill_tokens += st["prefill_tokens"]
+                prefill_s += st["seconds"]
+            else:
+                decode_tokens += st.get("decode", 0)
+                decode_s += st.get("seconds", 0.0)
+        self.last_timing = {
+            "wall_s": time.perf_counter() - t0,
+            "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
+            "prefill_tok_s": prefill_tokens / prefill_s if prefill_s else 0.0,
+            "decode_tokens": decode_tokens, "decode_s": decode_s,
+            "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+        }
+
+    def _output(self, r: Request) -> RequestOutput:
+        if r.detok is not None:
+            text = r.detok.text
+        else:
+            text = ""
+        ttft = (r.first_token_at - r.arrival) if r.first_token_at else None
+        return RequestOutput(r.id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, ttft)
+
+
+def _load_tokenizer(folder: Path):
+    from .tokenizer import Tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        log.warning("no tokenizer.json in %s: only token-id prompts will work", folder)
+        return None
+    return Tokenizer.from_pretrained(folder)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise RequestError(f"got {len(sp)} sampling params for {n} prompts")
+    return sp

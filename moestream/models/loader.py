@@ -1,0 +1,128 @@
+"""Checkpoint loading: find the files (local folder or hub id), stream tensors (mmap) into the model
+and the expert store.
+
+Dense tensors go into the model's parameters; routed expert tensors go to `moe.ExpertStore`, one
+expert at a time or stacked. Any missing, unexpected or mis-shaped tensor is an error naming it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..core import CheckpointError, ConfigError
+from ..moe.store import ExpertStore
+
+log = logging.getLogger("moestream.loader")
+
+# Tensors real checkpoints carry that a text-only engine does not use.
+IGNORED = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."),
+           re.compile(r"rotary_emb\.inv_freq$"))
+PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def resolve_model_path(model_path: str | Path, revision: str | None = None) -> Path:
+    """A local folder, or a hub id (org/name) fetched through huggingface_hub (honours HF_HUB_OFFLINE)."""
+    p = Path(model_path).expanduser()
+    if p.is_dir():
+        return p
+    s = str(model_path)
+    if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise ConfigError(f"model path {s!r} is not a folder and not a hub id of the form org/name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id=s, revision=revision,
+                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except Exception as e:  # hub errors have many types; the user needs one readable line
+        raise ConfigError(f"cannot fetch model {s!r} from the hub: {type(e).__name__}: {e}".splitlines()[0]) from None
+    return Path(local)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot read {index}: {e!r}") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shard(s) that are not in {folder}: {', '.join(missing)}")
+        return [folder / f for f in files]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {folder}")
+    return files
+
+
+def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path) -> None:
+    files = safetensors_files(folder)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < (1 << 30)) as bar:
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:
+                raise CheckpointError(f"cannot read safetensors file {f}: {e}") from None
+            with handle:
+                for key in handle.keys():
+                    _load_one(key, handle, cfg, params, store, seen)
+            bar.update(f.stat().st_size)
+    _check_complete(cfg, params, store, seen)
+
+
+def _local_name(key: str, cfg: ModelConfig) -> str | None:
+    if key == "lm_head.weight":
+        return key
+    if key.startswith(cfg.weight_prefix):
+        return key[len(cfg.weight_prefix):]
+    return None
+
+
+def _load_one(key, handle, cfg: ModelConfig, params, store: ExpertStore, seen: set[str]) -> None:
+    if any(p.search(key) for p in IGNORED):
+        return
+    name = _local_name(key, cfg)
+    if name is None:
+        raise CheckpointError(f"unexpected tensor {key} (expected names under {cfg.weight_prefix!r})")
+    if m := PER_EXPERT.match(name):
+        store.put_expert(int(m[1]), int(m[2]), m[3], handle.get_tensor(key), key)
+        return
+    if m := STACKED.match(name):
+        store.put_stacked(int(m[1]), "gate_up" if m[2] == "gate_up_proj" else "down", handle.get_tensor(key), key)
+        return
+    param = params.get(name)
+    if param is None:
+        raise CheckpointError(f"unexpected tensor {key}: the {cfg.architecture} model has no such parameter")
+    t = handle.get_tensor(key)
+    if tuple(t.shape) != tuple(param.shape):
+        raise CheckpointError(f"tensor {key} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(t)
+    seen.add(name)
+
+
+def _check_complete(cfg: ModelConfig, params, store: ExpertStore, seen: set[str]) -> None:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in seen and "embed_tokens.weight" in seen:
+        with torch.no_grad():
+            params["lm_head.weight"].copy_(params["embed_tokens.weight"])
+        seen.add("lm_head.weight")
+    missing = [(n if n == "lm_head.weight" else cfg.weight_prefix + n) for n in params if n not in seen]
+    missing += store.missing(lambda layer: f"{cfg.weight_prefix}layers.{layer}.")
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")

@@ -1,0 +1,118 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM) and Qwen3.5/3.6-MoE (Qwen3_5Moe*) language models.
+
+Plain reference-style model code; parameter names are the HF checkpoint names without the prefix.
+Routed experts are not parameters here: each MoE block asks the expert runtime (`moe/`) to compute
+them, so where they live is not the model's business.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..engine.batch import ForwardBatch
+from ..layers.attention import Attention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.normalize = top_k, normalize
+
+    def forward(self, x):
+        """x [T, H] -> (topk ids [T, k], topk weights [T, k] in x.dtype, logits [T, E])."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            w = w / w.sum(-1, keepdim=True)
+        return ids, w.to(logits.dtype), logits
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.runtime = None  # set by the engine: an ExpertRuntime
+
+    def forward(self, x):
+        ids, w, _ = self.gate(x)
+        y = self.runtime.forward(self.layer, x, ids, w)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.kind = cfg.layer_types[layer]
+        eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                             cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                             cfg.linear_conv_kernel, eps)
+        else:
+            self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps,
+                                       cfg.attn_output_gate, zc)
+        self.mlp = SparseMoeBlock(cfg, layer) if cfg.moe_layers[layer] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
+
+
+class QwenMoeModel(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head; forward returns logits of selected rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: Rotary | None = None
+        self.caches = None  # set by the engine: object with kv (KVPool) and state (StatePool)
+        # model layer index -> index into the KV pool / the state pool
+        self.kv_layer = {l: i for i, l in enumerate(cfg.full_attention_layers)}
+        self.state_layer = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
+
+    def moe_blocks(self):
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            r = h
+            x = layer.input_layernorm(h)
+            if layer.kind == "linear_attention":
+                j = self.state_layer[i]
+                x = layer.linear_attn(x, batch, self.caches.state.conv[j], self.caches.state.rec[j])
+            else:
+                j = self.kv_layer[i]
+                x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
+            h = r + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[batch.logits_index])
+        return self.lm_head(h).float()

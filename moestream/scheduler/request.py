@@ -1,0 +1,58 @@
+"""A request as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    num_computed: int = 0  # tokens whose K/V and linear state are in the caches
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    detok: object = None  # IncrementalDetokenizer when the scheduler has a tokenizer
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        # Decoding means only the newest sampled token is not yet in the caches.
+        return self.num_computed < self.num_tokens - 1
+
+
+@dataclass
+class StepOutput:
+    """What one scheduler step produced for one request."""
+
+    request: Request
+    new_token: int | None
+    text_delta: str
+    finished: bool

@@ -1,0 +1,221 @@
+"""Continuous batching with chunked prefill.
+
+Each step: every running request that is decoding contributes one token; the remaining token budget
+(`chunked_prefill_size`) goes to prefill chunks, first of running requests, then of waiting ones
+admitted while a state slot and KV pages are free. KV pages are taken as tokens arrive; when none is
+left the newest running request is preempted (its caches freed, recomputed later from its tokens).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..core import FinishReason, RequestError
+from ..engine.batch import ForwardBatch, SeqMeta
+from ..engine.sampler import make_generator, sample
+from .request import Request, Status, StepOutput
+
+log = logging.getLogger("moestream.scheduler")
+
+
+class Scheduler:
+    def __init__(self, engine, eos_token_ids: list[int], tokenizer=None):
+        self.engine = engine
+        self.kv = engine.caches.kv
+        self.state = engine.caches.state
+        self.eos = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_running = engine.ecfg.max_running_requests
+        self.chunk = engine.ecfg.chunked_prefill_size
+        self.max_seq_len = engine.max_seq_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.last_step: dict = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_seq_len:
+            raise RequestError(f"the prompt has {n} tokens; this server's context is {self.max_seq_len} tokens "
+                               f"(prompt plus at least one generated token must fit)")
+        if self.kv.pages_for(n + 1) > self.kv.num_pages:
+            raise RequestError(f"the prompt has {n} tokens but the KV cache holds only "
+                               f"{self.kv.num_pages * self.kv.page_size}; raise --num-tokens")
+        vocab = self.engine.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        req.generator = make_generator(req.params, self.engine.device)
+        if self.tokenizer is not None and req.detok is None:
+            from ..tokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, stop=req.params.stop,
+                                               skip_special_tokens=req.params.skip_special_tokens)
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str, reason: str = FinishReason.ABORT.value) -> bool:
+        req = self.requests.get(req_id)
+        if req is None or req.status == Status.FINISHED:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self._plan()
+        if not plan:
+            return []
+        batch, sample_reqs = self._build_batch(plan)
+        decode = sum(1 for r, _ in plan if not r.in_prefill)
+        t0 = time.perf_counter()
+        logits = self.engine.forward(batch)
+        outputs = self._apply(plan, sample_reqs, logits)
+        self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
+                          "prefill_tokens": batch.num_tokens - decode,
+                          "running": len(self.running), "waiting": len(self.waiting)}
+        return outputs
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """Choose (request, number of new tokens) for this step, allocating pages and slots."""
+        plan: list[tuple[Request, int]] = []
+        budget = self.chunk
+        for req in list(self.running):
+            if req.status != Status.RUNNING or req.in_prefill:
+                continue
+            if self._reserve(req, req.num_computed + 1):
+                plan.append((req, 1))
+                budget -= 1
+        for req in list(self.running):
+            if req.status == Status.RUNNING and req.in_prefill and budget > 0:
+                n = min(budget, req.num_tokens - req.num_computed)
+                if self._reserve(req, req.num_computed + n):
+                    plan.append((req, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            n = min(budget, req.num_tokens)
+            if self.kv.pages_for(n) > self.kv.pages.num_free or self.state.slots.num_free == 0:
+                break
+            self.waiting.pop(0)
+            self._admit(req)
+            self._reserve(req, n)
+            plan.append((req, n))
+            budget -= n
+        return [(r, n) for r, n in plan if r.status == Status.RUNNING]
+
+    def _admit(self, req: Request) -> None:
+        req.state_slot = self.state.slots.alloc(1)[0]
+        self.state.reset(req.state_slot)
+        req.status = Status.RUNNING
+        req.num_computed = 0
+        self.running.append(req)
+
+    def _reserve(self, req: Request, tokens: int) -> bool:
+        """Make sure req owns pages for `tokens` positions, preempting newer requests if needed."""
+        need = self.kv.pages_for(tokens) - len(req.pages)
+        while need > 0:
+            got = self.kv.pages.alloc(need)
+            if got is not None:
+                req.pages += got
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        log.warning("KV cache full: preempting %s (%d tokens), it will be recomputed", req.id, req.num_tokens)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.preemptions += 1
+        self.waiting.insert(0, req)
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.kv.pages.free(req.pages)
+            req.pages = []
+        if req.state_slot >= 0:
+            self.state.slots.free([req.state_slot])
+            req.state_slot = -1
+        if req in self.running:
+            self.running.remove(req)
+
+    def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+        dev = self.engine.device
+        ids, pos, seqs, logit_rows, sample_reqs = [], [], [], [], []
+        start = 0
+        for req, n in plan:
+            c = req.num_computed
+            ids += req.all_ids[c:c + n]
+            pos += range(c, c + n)
+            kv_index = self.kv.flat_index(req.pages, 0, c + n, dev)
+            seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index))
+            if c + n == req.num_tokens:  # the chunk reaches the newest token: sample the next one
+                logit_rows.append(start + n - 1)
+                sample_reqs.append(req)
+            start += n
+        write = torch.cat([s.kv_index[s.cached:] for s in seqs])
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            seqs=seqs, kv_write_index=write,
+            logits_index=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=dev),
+        )
+        return batch, sample_reqs
+
+    def _apply(self, plan, sample_reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        for req, n in plan:
+            req.num_computed += n
+        if not sample_reqs:
+            return []
+        tokens = sample(logits, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
+        now = time.perf_counter()
+        outs = []
+        for req, tok in zip(sample_reqs, tokens):
+            if req.first_token_at is None:
+                req.first_token_at = now
+            req.output_ids.append(tok)
+            delta = req.detok.add(tok) if req.detok is not None else ""
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                if req.detok is not None and not req.detok.stopped:
+                    delta += req.detok.flush()
+                self._finish(req, reason)
+            outs.append(StepOutput(req, tok, delta, reason is not None))
+        return outs
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if req.detok is not None and req.detok.stopped:
+            return FinishReason.STOP.value
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP.value
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH.value
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        self.requests.pop(req.id, None)
+
+    def check_integrity(self) -> None:
+        self.kv.pages.check_integrity()
+        self.state.slots.check_integrity()
+        owned = sum(len(r.pages) for r in self.running)
+        assert owned == self.kv.pages.num_used, (owned, self.kv.pages.num_used)

@@ -1,0 +1,1 @@
+"""HTTP serving layer: OpenAI- and Anthropic-compatible request models, response builders and output parsers."""

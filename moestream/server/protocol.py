@@ -1,0 +1,1094 @@
+"""Request models and response builders for the OpenAI- and Anthropic-compatible HTTP APIs.
+
+Requests are pydantic v2 models: unknown fields are ignored, and anything we cannot honour raises
+``pydantic.ValidationError`` (or ``moestream.core.RequestError``) with a message a user can act on.
+The server turns either into HTTP 400 with :func:`openai_error_body` / :func:`anthropic_error_body`;
+:func:`validation_error_message` makes the message and ``param`` out of a ``ValidationError``.
+
+Responses are plain dicts (what ``json.dumps`` sends): ``chat_completion_response``,
+``chat_completion_chunk``, ``completion_response``, ``completion_chunk``,
+``anthropic_message_response`` and :class:`AnthropicStreamEncoder` for the Anthropic SSE stream.
+
+Messages handed to chat templates (``ChatCompletionRequest.template_messages()``,
+``AnthropicMessagesRequest.to_openai_messages()``) are OpenAI-style dicts normalized for HF templates:
+``content`` is always a string, and ``tool_calls[i].function.arguments`` is a dict (Qwen3's template
+prints a dict with ``tojson`` and a string verbatim; Qwen3-Coder/Qwen3.5 templates iterate
+``arguments|items`` and need the dict).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from typing import Annotated, Any, Iterable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moestream.core import RequestError, SamplingParams
+from moestream.server.parsers import ToolCall
+
+__all__ = [
+    "openai_error_body",
+    "anthropic_error_body",
+    "validation_error_message",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "AnthropicMessagesRequest",
+    "CountTokensRequest",
+    "chat_completion_response",
+    "chat_completion_chunk",
+    "completion_response",
+    "completion_chunk",
+    "usage_dict",
+    "openai_finish_reason",
+    "anthropic_stop_reason",
+    "anthropic_message_response",
+    "AnthropicStreamEncoder",
+    "sse_data",
+    "sse_event",
+    "SSE_DONE",
+    "RequestError",
+]
+
+MAX_STOP_SEQUENCES = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def openai_error_body(
+    message: str, param: str | None = None, code: str | None = None, type: str = "invalid_request_error"
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def anthropic_error_body(message: str, type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type, "message": message}}
+
+
+def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
+    """``(message, param)`` for a request that failed validation; ``param`` is the first bad field's
+    dotted path (``messages.0.content``)."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x))
+        msg = str(err.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if param is None and loc:
+            param = loc
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return ("; ".join(dict.fromkeys(parts)) or "invalid request"), param
+
+
+def _is_union_tag(x: Any) -> bool:
+    # pydantic puts the union member it tried into the location ("str", "list[TextPart]", "NamedToolChoice",
+    # "literal['none','auto']", "function-after[...]"); our field names are lower_snake_case.
+    return isinstance(x, str) and (
+        x in ("str", "int", "float", "bool", "dict", "list", "none") or x[:1].isupper()
+        or any(c in x for c in "[('") or x.startswith("function-")
+    )
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"{what} is not supported by this server")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI: shared sampling fields
+# --------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Model):
+    model: str = ""
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[Union[bool, int]] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if len(v) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
+            if any(s == "" for s in v):
+                raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v != 1:
+            raise ValueError(f"only n=1 is supported, got n={v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: Optional[float], info: Any) -> Optional[float]:
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server (only 0 is accepted), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v:
+            raise _unsupported("logit_bias")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: Any) -> Any:
+        if v:
+            raise _unsupported("logprobs")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "_OpenAISampling":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``SamplingParams`` keyword arguments; a value is None where the request did not set it, so the
+        server applies its default (drop the Nones, or use :meth:`to_sampling_params`)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {
+            "max_tokens": self._max_tokens(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+
+    def to_sampling_params(self, default_max_tokens: int, **defaults: Any) -> SamplingParams:
+        """``SamplingParams`` from the request, with ``defaults`` (and ``default_max_tokens``) where unset."""
+        return _make_sampling_params(self.sampling_kwargs(), default_max_tokens, defaults)
+
+
+def _make_sampling_params(kwargs: dict[str, Any], default_max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+    merged = {"max_tokens": default_max_tokens, **defaults}
+    merged.update({k: v for k, v in kwargs.items() if v is not None})
+    return SamplingParams(**merged)
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI chat completions
+# --------------------------------------------------------------------------------------------
+
+
+class TextPart(_Model):
+    type: Literal["text"] = "text"
+    text: str
+
+
+def _check_parts(v: Any) -> Any:
+    if isinstance(v, list):
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", None):
+                raise ValueError(f"content part {i} has type {kind!r}; only 'text' content parts are supported")
+    return v
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ChatToolCall(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ChatToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None  # vLLM's newer name for reasoning_content; accepted as an alias
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v: Any) -> Any:
+        return _check_parts(v)
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("messages with role 'tool' must have a tool_call_id")
+        if self.role != "assistant" and self.tool_calls:
+            raise ValueError(f"only assistant messages may have tool_calls, not role {self.role!r}")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for role {self.role!r}")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template wants it (content a string, tool-call arguments a dict)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.role == "assistant":
+            reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+            if reasoning is not None:
+                out["reasoning_content"] = reasoning
+            if self.tool_calls:
+                out["tool_calls"] = [
+                    {
+                        "id": tc.id or f"call_{i}",
+                        "type": "function",
+                        "function": {"name": tc.function.name, "arguments": _arguments_dict(tc.function.arguments)},
+                    }
+                    for i, tc in enumerate(self.tool_calls)
+                ]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments_dict(arguments: Union[str, dict[str, Any]]) -> Union[str, dict[str, Any]]:
+    """JSON-string arguments as a dict for templates; left as the string if it is not a JSON object."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class FunctionDef(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    def for_template(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.function.name}
+        if self.function.description is not None:
+            fn["description"] = self.function.description
+        fn["parameters"] = self.function.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(_Model):
+    type: str = "text"
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, v: str) -> str:
+        if v != "text":
+            raise _unsupported(f"response_format type {v!r} (structured output / JSON mode)")
+        return v
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: Optional[int]) -> Optional[int]:
+        if v:
+            raise _unsupported("top_logprobs")
+        return v
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        tc = self.tool_choice
+        if tc is not None and tc != "none" and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in names:
+            raise ValueError(f"tool_choice names function {tc.function.name!r}, which is not among the tools")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=false and a final assistant message"
+            )
+        return self
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as dicts for ``apply_chat_template``."""
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """Tools for ``apply_chat_template``; None when there are none or tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.for_template() for t in self.tools]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI (legacy) completions
+# --------------------------------------------------------------------------------------------
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], (str, list)) and len(v) != 1:
+                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+            if isinstance(v[0], list) and not v[0]:
+                raise ValueError("prompt token list must not be empty")
+            if isinstance(v[0], int) and any(t < 0 for t in v):
+                raise ValueError("prompt token ids must be >= 0")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool) -> bool:
+        if v:
+            raise _unsupported("echo=true")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v: Optional[str]) -> Optional[str]:
+        if v:
+            raise _unsupported("suffix")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v != 1:
+            raise ValueError(f"only best_of=1 is supported, got best_of={v}")
+        return v
+
+    @property
+    def prompt_text(self) -> Optional[str]:
+        """The prompt if it was given as text, else None."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        return p[0] if isinstance(p[0], str) else None
+
+    @property
+    def prompt_token_ids(self) -> Optional[list[int]]:
+        """The prompt if it was given as token ids, else None."""
+        p = self.prompt
+        if isinstance(p, list) and isinstance(p[0], int):
+            return list(p)  # type: ignore[arg-type]
+        if isinstance(p, list) and isinstance(p[0], list):
+            return list(p[0])
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Anthropic messages
+# --------------------------------------------------------------------------------------------
+
+
+class TextBlock(_Model):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ThinkingBlock(_Model):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(_Model):
+    type: Literal["redacted_thinking"] = "redacted_thinking"
+    data: str = ""
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"] = "tool_result"
+    tool_use_id: str
+    content: Union[str, list[TextBlock]] = ""
+    is_error: bool = False
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v: Any) -> Any:
+        return _check_blocks(v, ("text",), "tool_result content")
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
+
+
+_BLOCK_TYPES = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result")
+
+
+def _check_blocks(v: Any, allowed: Iterable[str], where: str) -> Any:
+    if isinstance(v, list):
+        allowed = tuple(allowed)
+        for i, block in enumerate(v):
+            kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+            if kind not in allowed:
+                raise ValueError(
+                    f"{where} block {i} has type {kind!r}; supported types: {', '.join(allowed)}"
+                )
+    return v
+
+
+ContentBlock = Annotated[
+    Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")
+]
+
+
+class AnthropicMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v: Any) -> Any:
+        return _check_blocks(v, _BLOCK_TYPES, "content")
+
+    @model_validator(mode="after")
+    def _check_role_blocks(self) -> "AnthropicMessage":
+        if isinstance(self.content, list):
+            for b in self.content:
+                if self.role == "user" and b.type in ("tool_use", "thinking", "redacted_thinking"):
+                    raise ValueError(f"{b.type} blocks are only allowed in assistant messages")
+                if self.role == "assistant" and b.type == "tool_result":
+                    raise ValueError("tool_result blocks are only allowed in user messages")
+        return self
+
+    @property
+    def blocks(self) -> list[Any]:
+        return [TextBlock(text=self.content)] if isinstance(self.content, str) else list(self.content)
+
+
+class AnthropicTool(_Model):
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    type: Optional[str] = None
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, v: Optional[str]) -> Optional[str]:
+        if v not in (None, "custom"):
+            raise _unsupported(f"server tool type {v!r}")
+        return v
+
+
+class AnthropicToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "AnthropicToolChoice":
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs a name")
+        return self
+
+
+class ThinkingConfig(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = Field(default=None, ge=1)
+
+
+class _AnthropicConversation(_Model):
+    model: str = ""
+    system: Optional[Union[str, list[TextBlock]]] = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+    thinking: Optional[ThinkingConfig] = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _check_system(cls, v: Any) -> Any:
+        return _check_blocks(v, ("text",), "system")
+
+    @model_validator(mode="after")
+    def _check_conversation(self) -> "_AnthropicConversation":
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        tc = self.tool_choice
+        if tc is not None and tc.type in ("any", "tool") and not self.tools:
+            raise ValueError(f"tool_choice of type {tc.type!r} needs tools")
+        if tc is not None and tc.type == "tool" and tc.name not in names:
+            raise ValueError(f"tool_choice names tool {tc.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def system_text(self) -> Optional[str]:
+        if self.system is None:
+            return None
+        if isinstance(self.system, str):
+            return self.system
+        return "\n".join(b.text for b in self.system)
+
+    def to_openai_messages(self) -> list[dict[str, Any]]:
+        """The conversation as OpenAI-style message dicts, ready for ``apply_chat_template``.
+
+        ``system`` -> a system message; ``text`` -> content (blocks joined); ``thinking`` ->
+        ``reasoning_content``; ``redacted_thinking`` dropped; ``tool_use`` -> ``tool_calls`` with
+        dict ``arguments``; each ``tool_result`` -> a ``role: "tool"`` message (content prefixed
+        ``"Error: "`` when ``is_error``), placed where it was among the user's text.
+        """
+        out: list[dict[str, Any]] = []
+        system = self.system_text
+        if system:
+            out.append({"role": "system", "content": system})
+        tool_names: dict[str, str] = {}
+        for msg in self.messages:
+            if msg.role == "assistant":
+                text: list[str] = []
+                thinking: list[str] = []
+                calls: list[dict[str, Any]] = []
+                for b in msg.blocks:
+                    if b.type == "text":
+                        text.append(b.text)
+                    elif b.type == "thinking":
+                        thinking.append(b.thinking)
+                    elif b.type == "tool_use":
+                        tool_names[b.id] = b.name
+                        fn = {"name": b.name, "arguments": b.input}
+                        calls.append({"id": b.id, "type": "function", "function": fn})
+                m: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+                if thinking:
+                    m["reasoning_content"] = "\n".join(thinking)
+                if calls:
+                    m["tool_calls"] = calls
+                out.append(m)
+                continue
+            pending: list[str] = []
+
+            def flush() -> None:
+                if pending:
+                    out.append({"role": "user", "content": "".join(pending)})
+                    pending.clear()
+
+            for b in msg.blocks:
+                if b.type == "text":
+                    pending.append(b.text)
+                elif b.type == "tool_result":
+                    flush()
+                    content = b.text
+                    if b.is_error:
+                        content = "Error: " + content
+                    tm: dict[str, Any] = {"role": "tool", "tool_call_id": b.tool_use_id, "content": content}
+                    if b.tool_use_id in tool_names:
+                        tm["name"] = tool_names[b.tool_use_id]
+                    out.append(tm)
+            flush()
+        return out
+
+    def tools_openai(self) -> Optional[list[dict[str, Any]]]:
+        """Tools in OpenAI form for ``apply_chat_template``; None when there are none or tool_choice is none."""
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
+            return None
+        out = []
+        for t in self.tools:
+            fn: dict[str, Any] = {"name": t.name}
+            if t.description is not None:
+                fn["description"] = t.description
+            fn["parameters"] = t.input_schema
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def tool_choice_openai(self) -> Union[str, dict[str, Any], None]:
+        tc = self.tool_choice
+        if tc is None:
+            return None
+        if tc.type == "tool":
+            return {"type": "function", "function": {"name": tc.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[tc.type]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` implied by ``thinking`` (``enable_thinking``); {} when not given."""
+        if self.thinking is None:
+            return {}
+        return {"enable_thinking": self.thinking.type != "disabled"}
+
+
+class AnthropicMessagesRequest(_AnthropicConversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    stream: bool = False
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _check_stops(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v and any(s == "" for s in v):
+            raise ValueError("stop_sequences must be non-empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _check_thinking(self) -> "AnthropicMessagesRequest":
+        th = self.thinking
+        if th is not None and th.type == "enabled":
+            if th.budget_tokens is None:
+                raise ValueError("thinking.budget_tokens is required when thinking is enabled")
+            if th.budget_tokens >= self.max_tokens:
+                raise ValueError(
+                    f"max_tokens ({self.max_tokens}) must be greater than thinking.budget_tokens ({th.budget_tokens})"
+                )
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``SamplingParams`` keyword arguments; None where the request did not set a value."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": list(self.stop_sequences or []),
+        }
+
+    def to_sampling_params(self, **defaults: Any) -> SamplingParams:
+        return _make_sampling_params(self.sampling_kwargs(), self.max_tokens, defaults)
+
+
+class CountTokensRequest(_AnthropicConversation):
+    """``/v1/messages/count_tokens``: a messages request without the generation settings."""
+
+
+# --------------------------------------------------------------------------------------------
+# Response builders: OpenAI
+# --------------------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def openai_finish_reason(finish_reason: Optional[str], has_tool_calls: bool = False) -> Optional[str]:
+    """Engine finish reason ("stop" | "length" | "abort" | None) -> OpenAI's."""
+    if finish_reason is None:
+        return None
+    if has_tool_calls and finish_reason == "stop":
+        return "tool_calls"
+    return "length" if finish_reason == "length" else "stop"
+
+
+def _tool_calls_list(tool_calls: Optional[Iterable[ToolCall]], streaming: bool, start_index: int = 0) -> list[dict]:
+    return [tc.to_openai(index=start_index + i if streaming else None) for i, tc in enumerate(tool_calls or [])]
+
+
+def chat_completion_response(
+    request_id: str,
+    model: str,
+    content: Optional[str],
+    *,
+    reasoning_content: Optional[str] = None,
+    tool_calls: Optional[list[ToolCall]] = None,
+    finish_reason: Optional[str] = "stop",
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    created: Optional[int] = None,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object. ``finish_reason`` is the engine's; it becomes "tool_calls" when calls were made."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
+    if reasoning_content is not None:
+        message["reasoning_content"] = reasoning_content
+    if tool_calls:
+        message["tool_calls"] = _tool_calls_list(tool_calls, streaming=False)
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created if created is not None else _now(),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": openai_finish_reason(finish_reason, bool(tool_calls)),
+            }
+        ],
+        "usage": usage_dict(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_completion_chunk(
+    request_id: str,
+    model: str,
+    *,
+    created: int,
+    role: Optional[str] = None,
+    content: Optional[str] = None,
+    reasoning_content: Optional[str] = None,
+    tool_calls: Optional[list[ToolCall]] = None,
+    tool_call_start_index: int = 0,
+    finish_reason: Optional[str] = None,
+    usage: Optional[dict[str, int]] = None,
+    include_choice: bool = True,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``. ``finish_reason`` is OpenAI's (use :func:`openai_finish_reason`).
+    ``tool_calls`` are complete calls, numbered from ``tool_call_start_index``. With
+    ``include_choice=False`` it is the final usage-only chunk (``choices: []``)."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+    }
+    if include_choice:
+        delta: dict[str, Any] = {}
+        if role is not None:
+            delta["role"] = role
+        if content is not None:
+            delta["content"] = content
+        if reasoning_content is not None:
+            delta["reasoning_content"] = reasoning_content
+        if tool_calls:
+            delta["tool_calls"] = _tool_calls_list(tool_calls, streaming=True, start_index=tool_call_start_index)
+        chunk["choices"].append({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    text: str,
+    *,
+    finish_reason: Optional[str] = "stop",
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    created: Optional[int] = None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created if created is not None else _now(),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+        ],
+        "usage": usage_dict(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    *,
+    created: int,
+    text: str = "",
+    finish_reason: Optional[str] = None,
+    usage: Optional[dict[str, int]] = None,
+    include_choice: bool = True,
+) -> dict[str, Any]:
+    """A streamed ``text_completion`` object; ``finish_reason`` is OpenAI's."""
+    chunk: dict[str, Any] = {
+        "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+    }
+    if include_choice:
+        chunk["choices"].append({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def sse_data(obj: Any) -> str:
+    """One OpenAI SSE message."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Response builders: Anthropic
+# --------------------------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def anthropic_stop_reason(finish_reason: Optional[str], has_tool_calls: bool = False,
+                          stop_sequence: Optional[str] = None) -> Optional[str]:
+    """Engine finish reason -> "end_turn" | "max_tokens" | "stop_sequence" | "tool_use"."""
+    if finish_reason is None:
+        return None
+    if finish_reason == "length":
+        return "max_tokens"
+    if has_tool_calls:
+        return "tool_use"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _signature(thinking: str) -> str:
+    # Opaque and only for clients that insist on one; we never check it on the way back in.
+    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()
+
+
+def anthropic_message_response(
+    message_id: str,
+    model: str,
+    *,
+    text: Optional[str] = None,
+    thinking: Optional[str] = None,
+    tool_calls: Optional[list[ToolCall]] = None,
+    finish_reason: Optional[str] = "stop",
+    stop_sequence: Optional[str] = None,
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+) -> dict[str, Any]:
+    """A Messages API ``message``: thinking block, text block, then tool_use blocks (empty ones left out).
+    ``finish_reason`` is the engine's; ``stop_sequence`` is the stop string that ended it, if any."""
+    content: list[dict[str, Any]] = []
+    if thinking:
+        content.append({"type": "thinking", "thinking": thinking, "signature": _signature(thinking)})
+    if text:
+        content.append({"type": "text", "text": text})
+    for tc in tool_calls or []:
+        content.append(tc.to_anthropic())
+    stop_reason = anthropic_stop_reason(finish_reason, bool(tool_calls), stop_sequence)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence if stop_reason == "stop_sequence" else None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+    }
+
+
+def sse_event(event: str, data: Any) -> str:
+    """One Anthropic SSE message (named event)."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class AnthropicStreamEncoder:
+    """Turns generation events into the Messages API SSE stream.
+
+    Usage::
+
+        enc = AnthropicStreamEncoder(message_id, model, input_tokens)
+        yield enc.start()                       # message_start
+        yield enc.reasoning("...")              # thinking block (opened on first use)
+        yield enc.text("...")                   # text block
+        yield enc.tool_call(call)               # a whole tool_use block
+        yield enc.finish(finish_reason, output_tokens, stop_sequence=None)  # message_delta + message_stop
+
+    A new block opens whenever the kind changes; a thinking block ends with a ``signature_delta``.
+    Every method returns SSE text ("" when there is nothing to send).
+    """
+
+    def __init__(self, message_id: str, model: str, input_tokens: int = 0) -> None:
+        self.message_id = message_id
+        self.model = model
+        self.input_tokens = input_tokens
+        self._index = -1
+        self._open: Optional[str] = None  # "thinking" | "text" | None
+        self._thinking: list[str] = []
+        self._started = False
+        self._finished = False
+        self.has_tool_calls = False
+
+    def start(self) -> str:
+        if self._started:
+            return ""
+        self._started = True
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return sse_event("message_start", {"type": "message_start", "message": message})
+
+    def ping(self) -> str:
+        return sse_event("ping", {"type": "ping"})
+
+    def _close(self) -> str:
+        if self._open is None:
+            return ""
+        out = ""
+        if self._open == "thinking":
+            sig = _signature("".join(self._thinking))
+            out += sse_event("content_block_delta", {
+                "type": "content_block_delta", "index": self._index,
+                "delta": {"type": "signature_delta", "signature": sig},
+            })
+            self._thinking = []
+        out += sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        self._open = None
+        return out
+
+    def _open_block(self, block: dict[str, Any]) -> str:
+        out = self._close()
+        self._index += 1
+        self._open = block["type"] if block["type"] in ("thinking", "text") else None
+        return out + sse_event("content_block_start", {
+            "type": "content_block_start", "index": self._index, "content_block": block,
+        })
+
+    def reasoning(self, delta: str) -> str:
+        if not delta:
+            return ""
+        out = self.start()
+        if self._open != "thinking":
+            out += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+        self._thinking.append(delta)
+        return out + sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": self._index,
+            "delta": {"type": "thinking_delta", "thinking": delta},
+        })
+
+    def text(self, delta: str) -> str:
+        if not delta:
+            return ""
+        out = self.start()
+        if self._open != "text":
+            out += self._open_block({"type": "text", "text": ""})
+        return out + sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": self._index,
+            "delta": {"type": "text_delta", "text": delta},
+        })
+
+    def tool_call(self, call: ToolCall) -> str:
+        out = self.start()
+        self.has_tool_calls = True
+        out += self._open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        out += sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": self._index,
+            "delta": {"type": "input_json_delta",
+                      "partial_json": json.dumps(call.arguments_dict(), ensure_ascii=False)},
+        })
+        return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def finish(self, finish_reason: Optional[str] = "stop", output_tokens: int = 0,
+               stop_sequence: Optional[str] = None) -> str:
+        """Close the open block and end the message; ``finish_reason`` is the engine's."""
+        if self._finished:
+            return ""
+        self._finished = True
+        out = self.start() + self._close()
+        stop_reason = anthropic_stop_reason(finish_reason or "stop", self.has_tool_calls, stop_sequence)
+        out += sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason,
+                      "stop_sequence": stop_sequence if stop_reason == "stop_sequence" else None},
+            "usage": {"output_tokens": output_tokens},
+        })
+        return out + sse_event("message_stop", {"type": "message_stop"})
+
+    def error(self, message: str, type: str = "api_error") -> str:
+        """An ``error`` event for failures after the stream began."""
+        return sse_event("error", anthropic_error_body(message, type))
