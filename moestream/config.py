@@ -147,8 +147,9 @@ def _need(d: dict, key: str, kind=int):
 def _rope(text: dict, head_dim: int, default_partial: float) -> tuple[float, int]:
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type not in ("default", "mrope"):
+    types = {params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")} - {None, "default", "mrope"}
+    if types:
+        rope_type = sorted(types)[0]
         raise ConfigError(
             f"rope type {rope_type!r} is not supported yet (supported: default); "
             "remove rope scaling from config.json or use a model without it"

@@ -451,7 +451,7 @@ def hf_reference(path, dtype=torch.float32):
 @torch.no_grad()
 def hf_greedy(model, prompt_ids, n: int) -> list[int]:
     """``n`` greedy tokens after ``prompt_ids`` (exactly n: eos is suppressed until then)."""
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -465,5 +465,5 @@ def hf_greedy(model, prompt_ids, n: int) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, ids) -> torch.Tensor:
     """fp32 logits ``[T, V]`` for the token ids ``ids``."""
-    x = torch.tensor([list(ids)], dtype=torch.long)
+    x = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
     return model(input_ids=x, use_cache=False).logits[0].float()
