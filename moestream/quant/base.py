@@ -1,0 +1,389 @@
+"""Core of moestream.quant: the QuantFormat base class, the registry, and tile-wise helpers.
+
+Model of a quantized weight
+---------------------------
+A weight has a logical shape ``(*lead, N, K)``: ``K`` is the reduction (input) dimension, ``N`` the
+output rows, ``lead`` optional batch dims (e.g. experts).  It is stored as one or more *parts*:
+
+* single-part formats (all GGUF types) take ``raw`` as one tensor holding the GGUF bytes
+  (``uint8``; F32/F16/BF16 may also come in their stored dtype) of shape ``(*lead, N, row_bytes)``
+  or any shape with the same number of bytes;
+* multi-part formats (FP8, NVFP4, MXFP4) take ``raw`` as a mapping ``part name -> tensor`` using the
+  checkpoint's own tensor names (``weight``, ``weight_scale_inv``, ``weight_scale``, ...).
+
+Every part is described by a :class:`PartSpec` that says how its rows and columns map onto logical
+rows and columns; from that, the base class implements row gathers, column windows, tiles and byte
+counts once, and a format only writes ``_decode`` (vectorized torch, no per-block Python loops, so
+it runs on CPU and CUDA tensors alike).
+
+Rows are addressed in the *flattened* row space ``0 .. prod(lead)*N``: rows of expert ``e`` are
+``e*N .. (e+1)*N``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Callable, Iterator, Mapping, Union
+
+import torch
+
+Raw = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+Rows = Union[None, slice, range, torch.Tensor, list, tuple]
+
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+class QuantFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """How one stored array maps onto the logical ``(*lead, N, K)`` weight.
+
+    row_block: logical rows per stored row (1 = one stored row per weight row; 128 = 128x128 block
+        scales); ``None`` = a per-tensor value (numel 1) or one value per lead index (numel prod(lead)).
+    col_unit / col_per_unit: every ``col_unit`` logical columns take ``col_per_unit`` stored elements
+        (GGUF: block_size -> type_size bytes; NVFP4 weight: 2 -> 1 byte; 128-block scale: 128 -> 1).
+        ``col_unit=None`` = one element per stored row (a per-row scale).
+    dtype: the storage dtype (documentation and ``part_specs``; inputs of the same byte width are
+        accepted and re-viewed).
+    """
+
+    name: str
+    row_block: int | None
+    col_unit: int | None
+    col_per_unit: int
+    dtype: torch.dtype
+
+    def cols(self, k: int) -> int:
+        if self.col_unit is None:
+            return 1
+        return -(-k // self.col_unit) * self.col_per_unit
+
+    def rows(self, n: int, n_lead: int) -> int:
+        if self.row_block is None:
+            return n_lead
+        return n_lead * -(-n // self.row_block)
+
+
+def _norm_shape(shape) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 1:
+        shape = (1, shape[0])
+    if len(shape) < 2:
+        raise QuantFormatError(f"a quantized weight needs a shape (..., N, K), got {shape}")
+    return shape
+
+
+def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """float64 in -> decode in float64 (exact for FP8/NVFP4/MXFP4); everything else decodes in float32."""
+    return torch.float64 if out_dtype == torch.float64 else torch.float32
+
+
+_TABLES: dict = {}
+
+
+def cached_table(key: str, build: Callable[[], torch.Tensor], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small lookup table built once on CPU and cached per (device, dtype)."""
+    dkey = (key, str(device), dtype)
+    t = _TABLES.get(dkey)
+    if t is None:
+        base = _TABLES.get((key, "cpu", None))
+        if base is None:
+            base = build()
+            _TABLES[(key, "cpu", None)] = base
+        t = base.to(device=device, dtype=dtype if dtype is not None else base.dtype)
+        _TABLES[dkey] = t
+    return t
+
+
+class QuantFormat:
+    """A quantized weight format. Subclasses set ``name``, ``parts`` and implement ``_decode``."""
+
+    name: str = "?"
+    parts: tuple[PartSpec, ...] = ()
+    #: (rows, cols) of logical elements that share one scale block (documentation / planning)
+    block_shape: tuple[int, int] = (1, 1)
+    #: column windows for tiles must start on a multiple of this
+    col_align: int = 1
+    #: the format's own native dtype is exact only in float32/float64
+    description: str = ""
+
+    # ------------------------------------------------------------------ sizes
+    def part_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Canonical storage shape and dtype of each part for a logical ``shape``."""
+        shape = _norm_shape(shape)
+        lead, n, k = shape[:-2], shape[-2], shape[-1]
+        self.check_shape(shape)
+        out = {}
+        for p in self.parts:
+            if p.row_block is None:
+                pshape = tuple(lead)
+            else:
+                pshape = (*lead, -(-n // p.row_block), p.cols(k))
+            out[p.name] = (pshape, p.dtype)
+        return out
+
+    def nbytes(self, shape) -> int:
+        """Bytes the compressed weight occupies (all parts)."""
+        total = 0
+        for pshape, dt in self.part_specs(shape).values():
+            total += prod(pshape) * torch.empty((), dtype=dt).element_size()
+        return total
+
+    def row_nbytes(self, k: int) -> float:
+        """Bytes per weight row of ``k`` columns, block scales amortized (exact for row-wise formats)."""
+        total = 0.0
+        for p in self.parts:
+            es = torch.empty((), dtype=p.dtype).element_size()
+            if p.row_block is None:
+                continue
+            total += p.cols(k) * es / p.row_block
+        return total
+
+    def bits_per_weight(self, k: int = 4096) -> float:
+        return 8.0 * self.row_nbytes(k) / k
+
+    def check_shape(self, shape) -> None:
+        shape = _norm_shape(shape)
+        k = shape[-1]
+        for p in self.parts:
+            if p.col_unit is not None and p.col_unit > 1 and p.row_block == 1 and k % p.col_unit:
+                raise QuantFormatError(f"{self.name}: K={k} is not a multiple of the block size {p.col_unit}")
+
+    # ------------------------------------------------------------------ parts
+    def _part_dict(self, raw: Raw) -> dict[str, torch.Tensor]:
+        if isinstance(raw, torch.Tensor):
+            if len(self.parts) != 1:
+                raise QuantFormatError(f"{self.name} has parts {[p.name for p in self.parts]}: pass a mapping")
+            return {self.parts[0].name: raw}
+        d = dict(raw)
+        missing = [p.name for p in self.parts if p.name not in d]
+        if missing:
+            raise QuantFormatError(f"{self.name}: missing part(s) {missing}; got {sorted(d)}")
+        return d
+
+    def _canon(self, raw: Raw, shape) -> dict[str, torch.Tensor]:
+        """Each part as a 2-D tensor (stored rows, stored cols); float8 parts viewed as uint8."""
+        shape = _norm_shape(shape)
+        self.check_shape(shape)
+        lead, n, k = shape[:-2], shape[-2], shape[-1]
+        n_lead = prod(lead)
+        parts = self._part_dict(raw)
+        out = {}
+        for p in self.parts:
+            t = parts[p.name]
+            if t.dtype in _FLOAT8:
+                t = t.view(torch.uint8)
+            if p.row_block is None:
+                if t.numel() not in (1, n_lead):
+                    raise QuantFormatError(
+                        f"{self.name}: part {p.name} has {t.numel()} values; expected 1 or {n_lead} (one per {tuple(lead)})")
+                out[p.name] = t.reshape(-1, 1)
+                continue
+            rows, cols = p.rows(n, n_lead), p.cols(k)
+            if p.dtype == torch.uint8 and t.dtype != torch.uint8 and t.dtype.itemsize != 1:
+                # GGUF F16/F32/BF16 tensors may come in their stored dtype: look at their bytes
+                t = t.contiguous().view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
+            if t.numel() != rows * cols:
+                raise QuantFormatError(
+                    f"{self.name}: part {p.name} has {t.numel()} elements ({tuple(t.shape)}); "
+                    f"shape {shape} needs {rows}x{cols}")
+            out[p.name] = t.reshape(rows, cols)
+        return out
+
+    # ------------------------------------------------------------------ selection
+    @staticmethod
+    def _row_index(rows: Rows, total: int, device) -> slice | torch.Tensor:
+        if rows is None:
+            return slice(0, total)
+        if isinstance(rows, range):
+            if rows.step == 1:
+                rows = slice(rows.start, rows.stop)
+            else:
+                rows = torch.tensor(list(rows), dtype=torch.long)
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(total)
+            if step == 1:
+                return slice(start, max(start, stop))
+            return torch.arange(start, stop, step, device=device)
+        idx = torch.as_tensor(rows, dtype=torch.long).to(device).reshape(-1)
+        return idx
+
+    def _select(self, parts2d: dict[str, torch.Tensor], shape, rows: Rows, cols: slice | None):
+        """Per-output-row parts: row i of every row-wise part belongs to logical row i of the selection."""
+        shape = _norm_shape(shape)
+        lead, n, k = shape[:-2], shape[-2], shape[-1]
+        total = prod(lead) * n
+        any_part = next(iter(parts2d.values()))
+        ridx = self._row_index(rows, total, any_part.device)
+        if isinstance(ridx, slice):
+            n_sel = ridx.stop - ridx.start
+            ridx_t = None
+        else:
+            n_sel = ridx.numel()
+            ridx_t = ridx
+            if n_sel and (int(ridx_t.min()) < 0 or int(ridx_t.max()) >= total):
+                raise IndexError(f"{self.name}: row index out of range for {total} rows")
+        c0, c1 = 0, k
+        if cols is not None:
+            c0, c1, step = cols.indices(k)
+            if step != 1:
+                raise QuantFormatError("column windows must be contiguous")
+            if c0 % self.col_align or (c1 % self.col_align and c1 != k):
+                raise QuantFormatError(f"{self.name}: column window [{c0}, {c1}) must be aligned to {self.col_align}")
+        out = {}
+        for p in self.parts:
+            t = parts2d[p.name]
+            if p.row_block is None:
+                if t.shape[0] == 1:
+                    out[p.name] = t  # (1, 1): broadcasts
+                    continue
+                if ridx_t is None:
+                    sel = torch.arange(ridx.start, ridx.stop, device=t.device) // n
+                else:
+                    sel = ridx_t // n
+                out[p.name] = t.index_select(0, sel)
+                continue
+            if p.row_block == 1 and ridx_t is None:
+                t = t[ridx]
+            else:
+                r = torch.arange(ridx.start, ridx.stop, device=t.device) if ridx_t is None else ridx_t
+                nb = -(-n // p.row_block)
+                t = t.index_select(0, (r // n) * nb + (r % n) // p.row_block)
+            if p.col_unit is not None and (c0 != 0 or c1 != k):
+                s0 = (c0 // p.col_unit) * p.col_per_unit
+                s1 = -(-c1 // p.col_unit) * p.col_per_unit
+                t = t[:, s0:s1]
+            out[p.name] = t
+        return out, n_sel, c1 - c0
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, parts: dict[str, torch.Tensor], n_rows: int, n_cols: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize per-output-row parts to an (n_rows, n_cols) tensor (subclasses)."""
+        raise NotImplementedError
+
+    def dequantize(self, raw: Raw, shape, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight as a dense ``shape`` tensor of ``out_dtype``, on the parts' device."""
+        user_shape = tuple(int(s) for s in shape)
+        shape = _norm_shape(shape)
+        parts = self._canon(raw, shape)
+        sel, nr, nc = self._select(parts, shape, None, None)
+        return self._decode(sel, nr, nc, out_dtype).reshape(user_shape)
+
+    def dequantize_rows(self, raw: Raw, shape, rows: Rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``rows`` (flattened row space, see module doc) as a dense ``(len(rows), K)`` tensor."""
+        return self.dequantize_tile(raw, shape, rows, None, out_dtype)
+
+    def dequantize_tile(self, raw: Raw, shape, rows: Rows = None, cols: slice | None = None,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A ``(len(rows), c1 - c0)`` tile; ``cols`` must start on ``col_align`` (and end on it or at K)."""
+        shape = _norm_shape(shape)
+        parts = self._canon(raw, shape)
+        sel, nr, nc = self._select(parts, shape, rows, cols)
+        return self._decode(sel, nr, nc, out_dtype)
+
+    def iter_row_tiles(self, raw: Raw, shape, tile_rows: int | None = None, rows: tuple[int, int] | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield ``(r0, r1, tile)`` over rows ``[rows[0], rows[1])`` (default: all), ``tile_rows`` at a time.
+
+        Only one tile is dense at any time: this is how a CPU expert computes from compressed rows.
+        """
+        shape = _norm_shape(shape)
+        total = prod(shape[:-1])
+        r_start, r_end = rows if rows is not None else (0, total)
+        parts = self._canon(raw, shape)  # canonicalize once: tiles are views/gathers of these
+        if tile_rows is None:
+            tile_rows = default_tile_rows(shape[-1])
+        for r0 in range(r_start, r_end, tile_rows):
+            r1 = min(r_end, r0 + tile_rows)
+            sel, nr, nc = self._select(parts, shape, slice(r0, r1), None)
+            yield r0, r1, self._decode(sel, nr, nc, out_dtype)
+
+    def __repr__(self) -> str:
+        return f"<QuantFormat {self.name}>"
+
+
+TILE_BYTES = 1 << 20  # ~ a core's share of L2: a dense tile of this many fp32 bytes
+
+
+def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
+    """Rows per tile so that a dense tile is about TILE_BYTES (a multiple of 16 rows when possible)."""
+    r = max(1, TILE_BYTES // max(1, k * elem_bytes))
+    return r - r % 16 if r >= 32 else r
+
+
+def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple[int, int] | None = None,
+            bias: torch.Tensor | None = None, tile_rows: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time (never whole).
+
+    x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
+    flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.
+    Tiles are decoded in ``x.dtype`` (float32 math inside, see compute_dtype).
+    """
+    shape = _norm_shape(shape)
+    k = shape[-1]
+    if x.shape[-1] != k:
+        raise QuantFormatError(f"x has {x.shape[-1]} features, the weight has K={k}")
+    r0, r1 = rows if rows is not None else (0, prod(shape[:-1]))
+    xs = x.reshape(-1, k)
+    y = out.view(-1, r1 - r0) if out is not None else torch.empty((xs.shape[0], r1 - r0), dtype=x.dtype, device=x.device)
+    for a, b, tile in fmt.iter_row_tiles(raw, shape, tile_rows, (r0, r1), out_dtype=x.dtype):
+        y[:, a - r0:b - r0] = xs @ tile.t()
+    if bias is not None:
+        y += bias[r0:r1] if bias.shape[-1] != r1 - r0 else bias
+    return y.reshape(*x.shape[:-1], r1 - r0)
+
+
+# ---------------------------------------------------------------------- registry
+FORMATS: dict[str, QuantFormat] = {}
+
+
+def register(fmt: QuantFormat) -> QuantFormat:
+    if fmt.name in FORMATS:
+        raise QuantFormatError(f"format {fmt.name} registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> QuantFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise QuantFormatError(f"unknown quant format {name!r}; known: {sorted(FORMATS)}") from None
+
+
+@dataclass
+class QuantizedTensor:
+    """A compressed weight: format + logical shape + its stored parts (kept compressed)."""
+
+    fmt: QuantFormat
+    shape: tuple[int, ...]
+    data: Raw
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.nbytes(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        d = self.data if isinstance(self.data, torch.Tensor) else next(iter(self.data.values()))
+        return d.device
+
+    def to(self, device, non_blocking: bool = False) -> "QuantizedTensor":
+        if isinstance(self.data, torch.Tensor):
+            data = self.data.to(device, non_blocking=non_blocking)
+        else:
+            data = {k: v.to(device, non_blocking=non_blocking) for k, v in self.data.items()}
+        return QuantizedTensor(self.fmt, self.shape, data)
+
+    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.fmt.dequantize(self.data, self.shape, out_dtype)
+
+    def dequantize_rows(self, rows: Rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.fmt.dequantize_rows(self.data, self.shape, rows, out_dtype)
+
+    def linear(self, x: torch.Tensor, rows: tuple[int, int] | None = None, bias=None, tile_rows=None) -> torch.Tensor:
+        return qlinear(x, self.fmt, self.data, self.shape, rows=rows, bias=bias, tile_rows=tile_rows)
