@@ -19,7 +19,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "model."),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model."),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "model."),
+    "LlamaForCausalLM": ("llama", "model."),
+    "Qwen3ForCausalLM": ("qwen3", "model."),
 }
+DENSE_FAMILIES = ("llama", "qwen3")
 
 
 def _supported_list() -> str:
@@ -28,7 +31,7 @@ def _supported_list() -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "qwen3_moe" | "qwen3_5_moe"
+    family: str  # "qwen3_moe" | "qwen3_5_moe" | "llama" | "qwen3" (dense)
     architecture: str
     weight_prefix: str
     vocab_size: int
@@ -63,6 +66,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3 families; not Llama)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -88,6 +92,20 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+    def approx_num_params(self) -> int:
+        """Rough parameter count (embeddings, attention, MLPs, experts): for sizing decisions only."""
+        H, V = self.hidden_size, self.vocab_size
+        attn = H * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        lin = H * (self.linear_conv_dim + 2 * self.linear_value_dim) if self.linear_num_value_heads else 0
+        per_layer = 0
+        for i, kind in enumerate(self.layer_types):
+            per_layer += lin if kind == "linear_attention" else attn
+            if self.moe_layers[i]:
+                per_layer += 3 * H * (self.num_experts * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+            else:
+                per_layer += 3 * H * self.intermediate_size
+        return per_layer + V * H * (1 if self.tie_word_embeddings else 2)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -179,12 +197,19 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
     if "num_experts" not in text and "num_local_experts" in text:  # transformers 5 writes this alias
         text = {**text, "num_experts": text["num_local_experts"]}
-    num_experts = _need(text, "num_experts")
-    top_k = _need(text, "num_experts_per_tok")
+    dense = family in DENSE_FAMILIES
+    if dense:
+        text = {**text, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+                "mlp_only_layers": list(range(num_layers))}
+        _need(text, "intermediate_size")
+    num_experts = 0 if dense else _need(text, "num_experts")
+    top_k = 0 if dense else _need(text, "num_experts_per_tok")
     if top_k > num_experts:
         raise ConfigError(f"num_experts_per_tok {top_k} exceeds num_experts {num_experts}")
     is35 = family == "qwen3_5_moe"
     theta, rotary_dim = _rope(text, head_dim, 0.25 if is35 else 1.0)
+    if text.get("attention_bias") or text.get("mlp_bias"):
+        raise ConfigError("attention/MLP biases are not supported yet")
     if text.get("use_sliding_window"):
         raise ConfigError("sliding-window attention (use_sliding_window: true) is not supported yet")
     if is35:
@@ -197,9 +222,9 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         moe_layers = tuple(True for _ in range(num_layers))
     else:
         layer_types = ["full_attention"] * num_layers
-        dense = set(text.get("mlp_only_layers") or [])
+        dense_layers = set(text.get("mlp_only_layers") or [])
         step = text.get("decoder_sparse_step", 1) or 1
-        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        moe_layers = tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers))
     if len(layer_types) != num_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
         raise ConfigError(f"layer_types must list full_attention/linear_attention for {num_layers} layers")
     lin = {}
@@ -238,7 +263,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         norm_zero_centered=is35,
         num_experts=num_experts,
         top_k=top_k,
-        moe_intermediate_size=_need(text, "moe_intermediate_size"),
+        moe_intermediate_size=0 if dense else _need(text, "moe_intermediate_size"),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0) or 0) if is35 else 0,
         moe_layers=moe_layers,
@@ -246,6 +271,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         torch_dtype=str(dtype).replace("torch.", ""),
         eos_token_ids=_eos(raw, text),
         quantization=None,
+        qk_norm=family != "llama",
         **lin,
     )
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig
 from .core import RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
-from .models.loader import resolve_model_path
+from .models.loader import load_model_config, resolve_model_path
 from .scheduler.request import Request
 from .scheduler.scheduler import Scheduler
 
@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model_path: str | Path, device: str = "auto", dtype: str = "auto", **engine_options: Any):
         self.engine_config = EngineConfig.from_options(device=device, dtype=dtype, **engine_options)
         self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
-        self.model_config = ModelConfig.from_hf(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
@@ -58,6 +58,7 @@ class LLM:
 
     def stats(self) -> dict:
         s = self.engine.runtime.stats()
+        s["plan"] = self.engine.plan.as_dict()
         s["timing"] = dict(self.last_timing)
         return s
 
@@ -100,8 +101,12 @@ class LLM:
 
 
 def _load_tokenizer(folder: Path):
+    from .models.gguf_loader import find_gguf, open_gguf
     from .tokenizer import Tokenizer
 
+    gguf_path = find_gguf(folder)
+    if gguf_path is not None:
+        return open_gguf(gguf_path).tokenizer()
     if not (folder / "tokenizer.json").is_file():
         log.warning("no tokenizer.json in %s: only token-id prompts will work", folder)
         return None

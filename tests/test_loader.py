@@ -90,8 +90,8 @@ def test_shard_missing_from_index(tiny_checkpoint, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
-    with pytest.raises(ConfigError, match="unsupported architecture 'LlamaForCausalLM'.*Qwen3MoeForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "hidden_size": 8}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'MambaForCausalLM'.*Qwen3MoeForCausalLM"):
         ModelConfig.from_hf(tmp_path)
 
 

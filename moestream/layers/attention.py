@@ -12,7 +12,7 @@ from .rotary import Rotary
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 output_gate: bool, zero_centered_norm: bool):
+                 output_gate: bool, zero_centered_norm: bool, qk_norm: bool = True):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
@@ -21,8 +21,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
-        self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.scale = head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,

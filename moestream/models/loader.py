@@ -31,7 +31,7 @@ STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 def resolve_model_path(model_path: str | Path, revision: str | None = None) -> Path:
     """A local folder, or a hub id (org/name) fetched through huggingface_hub (honours HF_HUB_OFFLINE)."""
     p = Path(model_path).expanduser()
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
         return p
     s = str(model_path)
     if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
@@ -67,7 +67,22 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def load_model_config(path: Path) -> ModelConfig:
+    """The ModelConfig of an HF folder or a GGUF file (or a folder holding one)."""
+    from .gguf_loader import find_gguf, open_gguf
+
+    gguf_path = find_gguf(path)
+    return open_gguf(gguf_path).model_config() if gguf_path else ModelConfig.from_hf(path)
+
+
 def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path) -> None:
+    from .gguf_loader import find_gguf, open_gguf
+
+    gguf_path = find_gguf(folder)
+    if gguf_path is not None:
+        seen = open_gguf(gguf_path).load(model, store, cfg)
+        _check_complete(cfg, dict(model.named_parameters()), store, seen)
+        return
     files = safetensors_files(folder)
     params = dict(model.named_parameters())
     seen: set[str] = set()

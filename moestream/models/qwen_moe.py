@@ -1,4 +1,7 @@
-"""Qwen3-MoE (Qwen3MoeForCausalLM) and Qwen3.5/3.6-MoE (Qwen3_5Moe*) language models.
+"""Qwen3-MoE (Qwen3MoeForCausalLM), Qwen3.5/3.6-MoE (Qwen3_5Moe*) and the dense Llama / Qwen3 models.
+
+One decoder serves all: the config switches the token mixer per layer (GQA attention or Gated
+DeltaNet), the attention output gate, q/k norms, zero-centred norms and dense vs MoE MLP per layer.
 
 Plain reference-style model code; parameter names are the HF checkpoint names without the prefix.
 Routed experts are not parameters here: each MoE block asks the expert runtime (`moe/`) to compute
@@ -75,7 +78,7 @@ class DecoderLayer(nn.Module):
                                              cfg.linear_conv_kernel, eps)
         else:
             self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps,
-                                       cfg.attn_output_gate, zc)
+                                       cfg.attn_output_gate, zc, cfg.qk_norm)
         self.mlp = SparseMoeBlock(cfg, layer) if cfg.moe_layers[layer] else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc)

@@ -1,0 +1,270 @@
+"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package.
+
+Architectures: `llama`, `qwen3moe`, `qwen35moe` (Qwen3.5/3.6-MoE). The metadata becomes an HF-style
+config dict (so `ModelConfig.from_hf` validates it like any checkpoint), the embedded tokenizer and
+chat template become a `Tokenizer`, and tensors are renamed to HF names and dequantized with
+`moestream.quant` (bit-identical to gguf.quants).
+
+llama.cpp conventions undone here:
+- llama: q/k rows were permuted for interleaved RoPE; we use the HF (neox) layout, so un-permute.
+- qwen35moe: norm weights were stored as 1 + w (our Qwen3.5 norms take w), A as -exp(A_log),
+  the conv1d weight without its middle axis, and the Gated DeltaNet value heads reordered from
+  HF's grouped order (value head j uses key head j // rep) to a tiled order (j uses key head j % Hk),
+  in every tensor with a value-head axis. We reorder them back.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..core import CheckpointError, ConfigError
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+
+# llama.cpp tensor name (after "blk.N.") -> HF name (after "layers.N.")
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+}
+TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Norms llama.cpp stores as (1 + w) for Qwen3.5 (its norm multiplies by the weight directly).
+QWEN35_OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                       "attn_k_norm.weight", "output_norm.weight")
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file behind a model path: the file itself, or the single .gguf in a folder."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+        if len(files) > 1:
+            raise ConfigError(f"{path} holds several .gguf files; pass the one to load: "
+                              + ", ".join(f.name for f in files))
+    return None
+
+
+_OPEN: dict[tuple[str, float], "GGUFCheckpoint"] = {}
+
+
+def open_gguf(path: Path) -> "GGUFCheckpoint":
+    """Parsing the metadata of a big vocabulary takes seconds: parse each file once per process."""
+    key = (str(path.resolve()), path.stat().st_mtime)
+    if key not in _OPEN:
+        _OPEN.clear()
+        _OPEN[key] = GGUFCheckpoint(path)
+    return _OPEN[key]
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise CheckpointError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; "
+                              f"supported: {', '.join(sorted(ARCHS))}")
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def _a(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    def config_dict(self) -> dict:
+        a = self._a
+        heads = a("attention.head_count")
+        hidden = a("embedding_length")
+        head_dim = a("attention.key_length") or hidden // heads
+        vocab = a("vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
+        cfg = {
+            "architectures": [ARCHS[self.arch]],
+            "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": a("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
+            "head_dim": head_dim, "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": a("rope.freq_base", 10000.0),
+            "max_position_embeddings": a("context_length", 4096),
+            "tie_word_embeddings": not any(t.name == "output.weight" for t in self.reader.tensors),
+            "intermediate_size": a("feed_forward_length"),
+            "torch_dtype": "bfloat16",
+        }
+        rope_dims = a("rope.dimension_count")
+        if rope_dims:
+            cfg["partial_rotary_factor"] = rope_dims / head_dim
+        if self.arch in ("qwen3moe", "qwen35moe"):
+            routed = {int(m[1]) for t in self.reader.tensors if (m := re.match(r"blk\.(\d+)\.ffn_gate_inp\.weight$", t.name))}
+            cfg.update(num_experts=a("expert_count"), num_experts_per_tok=a("expert_used_count"),
+                       moe_intermediate_size=a("expert_feed_forward_length"), norm_topk_prob=True,
+                       # layers without a router are dense MLP layers
+                       mlp_only_layers=[i for i in range(a("block_count")) if i not in routed])
+        if self.arch == "qwen35moe":
+            recurrent = a("attention.recurrent_layers")
+            interval = a("full_attention_interval", 4)
+            n = cfg["num_hidden_layers"]
+            cfg.update(
+                layer_types=[("linear_attention" if r else "full_attention") for r in recurrent] if recurrent
+                else ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)],
+                shared_expert_intermediate_size=a("expert_shared_feed_forward_length", 0),
+                linear_conv_kernel_dim=a("ssm.conv_kernel"), linear_key_head_dim=a("ssm.state_size"),
+                linear_num_key_heads=a("ssm.group_count"), linear_num_value_heads=a("ssm.time_step_rank"),
+                linear_value_head_dim=a("ssm.inner_size") // a("ssm.time_step_rank"),
+            )
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = int(eos)
+        return cfg
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return ModelConfig.from_hf(self.config_dict())
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"GGUF {self.path.name} lacks metadata moestream needs: {e!r}") from None
+
+    # ---- tensors -----------------------------------------------------------------------------
+    def load(self, model: torch.nn.Module, store, cfg: ModelConfig) -> set[str]:
+        """Fill the model's parameters and the expert store; returns the HF names filled."""
+        params = dict(model.named_parameters())
+        seen: set[str] = set()
+        experts: dict[int, dict[str, torch.Tensor]] = {}
+        for t in self.reader.tensors:
+            if m := EXPERTS.match(t.name):
+                experts.setdefault(int(m[1]), {})[m[2]] = self._dequant(t)
+                self._put_experts(store, int(m[1]), experts[int(m[1])], t.name)
+                continue
+            name = self._hf_name(t.name)
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"unexpected tensor {t.name} in {self.path.name} ({self.arch})")
+            w = self._transform(t.name, self._dequant(t), cfg)
+            if tuple(w.shape) != tuple(param.shape):
+                raise CheckpointError(f"tensor {t.name} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(w)
+            seen.add(name)
+        return seen
+
+    def _hf_name(self, name: str) -> str | None:
+        if name in TOP_NAMES:
+            return TOP_NAMES[name]
+        if (m := LAYER.match(name)) and m[2] in LAYER_NAMES:
+            return f"layers.{m[1]}.{LAYER_NAMES[m[2]]}"
+        return None
+
+    def _dequant(self, t) -> torch.Tensor:
+        from ..quant import QuantFormatError, gguf_format
+
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))  # GGUF lists ne0 (columns) first
+        try:
+            fmt = gguf_format(t.tensor_type.name)
+            with warnings.catch_warnings():  # the mmap is read-only; we only read it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(t.data))
+            return fmt.dequantize(raw, shape, torch.float32).reshape(shape)
+        except (QuantFormatError, KeyError, ValueError) as e:
+            raise CheckpointError(f"tensor {t.name} of GGUF type {t.tensor_type.name} cannot be read: {e}") from None
+
+    def _transform(self, name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        leaf = LAYER.match(name)[2] if LAYER.match(name) else name
+        if self.arch == "llama" and leaf in ("attn_q.weight", "attn_k.weight"):
+            heads = cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads
+            return _unpermute(w, heads)
+        if self.arch == "qwen35moe":
+            if leaf in QWEN35_OFFSET_NORMS:
+                return w - 1.0
+            if leaf == "ffn_gate_inp_shexp.weight":
+                return w.reshape(1, -1)
+            return _untile_value_heads(leaf, w, cfg)
+        return w
+
+    def _put_experts(self, store, layer: int, parts: dict, tensor_name: str) -> None:
+        if "down" in parts:
+            store.put_stacked(layer, "down", parts.pop("down"), tensor_name)
+        if "gate" in parts and "up" in parts:
+            store.put_stacked(layer, "gate_up", torch.cat([parts.pop("gate"), parts.pop("up")], dim=1), tensor_name)
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+    def tokenizer(self):
+        from ..tokenizer.gguf_tokenizer import tokenizer_from_gguf_fields
+
+        keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+        fields = {k: self.field(k) for k in keys if k in self.reader.fields}
+        if "tokenizer.ggml.tokens" not in fields:
+            return None
+        return tokenizer_from_gguf_fields(fields, name_or_path=str(self.path))
+
+
+def _untile(w: torch.Tensor, dim: int, hk: int, rep: int) -> torch.Tensor:
+    """Tiled value-head order (index r*Hk + k) -> grouped order (k*rep + r) along `dim`, whose
+    length is Hv * unit (unit consecutive entries per head)."""
+    if rep == 1:
+        return w
+    w = w.movedim(dim, 0)
+    unit = w.shape[0] // (hk * rep)
+    w = w.reshape(rep, hk, unit, *w.shape[1:]).transpose(0, 1).reshape(-1, *w.shape[1:])
+    return w.movedim(0, dim)
+
+
+def _untile_value_heads(leaf: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    hk, rep = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    kd = cfg.linear_key_dim
+    if leaf in ("attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_dt.bias"):
+        return _untile(w, 0, hk, rep)
+    if leaf == "ssm_a":
+        return torch.log(-_untile(w, 0, hk, rep))
+    if leaf == "ssm_out.weight":
+        return _untile(w, 1, hk, rep)
+    if leaf in ("attn_qkv.weight", "ssm_conv1d.weight"):  # rows: [q (kd) | k (kd) | v (Hv * Dv)]
+        w = torch.cat([w[:2 * kd], _untile(w[2 * kd:], 0, hk, rep)])
+        return w.unsqueeze(1) if leaf == "ssm_conv1d.weight" else w
+    return w
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of q/k (interleaved RoPE pairs -> neox halves) per head."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
