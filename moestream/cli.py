@@ -56,7 +56,82 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
+    add_serve_parser(sub)
+    add_chat_parser(sub)
+    add_bench_parser(sub)
     return p
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure this machine for the expert planner")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bw = bsub.add_parser("bw", help="host, PCIe and expert-compute bandwidths; saves the profile auto reads")
+    bw.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda:N")
+    bw.add_argument("--output", "-o", default=None,
+                    help="profile path (default: $XDG_CACHE_HOME/moestream/benchbw.json, which the engine reads)")
+    bw.add_argument("--hidden", type=int, default=2048, help="expert geometry: hidden size")
+    bw.add_argument("--inter", type=int, default=512, help="expert geometry: intermediate size")
+    bw.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bw.add_argument("--experts", type=int, default=32, help="experts copied per H2D measurement")
+    bw.add_argument("--top-k", type=int, default=8, help="experts per bs=1 compute measurement")
+    bw.add_argument("--host-mib", type=int, default=512, help="buffer for the host read measurement")
+    bw.add_argument("--iters", type=int, default=5)
+    bw.add_argument("--cpu-threads", type=int, default=0, help="CPU expert threads (0: one per physical core)")
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
+                       description="Serve a model over HTTP: /v1/chat/completions, /v1/completions, /v1/messages, "
+                                   "/v1/models, /v1/stats, /metrics, /health.")
+    s.add_argument("--model-path", default=None,
+                   help="model folder or hub id (org/name); without it a tiny built-in demo model with RANDOM "
+                        "weights is generated and served (for trying the API only)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=1919, help="port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients must send (default: the folder name or hub id)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (Anthropic routes also accept 'x-api-key: KEY')")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3_coder", "hermes", "none"],
+                   help="tool-call format in model output: qwen3_coder (XML <function=...>), hermes (JSON in "
+                        "<tool_call>), none; auto reads it from the chat template")
+    s.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="split <think>...</think> into reasoning_content (qwen3) or not (none); auto: qwen3 when "
+                        "the chat template uses <think>")
+    s.add_argument("--decode-log-interval", type=int, default=40,
+                   help="log one 'Decode batch' line every N decode steps (1: every step)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(s)
+
+
+def add_chat_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat in the terminal, with a running server or in-process",
+                       description="Terminal chat. One message per line; /reset starts over, /exit quits.")
+    c.add_argument("--server", default=None, help="URL of a running moestream (or any OpenAI-compatible) server")
+    c.add_argument("--model-path", default=None,
+                   help="run this model in-process instead (no --server and no --model-path: the random demo)")
+    c.add_argument("--api-key", default=None, help="API key for --server")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+
+
+def cmd_serve(args) -> int:
+    from .server.launch import serve
+
+    logging.getLogger().setLevel(args.log_level.upper())
+    return serve(args.model_path, engine_options(args), host=args.host, port=args.port,
+                 served_model_name=args.served_model_name, api_key=args.api_key,
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                 decode_log_interval=args.decode_log_interval, log_level=args.log_level)
+
+
+def cmd_chat(args) -> int:
+    from .server.chat import main as chat_main
+
+    return chat_main(args.server, args.model_path, engine_options(args), args.api_key, args.max_tokens,
+                     args.temperature, args.system)
 
 
 def cmd_generate(args) -> int:
@@ -78,7 +153,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+def cmd_bench(args) -> int:
+    from .engine.engine import resolve_device
+    from .moe import bench
+
+    res = bench.run_bench(resolve_device(args.device), hidden=args.hidden, inter=args.inter, dtype=args.dtype,
+                          experts=args.experts, top_k=args.top_k, host_mib=args.host_mib, iters=args.iters,
+                          cpu_threads=args.cpu_threads)
+    print(bench.format_table(res))
+    print(f"profile saved to {bench.save_profile(res, args.output)}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

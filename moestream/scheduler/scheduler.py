@@ -68,6 +68,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict:
+        """Occupancy right now: what /v1/stats and the per-batch log lines show."""
+        kv, slots = self.kv.pages, self.state.slots
+        return {"running": len(self.running), "queued": len(self.waiting),
+                "kv": {"used_pages": kv.num_used, "total_pages": kv.n, "page_size": self.kv.page_size,
+                       "usage": kv.num_used / kv.n if kv.n else 0.0},
+                "state": {"used_slots": slots.num_used, "total_slots": slots.n,
+                          "usage": slots.num_used / slots.n if slots.n else 0.0}}
+
+    def abort_all(self, reason: str = FinishReason.ABORT.value) -> list[Request]:
+        """Finish every running request (after a failed step their caches may be half-written)."""
+        victims = list(self.running)
+        for req in victims:
+            self._finish(req, reason)
+        return victims
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self._plan()
@@ -75,11 +91,12 @@ class Scheduler:
             return []
         batch, sample_reqs = self._build_batch(plan)
         decode = sum(1 for r, _ in plan if not r.in_prefill)
+        prefill_seqs = len(plan) - decode
         t0 = time.perf_counter()
         logits = self.engine.forward(batch)
         outputs = self._apply(plan, sample_reqs, logits)
         self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
-                          "prefill_tokens": batch.num_tokens - decode,
+                          "prefill_tokens": batch.num_tokens - decode, "prefill_seqs": prefill_seqs,
                           "running": len(self.running), "waiting": len(self.waiting)}
         return outputs
 

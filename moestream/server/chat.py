@@ -1,0 +1,123 @@
+"""`moestream chat`: a terminal chat, against a running server (--server URL) or in-process.
+
+Reads one user message per stdin line and streams the reply. Commands: /reset (forget the
+conversation), /exit (or end of input). Reasoning, when the model shows any, is printed dimmed.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable, Iterator
+
+HELP = "Type a message and press Enter. /reset starts over, /exit quits."
+_DIM, _RESET = "\033[2m", "\033[0m"
+
+
+def run_chat(reply: Callable[[list[dict]], Iterator[tuple[str, str]]], stdin=None, stdout=None,
+             system: str | None = None) -> int:
+    """The read-eval-print loop; `reply(messages)` yields ("reasoning" | "content", text) pieces."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    tty = stdout.isatty()
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    base = len(history)
+    print(HELP, file=stdout, flush=True)
+    while True:
+        if tty:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            del history[base:]
+            print("(conversation reset)", file=stdout, flush=True)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        answer = _print_reply(reply(history), stdout, tty)
+        history.append({"role": "assistant", "content": answer})
+
+
+def _print_reply(pieces: Iterator[tuple[str, str]], stdout, tty: bool) -> str:
+    content: list[str] = []
+    try:
+        for kind, text in pieces:
+            if kind == "reasoning":
+                print(f"{_DIM}{text}{_RESET}" if tty else text, end="", file=stdout, flush=True)
+            else:
+                content.append(text)
+                print(text, end="", file=stdout, flush=True)
+    except Exception as e:  # a dropped connection should end this reply, not the chat
+        print(f"\n[error: {e}]", file=stdout, flush=True)
+    print(file=stdout, flush=True)
+    return "".join(content)
+
+
+# ---- against a server ------------------------------------------------------------------------
+def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512, temperature: float = 0.7):
+    import httpx
+
+    base = server.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = httpx.Client(timeout=httpx.Timeout(10.0, read=None), headers=headers)
+    model = client.get(f"{base}/models").raise_for_status().json()["data"][0]["id"]
+
+    def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
+        body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
+                "temperature": temperature}
+        with client.stream("POST", f"{base}/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message"))
+                for choice in chunk.get("choices", []):
+                    delta = choice.get("delta", {})
+                    if delta.get("reasoning_content"):
+                        yield "reasoning", delta["reasoning_content"]
+                    if delta.get("content"):
+                        yield "content", delta["content"]
+
+    return reply
+
+
+# ---- in-process ------------------------------------------------------------------------------
+def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
+    from ..core import SamplingParams, next_request_id
+    from ..scheduler.request import Request
+
+    def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
+        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        req = Request(next_request_id(), ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+        llm.scheduler.add(req)
+        try:
+            while req.finish_reason is None:
+                for out in llm.scheduler.step():
+                    if out.request is req and out.text_delta:
+                        yield "content", out.text_delta
+        finally:
+            llm.scheduler.abort(req.id)  # Ctrl-C mid-reply frees its caches
+
+    return reply
+
+
+def main(server: str | None, model_path: str | None, engine_options: dict, api_key: str | None,
+         max_tokens: int, temperature: float, system: str | None) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would garble the chat
+    if server:
+        return run_chat(remote_reply(server, api_key, max_tokens, temperature), system=system)
+    from ..llm import LLM
+    from .launch import resolve_model
+
+    folder, _, _ = resolve_model(model_path)
+    llm = LLM(folder, **engine_options)
+    return run_chat(local_reply(llm, max_tokens, temperature), system=system)

@@ -1,0 +1,206 @@
+"""The front end's handle on the engine process: spawn it, stream deltas back per request, abort.
+
+One reader thread blocks on the engine's pipe and hands each message to the asyncio loop
+(`call_soon_threadsafe`); every request has its own asyncio.Queue. Sends happen on the loop thread
+(and at shutdown on the main thread, after the loop ended), serialised by a lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..core import MoestreamError
+from .engine_proc import EngineArgs, engine_main
+
+log = logging.getLogger("moestream.server")
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int  # generated tokens this delta stands for
+    finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended the request, if one did
+
+
+class EngineError(Exception):
+    """A request the engine could not serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+_GONE = object()  # queue sentinel: the client disconnected
+
+
+class EngineClient:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.info: dict = {}
+        self.alive = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc = None
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self) -> dict:
+        """Spawn the engine and wait until its model is loaded (raises MoestreamError on failure)."""
+        ctx = mp.get_context("spawn")  # fork would copy torch/CUDA state and the front end's threads
+        to_engine_r, self._to_engine = ctx.Pipe(duplex=False)
+        self._from_engine, from_engine_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_main, name="moestream-engine", daemon=True,
+                                 args=(self.args, to_engine_r, from_engine_w, os.getpid()))
+        self._proc.start()
+        to_engine_r.close()  # our copies: closing them lets each side see EOF when the other dies
+        from_engine_w.close()
+        msg = self._recv_startup()
+        self.info, self.alive = msg["info"], True
+        return self.info
+
+    def _recv_startup(self) -> dict:
+        while True:
+            if self._from_engine.poll(0.5):
+                try:
+                    msg = self._from_engine.recv()
+                except EOFError:
+                    msg = None
+                if msg is None or msg.get("type") == "startup_error":
+                    self.shutdown()
+                    raise MoestreamError("the engine failed to start: " +
+                                         (msg["message"] if msg else "it exited (see the log above)"))
+                return msg
+            if not self._proc.is_alive():
+                raise MoestreamError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start delivering engine messages into `loop` (call from inside the running loop)."""
+        self._loop = loop
+        threading.Thread(target=self._reader, name="moestream-engine-reader", daemon=True).start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to stop, then make sure it did (terminate, then kill)."""
+        proc, self.alive = self._proc, False
+        if proc is None:
+            return
+        try:
+            self._send({"op": "shutdown"})
+        except (OSError, ValueError):
+            pass
+        proc.join(timeout)
+        if proc.is_alive():
+            log.warning("engine did not stop in %.0f s; terminating it", timeout)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        self._proc = None
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(self, rid: str, prompt_ids: list[int], params, keep_markup: bool = True
+                       ) -> AsyncIterator[Delta]:
+        """Deltas until the one with a finish_reason. Leaving early (client gone, error) aborts it."""
+        if not self.alive:
+            raise EngineError("the engine is not running", 503)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        finished = False
+        try:
+            self._send({"op": "add", "rid": rid, "prompt_ids": list(prompt_ids),
+                        "params": dataclasses.asdict(params), "keep_markup": keep_markup})
+            while True:
+                item = await q.get()
+                if item is _GONE:
+                    return
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.cancel(rid)
+
+    def cancel(self, rid: str) -> None:
+        """Abort now (frees the request's pages and slot) and wake its generator."""
+        if self.alive:
+            self._send({"op": "abort", "rid": rid})
+        q = self._queues.get(rid)
+        if q is not None:
+            q.put_nowait(_GONE)
+
+    async def stats(self, timeout: float = 5.0) -> dict:
+        if not self.alive:
+            raise EngineError("the engine is not running", 503)
+        sid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[sid] = fut
+        self._send({"op": "stats", "sid": sid})
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats_waiters.pop(sid, None)
+
+    # ---- plumbing --------------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        with self._lock:
+            self._to_engine.send(msg)
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                msg = self._from_engine.recv()
+            except (EOFError, OSError):
+                break
+            if not self._post(self._dispatch, msg):
+                return
+        if self.alive:
+            log.error("the engine process died; failing its requests")
+        self._post(self._engine_died)
+
+    def _post(self, fn, *args) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop closed: the server is shutting down
+            return False
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "out":
+            for rid, text, tokens, reason, stop in msg["items"]:
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(Delta(text, tokens, reason, stop))
+        elif kind == "error":
+            q = self._queues.get(msg["rid"])
+            if q is not None:
+                q.put_nowait(EngineError(msg["message"], msg.get("status", 500)))
+        elif kind == "stats":
+            fut = self._stats_waiters.get(msg["sid"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg["data"])
+
+    def _engine_died(self) -> None:
+        was_alive, self.alive = self.alive, False
+        if not was_alive:
+            return
+        for q in self._queues.values():
+            q.put_nowait(EngineError("the engine process stopped", 503))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineError("the engine process stopped", 503))

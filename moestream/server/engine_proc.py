@@ -1,0 +1,285 @@
+"""The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
+through two one-way pipes carrying small dicts.
+
+    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool}
+                          {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
+    engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
+                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str], ...]}
+                          {"type": "error", "rid", "message", "status"}   {"type": "stats", "sid", "data"}
+
+Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
+The process ends with its parent: it polls the parent pid and the pipe (EOF), and on Linux asks the
+kernel for SIGTERM when the parent dies, so no orphan keeps VRAM or a port.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("moestream.engine")
+
+# Tags the reasoning and tool-call parsers read. Some tokenizers (the demo's) flag them special,
+# which skip_special_tokens would drop from the text, so the server keeps exactly these.
+MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_dir: str
+    engine_options: dict = field(default_factory=dict)
+    decode_log_interval: int = 40
+    log_level: int = logging.INFO
+
+
+def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        loop = EngineLoop(args, outbox)
+    except Exception as e:  # a bad model path/config must reach the user as one readable line
+        log.exception("engine start-up failed")
+        outbox.send({"type": "startup_error", "message": f"{type(e).__name__}: {e}" if not _is_user_error(e)
+                     else str(e)})
+        return
+    outbox.send({"type": "ready", "info": loop.info()})
+    loop.run(inbox, parent_pid, stop)
+
+
+def _is_user_error(e: Exception) -> bool:
+    from ..core import MoestreamError
+
+    return isinstance(e, MoestreamError)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _KeepMarkup:
+    """Tokenizer view for the detokenizer: drops special tokens except the parser markup."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        keep = {tokenizer.token_to_id(t) for t in MARKUP_TOKENS}
+        self.special_added_token_ids = frozenset(tokenizer.special_added_token_ids - keep)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class EngineLoop:
+    def __init__(self, args: EngineArgs, outbox):
+        from ..llm import LLM
+
+        self.args = args
+        self.outbox = outbox
+        self.llm = LLM(args.model_dir, **args.engine_options)
+        self.scheduler = self.llm.scheduler
+        self.tokenizer = self.llm.tokenizer
+        self.markup_view = _KeepMarkup(self.tokenizer) if self.tokenizer is not None else None
+        self.started = time.time()
+        # (time, prefill tokens, decode tokens) of recent steps, for the sliding-window throughput.
+        self.window: collections.deque = collections.deque()
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
+        self.decode_steps = 0
+        self.interval = {"tokens": 0, "seconds": 0.0}
+
+    def info(self) -> dict:
+        eng = self.llm.engine
+        kv = self.scheduler.kv
+        return {"max_seq_len": eng.max_seq_len, "kv_tokens": kv.num_pages * kv.page_size, "page_size": kv.page_size,
+                "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
+                "architecture": eng.cfg.architecture, "max_running_requests": eng.ecfg.max_running_requests,
+                "vocab_size": eng.cfg.vocab_size, "expert_backend": getattr(eng.runtime, "name", "?"),
+                "pid": os.getpid()}
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, inbox, parent_pid: int, stop: dict) -> None:
+        while not stop["now"]:
+            if os.getppid() != parent_pid:
+                log.warning("the front end is gone; engine exiting")
+                return
+            idle = not self.scheduler.has_work()
+            try:
+                # Block briefly when idle (no busy loop); never block while requests are running.
+                if inbox.poll(0.2 if idle else 0) and not self._drain(inbox):
+                    break
+            except (EOFError, OSError):
+                log.warning("the front end closed the pipe; engine exiting")
+                break
+            if self.scheduler.has_work():
+                self._step()
+        log.info("engine stopped")
+
+    def _drain(self, inbox) -> bool:
+        while inbox.poll(0):
+            msg = inbox.recv()
+            op = msg.get("op")
+            if op == "shutdown":
+                return False
+            if op == "add":
+                self._add(msg)
+            elif op == "abort":
+                if self.scheduler.abort(msg["rid"]):
+                    self.totals["aborted"] += 1
+            elif op == "stats":
+                self.outbox.send({"type": "stats", "sid": msg["sid"], "data": self.stats()})
+        return True
+
+    def _add(self, msg: dict) -> None:
+        from ..core import MoestreamError, SamplingParams
+        from ..scheduler.request import Request
+        from ..tokenizer import IncrementalDetokenizer
+
+        rid = msg["rid"]
+        try:
+            params = SamplingParams(**msg["params"])
+            req = Request(rid, list(msg["prompt_ids"]), params)
+            if self.tokenizer is not None and msg.get("keep_markup") and params.skip_special_tokens:
+                req.detok = IncrementalDetokenizer(self.markup_view, stop=params.stop, skip_special_tokens=True)
+            self.scheduler.add(req)
+        except MoestreamError as e:
+            self.outbox.send({"type": "error", "rid": rid, "message": str(e), "status": 400})
+            return
+        self.totals["prompt_tokens"] += len(req.prompt_ids)
+
+    def _step(self) -> None:
+        import torch
+
+        try:
+            outputs = self.scheduler.step()
+        except Exception as e:  # OOM or a bug in one batch: fail its requests, keep serving
+            oom = isinstance(e, torch.OutOfMemoryError)
+            log.exception("step failed; failing the %d running request(s)", len(self.scheduler.running))
+            if oom and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            for req in self.scheduler.abort_all():
+                self.totals["failed"] += 1
+                msg = ("out of memory while computing this request; retry with a shorter prompt or fewer "
+                       "concurrent requests" if oom else f"internal error: {type(e).__name__}: {e}")
+                self.outbox.send({"type": "error", "rid": req.id, "message": msg, "status": 503 if oom else 500})
+            return
+        items = []
+        for o in outputs:
+            reason = o.request.finish_reason if o.finished else None
+            stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
+            items.append([o.request.id, o.text_delta, 1, reason, stop_str])
+            if o.finished:
+                self.totals["finished"] += 1
+        self.totals["generated_tokens"] += len(outputs)
+        if items:
+            self.outbox.send({"type": "out", "items": items})
+        self._account(self.scheduler.last_step)
+
+    # ---- observability ---------------------------------------------------------------------
+    def _account(self, st: dict) -> None:
+        now = time.time()
+        self.window.append((now, st.get("prefill_tokens", 0), st.get("decode", 0)))
+        while self.window and now - self.window[0][0] > 5.0:
+            self.window.popleft()
+        if st.get("prefill_tokens"):
+            self._log_prefill(st)
+        elif st.get("decode"):
+            self.decode_steps += 1
+            self.interval["tokens"] += st["decode"]
+            self.interval["seconds"] += st["seconds"]
+            if self.decode_steps % max(self.args.decode_log_interval, 1) == 0:
+                self._log_decode(st)
+
+    def _usage(self) -> tuple[dict, str]:
+        s = self.scheduler.stats()
+        extra = ""
+        if self.scheduler.state.num_slots and self.llm.engine.cfg.linear_attention_layers:
+            st = s["state"]
+            extra = f"#state-slot: {st['used_slots']}/{st['total_slots']}, "
+        return s, extra
+
+    def _log_prefill(self, st: dict) -> None:
+        s, extra = self._usage()
+        tput = st["prefill_tokens"] / st["seconds"] if st["seconds"] else 0.0
+        log.info("Prefill batch, #new-seq: %d, #new-token: %d, #decode-seq: %d, token usage: %.2f, %s"
+                 "#running-req: %d, #queue-req: %d, input throughput (token/s): %.2f",
+                 st.get("prefill_seqs", 0), st["prefill_tokens"], st.get("decode", 0), s["kv"]["usage"], extra,
+                 s["running"], s["queued"], tput)
+
+    def _log_decode(self, st: dict) -> None:
+        s, extra = self._usage()
+        iv = self.interval
+        tput = iv["tokens"] / iv["seconds"] if iv["seconds"] else 0.0
+        self.interval = {"tokens": 0, "seconds": 0.0}
+        used_tokens = sum(r.num_tokens for r in self.scheduler.running)
+        hit = _hit_rate(self._runtime_stats())
+        hit_txt = f", expert hit rate: {hit:.2f}" if hit is not None else ""
+        log.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s#queue-req: %d, "
+                 "gen throughput (token/s): %.2f%s", s["running"], used_tokens, s["kv"]["usage"], extra,
+                 s["queued"], tput, hit_txt)
+
+    def _runtime_stats(self) -> dict | None:
+        rt = getattr(self.llm.engine, "runtime", None)
+        try:
+            return rt.stats() if rt is not None and hasattr(rt, "stats") else None
+        except Exception:  # stats are advisory; a broken one must not stop serving
+            log.debug("runtime.stats() failed", exc_info=True)
+            return None
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        span = (self.window[-1][0] - self.window[0][0]) if len(self.window) > 1 else 0.0
+        span = max(span, 1.0)
+        s["throughput"] = {"prefill_tps": sum(w[1] for w in self.window) / span,
+                           "decode_tps": sum(w[2] for w in self.window) / span}
+        s["totals"] = dict(self.totals)
+        rt = self._runtime_stats()
+        if rt is not None:
+            s["experts"] = rt
+            hit = _hit_rate(rt)
+            if hit is not None:
+                s["experts_hit_rate"] = hit
+        plan = getattr(self.llm.engine, "plan", None)
+        if plan is not None:
+            s["memory_plan"] = plan if isinstance(plan, dict) else _plain(plan)
+        s["uptime_s"] = time.time() - self.started
+        return s
+
+
+def _hit_rate(stats: dict | None) -> float | None:
+    """The expert cache hit rate from runtime.stats(), in whichever shape the runtime reports it."""
+    if not isinstance(stats, dict):
+        return None
+    if isinstance(stats.get("hit_rate"), (int, float)):
+        return float(stats["hit_rate"])
+    total = stats.get("total") if isinstance(stats.get("total"), dict) else {}
+    hits, misses = total.get("hits"), total.get("misses")
+    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
+        return hits / (hits + misses)
+    return None
+
+
+def _plain(obj):
+    """A dataclass-like plan as JSON-able data (best effort; it is informational)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)

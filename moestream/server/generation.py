@@ -1,0 +1,225 @@
+"""Protocol-neutral core of the routes: prompt -> validated GenSpec -> typed events.
+
+Every wire adapter (OpenAI chat, completions, Anthropic messages) renders its request into a
+`GenSpec`, then consumes `Event`s: reasoning text, content text, whole tool calls, and one `done`.
+Reasoning and tool-call parsing happen here once, for streaming and non-streaming alike (the
+non-streaming answer is the concatenation of the same events).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..core import MoestreamError, SamplingParams
+from .parsers import NoReasoningParser, NoToolParser, ReasoningParser, ToolCall, ToolParser, prompt_opens_reasoning
+
+
+class ApiError(Exception):
+    """An error answered with an HTTP status and an OpenAI/Anthropic error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine handle, the tokenizer and the serving options."""
+
+    engine: Any  # EngineClient, or a test double with generate/cancel/stats/info/alive
+    tokenizer: Any
+    model_name: str
+    tool_parser_cls: type[ToolParser]
+    reasoning_parser_cls: type[ReasoningParser]
+    api_key: str | None = None
+    metrics: Any = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.engine.info["max_seq_len"])
+
+    @property
+    def kv_tokens(self) -> int:
+        return int(self.engine.info.get("kv_tokens", self.max_seq_len))
+
+
+@dataclass
+class GenSpec:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tool_parser: ToolParser
+    reasoning: ReasoningParser
+    keep_markup: bool = True
+
+
+@dataclass
+class Event:
+    kind: str  # "reasoning" | "content" | "tool_call" | "done"
+    text: str = ""
+    call: ToolCall | None = None
+    finish_reason: str | None = None
+    stop: str | None = None
+    completion_tokens: int = 0
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# ---- preparing ---------------------------------------------------------------------------------
+def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
+                add_generation_prompt: bool = True, continue_final: bool = False) -> str:
+    if state.tokenizer is None or state.tokenizer.chat_template is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt")
+    try:
+        prompt = state.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except Exception as e:  # template errors come as jinja2/ChatTemplateError/TypeError; all are the request's
+        raise ApiError(400, f"the chat template could not render these messages: {e}") from None
+    if continue_final:
+        last = messages[-1].get("content") or ""
+        cut = prompt.rfind(last) if last else -1
+        if cut >= 0:
+            prompt = prompt[:cut + len(last)]  # drop the end-of-turn so the model continues the message
+    return prompt
+
+
+def check_prompt_fits(state: ServerState, n: int) -> None:
+    """Refuse, before any compute, a prompt the context or the KV cache cannot hold."""
+    if n == 0:
+        raise ApiError(400, "the prompt is empty", param="messages")
+    if n >= state.max_seq_len:
+        raise ApiError(400, f"This model's maximum context length is {state.max_seq_len} tokens, but the prompt "
+                       f"has {n} tokens (prompt plus at least one generated token must fit). Shorten the "
+                       "prompt, or raise --max-seq-len-override.", param="messages", code="context_length_exceeded")
+    if n + 1 > state.kv_tokens:
+        raise ApiError(400, f"the prompt has {n} tokens but this server's KV cache holds {state.kv_tokens}; "
+                       "shorten the prompt or raise --num-tokens", param="messages", code="context_length_exceeded")
+
+
+def sampling_params(state: ServerState, n_prompt: int, make) -> SamplingParams:
+    """`make(default_max_tokens)` -> SamplingParams, with max_tokens clamped to the context left."""
+    room = state.max_seq_len - n_prompt
+    try:
+        params = make(room)
+    except MoestreamError as e:
+        raise ApiError(400, str(e)) from None
+    if params.max_tokens > room:  # like max_tokens larger than the model allows: generate what fits
+        params.max_tokens = room
+    return params
+
+
+def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, tool_choice: Any,
+              skip_special_tokens: bool = True) -> GenSpec:
+    ids = state.tokenizer.encode(prompt)
+    check_prompt_fits(state, len(ids))
+    params = sampling_params(state, len(ids), params_fn)
+    use_tools = bool(tools) and tool_choice != "none"
+    tool_parser = state.tool_parser_cls(tools) if use_tools else NoToolParser()
+    reasoning = state.reasoning_parser_cls(starts_in_reasoning=prompt_opens_reasoning(prompt))
+    return GenSpec(ids, params, tool_parser, reasoning, keep_markup=skip_special_tokens)
+
+
+def plain_spec(state: ServerState, ids: list[int], params_fn) -> GenSpec:
+    check_prompt_fits(state, len(ids))
+    vocab = state.engine.info.get("vocab_size")
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    params = sampling_params(state, len(ids), params_fn)
+    return GenSpec(ids, params, NoToolParser(), NoReasoningParser(), keep_markup=False)
+
+
+# ---- running -------------------------------------------------------------------------------------
+async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None = None) -> AsyncIterator[Event]:
+    """Events of one generation; a client disconnect (seen on `request`) aborts it at once."""
+    rid = rid or new_request_id("gen")
+    watcher = asyncio.create_task(_watch_disconnect(request, state.engine, rid)) if request is not None else None
+    t0 = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    outcome = "error"
+    try:
+        async with contextlib.aclosing(state.engine.generate(rid, spec.prompt_ids, spec.params,
+                                                             spec.keep_markup)) as deltas:
+            async for d in deltas:
+                tokens += d.tokens
+                if first is None and d.tokens:
+                    first = time.perf_counter()
+                for ev in _feed(spec, d.text):
+                    yield ev
+                if d.finish_reason is not None:
+                    for ev in _finish(spec):
+                        yield ev
+                    outcome = d.finish_reason
+                    yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens)
+                    return
+        outcome = "abort"
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if state.metrics is not None:
+            state.metrics.record(len(spec.prompt_ids), tokens, (first - t0) if first else None,
+                                 time.perf_counter() - t0, outcome)
+
+
+async def _watch_disconnect(request, engine, rid: str) -> None:
+    with contextlib.suppress(Exception):
+        while True:
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                engine.cancel(rid)
+                return
+
+
+def _tool_events(events) -> list[Event]:
+    return [Event("content", text=e) if isinstance(e, str) else Event("tool_call", call=e) for e in events if e]
+
+
+def _feed(spec: GenSpec, text: str) -> list[Event]:
+    if not text:
+        return []
+    r, c = spec.reasoning.feed(text)
+    out = [Event("reasoning", text=r)] if r else []
+    return out + _tool_events(spec.tool_parser.feed(c) if c else [])
+
+
+def _finish(spec: GenSpec) -> list[Event]:
+    r, c = spec.reasoning.finish()
+    out = [Event("reasoning", text=r)] if r else []
+    return out + _tool_events((spec.tool_parser.feed(c) if c else []) + spec.tool_parser.finish())
+
+
+@dataclass
+class Collected:
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    stop: str | None
+    completion_tokens: int
+
+
+async def collect(events: AsyncIterator[Event], saw_reasoning=None) -> Collected:
+    """The whole answer (non-streaming routes)."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    done = Event("done", finish_reason="abort")
+    async for ev in events:
+        if ev.kind == "reasoning":
+            reasoning.append(ev.text)
+        elif ev.kind == "content":
+            content.append(ev.text)
+        elif ev.kind == "tool_call":
+            calls.append(ev.call)
+        else:
+            done = ev
+    has_reasoning = bool(reasoning) or bool(saw_reasoning and saw_reasoning())
+    return Collected("".join(reasoning) if has_reasoning else None, "".join(content), calls,
+                     done.finish_reason or "abort", done.stop, done.completion_tokens)

