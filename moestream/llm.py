@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 from .config import EngineConfig
 from .core import RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
-from .models.loader import load_model_config, resolve_model_path
+from .models.loader import load_model_config, load_tokenizer, resolve_model_path
 from .scheduler.request import Request
 from .scheduler.scheduler import Scheduler
 
@@ -29,7 +29,7 @@ class LLM:
         self.engine_config = EngineConfig.from_options(device=device, dtype=dtype, **engine_options)
         self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
         self.model_config = load_model_config(self.model_dir)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in self.model_config.eos_token_ids if e not in eos]
@@ -98,19 +98,6 @@ class LLM:
             text = ""
         ttft = (r.first_token_at - r.arrival) if r.first_token_at else None
         return RequestOutput(r.id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, ttft)
-
-
-def _load_tokenizer(folder: Path):
-    from .models.gguf_loader import find_gguf, open_gguf
-    from .tokenizer import Tokenizer
-
-    gguf_path = find_gguf(folder)
-    if gguf_path is not None:
-        return open_gguf(gguf_path).tokenizer()
-    if not (folder / "tokenizer.json").is_file():
-        log.warning("no tokenizer.json in %s: only token-id prompts will work", folder)
-        return None
-    return Tokenizer.from_pretrained(folder)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

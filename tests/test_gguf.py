@@ -58,9 +58,17 @@ def test_gguf_tokenizer_equals_the_hf_one(hf_dirs, tmp_path):
 
 
 def test_corrupt_and_unsupported_gguf(hf_dirs, tmp_path):
+    import struct
+
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 20)
-    with pytest.raises(CheckpointError, match="cannot read GGUF"):
+    with pytest.raises(CheckpointError, match="GGUF version 0"):
+        LLM(bad, device="cpu")
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 5) + b"\x01\x02")  # claims 5 keys, holds none
+    with pytest.raises(CheckpointError, match="cannot read GGUF file.*truncated"):
+        LLM(bad, device="cpu")
+    bad.write_bytes(b"NOTGGUF" * 4)
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
         LLM(bad, device="cpu")
     from gguf import GGUFWriter
 

@@ -92,13 +92,10 @@ def open_gguf(path: Path) -> "GGUFCheckpoint":
 
 class GGUFCheckpoint:
     def __init__(self, path: Path):
-        import gguf
+        from .gguf_file import GGUFFile
 
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:
-            raise CheckpointError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+        self.reader = GGUFFile(path)
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHS:
             raise ConfigError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; "
@@ -106,10 +103,7 @@ class GGUFCheckpoint:
 
     # ---- metadata ----------------------------------------------------------------------------
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        return self.reader.fields.get(key, default)
 
     def _a(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
@@ -196,15 +190,15 @@ class GGUFCheckpoint:
     def _dequant(self, t) -> torch.Tensor:
         from ..quant import QuantFormatError, gguf_format
 
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))  # GGUF lists ne0 (columns) first
+        shape = tuple(reversed(t.shape))  # GGUF lists ne0 (columns) first
+        kind = self.reader.type_name(t)
         try:
-            fmt = gguf_format(t.tensor_type.name)
             with warnings.catch_warnings():  # the mmap is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(np.ascontiguousarray(t.data))
-            return fmt.dequantize(raw, shape, torch.float32).reshape(shape)
+                raw = torch.from_numpy(t.data)
+            return gguf_format(kind).dequantize(raw, shape, torch.float32).reshape(shape)
         except (QuantFormatError, KeyError, ValueError) as e:
-            raise CheckpointError(f"tensor {t.name} of GGUF type {t.tensor_type.name} cannot be read: {e}") from None
+            raise CheckpointError(f"tensor {t.name} of GGUF type {kind} cannot be read: {e}") from None
 
     def _transform(self, name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         leaf = LAYER.match(name)[2] if LAYER.match(name) else name
@@ -232,7 +226,7 @@ class GGUFCheckpoint:
         keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                 "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
-        fields = {k: self.field(k) for k in keys if k in self.reader.fields}
+        fields = {k: self.reader.fields[k] for k in keys if k in self.reader.fields}
         if "tokenizer.ggml.tokens" not in fields:
             return None
         return tokenizer_from_gguf_fields(fields, name_or_path=str(self.path))

