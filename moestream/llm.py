@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .core import RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
 from .models.loader import load_model_config, load_tokenizer, resolve_model_path
@@ -25,11 +25,17 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, device: str = "auto", dtype: str = "auto", **engine_options: Any):
+    def __init__(self, model_path: str | Path | dict | None, device: str = "auto", dtype: str = "auto", **engine_options: Any):
         self.engine_config = EngineConfig.from_options(device=device, dtype=dtype, **engine_options)
-        self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
-        self.model_config = load_model_config(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        if isinstance(model_path, dict):
+            # An HF config dict: the model is built with random weights in memory (benchmarks), no tokenizer.
+            self.model_dir = None
+            self.model_config = ModelConfig.from_hf(model_path)
+            self.tokenizer = None
+        else:
+            self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
+            self.model_config = load_model_config(self.model_dir)
+            self.tokenizer = load_tokenizer(self.model_dir)
         self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in self.model_config.eos_token_ids if e not in eos]

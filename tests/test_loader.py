@@ -155,3 +155,14 @@ def test_bad_model_path_and_engine_options(tmp_path):
         LLM(str(tmp_path), device="cpu", max_running_requests=0)
     with pytest.raises(ConfigError, match="--moe-backend"):
         LLM(str(tmp_path), device="cpu", moe_backend="magic")
+
+
+def test_random_weights_from_a_config_dict(tiny_checkpoint):
+    """LLM(config_dict) builds the model with random weights in memory (for full-size benchmarks)."""
+    raw = json.loads((tiny_checkpoint("qwen35") / "config.json").read_text())
+    llm = LLM(raw, device="cpu", dtype="float32")
+    assert llm.tokenizer is None
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    gate_up, _ = llm.engine.runtime.store.weights(0)
+    assert gate_up.std() > 0.01  # the experts were filled, not left empty

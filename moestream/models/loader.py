@@ -113,8 +113,13 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_pretrained(path)
 
 
-def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path) -> None:
+def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path | None) -> None:
+    """folder None: random weights made in memory (benchmarks of full-size shapes without files)."""
     from .gguf_loader import find_gguf, open_gguf
+
+    if folder is None:
+        random_weights(model, store, cfg)
+        return
 
     gguf_path = find_gguf(folder)
     if gguf_path is not None:
@@ -179,3 +184,32 @@ def _check_complete(cfg: ModelConfig, params, store: ExpertStore, seen: set[str]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+@torch.no_grad()
+def random_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, seed: int = 0,
+                   std: float = 0.02) -> None:
+    """Sane random weights: identity norms, N(0, std) matrices, GDN decay parameters in range.
+    Routed experts: one random layer bank copied (rolled by layer) into every layer, because drawing
+    tens of GB of random numbers would dominate a benchmark's start-up; routing stays per-layer
+    random because routers are drawn independently."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            p.fill_(0.0 if cfg.norm_zero_centered else 1.0)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(0.0, 2.0, generator=g).log1p())
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    pool: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(store.moe_layers):
+        for name, bank in store.banks.items():
+            layer_bank = bank[layer]
+            if name not in pool:
+                pool[name] = (torch.randn(layer_bank.shape, generator=g) * std).to(layer_bank.dtype)
+            src = torch.roll(pool[name], shifts=i, dims=0) if i else pool[name]
+            store.put_stacked(layer, name, src, f"random:{name}")
