@@ -20,7 +20,10 @@ from ..layers.rotary import Rotary
 from ..models.loader import load_weights
 from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
+from ..moe.bench import load_profile
 from ..moe.formats import dense_format
+from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
+from ..moe.hardware import probe_hardware
 from .batch import ForwardBatch
 
 log = logging.getLogger("moestream.engine")
@@ -47,9 +50,13 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     if name != "auto":
         return DTYPES[name]
     dt = DTYPES.get(cfg.torch_dtype, torch.bfloat16)
-    if device.type == "cpu" and dt == torch.float16:
-        return torch.float32  # fp16 matmuls on CPU are slow and lossy; fp32 is the safe default there
-    return dt
+    if device.type == "cpu":
+        # fp32 is the fastest and most exact CPU dtype; keep 16-bit only where fp32 would not fit well.
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return torch.float32 if cfg.approx_num_params() * 4 < ram // 4 else torch.bfloat16
+    return torch.bfloat16 if dt == torch.float32 else dt
 
 
 @dataclass
@@ -64,6 +71,7 @@ class Engine:
         self.device = resolve_device(ecfg.device)
         self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device)
         self.max_seq_len = self._max_seq_len()
+        self.hardware = probe_hardware(self.device)  # before anything is allocated on the device
         self.model = self._build_model(folder)
         self.caches = self._build_caches()
         self.model.caches = self.caches
@@ -87,19 +95,41 @@ class Engine:
             model = QwenMoeModel(self.cfg)
         model = model.to_empty(device=self.device).to(self.dtype)
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
-        backend = "fused" if self.ecfg.moe_backend == "auto" else self.ecfg.moe_backend
+        fmt = dense_format(self.dtype)
+        self.plan = self._plan_memory(model, fmt)
+        # fused keeps the master copies on the device; every other backend in host banks
+        home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         store = ExpertStore(moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size,
-                            dense_format(self.dtype), self.device)
+                            fmt, home)
         load_weights(model, store, self.cfg, folder)
-        self.runtime = build_runtime(backend, store, self.device)
+        self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
+            else None
+        self.runtime = build_runtime(self.plan.backend, store, self.device, self.plan.runtime_options())
+        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
         for block in model.moe_blocks():
             block.runtime = self.runtime
         return model.eval()
 
+    def _plan_memory(self, model, fmt) -> MoePlan:
+        """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
+        cfg, e = self.cfg, self.ecfg
+        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        state = e.max_running_requests * StatePool.bytes_per_slot(
+            len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
+            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
+            DTYPES[e.linear_state_dtype]) if cfg.linear_attention_layers else 0
+        sizes = model_sizes(cfg, e, dense, self.max_seq_len, kv, state,
+                            fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size))
+        bw = Bandwidths.from_profile(load_profile(self.device))
+        plan = plan_memory(sizes, self.hardware, e, bw)
+        for line in plan.describe().splitlines():
+            log.info("%s", line)
+        return plan
+
     def _build_caches(self) -> Caches:
         cfg, e = self.cfg, self.ecfg
-        num_tokens = e.num_tokens or min(max(self.max_seq_len, 4096) * e.max_running_requests, 1 << 17)
-        num_tokens = max(num_tokens, e.page_size)
+        num_tokens = max(self.plan.kv_tokens, e.page_size)
         kv = KVPool(len(cfg.full_attention_layers), -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
                     cfg.head_dim, self.dtype, self.device)
         state = StatePool(len(cfg.linear_attention_layers), e.max_running_requests, cfg.linear_conv_dim,

@@ -1,11 +1,16 @@
-"""All expert placement, caching, movement and compute (see docs/architecture.md).
+"""All expert placement, caching, movement and compute (see docs/architecture.md and moe/README.md).
 
-formats  - which arrays one expert has in a format, shapes, bytes
-store    - where the master copy of every routed expert lives (host banks or the device)
-compute  - (x, route, weights) -> y, the torch reference every backend agrees with
-runtime  - the one interface the model calls, a registry of placement policies
+formats   which arrays one expert has in a format, shapes, bytes
+store     master copies: host banks (pinned up to a budget) or the device
+residency which (layer, expert) sits in which slot; one LRU; hits, misses, evictions (pure bookkeeping)
+transfer  slot pools, copy stream + events, prefill double buffer
+compute   (x, route, weights) -> y on the device (grouped) and on CPU threads over host banks
+policies  fused, offload, cpu, hybrid behind the ExpertRuntime interface (runtime.py: base + registry)
+planner   pure: model sizes + hardware + budget (+ bandwidths) -> frozen MoePlan
+bench     `moestream bench bw`: the bandwidths the planner weighs
 """
-from .runtime import ExpertRuntime, build_runtime, RUNTIMES
+from .runtime import ExpertRuntime, RuntimeOptions, build_runtime, RUNTIMES
 from .store import ExpertStore
+from . import policies  # noqa: F401,E402  (fills RUNTIMES)
 
-__all__ = ["ExpertRuntime", "build_runtime", "RUNTIMES", "ExpertStore"]
+__all__ = ["ExpertRuntime", "RuntimeOptions", "build_runtime", "RUNTIMES", "ExpertStore"]

@@ -1,64 +1,108 @@
 """The one interface the model calls for routed experts, and the registry of placement policies.
 
-    forward(layer, x, topk_ids, topk_w) -> y     begin_step(info) / end_step()     stats()
+    forward(layer, x, topk_ids, topk_w) -> y      begin_step(info) / end_step()      capturable(info)
+    stats() -> dict                               step_hit_rate()                    resize(cache_slots)
 
-Adding a policy is one class here (or in its own module) and one registry entry.
+Adding a policy is one class (moe/policies.py) and one `register` call; models, scheduler and the
+engine do not change.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .compute import moe_reference
+from .compute import RouteGroups
+from .stats import StatsBook
 from .store import ExpertStore
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What a policy needs from the plan (moe/planner.py)."""
+
+    cache_slots: int = 0  # device expert slots (offload, hybrid)
+    prefill_slots: int = 0  # rows per half of the prefill double buffer (0: prefill uses the decode path)
+    cpu_threads: int = 0  # 0: one per physical core
+    prefetch: bool = True  # predict layer l+1's experts with its router applied to layer l's input
+    hybrid_fetch_fraction: float = 0.5  # share of a step's misses fetched over PCIe (rest: CPU)
 
 
 class ExpertRuntime:
     name = "base"
 
-    def __init__(self, store: ExpertStore, device: torch.device):
-        self.store = store
-        self.device = device
-        self.layers: dict[int, dict[str, int]] = {layer: {"tokens": 0, "routed": 0} for layer in store.moe_layers}
+    def __init__(self, store: ExpertStore, device: torch.device, options: RuntimeOptions):
+        self.store, self.device, self.options = store, device, options
+        self.book = StatsBook(store.moe_layers)
+        self.prefill_mode = False
+        self.routers: dict[int, Callable] = {}
+        moe = store.moe_layers
+        self.next_layer = {a: b for a, b in zip(moe, moe[1:])}
 
+    # ---- the interface -----------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError  # every registered policy implements it
+
+    def attach_routers(self, routers: dict[int, Callable]) -> None:
+        """layer -> callable(x [T, H]) returning (topk ids, weights, ...): used to predict experts."""
+        self.routers = dict(routers)
 
     def begin_step(self, info: dict | None = None) -> None:
-        pass
+        self.prefill_mode = not (info or {}).get("decode", True)
+        self.book.begin_step()
 
     def end_step(self) -> None:
-        pass
+        self.book.end_step(decode=not self.prefill_mode)
 
-    def _count(self, layer: int, topk_ids: torch.Tensor) -> None:
-        c = self.layers[layer]
-        c["tokens"] += topk_ids.shape[0]
-        c["routed"] += topk_ids.numel()
+    def capturable(self, info: dict | None = None) -> bool:
+        # Every policy reads the route on the host (one sync per layer call), so no CUDA graphs yet;
+        # a device-side residency kernel would make offload capturable.
+        return False
+
+    def resize(self, cache_slots: int) -> None:
+        raise NotImplementedError(f"the {self.name} backend has no expert cache to resize")
 
     def stats(self) -> dict:
-        total = {"tokens": 0, "routed": 0}
-        for c in self.layers.values():
-            for k in total:
-                total[k] += c[k]
-        return {"backend": self.name, "total": total, "layers": {str(k): dict(v) for k, v in self.layers.items()}}
+        return {"backend": self.name, **self.book.as_dict(), "options": dict(self.options.__dict__)}
+
+    def step_hit_rate(self) -> float | None:
+        """Hit rate of the last decode step (None before the first one)."""
+        return self.book.last_step["hit_rate"] if self.book.last_step else None
+
+    def close(self) -> None:
+        pass
+
+    # ---- helpers for policies ----------------------------------------------------------
+    def _count(self, layer: int, topk_ids: torch.Tensor, groups: RouteGroups) -> None:
+        s = self.book[layer]
+        s.tokens += topk_ids.shape[0]
+        s.routed += topk_ids.numel()
+        s.expert_calls += len(groups.experts)
+
+    def _predict(self, layer: int, x: torch.Tensor, limit: int) -> list[int]:
+        """Experts the router of `layer` picks for x, most-routed first, at most `limit`."""
+        router = self.routers.get(layer)
+        if router is None or limit <= 0:
+            return []
+        ids = router(x)[0].flatten()
+        experts, counts = torch.unique(ids, return_counts=True)
+        order = torch.argsort(counts, descending=True, stable=True)
+        return experts[order][:limit].tolist()
 
 
-class FusedRuntime(ExpertRuntime):
-    """Every expert resident on the compute device."""
-
-    name = "fused"
-
-    def forward(self, layer, x, topk_ids, topk_w):
-        self._count(layer, topk_ids)
-        gate_up, down = self.store.weights(layer)
-        return moe_reference(x, topk_ids, topk_w, gate_up, down)
+RUNTIMES: dict[str, type[ExpertRuntime]] = {}
 
 
-RUNTIMES: dict[str, Callable[..., ExpertRuntime]] = {"fused": FusedRuntime}
+def register(cls: type[ExpertRuntime]) -> type[ExpertRuntime]:
+    RUNTIMES[cls.name] = cls
+    return cls
 
 
-def build_runtime(name: str, store: ExpertStore, device: torch.device, **kwargs) -> ExpertRuntime:
+def build_runtime(name: str, store: ExpertStore, device: torch.device,
+                  options: RuntimeOptions | None = None) -> ExpertRuntime:
+    from . import policies  # noqa: F401  (registers the policies)
+
     if name not in RUNTIMES:
         raise ValueError(f"unknown MoE backend {name!r}; available: {', '.join(sorted(RUNTIMES))}")
-    return RUNTIMES[name](store, device, **kwargs)
+    return RUNTIMES[name](store, device, options or RuntimeOptions())

@@ -6,10 +6,16 @@ store ends with gate_up [E, 2I, H] and down [E, H, I] per MoE layer on its home 
 """
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
 
 from ..core import CheckpointError
 from .formats import ExpertFormat
+
+log = logging.getLogger("moestream.moe")
+GiB = 1 << 30
 
 
 class ExpertStore:
@@ -79,8 +85,61 @@ class ExpertStore:
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.banks["gate_up"][layer], self.banks["down"][layer]
 
+    def bank(self, layer: int) -> dict[str, torch.Tensor]:
+        """name -> [E, ...] tensor of one layer (a WeightRef bank)."""
+        return {name: per_layer[layer] for name, per_layer in self.banks.items()}
+
+    def layer_bytes(self) -> int:
+        return self.bytes_per_expert() * self.num_experts
+
+    # ---- pinning ---------------------------------------------------------------------------
+    def pin_host(self, budget_bytes: int) -> dict:
+        """Page-lock host banks, whole layers in order, up to budget_bytes (after filling, so no
+        zero-fill pass and no power-of-two rounding). Pinned rows copy asynchronously at full PCIe
+        speed; the rest stay pageable. Returns {"pinned_bytes", "pageable_bytes", "pinned_layers"}."""
+        if self.device.type != "cpu" or not torch.cuda.is_available():
+            return {"pinned_bytes": 0, "pageable_bytes": self.total_bytes(), "pinned_layers": 0}
+        pinned, layers, ptrs = 0, 0, []
+        for layer in self.moe_layers:
+            if pinned + self.layer_bytes() > budget_bytes:
+                break
+            for per_layer in self.banks.values():
+                per_layer[layer] = _page_lock(per_layer[layer], ptrs)
+            pinned += self.layer_bytes()
+            layers += 1
+        if ptrs:
+            weakref.finalize(self, _unregister, ptrs)
+        rest = self.total_bytes() - pinned
+        if rest:
+            log.warning("%.2f GiB of experts (%d of %d layers) stay in pageable host memory (pin budget %.2f GiB): "
+                        "misses from them copy synchronously at roughly half the pinned PCIe speed; raise "
+                        "--pin-budget-gb or free host RAM to pin them", rest / GiB, len(self.moe_layers) - layers,
+                        len(self.moe_layers), budget_bytes / GiB)
+        return {"pinned_bytes": pinned, "pageable_bytes": rest, "pinned_layers": layers}
+
     def bytes_per_expert(self) -> int:
         return self.fmt.bytes_per_expert(self.hidden, self.inter)
 
     def total_bytes(self) -> int:
         return self.bytes_per_expert() * self.num_experts * len(self.moe_layers)
+
+
+def _page_lock(t: torch.Tensor, registered: list[int]) -> torch.Tensor:
+    """cudaHostRegister the tensor's memory in place; fall back to a pinned copy."""
+    t = t.contiguous()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) == 0:
+            registered.append(t.data_ptr())
+            return t
+    except (AttributeError, RuntimeError):
+        pass
+    return t.pin_memory()
+
+
+def _unregister(ptrs: list[int]) -> None:
+    for p in ptrs:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(p)
+        except Exception:  # interpreter shutdown: the process is going away anyway
+            pass

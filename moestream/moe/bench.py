@@ -1,0 +1,163 @@
+"""`moestream bench bw`: the bandwidths the planner weighs, measured on this machine.
+
+host_read_gbs        reading host memory (a sum over a buffer larger than the caches)
+pcie_pinned_gbs      host -> device copies of expert-sized rows from pinned memory (CUDA only)
+pcie_pageable_gbs    the same from pageable memory (CUDA only)
+cpu_expert_gbs       expert weight bytes per second the CPU path (compute.CpuExperts) gets through at bs=1
+gpu_expert_gbs       the same for the device path (compute.DeviceExperts; CUDA only)
+
+Results go to a JSON profile (default `$XDG_CACHE_HOME/moestream/benchbw.json`) that the engine reads
+for `--moe-backend auto` and the hybrid split. Profiles are keyed by device name: one measured on
+another GPU is ignored.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, physical_cores
+from .formats import dense_format
+
+log = logging.getLogger("moestream.bench")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_profile_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moestream" / "benchbw.json"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def load_profile(device: torch.device, path: Path | None = None) -> dict | None:
+    """The saved profile if it was measured on this device, else None (with a log line saying why)."""
+    p = path or default_profile_path()
+    if not p.is_file():
+        return None
+    try:
+        prof = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("ignoring unreadable bench profile %s: %s", p, e)
+        return None
+    if prof.get("device_name") != device_name(device):
+        log.info("bench profile %s was measured on %r, not %r: ignored", p, prof.get("device_name"),
+                 device_name(device))
+        return None
+    return prof
+
+
+def _best_time(fn, iters: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_read_gbs(mib: int, iters: int) -> float:
+    buf = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB
+    t = _best_time(lambda: buf.sum(), iters, lambda: None)
+    return buf.numel() * 4 / t / 1e9
+
+
+def h2d_gbs(bank: dict, experts: int, device: torch.device, pinned: bool, iters: int) -> float:
+    """Copy `experts` expert rows, one copy per array per expert, as the offload miss path does."""
+    src = {k: (v.pin_memory() if pinned else v) for k, v in bank.items()}
+    dst = {k: torch.empty_like(v, device=device) for k, v in bank.items()}
+
+    def run():
+        for e in range(experts):
+            for k in src:
+                dst[k][e].copy_(src[k][e], non_blocking=True)
+
+    t = _best_time(run, iters, lambda: torch.cuda.synchronize(device))
+    return experts * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
+
+
+def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device, iters: int, cpu: CpuExperts | None):
+    """Weight bytes per second of one bs=1 layer call over top_k experts."""
+    x = torch.randn(1, hidden, dtype=dtype, device=device)
+    ids = torch.arange(top_k, device=device).view(1, top_k)
+    w = torch.full((1, top_k), 1.0 / top_k, dtype=dtype, device=device)
+    groups = RouteGroups.of(ids)
+    refs = {e: WeightRef(bank, e) for e in range(top_k)}
+    if cpu is not None:
+        fn = lambda: cpu.submit(x, w, groups, refs).result()  # noqa: E731
+        sync = lambda: None  # noqa: E731
+    else:
+        gpu = DeviceExperts()
+        fn = lambda: gpu.compute(x, w, groups, refs)  # noqa: E731
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    t = _best_time(fn, iters, sync)
+    return top_k * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
+
+
+def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype: str = "bfloat16",
+              experts: int = 32, top_k: int = 8, host_mib: int = 512, iters: int = 5, cpu_threads: int = 0) -> dict:
+    dt = DTYPES[dtype]
+    fmt = dense_format(dt)
+    bank = {k: torch.randn((experts, *s), dtype=torch.float32).to(dt) for k, s in fmt.shapes(hidden, inter).items()}
+    cuda = device.type == "cuda"
+    cpu = CpuExperts(cpu_threads)
+    k = min(top_k, experts)
+    res = {
+        "device_name": device_name(device), "device": device.type, "dtype": dtype,
+        "geometry": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": k},
+        "expert_bytes": fmt.bytes_per_expert(hidden, inter), "cpu_threads": cpu.threads,
+        "physical_cores": physical_cores(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host_read_gbs": host_read_gbs(host_mib, iters),
+        "pcie_pinned_gbs": h2d_gbs(bank, experts, device, True, iters) if cuda else None,
+        "pcie_pageable_gbs": h2d_gbs(bank, experts, device, False, iters) if cuda else None,
+        "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu),
+        "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None)
+                           if cuda else None),
+    }
+    cpu.close()
+    res["recommended"] = recommend(res)
+    return res
+
+
+def recommend(res: dict) -> str:
+    """The backend `auto` would pick for a model whose experts do not fit the device."""
+    from .planner import Bandwidths, HYBRID_MIN_CPU_SHARE
+
+    if res.get("device") != "cuda":
+        return "fused (CPU device: experts are computed in place)"
+    bw = Bandwidths.from_profile(res)
+    share = bw.cpu_expert_gbs / bw.pcie_pinned_gbs if bw.pcie_pinned_gbs else 0.0
+    return "hybrid" if share >= HYBRID_MIN_CPU_SHARE else "offload"
+
+
+def format_table(res: dict) -> str:
+    rows = [("host memory read", res["host_read_gbs"]), ("H2D pinned (expert rows)", res["pcie_pinned_gbs"]),
+            ("H2D pageable (expert rows)", res["pcie_pageable_gbs"]), ("CPU experts (bs=1)", res["cpu_expert_gbs"]),
+            ("GPU experts (bs=1)", res["gpu_expert_gbs"])]
+    g = res["geometry"]
+    lines = [f"device {res['device_name']}, expert {g['hidden']}x{g['inter']} {res['dtype']} "
+             f"({res['expert_bytes'] / 2**20:.2f} MiB), top-k {g['top_k']}, cpu threads {res['cpu_threads']}",
+             f"{'measure':<28}{'GB/s':>10}"]
+    lines += [f"{name:<28}{('n/a' if v is None else f'{v:.2f}'):>10}" for name, v in rows]
+    lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}")
+    return "\n".join(lines)
+
+
+def save_profile(res: dict, path: Path | None = None) -> Path:
+    p = Path(path) if path else default_profile_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=2))
+    tmp.replace(p)  # atomic: a reader never sees half a profile
+    return p

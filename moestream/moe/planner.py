@@ -1,0 +1,264 @@
+"""Memory planner: a pure function (model sizes, hardware, engine options, measured bandwidths) -> plan.
+
+One budget: `--gpu-memory-gb` if given, else `--memory-ratio` x free device memory (on a CPU-only
+machine: x available host memory). From it come, in this order: dense weights, linear-state pool,
+workspace, a KV reserve, the prefill double buffer, expert slots (or every expert, for fused), and the
+rest goes to KV up to what the requests can use. The plan is printed at start-up (`describe`) and
+served as a dict (`as_dict`, in /v1/stats and `llm.stats()`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..core import ConfigError
+from .runtime import RuntimeOptions
+
+GiB = 1 << 30
+KV_RESERVE_TOKENS = 8192  # KV kept for requests before expert slots take the rest of the budget
+PREFILL_MAX_ROWS = 64  # rows per half of the prefill double buffer: enough to overlap, small in VRAM
+HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x pinned PCIe GB/s
+PIN_HEADROOM = 0.10  # host RAM left unpinned (at least 4 GiB) for the OS and the rest of the process
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    dense_bytes: int
+    kv_bytes_per_token: int
+    state_bytes: int
+    workspace_bytes: int
+    wanted_kv_tokens: int  # what the configured requests can use
+    min_kv_tokens: int  # below this nothing useful runs
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cpu" | "cuda"
+    name: str
+    free_bytes: int  # free device memory before loading (CPU: available host memory)
+    host_total_bytes: int
+    host_available_bytes: int
+    physical_cores: int
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """From `moestream bench bw` (GB/s; 0 = not measured)."""
+
+    pcie_pinned_gbs: float = 0.0
+    pcie_pageable_gbs: float = 0.0
+    cpu_expert_gbs: float = 0.0
+    host_read_gbs: float = 0.0
+    gpu_expert_gbs: float = 0.0
+
+    @classmethod
+    def from_profile(cls, profile: dict | None) -> "Bandwidths | None":
+        if not profile:
+            return None
+        return cls(**{k: float(profile.get(k) or 0.0) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class PlanBytes:
+    budget: int
+    dense: int
+    state: int
+    workspace: int
+    experts_device: int
+    prefill_buffer: int
+    kv: int
+    host_banks: int
+    pin_budget: int
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    backend: str
+    reason: str
+    device: str
+    cache_slots: int
+    total_experts: int
+    prefill_slots: int
+    cpu_threads: int
+    prefetch: bool
+    hybrid_fetch_fraction: float
+    kv_tokens: int
+    bytes: PlanBytes
+
+    @property
+    def residency(self) -> float:
+        """Share of all routed experts that can be on the device at once."""
+        if not self.total_experts:
+            return 1.0
+        return 1.0 if self.backend == "fused" else self.cache_slots / self.total_experts
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "residency": self.residency}
+
+    def runtime_options(self) -> RuntimeOptions:
+        return RuntimeOptions(cache_slots=self.cache_slots, prefill_slots=self.prefill_slots,
+                              cpu_threads=self.cpu_threads, prefetch=self.prefetch,
+                              hybrid_fetch_fraction=self.hybrid_fetch_fraction)
+
+    def describe(self) -> str:
+        b, g = self.bytes, (lambda n: f"{n / GiB:.2f}")
+        return "\n".join([
+            f"expert plan: backend {self.backend} ({self.reason})",
+            f"  expert slots {self.cache_slots} of {self.total_experts} ({100 * self.residency:.1f}% resident), "
+            f"prefill buffer 2x{self.prefill_slots}, prefetch {'on' if self.prefetch else 'off'}, "
+            f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}",
+            f"  {self.device} budget {g(b.budget)} GiB: dense {g(b.dense)} + experts {g(b.experts_device)} + "
+            f"prefill {g(b.prefill_buffer)} + KV {g(b.kv)} ({self.kv_tokens} tokens) + state {g(b.state)} + "
+            f"workspace {g(b.workspace)}",
+            f"  host expert banks {g(b.host_banks)} GiB, pin budget {g(b.pin_budget)} GiB",
+        ])
+
+
+# ---- the recipe ------------------------------------------------------------------------------
+def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) -> MoePlan:
+    """e: an EngineConfig (moe_backend, moe_cache_size/rate, memory_ratio, gpu_memory_gb, num_tokens,
+    moe_cpu_threads, moe_prefetch, pin_budget_gb)."""
+    budget = _budget(hw, e)
+    free = budget - m.dense_bytes - m.state_bytes - m.workspace_bytes
+    if free <= 0:
+        raise ConfigError(
+            f"the {hw.device} budget of {budget / GiB:.2f} GiB does not cover dense weights "
+            f"({m.dense_bytes / GiB:.2f} GiB), state pool and workspace: raise --gpu-memory-gb or --memory-ratio, "
+            "or lower --max-running-requests / --chunked-prefill-size")
+    if hw.device == "cpu":
+        free -= m.total_experts * m.expert_bytes  # host banks live in the same memory
+    backend, reason = choose_backend(m, hw, e, bw, free)
+    slots, prefill = _expert_rows(m, hw, e, backend, free)
+    expert_dev = m.total_experts * m.expert_bytes if backend == "fused" and hw.device == "cuda" else 0
+    expert_dev += slots * m.expert_bytes
+    kv_tokens = _kv_tokens(m, e, free - expert_dev - 2 * prefill * m.expert_bytes)
+    host = m.total_experts * m.expert_bytes
+    return MoePlan(
+        backend=backend, reason=reason, device=hw.device, cache_slots=slots, total_experts=m.total_experts,
+        prefill_slots=prefill, cpu_threads=e.moe_cpu_threads or hw.physical_cores, prefetch=e.moe_prefetch == "on",
+        hybrid_fetch_fraction=_fetch_fraction(bw), kv_tokens=kv_tokens,
+        bytes=PlanBytes(budget=budget, dense=m.dense_bytes, state=m.state_bytes, workspace=m.workspace_bytes,
+                        experts_device=expert_dev + (host if hw.device == "cpu" else 0),
+                        prefill_buffer=2 * prefill * m.expert_bytes, kv=kv_tokens * m.kv_bytes_per_token,
+                        host_banks=host if backend != "fused" or hw.device == "cpu" else 0,
+                        pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0))
+
+
+def _budget(hw: Hardware, e) -> int:
+    if e.gpu_memory_gb is not None:
+        cap = int(e.gpu_memory_gb * GiB)
+        return cap if hw.device == "cpu" else min(cap, hw.free_bytes)
+    return int(e.memory_ratio * hw.free_bytes)
+
+
+def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: int) -> tuple[str, str]:
+    if e.moe_backend != "auto":
+        return e.moe_backend, "asked for with --moe-backend"
+    if m.total_experts == 0:
+        return "fused", "dense model: no routed experts"
+    if hw.device == "cpu":
+        return "fused", "CPU device: experts are computed in place from host memory, a cache would only copy"
+    need = m.total_experts * m.expert_bytes + min(m.wanted_kv_tokens, KV_RESERVE_TOKENS) * m.kv_bytes_per_token
+    if need <= free:
+        return "fused", f"all {m.total_experts} experts ({need / GiB:.2f} GiB with KV reserve) fit the budget"
+    if bw is None or not bw.pcie_pinned_gbs:
+        return "offload", "experts do not fit; no bench profile (run `moestream bench bw` to let auto weigh hybrid)"
+    share = bw.cpu_expert_gbs / bw.pcie_pinned_gbs
+    if share >= HYBRID_MIN_CPU_SHARE:
+        return "hybrid", (f"experts do not fit; CPU experts run at {bw.cpu_expert_gbs:.1f} GB/s, "
+                          f"{share:.2f}x pinned PCIe ({bw.pcie_pinned_gbs:.1f} GB/s)")
+    return "offload", (f"experts do not fit; CPU experts ({bw.cpu_expert_gbs:.1f} GB/s) add little to pinned "
+                       f"PCIe ({bw.pcie_pinned_gbs:.1f} GB/s)")
+
+
+def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tuple[int, int]:
+    """(cache slots, prefill rows per half)."""
+    if backend == "fused" or m.total_experts == 0:
+        if backend == "fused" and hw.device == "cuda" and m.total_experts * m.expert_bytes > free:
+            raise ConfigError(
+                f"--moe-backend fused needs {m.total_experts * m.expert_bytes / GiB:.2f} GiB for experts but the "
+                f"budget leaves {max(free, 0) / GiB:.2f} GiB: use --moe-backend offload, hybrid or cpu")
+        return 0, 0
+    top = min(m.num_experts, PREFILL_MAX_ROWS)
+    if backend == "cpu":
+        # on a GPU, prefill chunks still run on the device through the double buffer
+        return 0, (top if hw.device == "cuda" else 0)
+    reserve = min(m.wanted_kv_tokens, KV_RESERVE_TOKENS) * m.kv_bytes_per_token
+    slots = _cache_slots(m, e, free - reserve - 2 * top * m.expert_bytes)
+    prefill = max(min(slots // 4, top), min(m.top_k, top))
+    need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token
+    if hw.device == "cuda" and need > free:
+        raise ConfigError(
+            f"{slots} expert slots + prefill buffer need {need / GiB:.2f} GiB but the budget leaves "
+            f"{max(free, 0) / GiB:.2f} GiB: lower --moe-cache-size/--moe-cache-rate or raise --gpu-memory-gb")
+    return slots, prefill
+
+
+def _cache_slots(m: ModelSizes, e, room: int) -> int:
+    total, k = m.total_experts, m.top_k
+    if e.moe_cache_size is not None:
+        slots, what = e.moe_cache_size, f"--moe-cache-size {e.moe_cache_size}"
+    elif e.moe_cache_rate is not None:
+        slots, what = math.ceil(e.moe_cache_rate * total), f"--moe-cache-rate {e.moe_cache_rate} ({math.ceil(e.moe_cache_rate * total)} slots)"
+    else:
+        slots = max(room, 0) // m.expert_bytes
+        if slots < k:
+            raise ConfigError(
+                f"the budget leaves room for {slots} expert slots, fewer than one layer's top-k ({k}): raise "
+                "--gpu-memory-gb/--memory-ratio, lower --num-tokens or --chunked-prefill-size, or use --moe-backend cpu")
+        return min(slots, total)
+    if slots < k:
+        raise ConfigError(f"{what} is below one layer's top-k ({k}): a decode step needs {k} experts of a layer "
+                          f"on the device at once; use at least {k} slots or --moe-backend cpu")
+    return min(slots, total)
+
+
+def _kv_tokens(m: ModelSizes, e, room: int) -> int:
+    if e.num_tokens is not None:
+        tokens = e.num_tokens
+    elif m.kv_bytes_per_token == 0:
+        tokens = m.wanted_kv_tokens
+    else:
+        tokens = min(m.wanted_kv_tokens, max(room, 0) // m.kv_bytes_per_token)
+    if tokens * m.kv_bytes_per_token > max(room, 0) or tokens < m.min_kv_tokens:
+        raise ConfigError(
+            f"the budget leaves {max(room, 0) / GiB:.2f} GiB for KV, not enough for {max(tokens, m.min_kv_tokens)} "
+            "tokens: lower --num-tokens, --moe-cache-size or --max-running-requests, or raise --gpu-memory-gb")
+    return tokens
+
+
+def _fetch_fraction(bw: Bandwidths | None) -> float:
+    if bw is None or not bw.pcie_pinned_gbs or not bw.cpu_expert_gbs:
+        return 0.5  # no measurement: split evenly
+    return bw.pcie_pinned_gbs / (bw.pcie_pinned_gbs + bw.cpu_expert_gbs)
+
+
+def _pin_budget(hw: Hardware, e, host_bytes: int) -> int:
+    if hw.device != "cuda":
+        return 0
+    if e.pin_budget_gb is not None:
+        return int(e.pin_budget_gb * GiB)
+    headroom = max(4 * GiB, int(PIN_HEADROOM * hw.host_total_bytes))
+    return max(0, min(host_bytes, hw.host_available_bytes - headroom))
+
+
+def model_sizes(cfg, e, dense_bytes: int, max_seq_len: int, kv_bytes_per_token: int,
+                state_bytes: int, expert_bytes: int) -> ModelSizes:
+    """ModelSizes from a ModelConfig and EngineConfig (pure arithmetic)."""
+    wanted = e.num_tokens or min(max(max_seq_len, 4096) * e.max_running_requests, 1 << 17)
+    # activations of one prefill chunk (hidden, attention, expert intermediates) in fp32, plus slack
+    per_token = 8 * cfg.hidden_size + 3 * cfg.top_k * cfg.moe_intermediate_size + 2 * cfg.num_experts
+    workspace = (256 << 20) + e.chunked_prefill_size * per_token * 4
+    return ModelSizes(
+        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, top_k=cfg.top_k, expert_bytes=expert_bytes,
+        dense_bytes=dense_bytes, kv_bytes_per_token=kv_bytes_per_token, state_bytes=state_bytes,
+        workspace_bytes=workspace, wanted_kv_tokens=max(wanted, e.page_size),
+        min_kv_tokens=min(max(wanted, e.page_size), e.page_size * 2))

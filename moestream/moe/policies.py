@@ -1,0 +1,285 @@
+"""Placement policies: compose residency, transfer and compute behind the ExpertRuntime interface.
+
+fused    every expert resident on the compute device (store banks live there)
+offload  device slot cache (one LRU over all layers); misses copied from host banks on the copy stream;
+         decode prefetches layer l+1's predicted experts; prefill streams through a double buffer
+cpu      routed experts computed by CPU threads from host banks; on a GPU, prefill chunks still
+         stream through the device double buffer (a prefill chunk is compute-bound)
+hybrid   hits on the device; misses split between PCIe fetch and CPU compute in proportion to the
+         measured bandwidths; every routed expert computed exactly once
+"""
+from __future__ import annotations
+
+import torch
+
+from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
+from .residency import Residency
+from .runtime import ExpertRuntime, register
+from .transfer import Copier, Pool, PrefillStreamer, Sync
+
+
+@register
+class FusedRuntime(ExpertRuntime):
+    name = "fused"
+
+    def __init__(self, store, device, options):
+        super().__init__(store, device, options)
+        self.gpu = DeviceExperts()
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        groups = RouteGroups.of(topk_ids)
+        self._count(layer, topk_ids, groups)
+        s = self.book[layer]
+        s.hits += len(groups.experts)
+        s.gpu_experts += len(groups.experts)
+        bank = self.store.bank(layer)
+        refs = {e: WeightRef(bank, e) for e in groups.experts}
+        return accumulate(x, groups, self.gpu.compute(x, topk_w, groups, refs))
+
+
+class CachedRuntime(ExpertRuntime):
+    """Shared machinery of the policies that keep master copies in host banks."""
+
+    uses_cpu = False
+
+    def __init__(self, store, device, options):
+        super().__init__(store, device, options)
+        self.sync = Sync(device)
+        self.copier = Copier(store, self.sync, self.book)
+        self.gpu = DeviceExperts()
+        self.cpu = CpuExperts(options.cpu_threads) if self.uses_cpu else None
+        self._build_cache(options.cache_slots)
+        self.streamer = (PrefillStreamer(store, self.copier, options.prefill_slots, device)
+                         if options.prefill_slots > 0 else None)
+        self.prefetched: dict[int, set[int]] = {}
+
+    def _build_cache(self, slots: int) -> None:
+        old = getattr(self, "residency", None)
+        self.residency = Residency(slots, self.store.moe_layers)
+        if old is not None:
+            self.residency.counts = old.counts  # statistics survive a resize
+        self.pool = Pool(self.store, slots, self.device)
+        self.book.residency = self.residency
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        groups = RouteGroups.of(topk_ids)
+        self._count(layer, topk_ids, groups)
+        if self.prefill_mode and self.streamer is not None:
+            partials = self._prefill(layer, x, topk_w, groups)
+        else:
+            self._settle_prefetch(layer, groups.experts)
+            partials = self._decode(layer, x, topk_w, groups)
+        return accumulate(x, groups, partials)
+
+    def _decode(self, layer, x, topk_w, groups: RouteGroups) -> dict:
+        raise NotImplementedError  # each subclass below implements it
+
+    # ---- decode on the device, in rounds that fit the cache ----------------------------
+    def _device_rounds(self, layer, x, topk_w, groups, experts: list[int], after_first_copy=None) -> dict:
+        """Compute `experts` from the slot cache: resident ones first (so admitting the others
+        cannot evict them), at most capacity() experts pinned at a time."""
+        res = self.residency
+        todo = sorted(experts, key=lambda e: res.lookup((layer, e)) is None)
+        out: dict[int, torch.Tensor] = {}
+        first = True
+        while todo:
+            batch, todo = todo[:res.capacity()], todo[res.capacity():]
+            rows, fetch = {}, []
+            for e in batch:
+                slot, hit = res.access((layer, e))
+                res.pin((layer, e))
+                rows[e] = slot
+                if not hit:
+                    fetch.append((layer, e, slot))
+            self.copier.copy(self.pool, fetch)
+            if first and after_first_copy is not None:
+                after_first_copy()  # prefetch copies queue behind the demand copies
+            first = False
+            out.update(self._compute_rows(self.pool, rows, x, topk_w, groups))
+            for e in batch:
+                res.unpin((layer, e))
+        self.book[layer].gpu_experts += len(experts)
+        return out
+
+    def _compute_rows(self, pool: Pool, rows: dict[int, int], x, topk_w, groups) -> dict:
+        self.copier.wait_ready(pool, rows.values())
+        out = self.gpu.compute(x, topk_w, groups, {e: pool.ref(r) for e, r in rows.items()})
+        self.copier.released(pool, rows.values())
+        return out
+
+    # ---- decode prefetch -----------------------------------------------------------------
+    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+        nxt = self.next_layer.get(layer)
+        if nxt is None or not self.options.prefetch or self.residency.num_slots == 0:
+            return
+        predicted = self._predict(nxt, x, limit=self.residency.num_slots)
+        for e in predicted:  # keep predicted residents from being the victims of this prefetch
+            self.residency.touch((nxt, e))
+        fetch = []
+        for e in predicted:
+            slot = self.residency.try_prefetch((nxt, e))
+            if slot is not None:
+                fetch.append((nxt, e, slot))
+        self.copier.copy(self.pool, fetch)
+        self.book[nxt].prefetch_issued += len(fetch)
+        self.prefetched[nxt] = {e for _, e, _ in fetch}
+
+    def _settle_prefetch(self, layer: int, experts: list[int]) -> None:
+        done = self.prefetched.pop(layer, set())
+        s = self.book[layer]
+        used = done.intersection(experts)
+        s.prefetch_hits += sum(1 for e in used if self.residency.lookup((layer, e)) is not None)
+        s.prefetch_unused += len(done) - len(used)
+
+    # ---- prefill: stream what the chunk routes to, outside the LRU --------------------------
+    def _prefill(self, layer, x, topk_w, groups: RouteGroups) -> dict:
+        res, st, s = self.residency, self.streamer, self.book[layer]
+        cached = {e: res.lookup((layer, e)) for e in groups.experts}
+        cached = {e: slot for e, slot in cached.items() if slot is not None}
+        stream = [e for e in groups.experts if e not in cached]
+        batches = self._staged_batch(layer, stream)
+        rest = [e for e in stream if not batches or e not in batches[0][1]]
+        chunks = [rest[i:i + st.per_half] for i in range(0, len(rest), st.per_half)]
+        while len(batches) < 2 and chunks:
+            batches.append(st.load(layer, chunks.pop(0)))
+        out = self._compute_rows(self.pool, cached, x, topk_w, groups) if cached else {}
+        while batches:
+            pool, rows = batches.pop(0)
+            out.update(self._compute_rows(pool, rows, x, topk_w, groups))
+            if chunks:  # goes into the half just computed from; its release event orders the copy
+                batches.append(st.load(layer, chunks.pop(0)))
+        s.prefill_resident += len(cached)
+        s.prefill_streamed += len(stream)
+        s.gpu_experts += len(groups.experts)
+        self._stage_next(layer, x)
+        return out
+
+    def _staged_batch(self, layer: int, stream: list[int]) -> list:
+        staged = self.streamer.take_staged(layer)
+        if staged is None:
+            return []
+        pool, rows = staged
+        s = self.book[layer]
+        used = {e: r for e, r in rows.items() if e in set(stream)}
+        s.prefill_lookahead_used += len(used)
+        return [(pool, used)] if used else []
+
+    def _stage_next(self, layer: int, x: torch.Tensor) -> None:
+        nxt = self.next_layer.get(layer)
+        if nxt is None or not self.options.prefetch:
+            return
+        predicted = [e for e in self._predict(nxt, x, limit=self.store.num_experts)
+                     if self.residency.lookup((nxt, e)) is None][:self.streamer.per_half]
+        if predicted:
+            pool, rows = self.streamer.load(nxt, predicted)
+            self.streamer.staged = (nxt, pool, rows)
+            self.book[nxt].prefill_lookahead += len(rows)
+
+    # ---- step boundaries ---------------------------------------------------------------------
+    def begin_step(self, info=None):
+        super().begin_step(info)
+        self._drop_lookahead()
+
+    def end_step(self):
+        self._drop_lookahead()
+        if self.residency.pins:
+            raise RuntimeError(f"expert runtime bug: pins left at end of step: {self.residency.pins}")
+        super().end_step()
+
+    def _drop_lookahead(self) -> None:
+        for layer, experts in self.prefetched.items():
+            self.book[layer].prefetch_unused += len(experts)
+        self.prefetched = {}
+        if self.streamer is not None:
+            self.streamer.staged = None
+
+    def resize(self, cache_slots: int) -> None:
+        """New slot cache (cold) between steps; host banks and the prefill buffer are kept."""
+        if self.sync.cuda:
+            torch.cuda.synchronize(self.device)  # no copy or kernel may still touch the old pool
+        self._build_cache(cache_slots)
+        self.options = type(self.options)(**{**self.options.__dict__, "cache_slots": cache_slots})
+
+    def stats(self):
+        self.copier.fold(block=True)
+        out = super().stats()
+        out["cache"] = {"slots": self.residency.num_slots, "resident": len(self.residency.slot_of),
+                        "prefill_slots_per_half": self.streamer.per_half if self.streamer else 0}
+        return out
+
+    def check_integrity(self) -> None:
+        self.residency.check_integrity()
+
+    def close(self):
+        if self.cpu is not None:
+            self.cpu.close()
+
+    # ---- CPU compute -----------------------------------------------------------------------
+    def _submit_cpu(self, layer, x, topk_w, groups, experts: list[int]):
+        for e in experts:
+            self.residency.note_miss((layer, e))
+        self.book[layer].cpu_experts += len(experts)
+        bank = self.store.bank(layer)
+        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e) for e in experts})
+
+
+@register
+class OffloadRuntime(CachedRuntime):
+    name = "offload"
+
+    def _decode(self, layer, x, topk_w, groups):
+        return self._device_rounds(layer, x, topk_w, groups, groups.experts,
+                                   after_first_copy=lambda: self._prefetch_next(layer, x))
+
+
+@register
+class CpuRuntime(CachedRuntime):
+    name = "cpu"
+    uses_cpu = True
+
+    def _decode(self, layer, x, topk_w, groups):
+        return self._submit_cpu(layer, x, topk_w, groups, groups.experts).result()
+
+
+def fetch_count(misses: int, frac: float) -> int:
+    """How many of `misses` to fetch over PCIe so both sides finish together: the integer f
+    minimising max(f * (1 - frac), (misses - f) * frac); frac = pcie / (pcie + cpu)."""
+    lo = int(misses * frac)
+    cost = lambda f: max(f * (1 - frac), (misses - f) * frac)  # noqa: E731
+    return min(misses, lo if cost(lo) <= cost(lo + 1) else lo + 1)
+
+
+@register
+class HybridRuntime(CachedRuntime):
+    name = "hybrid"
+    uses_cpu = True
+
+    def __init__(self, store, device, options):
+        super().__init__(store, device, options)
+        self.step = 0
+        self.last_seen: dict[tuple[int, int], int] = {}
+
+    def begin_step(self, info=None):
+        super().begin_step(info)
+        self.step += 1
+
+    def _decode(self, layer, x, topk_w, groups):
+        hits = [e for e in groups.experts if self.residency.lookup((layer, e)) is not None]
+        misses = [e for e in groups.experts if e not in set(hits)]
+        fetch = self._choose_fetch(layer, groups, misses)
+        on_cpu = [e for e in misses if e not in fetch]
+        job = self._submit_cpu(layer, x, topk_w, groups, on_cpu)  # first, so the CPU works meanwhile
+        out = self._device_rounds(layer, x, topk_w, groups, hits + sorted(fetch),
+                                  after_first_copy=lambda: self._prefetch_next(layer, x))
+        out.update(job.result())
+        for e in groups.experts:
+            self.last_seen[(layer, e)] = self.step
+        return out
+
+    def _choose_fetch(self, layer, groups, misses: list[int]) -> set[int]:
+        """Fetch the misses most tokens route to (a fetched expert serves them all from VRAM), then
+        the most recently seen (recurring experts earn a slot), then the lowest id."""
+        n = fetch_count(len(misses), self.options.hybrid_fetch_fraction)
+        count = dict(zip(groups.experts, groups.counts))
+        ranked = sorted(misses, key=lambda e: (-count[e], -self.last_seen.get((layer, e), 0), e))
+        return set(ranked[:n])

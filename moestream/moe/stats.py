@@ -1,0 +1,95 @@
+"""Expert-runtime statistics, per MoE layer and in total.
+
+hits / misses     decode-path experts found in / missing from the slot cache (one count per distinct
+                  expert per layer call; a fused runtime counts every expert as a hit)
+evictions         slots taken from another expert (counted against the evicted expert's layer)
+bytes_h2d, copies host -> device (slot pool or prefill buffer) bytes and expert copies; copy_s their time
+gpu_experts       expert computations from device memory; cpu_experts: from host banks on CPU
+expert_calls      distinct experts routed per layer call, summed: == gpu_experts + cpu_experts always
+prefetch_*        issued (copies started), hits (routed and resident thanks to a prefetch),
+                  unused (prefetched and not routed by the layer it was predicted for)
+prefill_*         prefill chunks: experts used from the slot cache (resident) or streamed through the
+                  double buffer (streamed, of which lookahead_used were loaded ahead by prediction
+                  out of lookahead issued); they do not touch hits/misses or the LRU order
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_h2d: int = 0
+    copies: int = 0
+    copy_s: float = 0.0
+    gpu_experts: int = 0
+    cpu_experts: int = 0
+    expert_calls: int = 0
+    routed: int = 0  # (token, expert) pairs
+    tokens: int = 0
+    prefetch_issued: int = 0
+    prefetch_hits: int = 0
+    prefetch_unused: int = 0
+    prefill_resident: int = 0
+    prefill_streamed: int = 0
+    prefill_lookahead: int = 0  # experts of layer l+1 streamed ahead while layer l computed
+    prefill_lookahead_used: int = 0
+
+    def add(self, other: "LayerStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def hit_rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+class StatsBook:
+    """Counters plus a short history of decode steps for the per-batch log line."""
+
+    def __init__(self, layers: list[int]):
+        self.layers = {layer: LayerStats() for layer in layers}
+        self._step_start = (0, 0)
+        self.last_step: dict | None = None  # hits/misses of the last finished decode step
+        self.window: list[tuple[int, int]] = []  # (hits, misses) of the last decode steps
+        self.residency = None  # when set, hits/misses/evictions are read from its counters
+
+    def _sync(self) -> None:
+        if self.residency is None:
+            return
+        for layer, c in self.residency.counts.items():
+            s = self.layers[layer]
+            s.hits, s.misses, s.evictions = c.hits, c.misses, c.evictions
+
+    def __getitem__(self, layer: int) -> LayerStats:
+        return self.layers[layer]
+
+    def total(self) -> LayerStats:
+        self._sync()
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    def begin_step(self) -> None:
+        t = self.total()
+        self._step_start = (t.hits, t.misses)
+
+    def end_step(self, decode: bool) -> None:
+        t = self.total()
+        h, m = t.hits - self._step_start[0], t.misses - self._step_start[1]
+        if decode and h + m:
+            self.last_step = {"hits": h, "misses": m, "hit_rate": h / (h + m)}
+            self.window = (self.window + [(h, m)])[-64:]
+
+    def recent_hit_rate(self) -> float | None:
+        return hit_rate(sum(h for h, _ in self.window), sum(m for _, m in self.window))
+
+    def as_dict(self) -> dict:
+        t = self.total()
+        return {"total": asdict(t), "layers": {str(k): asdict(v) for k, v in self.layers.items()},
+                "hit_rate": hit_rate(t.hits, t.misses), "recent_hit_rate": self.recent_hit_rate(),
+                "last_step": self.last_step}

@@ -1,0 +1,134 @@
+"""Every expert backend gives fused's greedy tokens, with a cache small enough to miss and evict."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+
+ARCHS = ["qwen3", "qwen35"]
+SP = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# 7-token chunks: prompts prefill over several steps, mixed with other requests' decode tokens
+# one CPU-expert thread: these tiny models are dominated by thread hand-offs, not arithmetic
+COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # the cpu/hybrid backends set torch's (process-wide) intra-op threads; put them back afterwards
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def fused_tokens(tiny_checkpoint):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            llm = LLM(tiny_checkpoint(arch), moe_backend="fused", **COMMON)
+            ps = prompts(llm.model_config.vocab_size)
+            cache[arch] = (ps, [o.token_ids for o in llm.generate(ps, SP)])
+        return cache[arch]
+
+    return get
+
+
+def run(tiny_checkpoint, arch, backend, **kw):
+    llm = LLM(tiny_checkpoint(arch), moe_backend=backend, **COMMON, **kw)
+    ps = prompts(llm.model_config.vocab_size)
+    return llm, [o.token_ids for o in llm.generate(ps, SP)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("backend,kw", [
+    ("offload", {"moe_cache_size": 3}),
+    ("offload", {"moe_cache_size": 12, "moe_prefetch": "off"}),
+    ("cpu", {}),
+    ("hybrid", {"moe_cache_size": 3}),
+])
+def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens):
+    ps, want = fused_tokens(arch)
+    llm, got = run(tiny_checkpoint, arch, backend, **kw)
+    assert got == want
+    st = llm.stats()
+    t = st["total"]
+    assert st["backend"] == backend == st["plan"]["backend"]
+    # every routed expert computed exactly once, on the device or on the CPU
+    assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"] > 0
+    for layer in st["layers"].values():
+        assert layer["gpu_experts"] + layer["cpu_experts"] == layer["expert_calls"]
+    if backend in ("offload", "hybrid"):
+        assert t["misses"] > 0 and t["evictions"] > 0 and t["hits"] > 0
+        assert t["bytes_h2d"] > 0 and t["copies"] * llm.engine.runtime.store.bytes_per_expert() == t["bytes_h2d"]
+        assert t["prefill_streamed"] > 0  # prefill chunks went through the double buffer
+        assert 0 <= st["hit_rate"] <= 1 and llm.engine.runtime.step_hit_rate() is not None
+        llm.engine.runtime.check_integrity()
+        assert st["cache"]["resident"] <= kw["moe_cache_size"]
+    if backend == "offload":
+        assert t["cpu_experts"] == 0
+    if backend == "cpu":
+        assert t["gpu_experts"] == 0 and t["hits"] == 0 and t["bytes_h2d"] == 0
+    if backend == "hybrid":
+        assert t["cpu_experts"] > 0 and t["gpu_experts"] > 0
+    if kw.get("moe_prefetch") == "off":
+        assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
+    elif backend in ("offload", "hybrid"):
+        assert t["prefetch_issued"] > 0
+        assert t["prefetch_hits"] + t["prefetch_unused"] <= t["prefetch_issued"]
+
+
+def test_hybrid_exactly_once_per_decode_step(tiny_checkpoint):
+    """Per layer call in decode: hits + misses == distinct routed experts == device + CPU computations
+    (a miss is either fetched or computed on CPU, never both)."""
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="hybrid", moe_cache_size=4, **COMMON)
+    rt = llm.engine.runtime
+    seen = []
+    orig = rt.forward
+
+    def spy(layer, x, ids, w):
+        before = rt.book.total()
+        y = orig(layer, x, ids, w)
+        after = rt.book.total()
+        if not rt.prefill_mode:
+            n = len(torch.unique(ids))
+            d = {k: getattr(after, k) - getattr(before, k) for k in ("hits", "misses", "gpu_experts", "cpu_experts")}
+            assert d["hits"] + d["misses"] == n == d["gpu_experts"] + d["cpu_experts"], d
+            seen.append(d)
+        return y
+
+    for block in llm.engine.model.moe_blocks():
+        block.runtime.forward = spy
+    llm.generate([[1, 2, 3], [7, 8, 9, 10]], SP)
+    assert seen and sum(d["cpu_experts"] for d in seen) > 0
+
+
+def test_prefill_streaming_keeps_decode_working_set(tiny_checkpoint):
+    """A long prefill through offload does not flush the cache: the resident set is unchanged by it."""
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="offload", moe_cache_size=6, **COMMON)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    rt = llm.engine.runtime
+    before = list(rt.residency.slot_of)
+    llm.generate([list(range(40))], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert list(rt.residency.slot_of) == before  # max_tokens=1: prefill steps only
+    assert rt.stats()["total"]["prefill_streamed"] > 0
+
+
+def test_stats_shape_and_resize(tiny_checkpoint):
+    llm, _ = run(tiny_checkpoint, "qwen35", "offload", moe_cache_size=4)
+    st = llm.stats()
+    assert set(st["layers"]) == {str(i) for i in range(4)}
+    assert st["plan"]["cache_slots"] == 4 and st["plan"]["residency"] == 4 / 32
+    assert "timing" in st and "copy_s" in st["total"]
+    rt = llm.engine.runtime
+    rt.resize(6)
+    _, again = run(tiny_checkpoint, "qwen35", "offload", moe_cache_size=4)
+    assert rt.stats()["cache"]["slots"] == 6
+    assert [o.token_ids for o in llm.generate(prompts(llm.model_config.vocab_size), SP)] == again

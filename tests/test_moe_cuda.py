@@ -1,0 +1,58 @@
+"""Expert backends on CUDA (skipped without a GPU): tokens equal fused, copies on the copy stream,
+pinned host banks, and `bench bw` measuring PCIe."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.cli import main
+
+pytestmark = pytest.mark.cuda
+SP = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+COMMON = dict(device="cuda", dtype="float32", chunked_prefill_size=7, max_running_requests=4)
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def tokens(llm):
+    ps = [[5 + i for i in range(n)] for n in (4, 17, 30)]
+    return [o.token_ids for o in llm.generate(ps, SP)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_cuda_backends_equal_fused(arch, tiny_checkpoint):
+    want = tokens(LLM(tiny_checkpoint(arch), moe_backend="fused", **COMMON))
+    for backend, kw in [("offload", {"moe_cache_size": 3}), ("offload", {"moe_cache_size": 5, "moe_prefetch": "off"}),
+                        ("hybrid", {"moe_cache_size": 3}), ("cpu", {})]:
+        llm = LLM(tiny_checkpoint(arch), moe_backend=backend, **COMMON, **kw)
+        assert tokens(llm) == want, (backend, kw)
+        t = llm.stats()["total"]
+        assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"]
+        if backend != "cpu":
+            assert t["misses"] > 0 and t["evictions"] > 0 and t["bytes_h2d"] > 0 and t["copy_s"] > 0
+            assert llm.engine.pinning["pinned_bytes"] > 0  # default pin budget pins these small banks
+        if backend == "cpu":
+            assert t["prefill_streamed"] > 0  # prefill chunks ran on the GPU through the double buffer
+        llm.engine.runtime.close()
+
+
+def test_cuda_pin_budget_zero_is_pageable_and_still_correct(tiny_checkpoint):
+    want = tokens(LLM(tiny_checkpoint("qwen3"), moe_backend="fused", **COMMON))
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="offload", moe_cache_size=4, pin_budget_gb=0, **COMMON)
+    assert llm.engine.pinning["pinned_bytes"] == 0
+    assert tokens(llm) == want
+
+
+def test_cuda_bench_bw(tmp_path):
+    out = tmp_path / "bw.json"
+    assert main(["bench", "bw", "--device", "cuda", "-o", str(out), "--experts", "16", "--iters", "3",
+                 "--host-mib", "64"]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["pcie_pinned_gbs"] > 1 and prof["pcie_pageable_gbs"] > 0 and prof["gpu_expert_gbs"] > 0
+    assert prof["recommended"] in ("offload", "hybrid")

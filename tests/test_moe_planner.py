@@ -1,0 +1,109 @@
+"""The memory planner (a pure function), bad sizes as clear errors, and `moestream bench bw`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moestream import LLM
+from moestream.cli import main
+from moestream.config import EngineConfig
+from moestream.core import ConfigError
+from moestream.moe.bench import load_profile
+from moestream.moe.planner import Bandwidths, Hardware, ModelSizes, plan_memory
+
+GiB = 1 << 30
+MiB = 1 << 20
+# a Qwen3.5-35B-A3B-like model in bf16: 40 layers x 256 experts of 6 MiB, 1.5 GiB dense
+BIG = ModelSizes(num_moe_layers=40, num_experts=256, top_k=8, expert_bytes=6 * MiB, dense_bytes=3 * GiB // 2,
+                 kv_bytes_per_token=20480, state_bytes=64 * MiB, workspace_bytes=512 * MiB,
+                 wanted_kv_tokens=1 << 17, min_kv_tokens=32)
+
+
+def gpu(free_gb, host_gb=128):
+    return Hardware("cuda", "Test GPU", int(free_gb * GiB), host_gb * GiB, host_gb * GiB - 2 * GiB, 16)
+
+
+def test_plan_offload_on_small_gpu_fills_budget():
+    p = plan_memory(BIG, gpu(8), EngineConfig(moe_backend="auto"))
+    assert p.backend == "offload" and "no bench profile" in p.reason
+    b = p.bytes
+    used = b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv
+    assert used <= b.budget == int(0.9 * 8 * GiB)
+    assert p.cache_slots > BIG.top_k and p.kv_tokens >= 8192 and 0 < p.residency < 1
+    assert p.prefill_slots == 64 and b.pin_budget > 0
+    d = p.as_dict()
+    assert d["cache_slots"] == p.cache_slots and d["bytes"]["kv"] == b.kv
+    assert "expert plan: backend offload" in p.describe()
+
+
+def test_auto_choices():
+    assert plan_memory(BIG, gpu(139), EngineConfig()).backend == "fused"
+    cpu = Hardware("cpu", "cpu", 400 * GiB, 512 * GiB, 400 * GiB, 32)
+    p = plan_memory(BIG, cpu, EngineConfig())
+    assert p.backend == "fused" and "CPU device" in p.reason
+    fast_cpu = Bandwidths(pcie_pinned_gbs=25.0, cpu_expert_gbs=40.0)
+    p = plan_memory(BIG, gpu(8), EngineConfig(), fast_cpu)
+    assert p.backend == "hybrid" and abs(p.hybrid_fetch_fraction - 25 / 65) < 1e-9
+    slow_cpu = Bandwidths(pcie_pinned_gbs=25.0, cpu_expert_gbs=2.0)
+    assert plan_memory(BIG, gpu(8), EngineConfig(), slow_cpu).backend == "offload"
+
+
+def test_gpu_memory_cap_and_rate():
+    p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="offload", gpu_memory_gb=6))
+    assert p.bytes.budget == 6 * GiB
+    p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="hybrid", moe_cache_rate=0.1))
+    assert p.cache_slots == 1024
+    p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="cpu"))
+    assert p.cache_slots == 0 and p.prefill_slots == 64 and p.bytes.experts_device == 0
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(moe_backend="offload", moe_cache_size=7), "below one layer's top-k"),
+    (dict(moe_backend="offload", moe_cache_rate=0.0001), "below one layer's top-k"),
+    (dict(moe_backend="offload", gpu_memory_gb=1.0), "does not cover dense weights"),
+    (dict(moe_backend="fused"), "use --moe-backend offload"),
+    (dict(moe_backend="offload", moe_cache_size=5000), "lower --moe-cache-size"),
+])
+def test_bad_sizes_are_clear_errors(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_memory(BIG, gpu(8), EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(pin_budget_gb=-1), "--pin-budget-gb"),
+    (dict(gpu_memory_gb=-2), "--gpu-memory-gb"),
+    (dict(moe_cache_size=-3), "--moe-cache-size"),
+])
+def test_negative_sizes_rejected(opts, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**opts)
+
+
+def test_engine_rejects_cache_below_top_k(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="top-k"):
+        LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", moe_backend="offload", moe_cache_size=1)
+    with pytest.raises(ConfigError, match="does not cover"):
+        LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", gpu_memory_gb=0.001)
+
+
+def test_bench_bw_on_cpu_writes_profile(tmp_path, monkeypatch, capsys):
+    import torch
+
+    threads = torch.get_num_threads()  # the bench sets torch's process-wide threads; restore them
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rc = main(["bench", "bw", "--device", "cpu", "--hidden", "128", "--inter", "64", "--experts", "4",
+               "--top-k", "2", "--host-mib", "8", "--iters", "1", "--dtype", "float32", "--cpu-threads", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "host memory read" in out and "n/a" in out and "auto would choose" in out
+    prof = json.loads((tmp_path / "moestream" / "benchbw.json").read_text())
+    assert prof["host_read_gbs"] > 0 and prof["cpu_expert_gbs"] > 0 and prof["pcie_pinned_gbs"] is None
+    assert torch.get_num_threads() == threads
+    assert load_profile(torch.device("cpu")) == prof  # what the engine reads
+    other = tmp_path / "x.json"
+    assert main(["bench", "bw", "--device", "cpu", "-o", str(other), "--hidden", "64", "--inter", "32",
+                 "--experts", "2", "--top-k", "2", "--host-mib", "4", "--iters", "1", "--dtype", "float32",
+                 "--cpu-threads", "1"]) == 0
+    assert json.loads(other.read_text())["geometry"]["hidden"] == 64
