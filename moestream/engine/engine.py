@@ -110,6 +110,29 @@ class Engine:
             block.runtime = self.runtime
         return model.eval()
 
+    def reconfigure_experts(self, **changes) -> MoePlan:
+        """Re-plan expert placement on the loaded weights (backend, --gpu-memory-gb, cache size...):
+        a new runtime over the same master copies, moved between host and device as the backend needs.
+        The KV and state pools are kept as they are. Used by benchmarks to sweep without reloading."""
+        old = self.runtime
+        store = old.store
+        old.close()
+        self.ecfg = self.ecfg.replace(**changes)
+        self.plan = self._plan_memory(self.model, store.fmt)
+        home = self.device if self.plan.backend == "fused" else torch.device("cpu")
+        if store.device != home:
+            store = store.moved_to(home)
+            if home.type == "cpu" and self.device.type == "cuda":
+                self.pinning = store.pin_host(self.plan.bytes.pin_budget)
+        del old
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.runtime = build_runtime(self.plan.backend, store, self.device, self.plan.runtime_options())
+        self.runtime.attach_routers({b.layer: b.gate for b in self.model.moe_blocks()})
+        for block in self.model.moe_blocks():
+            block.runtime = self.runtime
+        return self.plan
+
     def _plan_memory(self, model, fmt) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
         cfg, e = self.cfg, self.ecfg

@@ -194,6 +194,13 @@ def random_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig,
     tens of GB of random numbers would dominate a benchmark's start-up; routing stays per-layer
     random because routers are drawn independently."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict = {}  # one generator per device: drawing on the GPU keeps start-up short at full size
+
+    def randn(shape, device):
+        if device not in gens:
+            gens[device] = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=gens[device], device=device)
+
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") and "linear_attn" not in name:
             p.fill_(0.0 if cfg.norm_zero_centered else 1.0)
@@ -204,7 +211,7 @@ def random_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig,
         elif name.endswith("dt_bias"):
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=g) * std)
+            p.copy_(randn(p.shape, p.device) * std)
     pool: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(store.moe_layers):
         for name, bank in store.banks.items():

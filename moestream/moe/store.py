@@ -117,6 +117,18 @@ class ExpertStore:
                         len(self.moe_layers), budget_bytes / GiB)
         return {"pinned_bytes": pinned, "pageable_bytes": rest, "pinned_layers": layers}
 
+    def moved_to(self, device: torch.device | str) -> "ExpertStore":
+        """A copy of this store on another device, bank by bank (the source banks are released as they
+        are copied, so peak memory grows by one bank, not by a whole second store)."""
+        out = ExpertStore.__new__(ExpertStore)
+        out.__dict__.update(self.__dict__)
+        out.device = torch.device(device)
+        out.banks = {name: {} for name in self.banks}
+        for name, layers in self.banks.items():
+            for layer in list(layers):
+                out.banks[name][layer] = layers.pop(layer).to(out.device)
+        return out
+
     def bytes_per_expert(self) -> int:
         return self.fmt.bytes_per_expert(self.hidden, self.inter)
 
