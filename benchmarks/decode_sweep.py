@@ -133,10 +133,13 @@ def summarize(run: dict, backend: str, A: float, D: float, bw: dict, steps_token
     h = hits / (hits + misses) if hits + misses else (1.0 if backend == "fused" else 0.0)
     toks = max(run["decode_tokens"], 1)
     copy_s = s.get("copy_s", 0.0)
+    # the measured generate() also prefills its prompts: their streamed experts are not decode traffic
+    bpe = A / (8 * 40)
+    decode_bytes = s.get("bytes_h2d", 0) - (s.get("prefill_streamed", 0) + s.get("prefill_lookahead", 0)) * bpe
     run.update({
         "hit_rate": h,
-        "pcie_bytes_per_token": s.get("bytes_h2d", 0) / toks,
-        "pcie_gbs_achieved": s.get("bytes_h2d", 0) / run["decode_s"] / 1e9 if run["decode_s"] else 0.0,
+        "pcie_bytes_per_token": decode_bytes / toks,
+        "pcie_gbs_achieved": decode_bytes / run["decode_s"] / 1e9 if run["decode_s"] else 0.0,
         "copy_busy_gbs": s.get("bytes_h2d", 0) / copy_s / 1e9 if copy_s else None,
         "cpu_expert_gbs": s.get("cpu_experts", 0) * A / (8 * 40) / run["decode_s"] / 1e9 if run["decode_s"] else 0.0,
     })
@@ -144,8 +147,21 @@ def summarize(run: dict, backend: str, A: float, D: float, bw: dict, steps_token
         b = bound_s(backend, h, A, D, bw)
         run["bound_tok_s"] = 1.0 / b if b else None
         run["measured_over_bound"] = run["decode_tok_s_agg"] / run["bound_tok_s"] if b else None
-    run.pop("stats")
     return run
+
+
+def profile_decode(llm, vocab: int, steps: int = 6) -> None:
+    """Where one decode step's time goes: torch profiler, top ops by self CPU and CUDA time."""
+    from moestream import SamplingParams
+
+    ids = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(5)).tolist()
+    llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        llm.generate([ids], SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
 
 
 def main() -> None:
@@ -159,6 +175,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--out", default="sweep.json")
+    ap.add_argument("--profile", action="store_true", help="profile decode at the first (backend, cap)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from moestream import LLM
@@ -167,8 +184,8 @@ def main() -> None:
     dev = torch.device(args.device)
     t0 = time.perf_counter()
     first_backend = args.backends.split(",")[0]
-    llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=first_backend,
-              gpu_memory_gb=float(args.caps.split(",")[0]) if dev.type == "cuda" else None,
+    first_cap = float(args.caps.split(",")[0]) if dev.type == "cuda" and first_backend != "fused" else None
+    llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=first_backend, gpu_memory_gb=first_cap,
               max_running_requests=6, num_tokens=32768, chunked_prefill_size=2048, max_seq_len_override=8192)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     bw = measure_bandwidths(dev)
@@ -180,7 +197,8 @@ def main() -> None:
     D = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) - embed
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bw, "A_bytes": A, "D_bytes": D,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
-    plan = [(b, float(c)) for b in args.backends.split(",") for c in args.caps.split(",")]
+    plan = [(b, None if b == "fused" else float(c)) for b in args.backends.split(",")
+            for c in (args.caps.split(",") if b != "fused" else ["0"])]
     if not args.no_fused:
         plan.append(("fused", None))
     for backend, cap in plan:
@@ -201,6 +219,8 @@ def main() -> None:
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
         print(f"{backend} cap {cap}: {time.perf_counter() - t:.0f} s", flush=True)
+        if args.profile and (backend, cap) == plan[0]:
+            profile_decode(llm, mc.vocab_size)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     print_table(results)
