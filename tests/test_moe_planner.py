@@ -107,3 +107,13 @@ def test_bench_bw_on_cpu_writes_profile(tmp_path, monkeypatch, capsys):
                  "--experts", "2", "--top-k", "2", "--host-mib", "4", "--iters", "1", "--dtype", "float32",
                  "--cpu-threads", "1"]) == 0
     assert json.loads(other.read_text())["geometry"]["hidden"] == 64
+
+
+def test_explicit_num_tokens_is_reserved_before_expert_slots():
+    """An explicit --num-tokens is honoured first and the expert cache takes what is left (the cache
+    used to be sized first and leave too little for the asked KV pool: seen on the H200 sweep)."""
+    p = plan_memory(BIG, gpu(140), EngineConfig(moe_backend="offload", gpu_memory_gb=24, num_tokens=32768))
+    b = p.bytes
+    assert p.kv_tokens == 32768 and b.kv == 32768 * BIG.kv_bytes_per_token
+    assert p.cache_slots > BIG.top_k
+    assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv <= b.budget

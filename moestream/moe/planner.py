@@ -166,7 +166,7 @@ def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: 
         return "fused", "dense model: no routed experts"
     if hw.device == "cpu":
         return "fused", "CPU device: experts are computed in place from host memory, a cache would only copy"
-    need = m.total_experts * m.expert_bytes + min(m.wanted_kv_tokens, KV_RESERVE_TOKENS) * m.kv_bytes_per_token
+    need = m.total_experts * m.expert_bytes + _kv_reserve(m, e) * m.kv_bytes_per_token
     if need <= free:
         return "fused", f"all {m.total_experts} experts ({need / GiB:.2f} GiB with KV reserve) fit the budget"
     if bw is None or not bw.pcie_pinned_gbs:
@@ -191,7 +191,7 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
     if backend == "cpu":
         # on a GPU, prefill chunks still run on the device through the double buffer
         return 0, (top if hw.device == "cuda" else 0)
-    reserve = min(m.wanted_kv_tokens, KV_RESERVE_TOKENS) * m.kv_bytes_per_token
+    reserve = _kv_reserve(m, e) * m.kv_bytes_per_token
     slots = _cache_slots(m, e, free - reserve - 2 * top * m.expert_bytes)
     prefill = max(min(slots // 4, top), min(m.top_k, top))
     need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token
@@ -219,6 +219,11 @@ def _cache_slots(m: ModelSizes, e, room: int) -> int:
         raise ConfigError(f"{what} is below one layer's top-k ({k}): a decode step needs {k} experts of a layer "
                           f"on the device at once; use at least {k} slots or --moe-backend cpu")
     return min(slots, total)
+
+
+def _kv_reserve(m: ModelSizes, e) -> int:
+    """KV tokens set aside before expert slots are sized: an explicit --num-tokens is honoured first."""
+    return e.num_tokens if e.num_tokens is not None else min(m.wanted_kv_tokens, KV_RESERVE_TOKENS)
 
 
 def _kv_tokens(m: ModelSizes, e, room: int) -> int:
