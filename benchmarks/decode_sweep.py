@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--profile", action="store_true", help="profile decode at the first (backend, cap)")
+    ap.add_argument("--prefetch", default="on", help="on, off or on,off (each (backend, cap) run with each)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from moestream import LLM
@@ -197,15 +198,15 @@ def main() -> None:
     D = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) - embed
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bw, "A_bytes": A, "D_bytes": D,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
-    plan = [(b, None if b == "fused" else float(c)) for b in args.backends.split(",")
-            for c in (args.caps.split(",") if b != "fused" else ["0"])]
+    plan = [(b, None if b == "fused" else float(c), pf) for b in args.backends.split(",")
+            for c in (args.caps.split(",") if b != "fused" else ["0"]) for pf in args.prefetch.split(",")]
     if not args.no_fused:
         plan.append(("fused", None))
-    for backend, cap in plan:
+    for backend, cap, prefetch in plan:
         t = time.perf_counter()
         try:
             p = llm.engine.reconfigure_experts(moe_backend=backend, gpu_memory_gb=cap if dev.type == "cuda" else None,
-                                               moe_cache_size=None)
+                                               moe_cache_size=None, moe_prefetch=prefetch)
         except Exception as e:  # a plan that does not fit is a result too
             print(f"{backend} cap {cap}: {type(e).__name__}: {e}", flush=True)
             results["runs"].append({"backend": backend, "cap_gb": cap, "error": str(e)})
@@ -214,12 +215,12 @@ def main() -> None:
         for bs in (int(x) for x in args.batch.split(",")):
             r = decode_run(llm, bs, 32, args.new_tokens, mc.vocab_size)
             r = summarize(r, backend, A, D, bw, args.new_tokens)
-            r.update(backend=backend, cap_gb=cap, slots=p.cache_slots if hasattr(p, "cache_slots") else None,
+            r.update(backend=backend, cap_gb=cap, prefetch=prefetch, slots=p.cache_slots if hasattr(p, "cache_slots") else None,
                      residency=p.residency, **(pre if bs == 1 else {}))
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
         print(f"{backend} cap {cap}: {time.perf_counter() - t:.0f} s", flush=True)
-        if args.profile and (backend, cap) == plan[0]:
+        if args.profile and (backend, cap, prefetch) == plan[0]:
             profile_decode(llm, mc.vocab_size)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -234,7 +235,7 @@ def print_table(results: dict) -> None:
             print(f"{r['backend']:8} {r['cap_gb']!s:>5}  error: {r['error'][:80]}")
             continue
         f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
-        print(f"{r['backend']:8} {f(r['cap_gb'], '5.0f')} {r['bs']:3d} {r['decode_tok_s_agg']:9.1f} "
+        print(f"{r['backend'] + ('' if r.get('prefetch', 'on') == 'on' else '-nopf'):8} {f(r['cap_gb'], '5.0f')} {r['bs']:3d} {r['decode_tok_s_agg']:9.1f} "
               f"{r['decode_tok_s_per_req']:9.1f} {r['hit_rate']:5.2f} {r['pcie_bytes_per_token'] / 1e6:7.1f} "
               f"{r['pcie_gbs_achieved']:9.1f} {f(r.get('prefill_tok_s'), '8.0f')} {f(r.get('ttft_s'), '7.2f')} "
               f"{f(r.get('bound_tok_s'), '7.1f')} {f(r.get('measured_over_bound'), '8.2f')}")

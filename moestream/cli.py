@@ -26,7 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
     m.add_argument("--moe-cache-rate", type=float, default=None, help="fraction of all experts kept in VRAM")
     m.add_argument("--moe-cpu-threads", type=int, default=0, help="threads for CPU experts (0: one per core)")
-    m.add_argument("--moe-prefetch", default="on", choices=["on", "off"], help="prefetch next layer's experts")
+    m.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
+                   help="decode: copy layer l+1's predicted experts while layer l computes (off: measured slower "
+                        "on an H200 until the decode step is graph-captured)")
     m.add_argument("--pin-budget-gb", type=float, default=None, help="host RAM to pin for expert banks")
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
 

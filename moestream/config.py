@@ -298,7 +298,9 @@ class EngineConfig:
     moe_cache_size: int | None = None
     moe_cache_rate: float | None = None
     moe_cpu_threads: int = 0
-    moe_prefetch: str = "on"
+    # off by default: measured on the H200 (benchmarks/RESULTS.md) it slows decode while the decode path
+    # is launch-bound, and a third of its copies go unused
+    moe_prefetch: str = "off"
     pin_budget_gb: float | None = None
     tp_size: int = 1
     seed: int = 0

@@ -49,10 +49,11 @@ def run(tiny_checkpoint, arch, backend, **kw):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend,kw", [
-    ("offload", {"moe_cache_size": 3}),
+    ("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}),
     ("offload", {"moe_cache_size": 12, "moe_prefetch": "off"}),
+    ("offload", {"moe_cache_size": 10}),  # the default (prefetch off)
     ("cpu", {}),
-    ("hybrid", {"moe_cache_size": 3}),
+    ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
 ])
 def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens):
     ps, want = fused_tokens(arch)
@@ -78,7 +79,7 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
         assert t["gpu_experts"] == 0 and t["hits"] == 0 and t["bytes_h2d"] == 0
     if backend == "hybrid":
         assert t["cpu_experts"] > 0 and t["gpu_experts"] > 0
-    if kw.get("moe_prefetch") == "off":
+    if kw.get("moe_prefetch", "off") == "off":
         assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
     elif backend in ("offload", "hybrid"):
         assert t["prefetch_issued"] > 0

@@ -28,7 +28,7 @@ def tokens(llm):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
 def test_cuda_backends_equal_fused(arch, tiny_checkpoint):
     want = tokens(LLM(tiny_checkpoint(arch), moe_backend="fused", **COMMON))
-    for backend, kw in [("offload", {"moe_cache_size": 3}), ("offload", {"moe_cache_size": 5, "moe_prefetch": "off"}),
+    for backend, kw in [("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}), ("offload", {"moe_cache_size": 5, "moe_prefetch": "off"}),
                         ("hybrid", {"moe_cache_size": 3}), ("cpu", {})]:
         llm = LLM(tiny_checkpoint(arch), moe_backend=backend, **COMMON, **kw)
         assert tokens(llm) == want, (backend, kw)
