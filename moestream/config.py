@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -343,7 +343,7 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"--linear-state-dtype must be float32, bfloat16 or float16")
+            raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

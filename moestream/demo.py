@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import zlib
@@ -67,8 +66,9 @@ PREFIX = "model.language_model."
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moestream" / "demo"
+    from .env import cache_dir
+
+    return cache_dir() / "demo"
 
 
 def ensure_demo_checkpoint(folder: str | Path | None = None) -> Path:

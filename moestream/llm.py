@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from .config import EngineConfig, ModelConfig
 from .core import RequestError, RequestOutput, SamplingParams, next_request_id

@@ -115,7 +115,6 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
     def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state):
-        L = mixed.shape[0]
         w = self.conv1d.weight  # [conv_dim, 1, K]
         window = torch.cat([conv_state[slot].to(mixed.dtype), mixed.t()], dim=-1)  # [conv_dim, K-1+L]
         conv_state[slot] = window[:, -(self.kernel - 1):].to(conv_state.dtype)

@@ -18,7 +18,6 @@ import re
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..config import ModelConfig

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -28,8 +27,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def default_profile_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moestream" / "benchbw.json"
+    from ..env import cache_dir
+
+    return cache_dir() / "benchbw.json"
 
 
 def device_name(device: torch.device) -> str:

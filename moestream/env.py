@@ -1,0 +1,11 @@
+"""The one module that reads the environment (DESIGN.md §2)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """moestream's cache folder: $XDG_CACHE_HOME/moestream, else ~/.cache/moestream."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moestream"
