@@ -225,7 +225,10 @@ class EngineLoop:
         tput = iv["tokens"] / iv["seconds"] if iv["seconds"] else 0.0
         self.interval = {"tokens": 0, "seconds": 0.0}
         used_tokens = sum(r.num_tokens for r in self.scheduler.running)
-        hit = _hit_rate(self._runtime_stats())
+        rt = self._runtime_stats() or {}
+        # the recent window (last 64 decode steps) says what the cache does now; the total hides changes
+        recent = rt.get("recent_hit_rate")
+        hit = float(recent) if isinstance(recent, (int, float)) else _hit_rate(rt)
         hit_txt = f", expert hit rate: {hit:.2f}" if hit is not None else ""
         log.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s#queue-req: %d, "
                  "gen throughput (token/s): %.2f%s", s["running"], used_tokens, s["kv"]["usage"], extra,

@@ -248,7 +248,8 @@ def test_api_key_required(server):
             model="m", max_tokens=2, messages=msgs("hi"))
 
 
-def test_metrics_and_batch_logs(server, http):
+def test_metrics_and_batch_logs(server, http, oai):
+    oai.chat.completions.create(model=MODEL, messages=msgs("hi"), max_tokens=3)  # so there is a TTFT to report
     text = httpx.get(server["url"] + "/metrics").text
     assert "moestream_generation_tokens_total" in text and "moestream_kv_cache_usage_ratio" in text
     s = _stats(http)
@@ -256,6 +257,7 @@ def test_metrics_and_batch_logs(server, http):
     server["log"].flush()
     log = Path(server["log"].name).read_text()
     assert "Prefill batch, #new-seq:" in log and "gen throughput (token/s):" in log and "#queue-req:" in log
+    assert "expert hit rate: " in log  # the expert runtime's recent hit rate is on every decode line
 
 
 def test_sigterm_stops_server_and_engine(server, http):
