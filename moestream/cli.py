@@ -30,12 +30,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode: copy layer l+1's predicted experts while layer l computes (off: measured slower "
                         "on an H200 until the decode step is graph-captured)")
     m.add_argument("--pin-budget-gb", type=float, default=None, help="host RAM to pin for expert banks")
+    m.add_argument("--moe-expert-format", default="auto", choices=["auto", "dense"],
+                   help="auto: GGUF block-quantized experts stay compressed in RAM, copies and VRAM slots; "
+                        "dense: dequantize them to the model dtype at load")
     m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
 
 
 ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override", "num_tokens", "page_size",
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
-               "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "tp_size")
+               "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
+               "tp_size")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

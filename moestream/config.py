@@ -302,6 +302,9 @@ class EngineConfig:
     # is launch-bound, and a third of its copies go unused
     moe_prefetch: str = "off"
     pin_budget_gb: float | None = None
+    # auto: routed experts stay in the checkpoint's compressed format (GGUF block types) in host banks,
+    # copies and device slots; dense: dequantize them to the model dtype at load
+    moe_expert_format: str = "auto"
     tp_size: int = 1
     seed: int = 0
     revision: str | None = None
@@ -326,6 +329,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
+        if self.moe_expert_format not in ("auto", "dense"):
+            raise ConfigError(f"--moe-expert-format must be auto or dense, got {self.moe_expert_format!r}")
         if self.moe_cache_size is not None and self.moe_cache_rate is not None:
             raise ConfigError("give either --moe-cache-size or --moe-cache-rate, not both")
         if self.moe_cache_rate is not None and not (0.0 < self.moe_cache_rate <= 1.0):

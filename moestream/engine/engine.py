@@ -17,7 +17,7 @@ from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError
 from ..kvcache import KVPool, StatePool
 from ..layers.rotary import Rotary
-from ..models.loader import load_weights
+from ..models.loader import expert_format_for, load_weights
 from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
@@ -95,7 +95,8 @@ class Engine:
             model = QwenMoeModel(self.cfg)
         model = model.to_empty(device=self.device).to(self.dtype)
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
-        fmt = dense_format(self.dtype)
+        fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
+        fmt = fmt or dense_format(self.dtype)
         self.plan = self._plan_memory(model, fmt)
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")

@@ -3,7 +3,9 @@
 Architectures: `llama`, `qwen3moe`, `qwen35moe` (Qwen3.5/3.6-MoE). The metadata becomes an HF-style
 config dict (so `ModelConfig.from_hf` validates it like any checkpoint), the embedded tokenizer and
 chat template become a `Tokenizer`, and tensors are renamed to HF names and dequantized with
-`moestream.quant` (bit-identical to gguf.quants).
+`moestream.quant` (bit-identical to gguf.quants). Routed experts of a block-quantized type stay
+compressed: their bytes go to the expert store as is (`expert_format`, `ExpertStore.put_raw`) and are
+dequantized inside the expert computation.
 
 llama.cpp conventions undone here:
 - llama: q/k rows were permuted for interleaved RoPE; we use the HF (neox) layout, so un-permute.
@@ -162,7 +164,11 @@ class GGUFCheckpoint:
         params = dict(model.named_parameters())
         seen: set[str] = set()
         experts: dict[int, dict[str, torch.Tensor]] = {}
+        raw_experts = getattr(store.fmt, "quantized", False)
         for t in self.reader.tensors:
+            if raw_experts and (m := EXPERTS.match(t.name)):
+                self._put_raw_experts(store, int(m[1]), m[2], t)
+                continue
             if m := EXPERTS.match(t.name):
                 experts.setdefault(int(m[1]), {})[m[2]] = self._dequant(t)
                 self._put_experts(store, int(m[1]), experts[int(m[1])], t.name)
@@ -211,6 +217,50 @@ class GGUFCheckpoint:
                 return w.reshape(1, -1)
             return _untile_value_heads(leaf, w, cfg)
         return w
+
+    # ---- compressed routed experts ----------------------------------------------------------
+    def expert_types(self) -> dict[str, str] | None:
+        """{"gate"|"up"|"down": GGUF type} when every routed-expert tensor is a block-quantized type
+        moestream.quant reads, with one type per array over all layers; else None (dense path).
+        Checkpoints whose per-layer types differ (e.g. Q4_K_M's Q6_K down in some layers) take the dense path."""
+        from ..quant import GGUF_FORMATS
+
+        types: dict[str, set[str]] = {}
+        for t in self.reader.tensors:
+            if m := EXPERTS.match(t.name):
+                types.setdefault(m[2], set()).add(self.reader.type_name(t))
+        if sorted(types) != ["down", "gate", "up"] or any(len(v) != 1 for v in types.values()):
+            return None
+        out = {k: next(iter(v)) for k, v in types.items()}
+        if any(v not in GGUF_FORMATS or v in ("F32", "F16", "BF16") for v in out.values()):
+            return None
+        return out
+
+    def expert_format(self, cfg: ModelConfig):
+        """The expert format of this file's routed experts: GGUF rows, or None (dequantize at load)."""
+        from ..moe.formats import gguf_expert_format
+        from ..quant import QuantFormatError
+
+        types = self.expert_types() if cfg.num_experts else None
+        if types is None:
+            return None
+        try:
+            fmt = gguf_expert_format(types, cfg.hidden_size, cfg.moe_intermediate_size)
+            fmt.shapes(cfg.hidden_size, cfg.moe_intermediate_size)  # row lengths fit the block size
+        except QuantFormatError:
+            return None
+        return fmt
+
+    def _put_raw_experts(self, store, layer: int, proj: str, t) -> None:
+        kind = self.reader.type_name(t)
+        want = dict(store.fmt.types).get(proj)
+        if kind != want:
+            raise CheckpointError(f"tensor {t.name} has GGUF type {kind}; the expert format {store.fmt.name} "
+                                  f"expects {want}")
+        with warnings.catch_warnings():  # the mmap is read-only; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(t.data)
+        store.put_raw(layer, proj, raw, t.name)
 
     def _put_experts(self, store, layer: int, parts: dict, tensor_name: str) -> None:
         if "down" in parts:

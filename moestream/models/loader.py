@@ -113,6 +113,15 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_pretrained(path)
 
 
+def expert_format_for(cfg: ModelConfig, folder: Path | None):
+    """The checkpoint's own routed-expert format when it keeps experts compressed (GGUF block types),
+    else None: the engine then uses the dense format of its dtype."""
+    from .gguf_loader import find_gguf, open_gguf
+
+    gguf_path = find_gguf(folder) if folder is not None else None
+    return open_gguf(gguf_path).expert_format(cfg) if gguf_path is not None else None
+
+
 def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path | None) -> None:
     """folder None: random weights made in memory (benchmarks of full-size shapes without files)."""
     from .gguf_loader import find_gguf, open_gguf

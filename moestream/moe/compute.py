@@ -1,6 +1,7 @@
 """Routed-expert computation: `(x, route, weights) -> y`, on the compute device and on CPU threads.
 
-Shapes: x [T, H]; topk_ids, topk_w [T, k]; one expert's arrays gate_up [2I, H], down [H, I].
+Shapes: x [T, H]; topk_ids, topk_w [T, k]; one expert's arrays gate_up [2I, H], down [H, I] (a
+quantized format's rows are dequantized to x's dtype by `WeightRef.arrays` just before the GEMMs).
 
 Every placement computes per-expert partial outputs `{expert: [n_e, H]}` wherever the expert's weights
 are (slot pool, prefill buffer, device bank or host bank) and `accumulate` sums them into y in
@@ -19,16 +20,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .formats import ExpertFormat
+
 
 @dataclass(frozen=True)
 class WeightRef:
-    """Expert weights at row `index` of every array in `bank` (name -> [N, ...] tensor)."""
+    """Expert weights at row `index` of every array in `bank` (name -> [N, ...] tensor), stored in
+    `fmt` (None: dense gate_up/down). Quantized rows are dequantized here, where they are (slot pool
+    or prefill buffer on the device, host bank on CPU), into the activation dtype."""
 
     bank: dict
     index: int
+    fmt: ExpertFormat | None = None
 
-    def arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bank["gate_up"][self.index], self.bank["down"][self.index]
+    def arrays(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fmt is None or not self.fmt.quantized:
+            return self.bank["gate_up"][self.index], self.bank["down"][self.index]
+        return self.fmt.dense({name: a[self.index] for name, a in self.bank.items()}, dtype or torch.float32)
 
 
 @dataclass
@@ -77,7 +85,7 @@ def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
     out = {}
     for e, ref in refs.items():
         rows, pos = groups.members(where[e])
-        gate_up, down = ref.arrays()
+        gate_up, down = ref.arrays(x.dtype)
         out[e] = expert_mlp(x[rows], gate_up, down) * topk_w[rows, pos, None]
     return out
 

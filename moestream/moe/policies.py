@@ -33,7 +33,7 @@ class FusedRuntime(ExpertRuntime):
         s.hits += len(groups.experts)
         s.gpu_experts += len(groups.experts)
         bank = self.store.bank(layer)
-        refs = {e: WeightRef(bank, e) for e in groups.experts}
+        refs = {e: WeightRef(bank, e, self.store.fmt) for e in groups.experts}
         return accumulate(x, groups, self.gpu.compute(x, topk_w, groups, refs))
 
 
@@ -220,7 +220,7 @@ class CachedRuntime(ExpertRuntime):
             self.residency.note_miss((layer, e))
         self.book[layer].cpu_experts += len(experts)
         bank = self.store.bank(layer)
-        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e) for e in experts})
+        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, self.store.fmt) for e in experts})
 
 
 @register

@@ -2,7 +2,9 @@
 
 The loader hands expert tensors here (never to the model's state dict). Tensors may arrive one
 expert at a time (`experts.N.gate_proj.weight`) or stacked (`experts.gate_up_proj`); either way the
-store ends with gate_up [E, 2I, H] and down [E, H, I] per MoE layer on its home device.
+store ends with gate_up [E, 2I, H] and down [E, H, I] per MoE layer on its home device. A quantized
+format (moe/formats.py) has its own arrays instead, e.g. GGUF rows gate/up/down [E, nbytes] uint8
+filled by `put_raw` with the checkpoint's compressed bytes.
 """
 from __future__ import annotations
 
@@ -24,24 +26,36 @@ class ExpertStore:
         self.moe_layers = list(moe_layers)
         self.num_experts, self.hidden, self.inter, self.fmt = num_experts, hidden, inter, fmt
         self.device = torch.device(device)
-        shapes = fmt.shapes(hidden, inter)
+        specs = fmt.arrays(hidden, inter)
         self.banks: dict[str, dict[int, torch.Tensor]] = {}
-        for name, shape in shapes.items():
+        for name, (shape, dtype) in specs.items():
             self.banks[name] = {
-                layer: torch.empty((num_experts, *shape), dtype=fmt.dtype, device=self.device, pin_memory=pin)
+                layer: torch.empty((num_experts, *shape), dtype=dtype, device=self.device, pin_memory=pin)
                 for layer in self.moe_layers
             }
         # filled[name][layer] is a bool per expert (and per half of gate_up) so missing tensors are found.
         self._filled = {(name, layer): torch.zeros(num_experts, 2 if name == "gate_up" else 1, dtype=torch.bool)
-                        for name in shapes for layer in self.moe_layers}
+                        for name in specs for layer in self.moe_layers}
 
     # ---- filling -------------------------------------------------------------------------
     def put_stacked(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str) -> None:
         bank = self._bank(layer, name, tensor_name)
         if tuple(tensor.shape) != tuple(bank.shape):
             raise CheckpointError(f"tensor {tensor_name} has shape {tuple(tensor.shape)}, expected {tuple(bank.shape)}")
+        if bank.dtype == torch.uint8 and tensor.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {tensor_name} has dtype {tensor.dtype}; the {self.fmt.name} expert "
+                                  f"format stores its raw bytes (uint8)")
         bank.copy_(tensor)
         self._filled[(name, layer)][:] = True
+
+    def put_raw(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str) -> None:
+        """Compressed bytes of all experts of one array (any shape with E * nbytes uint8 elements)."""
+        bank = self._bank(layer, name, tensor_name)
+        if tensor.dtype != torch.uint8 or tensor.numel() != bank.numel():
+            raise CheckpointError(f"tensor {tensor_name} holds {tensor.numel()} {tensor.dtype} elements; the "
+                                  f"{self.fmt.name} bank {name} expects {bank.numel()} bytes "
+                                  f"({self.num_experts} experts x {bank.shape[1]})")
+        self.put_stacked(layer, name, tensor.reshape(bank.shape), tensor_name)
 
     def put_expert(self, layer: int, expert: int, proj: str, tensor: torch.Tensor, tensor_name: str) -> None:
         """proj is gate_proj, up_proj or down_proj of one expert."""
@@ -64,6 +78,9 @@ class ExpertStore:
         self._filled[key][expert, mark] = True
 
     def _bank(self, layer: int, name: str, tensor_name: str) -> torch.Tensor:
+        if name not in self.banks:
+            raise CheckpointError(f"tensor {tensor_name}: the {self.fmt.name} expert format has no array {name!r} "
+                                  f"(arrays: {', '.join(self.banks)})")
         if layer not in self.banks[name]:
             raise CheckpointError(f"unexpected tensor {tensor_name}: layer {layer} has no routed experts")
         return self.banks[name][layer]
@@ -73,8 +90,8 @@ class ExpertStore:
         out = []
         for (name, layer), f in self._filled.items():
             for e in (~f).any(-1).nonzero().flatten().tolist():
-                if name == "down":
-                    out.append(f"{prefix_of(layer)}mlp.experts.{e}.down_proj.weight")
+                if name != "gate_up":
+                    out.append(f"{prefix_of(layer)}mlp.experts.{e}.{name}_proj.weight")
                 else:
                     for half, proj in enumerate(("gate_proj", "up_proj")):
                         if not f[e, half]:
@@ -82,8 +99,13 @@ class ExpertStore:
         return out
 
     # ---- reading -------------------------------------------------------------------------
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.banks["gate_up"][layer], self.banks["down"][layer]
+    def weights(self, layer: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [E, 2I, H], down [E, H, I] of one layer (quantized formats: dequantized to dtype)."""
+        if not self.fmt.quantized:
+            return self.banks["gate_up"][layer], self.banks["down"][layer]
+        bank = self.bank(layer)
+        pairs = [self.fmt.dense({n: b[e] for n, b in bank.items()}, dtype) for e in range(self.num_experts)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def bank(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [E, ...] tensor of one layer (a WeightRef bank)."""

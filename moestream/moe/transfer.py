@@ -54,15 +54,16 @@ class Pool:
     """`n` rows of expert arrays on the device: the slot cache, or one half of the prefill buffer."""
 
     def __init__(self, store: ExpertStore, n: int, device: torch.device):
-        shapes = store.fmt.shapes(store.hidden, store.inter)
-        self.n = n
-        self.arrays = {name: torch.empty((n, *shape), dtype=store.fmt.dtype, device=device)
-                       for name, shape in shapes.items()}
+        specs = store.fmt.arrays(store.hidden, store.inter)
+        self.n, self.fmt = n, store.fmt
+        # same per-array specs as the host banks: quantized formats copy and keep compressed rows
+        self.arrays = {name: torch.empty((n, *shape), dtype=dtype, device=device)
+                       for name, (shape, dtype) in specs.items()}
         self.ready: list = [None] * n
         self.release: list = [None] * n
 
     def ref(self, row: int) -> WeightRef:
-        return WeightRef(self.arrays, row)
+        return WeightRef(self.arrays, row, self.fmt)
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self.arrays.values())

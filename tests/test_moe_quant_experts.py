@@ -1,0 +1,94 @@
+"""GGUF routed experts stay compressed (host banks, copies, device slots) and are dequantized inside
+the expert computation: every backend gives the tokens of the dequantize-at-load path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import gguf_writer
+from moestream import LLM, SamplingParams
+from moestream.quant import gguf_format
+
+SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
+BACKENDS = [
+    ("fused", {}),
+    ("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    ("cpu", {}),
+    ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _prompts(vocab):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 17, 30)]
+
+
+def _tokens(llm):
+    return [o.token_ids for o in llm.generate(_prompts(llm.model_config.vocab_size), SP)]
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen35_causal"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+def test_compressed_experts_every_backend(variant, qtype, tiny_checkpoint, tmp_path):
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint(variant), tmp_path / "m.gguf", qtype)
+    dense = LLM(path, moe_backend="fused", moe_expert_format="dense", **COMMON)
+    assert not dense.engine.runtime.store.fmt.quantized
+    want = _tokens(dense)
+    dense_store = dense.engine.runtime.store
+    for backend, kw in BACKENDS:
+        llm = LLM(path, moe_backend=backend, **COMMON, **kw)
+        store = llm.engine.runtime.store
+        cfg = llm.model_config
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        q = gguf_format(qtype.name)
+        assert store.fmt.quantized and store.fmt.name == f"gguf:{qtype.name}"
+        per_expert = 2 * q.nbytes((I, H)) + q.nbytes((H, I))
+        assert store.bytes_per_expert() == per_expert < dense_store.bytes_per_expert() // 2  # smaller than bf16
+        layer = store.moe_layers[0]
+        for name, bank in store.bank(layer).items():
+            assert bank.dtype == torch.uint8 and bank.shape[0] == E
+        assert sum(b.numel() for b in store.bank(layer).values()) == E * per_expert
+        # the compressed rows hold exactly the weights the dense path dequantized at load
+        for got, ref in zip(store.weights(layer, torch.float32), dense_store.weights(layer)):
+            assert torch.equal(got, ref)
+        assert _tokens(llm) == want, backend
+        t = llm.stats()["total"]
+        assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"] > 0
+        if backend in ("offload", "hybrid"):
+            rt = llm.engine.runtime
+            assert all(a.dtype == torch.uint8 for a in rt.pool.arrays.values())
+            assert t["misses"] > 0 and t["evictions"] > 0
+            assert t["bytes_h2d"] == t["copies"] * per_expert > 0
+        llm.engine.runtime.close()
+
+
+def test_mixed_or_float_expert_types_fall_back_to_dense(tiny_checkpoint, tmp_path):
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.F32)
+    llm = LLM(path, moe_backend="fused", **COMMON)
+    assert not llm.engine.runtime.store.fmt.quantized
+
+
+def test_put_raw_checks_name_the_tensor():
+    from moestream.core import CheckpointError
+    from moestream.moe import ExpertStore
+    from moestream.moe.formats import gguf_expert_format
+
+    fmt = gguf_expert_format({"gate": "Q8_0", "up": "Q8_0", "down": "Q4_1"}, 64, 32)
+    st = ExpertStore([0], 4, 64, 32, fmt, "cpu")
+    assert st.bank(0)["down"].shape == (4, gguf_format("Q4_1").nbytes((64, 32)))
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up_exps.weight"):
+        st.put_raw(0, "up", torch.zeros(10, dtype=torch.uint8), "blk.0.ffn_up_exps.weight")
+    with pytest.raises(CheckpointError, match="blk.0.ffn_gate_exps.weight"):
+        st.put_raw(0, "gate", torch.zeros(st.bank(0)["gate"].numel()), "blk.0.ffn_gate_exps.weight")
+    st.put_raw(0, "gate", torch.zeros(st.bank(0)["gate"].numel(), dtype=torch.uint8), "g")
+    assert "p.mlp.experts.0.up_proj.weight" in st.missing(lambda layer: "p.")
