@@ -58,3 +58,14 @@ def hf_model(tiny_checkpoint):
         return cache[variant]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Pin torch's intra-op pool to one thread for a module and put it back after: the cpu/hybrid
+    expert backends set the (process-wide) thread count, and these tiny models are dominated by
+    thread hand-offs, not arithmetic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -13,13 +13,7 @@ SP = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # the cpu/hybrid backends set torch's (process-wide) intra-op threads; put them back afterwards
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompts(vocab):
