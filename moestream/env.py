@@ -9,3 +9,8 @@ def cache_dir() -> Path:
     """moestream's cache folder: $XDG_CACHE_HOME/moestream, else ~/.cache/moestream."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "moestream"
+
+
+def triton_enabled() -> bool:
+    """MOESTREAM_TRITON=0 turns the Triton dequantization kernels off (moestream.quant decodes in torch)."""
+    return os.environ.get("MOESTREAM_TRITON", "1") != "0"

@@ -2,6 +2,7 @@
 an independent float64 bit decoder exactly; row gathers, tiles and qlinear agree with the whole tensor."""
 from __future__ import annotations
 
+import json
 import zlib
 
 import numpy as np
@@ -382,3 +383,87 @@ def test_cuda_gguf_bit_exact(name):
     shape = (8, n_blocks * fmt.block_size)
     gpu = fmt.dequantize(torch.from_numpy(raw).cuda(), shape).cpu().numpy()
     assert _bits_equal(gpu, _ours(name, raw, shape))
+
+
+def test_qlinear_cpu_tiles_are_deterministic():
+    """CPU qlinear decodes L2-sized row tiles; the result does not depend on the tile size (each output
+    column is one dot product over K, whatever the tiling) and equals x @ W.T of the whole matrix."""
+    from moestream.quant import default_tile_rows
+
+    rng = np.random.default_rng(21)
+    n, k = 300, 512
+    fmt = gguf_format("Q4_K")
+    raw = torch.from_numpy(_random_blocks("Q4_K", n, k // 256, rng))
+    assert default_tile_rows(2048) == 128 and default_tile_rows(512) == 512  # 256 Ki values (1 MiB fp32)
+    for dt in (torch.float32, torch.bfloat16):
+        w = fmt.dequantize(raw, (n, k), dt)
+        for m in (1, 5):
+            x = torch.randn(m, k).to(dt)
+            want = x @ w.t()
+            for tile in (16, 48, None, n):
+                y = qlinear(x, fmt, raw, (n, k), tile_rows=tile)
+                assert torch.equal(y, want), (dt, m, tile)
+
+
+def test_qlinear_never_decodes_more_than_a_tile(monkeypatch):
+    fmt = gguf_format("Q8_0")
+    raw = torch.from_numpy(_random_blocks("Q8_0", 64, 4, np.random.default_rng(1)))
+    seen = []
+    real = type(fmt)._decode
+    monkeypatch.setattr(type(fmt), "_decode", lambda self, p, nr, nc, dt: seen.append(nr) or real(self, p, nr, nc, dt))
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(qlinear(x, fmt, raw, (64, 128), tile_rows=16), x @ fmt.dequantize(raw, (64, 128)).t())
+    assert seen[:4] == [16, 16, 16, 16] and seen[-1] == 64  # the whole matrix only for the reference
+
+
+# --------------------------------------------------------------------------- synthetic weights, bench bw
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_synthetic_weights_are_valid(name):
+    from moestream.quant.synthetic import random_raw
+
+    fmt = get_format(name)
+    shape = (2, 16, 512)
+    raw = random_raw(fmt, shape, seed=3)
+    w = fmt.dequantize(raw, shape)
+    assert w.shape == shape and torch.isfinite(w).all() and w.abs().max() > 0
+    assert (w.abs() < 1e-30).float().mean() < 0.5  # mostly normal values (no subnormal scales)
+    parts = {"data": raw} if isinstance(raw, torch.Tensor) else raw
+    assert sum(t.numel() * t.element_size() for t in parts.values()) == fmt.nbytes(shape)
+
+
+@pytest.mark.parametrize("expert_format", ["q4_k", "fp8", "nvfp4"])
+def test_bench_bw_counts_compressed_bytes(expert_format, tmp_path, monkeypatch, capsys):
+    from moestream.cli import main
+    from moestream.moe import bench
+    from moestream.moe.compute import RouteGroups, WeightRef, expert_mlp, partial_outputs
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the bench sets process-wide threads
+    out = tmp_path / "bw.json"
+    h, i = 256, 256
+    assert main(["bench", "bw", "--device", "cpu", "-o", str(out), "--hidden", str(h), "--inter", str(i),
+                 "--experts", "2", "--top-k", "2", "--host-mib", "4", "--iters", "1", "--cpu-threads", "1",
+                 "--expert-format", expert_format]) == 0
+    prof = json.loads(out.read_text())
+    q = {"q4_k": gguf_format("Q4_K"), "fp8": FP8_BLOCK, "nvfp4": NVFP4}[expert_format]
+    want = sum(q.nbytes(s) for s in ((i, h), (i, h), (h, i)))
+    assert prof["expert_bytes"] == want < 3 * h * i * 2  # compressed, not dense bf16
+    assert prof["expert_format"].endswith(q.name.removeprefix("gguf:")) and prof["cpu_expert_gbs"] > 0
+    assert "stored as" in capsys.readouterr().out
+    # the bench's bank computes what the dense weights compute
+    fmt = bench.expert_format(expert_format, torch.float32, h, i)
+    bank = bench.make_bank(fmt, 2, h, i)
+    x = torch.randn(3, h)
+    groups = RouteGroups.of(torch.ones(3, 1, dtype=torch.long))
+    got = partial_outputs(x, torch.ones(3, 1), groups, {1: WeightRef(bank, 1, fmt)})[1]
+    gate_up, down = fmt.dense({k: v[1] for k, v in bank.items()}, torch.float32)
+    torch.testing.assert_close(got, expert_mlp(x, gate_up, down), rtol=1e-4, atol=1e-4)
+
+
+def test_bench_bw_rejects_unknown_formats():
+    from moestream.core import ConfigError
+    from moestream.moe import bench
+
+    with pytest.raises(ConfigError, match="unknown --expert-format 'q9'"):
+        bench.expert_format("q9", torch.bfloat16, 256, 256)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        bench.expert_format("q4_k", torch.bfloat16, 256, 100)

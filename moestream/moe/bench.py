@@ -6,6 +6,10 @@ pcie_pageable_gbs    the same from pageable memory (CUDA only)
 cpu_expert_gbs       expert weight bytes per second the CPU path (compute.CpuExperts) gets through at bs=1
 gpu_expert_gbs       the same for the device path (compute.DeviceExperts; CUDA only)
 
+Experts are stored in `--expert-format` (`expert_format`): dense (bf16, the default: the --dtype) or a
+compressed format (fp8, nvfp4, mxfp4, q4_k, q8_0, any GGUF type), with random valid weights. Every
+rate counts the bytes the experts occupy in that format, i.e. the bytes that are read and copied.
+
 Results go to a JSON profile (default `$XDG_CACHE_HOME/moestream/benchbw.json`) that the engine reads
 for `--moe-backend auto` and the hybrid split. Profiles are keyed by device name: one measured on
 another GPU is ignored.
@@ -19,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..core import ConfigError
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, physical_cores
-from .formats import dense_format
+from .formats import PROJS, ExpertFormat, HFExpertFormat, dense_format, gguf_expert_format, hf_expert_format
 
 log = logging.getLogger("moestream.bench")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -87,13 +92,70 @@ def h2d_gbs(bank: dict, experts: int, device: torch.device, pinned: bool, iters:
     return experts * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
 
 
-def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device, iters: int, cpu: CpuExperts | None):
-    """Weight bytes per second of one bs=1 layer call over top_k experts."""
+HF_FORMATS = {"fp8": "fp8_block", "fp8_block": "fp8_block", "fp8_channel": "fp8_channel",
+              "fp8_tensor": "fp8_tensor", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+DENSE_FORMATS = ("bf16", "dense")
+
+
+def expert_format(name: str, dtype: torch.dtype, hidden: int, inter: int) -> ExpertFormat:
+    """--expert-format: bf16/dense (dense in `dtype`), an HF quantization (fp8, nvfp4, ...) or a GGUF type."""
+    from ..quant import GGUF_FORMATS, QuantFormatError, get_format
+
+    key = name.lower()
+    if key in DENSE_FORMATS:
+        return dense_format(dtype)
+    try:
+        if key in HF_FORMATS:
+            qfmt = get_format(HF_FORMATS[key])
+            dtypes = {}
+            for proj, shape in _logical(hidden, inter).items():
+                for part, (_, dt) in qfmt.part_specs(shape).items():
+                    dtypes[f"{proj}.{part}"] = dt
+            return hf_expert_format(qfmt, dtypes, hidden, inter)
+        if key.upper() in GGUF_FORMATS:
+            for shape in _logical(hidden, inter).values():
+                GGUF_FORMATS[key.upper()].check_shape(shape)
+            return gguf_expert_format({p: key.upper() for p in PROJS}, hidden, inter)
+    except QuantFormatError as e:
+        raise ConfigError(f"--expert-format {name}: {e}") from None
+    gguf = [t.lower() for t in GGUF_FORMATS if t.lower() not in (*HF_FORMATS, *DENSE_FORMATS, "f32", "f16")]
+    raise ConfigError(f"unknown --expert-format {name!r}: use bf16, {', '.join(HF_FORMATS)} or a GGUF type "
+                      f"({', '.join(gguf)})")
+
+
+def _logical(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+
+
+def make_bank(fmt: ExpertFormat, experts: int, hidden: int, inter: int) -> dict[str, torch.Tensor]:
+    """Host bank of `experts` random experts stored in `fmt` (array name -> [experts, ...])."""
+    if not fmt.quantized:
+        return {k: torch.randn((experts, *s), dtype=torch.float32).to(fmt.dtype) for k, s in fmt.shapes(hidden, inter).items()}
+    from ..quant import gguf_format
+    from ..quant.synthetic import random_raw
+
+    bank = {}
+    for i, (proj, shape) in enumerate(_logical(hidden, inter).items()):
+        q = fmt.qfmt if isinstance(fmt, HFExpertFormat) else gguf_format(dict(fmt.types)[proj])
+        raw = random_raw(q, (experts, *shape), seed=i)
+        parts = {proj: raw} if isinstance(raw, torch.Tensor) else {f"{proj}.{k}": v for k, v in raw.items()}
+        for name, t in parts.items():
+            bank[name] = t.contiguous().view(torch.uint8).reshape(experts, -1)
+    want = fmt.shapes(hidden, inter)
+    got = {k: tuple(v.shape[1:]) for k, v in bank.items()}
+    if got != want:
+        raise RuntimeError(f"bench bank layout {got} != format layout {want}")
+    return bank
+
+
+def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device, iters: int, cpu: CpuExperts | None,
+               fmt: ExpertFormat | None = None):
+    """Weight bytes (as stored) per second of one bs=1 layer call over top_k experts."""
     x = torch.randn(1, hidden, dtype=dtype, device=device)
     ids = torch.arange(top_k, device=device).view(1, top_k)
     w = torch.full((1, top_k), 1.0 / top_k, dtype=dtype, device=device)
     groups = RouteGroups.of(ids)
-    refs = {e: WeightRef(bank, e) for e in range(top_k)}
+    refs = {e: WeightRef(bank, e, fmt if fmt is not None and fmt.quantized else None) for e in range(top_k)}
     if cpu is not None:
         fn = lambda: cpu.submit(x, w, groups, refs).result()  # noqa: E731
         sync = lambda: None  # noqa: E731
@@ -106,23 +168,24 @@ def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device,
 
 
 def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype: str = "bfloat16",
-              experts: int = 32, top_k: int = 8, host_mib: int = 512, iters: int = 5, cpu_threads: int = 0) -> dict:
+              experts: int = 32, top_k: int = 8, host_mib: int = 512, iters: int = 5, cpu_threads: int = 0,
+              expert_format_name: str = "bf16") -> dict:
     dt = DTYPES[dtype]
-    fmt = dense_format(dt)
-    bank = {k: torch.randn((experts, *s), dtype=torch.float32).to(dt) for k, s in fmt.shapes(hidden, inter).items()}
+    fmt = expert_format(expert_format_name, dt, hidden, inter)
+    bank = make_bank(fmt, experts, hidden, inter)
     cuda = device.type == "cuda"
     cpu = CpuExperts(cpu_threads)
     k = min(top_k, experts)
     res = {
-        "device_name": device_name(device), "device": device.type, "dtype": dtype,
+        "device_name": device_name(device), "device": device.type, "dtype": dtype, "expert_format": fmt.name,
         "geometry": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": k},
         "expert_bytes": fmt.bytes_per_expert(hidden, inter), "cpu_threads": cpu.threads,
         "physical_cores": physical_cores(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host_read_gbs": host_read_gbs(host_mib, iters),
         "pcie_pinned_gbs": h2d_gbs(bank, experts, device, True, iters) if cuda else None,
         "pcie_pageable_gbs": h2d_gbs(bank, experts, device, False, iters) if cuda else None,
-        "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu),
-        "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None)
+        "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu, fmt),
+        "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None, fmt)
                            if cuda else None),
     }
     cpu.close()
@@ -146,8 +209,9 @@ def format_table(res: dict) -> str:
             ("H2D pageable (expert rows)", res["pcie_pageable_gbs"]), ("CPU experts (bs=1)", res["cpu_expert_gbs"]),
             ("GPU experts (bs=1)", res["gpu_expert_gbs"])]
     g = res["geometry"]
-    lines = [f"device {res['device_name']}, expert {g['hidden']}x{g['inter']} {res['dtype']} "
-             f"({res['expert_bytes'] / 2**20:.2f} MiB), top-k {g['top_k']}, cpu threads {res['cpu_threads']}",
+    lines = [f"device {res['device_name']}, expert {g['hidden']}x{g['inter']} stored as {res.get('expert_format', res['dtype'])} "
+             f"({res['expert_bytes'] / 2**20:.2f} MiB; GB/s count these bytes), activations {res['dtype']}, "
+             f"top-k {g['top_k']}, cpu threads {res['cpu_threads']}",
              f"{'measure':<28}{'GB/s':>10}"]
     lines += [f"{name:<28}{('n/a' if v is None else f'{v:.2f}'):>10}" for name, v in rows]
     lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}")

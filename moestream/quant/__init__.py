@@ -22,6 +22,11 @@ logical ``(*lead, N, K)``; rows are numbered over the flattened ``prod(lead)*N``
 
 ``QuantizedTensor(fmt, shape, raw)`` bundles the three (``.to(device)``, ``.dequantize()``,
 ``.linear(x)``, ``.nbytes``).  Decoding is float32 (float64 when asked for float64), then a cast.
+
+CUDA tensors are decoded by Triton kernels (``triton_dequant``: one kernel per call, bit-identical
+to the torch decoders) when triton is installed and ``MOESTREAM_TRITON`` is not ``0``; the torch
+decoders are the reference and the CPU path. ``synthetic.random_raw(fmt, shape, device)`` makes
+valid random weights of any format (benchmarks).
 """
 from .base import (FORMATS, PartSpec, QuantFormat, QuantFormatError, QuantizedTensor, compute_dtype,
                    default_tile_rows, get_format, qlinear, register)

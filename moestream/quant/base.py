@@ -67,13 +67,34 @@ class PartSpec:
         return n_lead * -(-n // self.row_block)
 
 
-def _norm_shape(shape) -> tuple[int, ...]:
+def norm_shape(shape) -> tuple[int, ...]:
     shape = tuple(int(s) for s in shape)
     if len(shape) == 1:
         shape = (1, shape[0])
     if len(shape) < 2:
         raise QuantFormatError(f"a quantized weight needs a shape (..., N, K), got {shape}")
     return shape
+
+
+def resolve_rows(rows: Rows, total: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """A row selection over ``total`` rows -> ``(start, count, None)`` for a contiguous range, else
+    ``(0, count, int64 ids on device)``; ids out of range raise IndexError (not checked while a CUDA
+    graph is being captured: that check would sync with the host)."""
+    if rows is None:
+        return 0, total, None
+    if isinstance(rows, range):
+        rows = slice(rows.start, rows.stop) if rows.step == 1 else torch.tensor(list(rows), dtype=torch.long)
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(total)
+        if step == 1:
+            return start, max(0, stop - start), None
+        idx = torch.arange(start, stop, step, device=device)
+        return 0, idx.numel(), idx
+    idx = torch.as_tensor(rows, dtype=torch.long).to(device).reshape(-1)
+    capturing = idx.is_cuda and torch.cuda.is_current_stream_capturing()  # no host sync inside a CUDA graph
+    if idx.numel() and not capturing and (int(idx.min()) < 0 or int(idx.max()) >= total):
+        raise IndexError(f"row index out of range for {total} rows")
+    return 0, idx.numel(), idx
 
 
 def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -113,7 +134,7 @@ class QuantFormat:
     # ------------------------------------------------------------------ sizes
     def part_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Canonical storage shape and dtype of each part for a logical ``shape``."""
-        shape = _norm_shape(shape)
+        shape = norm_shape(shape)
         lead, n, k = shape[:-2], shape[-2], shape[-1]
         self.check_shape(shape)
         out = {}
@@ -146,7 +167,7 @@ class QuantFormat:
         return 8.0 * self.row_nbytes(k) / k
 
     def check_shape(self, shape) -> None:
-        shape = _norm_shape(shape)
+        shape = norm_shape(shape)
         k = shape[-1]
         for p in self.parts:
             if p.col_unit is not None and p.col_unit > 1 and p.row_block == 1 and k % p.col_unit:
@@ -166,7 +187,7 @@ class QuantFormat:
 
     def _canon(self, raw: Raw, shape) -> dict[str, torch.Tensor]:
         """Each part as a 2-D tensor (stored rows, stored cols); float8 parts viewed as uint8."""
-        shape = _norm_shape(shape)
+        shape = norm_shape(shape)
         self.check_shape(shape)
         lead, n, k = shape[:-2], shape[-2], shape[-1]
         n_lead = prod(lead)
@@ -194,38 +215,14 @@ class QuantFormat:
         return out
 
     # ------------------------------------------------------------------ selection
-    @staticmethod
-    def _row_index(rows: Rows, total: int, device) -> slice | torch.Tensor:
-        if rows is None:
-            return slice(0, total)
-        if isinstance(rows, range):
-            if rows.step == 1:
-                rows = slice(rows.start, rows.stop)
-            else:
-                rows = torch.tensor(list(rows), dtype=torch.long)
-        if isinstance(rows, slice):
-            start, stop, step = rows.indices(total)
-            if step == 1:
-                return slice(start, max(start, stop))
-            return torch.arange(start, stop, step, device=device)
-        idx = torch.as_tensor(rows, dtype=torch.long).to(device).reshape(-1)
-        return idx
-
     def _select(self, parts2d: dict[str, torch.Tensor], shape, rows: Rows, cols: slice | None):
         """Per-output-row parts: row i of every row-wise part belongs to logical row i of the selection."""
-        shape = _norm_shape(shape)
+        shape = norm_shape(shape)
         lead, n, k = shape[:-2], shape[-2], shape[-1]
         total = prod(lead) * n
         any_part = next(iter(parts2d.values()))
-        ridx = self._row_index(rows, total, any_part.device)
-        if isinstance(ridx, slice):
-            n_sel = ridx.stop - ridx.start
-            ridx_t = None
-        else:
-            n_sel = ridx.numel()
-            ridx_t = ridx
-            if n_sel and (int(ridx_t.min()) < 0 or int(ridx_t.max()) >= total):
-                raise IndexError(f"{self.name}: row index out of range for {total} rows")
+        start, n_sel, ridx_t = resolve_rows(rows, total, any_part.device)
+        ridx = slice(start, start + n_sel)
         c0, c1 = 0, k
         if cols is not None:
             c0, c1, step = cols.indices(k)
@@ -264,13 +261,23 @@ class QuantFormat:
         """Dequantize per-output-row parts to an (n_rows, n_cols) tensor (subclasses)."""
         raise NotImplementedError
 
+    def _dense(self, parts: dict[str, torch.Tensor], shape, rows: Rows, cols: slice | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """Selected rows/cols of canonical parts, dense: the Triton kernel on CUDA, else ``_decode``."""
+        if cols is None:
+            td = _triton_path(next(iter(parts.values())))
+            if td is not None:
+                y = td.decode_parts(self, parts, shape, rows, out_dtype)
+                if y is not None:
+                    return y
+        sel, nr, nc = self._select(parts, shape, rows, cols)
+        return self._decode(sel, nr, nc, out_dtype)
+
     def dequantize(self, raw: Raw, shape, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight as a dense ``shape`` tensor of ``out_dtype``, on the parts' device."""
         user_shape = tuple(int(s) for s in shape)
-        shape = _norm_shape(shape)
-        parts = self._canon(raw, shape)
-        sel, nr, nc = self._select(parts, shape, None, None)
-        return self._decode(sel, nr, nc, out_dtype).reshape(user_shape)
+        shape = norm_shape(shape)
+        return self._dense(self._canon(raw, shape), shape, None, None, out_dtype).reshape(user_shape)
 
     def dequantize_rows(self, raw: Raw, shape, rows: Rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``rows`` (flattened row space, see module doc) as a dense ``(len(rows), K)`` tensor."""
@@ -279,37 +286,64 @@ class QuantFormat:
     def dequantize_tile(self, raw: Raw, shape, rows: Rows = None, cols: slice | None = None,
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A ``(len(rows), c1 - c0)`` tile; ``cols`` must start on ``col_align`` (and end on it or at K)."""
-        shape = _norm_shape(shape)
-        parts = self._canon(raw, shape)
-        sel, nr, nc = self._select(parts, shape, rows, cols)
-        return self._decode(sel, nr, nc, out_dtype)
+        shape = norm_shape(shape)
+        return self._dense(self._canon(raw, shape), shape, rows, cols, out_dtype)
 
     def iter_row_tiles(self, raw: Raw, shape, tile_rows: int | None = None, rows: tuple[int, int] | None = None,
                        out_dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Yield ``(r0, r1, tile)`` over rows ``[rows[0], rows[1])`` (default: all), ``tile_rows`` at a time.
+        """Yield ``(r0, r1, tile)`` over rows ``[rows[0], rows[1])`` (default: all), ``tile_rows`` at a time
+        (default: ``default_tile_rows(K)`` on CPU, all rows in one tile on a GPU).
 
         Only one tile is dense at any time: this is how a CPU expert computes from compressed rows.
         """
-        shape = _norm_shape(shape)
+        shape = norm_shape(shape)
         total = prod(shape[:-1])
         r_start, r_end = rows if rows is not None else (0, total)
         parts = self._canon(raw, shape)  # canonicalize once: tiles are views/gathers of these
         if tile_rows is None:
-            tile_rows = default_tile_rows(shape[-1])
+            on_cpu = next(iter(parts.values())).device.type == "cpu"
+            tile_rows = default_tile_rows(shape[-1]) if on_cpu else max(1, r_end - r_start)
         for r0 in range(r_start, r_end, tile_rows):
             r1 = min(r_end, r0 + tile_rows)
-            sel, nr, nc = self._select(parts, shape, slice(r0, r1), None)
-            yield r0, r1, self._decode(sel, nr, nc, out_dtype)
+            yield r0, r1, self._dense(parts, shape, slice(r0, r1), None, out_dtype)
 
     def __repr__(self) -> str:
         return f"<QuantFormat {self.name}>"
 
 
-TILE_BYTES = 1 << 20  # ~ a core's share of L2: a dense tile of this many fp32 bytes
+_TRITON: list = []  # [module or None], filled on first use
+
+
+def _triton_path(t: torch.Tensor):
+    """moestream.quant.triton_dequant when ``t`` is on CUDA, triton imports and MOESTREAM_TRITON != 0."""
+    if t.device.type != "cuda":
+        return None
+    from ..env import triton_enabled
+
+    if not triton_enabled():
+        return None
+    if not _TRITON:
+        try:
+            from . import triton_dequant
+        except ImportError:  # triton is optional: torch decodes instead
+            triton_dequant = None
+        _TRITON.append(triton_dequant)
+    return _TRITON[0]
+
+
+# CPU tiles: 256 Ki values (1 MiB as float32; Qwen3.6 experts: 128 rows of K=2048, 512 rows of K=512).
+# The torch decoders stream each tile through ~10 elementwise ops, so the tile should stay in the
+# caches (1-2 MiB of L2 per core pair on current x86 servers), yet be large enough that the ~5 us
+# per-op dispatch is small next to its work. Measured (qlinear, bs=1, one thread, 2-core EPYC with
+# 512 KiB L2/core): 64 Ki-value tiles up to 2x slower per weight than 256-512 Ki, a whole 2 Mi-value
+# matrix up to 4x slower (Q8_0; Q4_K and FP8 vary less).
+TILE_BYTES = 1 << 20
 
 
 def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
-    """Rows per tile so that a dense tile is about TILE_BYTES (a multiple of 16 rows when possible)."""
+    """Rows per CPU tile so that a dense tile is about TILE_BYTES (a multiple of 16 rows when possible).
+
+    Depends on K only (not on threads or the batch), so a weight is always cut the same way."""
     r = max(1, TILE_BYTES // max(1, k * elem_bytes))
     return r - r % 16 if r >= 32 else r
 
@@ -317,21 +351,31 @@ def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
 def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple[int, int] | None = None,
             bias: torch.Tensor | None = None, tile_rows: int | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time (never whole).
+    """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time.
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.
-    Tiles are decoded in ``x.dtype`` (float32 math inside, see compute_dtype).
+    Tiles are decoded in ``x.dtype`` (float32 math inside, see compute_dtype). On CPU the default
+    tile is ``default_tile_rows(K)`` rows, so a big matrix is never dense at once; on a GPU it is the
+    whole row range (one Triton decode, one GEMM). Each output column is one GEMM dot product over
+    K, so the result does not depend on the tiling (tests/test_quant.py checks this bit for bit).
     """
-    shape = _norm_shape(shape)
+    shape = norm_shape(shape)
     k = shape[-1]
     if x.shape[-1] != k:
         raise QuantFormatError(f"x has {x.shape[-1]} features, the weight has K={k}")
     r0, r1 = rows if rows is not None else (0, prod(shape[:-1]))
     xs = x.reshape(-1, k)
-    y = out.view(-1, r1 - r0) if out is not None else torch.empty((xs.shape[0], r1 - r0), dtype=x.dtype, device=x.device)
+    y = out.view(-1, r1 - r0) if out is not None else None
     for a, b, tile in fmt.iter_row_tiles(raw, shape, tile_rows, (r0, r1), out_dtype=x.dtype):
+        if y is None and (a, b) == (r0, r1):  # one tile: no copy
+            y = xs @ tile.t()
+            continue
+        if y is None:
+            y = torch.empty((xs.shape[0], r1 - r0), dtype=x.dtype, device=x.device)
         y[:, a - r0:b - r0] = xs @ tile.t()
+    if y is None:  # no rows
+        y = torch.empty((xs.shape[0], 0), dtype=x.dtype, device=x.device)
     if bias is not None:
         y += bias[r0:r1] if bias.shape[-1] != r1 - r0 else bias
     return y.reshape(*x.shape[:-1], r1 - r0)

@@ -34,8 +34,12 @@ GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 
 
 # ----------------------------------------------------------------------------- bit helpers
-def _shifts(values, device, dtype=torch.uint8) -> torch.Tensor:
-    return cached_table(f"shifts{tuple(values)}{dtype}", lambda: torch.tensor(values, dtype=dtype), device)
+def _fields(x: torch.Tensor, shifts, dim: int, mask: int) -> torch.Tensor:
+    """``(x >> s) & mask`` for each shift, stacked along a new ``dim``.
+
+    One contiguous op per shift and a stack: about 4x faster on CPU than broadcasting ``x`` against a
+    tensor of shifts (torch's broadcast integer shift is not vectorized)."""
+    return torch.stack([(x >> s) & mask if s else x & mask for s in shifts], dim=dim)
 
 
 def _f16(b: torch.Tensor, off: int) -> torch.Tensor:
@@ -62,7 +66,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(b: torch.Tensor) -> torch.Tensor:
     """(..., n) bytes -> (..., 8n) bits, LSB first (bit j of a little-endian word)."""
-    return ((b.unsqueeze(-1) >> _shifts(range(8), b.device)) & 1).reshape(*b.shape[:-1], -1)
+    return _fields(b, range(8), -1, 1).reshape(*b.shape[:-1], -1)
 
 
 def _pm1(bits: torch.Tensor) -> torch.Tensor:
@@ -163,7 +167,7 @@ def _d_q2_k(b):
     d, dmin = _f16(b, 80), _f16(b, 82)
     dl = (d * (sc & 0x0F).to(torch.float32)).reshape(nb, 16, 1)
     ml = (dmin * (sc >> 4).to(torch.float32)).reshape(nb, 16, 1)
-    q = (b[:, 16:80].reshape(nb, 2, 1, 32) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 1, 4, 1)) & 3
+    q = _fields(b[:, 16:80].reshape(nb, 2, 32), (0, 2, 4, 6), 2, 3)
     q = q.reshape(nb, 16, 16).to(torch.float32)
     return (dl * q - ml).reshape(nb, QK_K)
 
@@ -172,12 +176,12 @@ def _d_q3_k(b):
     nb = b.shape[0]
     hmask, qs, sc = b[:, 0:32], b[:, 32:96], b[:, 96:108]
     d = _f16(b, 108)
-    lo = (sc[:, 0:8].reshape(nb, 1, 8) >> _shifts((0, 4), b.device).reshape(1, 2, 1)).reshape(nb, 16) & 0x0F
-    hi = (sc[:, 8:12].reshape(nb, 1, 4) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 4, 1)).reshape(nb, 16) & 3
+    lo = _fields(sc[:, 0:8], (0, 4), 1, 0x0F).reshape(nb, 16)
+    hi = _fields(sc[:, 8:12], (0, 2, 4, 6), 1, 3).reshape(nb, 16)
     scales = (lo | (hi << 4)).to(torch.int8) - 32
     dl = (d * scales.to(torch.float32)).reshape(nb, 16, 1)
-    ql = (qs.reshape(nb, 2, 1, 32) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 1, 4, 1)).reshape(nb, 16, 16) & 3
-    qh = (hmask.reshape(nb, 1, 1, 32) >> _shifts(range(8), b.device).reshape(1, 1, 8, 1)).reshape(nb, 16, 16) & 1
+    ql = _fields(qs.reshape(nb, 2, 32), (0, 2, 4, 6), 2, 3).reshape(nb, 16, 16)
+    qh = _fields(hmask, range(8), 1, 1).reshape(nb, 16, 16)
     q = ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)
     return (dl * q.to(torch.float32)).reshape(nb, QK_K)
 
@@ -198,7 +202,7 @@ def _d_q4_k(b):
     sc, mn = _k_scale_min(b[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(nb, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(nb, 8, 1)
-    q = (b[:, 16:144].reshape(nb, 4, 1, 32) >> _shifts((0, 4), b.device).reshape(1, 1, 2, 1)) & 0x0F
+    q = _fields(b[:, 16:144].reshape(nb, 4, 32), (0, 4), 2, 0x0F)
     q = q.reshape(nb, 8, 32).to(torch.float32)
     return (dl * q - ml).reshape(nb, QK_K)
 
@@ -209,8 +213,8 @@ def _d_q5_k(b):
     sc, mn = _k_scale_min(b[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(nb, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(nb, 8, 1)
-    ql = (b[:, 48:176].reshape(nb, 4, 1, 32) >> _shifts((0, 4), b.device).reshape(1, 1, 2, 1)) & 0x0F
-    qh = (b[:, 16:48].reshape(nb, 1, 1, 32) >> _shifts(range(8), b.device).reshape(1, 1, 8, 1)) & 1
+    ql = _fields(b[:, 48:176].reshape(nb, 4, 32), (0, 4), 2, 0x0F)
+    qh = _fields(b[:, 16:48], range(8), 1, 1)
     q = (ql.reshape(nb, 8, 32) | (qh.reshape(nb, 8, 32) << 4)).to(torch.float32)
     return (dl * q - ml).reshape(nb, QK_K)
 
@@ -220,8 +224,8 @@ def _d_q6_k(b):
     d = _f16(b, 208)
     sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     dl = (d * sc).reshape(nb, 16, 1)
-    ql = (b[:, 0:128].reshape(nb, 2, 1, 64) >> _shifts((0, 4), b.device).reshape(1, 1, 2, 1)) & 0x0F
-    qh = (b[:, 128:192].reshape(nb, 2, 1, 32) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 1, 4, 1)) & 3
+    ql = _fields(b[:, 0:128].reshape(nb, 2, 64), (0, 4), 2, 0x0F)
+    qh = _fields(b[:, 128:192].reshape(nb, 2, 32), (0, 2, 4, 6), 2, 3)
     q = (ql.reshape(nb, 8, 32) | (qh.reshape(nb, 8, 32) << 4)).to(torch.int8) - 32
     return (dl * q.reshape(nb, 16, 16).to(torch.float32)).reshape(nb, QK_K)
 
@@ -237,11 +241,11 @@ def _d_iq4_xs(b):
     lv = cached_table("iq4nl", lambda: torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32), b.device)
     d = _f16(b, 0)
     sh = _u16(b[:, 2:4])  # (nb, 1)
-    lo = (b[:, 4:8].reshape(nb, 4, 1) >> _shifts((0, 4), b.device).reshape(1, 1, 2)).reshape(nb, 8) & 0x0F
+    lo = _fields(b[:, 4:8], (0, 4), 2, 0x0F).reshape(nb, 8)
     hi = (sh >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
     scales = (lo.to(torch.int32) | (hi << 4)) - 32
     dl = (d * scales.to(torch.float32)).reshape(nb, 8, 1)
-    q = (b[:, 8:136].reshape(nb, 8, 1, 16) >> _shifts((0, 4), b.device).reshape(1, 1, 2, 1)) & 0x0F
+    q = _fields(b[:, 8:136].reshape(nb, 8, 16), (0, 4), 2, 0x0F)
     return (dl * lv[q.reshape(nb, 8, 32).long()]).reshape(nb, QK_K)
 
 
@@ -268,7 +272,7 @@ def _d_iq2_xs(b):
     nb = b.shape[0]
     d = _f16(b, 0)
     qs = _u16(b[:, 2:66])  # (nb, 32)
-    sc = (b[:, 66:74].reshape(nb, 8, 1) >> _shifts((0, 4), b.device).reshape(1, 1, 2)).reshape(nb, 16) & 0x0F
+    sc = _fields(b[:, 66:74], (0, 4), 2, 0x0F).reshape(nb, 16)
     db = (d * (0.5 + sc.to(torch.float32)) * 0.25).reshape(nb, 16, 1, 1)
     signs = _ksign_pm1(qs >> 9).reshape(nb, 16, 2, 8)
     grid = _grid("IQ2_XS", b.device)[(qs & 511).long()].reshape(nb, 16, 2, 8)
@@ -279,10 +283,10 @@ def _d_iq2_s(b):
     nb = b.shape[0]
     d = _f16(b, 0)
     qs, sg, qh, sc = b[:, 2:34], b[:, 34:66], b[:, 66:74], b[:, 74:82]
-    sc = (sc.reshape(nb, 8, 1) >> _shifts((0, 4), b.device).reshape(1, 1, 2)).reshape(nb, 16) & 0x0F
+    sc = _fields(sc, (0, 4), 2, 0x0F).reshape(nb, 16)
     db = (d * (0.5 + sc.to(torch.float32)) * 0.25).reshape(nb, 16, 1, 1)
     signs = _pm1(_bits(sg)).reshape(nb, 16, 2, 8)
-    hi = (qh.reshape(nb, 8, 1) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 1, 4)).reshape(nb, 32) & 3
+    hi = _fields(qh, (0, 2, 4, 6), 2, 3).reshape(nb, 32)
     idx = qs.to(torch.int64) | (hi.to(torch.int64) << 8)
     grid = _grid("IQ2_S", b.device)[idx].reshape(nb, 16, 2, 8)
     return (db * grid * signs).reshape(nb, QK_K)
@@ -303,7 +307,7 @@ def _d_iq3_s(b):
     nb = b.shape[0]
     d = _f16(b, 0)
     qs, qh, sg, sc = b[:, 2:66], b[:, 66:74], b[:, 74:106], b[:, 106:110]
-    sc = (sc.reshape(nb, 4, 1) >> _shifts((0, 4), b.device).reshape(1, 1, 2)).reshape(nb, 8) & 0x0F
+    sc = _fields(sc, (0, 4), 2, 0x0F).reshape(nb, 8)
     db = (d * (1 + 2 * sc.to(torch.int32)).to(torch.float32)).reshape(nb, 8, 1, 1)
     signs = _pm1(_bits(sg)).reshape(nb, 8, 4, 8)
     idx = qs.to(torch.int64) | (_bits(qh).to(torch.int64) << 8)  # (nb, 64): 9-bit grid indices
@@ -331,7 +335,7 @@ def _d_iq1_m(b):
     d = dbits.to(torch.int16).view(torch.float16).to(torch.float32).reshape(nb, 1)
     s3 = (sc.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device, dtype=torch.int32)) & 7  # (nb, 4, 4)
     dl = (d * (2 * s3.reshape(nb, 16) + 1).to(torch.float32)).reshape(nb, 8, 2, 1, 1)
-    nib = ((qh.reshape(nb, 16, 1) >> _shifts((0, 4), b.device).reshape(1, 1, 2)) & 0x0F).reshape(nb, 32)
+    nib = _fields(qh, (0, 4), 2, 0x0F).reshape(nb, 32)
     idx = qs.to(torch.int64) | ((nib & 7).to(torch.int64) << 8)
     delta = torch.where((nib & 8) == 0, 0.125, -0.125).to(torch.float32).reshape(nb, 8, 2, 2, 1)
     grid = _grid("IQ1_S", b.device)[idx].reshape(nb, 8, 2, 2, 8)
@@ -353,7 +357,7 @@ def _d_tq1_0(b):
 def _d_tq2_0(b):
     nb = b.shape[0]
     d = _f16(b, 64)
-    q = (b[:, 0:64].reshape(nb, 2, 1, 32) >> _shifts((0, 2, 4, 6), b.device).reshape(1, 1, 4, 1)) & 3
+    q = _fields(b[:, 0:64].reshape(nb, 2, 32), (0, 2, 4, 6), 2, 3)
     return d * (q.reshape(nb, QK_K).to(torch.int8) - 1).to(torch.float32)
 
 
