@@ -1,8 +1,9 @@
 """Frozen configuration objects.
 
 `ModelConfig.from_hf` reads an HF `config.json` (both the multimodal ForConditionalGeneration layout
-with `text_config` and the text-only ForCausalLM layout) into one flat, validated description of the
-language model. `EngineConfig` carries every engine option under its CLI flag name (underscored).
+with `text_config` and the text-only ForCausalLM layout, plus ModelOpt's `hf_quant_config.json` next to
+it) into one flat, validated description of the language model. `EngineConfig` carries every engine
+option under its CLI flag name (underscored).
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "model."),
 }
 DENSE_FAMILIES = ("llama", "qwen3")
+# Weight quantizations moestream reads (`quantization_config.quant_method`). Only weights are
+# quantized here: activations and the KV cache stay in the model dtype, so activation and KV scales
+# in a checkpoint (input_scale, k_scale, v_scale) are not used.
+QUANT_METHODS = "fp8 (e4m3, weight_block_size or per-tensor), modelopt (quant_algo FP8 or NVFP4), mxfp4"
 
 
 def _supported_list() -> str:
@@ -65,6 +70,8 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    # weight quantization of an HF checkpoint: {"method", "format" (moestream.quant name: fp8_block,
+    # fp8_tensor, nvfp4, mxfp4), "block_size" ((bn, bk) for fp8_block), "exclude" (module patterns)}
     quantization: dict | None = None
     qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3 families; not Llama)
 
@@ -112,6 +119,7 @@ class ModelConfig:
     def from_hf(cls, source: str | Path | dict) -> "ModelConfig":
         """Build from a model folder, a config.json path, or an already-parsed dict."""
         raw = _read_config(source)
+        extra_quant = _read_hf_quant_config(source)
         archs = raw.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ConfigError(
@@ -127,7 +135,7 @@ class ModelConfig:
         if not isinstance(text, dict):
             raise ConfigError("config.json 'text_config' must be an object")
         try:
-            return _build(cls, arch, family, prefix, raw, text)
+            return _build(cls, arch, family, prefix, raw, text, extra_quant)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -149,6 +157,59 @@ def _read_config(source: str | Path | dict) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a JSON object")
     return data
+
+
+def _read_hf_quant_config(source: str | Path | dict) -> dict | None:
+    """ModelOpt exports describe their quantization in hf_quant_config.json beside config.json."""
+    if isinstance(source, dict):
+        return None
+    p = Path(source)
+    p = (p if p.is_dir() else p.parent) / "hf_quant_config.json"
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a JSON object")
+    return data
+
+
+def _quantization(raw: dict, text: dict, extra: dict | None) -> dict | None:
+    """The checkpoint's weight quantization (see ModelConfig.quantization); ConfigError naming any
+    method or variant moestream does not read."""
+    q = raw.get("quantization_config") or text.get("quantization_config") or extra
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"quantization_config must be an object, got {q!r}")
+    if isinstance(q.get("quantization"), dict):  # hf_quant_config.json nests the fields
+        q = {"quant_method": "modelopt", **q, **q["quantization"]}
+    method = str(q.get("quant_method", "")).lower()
+    exclude = tuple(str(p) for key in ("modules_to_not_convert", "exclude_modules", "ignore")
+                    for p in (q.get(key) or []))
+    block = None
+    if method == "fp8":
+        if str(q.get("fmt", "e4m3")).lower() != "e4m3":
+            raise ConfigError(f"fp8 quantization with fmt {q.get('fmt')!r} is not supported (e4m3 is)")
+        block = q.get("weight_block_size")
+        if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                                  or any(not isinstance(b, int) or b <= 0 for b in block)):
+            raise ConfigError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
+        fmt = "fp8_tensor" if block is None else "fp8_block"
+    elif method == "modelopt":
+        algo = str(q.get("quant_algo") or "").upper()
+        if algo not in ("FP8", "NVFP4"):
+            raise ConfigError(f"ModelOpt quant_algo {algo or None!r} is not supported (FP8 and NVFP4 are)")
+        if algo == "NVFP4" and int(q.get("group_size") or 16) != 16:
+            raise ConfigError(f"NVFP4 with group_size {q.get('group_size')} is not supported (16 is)")
+        fmt = "fp8_tensor" if algo == "FP8" else "nvfp4"
+    elif method == "mxfp4":
+        fmt = "mxfp4"
+    else:
+        raise ConfigError(f"quantization method {method or None!r} is not supported; supported: {QUANT_METHODS}")
+    return {"method": method, "format": fmt, "block_size": tuple(block) if block else None, "exclude": exclude}
 
 
 def _need(d: dict, key: str, kind=int):
@@ -187,7 +248,7 @@ def _eos(raw: dict, text: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> ModelConfig:
+def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extra_quant: dict | None) -> ModelConfig:
     hidden = _need(text, "hidden_size")
     num_layers = _need(text, "num_hidden_layers")
     num_heads = _need(text, "num_attention_heads")
@@ -239,10 +300,6 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-    quant = raw.get("quantization_config") or text.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ConfigError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint")
     return cls(
         family=family,
         architecture=arch,
@@ -270,7 +327,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict) -> M
         intermediate_size=int(text.get("intermediate_size", 0) or 0),
         torch_dtype=str(dtype).replace("torch.", ""),
         eos_token_ids=_eos(raw, text),
-        quantization=None,
+        quantization=_quantization(raw, text, extra_quant),
         qk_norm=family != "llama",
         **lin,
     )
@@ -302,10 +359,15 @@ class EngineConfig:
     # is launch-bound, and a third of its copies go unused
     moe_prefetch: str = "off"
     pin_budget_gb: float | None = None
-    # auto: routed experts stay in the checkpoint's compressed format (GGUF block types) in host banks,
-    # copies and device slots; dense: dequantize them to the model dtype at load
+    # auto: routed experts stay in the checkpoint's compressed format (GGUF blocks, FP8/NVFP4/MXFP4 parts)
+    # in host banks, copies and device slots; dense: dequantize them to the model dtype at load
     moe_expert_format: str = "auto"
     tp_size: int = 1
+    # decode steps replayed as CUDA graphs where the expert backend allows it (fused, offload)
+    cuda_graphs: bool = True
+    # how decode computes routed experts: pairs = one kernel over (token, expert) pairs with a device-side
+    # slot table (no host sync; CUDA default), grouped = per-expert loop with host routing (CPU default)
+    moe_decode_kernel: str = "auto"
     seed: int = 0
     revision: str | None = None
 
@@ -343,6 +405,8 @@ class EngineConfig:
             raise ConfigError(f"--moe-prefetch must be on or off, got {self.moe_prefetch!r}")
         if self.pin_budget_gb is not None and self.pin_budget_gb < 0:
             raise ConfigError(f"--pin-budget-gb must be >= 0, got {self.pin_budget_gb}")
+        if self.moe_decode_kernel not in ("auto", "pairs", "grouped"):
+            raise ConfigError(f"--moe-decode-kernel must be auto, pairs or grouped, got {self.moe_decode_kernel!r}")
         if self.tp_size < 1:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):

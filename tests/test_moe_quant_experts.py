@@ -87,3 +87,32 @@ def test_put_raw_checks_name_the_tensor():
         st.put_raw(0, "gate", torch.zeros(st.bank(0)["gate"].numel()), "blk.0.ffn_gate_exps.weight")
     st.put_raw(0, "gate", torch.zeros(st.bank(0)["gate"].numel(), dtype=torch.uint8), "g")
     assert "p.mlp.experts.0.up_proj.weight" in st.missing(lambda layer: "p.")
+
+
+def test_expert_mlp_dense_is_compute_and_quantized_is_tiled_exactly(monkeypatch):
+    """Dense formats run compute.expert_mlp's ops (bit-identical); quantized formats decode row tiles
+    (forced small here) and match a float64 SwiGLU on the gguf package's dequantized weights."""
+    import numpy as np
+    from gguf import quants
+
+    import moestream.quant.base as qbase
+    from moestream.moe.compute import expert_mlp
+    from moestream.moe.formats import dense_format, gguf_expert_format
+
+    g = torch.Generator().manual_seed(0)
+    H, I = 256, 96
+    w = {"gate": torch.randn(I, H, generator=g), "up": torch.randn(I, H, generator=g),
+         "down": torch.randn(H, I, generator=g)}
+    x = torch.randn(5, H, generator=g)
+    gate_up = torch.cat([w["gate"], w["up"]])
+    assert torch.equal(dense_format(torch.float32).expert_mlp(x, {"gate_up": gate_up, "down": w["down"]}),
+                       expert_mlp(x, gate_up, w["down"]))
+    types = {"gate": Q.Q8_0, "up": Q.Q4_1, "down": Q.Q8_0}
+    fmt = gguf_expert_format({n: t.name for n, t in types.items()}, H, I)
+    raw = {n: quants.quantize(w[n].numpy(), types[n]) for n in w}
+    deq = {n: torch.from_numpy(quants.dequantize(raw[n], types[n]).astype(np.float64)).reshape(w[n].shape) for n in w}
+    xd = x.double()
+    want = (torch.nn.functional.silu(xd @ deq["gate"].T) * (xd @ deq["up"].T)) @ deq["down"].T
+    monkeypatch.setattr(qbase, "TILE_BYTES", 16 * H * 4)  # 16-row tiles: several per matrix
+    got = fmt.expert_mlp(x, {n: torch.from_numpy(r).reshape(-1) for n, r in raw.items()})
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # fp32 GEMM rounding only

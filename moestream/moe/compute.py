@@ -1,15 +1,14 @@
 """Routed-expert computation: `(x, route, weights) -> y`, on the compute device and on CPU threads.
 
 Shapes: x [T, H]; topk_ids, topk_w [T, k]; one expert's arrays gate_up [2I, H], down [H, I] (a
-quantized format's rows are dequantized to x's dtype by `WeightRef.arrays` just before the GEMMs).
+quantized format computes from its compressed rows through `ExpertFormat.expert_mlp`, dequantizing
+tile by tile where the rows are). Decode on CUDA uses moe/pairs.py instead (no host sync).
 
 Every placement computes per-expert partial outputs `{expert: [n_e, H]}` wherever the expert's weights
 are (slot pool, prefill buffer, device bank or host bank) and `accumulate` sums them into y in
 ascending expert order on the compute device. Same ops on bit-identical weights in the same order is
 why every backend gives exactly fused's tokens on one device.
 
-`DeviceExperts.compute` is the seam for a Triton grouped-GEMM kernel: it receives the whole route
-and, per expert, a `WeightRef` (bank dict + row index), i.e. exactly a (slot pool, slot ids) pair.
 """
 from __future__ import annotations
 
@@ -26,17 +25,15 @@ from .formats import ExpertFormat
 @dataclass(frozen=True)
 class WeightRef:
     """Expert weights at row `index` of every array in `bank` (name -> [N, ...] tensor), stored in
-    `fmt` (None: dense gate_up/down). Quantized rows are dequantized here, where they are (slot pool
-    or prefill buffer on the device, host bank on CPU), into the activation dtype."""
+    `fmt` (None: dense gate_up/down); `partial_outputs` computes through `fmt.expert_mlp`."""
 
     bank: dict
     index: int
     fmt: ExpertFormat | None = None
 
-    def arrays(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fmt is None or not self.fmt.quantized:
-            return self.bank["gate_up"][self.index], self.bank["down"][self.index]
-        return self.fmt.dense({name: a[self.index] for name, a in self.bank.items()}, dtype or torch.float32)
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense gate_up, down of the expert."""
+        return self.bank["gate_up"][self.index], self.bank["down"][self.index]
 
 
 @dataclass
@@ -85,8 +82,11 @@ def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
     out = {}
     for e, ref in refs.items():
         rows, pos = groups.members(where[e])
-        gate_up, down = ref.arrays(x.dtype)
-        out[e] = expert_mlp(x[rows], gate_up, down) * topk_w[rows, pos, None]
+        if ref.fmt is not None:  # the format's own SwiGLU: quantized rows are decoded tile by tile
+            y = ref.fmt.expert_mlp(x[rows], {name: a[ref.index] for name, a in ref.bank.items()})
+        else:
+            y = expert_mlp(x[rows], *ref.arrays())
+        out[e] = y * topk_w[rows, pos, None]
     return out
 
 

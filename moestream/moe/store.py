@@ -3,8 +3,9 @@
 The loader hands expert tensors here (never to the model's state dict). Tensors may arrive one
 expert at a time (`experts.N.gate_proj.weight`) or stacked (`experts.gate_up_proj`); either way the
 store ends with gate_up [E, 2I, H] and down [E, H, I] per MoE layer on its home device. A quantized
-format (moe/formats.py) has its own arrays instead, e.g. GGUF rows gate/up/down [E, nbytes] uint8
-filled by `put_raw` with the checkpoint's compressed bytes.
+format (moe/formats.py) has its own arrays instead, e.g. GGUF rows gate/up/down [E, nbytes] uint8, or
+HF rows `gate.weight`, `gate.weight_scale_inv`, ... [E, nbytes] uint8, filled by `put_raw` with the
+checkpoint's compressed bytes (all experts of an array at once, or one expert's).
 """
 from __future__ import annotations
 
@@ -48,19 +49,25 @@ class ExpertStore:
         bank.copy_(tensor)
         self._filled[(name, layer)][:] = True
 
-    def put_raw(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str) -> None:
-        """Compressed bytes of all experts of one array (any shape with E * nbytes uint8 elements)."""
+    def put_raw(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str, expert: int | None = None) -> None:
+        """Compressed bytes (uint8, any shape) of one array: of all experts (E * nbytes), or of `expert` (nbytes)."""
         bank = self._bank(layer, name, tensor_name)
-        if tensor.dtype != torch.uint8 or tensor.numel() != bank.numel():
+        if expert is not None:
+            self._check_expert(expert, tensor_name)
+        want = bank[0].numel() if expert is not None else bank.numel()
+        if tensor.dtype != torch.uint8 or tensor.numel() != want:
+            of = f"expert {expert}" if expert is not None else f"{self.num_experts} experts x {bank.shape[1]}"
             raise CheckpointError(f"tensor {tensor_name} holds {tensor.numel()} {tensor.dtype} elements; the "
-                                  f"{self.fmt.name} bank {name} expects {bank.numel()} bytes "
-                                  f"({self.num_experts} experts x {bank.shape[1]})")
-        self.put_stacked(layer, name, tensor.reshape(bank.shape), tensor_name)
+                                  f"{self.fmt.name} bank {name} expects {want} bytes ({of})")
+        if expert is None:
+            self.put_stacked(layer, name, tensor.reshape(bank.shape), tensor_name)
+            return
+        bank[expert].copy_(tensor.reshape(-1))
+        self._filled[(name, layer)][expert] = True
 
     def put_expert(self, layer: int, expert: int, proj: str, tensor: torch.Tensor, tensor_name: str) -> None:
         """proj is gate_proj, up_proj or down_proj of one expert."""
-        if not 0 <= expert < self.num_experts:
-            raise CheckpointError(f"tensor {tensor_name}: expert {expert} is out of range (num_experts {self.num_experts})")
+        self._check_expert(expert, tensor_name)
         I, H = self.inter, self.hidden
         if proj == "down_proj":
             bank, part, want = self._bank(layer, "down", tensor_name), slice(None), (H, I)
@@ -77,6 +84,10 @@ class ExpertStore:
         key = ("down" if proj == "down_proj" else "gate_up", layer)
         self._filled[key][expert, mark] = True
 
+    def _check_expert(self, expert: int, tensor_name: str) -> None:
+        if not 0 <= expert < self.num_experts:
+            raise CheckpointError(f"tensor {tensor_name}: expert {expert} is out of range (num_experts {self.num_experts})")
+
     def _bank(self, layer: int, name: str, tensor_name: str) -> torch.Tensor:
         if name not in self.banks:
             raise CheckpointError(f"tensor {tensor_name}: the {self.fmt.name} expert format has no array {name!r} "
@@ -91,7 +102,7 @@ class ExpertStore:
         for (name, layer), f in self._filled.items():
             for e in (~f).any(-1).nonzero().flatten().tolist():
                 if name != "gate_up":
-                    out.append(f"{prefix_of(layer)}mlp.experts.{e}.{name}_proj.weight")
+                    out.append(f"{prefix_of(layer)}mlp.experts.{e}.{self.fmt.tensor_name(name)}")
                 else:
                     for half, proj in enumerate(("gate_proj", "up_proj")):
                         if not f[e, half]:
@@ -130,6 +141,7 @@ class ExpertStore:
             pinned += self.layer_bytes()
             layers += 1
         if ptrs:
+            self._registered = ptrs  # unregistered when a bank leaves (moved_to) or the store dies
             weakref.finalize(self, _unregister, ptrs)
         rest = self.total_bytes() - pinned
         if rest:
@@ -146,9 +158,16 @@ class ExpertStore:
         out.__dict__.update(self.__dict__)
         out.device = torch.device(device)
         out.banks = {name: {} for name in self.banks}
+        out._registered = []
+        registered = getattr(self, "_registered", [])
         for name, layers in self.banks.items():
             for layer in list(layers):
-                out.banks[name][layer] = layers.pop(layer).to(out.device)
+                src = layers.pop(layer)
+                out.banks[name][layer] = src.to(out.device)
+                if src.data_ptr() in registered:  # unlock before the memory is freed and maybe reused
+                    registered.remove(src.data_ptr())
+                    _unregister([src.data_ptr()])
+                del src
         return out
 
     def bytes_per_expert(self) -> int:
