@@ -98,7 +98,26 @@ def decode_run(llm, bs: int, prompt_len: int, new_tokens: int, vocab: int) -> di
     t = llm.last_timing
     agg = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
     return {"bs": bs, "decode_tok_s_agg": agg, "decode_tok_s_per_req": agg / bs, "stats": d,
-            "decode_s": t["decode_s"], "decode_tokens": t["decode_tokens"]}
+            "decode_s": t["decode_s"], "decode_tokens": t["decode_tokens"], "graph_replay_ms": replay_ms(llm, bs)}
+
+
+def replay_ms(llm, bs: int) -> float | None:
+    """GPU time of one recorded decode step of this batch size (replayed alone): the step's time
+    without the host's share (scheduling, sampling, detokenizing)."""
+    graphs = getattr(llm.engine, "graphs", None)
+    rt = llm.engine.runtime
+    if graphs is None or not rt.capturable() or graphs.owner != (id(rt), getattr(rt, "epoch", 0)):
+        return None  # no graphs recorded for this runtime (old ones point at freed memory)
+    entries = [e for (b, _), e in graphs.entries.items() if b == bs and e.graph is not None]
+    if not entries:
+        return None
+    g = entries[-1].graph
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        g.replay()  # replays advance KV/state of finished requests' slots only: harmless here
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / 10 * 1e3
 
 
 def prefill_run(llm, n: int, vocab: int) -> dict:
@@ -159,9 +178,18 @@ def profile_decode(llm, vocab: int, steps: int = 6) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    graphs = getattr(llm.engine, "graphs", None)
+    if graphs is not None:
+        graphs.enabled = False  # profile the kernels the graph would replay
     with profile(activities=acts) as prof:
         llm.generate([ids], SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    if graphs is not None:
+        graphs.enabled = True
+    key = "self_cpu_time_total" if not torch.cuda.is_available() else "self_device_time_total"
+    try:
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    except Exception:  # older torch names the column cuda
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -176,7 +204,9 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--profile", action="store_true", help="profile decode at the first (backend, cap)")
-    ap.add_argument("--prefetch", default="on", help="on, off or on,off (each (backend, cap) run with each)")
+    ap.add_argument("--prefetch", default="off", help="on, off or on,off (each (backend, cap) run with each)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (--disable-cuda-graph)")
+    ap.add_argument("--decode-kernel", default="auto", help="auto, pairs or grouped (--moe-decode-kernel)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from moestream import LLM
@@ -187,7 +217,8 @@ def main() -> None:
     first_backend = args.backends.split(",")[0]
     first_cap = float(args.caps.split(",")[0]) if dev.type == "cuda" and first_backend != "fused" else None
     llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=first_backend, gpu_memory_gb=first_cap,
-              max_running_requests=6, num_tokens=32768, chunked_prefill_size=2048, max_seq_len_override=8192)
+              max_running_requests=6, num_tokens=32768, chunked_prefill_size=2048, max_seq_len_override=8192,
+              cuda_graphs=not args.eager, moe_decode_kernel=args.decode_kernel)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     bw = measure_bandwidths(dev)
     print("bandwidths", json.dumps(bw), flush=True)
@@ -201,7 +232,7 @@ def main() -> None:
     plan = [(b, None if b == "fused" else float(c), pf) for b in args.backends.split(",")
             for c in (args.caps.split(",") if b != "fused" else ["0"]) for pf in args.prefetch.split(",")]
     if not args.no_fused:
-        plan.append(("fused", None))
+        plan.append(("fused", None, "off"))
     for backend, cap, prefetch in plan:
         t = time.perf_counter()
         try:
@@ -220,7 +251,8 @@ def main() -> None:
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
         print(f"{backend} cap {cap}: {time.perf_counter() - t:.0f} s", flush=True)
-        if args.profile and (backend, cap, prefetch) == plan[0]:
+        if args.profile and (backend, cap, prefetch) == plan[0] and not results.get("profiled"):
+            results["profiled"] = True
             profile_decode(llm, mc.vocab_size)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -229,7 +261,7 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     print(f"\n{'backend':8} {'cap':>5} {'bs':>3} {'tok/s agg':>9} {'tok/s/req':>9} {'hit':>5} {'MB/tok':>7} "
-          f"{'PCIe GB/s':>9} {'prefill':>8} {'TTFT s':>7} {'bound':>7} {'meas/bnd':>8}")
+          f"{'PCIe GB/s':>9} {'prefill':>8} {'TTFT s':>7} {'bound':>7} {'meas/bnd':>8} {'replay ms':>9}")
     for r in results["runs"]:
         if "error" in r:
             print(f"{r['backend']:8} {r['cap_gb']!s:>5}  error: {r['error'][:80]}")
@@ -238,7 +270,8 @@ def print_table(results: dict) -> None:
         print(f"{r['backend'] + ('' if r.get('prefetch', 'on') == 'on' else '-nopf'):8} {f(r['cap_gb'], '5.0f')} {r['bs']:3d} {r['decode_tok_s_agg']:9.1f} "
               f"{r['decode_tok_s_per_req']:9.1f} {r['hit_rate']:5.2f} {r['pcie_bytes_per_token'] / 1e6:7.1f} "
               f"{r['pcie_gbs_achieved']:9.1f} {f(r.get('prefill_tok_s'), '8.0f')} {f(r.get('ttft_s'), '7.2f')} "
-              f"{f(r.get('bound_tok_s'), '7.1f')} {f(r.get('measured_over_bound'), '8.2f')}")
+              f"{f(r.get('bound_tok_s'), '7.1f')} {f(r.get('measured_over_bound'), '8.2f')} "
+              f"{f(r.get('graph_replay_ms'), '9.2f')}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ def main(src: str, dst: str) -> None:
         for b in backends:
             pts = sorted((r["cap_gb"], r["decode_tok_s_agg"]) for r in runs if r["backend"] == b and r["bs"] == bs)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+        for r in d["runs"]:  # the fused ceiling (no cap) as a dashed line
+            if r.get("backend") == "fused" and r.get("bs") == bs and "error" not in r:
+                ax.axhline(r["decode_tok_s_agg"], ls="--", color="gray", label="fused (all in VRAM)")
+        ax.set_yscale("log")
         ax.set_title(f"batch {bs} (aggregate)")
         ax.set_xlabel("VRAM cap (GB)")
         ax.grid(alpha=0.3)

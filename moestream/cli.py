@@ -33,13 +33,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-expert-format", default="auto", choices=["auto", "dense"],
                    help="auto: GGUF block-quantized experts stay compressed in RAM, copies and VRAM slots; "
                         "dense: dequantize them to the model dtype at load")
-    m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    m.add_argument("--moe-decode-kernel", default="auto", choices=["auto", "pairs", "grouped"],
+                   help="decode expert kernel: pairs (device-side routing, CUDA graphs), grouped (host routing)")
+    g.add_argument("--disable-cuda-graph", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly instead of replaying CUDA graphs")
+    m.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks: one process each (rank r on cuda:r, or CPU), on disjoint CPU cores")
 
 
 ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override", "num_tokens", "page_size",
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
-               "tp_size")
+               "tp_size", "cuda_graphs", "moe_decode_kernel")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -85,6 +90,9 @@ def add_bench_parser(sub) -> None:
     bw.add_argument("--host-mib", type=int, default=512, help="buffer for the host read measurement")
     bw.add_argument("--iters", type=int, default=5)
     bw.add_argument("--cpu-threads", type=int, default=0, help="CPU expert threads (0: one per physical core)")
+    bw.add_argument("--expert-format", default="bf16",
+                    help="how experts are stored: bf16 (dense, in --dtype), fp8 (128x128 blocks), fp8_channel, "
+                         "fp8_tensor, nvfp4, mxfp4 or a GGUF type (q4_k, q8_0, q6_k, ...); GB/s count the stored bytes")
 
 
 def add_serve_parser(sub) -> None:
@@ -168,7 +176,7 @@ def cmd_bench(args) -> int:
 
     res = bench.run_bench(resolve_device(args.device), hidden=args.hidden, inter=args.inter, dtype=args.dtype,
                           experts=args.experts, top_k=args.top_k, host_mib=args.host_mib, iters=args.iters,
-                          cpu_threads=args.cpu_threads)
+                          cpu_threads=args.cpu_threads, expert_format_name=args.expert_format)
     print(bench.format_table(res))
     print(f"profile saved to {bench.save_profile(res, args.output)}")
     return 0

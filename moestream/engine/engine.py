@@ -25,6 +25,7 @@ from ..moe.formats import dense_format
 from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
 from ..moe.hardware import probe_hardware
 from .batch import ForwardBatch
+from .graphs import DecodeGraphs, decode_extra
 
 log = logging.getLogger("moestream.engine")
 
@@ -66,12 +67,21 @@ class Caches:
 
 
 class Engine:
-    def __init__(self, folder: Path, cfg: ModelConfig, ecfg: EngineConfig):
+    def __init__(self, folder: Path, cfg: ModelConfig, ecfg: EngineConfig, tp=None):
+        """tp: this process's rank of a tensor-parallel group (moestream.parallel.TPRank), which
+        shards the model and the experts and sizes the pools from its local heads; None: one rank."""
         self.cfg, self.ecfg = cfg, ecfg
+        if ecfg.tp_size > 1 and (tp is None or tp.size != ecfg.tp_size):
+            raise ConfigError(f"--tp-size {ecfg.tp_size} runs one process per rank: use LLM(..., tp_size=N) or "
+                              "the CLI's --tp-size, not Engine directly")
+        self.tp = tp
+        self.local_cfg = tp.local_config(cfg) if tp else cfg  # this rank's heads, widths and vocab rows
         self.device = resolve_device(ecfg.device)
         self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device)
         self.max_seq_len = self._max_seq_len()
         self.hardware = probe_hardware(self.device)  # before anything is allocated on the device
+        if tp:
+            self.hardware = tp.local_hardware(self.hardware)
         self.model = self._build_model(folder)
         self.caches = self._build_caches()
         self.model.caches = self.caches
@@ -93,19 +103,24 @@ class Engine:
     def _build_model(self, folder: Path) -> QwenMoeModel:
         with torch.device("meta"):
             model = QwenMoeModel(self.cfg)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        # tensor parallel: the full dense model is loaded in host memory, then the rank keeps its slices
+        model = model.to_empty(device="cpu" if self.tp else self.device).to(self.dtype)
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
         fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
         fmt = fmt or dense_format(self.dtype)
-        self.plan = self._plan_memory(model, fmt)
+        with torch.device("meta"):  # the planner counts this rank's dense bytes
+            local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
+        self.plan = self._plan_memory(local, fmt)
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
-        store = ExpertStore(moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size,
-                            fmt, home)
+        store = (self.tp.expert_store if self.tp else ExpertStore)(
+            moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size, fmt, home)
         load_weights(model, store, self.cfg, folder)
+        if self.tp:
+            model = self.tp.shard(model).to(self.device)
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
-        self.runtime = build_runtime(self.plan.backend, store, self.device, self.plan.runtime_options())
+        self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
         self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
         for block in model.moe_blocks():
             block.runtime = self.runtime
@@ -118,6 +133,8 @@ class Engine:
         old = self.runtime
         store = old.store
         old.close()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # recorded steps point into the old runtime's pools
         self.ecfg = self.ecfg.replace(**changes)
         self.plan = self._plan_memory(self.model, store.fmt)
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
@@ -128,15 +145,21 @@ class Engine:
         del old
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.runtime = build_runtime(self.plan.backend, store, self.device, self.plan.runtime_options())
+        self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
         self.runtime.attach_routers({b.layer: b.gate for b in self.model.moe_blocks()})
         for block in self.model.moe_blocks():
             block.runtime = self.runtime
         return self.plan
 
+    def _runtime_options(self):
+        import dataclasses
+
+        return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
+                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k)
+
     def _plan_memory(self, model, fmt) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
-        cfg, e = self.cfg, self.ecfg
+        cfg, e = self.local_cfg, self.ecfg
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
         kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, self.dtype)
         state = e.max_running_requests * StatePool.bytes_per_slot(
@@ -152,7 +175,7 @@ class Engine:
         return plan
 
     def _build_caches(self) -> Caches:
-        cfg, e = self.cfg, self.ecfg
+        cfg, e = self.local_cfg, self.ecfg
         num_tokens = max(self.plan.kv_tokens, e.page_size)
         kv = KVPool(len(cfg.full_attention_layers), -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
                     cfg.head_dim, self.dtype, self.device)
@@ -162,8 +185,18 @@ class Engine:
         return Caches(kv, state)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": batch.is_decode})
+        decode = batch.is_decode
+        graphs = getattr(self, "graphs", None)
+        # tensor parallel ranks run eagerly: recording NCCL all-reduces in graphs is untested here
+        if graphs is None and self.device.type == "cuda" and self.ecfg.cuda_graphs and not self.tp:
+            graphs = self.graphs = DecodeGraphs(self)
+        use_graph = graphs is not None and decode and graphs.usable(batch)
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
         try:
+            if use_graph:
+                return graphs.run(batch)
+            if decode and self.device.type == "cuda" and "decode_kv_index" not in batch.extra:
+                batch.extra.update(decode_extra(batch))  # one padded KV index per step, not per layer
             return self.model(batch)
         finally:
             self.runtime.end_step()

@@ -41,7 +41,10 @@ class Attention(nn.Module):
         q, k = rotary.apply(q, k, batch.positions)
         k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
-        if batch.is_decode and len(batch.seqs) > 1:
+        if "decode_kv_index" in batch.extra:
+            out = self._decode_padded(q, batch.extra["decode_kv_index"], batch.extra["decode_kv_valid"],
+                                      k_cache, v_cache)
+        elif batch.is_decode and len(batch.seqs) > 1:
             out = self._decode_batched(q, batch, k_cache, v_cache)
         else:
             out = torch.empty_like(q)
@@ -66,6 +69,18 @@ class Attention(nn.Module):
             mask = torch.arange(S, device=q.device)[None, :] <= (cached + torch.arange(L, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1)
+
+    def _decode_padded(self, q, idx: torch.Tensor, valid: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+        """Decode with the step's KV positions given as device tensors (idx, valid [B, S], S padded to a
+        bucket): no host data per layer, so the step can be a CUDA graph."""
+        B = idx.shape[0]
+        groups = self.num_heads // self.num_kv_heads
+        # the query heads sharing a KV head ride as that head's "query length": no K/V repetition
+        k = k_cache[idx].to(q.dtype).permute(0, 2, 1, 3)  # [B, Hk, S, D]
+        v = v_cache[idx].to(q.dtype).permute(0, 2, 1, 3)
+        qh = q.view(B, self.num_kv_heads, groups, self.head_dim)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
+        return o.reshape(B, self.num_heads, self.head_dim)
 
     def _decode_batched(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """All sequences decode one token: pad their KV to the longest and attend in one call."""

@@ -12,6 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..engine.batch import ForwardBatch
+from . import triton_ops
 from .norm import GatedRMSNorm
 
 
@@ -128,6 +129,10 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, batch, conv_state, rec_state, core):
         slots = batch.state_slots
+        if triton_ops.enabled(mixed) and triton_ops.gdn_decode_ok(conv_state, self.kernel, self.dk, self.dv):
+            triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], slots, g, beta, rec_state, core,
+                                  self.key_dim, self.hk, self.hv, self.dk, self.dv)
+            return
         w = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
         window = torch.cat([conv_state[slots].to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, conv, K]
         conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)

@@ -5,6 +5,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from . import triton_ops
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * scale, computed in fp32.
@@ -21,6 +23,8 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.enabled(x):
+            return triton_ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
@@ -37,6 +41,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if triton_ops.enabled(x):
+            return triton_ops.rms_norm(x, self.weight, self.eps, False, gate)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

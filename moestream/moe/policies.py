@@ -13,9 +13,21 @@ from __future__ import annotations
 import torch
 
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
+from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache
+from .pairs import pair_moe, stage_experts, triton_ready
 from .residency import Residency
 from .runtime import ExpertRuntime, register
 from .transfer import Copier, Pool, PrefillStreamer, Sync
+
+
+def pairs_wanted(options, store, device) -> bool:
+    """Use the pair kernels for decode? auto: on CUDA with Triton for dense experts; pairs: also on CPU
+    (the torch reference, for tests); grouped: never."""
+    if options.decode_kernel == "grouped" or store.fmt.quantized:
+        return False
+    if device.type == "cuda":
+        return triton_ready(device)
+    return options.decode_kernel == "pairs"
 
 
 @register
@@ -25,8 +37,26 @@ class FusedRuntime(ExpertRuntime):
     def __init__(self, store, device, options):
         super().__init__(store, device, options)
         self.gpu = DeviceExperts()
+        self.pairs = pairs_wanted(options, store, device)
+        if self.pairs:
+            self.distinct = torch.zeros(len(store.moe_layers), dtype=torch.long, device=device)
+            self.layer_index = {layer: i for i, layer in enumerate(store.moe_layers)}
+            self.book.device_counts = self._device_counts
+
+    def capturable(self, info=None):
+        return self.pairs
+
+    def _device_counts(self) -> dict:
+        d = self.distinct.tolist()
+        return {layer: {"hits": d[i], "expert_calls": d[i], "gpu_experts": d[i]}
+                for layer, i in self.layer_index.items()}
 
     def forward(self, layer, x, topk_ids, topk_w):
+        if self.pairs and not self.prefill_mode:
+            self._count_pairs(layer, topk_ids)
+            routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
+            self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
+            return pair_moe(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer))
         groups = RouteGroups.of(topk_ids)
         self._count(layer, topk_ids, groups)
         s = self.book[layer]
@@ -53,12 +83,13 @@ class CachedRuntime(ExpertRuntime):
                          if options.prefill_slots > 0 else None)
         self.prefetched: dict[int, set[int]] = {}
 
-    def _build_cache(self, slots: int) -> None:
+    def _build_cache(self, slots: int, pool_rows: int | None = None) -> None:
         old = getattr(self, "residency", None)
         self.residency = Residency(slots, self.store.moe_layers)
         if old is not None:
             self.residency.counts = old.counts  # statistics survive a resize
-        self.pool = Pool(self.store, slots, self.device)
+        self.pool = None  # the old pool is freed before the new one is made
+        self.pool = Pool(self.store, slots if pool_rows is None else pool_rows, self.device)
         self.book.residency = self.residency
 
     def forward(self, layer, x, topk_ids, topk_w):
@@ -133,9 +164,8 @@ class CachedRuntime(ExpertRuntime):
 
     # ---- prefill: stream what the chunk routes to, outside the LRU --------------------------
     def _prefill(self, layer, x, topk_w, groups: RouteGroups) -> dict:
-        res, st, s = self.residency, self.streamer, self.book[layer]
-        cached = {e: res.lookup((layer, e)) for e in groups.experts}
-        cached = {e: slot for e, slot in cached.items() if slot is not None}
+        st, s = self.streamer, self.book[layer]
+        cached = self._resident_rows(layer, groups.experts)
         stream = [e for e in groups.experts if e not in cached]
         batches = self._staged_batch(layer, stream)
         rest = [e for e in stream if not batches or e not in batches[0][1]]
@@ -154,6 +184,11 @@ class CachedRuntime(ExpertRuntime):
         self._stage_next(layer, x)
         return out
 
+    def _resident_rows(self, layer: int, experts: list[int]) -> dict[int, int]:
+        """expert -> slot of those of `experts` that are in the slot cache (no LRU update)."""
+        found = {e: self.residency.lookup((layer, e)) for e in experts}
+        return {e: slot for e, slot in found.items() if slot is not None}
+
     def _staged_batch(self, layer: int, stream: list[int]) -> list:
         staged = self.streamer.take_staged(layer)
         if staged is None:
@@ -168,8 +203,9 @@ class CachedRuntime(ExpertRuntime):
         nxt = self.next_layer.get(layer)
         if nxt is None or not self.options.prefetch:
             return
-        predicted = [e for e in self._predict(nxt, x, limit=self.store.num_experts)
-                     if self.residency.lookup((nxt, e)) is None][:self.streamer.per_half]
+        predicted = self._predict(nxt, x, limit=self.store.num_experts)
+        resident = self._resident_rows(nxt, predicted)
+        predicted = [e for e in predicted if e not in resident][:self.streamer.per_half]
         if predicted:
             pool, rows = self.streamer.load(nxt, predicted)
             self.streamer.staged = (nxt, pool, rows)
@@ -197,8 +233,9 @@ class CachedRuntime(ExpertRuntime):
         """New slot cache (cold) between steps; host banks and the prefill buffer are kept."""
         if self.sync.cuda:
             torch.cuda.synchronize(self.device)  # no copy or kernel may still touch the old pool
-        self._build_cache(cache_slots)
         self.options = type(self.options)(**{**self.options.__dict__, "cache_slots": cache_slots})
+        self._build_cache(cache_slots)
+        self.epoch = getattr(self, "epoch", 0) + 1  # recorded decode graphs point at the old pool
 
     def stats(self):
         self.copier.fold(block=True)
@@ -225,7 +262,79 @@ class CachedRuntime(ExpertRuntime):
 
 @register
 class OffloadRuntime(CachedRuntime):
+    """Decode through the pair kernels and the device-side slot cache (moe/device_cache.py) where they
+    apply (dense experts, every host bank pinned, a prefill buffer): hits read their slot, misses are
+    read from the pinned host bank by the kernel and admitted into LRU victims in the same pass, with
+    no host synchronisation, so decode steps can be CUDA graphs. Otherwise the grouped path: host LRU,
+    copies on the copy stream, then compute."""
+
     name = "offload"
+
+    def __init__(self, store, device, options):
+        pinned = device.type != "cuda" or all(t.is_pinned() for per in store.banks.values() for t in per.values())
+        self.pairs = (pairs_wanted(options, store, device) and pinned and options.prefill_slots > 0
+                      and options.cache_slots > 0)
+        self.dcache = None
+        super().__init__(store, device, options)
+
+    def _build_cache(self, slots):
+        if not self.pairs:
+            return super()._build_cache(slots)
+        # the last `scratch` rows of the pool stage misses that get no slot (moe/device_cache.py)
+        scratch = min(max(self.options.max_pairs, 1), self.store.num_experts)
+        cached = max(slots - scratch, 1)
+        self.dcache = None
+        super()._build_cache(cached, cached + scratch)
+        self.dcache = DeviceSlotCache(cached, self.store.moe_layers, self.store.num_experts, scratch, self.device)
+        self.book.residency = None
+        self.book.device_counts = self._device_counts
+
+    def _device_counts(self) -> dict:
+        nbytes = self.store.bytes_per_expert()
+        out = {}
+        for layer, c in self.dcache.counts().items():
+            calls = c[HITS] + c[MISSES]
+            out[layer] = {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "copies": c[ADMITTED],
+                          "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": calls, "expert_calls": calls}
+        return out
+
+    def capturable(self, info=None):
+        return self.pairs
+
+    def begin_graph_step(self):
+        if self.pairs:
+            self.dcache.begin_step()
+
+    def begin_step(self, info=None):
+        super().begin_step(info)
+        if self.pairs and not (info or {}).get("graph", False):
+            self.dcache.begin_step()
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        if not self.pairs or self.prefill_mode:
+            return super().forward(layer, x, topk_ids, topk_w)
+        self._count_pairs(layer, topk_ids)
+        src, experts, rows, count = self.dcache.route(layer, topk_ids)
+        stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
+        return pair_moe(x, topk_w, src, self.pool.arrays)
+
+    def _resident_rows(self, layer, experts):
+        if not self.pairs:
+            return super()._resident_rows(layer, experts)
+        rows = self.dcache.resident_rows(layer)
+        return {e: rows[e] for e in experts if e in rows}
+
+    def stats(self):
+        out = super().stats()
+        if self.pairs:
+            out["cache"]["resident"] = self.dcache.num_resident()
+            out["decode_kernel"] = "pairs"
+        return out
+
+    def check_integrity(self):
+        if self.pairs:
+            self.dcache.check_integrity()
+        super().check_integrity()
 
     def _decode(self, layer, x, topk_w, groups):
         return self._device_rounds(layer, x, topk_w, groups, groups.experts,

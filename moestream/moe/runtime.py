@@ -27,6 +27,8 @@ class RuntimeOptions:
     cpu_threads: int = 0  # 0: one per physical core
     prefetch: bool = True  # predict layer l+1's experts with its router applied to layer l's input
     hybrid_fetch_fraction: float = 0.5  # share of a step's misses fetched over PCIe (rest: CPU)
+    decode_kernel: str = "auto"  # pairs (moe/pairs.py, no host sync) | grouped (moe/compute.py) | auto
+    max_pairs: int = 0  # most (token, expert) pairs of one decode layer call (max batch * top_k)
 
 
 class ExpertRuntime:
@@ -56,9 +58,12 @@ class ExpertRuntime:
         self.book.end_step(decode=not self.prefill_mode)
 
     def capturable(self, info: dict | None = None) -> bool:
-        # Every policy reads the route on the host (one sync per layer call), so no CUDA graphs yet;
-        # a device-side residency kernel would make offload capturable.
+        """True when a decode step touches no host state that depends on the route (no host sync), so
+        the engine may record it as a CUDA graph: the pair kernels of fused and offload."""
         return False
+
+    def begin_graph_step(self) -> None:
+        """The device-side part of begin_step, recorded inside a captured decode step."""
 
     def resize(self, cache_slots: int) -> None:
         raise NotImplementedError(f"the {self.name} backend has no expert cache to resize")
@@ -74,6 +79,21 @@ class ExpertRuntime:
         pass
 
     # ---- helpers for policies ----------------------------------------------------------
+    def _count_pairs(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Host-side counts of a pair-path call (shapes only: no sync; skipped while recording a graph,
+        a replay is counted by the engine through count_replay)."""
+        if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        s = self.book[layer]
+        s.tokens += topk_ids.shape[0]
+        s.routed += topk_ids.numel()
+
+    def count_replay(self, num_tokens: int, top_k: int) -> None:
+        for layer in self.store.moe_layers:
+            s = self.book[layer]
+            s.tokens += num_tokens
+            s.routed += num_tokens * top_k
+
     def _count(self, layer: int, topk_ids: torch.Tensor, groups: RouteGroups) -> None:
         s = self.book[layer]
         s.tokens += topk_ids.shape[0]

@@ -56,6 +56,9 @@ class StatsBook:
         self.last_step: dict | None = None  # hits/misses of the last finished decode step
         self.window: list[tuple[int, int]] = []  # (hits, misses) of the last decode steps
         self.residency = None  # when set, hits/misses/evictions are read from its counters
+        # when set: callable -> {layer: {field: count}} kept on the device (moe/device_cache.py), added to
+        # the host counts of the same fields whenever the book is read
+        self.device_counts = None
 
     def _sync(self) -> None:
         if self.residency is None:
@@ -67,20 +70,44 @@ class StatsBook:
     def __getitem__(self, layer: int) -> LayerStats:
         return self.layers[layer]
 
-    def total(self) -> LayerStats:
+    def merged(self) -> dict[int, LayerStats]:
+        """Per layer: host counts plus the device-side ones."""
         self._sync()
+        if self.device_counts is None:
+            return self.layers
+        out = {}
+        for layer, extra in self.device_counts().items():
+            s = LayerStats(**asdict(self.layers[layer]))
+            for name, v in extra.items():
+                setattr(s, name, getattr(s, name) + v)
+            out[layer] = s
+        return out
+
+    def total(self) -> LayerStats:
         t = LayerStats()
-        for s in self.layers.values():
+        for s in self.merged().values():
             t.add(s)
         return t
 
+    SAMPLE_EVERY = 8  # decode steps between reads of device-side counters (each read waits for the GPU)
+
     def begin_step(self) -> None:
+        if self.device_counts is not None:
+            return  # sampled in end_step
         t = self.total()
         self._step_start = (t.hits, t.misses)
 
     def end_step(self, decode: bool) -> None:
+        if self.device_counts is not None:
+            if not decode:
+                return
+            self._steps = getattr(self, "_steps", 0) + 1
+            if self._steps % self.SAMPLE_EVERY:
+                return
         t = self.total()
         h, m = t.hits - self._step_start[0], t.misses - self._step_start[1]
+        if self.device_counts is not None:
+            self._step_start = (t.hits, t.misses)
         if decode and h + m:
             self.last_step = {"hits": h, "misses": m, "hit_rate": h / (h + m)}
             self.window = (self.window + [(h, m)])[-64:]
@@ -89,7 +116,10 @@ class StatsBook:
         return hit_rate(sum(h for h, _ in self.window), sum(m for _, m in self.window))
 
     def as_dict(self) -> dict:
-        t = self.total()
-        return {"total": asdict(t), "layers": {str(k): asdict(v) for k, v in self.layers.items()},
+        layers = self.merged()
+        t = LayerStats()
+        for v in layers.values():
+            t.add(v)
+        return {"total": asdict(t), "layers": {str(k): asdict(v) for k, v in layers.items()},
                 "hit_rate": hit_rate(t.hits, t.misses), "recent_hit_rate": self.recent_hit_rate(),
                 "last_step": self.last_step}

@@ -1,0 +1,144 @@
+"""Decode steps replayed as CUDA graphs.
+
+A decode step of a 40-layer MoE is ~2,000 small kernels; launched one by one from Python the GPU waits
+on the host. When the expert runtime says a step has no host synchronisation (`capturable()`: the pair
+kernels and the device-side slot cache), the step is recorded once per (batch size, KV-length bucket)
+and replayed: the step's inputs are copied into static buffers, the graph runs, logits come back in a
+static buffer that the sampler reads before the next step.
+
+Attention reads its KV positions from a padded index [B, S_bucket] with a validity mask built inside
+the graph from the lengths, so one graph serves every length up to its bucket (buckets grow by x1.5
+or x1.33: 256, 384, 512, 768, 1024, ...; at most `max_graphs` are kept, least recently used dropped).
+
+The first step of a new bucket runs eagerly on the static buffers (its result is used; it also runs
+Triton's autotuning and lazy initialisation outside the capture), then the same step is recorded.
+If recording fails, graphs are turned off for the engine with a warning and decode stays eager.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from .batch import ForwardBatch, SeqMeta
+
+log = logging.getLogger("moestream.engine")
+
+
+def kv_bucket(n: int) -> int:
+    b = 256
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return b
+
+
+def decode_extra(batch: ForwardBatch, width: int | None = None) -> dict:
+    """Padded KV index [B, width] and validity mask of a decode batch (on the batch's device)."""
+    dev = batch.input_ids.device
+    lengths = [s.total for s in batch.seqs]
+    width = width or max(lengths)
+    idx = torch.zeros((len(lengths), width), dtype=torch.long, device=dev)
+    for i, s in enumerate(batch.seqs):
+        idx[i, :s.total] = s.kv_index
+    valid = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+    return {"decode_kv_index": idx, "decode_kv_valid": valid}
+
+
+class _Entry:
+    """Static inputs and the recorded graph of one (batch size, KV bucket)."""
+
+    def __init__(self, B: int, width: int, device: torch.device):
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.write, self.slots, self.lengths = z(B), z(B), z(B), z(B), z(B)
+        self.kv_index = z(B, width)
+        self.arange = torch.arange(width, device=device)
+        self.logits_index = torch.arange(B, device=device)
+        self.seqs = [SeqMeta(start=i, length=1, cached=0, state_slot=-1, kv_index=None) for i in range(B)]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def fill(self, batch: ForwardBatch) -> None:
+        self.input_ids.copy_(batch.input_ids, non_blocking=True)
+        self.positions.copy_(batch.positions, non_blocking=True)
+        self.write.copy_(batch.kv_write_index, non_blocking=True)
+        if batch.state_slots is not None:
+            self.slots.copy_(batch.state_slots, non_blocking=True)
+        self.lengths.copy_(torch.tensor([s.total for s in batch.seqs]), non_blocking=True)
+        for i, s in enumerate(batch.seqs):
+            self.kv_index[i, :s.total].copy_(s.kv_index, non_blocking=True)
+
+    def batch(self) -> ForwardBatch:
+        valid = self.arange[None, :] < self.lengths[:, None]  # recorded: computed on every replay
+        return ForwardBatch(input_ids=self.input_ids, positions=self.positions, seqs=self.seqs,
+                            kv_write_index=self.write, logits_index=self.logits_index, state_slots=self.slots,
+                            extra={"decode_kv_index": self.kv_index, "decode_kv_valid": valid})
+
+
+class DecodeGraphs:
+    def __init__(self, engine, max_graphs: int = 24):
+        self.engine = engine
+        self.max_graphs = max_graphs
+        self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self.pool = None
+        self.enabled = True
+        self.owner = None  # (runtime id, runtime epoch) the recorded graphs belong to
+        self.replays = 0
+        self.recorded = 0
+
+    def reset(self) -> None:
+        """Drop every recorded graph and their memory pool."""
+        if self.entries:
+            torch.cuda.synchronize(self.engine.device)
+        self.entries.clear()
+        self.pool = None
+        torch.cuda.empty_cache()
+
+    def usable(self, batch: ForwardBatch) -> bool:
+        rt = self.engine.runtime
+        return self.enabled and batch.is_decode and rt.capturable()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        rt = self.engine.runtime
+        owner = (id(rt), getattr(rt, "epoch", 0))
+        if owner != self.owner:  # a new runtime or a resized cache: recorded pointers are stale
+            self.reset()
+            self.owner = owner
+        B = len(batch.seqs)
+        key = (B, kv_bucket(max(s.total for s in batch.seqs)))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry(B, key[1], self.engine.device)
+            while len(self.entries) > self.max_graphs:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        entry.fill(batch)
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.replays += 1
+            rt.count_replay(B, self.engine.cfg.top_k)
+            return entry.out
+        out = self._step(entry)  # this step's real result, computed eagerly
+        self._record(entry, key)
+        return out
+
+    def _step(self, entry: _Entry) -> torch.Tensor:
+        self.engine.runtime.begin_graph_step()
+        return self.engine.model(entry.batch())
+
+    def _record(self, entry: _Entry, key) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize(self.engine.device)
+            with torch.cuda.graph(graph, pool=self.pool):
+                entry.out = self._step(entry)
+        except Exception as exc:  # an op that needs the host: decode stays eager from now on
+            self.enabled = False
+            self.reset()
+            log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(exc).__name__, exc)
+            return
+        entry.graph = graph
+        self.recorded += 1
+        log.debug("recorded a decode graph for batch %d, KV bucket %d", *key)

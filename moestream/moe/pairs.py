@@ -1,0 +1,152 @@
+"""Decode-time routed experts over (token, k) pairs, with no host synchronisation.
+
+A decode step routes each of its T tokens to k experts: P = T*k pairs, pair p = t*k + j. Instead of
+grouping pairs by expert on the host (moe/compute.py, which needs the route on the host), every pair
+names the device row its expert's weights are in, src[p] (a row of the slot pool, or of fused's device
+bank), and
+
+    y[t] = sum_j w[t, j] * mlp_{e(t,j)}(x[t])      summed in k order (deterministic)
+
+Misses are first staged from the pinned host bank into their rows (`stage_experts`: an admitted
+slot, or a scratch row) by a copy kernel that reads the host bank through its unified address with
+wide contiguous loads on every SM, so a miss crosses PCIe once and the expert GEMVs read only VRAM.
+Everything has static shapes and reads no device value on the host, so a decode step made of these can
+be recorded as a CUDA graph.
+
+Two implementations with one contract: Triton kernels (CUDA) and a torch reference (any device; CPU
+tests exercise the same bookkeeping). Dense expert formats only: gate_up [N, 2I, H], down [N, H, I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: absent on CPU-only installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_ready(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict) -> torch.Tensor:
+    """x [T, H]; topk_w [T, k]; src [P] rows of pool = {"gate_up": [N, 2I, H], "down": [N, H, I]}."""
+    if triton_ready(x.device):
+        return _pair_moe_triton(x, topk_w, src, pool)
+    return pair_moe_torch(x, topk_w, src, pool)
+
+
+def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
+    """Copy host[experts[i]] into pool[rows[i]] for i < count (a device scalar); experts/rows [M]."""
+    if triton_ready(rows.device):
+        return _stage_triton(host, pool, experts, rows, count)
+    n = int(count)
+    for name in ("gate_up", "down"):
+        pool[name].index_copy_(0, rows[:n], host[name][experts[:n].to(host[name].device)].to(pool[name].device))
+
+
+def pair_moe_torch(x, topk_w, src, pool) -> torch.Tensor:
+    T, k = topk_w.shape
+    gate_up, down = pool["gate_up"][src], pool["down"][src]
+    xp = x.repeat_interleave(k, dim=0)  # pair p reads token p // k
+    gu = torch.bmm(gate_up, xp.unsqueeze(-1)).squeeze(-1).float()
+    g, u = gu.chunk(2, dim=-1)
+    h = (F.silu(g) * u).to(x.dtype)
+    y = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1).float() * topk_w.reshape(-1, 1).float()
+    return y.view(T, k, -1).sum(1).to(x.dtype)
+
+
+if triton is not None:
+    _CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w)
+                for bn, bk, w in ((16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 512, 8))]
+
+    @triton.autotune(configs=_CONFIGS, key=["H", "I", "P"])
+    @triton.jit
+    def _gate_up_kernel(x_ptr, src_ptr, pool_ptr, h_ptr, H, I, P, K_TOP, BN: tl.constexpr, BK: tl.constexpr):
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        base = pool_ptr + tl.load(src_ptr + p) * (2 * I * H)
+        row = p // K_TOP
+        acc_g = tl.zeros([BN], dtype=tl.float32)
+        acc_u = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < H
+            m = nmask[:, None] & kmask[None, :]
+            xv = tl.load(x_ptr + row * H + kk, mask=kmask, other=0.0).to(tl.float32)
+            wg = tl.load(base + n[:, None] * H + kk[None, :], mask=m, other=0.0)
+            wu = tl.load(base + (n[:, None] + I) * H + kk[None, :], mask=m, other=0.0)
+            acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + p * I + n, h.to(h_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.autotune(configs=_CONFIGS, key=["H", "I", "P"])
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, src_ptr, pool_ptr, y_ptr, H, I, P, BN: tl.constexpr, BK: tl.constexpr):
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        base = pool_ptr + tl.load(src_ptr + p) * (H * I)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < I
+            m = nmask[:, None] & kmask[None, :]
+            hv = tl.load(h_ptr + p * I + kk, mask=kmask, other=0.0).to(tl.float32)
+            wd = tl.load(base + n[:, None] * I + kk[None, :], mask=m, other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+        wt = tl.load(w_ptr + p).to(tl.float32)
+        tl.store(y_ptr + p * H + n, acc * wt, mask=nmask)
+
+    @triton.jit
+    def _stage_kernel(host_ptr, pool_ptr, experts_ptr, rows_ptr, count_ptr, N, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Program (i, c) copies chunk c (CHUNK elements) of expert experts[i] into pool row rows[i]."""
+        i = tl.program_id(0)
+        if i < tl.load(count_ptr):
+            e = tl.load(experts_ptr + i)
+            r = tl.load(rows_ptr + i)
+            start = tl.program_id(1) * CHUNK
+            for off in range(0, CHUNK, BLOCK):
+                o = start + off + tl.arange(0, BLOCK)
+                m = o < N
+                v = tl.load(host_ptr + e * N + o, mask=m)
+                tl.store(pool_ptr + r * N + o, v, mask=m)
+
+
+def _pair_moe_triton(x, topk_w, src, pool) -> torch.Tensor:
+    T, k = topk_w.shape
+    P = T * k
+    gu_pool, d_pool = pool["gate_up"], pool["down"]
+    I2, H = gu_pool.shape[1], gu_pool.shape[2]
+    I = I2 // 2
+    x, src = x.contiguous(), src.contiguous()
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[lambda meta: (P, triton.cdiv(I, meta["BN"]))](x, src, gu_pool, h, H, I, P, k)
+    y = torch.empty((P, H), dtype=torch.float32, device=x.device)
+    _down_kernel[lambda meta: (P, triton.cdiv(H, meta["BN"]))](h, topk_w.reshape(-1).contiguous(), src, d_pool, y,
+                                                               H, I, P)
+    return y.view(T, k, H).sum(1).to(x.dtype)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte words when the row size allows (wide loads), else 4- or 2-byte."""
+    row = t[0].numel() * t.element_size()
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row % size == 0:
+            return t.view(torch.uint8).view(t.shape[0], -1).view(dt)
+    return t.view(torch.uint8).view(t.shape[0], -1)
+
+
+def _stage_triton(host, pool, experts, rows, count) -> None:
+    M = experts.shape[0]
+    for name in ("gate_up", "down"):
+        src, dst = _words(host[name]), _words(pool[name])
+        N = src.shape[1]
+        chunk = 8192
+        _stage_kernel[(M, triton.cdiv(N, chunk))](src, dst, experts, rows, count, N, CHUNK=chunk, BLOCK=1024)
