@@ -4,6 +4,9 @@
     llm = LLM("Qwen/Qwen3-30B-A3B", moe_backend="offload", moe_cache_size=2048)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     print(out[0].text)
+
+With tp_size=N the engine runs as N processes in lockstep (moestream.parallel): this process is rank 0
+(scheduler, sampling) and the other ranks are spawned; `close()` (or the end of this process) stops them.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import EngineConfig, ModelConfig
-from .core import RequestError, RequestOutput, SamplingParams, next_request_id
+from .core import ConfigError, RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
 from .models.loader import load_model_config, load_tokenizer, resolve_model_path
 from .scheduler.request import Request
@@ -25,7 +28,10 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model_path: str | Path | dict | None, device: str = "auto", dtype: str = "auto", **engine_options: Any):
+    def __init__(self, model_path: str | Path | dict | None, device: str = "auto", dtype: str = "auto",
+                 tp_workers=None, **engine_options: Any):
+        """tp_workers: a running moestream.parallel.TPWorkers to build on (several engines one after
+        another on the same ranks, e.g. a backend sweep); by default tp_size > 1 starts its own."""
         self.engine_config = EngineConfig.from_options(device=device, dtype=dtype, **engine_options)
         if isinstance(model_path, dict):
             # An HF config dict: the model is built with random weights in memory (benchmarks), no tokenizer.
@@ -36,7 +42,13 @@ class LLM:
             self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
             self.model_config = load_model_config(self.model_dir)
             self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
+        self._tp, self._owns_tp = None, False
+        if self.engine_config.tp_size > 1:
+            self.engine = self._start_tp(tp_workers)
+        elif tp_workers is not None:
+            raise ConfigError("tp_workers needs tp_size > 1")
+        else:
+            self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in self.model_config.eos_token_ids if e not in eos]
         self.scheduler = Scheduler(self.engine, eos, self.tokenizer)
@@ -65,10 +77,41 @@ class LLM:
     def stats(self) -> dict:
         s = self.engine.runtime.stats()
         s["plan"] = self.engine.plan.as_dict()
+        s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
         return s
 
+    def close(self) -> None:
+        """Release the engine; with tp_size > 1 the ranks this LLM started are stopped."""
+        if self._tp is not None:
+            self._tp.release()
+            if self._owns_tp:
+                self._tp.close()
+            self._tp = None
+        else:
+            self.engine.runtime.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- helpers -----------------------------------------------------------------------------
+    def _start_tp(self, workers):
+        from .parallel import TPWorkers, validate_tp
+
+        validate_tp(self.model_config, self.engine_config, self.model_dir)  # before any process starts
+        self._owns_tp = workers is None
+        self._tp = workers or TPWorkers(self.engine_config.tp_size, self.engine_config.device)
+        try:
+            return self._tp.build(self.model_dir, self.model_config, self.engine_config)
+        except BaseException:
+            if self._owns_tp:
+                self._tp.close()
+            self._tp = None
+            raise
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -9,7 +9,9 @@ through two one-way pipes carrying small dicts.
 
 Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
 The process ends with its parent: it polls the parent pid and the pipe (EOF), and on Linux asks the
-kernel for SIGTERM when the parent dies, so no orphan keeps VRAM or a port.
+kernel for SIGTERM when the parent dies, so no orphan keeps VRAM or a port. With --tp-size N this
+process is rank 0 and starts ranks 1..N-1 (moestream.parallel); they end when it does, and it exits
+when one of them dies.
 """
 from __future__ import annotations
 
@@ -43,6 +45,15 @@ def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    if args.engine_options.get("tp_size", 1) > 1:
+        import multiprocessing
+
+        from ..parallel import exit_with_group
+
+        # this process is rank 0 and spawns the others, which a daemonic process may not; it still
+        # ends with the front end (the parent-death signal and the parent pid poll above)
+        multiprocessing.current_process().daemon = False
+        exit_with_group()
     try:
         loop = EngineLoop(args, outbox)
     except Exception as e:  # a bad model path/config must reach the user as one readable line
@@ -51,7 +62,10 @@ def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
                      else str(e)})
         return
     outbox.send({"type": "ready", "info": loop.info()})
-    loop.run(inbox, parent_pid, stop)
+    try:
+        loop.run(inbox, parent_pid, stop)
+    finally:
+        loop.llm.close()  # with --tp-size: stops the other ranks
 
 
 def _is_user_error(e: Exception) -> bool:
@@ -108,7 +122,7 @@ class EngineLoop:
                 "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
                 "architecture": eng.cfg.architecture, "max_running_requests": eng.ecfg.max_running_requests,
                 "vocab_size": eng.cfg.vocab_size, "expert_backend": getattr(eng.runtime, "name", "?"),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "tp_size": eng.ecfg.tp_size}
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self, inbox, parent_pid: int, stop: dict) -> None:

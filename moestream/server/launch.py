@@ -100,8 +100,9 @@ def serve(model_path: str | None, engine_options: dict, host: str = "127.0.0.1",
         signal.signal(sig, lambda *_: None)
     try:
         info = engine.start()
-        log.info("engine ready (pid %d): %s, max_seq_len %d, KV %d tokens", info["pid"], info["architecture"],
-                 info["max_seq_len"], info["kv_tokens"])
+        log.info("engine ready (pid %d): %s, max_seq_len %d, KV %d tokens%s", info["pid"], info["architecture"],
+                 info["max_seq_len"], info["kv_tokens"],
+                 f" per rank, {info['tp_size']} tensor-parallel ranks" if info.get("tp_size", 1) > 1 else "")
         app = create_app(state, lifespan=_lifespan(engine))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                 access_log=False)
