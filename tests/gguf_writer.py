@@ -88,9 +88,10 @@ def _qtype_for(w: torch.Tensor, leaf: str, qtype: Q) -> Q:
     return qtype if quantizable else Q.F32
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0) -> tuple[Path, dict[str, torch.Tensor]]:
+def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0, expert_qtype=None) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write hf_dir as GGUF. Returns (path, HF state dict with every weight replaced by what the
-    GGUF holds, dequantized by the gguf package)."""
+    GGUF holds, dequantized by the gguf package). expert_qtype(layer, "gate_proj"|"up_proj"|"down_proj")
+    may give routed experts their own type per layer and array (Q4_K_M-style mixes)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tc = cfg.get("text_config", cfg)
     arch = ARCH[cfg["architectures"][0]]
@@ -116,7 +117,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0) -> tuple[Path, dict[s
         oracle[name] = _from_gguf_layout(arch, leaf, back, tc, t.shape)
     for (layer, proj), per in sorted(experts.items()):
         stacked = torch.stack([per[e] for e in sorted(per)]).float()  # [E, out, in]
-        q = _qtype_for(stacked, "exps", qtype)
+        q = _qtype_for(stacked, "exps", expert_qtype(layer, proj) if expert_qtype else qtype)
         _add(w, f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked, q)
         back = roundtrip(stacked.reshape(-1, stacked.shape[-1]), q).reshape(stacked.shape)
         # transformers holds experts stacked in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I]

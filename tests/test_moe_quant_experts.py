@@ -67,7 +67,7 @@ def test_compressed_experts_every_backend(variant, qtype, tiny_checkpoint, tmp_p
         llm.engine.runtime.close()
 
 
-def test_mixed_or_float_expert_types_fall_back_to_dense(tiny_checkpoint, tmp_path):
+def test_float_expert_types_fall_back_to_dense(tiny_checkpoint, tmp_path):
     path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.F32)
     llm = LLM(path, moe_backend="fused", **COMMON)
     assert not llm.engine.runtime.store.fmt.quantized
@@ -116,3 +116,33 @@ def test_expert_mlp_dense_is_compute_and_quantized_is_tiled_exactly(monkeypatch)
     monkeypatch.setattr(qbase, "TILE_BYTES", 16 * H * 4)  # 16-row tiles: several per matrix
     got = fmt.expert_mlp(x, {n: torch.from_numpy(r).reshape(-1) for n, r in raw.items()})
     assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # fp32 GEMM rounding only
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen35_causal"])
+def test_per_layer_types_stay_compressed(variant, tiny_checkpoint, tmp_path):
+    """Q4_K_M-style files give some layers' down projections a bigger type: each layer keeps its own
+    bytes, slot rows fit the largest, and every backend still gives the dequantize-at-load tokens."""
+    def mix(layer, proj):
+        return Q.Q8_0 if proj == "down_proj" and layer % 2 == 0 else Q.Q4_1
+
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint(variant), tmp_path / "m.gguf", Q.Q4_1, expert_qtype=mix)
+    want = _tokens(LLM(path, moe_backend="fused", moe_expert_format="dense", **COMMON))
+    for backend, kw in BACKENDS:
+        llm = LLM(path, moe_backend=backend, **COMMON, **kw)
+        store = llm.engine.runtime.store
+        cfg = llm.model_config
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        q8, q4 = gguf_format("Q8_0"), gguf_format("Q4_1")
+        assert store.fmt.quantized and "per layer" in store.fmt.name
+        for layer in store.moe_layers:
+            down = (q8 if layer % 2 == 0 else q4).nbytes((H, I))
+            assert store.bank(layer)["down"].shape == (E, down)
+            assert store.bytes_per_expert(layer) == 2 * q4.nbytes((I, H)) + down
+        assert store.bytes_per_expert() == 2 * q4.nbytes((I, H)) + q8.nbytes((H, I))  # a slot row fits the largest
+        assert _tokens(llm) == want, backend
+        t = llm.stats()["total"]
+        if backend in ("offload", "hybrid"):
+            assert t["misses"] > 0 and t["evictions"] > 0
+            per = {layer: llm.stats()["layers"][str(layer)] for layer in store.moe_layers}
+            assert all(s["bytes_h2d"] == s["copies"] * store.bytes_per_expert(layer) for layer, s in per.items())
+        llm.engine.runtime.close()

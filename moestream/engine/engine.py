@@ -57,7 +57,12 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return torch.float32 if cfg.approx_num_params() * 4 < ram // 4 else torch.bfloat16
-    return torch.bfloat16 if dt == torch.float32 else dt
+    dt = torch.bfloat16 if dt == torch.float32 else dt
+    if dt == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+        # Turing/Volta have no bf16 tensor cores: fp16 keeps the GEMMs on tensor cores
+        log.info("this GPU has no bf16 tensor cores (sm < 80): computing in float16")
+        return torch.float16
+    return dt
 
 
 @dataclass

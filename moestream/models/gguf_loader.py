@@ -219,43 +219,44 @@ class GGUFCheckpoint:
         return w
 
     # ---- compressed routed experts ----------------------------------------------------------
-    def expert_types(self) -> dict[str, str] | None:
-        """{"gate"|"up"|"down": GGUF type} when every routed-expert tensor is a block-quantized type
-        moestream.quant reads, with one type per array over all layers; else None (dense path).
-        Checkpoints whose per-layer types differ (e.g. Q4_K_M's Q6_K down in some layers) take the dense path."""
+    def expert_types(self) -> dict[int, dict[str, str]] | None:
+        """layer -> {"gate"|"up"|"down": GGUF type} when every routed-expert tensor is a block-quantized
+        type moestream.quant reads (types may differ between layers and arrays, as in Q4_K_M); else None
+        (dequantize at load)."""
         from ..quant import GGUF_FORMATS
 
-        types: dict[str, set[str]] = {}
+        out: dict[int, dict[str, str]] = {}
         for t in self.reader.tensors:
             if m := EXPERTS.match(t.name):
-                types.setdefault(m[2], set()).add(self.reader.type_name(t))
-        if sorted(types) != ["down", "gate", "up"] or any(len(v) != 1 for v in types.values()):
+                out.setdefault(int(m[1]), {})[m[2]] = self.reader.type_name(t)
+        if not out or any(sorted(v) != ["down", "gate", "up"] for v in out.values()):
             return None
-        out = {k: next(iter(v)) for k, v in types.items()}
-        if any(v not in GGUF_FORMATS or v in ("F32", "F16", "BF16") for v in out.values()):
+        if any(k not in GGUF_FORMATS or k in ("F32", "F16", "BF16") for v in out.values() for k in v.values()):
             return None
         return out
 
     def expert_format(self, cfg: ModelConfig):
-        """The expert format of this file's routed experts: GGUF rows, or None (dequantize at load)."""
-        from ..moe.formats import gguf_expert_format
+        """The expert format of this file's routed experts: GGUF rows (one format, or one per layer when
+        the types differ between layers), or None (dequantize at load)."""
+        from ..moe.formats import layered_gguf_format
         from ..quant import QuantFormatError
 
         types = self.expert_types() if cfg.num_experts else None
         if types is None:
             return None
         try:
-            fmt = gguf_expert_format(types, cfg.hidden_size, cfg.moe_intermediate_size)
-            fmt.shapes(cfg.hidden_size, cfg.moe_intermediate_size)  # row lengths fit the block size
+            fmt = layered_gguf_format(types, cfg.hidden_size, cfg.moe_intermediate_size)
+            fmt.shapes(cfg.hidden_size, cfg.moe_intermediate_size)  # row lengths fit the block sizes
         except QuantFormatError:
             return None
         return fmt
 
     def _put_raw_experts(self, store, layer: int, proj: str, t) -> None:
         kind = self.reader.type_name(t)
-        want = dict(store.fmt.types).get(proj)
+        fmt = store.fmt.for_layer(layer)
+        want = dict(fmt.types).get(proj)
         if kind != want:
-            raise CheckpointError(f"tensor {t.name} has GGUF type {kind}; the expert format {store.fmt.name} "
+            raise CheckpointError(f"tensor {t.name} has GGUF type {kind}; the expert format {fmt.name} "
                                   f"expects {want}")
         with warnings.catch_warnings():  # the mmap is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)

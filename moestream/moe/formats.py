@@ -47,6 +47,10 @@ class ExpertFormat:
         """Checkpoint name (after `experts.N.`) of one array, for messages about missing tensors."""
         return f"{array}_proj.weight"
 
+    def for_layer(self, layer: int) -> "ExpertFormat":
+        """The format of one layer's experts (itself, except for per-layer GGUF types)."""
+        return self
+
     def dense(self, rows: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's stored arrays -> (gate_up [2I, H], down [H, I]); dense rows are used as they are."""
         return rows["gate_up"], rows["down"]
@@ -105,7 +109,36 @@ class GGUFExpertFormat(QuantizedExpertFormat):
         return gguf_format(dict(self.types)[name])
 
     def weight(self, rows, proj):
-        return self.quant(proj), rows[proj], self.logical(self.hidden, self.inter)[proj]
+        shape = self.logical(self.hidden, self.inter)[proj]
+        q = self.quant(proj)
+        # a slot row sized for a bigger type of another layer holds this layer's bytes first
+        return q, rows[proj][:q.nbytes(shape)], shape
+
+
+@dataclass(frozen=True)
+class LayeredGGUFFormat(ExpertFormat):
+    """GGUF experts whose types differ between layers (Q4_K_M and friends: Q6_K down in some layers).
+    Each layer's bank holds its own type's bytes (`for_layer`); slot and prefill rows are sized for the
+    largest type of each array, and a layer's experts occupy the front of a row."""
+
+    per_layer: tuple[tuple[int, GGUFExpertFormat], ...] = ()
+
+    quantized = True
+
+    def for_layer(self, layer: int) -> GGUFExpertFormat:
+        return dict(self.per_layer)[layer]
+
+    def shapes(self, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+        sizes = [f.shapes(hidden, inter) for _, f in self.per_layer]
+        return {name: (max(s[name][0] for s in sizes),) for name in sizes[0]}
+
+    def tensor_name(self, array: str) -> str:
+        return self.per_layer[0][1].tensor_name(array)
+
+    def dense(self, rows, dtype):
+        raise TypeError("per-layer GGUF experts are computed through for_layer(layer)")
+
+    expert_mlp = dense
 
 
 @dataclass(frozen=True)
@@ -139,6 +172,16 @@ class HFExpertFormat(QuantizedExpertFormat):
 
 def dense_format(dtype: torch.dtype) -> ExpertFormat:
     return ExpertFormat(name=str(dtype).replace("torch.", ""), dtype=dtype)
+
+
+def layered_gguf_format(types: dict[int, dict[str, str]], hidden: int, inter: int) -> ExpertFormat:
+    """types: layer -> {"gate"|"up"|"down": GGUF type}; one GGUFExpertFormat when all layers agree."""
+    formats = {layer: gguf_expert_format(t, hidden, inter) for layer, t in sorted(types.items())}
+    distinct = list(dict.fromkeys(formats.values()))
+    if len(distinct) == 1:
+        return distinct[0]
+    names = "/".join(dict.fromkeys(v for f in distinct for _, v in f.types))
+    return LayeredGGUFFormat(name=f"gguf:{names} per layer", dtype=torch.uint8, per_layer=tuple(formats.items()))
 
 
 def gguf_expert_format(types: dict[str, str], hidden: int, inter: int) -> GGUFExpertFormat:

@@ -63,7 +63,8 @@ class FusedRuntime(ExpertRuntime):
         s.hits += len(groups.experts)
         s.gpu_experts += len(groups.experts)
         bank = self.store.bank(layer)
-        refs = {e: WeightRef(bank, e, self.store.fmt) for e in groups.experts}
+        fmt = self.store.fmt.for_layer(layer)
+        refs = {e: WeightRef(bank, e, fmt) for e in groups.experts}
         return accumulate(x, groups, self.gpu.compute(x, topk_w, groups, refs))
 
 
@@ -126,15 +127,15 @@ class CachedRuntime(ExpertRuntime):
             if first and after_first_copy is not None:
                 after_first_copy()  # prefetch copies queue behind the demand copies
             first = False
-            out.update(self._compute_rows(self.pool, rows, x, topk_w, groups))
+            out.update(self._compute_rows(layer, self.pool, rows, x, topk_w, groups))
             for e in batch:
                 res.unpin((layer, e))
         self.book[layer].gpu_experts += len(experts)
         return out
 
-    def _compute_rows(self, pool: Pool, rows: dict[int, int], x, topk_w, groups) -> dict:
+    def _compute_rows(self, layer: int, pool: Pool, rows: dict[int, int], x, topk_w, groups) -> dict:
         self.copier.wait_ready(pool, rows.values())
-        out = self.gpu.compute(x, topk_w, groups, {e: pool.ref(r) for e, r in rows.items()})
+        out = self.gpu.compute(x, topk_w, groups, {e: pool.ref(r, layer) for e, r in rows.items()})
         self.copier.released(pool, rows.values())
         return out
 
@@ -172,10 +173,10 @@ class CachedRuntime(ExpertRuntime):
         chunks = [rest[i:i + st.per_half] for i in range(0, len(rest), st.per_half)]
         while len(batches) < 2 and chunks:
             batches.append(st.load(layer, chunks.pop(0)))
-        out = self._compute_rows(self.pool, cached, x, topk_w, groups) if cached else {}
+        out = self._compute_rows(layer, self.pool, cached, x, topk_w, groups) if cached else {}
         while batches:
             pool, rows = batches.pop(0)
-            out.update(self._compute_rows(pool, rows, x, topk_w, groups))
+            out.update(self._compute_rows(layer, pool, rows, x, topk_w, groups))
             if chunks:  # goes into the half just computed from; its release event orders the copy
                 batches.append(st.load(layer, chunks.pop(0)))
         s.prefill_resident += len(cached)
@@ -257,7 +258,8 @@ class CachedRuntime(ExpertRuntime):
             self.residency.note_miss((layer, e))
         self.book[layer].cpu_experts += len(experts)
         bank = self.store.bank(layer)
-        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, self.store.fmt) for e in experts})
+        fmt = self.store.fmt.for_layer(layer)
+        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, fmt) for e in experts})
 
 
 @register
@@ -290,9 +292,9 @@ class OffloadRuntime(CachedRuntime):
         self.book.device_counts = self._device_counts
 
     def _device_counts(self) -> dict:
-        nbytes = self.store.bytes_per_expert()
         out = {}
         for layer, c in self.dcache.counts().items():
+            nbytes = self.store.bytes_per_expert(layer)
             calls = c[HITS] + c[MISSES]
             out[layer] = {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "copies": c[ADMITTED],
                           "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": calls, "expert_calls": calls}

@@ -28,12 +28,11 @@ class ExpertStore:
         self.num_experts, self.hidden, self.inter, self.fmt = num_experts, hidden, inter, fmt
         self.device = torch.device(device)
         specs = fmt.arrays(hidden, inter)
-        self.banks: dict[str, dict[int, torch.Tensor]] = {}
-        for name, (shape, dtype) in specs.items():
-            self.banks[name] = {
-                layer: torch.empty((num_experts, *shape), dtype=dtype, device=self.device, pin_memory=pin)
-                for layer in self.moe_layers
-            }
+        self.banks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in specs}
+        for layer in self.moe_layers:  # each layer's bank in that layer's own format
+            for name, (shape, dtype) in fmt.for_layer(layer).arrays(hidden, inter).items():
+                self.banks[name][layer] = torch.empty((num_experts, *shape), dtype=dtype, device=self.device,
+                                                      pin_memory=pin)
         # filled[name][layer] is a bool per expert (and per half of gate_up) so missing tensors are found.
         self._filled = {(name, layer): torch.zeros(num_experts, 2 if name == "gate_up" else 1, dtype=torch.bool)
                         for name in specs for layer in self.moe_layers}
@@ -115,15 +114,16 @@ class ExpertStore:
         if not self.fmt.quantized:
             return self.banks["gate_up"][layer], self.banks["down"][layer]
         bank = self.bank(layer)
-        pairs = [self.fmt.dense({n: b[e] for n, b in bank.items()}, dtype) for e in range(self.num_experts)]
+        pairs = [self.fmt.for_layer(layer).dense({n: b[e] for n, b in bank.items()}, dtype) for e in range(self.num_experts)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def bank(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [E, ...] tensor of one layer (a WeightRef bank)."""
         return {name: per_layer[layer] for name, per_layer in self.banks.items()}
 
-    def layer_bytes(self) -> int:
-        return self.bytes_per_expert() * self.num_experts
+    def layer_bytes(self, layer: int | None = None) -> int:
+        """Bytes of one layer's experts (layer None: the largest layer)."""
+        return self.bytes_per_expert(layer) * self.num_experts
 
     # ---- pinning ---------------------------------------------------------------------------
     def pin_host(self, budget_bytes: int) -> dict:
@@ -134,11 +134,11 @@ class ExpertStore:
             return {"pinned_bytes": 0, "pageable_bytes": self.total_bytes(), "pinned_layers": 0}
         pinned, layers, ptrs = 0, 0, []
         for layer in self.moe_layers:
-            if pinned + self.layer_bytes() > budget_bytes:
+            if pinned + self.layer_bytes(layer) > budget_bytes:
                 break
             for per_layer in self.banks.values():
                 per_layer[layer] = _page_lock(per_layer[layer], ptrs)
-            pinned += self.layer_bytes()
+            pinned += self.layer_bytes(layer)
             layers += 1
         if ptrs:
             self._registered = ptrs  # unregistered when a bank leaves (moved_to) or the store dies
@@ -170,11 +170,13 @@ class ExpertStore:
                 del src
         return out
 
-    def bytes_per_expert(self) -> int:
-        return self.fmt.bytes_per_expert(self.hidden, self.inter)
+    def bytes_per_expert(self, layer: int | None = None) -> int:
+        """Bytes of one expert of `layer`; None: of a slot row (the largest layer's, for per-layer types)."""
+        fmt = self.fmt if layer is None else self.fmt.for_layer(layer)
+        return fmt.bytes_per_expert(self.hidden, self.inter)
 
     def total_bytes(self) -> int:
-        return self.bytes_per_expert() * self.num_experts * len(self.moe_layers)
+        return sum(self.layer_bytes(layer) for layer in self.moe_layers)
 
 
 def _page_lock(t: torch.Tensor, registered: list[int]) -> torch.Tensor:

@@ -62,8 +62,9 @@ class Pool:
         self.ready: list = [None] * n
         self.release: list = [None] * n
 
-    def ref(self, row: int) -> WeightRef:
-        return WeightRef(self.arrays, row, self.fmt)
+    def ref(self, row: int, layer: int) -> WeightRef:
+        """The expert of `layer` held in `row` (per-layer GGUF types decode with that layer's format)."""
+        return WeightRef(self.arrays, row, self.fmt.for_layer(layer))
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self.arrays.values())
@@ -74,7 +75,6 @@ class Copier:
 
     def __init__(self, store: ExpertStore, sync: Sync, stats: StatsBook):
         self.store, self.sync, self.stats = store, sync, stats
-        self.expert_bytes = store.bytes_per_expert()
         self._timed: list[tuple[int, object, object]] = []  # (layer, start event, end event) not yet read
 
     def copy(self, pool: Pool, items: list[tuple[int, int, int]]) -> None:
@@ -87,12 +87,15 @@ class Copier:
             t0, start = time.perf_counter(), self.sync.event(True, timing=True)
             for lay, e, row in items:
                 for name, dst in pool.arrays.items():
-                    dst[row].copy_(self.store.banks[name][lay][e], non_blocking=True)
+                    src = self.store.banks[name][lay][e]
+                    # rows sized for a larger per-layer type take this layer's bytes at their front
+                    target = dst[row] if dst.shape[1:] == src.shape else dst[row, :src.shape[0]]
+                    target.copy_(src, non_blocking=True)
             end = self.sync.event(True, timing=True)
         for _, _, row in items:
             pool.ready[row] = end
         s = self.stats[layer]
-        s.bytes_h2d += len(items) * self.expert_bytes
+        s.bytes_h2d += len(items) * self.store.bytes_per_expert(layer)
         s.copies += len(items)
         if end is None:
             s.copy_s += time.perf_counter() - t0
