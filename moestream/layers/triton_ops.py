@@ -14,9 +14,9 @@ reference and the CPU path. tests/test_triton_layers.py compares both on a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..env import triton_enabled
 
 try:  # optional: absent on CPU-only installs
     import triton
@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and os.environ.get("MOESTREAM_TRITON", "1") != "0"
+    return triton is not None and x.is_cuda and triton_enabled()
 
 
 if triton is not None:

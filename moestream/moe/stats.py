@@ -59,6 +59,7 @@ class StatsBook:
         # when set: callable -> {layer: {field: count}} kept on the device (moe/device_cache.py), added to
         # the host counts of the same fields whenever the book is read
         self.device_counts = None
+        self._steps = 0  # decode steps seen (device counters are read every SAMPLE_EVERY of them)
 
     def _sync(self) -> None:
         if self.residency is None:
@@ -101,7 +102,7 @@ class StatsBook:
         if self.device_counts is not None:
             if not decode:
                 return
-            self._steps = getattr(self, "_steps", 0) + 1
+            self._steps += 1
             if self._steps % self.SAMPLE_EVERY:
                 return
         t = self.total()
