@@ -17,11 +17,24 @@ the compact list of (expert, row) the caller stages from the host bank before co
 target for masked scatters. Counters per layer: hits, misses (distinct experts per call), admitted,
 evictions (counted against the admitting layer) and host pairs (pairs read over PCIe).
 
+On CUDA (Triton installed, MOESTREAM_TRITON not 0) `route` is one Triton kernel with one program
+(`route_triton`), instead of ~60 small torch ops per layer call; `_route_torch` is the reference and
+the CPU path, and the kernel equals it bit for bit in every output and state tensor except the
+trailing scatter targets (tests/test_device_cache_triton.py, also under TRITON_INTERPRET=1).
+
 Invariant (`check_integrity`, reads everything back): table and slot_key are inverse maps.
 """
 from __future__ import annotations
 
 import torch
+
+from ..env import triton_enabled
+
+try:  # optional: absent on CPU-only installs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
 
 HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS = range(5)
 
@@ -44,6 +57,7 @@ class DeviceSlotCache:
         self.stamp = torch.zeros((), dtype=torch.long, device=device)
         self.counters = torch.zeros((5, L), dtype=torch.long, device=device)
         self._arange = torch.arange(num_experts, device=device)
+        self._work = torch.zeros(2 * num_experts, dtype=torch.long, device=device)  # route_triton's scratch
 
     # ---- per step ------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -54,9 +68,19 @@ class DeviceSlotCache:
         self.vptr.zero_()
 
     # ---- per layer call ------------------------------------------------------------------
-    def route(self, layer: int, topk_ids: torch.Tensor):
+    def route(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
         """topk_ids [T, k] -> (src [P] pool row of every pair, stage_experts [M], stage_rows [M], count):
-        experts[:count] must be copied from the host bank into rows[:count] before computing."""
+        experts[:count] must be copied from the host bank into rows[:count] before computing.
+
+        fetch_fraction < 1 (hybrid): of a call's m misses only the first f = fetch_count(m, fraction) by
+        expert id are fetched (admitted or staged); the others are left to the CPU: src = -1 for their
+        pairs, no row, no victim, listed after the fetched ones (count = f)."""
+        if topk_ids.device.type == "cuda" and triton is not None and triton_enabled():
+            return route_triton(self, layer, topk_ids, fetch_fraction)
+        return self._route_torch(layer, topk_ids, fetch_fraction)
+
+    def _route_torch(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
+        """The reference of `route` (any device)."""
         i, E, S = self.layer_index[layer], self.E, self.num_slots
         flat = topk_ids.reshape(-1).long()
         table = self.table[i * E:(i + 1) * E]
@@ -66,20 +90,27 @@ class DeviceSlotCache:
         resident = table >= 0
         miss_e = routed & ~resident
         n_miss = miss_e.sum()
+        local = torch.cumsum(miss_e.long(), 0) - 1  # rank of a miss among this call's misses
+        if fetch_fraction < 1.0:
+            n_fetch = device_fetch_count(n_miss, fetch_fraction)
+            cpu_e = miss_e & (local >= n_fetch)
+            miss_e = miss_e & ~cpu_e
+        else:
+            n_fetch, cpu_e = n_miss, None
         self.counters[HITS, i] += (routed & resident).sum()
         self.counters[MISSES, i] += n_miss
-        self.counters[HOST_PAIRS, i] += n_miss
+        self.counters[HOST_PAIRS, i] += n_fetch
         self.last_use.scatter_(0, torch.where(hit, slot, S), self.stamp.expand(flat.shape[0]))
         rows_e = table.clone()
         if self.num_victims:
             V = self.num_victims
-            rank = torch.cumsum(miss_e.long(), 0) - 1 + self.vptr
+            rank = local + self.vptr
             victim = self.victims[rank.clamp(0, V - 1)]
             old = self.slot_key[victim]
             old_here = (old >= i * E) & (old < (i + 1) * E)
             busy = old_here & routed[(old - i * E).clamp(0, E - 1)]
             ok = miss_e & (rank < V) & ~busy
-            self.vptr += n_miss
+            self.vptr += n_fetch
             self.counters[ADMITTED, i] += ok.sum()
             self.counters[EVICTIONS, i] += (ok & (old >= 0)).sum()
             dummy_t, keys = self.table.shape[0] - 1, i * E + self._arange
@@ -93,9 +124,12 @@ class DeviceSlotCache:
         # misses without a victim: scratch rows S, S+1, ... (at most one per pair of this call)
         spill = miss_e & ~ok
         rows_e = torch.where(spill, S + torch.cumsum(spill.long(), 0) - 1, rows_e)
+        if cpu_e is not None:
+            rows_e = torch.where(cpu_e, -1, rows_e)
+            miss_e = miss_e | cpu_e
         M = min(self.scratch, E)
         order = torch.argsort((~miss_e).to(torch.int8), stable=True)[:M]  # missed experts first
-        return rows_e[flat], order, rows_e[order], n_miss
+        return rows_e[flat], order, rows_e[order], n_fetch
 
     # ---- host-side views (each reads device memory: not for the decode path) ---------------
     def resident_rows(self, layer: int) -> dict[int, int]:
@@ -119,3 +153,115 @@ class DeviceSlotCache:
         for slot, key in enumerate(keys):
             if key >= 0 and table[key] != slot:
                 raise AssertionError(f"slot {slot} holds key {key}, whose table entry is {table[key]}")
+
+
+# ---- the single-kernel route (CUDA; CPU tensors under TRITON_INTERPRET=1) ----------------------
+def device_fetch_count(n_miss: torch.Tensor, fraction: float) -> torch.Tensor:
+    """policies.fetch_count on a device scalar, in float64 of the float32-rounded fraction (as the kernel)."""
+    frac = _f32(fraction)
+    n = n_miss.double()
+    lo = torch.floor(n * frac)
+    cost = lambda f: torch.maximum(f * (1 - frac), (n - f) * frac)  # noqa: E731
+    f = torch.where(cost(lo) <= cost(lo + 1), lo, lo + 1)
+    return torch.minimum(f, n).long()
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
+    """`DeviceSlotCache.route` as one Triton launch: fresh static-shape outputs, no host reads."""
+    if triton is None:
+        raise RuntimeError("route_triton needs triton")
+    i, E, S, V = cache.layer_index[layer], cache.E, cache.num_slots, cache.num_victims
+    flat = topk_ids.reshape(-1)
+    P, M, dev = flat.shape[0], min(cache.scratch, E), cache.device
+    src = torch.empty(P, dtype=torch.long, device=dev)
+    order = torch.empty(M, dtype=torch.long, device=dev)
+    rows = torch.empty(M, dtype=torch.long, device=dev)
+    count = torch.empty((), dtype=torch.long, device=dev)
+    block_e = max(16, triton.next_power_of_2(E))
+    _route_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims if V else cache.slot_key,
+                        cache.vptr, cache.stamp, cache.counters, cache._work, cache._work[E:],
+                        src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i, _f32(fetch_fraction),
+                        HAS_V=V > 0, PARTIAL=fetch_fraction < 1.0, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e,
+                        num_warps=4 if block_e <= 256 else 8)
+    return src, order, rows, count
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
+    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, routed_buf, rows_buf,
+                      src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac,
+                      HAS_V: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One layer call of the slot cache in one program: pairs p < P on one axis, experts e < E on the other.
+
+        routed[e] is a scatter of ones into a scratch row (routed_buf); misses are routed non-residents.
+        Inclusive cumsums over e give each miss its victim rank (+ vptr, read-and-advanced by one atomic),
+        its scratch row if it gets no victim, and its place in `order` (misses first, then the rest, by
+        id), so `order`/`rows` are written by scatter. Gathers by a data-dependent index (routed[old],
+        rows_e[flat]) go through global scratch rows; debug_barrier orders each store before its loads
+        and every read of table/slot_key before the admission writes."""
+        p = tl.arange(0, BLOCK_P)
+        pm = p < P
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        base = li.to(tl.int64) * E
+        flat = tl.load(ids + p, mask=pm, other=0).to(tl.int64)
+        slot = tl.load(table + base + flat, mask=pm, other=-1)
+        before = tl.load(table + base + e, mask=em, other=-1)  # rows_e starts as the table read here
+        st = tl.load(stamp)
+        tl.store(routed_buf + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=em)
+        tl.debug_barrier()
+        tl.store(routed_buf + flat, tl.full([BLOCK_P], 1, tl.int64), mask=pm)
+        tl.debug_barrier()
+        routed = tl.load(routed_buf + e, mask=em, other=0) != 0
+        hit = pm & (slot >= 0)
+        tl.store(last_use + slot, tl.zeros([BLOCK_P], dtype=tl.int64) + st, mask=hit)
+        resident = before >= 0
+        miss = routed & ~resident
+        cm = tl.cumsum(miss.to(tl.int64), 0)  # inclusive: a miss's rank among misses is cm - 1
+        n_miss = tl.sum(miss.to(tl.int64), 0)
+        tl.atomic_add(counters + 0 * L + li, tl.sum((routed & resident).to(tl.int64), 0))  # HITS
+        tl.atomic_add(counters + 1 * L + li, n_miss)  # MISSES
+        n_fetch = n_miss
+        fetch = miss
+        if PARTIAL:  # hybrid: the first fetch_count(n_miss, frac) misses by id are fetched, the rest CPU's
+            nf = n_miss.to(tl.float64)
+            fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
+            lo = tl.floor(nf * fr)
+            c0 = tl.maximum(lo * (1 - fr), (nf - lo) * fr)
+            c1 = tl.maximum((lo + 1) * (1 - fr), (nf - lo - 1) * fr)
+            n_fetch = tl.minimum(tl.where(c0 <= c1, lo, lo + 1), nf).to(tl.int64)
+            fetch = miss & (cm - 1 < n_fetch)
+        tl.atomic_add(counters + 4 * L + li, n_fetch)  # HOST_PAIRS
+        rows_e = before
+        ok = e < 0
+        if HAS_V:
+            rank = cm - 1 + tl.atomic_add(vptr, n_fetch)  # the old vptr
+            victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
+            old = tl.load(slot_key + victim, mask=em, other=-1)
+            here = (old >= base) & (old < base + E)
+            busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
+            ok = fetch & (rank < V) & ~busy
+            evict = ok & (old >= 0)
+            tl.atomic_add(counters + 2 * L + li, tl.sum(ok.to(tl.int64), 0))  # ADMITTED
+            tl.atomic_add(counters + 3 * L + li, tl.sum(evict.to(tl.int64), 0))  # EVICTIONS
+            tl.debug_barrier()
+            tl.store(table + old, tl.full([BLOCK_E], -1, tl.int64), mask=evict)
+            tl.store(table + base + e, victim, mask=ok)
+            tl.store(slot_key + victim, base + e, mask=ok)
+            tl.store(last_use + victim, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
+            rows_e = tl.where(ok, victim, rows_e)
+        spill = fetch & ~ok
+        rows_e = tl.where(spill, S + tl.cumsum(spill.to(tl.int64), 0) - 1, rows_e)
+        if PARTIAL:
+            rows_e = tl.where(miss & ~fetch, -1, rows_e)
+        tl.store(rows_buf + e, rows_e, mask=em)
+        tl.debug_barrier()
+        tl.store(src_out + p, tl.load(rows_buf + flat, mask=pm, other=0), mask=pm)
+        pos = tl.where(miss, cm - 1, n_miss + e - cm)  # a permutation of 0..E-1: misses first, stable
+        tl.store(order_out + pos, e.to(tl.int64), mask=em & (pos < M))
+        tl.store(rows_out + pos, rows_e, mask=em & (pos < M))
+        tl.store(count_out, n_fetch)

@@ -1,0 +1,237 @@
+"""moestream.moe.device_cache.route_triton: the single-kernel `route` equals the torch reference
+(`DeviceSlotCache._route_torch`) bit for bit, in every output and every state tensor, call after call.
+
+* Interpreter: all cases run once, in a subprocess with TRITON_INTERPRET=1 (set before triton is
+  imported), on CPU tensors; each case is then reported as its own test. Needs only `triton`.
+* CUDA: the same cases through the real wiring (`route` on CUDA tensors takes the kernel), a realistic
+  E=256 case, and `route` recorded in a CUDA graph and replayed; skipped without a GPU.
+
+Run as a script (`python tests/test_device_cache_triton.py --worker OUT.json`) it is the interpreter worker.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
+from moestream.moe.device_cache import DeviceSlotCache  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# name -> (slots, E, T, k, layers, max_pairs, steps[, fetch fraction (hybrid: the other misses are the CPU's)])
+CASES = {
+    "spill": (3, 16, 2, 4, [0, 2, 5], 8, 20),  # fewer victims than distinct misses: scratch rows
+    "no-victims": (0, 16, 2, 3, [0, 1], 6, 8),  # num_slots = 0: nothing is admitted
+    "no-scratch": (0, 8, 1, 2, [3], 0, 4),  # max_pairs = 0: no victims and M = 0
+    "large": (200, 32, 3, 4, [0, 1, 2], 12, 20),  # every key fits: no evictions
+    "evict": (20, 64, 4, 8, [0, 1, 2, 3], 32, 20),
+    "hot": (6, 24, 6, 4, [1, 4], 24, 25),  # a few hot experts in most tokens
+    "repeats": (5, 12, 3, 4, [0, 1], 12, 20),  # ids drawn with replacement: repeats within a token too
+    "hybrid": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6),
+    "hybrid-spill": (2, 16, 2, 4, [0, 2], 8, 20, 0.35),
+    "hybrid-no-victims": (0, 16, 2, 3, [0, 1], 6, 8, 0.5),
+}
+STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters")
+
+
+def make_ids(case: str, E: int, T: int, k: int, g: torch.Generator) -> torch.Tensor:
+    if case == "repeats":
+        return torch.randint(0, E, (T, k), generator=g)
+    if case == "hot":
+        hot = torch.randperm(E, generator=g)[:k + 2]
+        return torch.stack([hot[torch.randperm(k + 2, generator=g)[:k]] if bool(torch.rand(1, generator=g) < 0.7)
+                            else torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+
+
+def compare(ref: DeviceSlotCache, got: DeviceSlotCache, out_ref, out_got) -> list[str]:
+    errs = []
+    for name, a, b in zip(("src", "order", "rows", "count"), out_ref, out_got):
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            errs.append(f"{name}: {b.tolist()} != {a.tolist()}")
+    for name in STATE:
+        a, b = getattr(ref, name), getattr(got, name)
+        if name in ("table", "slot_key", "last_use"):  # the trailing element is a dummy scatter target
+            a, b = a[:-1], b[:-1]
+        if not torch.equal(a, b):
+            errs.append(f"{name}: {b.tolist()} != {a.tolist()}")
+    return errs
+
+
+def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
+    """Drive two caches with the same ids: one by the torch reference, one by `route(cache, layer, ids)`."""
+    slots, E, T, k, layers, max_pairs, steps, *rest = spec or CASES[case]
+    frac = rest[0] if rest else 1.0
+    dev = torch.device(device)
+    ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev) for _ in range(2))
+    g = torch.Generator().manual_seed(len(case) * 1000 + slots)
+    for step in range(steps):
+        ref.begin_step()
+        got.begin_step()
+        calls = list(layers) + ([layers[0]] if step % 7 == 3 else [])  # a layer called twice in a step
+        for layer in calls:
+            ids = make_ids(case, E, max(1, T - step % 2), k, g).to(dev)  # P varies between calls
+            want = ref._route_torch(layer, ids, frac)
+            errs = compare(ref, got, want, route(got, layer, ids, frac))
+            if frac < 1 and not errs:  # the CPU's misses: no row, after the fetched ones, not admitted
+                cpu = want[0] < 0
+                resident = set(ref.resident_rows(layer))
+                assert not (set(ids.reshape(-1)[cpu].tolist()) & resident)
+            if errs:
+                return [f"step {step} layer {layer}: " + "; ".join(errs)]
+        got.check_integrity()
+    if slots and slots < len(layers) * E and int(ref.counters[3].sum()) == 0:
+        return ["the case never evicted"]
+    if frac < 1 and int((ref.counters[1] - ref.counters[4]).sum()) == 0:
+        return ["the case never left a miss to the CPU"]
+    return []
+
+
+def _triton_route(cache, layer, ids, frac=1.0):
+    from moestream.moe.device_cache import route_triton
+
+    return route_triton(cache, layer, ids, frac)
+
+
+# --------------------------------------------------------------------------- interpreter
+def _worker(out_path: str) -> None:
+    res = {}
+    for case in CASES:
+        try:
+            errs = run_case(case, _triton_route)
+            res[case] = "ok" if not errs else "; ".join(errs)
+        except Exception as e:  # reported per case by the parent
+            res[case] = f"error: {type(e).__name__}: {e}"
+    Path(out_path).write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    out = tmp_path_factory.mktemp("triton") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0 or not out.is_file():
+        pytest.fail(f"interpreter worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreted_route_bit_exact(interpreted, case):
+    assert interpreted[case] == "ok", f"{case}: {interpreted[case]}"
+
+
+def test_cpu_tensors_stay_on_torch(monkeypatch):
+    from moestream.moe import device_cache
+
+    monkeypatch.setattr(device_cache, "route_triton", lambda *a: pytest.fail("CPU route used Triton"))
+    c = DeviceSlotCache(4, [0], 8, 4, torch.device("cpu"))
+    c.begin_step()
+    c.route(0, torch.tensor([[1, 2]]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("has_v,block_e,block_p", [(True, 256, 64), (False, 16, 16), (True, 512, 512)])
+def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
+    """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts the kernel; no GPU needed."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moestream.moe import device_cache as dc
+
+    ptrs = ("ids table slot_key last_use victims vptr stamp counters routed_buf rows_buf src_out order_out "
+            "rows_out count_out").split()
+    consts = {"HAS_V": has_v, "PARTIAL": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
+    sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",
+           **{n: "constexpr" for n in consts}}
+    try:
+        k = triton.compile(ASTSource(fn=dc._route_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block_e > 256 else 4})
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
+
+
+# --------------------------------------------------------------------------- CUDA
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+
+
+def _wired(monkeypatch):
+    """`cache.route` on CUDA tensors, asserting that it takes the kernel."""
+    from moestream.moe import device_cache
+
+    monkeypatch.delenv("MOESTREAM_TRITON", raising=False)
+    calls = []
+    real = device_cache.route_triton
+    monkeypatch.setattr(device_cache, "route_triton", lambda *a: calls.append(1) or real(*a))
+    return calls, lambda cache, layer, ids, frac=1.0: cache.route(layer, ids, frac)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("case", list(CASES) + ["qwen-256"])
+def test_cuda_route_bit_exact(case, monkeypatch):
+    calls, route = _wired(monkeypatch)
+    spec = (120, 256, 8, 8, list(range(6)), 64, 30) if case == "qwen-256" else None
+    errs = run_case(case, route, "cuda", spec)
+    assert calls, "the CUDA path did not use the Triton kernel"
+    assert not errs, f"{case}: " + "; ".join(errs)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_replay(monkeypatch):
+    """begin_step + every layer's route recorded once in a CUDA graph, replayed with new ids each step,
+    equal to the reference driven eagerly."""
+    calls, _ = _wired(monkeypatch)
+    slots, E, T, k, layers = 40, 256, 4, 8, [0, 1, 2, 3]
+    dev = torch.device("cuda")
+    ref, got = (DeviceSlotCache(slots, layers, E, T * k, dev) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    ids = {layer: make_ids("hot", E, T, k, g).to(dev) for layer in layers}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernel: not while capturing) on a throwaway cache
+        warm = DeviceSlotCache(slots, layers, E, T * k, dev)
+        warm.begin_step()
+        for layer in layers:
+            warm.route(layer, ids[layer])
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got.begin_step()
+        outs = {layer: got.route(layer, ids[layer]) for layer in layers}
+    assert calls
+    for step in range(25):
+        for layer in layers:
+            ids[layer].copy_(make_ids("hot", E, T, k, g).to(dev))
+        graph.replay()
+        ref.begin_step()
+        for layer in layers:  # the graph ran all layers first: compare state after the last one
+            errs = compare(ref, ref, ref._route_torch(layer, ids[layer]), outs[layer])
+            assert not errs, f"step {step} layer {layer}: " + "; ".join(errs)
+        errs = compare(ref, got, (), ())
+        assert not errs, f"step {step}: " + "; ".join(errs)
+    assert int(ref.counters[3].sum()) > 0  # evictions happened
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        sys.exit("usage: python tests/test_device_cache_triton.py --worker OUT.json (run the tests with pytest)")
