@@ -9,7 +9,7 @@ import torch
 from moestream.engine.graphs import kv_bucket
 from moestream.moe.compute import moe_reference
 from moestream.moe.device_cache import DeviceSlotCache
-from moestream.moe.pairs import pair_moe, pair_moe_torch, stage_experts, triton_ready
+from moestream.moe.pairs import _pair_outputs_torch, pair_moe, pair_moe_torch, pair_outputs, stage_experts, triton_ready
 
 E, H, I = 12, 32, 16
 
@@ -125,3 +125,32 @@ def test_triton_stage_and_pairs_match_reference(dtype):
     want = pair_moe_torch(x, w.to(dtype), src, pool)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
+
+
+@cuda
+@pytest.mark.skipif(not triton_ready(torch.device("cuda")) if torch.cuda.is_available() else True,
+                    reason="needs Triton")
+def test_triton_pair_outputs_skip_rowless_pairs():
+    """Pairs with src < 0 (the CPU's, moe/bridge.py) are not computed; the others equal the reference."""
+    pool = bank(8, 5, "cuda", torch.float32)
+    x = torch.randn(2, H, device="cuda")
+    _, w = route(2, 4, 13, "cuda")
+    src = torch.tensor([3, -1, 0, 7, -1, -1, 2, 5], device="cuda")
+    got = pair_outputs(x, w, src, pool)
+    want = _pair_outputs_torch(x, w, src, pool)
+    keep = src >= 0
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-5)
+    assert torch.all(want[~keep] == 0)
+
+
+def test_torch_pair_outputs_with_rowless_pairs():
+    """The torch reference computes only pairs with a row; those equal the all-rows computation."""
+    pool = bank(8, 6)
+    x = torch.randn(2, H)
+    _, w = route(2, 4, 14)
+    src = torch.tensor([3, -1, 0, 7, -1, 1, 2, 5])
+    part = _pair_outputs_torch(x, w, src, pool)
+    full = _pair_outputs_torch(x, w, src.clamp(min=0), pool)
+    keep = src >= 0
+    torch.testing.assert_close(part[keep], full[keep], rtol=1e-6, atol=1e-7)
+    assert torch.all(part[~keep] == 0)

@@ -34,9 +34,20 @@ def triton_ready(device: torch.device) -> bool:
 
 def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict) -> torch.Tensor:
     """x [T, H]; topk_w [T, k]; src [P] rows of pool = {"gate_up": [N, 2I, H], "down": [N, H, I]}."""
+    return pair_sum(pair_outputs(x, topk_w, src, pool), topk_w.shape[1], x.dtype)
+
+
+def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict) -> torch.Tensor:
+    """y [P, H] float32: w[p] * mlp(x[p // k]) from pool row src[p]; rows of pairs with src[p] < 0 are left
+    for another producer (moe/bridge.py: the CPU) and hold garbage until it fills them."""
     if triton_ready(x.device):
-        return _pair_moe_triton(x, topk_w, src, pool)
-    return pair_moe_torch(x, topk_w, src, pool)
+        return _pair_outputs_triton(x, topk_w, src, pool)
+    return _pair_outputs_torch(x, topk_w, src, pool)
+
+
+def pair_sum(y: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[P, H] pair outputs -> [T, H]: each token's k pairs summed in k order (deterministic)."""
+    return y.view(-1, k, y.shape[-1]).sum(1).to(dtype)
 
 
 def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
@@ -49,14 +60,26 @@ def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Ten
 
 
 def pair_moe_torch(x, topk_w, src, pool) -> torch.Tensor:
-    T, k = topk_w.shape
-    gate_up, down = pool["gate_up"][src], pool["down"][src]
+    return pair_sum(_pair_outputs_torch(x, topk_w, src, pool), topk_w.shape[1], x.dtype)
+
+
+def _pair_outputs_torch(x, topk_w, src, pool) -> torch.Tensor:
+    k = topk_w.shape[1]
+    y = torch.zeros(src.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    p = torch.nonzero(src >= 0).flatten() if bool((src < 0).any()) else None
+    use = src if p is None else src[p]
+    gate_up, down = pool["gate_up"][use], pool["down"][use]
     xp = x.repeat_interleave(k, dim=0)  # pair p reads token p // k
+    w = topk_w.reshape(-1, 1).float()
+    if p is not None:
+        xp, w = xp[p], w[p]
     gu = torch.bmm(gate_up, xp.unsqueeze(-1)).squeeze(-1).float()
     g, u = gu.chunk(2, dim=-1)
     h = (F.silu(g) * u).to(x.dtype)
-    y = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1).float() * topk_w.reshape(-1, 1).float()
-    return y.view(T, k, -1).sum(1).to(x.dtype)
+    out = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1).float() * w
+    if p is None:
+        return out
+    return y.index_copy_(0, p, out)
 
 
 if triton is not None:
@@ -68,8 +91,9 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, src_ptr, pool_ptr, h_ptr, H, I, P, K_TOP, BN: tl.constexpr, BK: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < I
-        base = pool_ptr + tl.load(src_ptr + p) * (2 * I * H)
+        s = tl.load(src_ptr + p)
+        nmask = (n < I) & (s >= 0)  # a pair with no row is another producer's (moe/bridge.py)
+        base = pool_ptr + tl.maximum(s, 0) * (2 * I * H)
         row = p // K_TOP
         acc_g = tl.zeros([BN], dtype=tl.float32)
         acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -90,8 +114,9 @@ if triton is not None:
     def _down_kernel(h_ptr, w_ptr, src_ptr, pool_ptr, y_ptr, H, I, P, BN: tl.constexpr, BK: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < H
-        base = pool_ptr + tl.load(src_ptr + p) * (H * I)
+        s = tl.load(src_ptr + p)
+        nmask = (n < H) & (s >= 0)
+        base = pool_ptr + tl.maximum(s, 0) * (H * I)
         acc = tl.zeros([BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
@@ -119,7 +144,7 @@ if triton is not None:
                 tl.store(pool_ptr + r * N + o, v, mask=m)
 
 
-def _pair_moe_triton(x, topk_w, src, pool) -> torch.Tensor:
+def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     T, k = topk_w.shape
     P = T * k
     gu_pool, d_pool = pool["gate_up"], pool["down"]
@@ -131,7 +156,7 @@ def _pair_moe_triton(x, topk_w, src, pool) -> torch.Tensor:
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _down_kernel[lambda meta: (P, triton.cdiv(H, meta["BN"]))](h, topk_w.reshape(-1).contiguous(), src, d_pool, y,
                                                                H, I, P)
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    return y
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
