@@ -12,7 +12,9 @@ SP = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
 @pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}),
-                                        ("offload", {"moe_cache_size": 20})])
+                                        ("offload", {"moe_cache_size": 20}),
+                                        # CPU pairs through the bridge (moe/bridge.py), inside the graph
+                                        ("cpu", {}), ("hybrid", {"moe_cache_size": 5})])
 def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint):
     common = dict(device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4, **kw)
     g = torch.Generator().manual_seed(5)
@@ -27,7 +29,9 @@ def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint):
         assert eng.runtime.capturable()
         if graphs:
             assert eng.graphs.recorded >= 2 and eng.graphs.replays > 40
-        if backend == "offload":
+        if backend in ("cpu", "hybrid"):
+            assert eng.runtime.bridge is not None and sum(eng.runtime.bridge.cpu_experts) > 0
+        if backend in ("offload", "hybrid"):
             eng.runtime.check_integrity()
             t = eng.runtime.stats()["total"]
             # hits and misses count decode calls (device cache); expert_calls also counts prefill chunks

@@ -50,6 +50,9 @@ def run(tiny_checkpoint, arch, backend, **kw):
     ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
     ("offload", {"moe_cache_size": 12, "moe_decode_kernel": "pairs"}),
     ("fused", {"moe_decode_kernel": "pairs"}),
+    # CPU pairs through the bridge (moe/bridge.py): a worker thread answers each layer's posted request
+    ("cpu", {"moe_decode_kernel": "pairs"}),
+    ("hybrid", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
     ("cpu", {}),
     ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
 ])
@@ -81,6 +84,9 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
         assert t["gpu_experts"] == 0 and t["hits"] == 0 and t["bytes_h2d"] == 0
     if backend == "hybrid":
         assert t["cpu_experts"] > 0 and t["gpu_experts"] > 0
+    if backend in ("cpu", "hybrid") and kw.get("moe_decode_kernel") == "pairs":
+        bridge = llm.engine.runtime.bridge
+        assert bridge is not None and bridge.seq > 0 and sum(bridge.cpu_experts) > 0  # decode went through it
     if kw.get("moe_prefetch", "off") == "off":
         assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
     elif backend in ("offload", "hybrid"):
@@ -135,3 +141,25 @@ def test_stats_shape_and_resize(tiny_checkpoint):
     _, again = run(tiny_checkpoint, "qwen35", "offload", moe_cache_size=4)
     assert rt.stats()["cache"]["slots"] == 6
     assert [o.token_ids for o in llm.generate(prompts(llm.model_config.vocab_size), SP)] == again
+
+
+def test_cpu_bridge_failure_fails_the_step_not_the_engine(tiny_checkpoint, fused_tokens):
+    """A CPU expert exception inside a bridged decode step surfaces as that step's error; the worker and
+    the engine go on and later requests get fused's tokens."""
+    ps, want = fused_tokens("qwen3")
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="cpu", moe_decode_kernel="pairs", **COMMON)
+    bridge = llm.engine.runtime.bridge
+    real = bridge._compute
+    calls = []
+
+    def broken(i, layer):
+        calls.append(layer)
+        raise MemoryError("injected")
+
+    bridge._compute = broken
+    with pytest.raises(RuntimeError, match="CPU experts failed.*injected"):
+        llm.generate(ps[:1], SP)
+    assert calls
+    bridge._compute = real
+    llm2_tokens = [o.token_ids for o in llm.generate(ps, SP)]
+    assert llm2_tokens == want

@@ -14,7 +14,8 @@ import torch
 
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
 from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache
-from .pairs import pair_moe, stage_experts, triton_ready
+from .bridge import CpuBridge
+from .pairs import pair_moe, pair_outputs, pair_sum, stage_experts, triton_ready
 from .residency import Residency
 from .runtime import ExpertRuntime, register
 from .transfer import Copier, Pool, PrefillStreamer, Sync
@@ -262,15 +263,12 @@ class CachedRuntime(ExpertRuntime):
         return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, fmt) for e in experts})
 
 
-@register
-class OffloadRuntime(CachedRuntime):
+class DeviceCachedRuntime(CachedRuntime):
     """Decode through the pair kernels and the device-side slot cache (moe/device_cache.py) where they
     apply (dense experts, every host bank pinned, a prefill buffer): hits read their slot, misses are
     read from the pinned host bank by the kernel and admitted into LRU victims in the same pass, with
     no host synchronisation, so decode steps can be CUDA graphs. Otherwise the grouped path: host LRU,
     copies on the copy stream, then compute."""
-
-    name = "offload"
 
     def __init__(self, store, device, options):
         pinned = device.type != "cuda" or all(t.is_pinned() for per in store.banks.values() for t in per.values())
@@ -293,11 +291,14 @@ class OffloadRuntime(CachedRuntime):
 
     def _device_counts(self) -> dict:
         out = {}
+        cpu = self.bridge.cpu_experts if getattr(self, "bridge", None) is not None else None
         for layer, c in self.dcache.counts().items():
             nbytes = self.store.bytes_per_expert(layer)
-            calls = c[HITS] + c[MISSES]
             out[layer] = {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "copies": c[ADMITTED],
-                          "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": calls, "expert_calls": calls}
+                          "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": c[HITS] + c[HOST_PAIRS],
+                          "expert_calls": c[HITS] + c[MISSES]}
+            if cpu is not None:
+                out[layer]["cpu_experts"] = cpu[self.dcache.layer_index[layer]]
         return out
 
     def capturable(self, info=None):
@@ -311,14 +312,6 @@ class OffloadRuntime(CachedRuntime):
         super().begin_step(info)
         if self.pairs and not (info or {}).get("graph", False):
             self.dcache.begin_step()
-
-    def forward(self, layer, x, topk_ids, topk_w):
-        if not self.pairs or self.prefill_mode:
-            return super().forward(layer, x, topk_ids, topk_w)
-        self._count_pairs(layer, topk_ids)
-        src, experts, rows, count = self.dcache.route(layer, topk_ids)
-        stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        return pair_moe(x, topk_w, src, self.pool.arrays)
 
     def _resident_rows(self, layer, experts):
         if not self.pairs:
@@ -338,15 +331,90 @@ class OffloadRuntime(CachedRuntime):
             self.dcache.check_integrity()
         super().check_integrity()
 
+
+@register
+class OffloadRuntime(DeviceCachedRuntime):
+    name = "offload"
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        if not self.pairs or self.prefill_mode:
+            return super().forward(layer, x, topk_ids, topk_w)
+        self._count_pairs(layer, topk_ids)
+        src, experts, rows, count = self.dcache.route(layer, topk_ids)
+        stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
+        return pair_moe(x, topk_w, src, self.pool.arrays)
+
     def _decode(self, layer, x, topk_w, groups):
         return self._device_rounds(layer, x, topk_w, groups, groups.experts,
                                    after_first_copy=lambda: self._prefetch_next(layer, x))
 
 
+class BridgedSteps:
+    """Decode steps whose CPU-computed pairs go through a CpuBridge (moe/bridge.py): one job per decode step
+    for the worker, the step waited for (and a failure raised) at its end. Mixed into cpu and hybrid."""
+
+    bridge = None
+    _bridged = False
+
+    def _make_bridge(self, wanted: bool) -> None:
+        self.bridge = CpuBridge(self.store, self.device, self.options.max_pairs) if wanted else None
+        self._bridged = False
+
+    def begin_step(self, info=None):
+        super().begin_step(info)
+        self._bridged = self.bridge is not None and not self.prefill_mode
+        if self._bridged:
+            self.bridge.begin_step()
+
+    def end_step(self):
+        try:
+            if self._bridged:
+                self._bridged = False
+                self.bridge.end_step()
+        finally:
+            super().end_step()
+
+    def close(self):
+        if self.bridge is not None:
+            self.bridge.close()
+        super().close()
+
+
+def bridge_wanted(options, store, device) -> bool:
+    """CPU pairs through the bridge: wherever the pair kernels run (CUDA + Triton, dense experts; or forced
+    on CPU for tests) and the plan says how many pairs a decode layer call may have."""
+    return pairs_wanted(options, store, device) and options.max_pairs > 0
+
+
 @register
-class CpuRuntime(CachedRuntime):
+class CpuRuntime(BridgedSteps, CachedRuntime):
     name = "cpu"
     uses_cpu = True
+
+    def __init__(self, store, device, options):
+        super().__init__(store, device, options)
+        self._make_bridge(bridge_wanted(options, store, device))
+        if self.bridge is not None:
+            self.book.device_counts = self._device_counts
+
+    def _device_counts(self) -> dict:
+        c = self.bridge.cpu_experts
+        return {layer: {"misses": c[i], "cpu_experts": c[i], "expert_calls": c[i]}
+                for layer, i in self.bridge.index.items()}
+
+    def capturable(self, info=None):
+        return self.bridge is not None
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        if self.bridge is None or self.prefill_mode:
+            return super().forward(layer, x, topk_ids, topk_w)
+        self._count_pairs(layer, topk_ids)
+        P, k = topk_ids.numel(), topk_ids.shape[1]
+        cpu = torch.ones(P, dtype=torch.bool, device=x.device)
+        self.bridge.post(layer, x, topk_ids, topk_w, cpu)
+        y = torch.empty(P, x.shape[1], dtype=torch.float32, device=x.device)
+        self.bridge.collect(layer, y, cpu)
+        return pair_sum(y, k, x.dtype)
 
     def _decode(self, layer, x, topk_w, groups):
         return self._submit_cpu(layer, x, topk_w, groups, groups.experts).result()
@@ -361,14 +429,36 @@ def fetch_count(misses: int, frac: float) -> int:
 
 
 @register
-class HybridRuntime(CachedRuntime):
+class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
+    """Grouped path: hits on the device, misses split between fetch and CPU per `_choose_fetch`. Pair path
+    (with the device cache): of a layer call's misses the first fetch_count(m, fraction) by expert id are
+    fetched into the cache while the CPU computes the others (moe/bridge.py); the step stays a graph."""
+
     name = "hybrid"
     uses_cpu = True
 
     def __init__(self, store, device, options):
         super().__init__(store, device, options)
+        self._make_bridge(self.pairs and bridge_wanted(options, store, device))
+        self.pairs = self.bridge is not None
+        if not self.pairs and self.dcache is not None:  # no bridge after all: the grouped path's host LRU
+            self.dcache = None
+            self.book.device_counts = None
+            CachedRuntime._build_cache(self, options.cache_slots)
         self.step = 0
         self.last_seen: dict[tuple[int, int], int] = {}
+
+    def forward(self, layer, x, topk_ids, topk_w):
+        if not self.pairs or self.prefill_mode:
+            return super().forward(layer, x, topk_ids, topk_w)
+        self._count_pairs(layer, topk_ids)
+        src, experts, rows, count = self.dcache.route(layer, topk_ids, self.options.hybrid_fetch_fraction)
+        cpu = src < 0
+        self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
+        stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
+        y = pair_outputs(x, topk_w, src, self.pool.arrays)
+        self.bridge.collect(layer, y, cpu)
+        return pair_sum(y, topk_ids.shape[1], x.dtype)
 
     def begin_step(self, info=None):
         super().begin_step(info)

@@ -1,0 +1,232 @@
+"""CPU-computed experts inside a decode step that never waits on the host (hybrid and cpu on a GPU).
+
+The CPU can only compute a pair (token, expert) once it knows the route, which the GPU computes. The
+grouped path (policies.CachedRuntime) brings each layer's route to the host and back: one host
+synchronisation per layer, so the step cannot be a CUDA graph and the launches cost more than the
+experts. Here the step stays one graph; the GPU and one CPU worker thread meet in pinned host memory
+that both address (unified addressing):
+
+    post(layer)     one GPU program writes the layer's request into the layer's host slot: the T token
+                    rows x, each pair's expert id (-1: computed on the GPU) and weight, T; then publishes
+                    the step's sequence number in req[layer] (a system-scope release)
+    worker          a CPU thread: for each MoE layer in order, waits until req[layer] == seq, computes
+                    w * mlp_e(x[t]) for its pairs from the host banks into y[layer, p] (float32), then
+                    writes done[layer] = seq
+    collect(layer)  one GPU program per pair: a CPU pair's program polls done[layer] until it equals seq
+                    (at most SPIN_LIMIT polls: then it raises the error flag and goes on), then copies its
+                    row of y into the step's pair outputs; a GPU pair's program returns at once
+
+The sequence number is pinned host memory written by the host before each step is launched, so a
+replayed graph needs no device counter. The caller posts before it stages or computes its own pairs:
+PCIe copies, GPU pairs and CPU pairs overlap. Pair outputs from either side are summed in k order by
+the caller (pairs.pair_sum), as fused sums them. A worker exception or a timeout fails the step:
+`end_step` waits for the GPU and raises.
+
+On a CPU device post/collect are torch code on the calling thread (same protocol, worker and
+bookkeeping; the tests run it).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .pairs import triton
+
+SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
+WORKER_TIMEOUT_S = 120.0
+
+
+class CpuBridge:
+    def __init__(self, store, device: torch.device, max_pairs: int):
+        self.store, self.device = store, device
+        self.layers = list(store.moe_layers)
+        self.index = {layer: i for i, layer in enumerate(self.layers)}
+        L, H, P = len(self.layers), store.hidden, max_pairs
+        dtype = store.bank(self.layers[0])["gate_up"].dtype
+        pin = device.type == "cuda"
+        self.hx = torch.zeros(L, P, H, dtype=dtype, pin_memory=pin)
+        self.hids = torch.full((L, P), -1, dtype=torch.long, pin_memory=pin)
+        self.hw = torch.zeros(L, P, dtype=torch.float32, pin_memory=pin)
+        self.hy = torch.zeros(L, P, H, dtype=torch.float32, pin_memory=pin)
+        self.hmeta = torch.zeros(L, 2, dtype=torch.long, pin_memory=pin)  # T, P of the request
+        self.req = torch.zeros(L, dtype=torch.long, pin_memory=pin)
+        self.done = torch.zeros(L, dtype=torch.long, pin_memory=pin)
+        self.seq_h = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._req, self._done, self._err = self.req.numpy(), self.done.numpy(), self.err.numpy()
+        self.kernels = device.type == "cuda" and triton is not None  # else torch on this thread (tests: either)
+        self._ids, self._meta = self.hids.numpy(), self.hmeta.numpy()
+        self.seq = 0
+        self.failure: BaseException | None = None
+        self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
+        self._cancel = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="moestream-cpu-bridge", daemon=True)
+        self._thread.start()
+
+    # ---- host side, per step ---------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the step's work is launched: the new sequence number, and a job for the worker."""
+        if not self._idle.wait(WORKER_TIMEOUT_S):
+            raise RuntimeError("the CPU expert worker did not finish the previous step")
+        self.seq += 1
+        self.seq_h[0] = self.seq
+        self._cancel = False
+        self._idle.clear()
+        self._jobs.put(self.seq)
+
+    def end_step(self) -> None:
+        """After the step's work is launched: wait for it, release the worker, raise a failure."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._cancel = True  # every request of a finished step was posted; a worker still waiting
+        if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
+            raise RuntimeError("the CPU expert worker is stuck")
+        if self._err[0] or self.failure is not None:
+            exc, code = self.failure, int(self._err[0])
+            self.failure, self._err[0] = None, 0
+            why = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer from the CPU expert worker"
+            raise RuntimeError(f"CPU experts failed in this decode step ({why}; code {code})") from exc
+
+    def close(self) -> None:
+        self._cancel = True
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    # ---- device side, per layer (recordable in a CUDA graph) --------------------------------
+    def post(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+             cpu: torch.Tensor) -> None:
+        """Publish the layer's request: x [T, H], topk_ids/topk_w [T, k], cpu [P] (nonzero: the worker's pair)."""
+        i = self.index[layer]
+        T, P = topk_ids.shape[0], topk_ids.numel()
+        if P > self.hids.shape[1]:
+            raise RuntimeError(f"a decode step of {P} (token, expert) pairs exceeds the CPU bridge's {self.hids.shape[1]}")
+        ids, w = topk_ids.reshape(-1), topk_w.reshape(-1)
+        if self.kernels:
+            _post_kernel[(1,)](x.contiguous(), ids, w, cpu, self.hx[i], self.hids[i], self.hw[i], self.hmeta[i],
+                               self.req[i:], self.seq_h, T, T * x.shape[1], P, BLOCK=1024,
+                               NB=triton.cdiv(T * x.shape[1], 1024), BLOCK_P=triton.next_power_of_2(P))
+            return
+        self.hx[i, :T].copy_(x)
+        self.hids[i, :P].copy_(torch.where(cpu.bool(), ids.long(), -1))
+        self.hw[i, :P].copy_(w.float())
+        self._meta[i] = (T, P)
+        self._req[i] = self.seq_h[0]
+
+    def collect(self, layer: int, y: torch.Tensor, cpu: torch.Tensor) -> None:
+        """Fill the CPU pairs' rows of y [P, H] (float32) once the worker has answered for this layer."""
+        i = self.index[layer]
+        P, H = y.shape
+        if self.kernels:
+            _collect_kernel[(P,)](y, cpu, self.hy[i], self.done[i:], self.seq_h, self.err, H, SPIN_LIMIT,
+                                  BLOCK=1024, NB=triton.cdiv(H, 1024))
+            return
+        mask = cpu.bool()
+        if not bool(mask.any()):
+            return
+        seq, t0 = int(self.seq_h[0]), time.monotonic()
+        while self._done[i] != seq:
+            if time.monotonic() - t0 > WORKER_TIMEOUT_S:
+                self._err[0] = 2
+                return
+            time.sleep(0)
+        y[mask] = self.hy[i, :P][mask]
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            seq = self._jobs.get()
+            if seq is None:
+                return
+            try:
+                for i, layer in enumerate(self.layers):
+                    if not self._wait_request(i, seq):
+                        break
+                    try:
+                        if self.failure is None:
+                            self._compute(i, layer)
+                    except BaseException as exc:  # noqa: BLE001 - reported by end_step, the GPU must go on
+                        self.failure = exc
+                        self._err[0] = 1
+                    self._done[i] = seq
+            finally:
+                self._idle.set()
+
+    def _wait_request(self, i: int, seq: int) -> bool:
+        while self._req[i] != seq:
+            if self._cancel:
+                return False
+            time.sleep(0)  # lets the launching thread have the interpreter
+        return True
+
+    def _compute(self, i: int, layer: int) -> None:
+        T, P = (int(v) for v in self._meta[i])
+        k = P // T
+        ids = self._ids[i, :P]
+        pairs = np.flatnonzero(ids >= 0)
+        if not len(pairs):
+            return
+        bank = self.store.bank(layer)
+        gate_up, down = bank["gate_up"], bank["down"]
+        x, w, y = self.hx[i], self.hw[i], self.hy[i]
+        with torch.inference_mode():
+            experts = np.unique(ids[pairs]).tolist()
+            for e in experts:
+                ps = torch.from_numpy(pairs[ids[pairs] == e])
+                # the pair kernels' arithmetic: float32 activations, h rounded to the weights' dtype
+                gu = F.linear(x[ps // k], gate_up[e]).float()
+                g, u = gu.chunk(2, dim=-1)
+                h = (F.silu(g) * u).to(x.dtype)
+                y[ps] = F.linear(h, down[e]).float() * w[ps, None]
+        self.cpu_experts[i] += len(experts)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _post_kernel(x_ptr, ids_ptr, w_ptr, cpu_ptr, hx_ptr, hids_ptr, hw_ptr, meta_ptr, req_ptr, seq_ptr, T, TH, P,
+                     BLOCK: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, ATOMIC: tl.constexpr = True):
+        for j in range(NB):  # constexpr trip counts (NB = cdiv(TH, BLOCK)): also what the interpreter runs
+            offs = j * BLOCK + tl.arange(0, BLOCK)
+            m = offs < TH
+            tl.store(hx_ptr + offs, tl.load(x_ptr + offs, mask=m), mask=m)
+        p = tl.arange(0, BLOCK_P)
+        pm = p < P
+        ids = tl.load(ids_ptr + p, mask=pm, other=0).to(tl.int64)
+        cpu = tl.load(cpu_ptr + p, mask=pm, other=0)
+        tl.store(hids_ptr + p, tl.where(cpu != 0, ids, -1), mask=pm)
+        tl.store(hw_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
+        two = tl.arange(0, 2)
+        tl.store(meta_ptr + two, tl.where(two == 0, tl.zeros([2], dtype=tl.int64) + T, P))
+        tl.debug_barrier()
+        seq = tl.load(seq_ptr, volatile=True)
+        if ATOMIC:
+            tl.atomic_xchg(req_ptr, seq, sem="release", scope="sys")
+        else:  # a system-scope fence, then a plain store (for platforms without atomics to host memory)
+            seq = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [seq], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+            tl.store(req_ptr, seq)
+
+    @triton.jit
+    def _collect_kernel(y_ptr, cpu_ptr, hy_ptr, done_ptr, seq_ptr, err_ptr, H, SPIN, BLOCK: tl.constexpr,
+                        NB: tl.constexpr):
+        p = tl.program_id(0)
+        if tl.load(cpu_ptr + p) != 0:
+            seq = tl.load(seq_ptr, volatile=True)
+            n = tl.load(err_ptr, volatile=True) * SPIN  # a step already failed: do not wait again
+            while (tl.load(done_ptr, volatile=True) != seq) & (n < SPIN):
+                n += 1
+            if n >= SPIN:
+                tl.store(err_ptr, 2)
+            for j in range(NB):
+                offs = j * BLOCK + tl.arange(0, BLOCK)
+                m = offs < H
+                tl.store(y_ptr + p * H + offs, tl.load(hy_ptr + p * H + offs, mask=m, volatile=True), mask=m)

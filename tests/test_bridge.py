@@ -1,0 +1,141 @@
+"""moestream.moe.bridge: the CPU worker answers each layer's posted request with exactly the pair outputs
+the pair kernels' reference computes, leaves the GPU's pairs alone, and a failure fails one step only.
+
+The torch side (CPU device) runs in process; the Triton post/collect kernels run in a subprocess under
+TRITON_INTERPRET=1 (the worker thread answers while the interpreted collect kernel polls), and compile
+for sm_90 with the real compiler. On CUDA the whole path runs in tests/test_cuda_graphs.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moestream.moe.bridge import CpuBridge  # noqa: E402
+from moestream.moe.pairs import _pair_outputs_torch  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+E, H, I, K = 10, 32, 16, 3
+
+
+class FakeStore:
+    def __init__(self, layers, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.moe_layers, self.hidden = layers, H
+        self.banks = {layer: {"gate_up": torch.randn(E, 2 * I, H, generator=g) * 0.2,
+                              "down": torch.randn(E, H, I, generator=g) * 0.2} for layer in layers}
+
+    def bank(self, layer):
+        return self.banks[layer]
+
+
+def one_step(bridge: CpuBridge, store: FakeStore, T: int, seed: int) -> None:
+    """A step over every layer: the CPU's rows equal the reference, the GPU's rows keep their sentinel."""
+    g = torch.Generator().manual_seed(seed)
+    bridge.begin_step()
+    checks = []
+    for layer in store.moe_layers:
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g)
+        cpu = torch.rand(T * K, generator=g) < 0.6
+        bridge.post(layer, x, ids, w, cpu)
+        y = torch.full((T * K, H), 7.0)
+        bridge.collect(layer, y, cpu)
+        checks.append((layer, x, ids, w, cpu, y))
+    bridge.end_step()
+    for layer, x, ids, w, cpu, y in checks:
+        want = _pair_outputs_torch(x, w, ids.reshape(-1), store.bank(layer))
+        torch.testing.assert_close(y[cpu], want[cpu], rtol=1e-5, atol=1e-6)
+        assert torch.all(y[~cpu] == 7.0)
+
+
+def check_protocol(kernels: bool) -> None:
+    store = FakeStore([0, 2, 3])
+    bridge = CpuBridge(store, torch.device("cpu"), max_pairs=4 * K)
+    bridge.kernels = kernels
+    try:
+        for step, T in enumerate((1, 4, 2, 4)):
+            one_step(bridge, store, T, step)
+        assert bridge.seq == 4 and sum(bridge.cpu_experts) > 0
+        # a worker exception fails that step (the collects still return) and the next step is whole again
+        real = bridge._compute
+        bridge._compute = lambda i, layer: (_ for _ in ()).throw(ValueError("injected"))
+        with pytest.raises(RuntimeError, match="CPU experts failed.*injected"):
+            one_step(bridge, store, 2, 10)
+        bridge._compute = real
+        one_step(bridge, store, 3, 11)
+        # a step that raised after its first layer: the worker gives up on the others, nothing is reported
+        bridge.begin_step()
+        bridge.post(0, torch.randn(1, H), torch.tensor([[1, 2, 3]]), torch.rand(1, K), torch.ones(K, dtype=torch.bool))
+        bridge.end_step()
+        one_step(bridge, store, 1, 12)
+    finally:
+        bridge.close()
+
+
+def test_torch_protocol():
+    check_protocol(kernels=False)
+
+
+def test_request_too_large():
+    bridge = CpuBridge(FakeStore([0]), torch.device("cpu"), max_pairs=K)
+    try:
+        bridge.begin_step()
+        with pytest.raises(RuntimeError, match="exceeds"):
+            bridge.post(0, torch.randn(2, H), torch.zeros(2, K, dtype=torch.long), torch.rand(2, K),
+                        torch.ones(2 * K, dtype=torch.bool))
+        bridge.end_step()
+    finally:
+        bridge.close()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_interpreted_kernels_protocol():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "protocol ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("atomic", [True, False])
+def test_kernels_compile_for_sm90(atomic):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moestream.moe import bridge
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "cpu_ptr": "*i1", "hx_ptr": "*bf16",
+           "hids_ptr": "*i64", "hw_ptr": "*fp32", "meta_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i64",
+           "T": "i32", "TH": "i32", "P": "i32", "BLOCK": "constexpr", "NB": "constexpr", "BLOCK_P": "constexpr",
+           "ATOMIC": "constexpr"}
+    try:
+        post = triton.compile(ASTSource(fn=bridge._post_kernel, signature=sig,
+                                        constexprs={"BLOCK": 1024, "NB": 4, "BLOCK_P": 64, "ATOMIC": atomic}), target=target)
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    ptx = post.asm["ptx"]
+    assert ("atom.global.sys.release.exch" in ptx) if atomic else ("fence.sc.sys" in ptx)
+    sig = {"y_ptr": "*fp32", "cpu_ptr": "*i1", "hy_ptr": "*fp32", "done_ptr": "*i64", "seq_ptr": "*i64",
+           "err_ptr": "*i32", "H": "i32", "SPIN": "i32", "BLOCK": "constexpr", "NB": "constexpr"}
+    collect = triton.compile(ASTSource(fn=bridge._collect_kernel, signature=sig, constexprs={"BLOCK": 1024, "NB": 2}),
+                             target=target)
+    assert "ld.volatile.global" in collect.asm["ptx"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    check_protocol(kernels=True)
+    print("protocol ok")
