@@ -205,6 +205,7 @@ def main() -> None:
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--profile", action="store_true", help="profile decode at the first (backend, cap)")
     ap.add_argument("--prefetch", default="off", help="on, off or on,off (each (backend, cap) run with each)")
+    ap.add_argument("--cpu-threads", default="0", help="--moe-cpu-threads values, e.g. 0,15 (cpu/hybrid runs with each)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (--disable-cuda-graph)")
     ap.add_argument("--decode-kernel", default="auto", help="auto, pairs or grouped (--moe-decode-kernel)")
     args = ap.parse_args()
@@ -229,15 +230,17 @@ def main() -> None:
     D = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) - embed
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bw, "A_bytes": A, "D_bytes": D,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
-    plan = [(b, None if b == "fused" else float(c), pf) for b in args.backends.split(",")
-            for c in (args.caps.split(",") if b != "fused" else ["0"]) for pf in args.prefetch.split(",")]
+    threads = [int(x) for x in args.cpu_threads.split(",")]
+    plan = [(b, None if b == "fused" else float(c), pf, th) for b in args.backends.split(",")
+            for c in (args.caps.split(",") if b != "fused" else ["0"]) for pf in args.prefetch.split(",")
+            for th in (threads if b in ("cpu", "hybrid") else [0])]
     if not args.no_fused:
-        plan.append(("fused", None, "off"))
-    for backend, cap, prefetch in plan:
+        plan.append(("fused", None, "off", 0))
+    for backend, cap, prefetch, th in plan:
         t = time.perf_counter()
         try:
             p = llm.engine.reconfigure_experts(moe_backend=backend, gpu_memory_gb=cap if dev.type == "cuda" else None,
-                                               moe_cache_size=None, moe_prefetch=prefetch)
+                                               moe_cache_size=None, moe_prefetch=prefetch, moe_cpu_threads=th)
         except Exception as e:  # a plan that does not fit is a result too
             print(f"{backend} cap {cap}: {type(e).__name__}: {e}", flush=True)
             results["runs"].append({"backend": backend, "cap_gb": cap, "error": str(e)})
@@ -246,12 +249,12 @@ def main() -> None:
         for bs in (int(x) for x in args.batch.split(",")):
             r = decode_run(llm, bs, 32, args.new_tokens, mc.vocab_size)
             r = summarize(r, backend, A, D, bw, args.new_tokens)
-            r.update(backend=backend, cap_gb=cap, prefetch=prefetch, slots=p.cache_slots if hasattr(p, "cache_slots") else None,
+            r.update(backend=backend, cap_gb=cap, prefetch=prefetch, cpu_threads=p.cpu_threads, slots=p.cache_slots if hasattr(p, "cache_slots") else None,
                      residency=p.residency, **(pre if bs == 1 else {}))
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
         print(f"{backend} cap {cap}: {time.perf_counter() - t:.0f} s", flush=True)
-        if args.profile and (backend, cap, prefetch) == plan[0] and not results.get("profiled"):
+        if args.profile and (backend, cap, prefetch, th) == plan[0] and not results.get("profiled"):
             results["profiled"] = True
             profile_decode(llm, mc.vocab_size)
         with open(args.out, "w") as f:
@@ -261,7 +264,7 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     print(f"\n{'backend':8} {'cap':>5} {'bs':>3} {'tok/s agg':>9} {'tok/s/req':>9} {'hit':>5} {'MB/tok':>7} "
-          f"{'PCIe GB/s':>9} {'prefill':>8} {'TTFT s':>7} {'bound':>7} {'meas/bnd':>8} {'replay ms':>9}")
+          f"{'PCIe GB/s':>9} {'CPU GB/s':>8} {'thr':>3} {'prefill':>8} {'TTFT s':>7} {'bound':>7} {'meas/bnd':>8} {'replay ms':>9}")
     for r in results["runs"]:
         if "error" in r:
             print(f"{r['backend']:8} {r['cap_gb']!s:>5}  error: {r['error'][:80]}")
@@ -269,7 +272,7 @@ def print_table(results: dict) -> None:
         f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
         print(f"{r['backend'] + ('' if r.get('prefetch', 'on') == 'on' else '-nopf'):8} {f(r['cap_gb'], '5.0f')} {r['bs']:3d} {r['decode_tok_s_agg']:9.1f} "
               f"{r['decode_tok_s_per_req']:9.1f} {r['hit_rate']:5.2f} {r['pcie_bytes_per_token'] / 1e6:7.1f} "
-              f"{r['pcie_gbs_achieved']:9.1f} {f(r.get('prefill_tok_s'), '8.0f')} {f(r.get('ttft_s'), '7.2f')} "
+              f"{r['pcie_gbs_achieved']:9.1f} {f(r.get('cpu_expert_gbs'), '8.1f')} {f(r.get('cpu_threads'), '3d')} {f(r.get('prefill_tok_s'), '8.0f')} {f(r.get('ttft_s'), '7.2f')} "
               f"{f(r.get('bound_tok_s'), '7.1f')} {f(r.get('measured_over_bound'), '8.2f')} "
               f"{f(r.get('graph_replay_ms'), '9.2f')}")
 

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..env import cpu_gemms
+from .compute import physical_cores
 from .pairs import triton
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
@@ -42,8 +44,9 @@ WORKER_TIMEOUT_S = 120.0
 
 
 class CpuBridge:
-    def __init__(self, store, device: torch.device, max_pairs: int):
+    def __init__(self, store, device: torch.device, max_pairs: int, threads: int = 0):
         self.store, self.device = store, device
+        self.threads = threads  # the worker's intra-op threads (0: torch's default for a new thread)
         self.layers = list(store.moe_layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         L, H, P = len(self.layers), store.hidden, max_pairs
@@ -64,6 +67,8 @@ class CpuBridge:
         self.seq = 0
         self.failure: BaseException | None = None
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
+        pool = ExpertThreads(threads or physical_cores()) if cpu_gemms() == "threads" else None
+        self.mlp = PairMlp(P, pool)
         self._cancel = False
         self._idle = threading.Event()
         self._idle.set()
@@ -85,7 +90,10 @@ class CpuBridge:
     def end_step(self) -> None:
         """After the step's work is launched: wait for it, release the worker, raise a failure."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            # a blocking event: the launching thread sleeps instead of spinning on a core the worker uses
+            done = torch.cuda.Event(blocking=True)
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
         self._cancel = True  # every request of a finished step was posted; a worker still waiting
         if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
             raise RuntimeError("the CPU expert worker is stuck")
@@ -99,6 +107,8 @@ class CpuBridge:
         self._cancel = True
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        if self.mlp.pool is not None:
+            self.mlp.pool.close()
 
     # ---- device side, per layer (recordable in a CUDA graph) --------------------------------
     def post(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
@@ -141,6 +151,8 @@ class CpuBridge:
 
     # ---- the worker --------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads and self.mlp.pool is None:  # OpenMP's thread count is per calling thread
+            torch.set_num_threads(self.threads)
         while True:
             seq = self._jobs.get()
             if seq is None:
@@ -168,24 +180,114 @@ class CpuBridge:
 
     def _compute(self, i: int, layer: int) -> None:
         T, P = (int(v) for v in self._meta[i])
-        k = P // T
         ids = self._ids[i, :P]
         pairs = np.flatnonzero(ids >= 0)
         if not len(pairs):
             return
+        order = pairs[np.argsort(ids[pairs], kind="stable")]  # the worker's pairs grouped by expert
+        experts, starts = np.unique(ids[order], return_index=True)
+        groups = list(zip(experts.tolist(), starts.tolist(), np.append(starts[1:], len(order)).tolist()))
         bank = self.store.bank(layer)
         gate_up, down = bank["gate_up"], bank["down"]
-        x, w, y = self.hx[i], self.hw[i], self.hy[i]
         with torch.inference_mode():
-            experts = np.unique(ids[pairs]).tolist()
-            for e in experts:
-                ps = torch.from_numpy(pairs[ids[pairs] == e])
-                # the pair kernels' arithmetic: float32 activations, h rounded to the weights' dtype
-                gu = F.linear(x[ps // k], gate_up[e]).float()
-                g, u = gu.chunk(2, dim=-1)
-                h = (F.silu(g) * u).to(x.dtype)
-                y[ps] = F.linear(h, down[e]).float() * w[ps, None]
-        self.cpu_experts[i] += len(experts)
+            idx = torch.from_numpy(order)
+            xs = self.hx[i].index_select(0, idx // (P // T))
+            yd = self.mlp(xs, groups, gate_up, down)
+            self.hy[i].index_copy_(0, idx, yd.float().mul_(self.hw[i].index_select(0, idx)[:, None]))
+        self.cpu_experts[i] += len(groups)
+
+
+class PairMlp:
+    """The experts' MLP over pairs grouped by expert: xs [n, H] (rows of one expert contiguous), groups
+    [(expert, first row, end row)] -> [n, H] in the weights' dtype, with the pair kernels' arithmetic:
+    gate/up and down outputs rounded to the weights' dtype, the activation in float32, h rounded to the
+    weights' dtype. The GEMMs run either one after another, each spread over torch's intra-op threads
+    (pool=None), or side by side on an ExpertThreads pool, a few experts' row blocks per thread."""
+
+    def __init__(self, rows: int, pool: "ExpertThreads | None" = None):
+        self.rows, self.pool = rows, pool
+        self._work: dict[str, torch.Tensor] = {}
+
+    def __call__(self, xs, groups, gate_up, down) -> torch.Tensor:
+        n, I2, H = xs.shape[0], gate_up.shape[1], down.shape[1]
+        gu, h, yd = self._scratch(n, I2, H, gate_up.dtype)
+        self._gemms(xs, gate_up, gu, groups)
+        g, u = gu.float().chunk(2, dim=-1)
+        torch.mul(F.silu(g), u, out=h)  # cast on write
+        self._gemms(h, down, yd, groups)
+        return yd
+
+    def _gemms(self, a, w, out, groups) -> None:
+        """out[r0:r1] = a[r0:r1] @ w[e].T for each group, split into column blocks when a pool runs them."""
+        if self.pool is None:
+            for e, r0, r1 in groups:
+                torch.mm(a[r0:r1], w[e].t(), out=out[r0:r1])
+            return
+        N = w.shape[1]
+        split = max(1, min(-(-self.pool.workers // len(groups)), N // 128))  # enough blocks for every thread
+        step = -(-N // split)
+        self.pool.run([(a[r0:r1], w[e, c:c + step], out[r0:r1, c:c + step])
+                       for e, r0, r1 in groups for c in range(0, N, step)])
+
+    def _scratch(self, n: int, I2: int, H: int, dtype: torch.dtype):
+        w = self._work
+        if "gu" not in w or w["gu"].shape[1] != I2 or w["gu"].dtype != dtype:
+            w.update(gu=torch.empty(self.rows, I2, dtype=dtype), h=torch.empty(self.rows, I2 // 2, dtype=dtype),
+                     y=torch.empty(self.rows, H, dtype=dtype))
+        return w["gu"][:n], w["h"][:n], w["y"][:n]
+
+
+class ExpertThreads:
+    """`workers` Python threads of one intra-op thread each, running GEMMs side by side (torch releases
+    the interpreter inside an op). One expert's GEMV is a few MiB: spread over every core, the threads'
+    start and join cost more than its bytes take to read; experts side by side read at memory speed."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._go = threading.Barrier(workers + 1)
+        self._done = threading.Barrier(workers + 1)
+        self._tasks: list = []
+        self._errors: list[BaseException] = []
+        self._stop = False
+        self._threads = [threading.Thread(target=self._serve, args=(j,), daemon=True, name=f"moestream-cpu-gemm-{j}")
+                         for j in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def run(self, tasks: list) -> None:
+        """tasks: (a, w, out): out = a @ w.T, out may be a column block of a larger tensor."""
+        self._tasks, self._errors = tasks, []
+        self._go.wait()
+        self._done.wait()
+        self._tasks = []
+        if self._errors:
+            raise self._errors[0]
+
+    def close(self) -> None:
+        self._stop = True
+        try:
+            self._go.wait(timeout=5)
+        except threading.BrokenBarrierError:
+            pass
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _serve(self, j: int) -> None:
+        torch.set_num_threads(1)
+        while True:
+            self._go.wait()
+            if self._stop:
+                return
+            try:
+                with torch.inference_mode():
+                    for a, w, out in self._tasks[j::self.workers]:
+                        if out.is_contiguous():
+                            torch.mm(a, w.t(), out=out)
+                        else:
+                            out.copy_(torch.mm(a, w.t()))
+            except BaseException as exc:  # noqa: BLE001 - raised by run() on the calling thread
+                self._errors.append(exc)
+            self._done.wait()
 
 
 if triton is not None:

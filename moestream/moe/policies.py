@@ -357,7 +357,8 @@ class BridgedSteps:
     _bridged = False
 
     def _make_bridge(self, wanted: bool) -> None:
-        self.bridge = CpuBridge(self.store, self.device, self.options.max_pairs) if wanted else None
+        self.bridge = (CpuBridge(self.store, self.device, self.options.max_pairs, self.options.cpu_threads)
+                       if wanted else None)
         self._bridged = False
 
     def begin_step(self, info=None):
