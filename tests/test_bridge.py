@@ -140,25 +140,3 @@ if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     check_protocol(kernels=True)
     print("protocol ok")
 
-
-def test_pair_mlp_threads_equal_serial():
-    """Experts side by side on the pool (column blocks per thread) give the serial GEMMs' outputs."""
-    from moestream.moe.bridge import ExpertThreads, PairMlp
-
-    g = torch.Generator().manual_seed(3)
-    gate_up = (torch.randn(E, 2 * 256, H, generator=g) * 0.2).to(torch.bfloat16)
-    down = (torch.randn(E, H, 256, generator=g) * 0.2).to(torch.bfloat16)
-    xs = torch.randn(7, H, generator=g).to(torch.bfloat16)
-    groups = [(1, 0, 1), (4, 1, 4), (9, 4, 7)]
-    want = PairMlp(8)(xs, groups, gate_up, down).clone()
-    pool = ExpertThreads(6)  # 3 experts, 6 threads: gate_up in two column blocks per expert
-    try:
-        got = PairMlp(8, pool)(xs, groups, gate_up, down)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        with pytest.raises(RuntimeError):  # a GEMM that fails in a pool thread raises on the caller
-            pool.run([(xs[:1], gate_up[0, :, :5], torch.empty(1, 512, dtype=torch.bfloat16))])
-        again = PairMlp(8, pool)(xs, groups, gate_up, down)  # and the pool keeps working
-        torch.testing.assert_close(again, want, rtol=0, atol=0)
-    finally:
-        pool.close()
-    assert not any(t.is_alive() for t in pool._threads)

@@ -169,20 +169,19 @@ def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device,
 
 def bridge_expert_gbs(bank: dict, top_k: int, hidden: int, dtype, threads: int, iters: int) -> float:
     """Weight bytes per second of one bs=1 layer call over top_k experts the way hybrid/cpu decode on a GPU
-    computes them (the CPU worker of moe/bridge.py: PairMlp, experts side by side unless MOESTREAM_CPU_GEMMS=omp)."""
-    from ..env import cpu_gemms
-    from .bridge import ExpertThreads, PairMlp
+    computes them (the CPU worker of moe/bridge.py, PairMlp, with `threads` intra-op threads)."""
+    from .bridge import PairMlp
 
-    pool = ExpertThreads(threads) if cpu_gemms() == "threads" else None
+    mlp = PairMlp(top_k)
+    x = torch.randn(top_k, hidden, dtype=dtype)
+    groups = [(e, e, e + 1) for e in range(top_k)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        mlp = PairMlp(top_k, pool)
-        x = torch.randn(top_k, hidden, dtype=dtype)
-        groups = [(e, e, e + 1) for e in range(top_k)]
         with torch.inference_mode():
             t = _best_time(lambda: mlp(x, groups, bank["gate_up"], bank["down"]), iters, lambda: None)
     finally:
-        if pool is not None:
-            pool.close()
+        torch.set_num_threads(before)
     return top_k * (bank["gate_up"][0].nbytes + bank["down"][0].nbytes) / t / 1e9
 
 

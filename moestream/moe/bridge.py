@@ -35,8 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..env import cpu_gemms
-from .compute import physical_cores
 from .pairs import triton
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
@@ -67,8 +65,7 @@ class CpuBridge:
         self.seq = 0
         self.failure: BaseException | None = None
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
-        pool = ExpertThreads(threads or physical_cores()) if cpu_gemms() == "threads" else None
-        self.mlp = PairMlp(P, pool)
+        self.mlp = PairMlp(P)
         self._cancel = False
         self._idle = threading.Event()
         self._idle.set()
@@ -107,8 +104,6 @@ class CpuBridge:
         self._cancel = True
         self._jobs.put(None)
         self._thread.join(timeout=5)
-        if self.mlp.pool is not None:
-            self.mlp.pool.close()
 
     # ---- device side, per layer (recordable in a CUDA graph) --------------------------------
     def post(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
@@ -151,7 +146,7 @@ class CpuBridge:
 
     # ---- the worker --------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.threads and self.mlp.pool is None:  # OpenMP's thread count is per calling thread
+        if self.threads:  # OpenMP's thread count is per calling thread: set it in the thread that computes
             torch.set_num_threads(self.threads)
         while True:
             seq = self._jobs.get()
@@ -201,33 +196,24 @@ class PairMlp:
     """The experts' MLP over pairs grouped by expert: xs [n, H] (rows of one expert contiguous), groups
     [(expert, first row, end row)] -> [n, H] in the weights' dtype, with the pair kernels' arithmetic:
     gate/up and down outputs rounded to the weights' dtype, the activation in float32, h rounded to the
-    weights' dtype. The GEMMs run either one after another, each spread over torch's intra-op threads
-    (pool=None), or side by side on an ExpertThreads pool, a few experts' row blocks per thread."""
+    weights' dtype. The GEMMs run one after another, each over the calling thread's intra-op threads
+    (benchmarks/cpu_experts.py: on the 16-core H200 host this reads 33.5 GB/s of experts at bs=1, where
+    experts side by side on single-threaded Python threads read 11-18)."""
 
-    def __init__(self, rows: int, pool: "ExpertThreads | None" = None):
-        self.rows, self.pool = rows, pool
+    def __init__(self, rows: int):
+        self.rows = rows
         self._work: dict[str, torch.Tensor] = {}
 
     def __call__(self, xs, groups, gate_up, down) -> torch.Tensor:
         n, I2, H = xs.shape[0], gate_up.shape[1], down.shape[1]
         gu, h, yd = self._scratch(n, I2, H, gate_up.dtype)
-        self._gemms(xs, gate_up, gu, groups)
+        for e, r0, r1 in groups:
+            torch.mm(xs[r0:r1], gate_up[e].t(), out=gu[r0:r1])
         g, u = gu.float().chunk(2, dim=-1)
         torch.mul(F.silu(g), u, out=h)  # cast on write
-        self._gemms(h, down, yd, groups)
+        for e, r0, r1 in groups:
+            torch.mm(h[r0:r1], down[e].t(), out=yd[r0:r1])
         return yd
-
-    def _gemms(self, a, w, out, groups) -> None:
-        """out[r0:r1] = a[r0:r1] @ w[e].T for each group, split into column blocks when a pool runs them."""
-        if self.pool is None:
-            for e, r0, r1 in groups:
-                torch.mm(a[r0:r1], w[e].t(), out=out[r0:r1])
-            return
-        N = w.shape[1]
-        split = max(1, min(-(-self.pool.workers // len(groups)), N // 128))  # enough blocks for every thread
-        step = -(-N // split)
-        self.pool.run([(a[r0:r1], w[e, c:c + step], out[r0:r1, c:c + step])
-                       for e, r0, r1 in groups for c in range(0, N, step)])
 
     def _scratch(self, n: int, I2: int, H: int, dtype: torch.dtype):
         w = self._work
@@ -235,59 +221,6 @@ class PairMlp:
             w.update(gu=torch.empty(self.rows, I2, dtype=dtype), h=torch.empty(self.rows, I2 // 2, dtype=dtype),
                      y=torch.empty(self.rows, H, dtype=dtype))
         return w["gu"][:n], w["h"][:n], w["y"][:n]
-
-
-class ExpertThreads:
-    """`workers` Python threads of one intra-op thread each, running GEMMs side by side (torch releases
-    the interpreter inside an op). One expert's GEMV is a few MiB: spread over every core, the threads'
-    start and join cost more than its bytes take to read; experts side by side read at memory speed."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._go = threading.Barrier(workers + 1)
-        self._done = threading.Barrier(workers + 1)
-        self._tasks: list = []
-        self._errors: list[BaseException] = []
-        self._stop = False
-        self._threads = [threading.Thread(target=self._serve, args=(j,), daemon=True, name=f"moestream-cpu-gemm-{j}")
-                         for j in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def run(self, tasks: list) -> None:
-        """tasks: (a, w, out): out = a @ w.T, out may be a column block of a larger tensor."""
-        self._tasks, self._errors = tasks, []
-        self._go.wait()
-        self._done.wait()
-        self._tasks = []
-        if self._errors:
-            raise self._errors[0]
-
-    def close(self) -> None:
-        self._stop = True
-        try:
-            self._go.wait(timeout=5)
-        except threading.BrokenBarrierError:
-            pass
-        for t in self._threads:
-            t.join(timeout=5)
-
-    def _serve(self, j: int) -> None:
-        torch.set_num_threads(1)
-        while True:
-            self._go.wait()
-            if self._stop:
-                return
-            try:
-                with torch.inference_mode():
-                    for a, w, out in self._tasks[j::self.workers]:
-                        if out.is_contiguous():
-                            torch.mm(a, w.t(), out=out)
-                        else:
-                            out.copy_(torch.mm(a, w.t()))
-            except BaseException as exc:  # noqa: BLE001 - raised by run() on the calling thread
-                self._errors.append(exc)
-            self._done.wait()
 
 
 if triton is not None:
