@@ -161,6 +161,9 @@ def summarize(run: dict, backend: str, A: float, D: float, bw: dict, steps_token
         "pcie_gbs_achieved": decode_bytes / run["decode_s"] / 1e9 if run["decode_s"] else 0.0,
         "copy_busy_gbs": s.get("bytes_h2d", 0) / copy_s / 1e9 if copy_s else None,
         "cpu_expert_gbs": s.get("cpu_experts", 0) * A / (8 * 40) / run["decode_s"] / 1e9 if run["decode_s"] else 0.0,
+        # the CPU worker's rate while it computes (its waits for the GPU's requests left out)
+        "cpu_busy_gbs": s.get("cpu_experts", 0) * A / (8 * 40) / s["cpu_s"] / 1e9 if s.get("cpu_s") else None,
+        "cpu_busy_share": s["cpu_s"] / run["decode_s"] if s.get("cpu_s") and run["decode_s"] else None,
     })
     if run["bs"] == 1:
         b = bound_s(backend, h, A, D, bw)

@@ -87,6 +87,7 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
     if backend in ("cpu", "hybrid") and kw.get("moe_decode_kernel") == "pairs":
         bridge = llm.engine.runtime.bridge
         assert bridge is not None and bridge.seq > 0 and sum(bridge.cpu_experts) > 0  # decode went through it
+        assert t["cpu_s"] >= sum(bridge.cpu_seconds) > 0  # the worker's compute time reaches the stats
     if kw.get("moe_prefetch", "off") == "off":
         assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
     elif backend in ("offload", "hybrid"):

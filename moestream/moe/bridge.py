@@ -65,6 +65,7 @@ class CpuBridge:
         self.seq = 0
         self.failure: BaseException | None = None
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
+        self.cpu_seconds = [0.0] * L  # the worker's time computing them
         self.mlp = PairMlp(P)
         self._cancel = False
         self._idle = threading.Event()
@@ -158,7 +159,9 @@ class CpuBridge:
                         break
                     try:
                         if self.failure is None:
+                            t0 = time.perf_counter()
                             self._compute(i, layer)
+                            self.cpu_seconds[i] += time.perf_counter() - t0
                     except BaseException as exc:  # noqa: BLE001 - reported by end_step, the GPU must go on
                         self.failure = exc
                         self._err[0] = 1

@@ -298,7 +298,8 @@ class DeviceCachedRuntime(CachedRuntime):
                           "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": c[HITS] + c[HOST_PAIRS],
                           "expert_calls": c[HITS] + c[MISSES]}
             if cpu is not None:
-                out[layer]["cpu_experts"] = cpu[self.dcache.layer_index[layer]]
+                i = self.dcache.layer_index[layer]
+                out[layer].update(cpu_experts=cpu[i], cpu_s=self.bridge.cpu_seconds[i])
         return out
 
     def capturable(self, info=None):
@@ -399,8 +400,8 @@ class CpuRuntime(BridgedSteps, CachedRuntime):
             self.book.device_counts = self._device_counts
 
     def _device_counts(self) -> dict:
-        c = self.bridge.cpu_experts
-        return {layer: {"misses": c[i], "cpu_experts": c[i], "expert_calls": c[i]}
+        c, t = self.bridge.cpu_experts, self.bridge.cpu_seconds
+        return {layer: {"misses": c[i], "cpu_experts": c[i], "cpu_s": t[i], "expert_calls": c[i]}
                 for layer, i in self.bridge.index.items()}
 
     def capturable(self, info=None):
