@@ -167,24 +167,6 @@ def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device,
     return top_k * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
 
 
-def bridge_expert_gbs(bank: dict, top_k: int, hidden: int, dtype, threads: int, iters: int) -> float:
-    """Weight bytes per second of one bs=1 layer call over top_k experts the way hybrid/cpu decode on a GPU
-    computes them (the CPU worker of moe/bridge.py, PairMlp, with `threads` intra-op threads)."""
-    from .bridge import PairMlp
-
-    mlp = PairMlp(top_k)
-    x = torch.randn(top_k, hidden, dtype=dtype)
-    groups = [(e, e, e + 1) for e in range(top_k)]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            t = _best_time(lambda: mlp(x, groups, bank["gate_up"], bank["down"]), iters, lambda: None)
-    finally:
-        torch.set_num_threads(before)
-    return top_k * (bank["gate_up"][0].nbytes + bank["down"][0].nbytes) / t / 1e9
-
-
 def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype: str = "bfloat16",
               experts: int = 32, top_k: int = 8, host_mib: int = 512, iters: int = 5, cpu_threads: int = 0,
               expert_format_name: str = "bf16") -> dict:
@@ -202,9 +184,7 @@ def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype:
         "host_read_gbs": host_read_gbs(host_mib, iters),
         "pcie_pinned_gbs": h2d_gbs(bank, experts, device, True, iters) if cuda else None,
         "pcie_pageable_gbs": h2d_gbs(bank, experts, device, False, iters) if cuda else None,
-        # on a GPU, dense experts: the CPU worker that hybrid/cpu decode steps use; otherwise the grouped path
-        "cpu_expert_gbs": (bridge_expert_gbs(bank, k, hidden, dt, cpu.threads, iters) if cuda and not fmt.quantized
-                           else expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu, fmt)),
+        "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu, fmt),
         "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None, fmt)
                            if cuda else None),
     }
