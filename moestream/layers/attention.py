@@ -6,6 +6,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..engine.batch import ForwardBatch
+from ..kernels.linear import Linear
 from .norm import RMSNorm
 from .rotary import Rotary
 
@@ -17,10 +18,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
         q_out = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, q_out, bias=False)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.scale = head_dim ** -0.5

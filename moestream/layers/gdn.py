@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..engine.batch import ForwardBatch
 from . import triton_ops
+from ..kernels.linear import Linear
 from .norm import GatedRMSNorm
 
 
@@ -80,15 +81,15 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * k_dim, num_v_heads * v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = conv_kernel
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.norm = GatedRMSNorm(v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:

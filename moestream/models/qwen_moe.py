@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..engine.batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
+from ..kernels.linear import Linear, linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
 
@@ -24,9 +25,9 @@ from ..layers.rotary import Rotary
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -40,7 +41,7 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [T, H] -> (topk ids [T, k], topk weights [T, k] in x.dtype, logits [T, E])."""
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -56,7 +57,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.runtime = None  # set by the engine: an ExpertRuntime
 
     def forward(self, x):
@@ -93,7 +94,7 @@ class QwenMoeModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: Rotary | None = None
         self.caches = None  # set by the engine: object with kv (KVPool) and state (StatePool)
         # model layer index -> index into the KV pool / the state pool

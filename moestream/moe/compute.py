@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.linear import linear
 from .formats import ExpertFormat
 
 
@@ -71,8 +72,8 @@ class RouteGroups:
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP of one expert: x [n, H], gate_up [2I, H], down [H, I]."""
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, down)
+    g, u = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, down)
 
 
 def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,

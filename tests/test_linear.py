@@ -1,0 +1,71 @@
+"""moestream.kernels.linear: 16-bit weights on a CPU without native 16-bit GEMMs are multiplied in float32
+for 16+ rows, a block of weight rows at a time; the result is F.linear's up to one rounding of the output."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moestream.kernels import linear as L  # noqa: E402
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: False)
+
+
+def exact(x, w, b=None):
+    """float64 reference rounded once to the activations' dtype."""
+    y = x.double() @ w.double().t()
+    if b is not None:
+        y = y + b.double()
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [16, 37, 300])
+def test_widened_matches_reference(no_native, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    assert L.widens(x, w)
+    got = L.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    want = exact(x, w, b)
+    # float32 accumulation then one rounding: at most one unit in the last place away from exact
+    ulp = (want.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)).clamp_min(1e-6)
+    assert torch.all((got.float() - want.float()).abs() <= ulp)
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_blocks_do_not_change_the_result(no_native, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 20, 64, generator=g).to(torch.bfloat16)  # leading dims kept
+    w = torch.randn(130, 64, generator=g).to(torch.bfloat16)
+    whole = L.linear(x, w)
+    monkeypatch.setattr(L, "WIDEN_BLOCK_BYTES", 4 * 64 * 7)  # 7 weight rows per block, a ragged last one
+    blocks = L.linear(x, w)
+    assert blocks.shape == (2, 20, 130)
+    assert torch.equal(whole, blocks)
+
+
+def test_small_batches_native_cpus_and_float32_keep_torchs_kernel(monkeypatch):
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: False)
+    assert not L.widens(x, w)  # 8 rows: bound by reading the weight, the 16-bit kernel reads half
+    assert torch.equal(L.linear(x, w), F.linear(x, w))
+    assert not L.widens(torch.randn(64, 64), torch.randn(32, 64))  # float32 weights
+    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: True)
+    assert not L.widens(torch.randn(64, 64).to(torch.bfloat16), w)
+
+
+def test_linear_module_keeps_nn_linear_state_dict(no_native):
+    m = L.Linear(64, 32, bias=False).to(torch.bfloat16)
+    assert list(m.state_dict()) == ["weight"]
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    torch.testing.assert_close(m(x).float(), F.linear(x, m.weight).float(), rtol=2e-2, atol=2e-2)
+
