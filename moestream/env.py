@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 
@@ -16,3 +17,16 @@ def triton_enabled() -> bool:
     Gated DeltaNet decode step in layers/triton_ops.py): the torch reference paths run instead."""
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
+
+@lru_cache(maxsize=None)
+def cpu_has_native(dtype) -> bool:
+    """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return True  # unknown CPU: keep torch's own kernel
+    import torch
+
+    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+    return any(flag in flags for flag in want.get(dtype, ()))

@@ -69,3 +69,25 @@ def test_linear_module_keeps_nn_linear_state_dict(no_native):
     x = torch.randn(40, 64).to(torch.bfloat16)
     torch.testing.assert_close(m(x).float(), F.linear(x, m.weight).float(), rtol=2e-2, atol=2e-2)
 
+
+
+def test_quantized_rows_widened_too(monkeypatch):
+    """qlinear (compressed experts and GGUF weights on a CPU): 16+ bf16 rows multiply float32 tiles, the
+    result rounded once to bf16 and the same whatever the tiling; fewer rows keep bf16 tiles."""
+    from moestream.quant import base, gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    monkeypatch.setattr(base, "cpu_has_native", lambda dtype: False)
+    q = gguf_format("Q4_K")
+    raw = random_raw(q, (96, 256), seed=1)
+    w = q.dequantize(raw, (96, 256))  # float32, exact
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 256, generator=g).to(torch.bfloat16)
+    got = base.qlinear(x, q, raw, (96, 256))
+    assert got.dtype == torch.bfloat16
+    want = (x.double() @ w.double().t()).to(torch.bfloat16)
+    ulp = (want.float().abs() * 2 ** -7).clamp_min(1e-6)
+    assert torch.all((got.float() - want.float()).abs() <= ulp)
+    assert torch.equal(base.qlinear(x, q, raw, (96, 256), tile_rows=16), got)
+    few = x[:4]
+    assert torch.equal(base.qlinear(few, q, raw, (96, 256)), few @ w.to(torch.bfloat16).t())

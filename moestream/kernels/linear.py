@@ -10,26 +10,14 @@ weight, where the 16-bit kernel reads half the bytes, so it stays as it is.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..env import cpu_has_native
+
 WIDEN_MIN_ROWS = 16
 WIDEN_BLOCK_BYTES = 64 << 20
-
-
-@lru_cache(maxsize=None)
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return True  # unknown CPU: keep torch's own kernel
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-    return any(flag in flags for flag in want.get(dtype, ()))
 
 
 def widens(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -27,6 +27,10 @@ from typing import Callable, Iterator, Mapping, Union
 
 import torch
 
+from ..env import cpu_has_native
+
+WIDEN_MIN_ROWS = 16  # as kernels/linear.py
+
 Raw = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 Rows = Union[None, slice, range, torch.Tensor, list, tuple]
 
@@ -355,7 +359,9 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.
-    Tiles are decoded in ``x.dtype`` (float32 math inside, see compute_dtype). On CPU the default
+    Tiles are decoded in ``x.dtype`` (float32 math inside, see compute_dtype), or in float32 for 16+
+    rows of 16-bit activations on a CPU without native 16-bit GEMMs (its 16-bit GEMM is several times
+    slower there; the result is still rounded to ``x.dtype``). On CPU the default
     tile is ``default_tile_rows(K)`` rows, so a big matrix is never dense at once; on a GPU it is the
     whole row range (one Triton decode, one GEMM). Each output column is one GEMM dot product over
     K, so the result does not depend on the tiling (tests/test_quant.py checks this bit for bit).
@@ -366,10 +372,15 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
         raise QuantFormatError(f"x has {x.shape[-1]} features, the weight has K={k}")
     r0, r1 = rows if rows is not None else (0, prod(shape[:-1]))
     xs = x.reshape(-1, k)
+    # CPUs without native 16-bit GEMMs: 16+ rows multiply float32 tiles (see kernels/linear.py)
+    wide = (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and xs.shape[0] >= WIDEN_MIN_ROWS
+            and not cpu_has_native(x.dtype))
+    if wide:
+        xs = xs.float()
     y = out.view(-1, r1 - r0) if out is not None else None
-    for a, b, tile in fmt.iter_row_tiles(raw, shape, tile_rows, (r0, r1), out_dtype=x.dtype):
+    for a, b, tile in fmt.iter_row_tiles(raw, shape, tile_rows, (r0, r1), out_dtype=xs.dtype):
         if y is None and (a, b) == (r0, r1):  # one tile: no copy
-            y = xs @ tile.t()
+            y = (xs @ tile.t()).to(x.dtype)
             continue
         if y is None:
             y = torch.empty((xs.shape[0], r1 - r0), dtype=x.dtype, device=x.device)
