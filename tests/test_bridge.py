@@ -7,7 +7,6 @@ for sm_90 with the real compiler. On CUDA the whole path runs in tests/test_cuda
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moestream.moe.bridge import CpuBridge  # noqa: E402
 from moestream.moe.pairs import _pair_outputs_torch  # noqa: E402
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_harness import HAS_TRITON, compile_sm90  # noqa: E402
+
 E, H, I, K = 10, 32, 16, 3
 
 
@@ -107,32 +108,18 @@ def test_interpreted_kernels_protocol():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("atomic", [True, False])
 def test_kernels_compile_for_sm90(atomic):
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from moestream.moe import bridge
 
-    target = GPUTarget("cuda", 90, 32)
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "cpu_ptr": "*i1", "hx_ptr": "*bf16",
            "hids_ptr": "*i64", "hw_ptr": "*fp32", "meta_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i64",
            "T": "i32", "TH": "i32", "P": "i32", "BLOCK": "constexpr", "NB": "constexpr", "BLOCK_P": "constexpr",
            "ATOMIC": "constexpr"}
-    try:
-        post = triton.compile(ASTSource(fn=bridge._post_kernel, signature=sig,
-                                        constexprs={"BLOCK": 1024, "NB": 4, "BLOCK_P": 64, "ATOMIC": atomic}), target=target)
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    post = compile_sm90(bridge._post_kernel, sig, {"BLOCK": 1024, "NB": 4, "BLOCK_P": 64, "ATOMIC": atomic})
     ptx = post.asm["ptx"]
     assert ("atom.global.sys.release.exch" in ptx) if atomic else ("fence.sc.sys" in ptx)
     sig = {"y_ptr": "*fp32", "cpu_ptr": "*i1", "hy_ptr": "*fp32", "done_ptr": "*i64", "seq_ptr": "*i64",
            "err_ptr": "*i32", "H": "i32", "SPIN": "i32", "BLOCK": "constexpr", "NB": "constexpr"}
-    collect = triton.compile(ASTSource(fn=bridge._collect_kernel, signature=sig, constexprs={"BLOCK": 1024, "NB": 2}),
-                             target=target)
+    collect = compile_sm90(bridge._collect_kernel, sig, {"BLOCK": 1024, "NB": 2})
     assert "ld.volatile.global" in collect.asm["ptx"]
 
 

@@ -10,10 +10,6 @@ Run as a script (`python tests/test_device_cache_triton.py --worker OUT.json`) i
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,9 +17,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moestream.moe.device_cache import DeviceSlotCache  # noqa: E402
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
 
 # name -> (slots, E, T, k, layers, max_pairs, steps[, fetch fraction (hybrid: the other misses are the CPU's)])
 CASES = {
@@ -102,32 +98,17 @@ def _triton_route(cache, layer, ids, frac=1.0):
 
 # --------------------------------------------------------------------------- interpreter
 def _worker(out_path: str) -> None:
-    res = {}
-    for case in CASES:
-        try:
-            errs = run_case(case, _triton_route)
-            res[case] = "ok" if not errs else "; ".join(errs)
-        except Exception as e:  # reported per case by the parent
-            res[case] = f"error: {type(e).__name__}: {e}"
-    Path(out_path).write_text(json.dumps(res))
+    write_case_results(CASES, lambda case: run_case(case, _triton_route), out_path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    out = tmp_path_factory.mktemp("triton") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode != 0 or not out.is_file():
-        pytest.fail(f"interpreter worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return interpreted_results(__file__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_route_bit_exact(interpreted, case):
-    assert interpreted[case] == "ok", f"{case}: {interpreted[case]}"
+    assert_case(interpreted, case)
 
 
 def test_cpu_tensors_stay_on_torch(monkeypatch):
@@ -143,12 +124,6 @@ def test_cpu_tensors_stay_on_torch(monkeypatch):
 @pytest.mark.parametrize("has_v,block_e,block_p", [(True, 256, 64), (False, 16, 16), (True, 512, 512)])
 def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
     """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts the kernel; no GPU needed."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from moestream.moe import device_cache as dc
 
     ptrs = ("ids table slot_key last_use victims vptr stamp counters routed_buf rows_buf src_out order_out "
@@ -156,13 +131,7 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
     consts = {"HAS_V": has_v, "PARTIAL": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",
            **{n: "constexpr" for n in consts}}
-    try:
-        k = triton.compile(ASTSource(fn=dc._route_kernel, signature=sig, constexprs=consts),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block_e > 256 else 4})
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    k = compile_sm90(dc._route_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})
     assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
 
 

@@ -10,10 +10,6 @@ Run as a script (`python tests/test_triton_dequant.py --worker OUT.json`) it is 
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -24,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quant import _quantize, _random_blocks  # noqa: E402
+from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
 
 from moestream.quant import (  # noqa: E402
     FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, fp8_block_format, gguf_format, qlinear,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_GGUF = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"]
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,37 +158,17 @@ def _worker(out_path: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")  # numpy overflow warnings of the interpreter (inf is expected)
-    res = {}
-    for case in CASES:
-        try:
-            errs = check_case(case, _kernel_decode)
-            res[case] = "ok" if not errs else "; ".join(errs)
-        except pytest.skip.Exception as e:
-            res[case] = f"skip: {e}"
-        except Exception as e:  # reported per case by the parent
-            res[case] = f"error: {type(e).__name__}: {e}"
-    Path(out_path).write_text(json.dumps(res))
+    write_case_results(CASES, lambda case: check_case(case, _kernel_decode), out_path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    out = tmp_path_factory.mktemp("triton") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    if proc.returncode != 0 or not out.is_file():
-        pytest.fail(f"interpreter worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return interpreted_results(__file__, tmp_path_factory, timeout=900)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_kernel_bit_exact(interpreted, case):
-    r = interpreted[case]
-    if r.startswith("skip: "):
-        pytest.skip(r[6:])
-    assert r == "ok", f"{case}: {r}"
+    assert_case(interpreted, case)
 
 
 def test_kernels_cover_the_required_formats():
@@ -225,12 +201,6 @@ _FP_VARIANTS = {"fp8_block": (0, 128, "*fp32"), "fp8_block-bf16-scale": (0, 128,
 def test_kernel_compiles_for_sm90_without_fma(variant):
     """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts every kernel, and no multiply-add
     is contracted into an FMA (which would round once instead of twice and break bit-exactness)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from moestream.quant import triton_dequant as td
 
     if variant.startswith("gguf-"):
@@ -245,13 +215,7 @@ def test_kernel_compiles_for_sm90_without_fma(variant):
                   "GS": min(256, unit & -unit), "OUT_BF16": True}
         fn, sig = td._fp_kernel, {**_FP_SIG, "s": sdt}
     sig.update({k: "constexpr" for k in consts})
-    try:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options=td.LAUNCH)  # the options every launch uses
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    k = compile_sm90(fn, sig, consts, td.LAUNCH)  # the options every launch uses
     ptx = k.asm["ptx"]
     assert "mul.f32" in ptx or "mul.rn.f32" in ptx
     assert "fma." not in ptx

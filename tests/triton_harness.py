@@ -1,0 +1,66 @@
+"""Shared by the Triton kernel tests: run a test file's cases once under Triton's CPU interpreter (in a
+subprocess, because TRITON_INTERPRET must be set before triton is imported), and compile a kernel for
+sm_90 with the real compiler (no GPU needed)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def write_case_results(cases, check, out_path: str) -> None:
+    """In the worker: check(case) -> list of errors for each case; 'ok', 'skip: why' or the errors, as JSON."""
+    res = {}
+    for case in cases:
+        try:
+            errs = check(case)
+            res[case] = "ok" if not errs else "; ".join(errs)
+        except pytest.skip.Exception as e:
+            res[case] = f"skip: {e}"
+        except Exception as e:  # reported per case by the parent
+            res[case] = f"error: {type(e).__name__}: {e}"
+    Path(out_path).write_text(json.dumps(res))
+
+
+def interpreted_results(script: str, tmp_path_factory, timeout: int = 600) -> dict:
+    """Run `python script --worker OUT` with TRITON_INTERPRET=1 and return its per-case results."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    out = tmp_path_factory.mktemp("triton") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, script, "--worker", str(out)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0 or not out.is_file():
+        pytest.fail(f"interpreter worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def assert_case(results: dict, case: str) -> None:
+    r = results[case]
+    if r.startswith("skip: "):
+        pytest.skip(r[6:])
+    assert r == "ok", f"{case}: {r}"
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = None):
+    """triton.compile for an H100/H200 (Triton -> PTX -> ptxas); skips where the build has no ptxas."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options or {})
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
