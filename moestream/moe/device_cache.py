@@ -157,7 +157,9 @@ class DeviceSlotCache:
 
 # ---- the single-kernel route (CUDA; CPU tensors under TRITON_INTERPRET=1) ----------------------
 def device_fetch_count(n_miss: torch.Tensor, fraction: float) -> torch.Tensor:
-    """policies.fetch_count on a device scalar, in float64 of the float32-rounded fraction (as the kernel)."""
+    """The hybrid fetch count of n_miss misses (a tensor scalar, on any device): the integer f minimising
+    max(f * (1 - frac), (n - f) * frac), in float64 of the float32-rounded fraction, as the kernel computes
+    it; policies.fetch_count is its host form."""
     frac = _f32(fraction)
     n = n_miss.double()
     lo = torch.floor(n * frac)

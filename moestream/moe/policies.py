@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
-from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache
+from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache, device_fetch_count
 from .bridge import CpuBridge
 from .pairs import pair_moe, pair_outputs, pair_sum, stage_experts, triton_ready
 from .residency import Residency
@@ -424,10 +424,9 @@ class CpuRuntime(BridgedSteps, CachedRuntime):
 
 def fetch_count(misses: int, frac: float) -> int:
     """How many of `misses` to fetch over PCIe so both sides finish together: the integer f
-    minimising max(f * (1 - frac), (misses - f) * frac); frac = pcie / (pcie + cpu)."""
-    lo = int(misses * frac)
-    cost = lambda f: max(f * (1 - frac), (misses - f) * frac)  # noqa: E731
-    return min(misses, lo if cost(lo) <= cost(lo + 1) else lo + 1)
+    minimising max(f * (1 - frac), (misses - f) * frac); frac = pcie / (pcie + cpu). The one rule of
+    the grouped path, the device cache's torch route and its kernel (device_cache.device_fetch_count)."""
+    return int(device_fetch_count(torch.tensor(misses), frac))
 
 
 @register
