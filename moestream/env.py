@@ -30,3 +30,15 @@ def cpu_has_native(dtype) -> bool:
 
     want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
     return any(flag in flags for flag in want.get(dtype, ()))
+
+
+WIDEN_MIN_ROWS = 16  # rows from which a 16-bit GEMM on such a CPU is faster in float32 (kernels/linear.py)
+
+
+def widen_gemm(x, w_dtype) -> bool:
+    """Whether a GEMM of activations x with `w_dtype` weights should run in float32: x on a CPU without
+    native multiplies of that 16-bit dtype, and at least WIDEN_MIN_ROWS rows of x."""
+    import torch
+
+    return (x.device.type == "cpu" and w_dtype in (torch.bfloat16, torch.float16)
+            and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and not cpu_has_native(w_dtype))

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moestream import env  # noqa: E402
 from moestream.kernels import linear as L  # noqa: E402
 
 
 @pytest.fixture
 def no_native(monkeypatch):
-    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: False)
+    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
 
 
 def exact(x, w, b=None):
@@ -31,7 +32,7 @@ def test_widened_matches_reference(no_native, dtype, rows):
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
     b = torch.randn(200, generator=g).to(dtype)
-    assert L.widens(x, w)
+    assert env.widen_gemm(x, w.dtype)
     got = L.linear(x, w, b)
     assert got.dtype == dtype and got.shape == (rows, 200)
     want = exact(x, w, b)
@@ -55,12 +56,13 @@ def test_blocks_do_not_change_the_result(no_native, monkeypatch):
 def test_small_batches_native_cpus_and_float32_keep_torchs_kernel(monkeypatch):
     x = torch.randn(8, 64).to(torch.bfloat16)
     w = torch.randn(32, 64).to(torch.bfloat16)
-    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: False)
-    assert not L.widens(x, w)  # 8 rows: bound by reading the weight, the 16-bit kernel reads half
+    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
+    assert not env.widen_gemm(x, w.dtype)  # 8 rows: bound by reading the weight, the 16-bit kernel reads half
     assert torch.equal(L.linear(x, w), F.linear(x, w))
-    assert not L.widens(torch.randn(64, 64), torch.randn(32, 64))  # float32 weights
-    monkeypatch.setattr(L, "cpu_has_native", lambda dtype: True)
-    assert not L.widens(torch.randn(64, 64).to(torch.bfloat16), w)
+    assert not env.widen_gemm(torch.randn(64, 64), torch.float32)  # float32 weights
+    assert env.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
+    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: True)
+    assert not env.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
 
 
 def test_linear_module_keeps_nn_linear_state_dict(no_native):
@@ -77,7 +79,7 @@ def test_quantized_rows_widened_too(monkeypatch):
     from moestream.quant import base, gguf_format
     from moestream.quant.synthetic import random_raw
 
-    monkeypatch.setattr(base, "cpu_has_native", lambda dtype: False)
+    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
     q = gguf_format("Q4_K")
     raw = random_raw(q, (96, 256), seed=1)
     w = q.dequantize(raw, (96, 256))  # float32, exact

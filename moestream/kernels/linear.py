@@ -14,20 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..env import cpu_has_native
+from ..env import widen_gemm
 
-WIDEN_MIN_ROWS = 16
 WIDEN_BLOCK_BYTES = 64 << 20
-
-
-def widens(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and not cpu_has_native(w.dtype))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), float32 inside where 16-bit GEMMs are slow (module docstring)."""
-    if not widens(x, w):
+    if not widen_gemm(x, w.dtype):
         return F.linear(x, w, bias)
     n, k = w.shape
     xf = x.reshape(-1, k).float()

@@ -27,9 +27,7 @@ from typing import Callable, Iterator, Mapping, Union
 
 import torch
 
-from ..env import cpu_has_native
-
-WIDEN_MIN_ROWS = 16  # as kernels/linear.py
+from ..env import widen_gemm
 
 Raw = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 Rows = Union[None, slice, range, torch.Tensor, list, tuple]
@@ -373,9 +371,7 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
     r0, r1 = rows if rows is not None else (0, prod(shape[:-1]))
     xs = x.reshape(-1, k)
     # CPUs without native 16-bit GEMMs: 16+ rows multiply float32 tiles (see kernels/linear.py)
-    wide = (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and xs.shape[0] >= WIDEN_MIN_ROWS
-            and not cpu_has_native(x.dtype))
-    if wide:
+    if widen_gemm(xs, x.dtype):
         xs = xs.float()
     y = out.view(-1, r1 - r0) if out is not None else None
     for a, b, tile in fmt.iter_row_tiles(raw, shape, tile_rows, (r0, r1), out_dtype=xs.dtype):
