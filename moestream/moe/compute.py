@@ -17,10 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels.linear import linear
-from .formats import ExpertFormat
+from .formats import ExpertFormat, expert_mlp
 
 
 @dataclass(frozen=True)
@@ -68,12 +66,6 @@ class RouteGroups:
 
     def to(self, device: torch.device) -> "RouteGroups":
         return RouteGroups(self.experts, self.counts, self.rows.to(device), self.pos.to(device), self.starts)
-
-
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP of one expert: x [n, H], gate_up [2I, H], down [H, I]."""
-    g, u = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(g) * u, down)
 
 
 def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,

@@ -10,7 +10,7 @@ A format is a row here:
 
 Banks, copies and device slots move these rows as they are, so a compressed expert costs its
 compressed bytes everywhere. `expert_mlp(x, rows)` is one expert's SwiGLU wherever its rows are: dense
-formats run exactly the ops of `compute.expert_mlp`; quantized formats run `quant.qlinear`, which
+formats run `expert_mlp` below (also `compute.expert_mlp`); quantized formats run `quant.qlinear`, which
 dequantizes one row tile at a time on CPU (a whole expert is never expanded there) and whole matrices
 on a GPU. Every backend calls this one method, so on one device they agree token for token. `dense()` dequantizes
 a whole expert (`ExpertStore.weights`, tests).
@@ -21,6 +21,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels.linear import linear
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of one dense expert: x [n, H], gate_up [2I, H], down [H, I] (kernels.linear's GEMMs)."""
+    g, u = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, down)
 
 PROJS = ("gate", "up", "down")
 
@@ -56,9 +64,8 @@ class ExpertFormat:
         return rows["gate_up"], rows["down"]
 
     def expert_mlp(self, x: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """SwiGLU of one expert on x [n, H]; rows = that expert's stored arrays (the ops of compute.expert_mlp)."""
-        g, u = F.linear(x, rows["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, rows["down"])
+        """SwiGLU of one expert on x [n, H]; rows = that expert's stored arrays."""
+        return expert_mlp(x, rows["gate_up"], rows["down"])
 
 
 @dataclass(frozen=True)
