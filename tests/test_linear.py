@@ -93,3 +93,24 @@ def test_quantized_rows_widened_too(monkeypatch):
     assert torch.equal(base.qlinear(x, q, raw, (96, 256), tile_rows=16), got)
     few = x[:4]
     assert torch.equal(base.qlinear(few, q, raw, (96, 256)), few @ w.to(torch.bfloat16).t())
+
+
+def test_dense_experts_use_the_widening_linear(monkeypatch):
+    """Routed dense experts (the format's SwiGLU and compute's) go through kernels.linear: a twin with its
+    own F.linear calls kept CPU prefill experts on the slow bf16 kernel once."""
+    from moestream.moe import compute, formats
+
+    calls = []
+
+    def spy(x, w, bias=None):
+        calls.append(tuple(w.shape))
+        return L.linear(x, w, bias)
+
+    monkeypatch.setattr(formats, "linear", spy)
+    g = torch.Generator().manual_seed(4)
+    gate_up, down = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
+    x = torch.randn(5, 32, generator=g)
+    a = formats.dense_format(torch.float32).expert_mlp(x, {"gate_up": gate_up, "down": down})
+    b = compute.expert_mlp(x, gate_up, down)
+    assert calls == [(64, 32), (32, 32)] * 2
+    assert torch.equal(a, b)
