@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..core import ConfigError
+from ..kernels.linear import linear
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..models.qwen_moe import MLP, QwenMoeModel, SparseMoeBlock
@@ -78,7 +79,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -109,7 +110,7 @@ class ParallelLMHead(nn.Module):
         self.tp = tp
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(h, self.weight))[..., :self.vocab_size]
+        return self.tp.all_gather_last(linear(h, self.weight))[..., :self.vocab_size]
 
 
 # ---- the recipe ---------------------------------------------------------------------------------
