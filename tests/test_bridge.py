@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moestream.moe.formats import dense_format
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moestream.moe.bridge import CpuBridge  # noqa: E402
 from moestream.moe.pairs import _pair_outputs_torch  # noqa: E402
@@ -26,6 +28,8 @@ E, H, I, K = 10, 32, 16, 3
 
 
 class FakeStore:
+    fmt = dense_format(torch.float32)
+
     def __init__(self, layers, seed=0):
         g = torch.Generator().manual_seed(seed)
         self.moe_layers, self.hidden = layers, H

@@ -29,6 +29,9 @@ BACKENDS = [
     ("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}),
     ("cpu", {}),
     ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    # CUDA's decode path (quantized pair kernels, device slot cache, CPU bridge) through its torch references
+    ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+    ("hybrid", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
 ]
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -248,11 +251,14 @@ def test_compressed_experts_every_backend(case, quantized):
             for lay in store.moe_layers:
                 for got, exp in zip(store.weights(lay, torch.float32), ref_store.weights(lay)):
                     assert torch.equal(got, exp)
-        assert _tokens(llm) == want, backend
+        assert _tokens(llm) == want, (backend, kw)
+        pairs = kw.get("moe_decode_kernel") == "pairs"
+        assert getattr(llm.engine.runtime, "pairs", False) == pairs, (backend, kw)  # the path asked for was taken
         if backend in ("offload", "hybrid"):
             t = llm.stats()["total"]
             assert all(a.dtype == torch.uint8 for a in llm.engine.runtime.pool.arrays.values())
-            assert t["bytes_h2d"] == t["copies"] * per_expert > 0
+            moved = t["bytes_h2d"] // per_expert if pairs else t["copies"]  # pairs: reads over the bus
+            assert t["bytes_h2d"] == moved * per_expert > 0
         llm.engine.runtime.close()
 
 

@@ -160,7 +160,8 @@ class Engine:
         import dataclasses
 
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
-                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k)
+                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k,
+                                   act_dtype=self.dtype)
 
     def _plan_memory(self, model, fmt) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""

@@ -42,13 +42,18 @@ WORKER_TIMEOUT_S = 120.0
 
 
 class CpuBridge:
-    def __init__(self, store, device: torch.device, max_pairs: int, threads: int = 0):
+    def __init__(self, store, device: torch.device, max_pairs: int, threads: int = 0,
+                 dtype: torch.dtype | None = None):
+        """dtype: the activations' (default: the dense experts' dtype; compressed experts need it given)."""
         self.store, self.device = store, device
         self.threads = threads  # the worker's intra-op threads (0: torch's default for a new thread)
         self.layers = list(store.moe_layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         L, H, P = len(self.layers), store.hidden, max_pairs
-        dtype = store.bank(self.layers[0])["gate_up"].dtype
+        if dtype is None:
+            if store.fmt.quantized:
+                raise ValueError("CpuBridge over compressed experts needs the activation dtype")
+            dtype = store.bank(self.layers[0])["gate_up"].dtype
         pin = device.type == "cuda"
         self.hx = torch.zeros(L, P, H, dtype=dtype, pin_memory=pin)
         self.hids = torch.full((L, P), -1, dtype=torch.long, pin_memory=pin)
@@ -67,6 +72,7 @@ class CpuBridge:
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
         self.cpu_seconds = [0.0] * L  # the worker's time computing them
         self.mlp = PairMlp(P)
+        self.qmlp = QuantPairMlp()
         self._cancel = False
         self._idle = threading.Event()
         self._idle.set()
@@ -186,11 +192,14 @@ class CpuBridge:
         experts, starts = np.unique(ids[order], return_index=True)
         groups = list(zip(experts.tolist(), starts.tolist(), np.append(starts[1:], len(order)).tolist()))
         bank = self.store.bank(layer)
-        gate_up, down = bank["gate_up"], bank["down"]
+        fmt = self.store.fmt.for_layer(layer)
         with torch.inference_mode():
             idx = torch.from_numpy(order)
             xs = self.hx[i].index_select(0, idx // (P // T))
-            yd = self.mlp(xs, groups, gate_up, down)
+            if fmt.quantized:
+                yd = self.qmlp(xs, groups, bank, fmt)
+            else:
+                yd = self.mlp(xs, groups, bank["gate_up"], bank["down"])
             self.hy[i].index_copy_(0, idx, yd.float().mul_(self.hw[i].index_select(0, idx)[:, None]))
         self.cpu_experts[i] += len(groups)
 
@@ -224,6 +233,24 @@ class PairMlp:
             w.update(gu=torch.empty(self.rows, I2, dtype=dtype), h=torch.empty(self.rows, I2 // 2, dtype=dtype),
                      y=torch.empty(self.rows, H, dtype=dtype))
         return w["gu"][:n], w["h"][:n], w["y"][:n]
+
+
+class QuantPairMlp:
+    """PairMlp for compressed experts, read in their stored format from the host bank (quant.qlinear: the
+    CPU kernels where built, else tile decoders), with the quantized pair kernels' arithmetic: gate/up in
+    float32, h rounded to the activations' dtype, the down projection in float32."""
+
+    def __call__(self, xs, groups, bank, fmt) -> torch.Tensor:
+        from ..quant import qlinear
+
+        y = torch.empty(xs.shape[0], xs.shape[1], dtype=torch.float32)
+        for e, r0, r1 in groups:
+            rows = {name: a[e] for name, a in bank.items()}
+            xe = xs[r0:r1].float()
+            g, u = (qlinear(xe, *fmt.weight(rows, proj)) for proj in ("gate", "up"))
+            h = (F.silu(g) * u).to(xs.dtype).float()
+            y[r0:r1] = qlinear(h, *fmt.weight(rows, "down"))
+        return y
 
 
 if triton is not None:

@@ -55,8 +55,9 @@ def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Ten
     if triton_ready(rows.device):
         return _stage_triton(host, pool, experts, rows, count)
     n = int(count)
-    for name in ("gate_up", "down"):
-        pool[name].index_copy_(0, rows[:n], host[name][experts[:n].to(host[name].device)].to(pool[name].device))
+    for name in pool:  # a row of a per-layer type mix may be longer than this layer's: the front is used
+        src = host[name][experts[:n].to(host[name].device)].to(pool[name].device)
+        pool[name][:, :src.shape[1]].index_copy_(0, rows[:n], src)
 
 
 def pair_moe_torch(x, topk_w, src, pool) -> torch.Tensor:
@@ -129,9 +130,10 @@ if triton is not None:
         tl.store(y_ptr + p * H + n, acc * wt, mask=nmask)
 
     @triton.jit
-    def _stage_kernel(host_ptr, pool_ptr, experts_ptr, rows_ptr, count_ptr, N, CHUNK: tl.constexpr,
+    def _stage_kernel(host_ptr, pool_ptr, experts_ptr, rows_ptr, count_ptr, N, DST_N, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr):
-        """Program (i, c) copies chunk c (CHUNK elements) of expert experts[i] into pool row rows[i]."""
+        """Program (i, c) copies chunk c (CHUNK elements) of expert experts[i] (rows of N elements) into
+        the front of pool row rows[i] (rows of DST_N >= N elements)."""
         i = tl.program_id(0)
         if i < tl.load(count_ptr):
             e = tl.load(experts_ptr + i)
@@ -141,7 +143,7 @@ if triton is not None:
                 o = start + off + tl.arange(0, BLOCK)
                 m = o < N
                 v = tl.load(host_ptr + e * N + o, mask=m)
-                tl.store(pool_ptr + r * N + o, v, mask=m)
+                tl.store(pool_ptr + r * DST_N + o, v, mask=m)
 
 
 def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
@@ -159,19 +161,19 @@ def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     return y
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 8-byte words when the row size allows (wide loads), else 4- or 2-byte."""
-    row = t[0].numel() * t.element_size()
-    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if row % size == 0:
-            return t.view(torch.uint8).view(t.shape[0], -1).view(dt)
-    return t.view(torch.uint8).view(t.shape[0], -1)
+def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The same bytes as 8-byte words when every row size allows (wide loads), else 4-, 2- or 1-byte."""
+    rows = [t[0].numel() * t.element_size() for t in ts]
+    dt = next((d for d, s in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+               if all(r % s == 0 for r in rows)), torch.uint8)
+    return [t.view(torch.uint8).view(t.shape[0], -1).view(dt) for t in ts]
 
 
 def _stage_triton(host, pool, experts, rows, count) -> None:
     M = experts.shape[0]
-    for name in ("gate_up", "down"):
-        src, dst = _words(host[name]), _words(pool[name])
+    for name in pool:
+        src, dst = _words(host[name], pool[name])
         N = src.shape[1]
         chunk = 8192
-        _stage_kernel[(M, triton.cdiv(N, chunk))](src, dst, experts, rows, count, N, CHUNK=chunk, BLOCK=1024)
+        _stage_kernel[(M, triton.cdiv(N, chunk))](src, dst, experts, rows, count, N, dst.shape[1], CHUNK=chunk,
+                                                  BLOCK=1024)

@@ -15,20 +15,32 @@ import torch
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
 from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache, device_fetch_count
 from .bridge import CpuBridge
-from .pairs import pair_moe, pair_outputs, pair_sum, stage_experts, triton_ready
+from .pairs import pair_outputs, pair_sum, stage_experts, triton_ready
+from .qpairs import quant_pair_outputs, supports as qpair_supports
 from .residency import Residency
 from .runtime import ExpertRuntime, register
 from .transfer import Copier, Pool, PrefillStreamer, Sync
 
 
 def pairs_wanted(options, store, device) -> bool:
-    """Use the pair kernels for decode? auto: on CUDA with Triton for dense experts; pairs: also on CPU
-    (the torch reference, for tests); grouped: never."""
-    if options.decode_kernel == "grouped" or store.fmt.quantized:
+    """Use the pair kernels for decode? auto: on CUDA with Triton, for dense experts and every compressed
+    format with a quantized pair kernel (moe/qpairs.py); pairs: also on CPU (the torch references, for
+    tests); grouped: never."""
+    if options.decode_kernel == "grouped":
         return False
+    if store.fmt.quantized and device.type == "cuda" and not all(
+            qpair_supports(store.fmt.for_layer(layer)) for layer in store.moe_layers):
+        return False  # a format with no Triton pair kernel keeps the grouped path on CUDA
     if device.type == "cuda":
         return triton_ready(device)
     return options.decode_kernel == "pairs"
+
+
+def layer_pairs(x, topk_w, src, pool, fmt) -> torch.Tensor:
+    """Pair outputs [P, H] float32 of one layer call from pool rows src, in the layer's expert format."""
+    if fmt.quantized:
+        return quant_pair_outputs(x, topk_w, src, pool, fmt)
+    return pair_outputs(x, topk_w, src, pool)
 
 
 @register
@@ -57,7 +69,9 @@ class FusedRuntime(ExpertRuntime):
             self._count_pairs(layer, topk_ids)
             routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
             self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
-            return pair_moe(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer))
+            y = layer_pairs(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
+                            self.store.fmt.for_layer(layer))
+            return pair_sum(y, topk_ids.shape[1], x.dtype)
         groups = RouteGroups.of(topk_ids)
         self._count(layer, topk_ids, groups)
         s = self.book[layer]
@@ -265,9 +279,9 @@ class CachedRuntime(ExpertRuntime):
 
 class DeviceCachedRuntime(CachedRuntime):
     """Decode through the pair kernels and the device-side slot cache (moe/device_cache.py) where they
-    apply (dense experts, every host bank pinned, a prefill buffer): hits read their slot, misses are
-    read from the pinned host bank by the kernel and admitted into LRU victims in the same pass, with
-    no host synchronisation, so decode steps can be CUDA graphs. Otherwise the grouped path: host LRU,
+    apply (dense or compressed experts with a pair kernel, every host bank pinned, a prefill buffer):
+    hits read their slot, misses are read from the pinned host bank by the kernel and admitted into LRU
+    victims in the same pass, with no host synchronisation, so decode steps can be CUDA graphs. Otherwise the grouped path: host LRU,
     copies on the copy stream, then compute."""
 
     def __init__(self, store, device, options):
@@ -343,7 +357,8 @@ class OffloadRuntime(DeviceCachedRuntime):
         self._count_pairs(layer, topk_ids)
         src, experts, rows, count = self.dcache.route(layer, topk_ids)
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        return pair_moe(x, topk_w, src, self.pool.arrays)
+        y = layer_pairs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
+        return pair_sum(y, topk_ids.shape[1], x.dtype)
 
     def _decode(self, layer, x, topk_w, groups):
         return self._device_rounds(layer, x, topk_w, groups, groups.experts,
@@ -358,8 +373,8 @@ class BridgedSteps:
     _bridged = False
 
     def _make_bridge(self, wanted: bool) -> None:
-        self.bridge = (CpuBridge(self.store, self.device, self.options.max_pairs, self.options.cpu_threads)
-                       if wanted else None)
+        self.bridge = (CpuBridge(self.store, self.device, self.options.max_pairs, self.options.cpu_threads,
+                                 self.options.act_dtype) if wanted else None)
         self._bridged = False
 
     def begin_step(self, info=None):
@@ -383,8 +398,8 @@ class BridgedSteps:
 
 
 def bridge_wanted(options, store, device) -> bool:
-    """CPU pairs through the bridge: wherever the pair kernels run (CUDA + Triton, dense experts; or forced
-    on CPU for tests) and the plan says how many pairs a decode layer call may have."""
+    """CPU pairs through the bridge: wherever the pair kernels run (CUDA + Triton, dense or compressed
+    experts; or forced on CPU for tests) and the plan says how many pairs a decode layer call may have."""
     return pairs_wanted(options, store, device) and options.max_pairs > 0
 
 
@@ -457,7 +472,7 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
         cpu = src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        y = pair_outputs(x, topk_w, src, self.pool.arrays)
+        y = layer_pairs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype)
 

@@ -29,6 +29,7 @@ class RuntimeOptions:
     hybrid_fetch_fraction: float = 0.5  # share of a step's misses fetched over PCIe (rest: CPU)
     decode_kernel: str = "auto"  # pairs (moe/pairs.py, no host sync) | grouped (moe/compute.py) | auto
     max_pairs: int = 0  # most (token, expert) pairs of one decode layer call (max batch * top_k)
+    act_dtype: torch.dtype | None = None  # the model's activations (None: the dense experts' dtype)
 
 
 class ExpertRuntime:
