@@ -33,6 +33,10 @@ CASES = {
     "hybrid": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6),
     "hybrid-spill": (2, 16, 2, 4, [0, 2], 8, 20, 0.35),
     "hybrid-no-victims": (0, 16, 2, 3, [0, 1], 6, 8, 0.5),
+    # hybrid's live share (moe/share.py): the route under test reads the fraction from a float32 device
+    # scalar, the reference gets the same value as a float
+    "hybrid-live": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live"),
+    "hybrid-live-third": (4, 16, 2, 4, [0, 2], 8, 20, 1 / 3, "live"),
 }
 STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters")
 
@@ -66,6 +70,7 @@ def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
     slots, E, T, k, layers, max_pairs, steps, *rest = spec or CASES[case]
     frac = rest[0] if rest else 1.0
     dev = torch.device(device)
+    live = torch.tensor(frac, dtype=torch.float32, device=dev) if "live" in rest else None
     ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev) for _ in range(2))
     g = torch.Generator().manual_seed(len(case) * 1000 + slots)
     for step in range(steps):
@@ -75,7 +80,7 @@ def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
         for layer in calls:
             ids = make_ids(case, E, max(1, T - step % 2), k, g).to(dev)  # P varies between calls
             want = ref._route_torch(layer, ids, frac)
-            errs = compare(ref, got, want, route(got, layer, ids, frac))
+            errs = compare(ref, got, want, route(got, layer, ids, frac if live is None else live))
             if frac < 1 and not errs:  # the CPU's misses: no row, after the fetched ones, not admitted
                 cpu = want[0] < 0
                 resident = set(ref.resident_rows(layer))
@@ -120,6 +125,12 @@ def test_cpu_tensors_stay_on_torch(monkeypatch):
     c.route(0, torch.tensor([[1, 2]]))
 
 
+@pytest.mark.parametrize("case", [c for c, spec in CASES.items() if "live" in spec])
+def test_torch_route_reads_a_live_fraction(case):
+    """The torch route (CPU decode path) with the share as a float32 tensor equals the float share."""
+    assert not run_case(case, lambda cache, layer, ids, frac: cache._route_torch(layer, ids, frac))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("has_v,block_e,block_p", [(True, 256, 64), (False, 16, 16), (True, 512, 512)])
 def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
@@ -128,9 +139,9 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
 
     ptrs = ("ids table slot_key last_use victims vptr stamp counters routed_buf rows_buf src_out order_out "
             "rows_out count_out").split()
-    consts = {"HAS_V": has_v, "PARTIAL": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
+    consts = {"HAS_V": has_v, "PARTIAL": not has_v, "FRAC_PTR": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",
-           **{n: "constexpr" for n in consts}}
+           "frac_ptr": "*fp32", **{n: "constexpr" for n in consts}}
     k = compile_sm90(dc._route_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})
     assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
 

@@ -68,18 +68,20 @@ class DeviceSlotCache:
         self.vptr.zero_()
 
     # ---- per layer call ------------------------------------------------------------------
-    def route(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
+    def route(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float | torch.Tensor = 1.0):
         """topk_ids [T, k] -> (src [P] pool row of every pair, stage_experts [M], stage_rows [M], count):
         experts[:count] must be copied from the host bank into rows[:count] before computing.
 
         fetch_fraction < 1 (hybrid): of a call's m misses only the first f = fetch_count(m, fraction) by
         expert id are fetched (admitted or staged); the others are left to the CPU: src = -1 for their
-        pairs, no row, no victim, listed after the fetched ones (count = f)."""
+        pairs, no row, no victim, listed after the fetched ones (count = f). A float32 device scalar
+        tensor as fetch_fraction is read on the device at every call (a recorded graph follows changes to
+        it: hybrid's live share, policies.HybridRuntime)."""
         if topk_ids.device.type == "cuda" and triton is not None and triton_enabled():
             return route_triton(self, layer, topk_ids, fetch_fraction)
         return self._route_torch(layer, topk_ids, fetch_fraction)
 
-    def _route_torch(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
+    def _route_torch(self, layer: int, topk_ids: torch.Tensor, fetch_fraction: float | torch.Tensor = 1.0):
         """The reference of `route` (any device)."""
         i, E, S = self.layer_index[layer], self.E, self.num_slots
         flat = topk_ids.reshape(-1).long()
@@ -91,7 +93,7 @@ class DeviceSlotCache:
         miss_e = routed & ~resident
         n_miss = miss_e.sum()
         local = torch.cumsum(miss_e.long(), 0) - 1  # rank of a miss among this call's misses
-        if fetch_fraction < 1.0:
+        if _partial(fetch_fraction):
             n_fetch = device_fetch_count(n_miss, fetch_fraction)
             cpu_e = miss_e & (local >= n_fetch)
             miss_e = miss_e & ~cpu_e
@@ -156,11 +158,11 @@ class DeviceSlotCache:
 
 
 # ---- the single-kernel route (CUDA; CPU tensors under TRITON_INTERPRET=1) ----------------------
-def device_fetch_count(n_miss: torch.Tensor, fraction: float) -> torch.Tensor:
+def device_fetch_count(n_miss: torch.Tensor, fraction: float | torch.Tensor) -> torch.Tensor:
     """The hybrid fetch count of n_miss misses (a tensor scalar, on any device): the integer f minimising
-    max(f * (1 - frac), (n - f) * frac), in float64 of the float32-rounded fraction, as the kernel computes
-    it; policies.fetch_count is its host form."""
-    frac = _f32(fraction)
+    max(f * (1 - frac), (n - f) * frac), in float64 of the float32-rounded fraction (a float, or a float32
+    tensor scalar on n_miss's device), as the kernel computes it; policies.fetch_count is its host form."""
+    frac = fraction.double() if isinstance(fraction, torch.Tensor) else _f32(fraction)
     n = n_miss.double()
     lo = torch.floor(n * frac)
     cost = lambda f: torch.maximum(f * (1 - frac), (n - f) * frac)  # noqa: E731
@@ -172,7 +174,13 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor, fetch_fraction: float = 1.0):
+def _partial(fraction: float | torch.Tensor) -> bool:
+    """Does a route leave some misses to the CPU? (always, for a live fraction tensor)"""
+    return isinstance(fraction, torch.Tensor) or fraction < 1.0
+
+
+def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
+                 fetch_fraction: float | torch.Tensor = 1.0):
     """`DeviceSlotCache.route` as one Triton launch: fresh static-shape outputs, no host reads."""
     if triton is None:
         raise RuntimeError("route_triton needs triton")
@@ -184,10 +192,14 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor, fet
     rows = torch.empty(M, dtype=torch.long, device=dev)
     count = torch.empty((), dtype=torch.long, device=dev)
     block_e = max(16, triton.next_power_of_2(E))
+    live = isinstance(fetch_fraction, torch.Tensor)
+    frac_ptr = fetch_fraction if live else count  # any tensor: unused unless FRAC_PTR
     _route_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims if V else cache.slot_key,
                         cache.vptr, cache.stamp, cache.counters, cache._work, cache._work[E:],
-                        src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i, _f32(fetch_fraction),
-                        HAS_V=V > 0, PARTIAL=fetch_fraction < 1.0, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e,
+                        src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i,
+                        0.0 if live else _f32(fetch_fraction), frac_ptr,
+                        HAS_V=V > 0, PARTIAL=_partial(fetch_fraction), FRAC_PTR=live,
+                        BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e,
                         num_warps=4 if block_e <= 256 else 8)
     return src, order, rows, count
 
@@ -195,8 +207,9 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor, fet
 if triton is not None:
     @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
     def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, routed_buf, rows_buf,
-                      src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac,
-                      HAS_V: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                      src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
+                      HAS_V: tl.constexpr, PARTIAL: tl.constexpr, FRAC_PTR: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
         """One layer call of the slot cache in one program: pairs p < P on one axis, experts e < E on the other.
 
         routed[e] is a scatter of ones into a scratch row (routed_buf); misses are routed non-residents.
@@ -231,7 +244,10 @@ if triton is not None:
         fetch = miss
         if PARTIAL:  # hybrid: the first fetch_count(n_miss, frac) misses by id are fetched, the rest CPU's
             nf = n_miss.to(tl.float64)
-            fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
+            if FRAC_PTR:  # the live share, read at every call (a replayed graph follows it)
+                fr = nf * 0.0 + tl.load(frac_ptr).to(tl.float64)
+            else:
+                fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
             lo = tl.floor(nf * fr)
             c0 = tl.maximum(lo * (1 - fr), (nf - lo) * fr)
             c1 = tl.maximum((lo + 1) * (1 - fr), (nf - lo - 1) * fr)

@@ -92,6 +92,7 @@ class MoePlan:
     hybrid_fetch_fraction: float
     kv_tokens: int
     bytes: PlanBytes
+    pcie_gbs: float = 0.0  # pinned host-to-device, from the bench profile (0: not measured)
 
     @property
     def residency(self) -> float:
@@ -106,7 +107,7 @@ class MoePlan:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(cache_slots=self.cache_slots, prefill_slots=self.prefill_slots,
                               cpu_threads=self.cpu_threads, prefetch=self.prefetch,
-                              hybrid_fetch_fraction=self.hybrid_fetch_fraction)
+                              hybrid_fetch_fraction=self.hybrid_fetch_fraction, pcie_gbs=self.pcie_gbs)
 
     def describe(self) -> str:
         b, g = self.bytes, (lambda n: f"{n / GiB:.2f}")
@@ -149,7 +150,8 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         experts_device=expert_dev + (host if hw.device == "cpu" else 0),
                         prefill_buffer=2 * prefill * m.expert_bytes, kv=kv_tokens * m.kv_bytes_per_token,
                         host_banks=host if backend != "fused" or hw.device == "cpu" else 0,
-                        pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0))
+                        pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0),
+        pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0)
 
 
 def _budget(hw: Hardware, e) -> int:

@@ -19,6 +19,7 @@ from .pairs import pair_outputs, pair_sum, stage_experts, triton_ready
 from .qpairs import quant_pair_outputs, supports as qpair_supports
 from .residency import Residency
 from .runtime import ExpertRuntime, register
+from .share import LiveShare
 from .transfer import Copier, Pool, PrefillStreamer, Sync
 
 
@@ -447,8 +448,9 @@ def fetch_count(misses: int, frac: float) -> int:
 @register
 class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
     """Grouped path: hits on the device, misses split between fetch and CPU per `_choose_fetch`. Pair path
-    (with the device cache): of a layer call's misses the first fetch_count(m, fraction) by expert id are
-    fetched into the cache while the CPU computes the others (moe/bridge.py); the step stays a graph."""
+    (with the device cache): of a layer call's misses the first fetch_count(m, share) by expert id are
+    fetched into the cache while the CPU computes the others (moe/bridge.py); the step stays a graph, and
+    the share follows the PCIe and CPU rates measured in running steps (moe/share.py)."""
 
     name = "hybrid"
     uses_cpu = True
@@ -461,6 +463,8 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
             self.dcache = None
             self.book.device_counts = None
             CachedRuntime._build_cache(self, options.cache_slots)
+        # pair path: the fetch share follows the rates measured in running steps (moe/share.py)
+        self.share = LiveShare(device, options.hybrid_fetch_fraction, options.pcie_gbs) if self.pairs else None
         self.step = 0
         self.last_seen: dict[tuple[int, int], int] = {}
 
@@ -468,7 +472,7 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
         if not self.pairs or self.prefill_mode:
             return super().forward(layer, x, topk_ids, topk_w)
         self._count_pairs(layer, topk_ids)
-        src, experts, rows, count = self.dcache.route(layer, topk_ids, self.options.hybrid_fetch_fraction)
+        src, experts, rows, count = self.dcache.route(layer, topk_ids, self.share.tensor)
         cpu = src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
@@ -479,6 +483,20 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
     def begin_step(self, info=None):
         super().begin_step(info)
         self.step += 1
+
+    def end_step(self):
+        decode = self.share is not None and not self.prefill_mode
+        super().end_step()
+        if decode:
+            b = self.bridge
+            cpu_bytes = sum(b.cpu_experts[i] * self.store.bytes_per_expert(layer) for layer, i in b.index.items())
+            self.share.observe(cpu_bytes, sum(b.cpu_seconds))
+
+    def stats(self):
+        out = super().stats()
+        if self.share is not None:
+            out["hybrid"] = self.share.as_dict()
+        return out
 
     def _decode(self, layer, x, topk_w, groups):
         hits = [e for e in groups.experts if self.residency.lookup((layer, e)) is not None]

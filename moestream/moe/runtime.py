@@ -30,6 +30,7 @@ class RuntimeOptions:
     decode_kernel: str = "auto"  # pairs (moe/pairs.py, no host sync) | grouped (moe/compute.py) | auto
     max_pairs: int = 0  # most (token, expert) pairs of one decode layer call (max batch * top_k)
     act_dtype: torch.dtype | None = None  # the model's activations (None: the dense experts' dtype)
+    pcie_gbs: float = 0.0  # pinned host-to-device GB/s from `bench bw` (0: hybrid measures it)
 
 
 class ExpertRuntime:

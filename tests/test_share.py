@@ -1,0 +1,34 @@
+"""moestream.moe.share: hybrid's live fetch share follows the CPU rate measured in running steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.moe.share import MAX_SHARE, PROBE, LiveShare, split
+
+
+def test_split_balances_the_two_buses():
+    assert split(50.0, 50.0) == pytest.approx(0.5)
+    assert split(48.0, 16.0) == pytest.approx(0.75)
+    assert split(50.0, 0.0) == MAX_SHARE  # a CPU that computes nothing still gets measured
+    assert split(0.0, 0.0) == 0.5
+
+
+def test_share_moves_toward_the_measured_split_and_lives_on_the_device():
+    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, every=4)
+    cpu_bytes = cpu_s = 0.0
+    for _ in range(40):  # the CPU worker computes at 16 GB/s: the balanced share is 48 / 64
+        cpu_bytes += 16e9 * 0.001
+        cpu_s += 0.001
+        s.observe(cpu_bytes, cpu_s)
+    assert s.cpu_gbs == pytest.approx(16.0)
+    assert s.value == pytest.approx(0.75, abs=0.01)
+    assert float(s.tensor) == pytest.approx(s.value)  # what the route kernel reads
+    assert s.as_dict()["fetch_share"] == pytest.approx(s.value, abs=1e-4)
+
+
+def test_an_idle_cpu_is_probed_with_a_little_work():
+    s = LiveShare(torch.device("cpu"), initial=0.9, pcie_gbs=48.0, every=2)
+    for _ in range(4):
+        s.observe(0.0, 0.0)  # no CPU pairs in these windows
+    assert s.value == pytest.approx(0.9 - 2 * PROBE)
