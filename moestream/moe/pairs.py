@@ -14,7 +14,9 @@ Everything has static shapes and reads no device value on the host, so a decode 
 be recorded as a CUDA graph.
 
 Two implementations with one contract: Triton kernels (CUDA) and a torch reference (any device; CPU
-tests exercise the same bookkeeping). Dense expert formats only: gate_up [N, 2I, H], down [N, H, I].
+tests exercise the same bookkeeping). Dense expert formats here: gate_up [N, 2I, H], down [N, H, I];
+compressed ones (GGUF, FP8, NVFP4, MXFP4 rows) are computed by moe/qpairs.py when `fmt` is given, and
+staged by the same copy kernel (it copies every array of the pool as bytes).
 """
 from __future__ import annotations
 
@@ -32,14 +34,19 @@ def triton_ready(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict) -> torch.Tensor:
-    """x [T, H]; topk_w [T, k]; src [P] rows of pool = {"gate_up": [N, 2I, H], "down": [N, H, I]}."""
-    return pair_sum(pair_outputs(x, topk_w, src, pool), topk_w.shape[1], x.dtype)
+def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None) -> torch.Tensor:
+    """x [T, H]; topk_w [T, k]; src [P] rows of pool = {"gate_up": [N, 2I, H], "down": [N, H, I]}, or of a
+    compressed pool when fmt (the layer's expert format) is quantized."""
+    return pair_sum(pair_outputs(x, topk_w, src, pool, fmt), topk_w.shape[1], x.dtype)
 
 
-def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict) -> torch.Tensor:
+def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None) -> torch.Tensor:
     """y [P, H] float32: w[p] * mlp(x[p // k]) from pool row src[p]; rows of pairs with src[p] < 0 are left
     for another producer (moe/bridge.py: the CPU) and hold garbage until it fills them."""
+    if fmt is not None and fmt.quantized:
+        from .qpairs import quant_pair_outputs
+
+        return quant_pair_outputs(x, topk_w, src, pool, fmt)
     if triton_ready(x.device):
         return _pair_outputs_triton(x, topk_w, src, pool)
     return _pair_outputs_torch(x, topk_w, src, pool)
@@ -51,13 +58,17 @@ def pair_sum(y: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
-    """Copy host[experts[i]] into pool[rows[i]] for i < count (a device scalar); experts/rows [M]."""
+    """Copy host[name][experts[i]] into pool[name][rows[i]] for i < count (a device scalar) and every array
+    name of the pool; experts/rows [M]. A pool row may be longer than a host row (slot rows of per-layer
+    GGUF type mixes are sized for the largest type): the host row's bytes go to its front."""
     if triton_ready(rows.device):
         return _stage_triton(host, pool, experts, rows, count)
     n = int(count)
-    for name in pool:  # a row of a per-layer type mix may be longer than this layer's: the front is used
-        src = host[name][experts[:n].to(host[name].device)].to(pool[name].device)
-        pool[name][:, :src.shape[1]].index_copy_(0, rows[:n], src)
+    for name, dst in pool.items():
+        src = host[name]
+        width = src[0].numel()
+        rows_of = src[experts[:n].to(src.device)].reshape(n, width).to(dst.device)
+        dst.view(dst.shape[0], -1)[:, :width].index_copy_(0, rows[:n], rows_of)
 
 
 def pair_moe_torch(x, topk_w, src, pool) -> torch.Tensor:
@@ -130,10 +141,10 @@ if triton is not None:
         tl.store(y_ptr + p * H + n, acc * wt, mask=nmask)
 
     @triton.jit
-    def _stage_kernel(host_ptr, pool_ptr, experts_ptr, rows_ptr, count_ptr, N, DST_N, CHUNK: tl.constexpr,
-                      BLOCK: tl.constexpr):
-        """Program (i, c) copies chunk c (CHUNK elements) of expert experts[i] (rows of N elements) into
-        the front of pool row rows[i] (rows of DST_N >= N elements)."""
+    def _stage_kernel(host_ptr, pool_ptr, experts_ptr, rows_ptr, count_ptr, N, host_stride, pool_stride,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (i, c) copies chunk c (CHUNK of the N elements of a host row) of expert experts[i] to the
+        front of pool row rows[i]."""
         i = tl.program_id(0)
         if i < tl.load(count_ptr):
             e = tl.load(experts_ptr + i)
@@ -142,8 +153,8 @@ if triton is not None:
             for off in range(0, CHUNK, BLOCK):
                 o = start + off + tl.arange(0, BLOCK)
                 m = o < N
-                v = tl.load(host_ptr + e * N + o, mask=m)
-                tl.store(pool_ptr + r * DST_N + o, v, mask=m)
+                v = tl.load(host_ptr + e * host_stride + o, mask=m)
+                tl.store(pool_ptr + r * pool_stride + o, v, mask=m)
 
 
 def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
@@ -161,19 +172,24 @@ def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     return y
 
 
-def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
-    """The same bytes as 8-byte words when every row size allows (wide loads), else 4-, 2- or 1-byte."""
+def _words(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A contiguous [rows, ...] tensor's bytes as [rows, row_bytes / size] words of `size` bytes."""
+    dt = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
+    return t.view(torch.uint8).view(t.shape[0], -1).view(dt)
+
+
+def _word_size(*ts: torch.Tensor) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides the row bytes of every tensor (wide loads)."""
     rows = [t[0].numel() * t.element_size() for t in ts]
-    dt = next((d for d, s in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
-               if all(r % s == 0 for r in rows)), torch.uint8)
-    return [t.view(torch.uint8).view(t.shape[0], -1).view(dt) for t in ts]
+    return next(size for size in (8, 4, 2, 1) if all(r % size == 0 for r in rows))
 
 
 def _stage_triton(host, pool, experts, rows, count) -> None:
     M = experts.shape[0]
-    for name in pool:
-        src, dst = _words(host[name], pool[name])
+    for name, dst_t in pool.items():
+        size = _word_size(host[name], dst_t)
+        src, dst = _words(host[name], size), _words(dst_t, size)
         N = src.shape[1]
         chunk = 8192
-        _stage_kernel[(M, triton.cdiv(N, chunk))](src, dst, experts, rows, count, N, dst.shape[1], CHUNK=chunk,
-                                                  BLOCK=1024)
+        _stage_kernel[(M, triton.cdiv(N, chunk))](src, dst, experts, rows, count, N, src.stride(0), dst.stride(0),
+                                                  CHUNK=chunk, BLOCK=1024)

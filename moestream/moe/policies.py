@@ -16,7 +16,7 @@ from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumula
 from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache, device_fetch_count
 from .bridge import CpuBridge
 from .pairs import pair_outputs, pair_sum, stage_experts, triton_ready
-from .qpairs import quant_pair_outputs, supports as qpair_supports
+from .qpairs import supports as qpair_supports
 from .residency import Residency
 from .runtime import ExpertRuntime, register
 from .share import LiveShare
@@ -35,13 +35,6 @@ def pairs_wanted(options, store, device) -> bool:
     if device.type == "cuda":
         return triton_ready(device)
     return options.decode_kernel == "pairs"
-
-
-def layer_pairs(x, topk_w, src, pool, fmt) -> torch.Tensor:
-    """Pair outputs [P, H] float32 of one layer call from pool rows src, in the layer's expert format."""
-    if fmt.quantized:
-        return quant_pair_outputs(x, topk_w, src, pool, fmt)
-    return pair_outputs(x, topk_w, src, pool)
 
 
 @register
@@ -70,7 +63,7 @@ class FusedRuntime(ExpertRuntime):
             self._count_pairs(layer, topk_ids)
             routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
             self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
-            y = layer_pairs(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
+            y = pair_outputs(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
                             self.store.fmt.for_layer(layer))
             return pair_sum(y, topk_ids.shape[1], x.dtype)
         groups = RouteGroups.of(topk_ids)
@@ -358,7 +351,7 @@ class OffloadRuntime(DeviceCachedRuntime):
         self._count_pairs(layer, topk_ids)
         src, experts, rows, count = self.dcache.route(layer, topk_ids)
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        y = layer_pairs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
+        y = pair_outputs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
         return pair_sum(y, topk_ids.shape[1], x.dtype)
 
     def _decode(self, layer, x, topk_w, groups):
@@ -476,7 +469,7 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
         cpu = src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        y = layer_pairs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
+        y = pair_outputs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype)
 

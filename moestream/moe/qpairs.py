@@ -34,14 +34,24 @@ import torch.nn.functional as F
 
 from .formats import PROJS, GGUFExpertFormat, HFExpertFormat
 
+try:  # optional: absent on CPU-only installs (the torch reference runs there)
+    import triton
+    import triton.language as tl
+
+    from ..quant import triton_dequant as td
+    from ..quant.triton_dequant import (_e2m1, _e4m3, _e8m0, _iq4_nl, _iq4_xs, _ld, _mxfp4_g, _nvfp4_g,
+                                        _q2_k, _q3_k, _q4_0, _q4_1, _q4_k, _q5_0, _q5_1, _q5_k, _q6_k, _q8_0, _store)
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
 
 def supports(fmt) -> bool:
     """Whether the Triton pair kernels read `fmt` (the layer format) on CUDA; other quantized formats
     (IQ3_S, IQ2_*, TQ*, ...) run `quant_pair_outputs_torch` there."""
+    if triton is None:
+        return False
     if isinstance(fmt, GGUFExpertFormat):
-        from ..quant.triton_dequant import _GGUF_IDS
-
-        return all(t in _GGUF_IDS for _, t in fmt.types)
+        return all(t in td._GGUF_IDS for _, t in fmt.types)
     if isinstance(fmt, HFExpertFormat):
         from ..quant.fp_formats import FP8Format, MXFP4Format, NVFP4Format
 
@@ -63,13 +73,17 @@ def quant_pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor,
 def quant_pair_outputs_torch(x, topk_w, src, pool, fmt) -> torch.Tensor:
     """The reference: dequantize (moestream.quant's decoders) to float32, fp32 GEMVs. Rows of pairs with
     src < 0 are zero here (callers must not rely on it: the kernels leave them untouched)."""
+    if not isinstance(fmt, (GGUFExpertFormat, HFExpertFormat)):
+        raise TypeError(f"{fmt.name}: pass the layer's own format (LayeredGGUFFormat.for_layer(layer))")
     T, k = topk_w.shape
     P = T * k
-    H, I = fmt.hidden, fmt.inter
+    H = fmt.hidden
     if x.shape[1] != H:
         raise ValueError(f"x has {x.shape[1]} features, the experts H={H}")
     if x.device.type == "cpu":
         pairs = torch.nonzero(src >= 0).flatten()
+        if pairs.numel() == 0:
+            return torch.zeros(P, H, dtype=torch.float32)
         rows, inv = torch.unique(src[pairs], return_inverse=True)  # each distinct row decoded once
     else:  # static shapes, no host reads: one row per pair (rows of skipped pairs: row 0, discarded)
         pairs = torch.arange(P, device=x.device)
@@ -108,14 +122,292 @@ def _weight(fmt, rows: dict, proj: str):
 
 
 def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - depends on the install
-        return False
     from ..env import triton_enabled
 
-    return triton_enabled()
+    return triton is not None and triton_enabled()
 
 
-def _quant_pair_outputs_triton(x, topk_w, src, pool, fmt) -> torch.Tensor:
-    return quant_pair_outputs_torch(x, topk_w, src, pool, fmt)  # until the kernels land (issue 13 item 1)
+# ----------------------------------------------------------------------------- Triton host side
+def _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, cfg=None, y=None) -> torch.Tensor:
+    """The kernels (also on CPU tensors under TRITON_INTERPRET=1: the tests). Shapes only decide the
+    launches (no host reads of device values, outputs from torch.empty): CUDA-graph capturable.
+    cfg: {"gate_up": (BN, BV, warps), "down": ...} overrides the launch constants (benchmarks, tests);
+    y: an output to write into (rows of pairs with src < 0 are left as they are)."""
+    T, k = topk_w.shape
+    P = T * k
+    x, src = x.contiguous(), src.contiguous()
+    h = torch.empty((P, fmt.inter), dtype=x.dtype, device=x.device)
+    gate_up_triton(x, src, pool, fmt, k, h, (cfg or {}).get("gate_up"))
+    if y is None:
+        y = torch.empty((P, fmt.hidden), dtype=torch.float32, device=x.device)
+    down_triton(h, topk_w.reshape(-1).contiguous(), src, pool, fmt, y, (cfg or {}).get("down"))
+    return y
+
+
+def gate_up_triton(x, src, pool, fmt, k: int, h: torch.Tensor, cfg=None) -> torch.Tensor:
+    """h [P, I] (x.dtype) = silu(W_gate x) * W_up x for every pair with a row; other rows untouched."""
+    return _launch(pool, fmt, "gate_up", (x, src), fmt.inter, fmt.hidden, h, cfg, k=k)
+
+
+def down_triton(h, w, src, pool, fmt, y: torch.Tensor, cfg=None) -> torch.Tensor:
+    """y [P, H] float32 = w[p] * W_down h[p] for every pair with a row; other rows untouched."""
+    return _launch(pool, fmt, "down", (h, src), fmt.hidden, fmt.inter, y, cfg, w=w)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+# A program computes BN output rows of one pair: grid (P, cdiv(N, BN)). It streams its rows' bytes
+# once, BV logical columns (K values) per loop step, decodes them in registers with the decoders of
+# quant/triton_dequant.py and accumulates the dot products with the pair's activation row in fp32.
+# A pair with src < 0 returns at once (its output row belongs to another producer). H and I are
+# constexpr: a model has two of them, and constant trip counts unroll (and the interpreter of this
+# numpy cannot take a runtime loop bound).
+_HF_FP8, _HF_NVFP4, _HF_MXFP4 = 0, 1, 2  # KIND
+_S_BLOCK, _S_CHANNEL, _S_TENSOR = 0, 1, 2  # SMODE of FP8 scales
+
+if triton is not None:
+
+    @triton.jit
+    def _gguf_block(p, e, s, m, lut, QT: tl.constexpr):
+        """Blocks at p [BN, BKB, 1, 1] -> values [BN, BKB, NS, SS] (quant/triton_dequant.py's QT ids)."""
+        if QT == 0:
+            v = _q4_0(p, e, m)
+        elif QT == 1:
+            v = _q4_1(p, e, m)
+        elif QT == 2:
+            v = _q5_0(p, e, m)
+        elif QT == 3:
+            v = _q5_1(p, e, m)
+        elif QT == 4:
+            v = _q8_0(p, e, m)
+        elif QT == 5:
+            v = _q2_k(p, e, s, m)
+        elif QT == 6:
+            v = _q3_k(p, e, s, m)
+        elif QT == 7:
+            v = _q4_k(p, e, s, m)
+        elif QT == 8:
+            v = _q5_k(p, e, s, m)
+        elif QT == 9:
+            v = _q6_k(p, e, s, m)
+        elif QT == 10:
+            v = _iq4_nl(p, e, m, lut)
+        elif QT == 11:
+            v = _iq4_xs(p, e, s, m, lut)
+        elif QT == 12:
+            v = _mxfp4_g(p, e, m)
+        else:
+            v = _nvfp4_g(p, e, s, m)
+        return v
+
+    @triton.jit
+    def _gguf_dot(w, n, nmask, xrow, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+                  NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+        """[BN] fp32: rows n of one expert's GGUF matrix (rows of K // BS blocks of TS bytes at w) dot xrow [K].
+        A step decodes BV // BS whole blocks of each row ([BN, BKB, NS, SS]: one scale per sub-block)."""
+        nblk = K // BS
+        rowp = w + n.to(tl.int64) * (nblk * TS)
+        s = tl.arange(0, NS)[None, None, :, None]
+        e = s * (BS // NS) + tl.arange(0, BS // NS)[None, None, None, :]  # value ids within a block
+        acc = tl.zeros([BN, BV // BS], dtype=tl.float32)
+        for k0 in range(0, K, BV):  # 
+            b = k0 // BS + tl.arange(0, BV // BS)
+            bm = b < nblk
+            p = (rowp[:, None] + b[None, :] * TS)[:, :, None, None]
+            m = (nmask[:, None] & bm[None, :])[:, :, None, None]
+            v = _gguf_block(p, e, s, m, lut, QT)
+            xv = tl.load(xrow + (b * BS)[None, :, None, None] + e, mask=bm[None, :, None, None], other=0.0)
+            acc += tl.sum(tl.sum(v * xv.to(tl.float32), axis=3), axis=2)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _hf_dot(w, sc, gsc, n, nmask, xrow, K: tl.constexpr, KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr,
+                CB: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+        """[BN] fp32: rows n of one expert's FP8 / NVFP4 / MXFP4 matrix [N, K] dot xrow [K].
+        w: its weight bytes (row-major codes: e4m3 one per byte, e2m1 two per byte, low nibble first);
+        sc: its scale part (typed pointer); gsc: its fp32 per-expert scale (NVFP4 weight_scale_2).
+        A step reads [BN, BV // GS groups, GS columns]; one group shares one scale (GS divides the scale
+        block), so a scale is loaded once per group."""
+        nn = n.to(tl.int64)[:, None]
+        mrow = nmask[:, None]
+        g0 = tl.arange(0, BV // GS)[None, :] * GS  # first column of each group within a step
+        acc = tl.zeros([BN, BV // GS], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            cg = k0 + g0  # [1, NG]
+            mg = mrow & (cg < K)
+            if KIND == 0:  # e4m3 codes, one byte per column: contiguous (vectorized) loads
+                c = cg[:, :, None] + tl.arange(0, GS)[None, None, :]
+                v = _e4m3(_ld(w + nn[:, :, None] * K, c, mg[:, :, None]))
+                xv = tl.load(xrow + c, mask=c < K, other=0.0).to(tl.float32)
+                part = tl.sum(v * xv, axis=2)
+            else:  # e2m1 pairs: load each byte once, dot its low / high nibble with x's even / odd columns
+                c2 = cg[:, :, None] // 2 + tl.arange(0, GS // 2)[None, None, :]  # byte ids
+                b = _ld(w + nn[:, :, None] * (K // 2), c2, mg[:, :, None])
+                xe = tl.load(xrow + 2 * c2, mask=2 * c2 < K, other=0.0).to(tl.float32)
+                xo = tl.load(xrow + 2 * c2 + 1, mask=2 * c2 < K, other=0.0).to(tl.float32)
+                part = tl.sum(_e2m1(b & 0xF) * xe + _e2m1(b >> 4) * xo, axis=2)
+            if KIND == 0:
+                if SMODE == 0:  # [ceil(N/RB), ceil(K/CB)] block scales
+                    sv = tl.load(sc + (nn // RB) * tl.cdiv(K, CB) + cg // CB, mask=mg, other=0.0).to(tl.float32)
+                    part = part * sv
+            elif KIND == 1:  # e4m3 scale per 16 columns
+                part = part * _e4m3(_ld(sc + nn * (K // 16), cg // 16, mg))
+            else:  # e8m0 scale per 32 columns
+                part = part * _e8m0(_ld(sc + nn * (K // 32), cg // 32, mg))
+            acc += part
+        out = tl.sum(acc, axis=1)
+        if KIND == 0:
+            if SMODE == 1:  # one scale per output row
+                out = out * tl.load(sc + n, mask=nmask, other=0.0).to(tl.float32)
+            elif SMODE == 2:  # one scale per expert
+                out = out * tl.load(sc).to(tl.float32)
+        elif KIND == 1:
+            out = out * tl.load(gsc).to(tl.float32)
+        return out
+
+    @triton.jit
+    def _silu_mul_store(h, p, n, nmask, g, u, N: tl.constexpr, H_BF16: tl.constexpr):
+        _store(h, p.to(tl.int64) * N + n, g / (1.0 + tl.exp(-g)) * u, nmask, H_BF16)
+
+    @triton.jit
+    def _gguf_gate_up_kernel(x, src, gw, g_stride, uw, u_stride, h, lut, H: tl.constexpr, I: tl.constexpr, K_TOP,
+                             QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NSG: tl.constexpr,
+                             QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NSU: tl.constexpr,
+                             BN: tl.constexpr, BV: tl.constexpr, H_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nmask = n < I
+            xrow = x + (p // K_TOP).to(tl.int64) * H
+            g = _gguf_dot(gw + r * g_stride, n, nmask, xrow, H, lut, QG, BSG, TSG, NSG, BN, BV)
+            u = _gguf_dot(uw + r * u_stride, n, nmask, xrow, H, lut, QU, BSU, TSU, NSU, BN, BV)
+            _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+
+    @triton.jit
+    def _gguf_down_kernel(h, tw, src, dw, d_stride, y, lut, H: tl.constexpr, I: tl.constexpr,
+                          QD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr,
+                          BN: tl.constexpr, BV: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nmask = n < H
+            acc = _gguf_dot(dw + r * d_stride, n, nmask, h + p.to(tl.int64) * I, I, lut, QD, BSD, TSD, NSD, BN, BV)
+            tl.store(y + p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), mask=nmask)
+
+    @triton.jit
+    def _hf_gate_up_kernel(x, src, gw, gw_stride, gs, gs_stride, gg, gg_stride,
+                           uw, uw_stride, us, us_stride, ug, ug_stride, h, H: tl.constexpr, I: tl.constexpr, K_TOP,
+                           KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                           GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, H_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nmask = n < I
+            xrow = x + (p // K_TOP).to(tl.int64) * H
+            r = r.to(tl.int64)
+            g = _hf_dot(gw + r * gw_stride, gs + r * gs_stride, gg + r * gg_stride, n, nmask, xrow, H,
+                        KIND, SMODE, RB, CB, GS, BN, BV)
+            u = _hf_dot(uw + r * uw_stride, us + r * us_stride, ug + r * ug_stride, n, nmask, xrow, H,
+                        KIND, SMODE, RB, CB, GS, BN, BV)
+            _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+
+    @triton.jit
+    def _hf_down_kernel(h, tw, src, dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H: tl.constexpr, I: tl.constexpr,
+                        KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                        GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nmask = n < H
+            r = r.to(tl.int64)
+            acc = _hf_dot(dw + r * dw_stride, ds + r * ds_stride, dg + r * dg_stride, n, nmask,
+                          h + p.to(tl.int64) * I, I, KIND, SMODE, RB, CB, GS, BN, BV)
+            tl.store(y + p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), mask=nmask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_config(stage: str, N: int, K: int, P: int) -> tuple[int, int, int]:
+    """(BN rows, BV columns per step, warps) of one launch: ~4K values in flight per program (about one
+    16-byte load per thread and array at 4 warps), and BN small enough that P * N / BN programs fill
+    the GPU several times over at batch 1 (P = 8). Fixed constants, no autotuning: nothing to run
+    before a CUDA graph is captured, and the same choice under the interpreter."""
+    bv = min(1024, max(256, _pow2(K)))
+    bn = max(1, min(_pow2(N), 4096 // bv))
+    return bn, bv, 4
+
+
+def _gguf_spec(q) -> tuple[int, int, int, int]:
+    """Kernel constants of a GGUF type: (QT, block values, block bytes, sub-blocks with their own scale)."""
+    return td._GGUF_IDS[q.type_name], q.block_size, q.type_size, td._GGUF_NS.get(q.type_name, 1)
+
+
+def _hf_parts(pool: dict, fmt, proj: str, dev) -> tuple:
+    """(weight, scale, global scale) pool tensors of one projection as typed [rows, elems] views with their
+    row strides; an absent part is a dummy (never read)."""
+    from ..quant.fp_formats import NVFP4Format
+
+    dtypes = dict(fmt.parts)
+    names = [p.name for p in fmt.qfmt.parts]
+    out = []
+    for name in (names[0], names[1], names[2] if isinstance(fmt.qfmt, NVFP4Format) else None):
+        if name is None:
+            out += [out[0], 0]
+            continue
+        t, dt = pool[f"{proj}.{name}"], dtypes[f"{proj}.{name}"]
+        if dt.itemsize > 1:
+            t = t.view(dt)  # fp32 / bf16 scales: the kernel loads them typed; 1-byte codes stay uint8
+        out += [t, t.stride(0)]
+    return tuple(out)
+
+
+def _hf_consts(fmt) -> dict:
+    """KIND / SMODE / scale block (RB rows x CB columns) / group size GS of an HF format."""
+    from ..quant.fp_formats import FP8Format, NVFP4Format
+
+    q = fmt.qfmt
+    if isinstance(q, FP8Format):
+        smode = {"block": _S_BLOCK, "channel": _S_CHANNEL, "tensor": _S_TENSOR}[q.mode]
+        rb, cb = q.block if q.mode == "block" else (1, 1)
+        gs = (cb & -cb) if q.mode == "block" else 32  # a power of two dividing the scale block
+        return dict(KIND=_HF_FP8, SMODE=smode, RB=rb, CB=cb, GS=min(gs, 256))
+    if isinstance(q, NVFP4Format):
+        return dict(KIND=_HF_NVFP4, SMODE=0, RB=1, CB=16, GS=16)
+    return dict(KIND=_HF_MXFP4, SMODE=0, RB=1, CB=32, GS=32)
+
+
+def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg, k: int = 0, w=None):
+    """One launch of `stage` ("gate_up": out = h [P, I]; "down": out = y [P, H]) for the layer format."""
+    a, src = acts
+    P = src.shape[0]
+    bn, bv, warps = cfg or default_config(stage, N, K, P)
+    grid = (P, triton.cdiv(N, bn))
+    bf16 = out.dtype == torch.bfloat16
+    out_arg = out.view(torch.int16) if stage == "gate_up" and bf16 else out  # _store rounds bf16 itself
+    if isinstance(fmt, GGUFExpertFormat):
+        lut = td.cached_table("iq4nl", lambda: torch.tensor(td._IQ4NL_LEVELS, dtype=torch.float32), a.device)
+        if stage == "gate_up":
+            (qg, bsg, tsg, nsg), (qu, bsu, tsu, nsu) = _gguf_spec(fmt.quant("gate")), _gguf_spec(fmt.quant("up"))
+            bv = max(bv, bsg, bsu)
+            _gguf_gate_up_kernel[grid](a, src, pool["gate"], pool["gate"].stride(0), pool["up"], pool["up"].stride(0),
+                                       out_arg, lut, K, N, k, QG=qg, BSG=bsg, TSG=tsg, NSG=nsg, QU=qu, BSU=bsu,
+                                       TSU=tsu, NSU=nsu, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
+        else:
+            qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
+            _gguf_down_kernel[grid](a, w, src, pool["down"], pool["down"].stride(0), out, lut, N, K,
+                                    QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), num_warps=warps)
+        return out
+    consts = _hf_consts(fmt)
+    bv = max(bv, consts["GS"])
+    if stage == "gate_up":
+        _hf_gate_up_kernel[grid](a, src, *_hf_parts(pool, fmt, "gate", a.device), *_hf_parts(pool, fmt, "up", a.device),
+                                 out_arg, K, N, k, **consts, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
+    else:
+        _hf_down_kernel[grid](a, w, src, *_hf_parts(pool, fmt, "down", a.device), out, N, K, **consts, BN=bn, BV=bv,
+                              num_warps=warps)
+    return out

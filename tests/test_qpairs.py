@@ -1,0 +1,367 @@
+"""moestream.moe.qpairs: the pair kernels that read compressed expert rows equal the torch decoder followed
+by fp32 GEMVs, for every format with a Triton decoder; pairs.stage_experts copies compressed rows.
+
+* Interpreter: every case runs once in a subprocess with TRITON_INTERPRET=1 (tests/triton_harness.py), on
+  CPU tensors, with large tiles (few programs: the interpreter pays per program); one case also with the
+  default launch constants. Each case is then reported as its own test.
+* sm_90: the kernels of a few formats compile for an H100/H200 with the default constants (no GPU needed).
+* CUDA (`@pytest.mark.cuda`, skipped without a GPU): every case at the default constants, the Qwen3.6
+  expert shape, `quant_pair_outputs` recorded in a CUDA graph and replayed on new inputs, the torch
+  fallback of a format without a Triton decoder, and staging compressed rows.
+
+Pools are built as the engine builds them: one uint8 row of stored bytes per expert and array, and GGUF
+rows LONGER than the layer's bytes, padded with 0xFF (fp16 NaN: a kernel reading past a layer's bytes
+or a wrong row stride gives NaN). src has repeated rows and rows of another producer (src < 0).
+
+Tolerance (`_check`): the kernel and the reference compute the same fp32 products in a different order
+(per-block partial sums vs torch's GEMV; a scale multiplied per group or per row instead of per element;
+an FMA contraction on the GPU). For a K-term dot product each result is within gamma_K = K * 2^-24 of
+the exact sum times sum|terms| (the standard bound for recursive summation), so two of them differ by
+at most 2 * gamma_(K+2) * sum|terms|; that is the bound used, computed per output from |W| @ |x| - it
+cannot fail spuriously, yet a wrong value, block, scale or row shows as an O(1) relative error. h is
+also rounded to x.dtype (one rounding: eps(x.dtype) * |h|), and silu through exp adds ~2^-22 relative.
+The down projection is checked on the kernel's own h, so a rounding flip of h never reaches y's check.
+
+Run as a script (`python tests/test_qpairs.py --worker OUT.json`) it is the interpreter worker.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moestream.moe import qpairs  # noqa: E402
+from moestream.moe.formats import PROJS, gguf_expert_format, hf_expert_format  # noqa: E402
+from moestream.quant import (FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, fp8_block_format,  # noqa: E402
+                             gguf_format)
+from moestream.quant.synthetic import random_raw  # noqa: E402
+from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+
+ROWS = 5  # pool rows (experts)
+PAD = 40  # extra bytes at the end of every GGUF pool row (a bigger type's row of another layer)
+
+
+def _gguf(types: str, H: int, I: int, dtype=torch.float32):
+    g, u, d = (types.split("/") * 3)[:3] if "/" in types else (types,) * 3
+    return ("gguf", {"gate": g, "up": u, "down": d}), H, I, dtype
+
+
+def _hf(qfmt, H: int, I: int, dtype=torch.float32, scale_dtype=None):
+    return ("hf", (qfmt, scale_dtype)), H, I, dtype
+
+
+# name -> (format spec, H, I, x dtype). 32-value blocks: H=256, I=64; 256-value super-blocks: H=I=256.
+CASES = {
+    "Q8_0": _gguf("Q8_0", 256, 64, torch.bfloat16),
+    "Q4_0": _gguf("Q4_0", 256, 64),
+    "Q4_1": _gguf("Q4_1", 256, 64, torch.float16),
+    "Q5_0": _gguf("Q5_0", 256, 64),
+    "Q5_1": _gguf("Q5_1", 256, 64, torch.bfloat16),
+    "IQ4_NL": _gguf("IQ4_NL", 256, 64),
+    "MXFP4_gguf": _gguf("MXFP4", 256, 64, torch.bfloat16),
+    "NVFP4_gguf": _gguf("NVFP4", 256, 64),
+    "Q2_K": _gguf("Q2_K", 256, 256),
+    "Q3_K": _gguf("Q3_K", 256, 256, torch.bfloat16),
+    "Q4_K": _gguf("Q4_K", 256, 256),
+    "Q5_K": _gguf("Q5_K", 256, 256, torch.float16),
+    "Q6_K": _gguf("Q6_K", 256, 256),
+    "IQ4_XS": _gguf("IQ4_XS", 256, 256, torch.bfloat16),
+    "Q4_K/Q5_K/Q6_K": _gguf("Q4_K/Q5_K/Q6_K", 256, 256, torch.bfloat16),  # each array its own type
+    "fp8_block": _hf(FP8_BLOCK, 256, 128, torch.bfloat16),  # 2 column blocks; down: 2 row blocks
+    "fp8_block_32x64_bf16": _hf(fp8_block_format((32, 64)), 256, 96, scale_dtype=torch.bfloat16),  # partial blocks
+    "fp8_channel": _hf(FP8_CHANNEL, 256, 64),
+    "fp8_tensor": _hf(FP8_TENSOR, 256, 64, torch.bfloat16),
+    "nvfp4": _hf(NVFP4, 256, 64, torch.float16),
+    "mxfp4": _hf(MXFP4, 256, 64, torch.bfloat16),
+}
+# launch constants under the interpreter: few, large programs (gate_up, down): (BN, BV, warps)
+INTERP_CFG = {"gate_up": (64, 256, 4), "down": (128, 256, 4)}
+DEFAULT_CFG_CASES = ("Q8_0",)  # also run with the default constants under the interpreter
+
+
+def make_layer(case: str, device="cpu"):
+    """(fmt, pool) of one case: ROWS experts of random valid weights, each array a uint8 row per expert."""
+    (kind, spec), H, I, _ = CASES[case]
+    if kind == "gguf":
+        fmt = gguf_expert_format(spec, H, I)
+        pool = {n: torch.full((ROWS, nb + PAD), 0xFF, dtype=torch.uint8) for n, (nb,) in fmt.shapes(H, I).items()}
+        for e in range(ROWS):
+            for j, proj in enumerate(PROJS):
+                raw = random_raw(fmt.quant(proj), fmt.logical(H, I)[proj], seed=3 * e + j).reshape(-1)
+                pool[proj][e, :raw.numel()] = raw
+        return fmt, {n: t.to(device) for n, t in pool.items()}
+    qfmt, scale_dtype = spec
+    dtypes = {f"{proj}.{p.name}": (scale_dtype if scale_dtype and p.dtype == torch.float32 and p.row_block else p.dtype)
+              for proj in PROJS for p in qfmt.parts}
+    fmt = hf_expert_format(qfmt, dtypes, H, I)
+    pool = {n: torch.empty((ROWS, nb), dtype=torch.uint8) for n, (nb,) in fmt.shapes(H, I).items()}
+    for e in range(ROWS):
+        for j, proj in enumerate(PROJS):
+            for part, t in random_raw(qfmt, fmt.logical(H, I)[proj], seed=3 * e + j).items():
+                t = t.to(dtypes[f"{proj}.{part}"]) if t.is_floating_point() and t.element_size() > 1 else t
+                pool[f"{proj}.{part}"][e] = t.reshape(-1).contiguous().view(torch.uint8)
+    return fmt, {n: t.to(device) for n, t in pool.items()}
+
+
+def make_inputs(case: str, device="cpu", T: int = 2, k: int = 3, seed: int = 0):
+    _, H, _, dtype = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    x = (0.1 * torch.randn(T, H, generator=g)).to(dtype)  # |h| well inside fp16's range for every format
+    w = torch.rand(T, k, generator=g)
+    src = torch.randint(0, ROWS, (T * k,), generator=g)
+    src[1] = -1  # another producer's pair
+    src[2] = src[0]  # a row used twice
+    return x.to(device), w.to(device), src.to(device)
+
+
+def _bound(terms_abs_sum: torch.Tensor, K: int) -> torch.Tensor:
+    """Two fp32 K-term sums of the same products, in any orders, differ by at most this (module doc)."""
+    return 2 * (K + 2) * 2.0 ** -24 * terms_abs_sum + 1e-30
+
+
+def _check(case: str, device: str = "cpu", cfg=None, T: int = 2, k: int = 3, fmt_pool=None) -> list[str]:
+    """Kernel h and y (each stage on exact inputs) against the reference decoders and fp32 GEMVs."""
+    fmt, pool = fmt_pool or make_layer(case, device)
+    x, w, src = make_inputs(case, device, T, k)
+    H, I, P = fmt.hidden, fmt.inter, T * k
+    h = torch.full((P, I), float("nan"), dtype=x.dtype, device=device)
+    qpairs.gate_up_triton(x, src, pool, fmt, k, h, cfg and cfg["gate_up"])
+    y = torch.full((P, H), float("nan"), dtype=torch.float32, device=device)
+    qpairs.down_triton(h, w.reshape(-1), src, pool, fmt, y, cfg and cfg["down"])
+    errs = []
+    skip = src < 0
+    if not (torch.isnan(h[skip]).all() and torch.isnan(y[skip]).all()):
+        errs.append("a pair with src < 0 was written")
+    live = torch.nonzero(~skip).flatten()
+    wg, wu, wd = qpairs.dequantize_rows({n: t.cpu() for n, t in pool.items()}, fmt, src[live].cpu())
+    xp = x.cpu()[live.cpu() // k].float()
+    g, u = (torch.bmm(m, xp.unsqueeze(-1)).squeeze(-1) for m in (wg, wu))
+    sg, su = (torch.bmm(m.abs(), xp.abs().unsqueeze(-1)).squeeze(-1) for m in (wg, wu))
+    h_ref = F.silu(g) * u
+    tol_h = (torch.finfo(x.dtype).eps + 2.0 ** -21) * h_ref.abs() + 1.1 * u.abs() * _bound(sg, H) \
+        + F.silu(g).abs() * _bound(su, H)
+    hk = h.cpu()[live.cpu()].float()
+    bad = (hk - h_ref).abs() > tol_h
+    if bad.any() or torch.isnan(hk).any():
+        errs.append(f"h: {int(bad.sum())} of {bad.numel()} off, max err {float((hk - h_ref).abs().max()):.3g} "
+                    f"(tol {float(tol_h.max()):.3g})")
+    wl = w.cpu().reshape(-1)[live.cpu()].float().unsqueeze(-1)
+    y_ref = torch.bmm(wd, hk.unsqueeze(-1)).squeeze(-1) * wl
+    tol_y = _bound(torch.bmm(wd.abs(), hk.abs().unsqueeze(-1)).squeeze(-1) * wl.abs(), I)
+    yk = y.cpu()[live.cpu()]
+    bad = (yk - y_ref).abs() > tol_y
+    if bad.any() or torch.isnan(yk).any():
+        errs.append(f"y: {int(bad.sum())} of {bad.numel()} off, max err {float((yk - y_ref).abs().max()):.3g} "
+                    f"(tol {float(tol_y.max()):.3g})")
+    return errs
+
+
+def test_reference_equals_per_expert_dense():
+    """The reference (decode distinct rows, fp32 GEMV) equals each expert's own dense weights (fmt.dense)."""
+    for case in ("Q4_K/Q5_K/Q6_K", "nvfp4"):
+        fmt, pool = make_layer(case)
+        x, w, src = make_inputs(case)
+        y = qpairs.quant_pair_outputs(x, w, src, pool, fmt)  # CPU: the reference
+        for p, s in enumerate(src.tolist()):
+            if s < 0:
+                assert torch.all(y[p] == 0)
+                continue
+            rows = {n: t[s, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]] for n, t in pool.items()}
+            gu, d = fmt.dense(rows, torch.float32)
+            g, u = (gu @ x[p // 3].float()).chunk(2)
+            want = (d @ (F.silu(g) * u).to(x.dtype).float()) * w.reshape(-1)[p]
+            torch.testing.assert_close(y[p], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_supports():
+    assert qpairs.supports(make_layer("Q8_0")[0]) == HAS_TRITON
+    assert qpairs.supports(make_layer("nvfp4")[0]) == HAS_TRITON
+    assert not qpairs.supports(gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "Q4_K"}, 256, 256))
+    assert not qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "IQ2_XS"}, 256, 256))
+
+
+# --------------------------------------------------------------------------- interpreter
+def _stage_case() -> list[str]:
+    """pairs._stage_triton copies every array of a compressed pool, host rows shorter than pool rows."""
+    from moestream.moe import pairs
+
+    fmt, host = make_layer("Q4_K")
+    host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous() for n, t in host.items()}  # exact rows
+    pool = {n: torch.zeros((4, t.shape[1] + PAD), dtype=torch.uint8) for n, t in host.items()}
+    experts, rows, count = torch.tensor([3, 1, 4]), torch.tensor([2, 0, 1]), torch.tensor(2)
+    pairs._stage_triton(host, pool, experts, rows, count)
+    errs = []
+    for n, t in pool.items():
+        want = torch.zeros_like(t)
+        want[2, :host[n].shape[1]], want[0, :host[n].shape[1]] = host[n][3], host[n][1]
+        if not torch.equal(t, want):
+            errs.append(f"{n}: staged rows differ")
+    return errs
+
+
+def _worker_case(case: str) -> list[str]:
+    if case == "stage":
+        return _stage_case()
+    if case.endswith(":default"):
+        return _check(case.split(":")[0])
+    return _check(case, cfg=INTERP_CFG)
+
+
+WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage"]
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return interpreted_results(__file__, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", WORKER_CASES)
+def test_interpreted_kernel_equals_reference(interpreted, case):
+    assert_case(interpreted, case)
+
+
+def test_torch_stage_copies_compressed_rows():
+    """The torch path of stage_experts: every array, host rows to the front of longer pool rows."""
+    from moestream.moe.pairs import stage_experts
+
+    fmt, host = make_layer("Q8_0")
+    host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous() for n, t in host.items()}
+    pool = {n: torch.zeros((4, t.shape[1] + PAD), dtype=torch.uint8) for n, t in host.items()}
+    stage_experts(host, pool, torch.tensor([3, 1, 4]), torch.tensor([2, 0, 1]), torch.tensor(2))
+    for n, t in pool.items():
+        w = host[n].shape[1]
+        assert torch.equal(t[2, :w], host[n][3]) and torch.equal(t[0, :w], host[n][1])
+        assert not t[1].any() and not t[3].any() and not t[:, w:].any()
+
+
+# --------------------------------------------------------------------------- sm_90 compile
+def _gguf_compile_args(types: str, H: int, I: int, P: int):
+    sig_gu = {"x": "*bf16", "src": "*i64", "gw": "*u8", "g_stride": "i64", "uw": "*u8", "u_stride": "i64",
+              "h": "*i16", "lut": "*fp32", "K_TOP": "i32"}
+    sig_d = {"h": "*bf16", "tw": "*fp32", "src": "*i64", "dw": "*u8", "d_stride": "i64", "y": "*fp32", "lut": "*fp32"}
+    qt, bs, ts, ns = qpairs._gguf_spec(gguf_format(types))
+    bn, bv, _ = qpairs.default_config("gate_up", I, H, P)
+    c_gu = dict(H=H, I=I, QG=qt, BSG=bs, TSG=ts, NSG=ns, QU=qt, BSU=bs, TSU=ts, NSU=ns, BN=bn, BV=max(bv, bs),
+                H_BF16=True)
+    bn, bv, _ = qpairs.default_config("down", H, I, P)
+    c_d = dict(H=H, I=I, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs))
+    return (qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d)
+
+
+def _hf_compile_args(qfmt, H: int, I: int, P: int):
+    consts = qpairs._hf_consts(SimpleNamespace(qfmt=qfmt))
+    sdt = "*fp32" if consts["KIND"] == 0 else "*u8"
+    part = lambda p: {f"{p}w": "*u8", f"{p}w_stride": "i64", f"{p}s": sdt, f"{p}s_stride": "i64", f"{p}g": "*fp32",
+                      f"{p}g_stride": "i64"}
+    sig_gu = {"x": "*bf16", "src": "*i64", **part("g"), **part("u"), "h": "*i16", "K_TOP": "i32"}
+    sig_d = {"h": "*bf16", "tw": "*fp32", "src": "*i64", **part("d"), "y": "*fp32"}
+    bn, bv, _ = qpairs.default_config("gate_up", I, H, P)
+    c_gu = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]), H_BF16=True)
+    bn, bv, _ = qpairs.default_config("down", H, I, P)
+    c_d = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]))
+    return (qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "fp8_block", "nvfp4"])
+def test_kernels_compile_for_sm90(fmt):
+    """The real compiler (Triton -> PTX -> ptxas, H100/H200) accepts both kernels at the Qwen3.6 expert shape
+    (H=2048, I=512, batch 1) with the default constants: 4-D tiles, typed scale loads, the decoders."""
+    H, I, P = 2048, 512, 8
+    if fmt.startswith(("Q", "IQ")):
+        launches = _gguf_compile_args(fmt, H, I, P)
+    else:
+        launches = _hf_compile_args({"fp8_block": FP8_BLOCK, "nvfp4": NVFP4, "mxfp4": MXFP4}[fmt], H, I, P)
+    for kernel, sig, consts in launches:
+        k = compile_sm90(kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4})
+        assert "ld.global" in k.asm["ptx"]
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_kernel_equals_reference(case):
+    """Every case at the default launch constants (many programs, partial tiles)."""
+    errs = _check(case, "cuda", T=3, k=4)
+    assert not errs, "; ".join(errs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("types", ["Q8_0", "Q4_K/Q4_K/Q6_K"])
+def test_cuda_qwen36_shape(types):
+    """The decode shape of the target model (H=2048, I=512, k=8), batch 1 and 4, at the default constants."""
+    name = f"qwen36:{types}"
+    CASES[name] = _gguf(types, 2048, 512, torch.bfloat16)
+    try:
+        fmt_pool = make_layer(name, "cuda")
+        for T in (1, 4):
+            errs = _check(name, "cuda", T=T, k=8, fmt_pool=fmt_pool)
+            assert not errs, f"T={T}: " + "; ".join(errs)
+    finally:
+        del CASES[name]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("case", ["Q8_0", "Q4_K/Q5_K/Q6_K", "IQ4_XS", "fp8_block", "fp8_tensor", "nvfp4", "mxfp4",
+                                  "iq3_s_fallback"])
+def test_cuda_graph_replay(case):
+    """quant_pair_outputs recorded in a CUDA graph replays on new x / weights / src (incl. src < 0)."""
+    if case == "iq3_s_fallback":  # no Triton decoder: the torch fallback must be capturable too
+        CASES[case] = _gguf("IQ3_S", 256, 256, torch.bfloat16)
+    try:
+        fmt, pool = make_layer(case, "cuda")
+        assert qpairs.supports(fmt) == (case != "iq3_s_fallback")
+        x, w, src = make_inputs(case, "cuda", T=2, k=4)
+        qpairs.quant_pair_outputs(x, w, src, pool, fmt)  # warm up: compile, tables, allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = qpairs.quant_pair_outputs(x, w, src, pool, fmt)
+        for seed in (1, 2):
+            x2, w2, src2 = make_inputs(case, "cuda", T=2, k=4, seed=seed)
+            x.copy_(x2)
+            w.copy_(w2)
+            src.copy_(src2)
+            graph.replay()
+            want = qpairs.quant_pair_outputs_torch(x, w, src, pool, fmt)
+            keep = src >= 0
+            # y against the whole reference: h may round differently in the last bit of x.dtype
+            torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    finally:
+        CASES.pop("iq3_s_fallback", None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+def test_cuda_stage_compressed_rows_then_pairs():
+    """stage_experts (Triton copy kernel) moves compressed host rows (pinned) into longer device rows; the pair
+    kernels then read them."""
+    from moestream.moe.pairs import pair_outputs, stage_experts
+
+    fmt, bank = make_layer("Q4_K/Q5_K/Q6_K")
+    host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous().pin_memory() for n, t in bank.items()}
+    pool = {n: torch.full((4, t.shape[1] + PAD), 0xFF, dtype=torch.uint8, device="cuda") for n, t in host.items()}
+    experts = torch.tensor([3, 1, 4, 0], device="cuda")
+    rows = torch.tensor([2, 0, 1, 3], device="cuda")
+    stage_experts(host, pool, experts, rows, torch.tensor(4, device="cuda"))
+    for n, t in pool.items():
+        assert torch.equal(t[:, :host[n].shape[1]].cpu(), host[n][[1, 4, 3, 0]])
+    x, w, _ = make_inputs("Q4_K/Q5_K/Q6_K", "cuda", T=1, k=4)
+    src = torch.tensor([2, 0, -1, 3], device="cuda")
+    y = pair_outputs(x, w, src, pool, fmt)
+    want = qpairs.quant_pair_outputs_torch(x, w, src, pool, fmt)
+    keep = src >= 0
+    torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    write_case_results(WORKER_CASES, _worker_case, sys.argv[2])
