@@ -8,7 +8,8 @@
 #   cp ../shared/data/qwen3-tokenizer-gguf-fields.json .peer/        # the vocabulary (7.7 MB)
 #   mkdir -p .whl && pip download --no-deps gguf==0.19.0 -d .whl     # GGUFWriter for the file writer (the
 #                                                                    # GPU image has no gguf package)
-#   printf '.peer/\n.whl/\n' >> "$(git rev-parse --git-common-dir)/info/exclude"
+#   X="$(git rev-parse --git-common-dir)/info/exclude"         # .peer/ and .whl/ must be ignored to be carried
+#   grep -qx '/.peer/' "$X" || echo '/.peer/' >> "$X"          # (.whl/ is in .gitignore already)
 # (a results JSON of an earlier call, for VRAM_FROM / MERGE below, also goes into .peer/)
 #
 # ---- the device call (kind nvidia-h200), carry [".peer", ".whl"] -----------------------------------

@@ -116,7 +116,7 @@ def buffers(text: str) -> dict:
     """llama.cpp's --verbose buffer sizes (MiB), summed by (device, kind)."""
     out: dict[str, float] = {}
     for dev, kind, mib in BUF.findall(text):
-        out[f"{dev} {kind}"] = round(out.get(f"{dev} {kind}", 0.0) + float(mib), 1)
+        out[f"{dev} {kind}"] = round(out.get(f"{dev} {kind}", 0.0) + float(mib), 2)
     return out
 
 
