@@ -5,6 +5,8 @@
 #   bash benchmarks/peer_src.sh         # pip-downloads the llama-cpp-python 0.3.36 sdist (73 MiB, over the
 #                                       # 64 MiB carry limit) and keeps its vendored llama.cpp, trimmed, as
 #                                       # .peer/llama.cpp-src.tar.gz (~9 MB) + .peer/llama.cpp-src.txt
+#                                       # (any tar.gz of that llama.cpp/ tree works: LLAMA_SRC=.peer/FILE; without
+#                                       # LLAMA_SRC, .peer/llama.cpp-src.tar.gz, else .peer/llama.cpp-slim.tar.gz)
 #   cp ../shared/data/qwen3-tokenizer-gguf-fields.json .peer/        # the vocabulary (7.7 MB)
 #   mkdir -p .whl && pip download --no-deps gguf==0.19.0 -d .whl     # GGUFWriter for the file writer (the
 #                                                                    # GPU image has no gguf package)
@@ -65,7 +67,9 @@ left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 
 build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama.cpp source
   touch "$LL/BUILDING"
-  tar xzf .peer/llama.cpp-src.tar.gz -C "$LL" \
+  local src=${LLAMA_SRC:-$(ls .peer/llama.cpp-src.tar.gz .peer/llama.cpp-slim.tar.gz 2>/dev/null | head -1)}
+  echo "llama.cpp source: $src"
+  tar xzf "$src" -C "$LL" \
   && cmake -S "$LL/llama.cpp" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \

@@ -15,7 +15,9 @@ each subcommand also runs alone:
 
 Grid (`--grid`): `;`-separated `BACKENDS@CAPS`, caps being `all` (no cap: fused), `nN` (llama.cpp's measured VRAM
 at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. Default:
-  fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40
+  fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
+(`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
+moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
 Every moestream configuration runs in a child process under its own time limit (--config-s), printing its
 result as a JSON line as soon as it has it; a hang or crash costs that configuration only. With --reuse (the
@@ -45,7 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
-DEFAULT_GRID = "fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40"
+DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
+                "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
 
 
@@ -212,8 +215,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             if b not in BACKENDS:
                 raise SystemExit(f"unknown backend {b!r} in --grid")
             for c in (where or "all").split(","):
-                if c == "all":
-                    cfg = {"backend": b, "cap_gb": None, "ncmoe": 0 if b == "fused" else None}
+                if c == "all":  # no cap: fused and auto sit in the all-resident row, cpu in the no-experts row
+                    cfg = {"backend": b, "cap_gb": None, "ncmoe": 40 if b == "cpu" else 0}
                 elif c.startswith("n"):
                     n = int(c[1:])
                     if n not in caps:
@@ -477,8 +480,13 @@ def rows(rep: dict, quant: str) -> list[dict]:
     for level in [("n", n) for n in levels] + [("cap", c) for c in fixed]:
         kind, v = level
         l = lr.get(str(v), {}) if kind == "n" else {}
-        ms = {r["backend"]: r for r in mr.values()
-              if (r.get("ncmoe") == v if kind == "n" else r.get("ncmoe") is None and r.get("cap_gb") == v)}
+        ms: dict[str, dict] = {}
+        for r in mr.values():  # per backend: a run that worked before one that failed, a capped one first
+            if (r.get("ncmoe") == v if kind == "n" else r.get("ncmoe") is None and r.get("cap_gb") == v):
+                prev = ms.get(r["backend"])
+                rank = lambda x: ("error" in x, x.get("cap_gb") is None)  # noqa: E731
+                if prev is None or rank(r) < rank(prev):
+                    ms[r["backend"]] = r
         ok = {b: r for b, r in ms.items() if "error" not in r and r.get("tg_tok_s")}
         best = max(ok, key=lambda b: ok[b]["tg_tok_s"]) if ok else None
         ratio = ok[best]["tg_tok_s"] / l["tg64"] if best and l.get("tg64") else None
@@ -505,7 +513,8 @@ def markdown(rep: dict) -> str:
               "- moestream: Python API, bf16 compute, `--gpu-memory-gb` = llama.cpp's VRAM at that -ncmoe; tg = "
               "greedy decode after an 8-token prompt, up to 64 tokens (fewer where a measurement would pass "
               "--measure-s; counts in the details), batch 1 and batch 4 (aggregate of 4 requests); pp = one "
-              "512-token prompt, mean of 2; a cell reads `tg bs1 / bs4 agg / pp512` tok/s; caps apply on CUDA only",
+              "512-token prompt, mean of 2; a cell reads `tg bs1 / bs4 agg / pp512` tok/s; * = no cap (used where the "
+              "capped run failed or was not asked for); caps apply on CUDA only",
               ""]
     for q in sorted(set(rep["llama"]) | set(rep["moestream"])):
         f = rep["files"].get(q, {})
@@ -525,6 +534,7 @@ def markdown(rep: dict) -> str:
                 if "error" in x:
                     return "error" if not x["error"].startswith("skipped") else "skipped"
                 s = f"{_f(x.get('tg_tok_s'))} / {_f(x.get('bs4_tok_s'))} / {_f(x.get('pp_tok_s'), '.0f')}"
+                s += "*" if x.get("cap_gb") is None and b != "fused" else ""
                 return s + (f" ({x['plan']['backend']})" if b == "auto" else "")
             lines.append(f"| {r['label']} | {_f(vram / 1024 if vram else r['cap_gb'], '.2f')} | {lc} | {cell('fused')} | "
                          f"{cell('offload')} | {cell('hybrid')} | {cell('cpu')} | {cell('auto')} | {r['best'] or '–'} | "
