@@ -431,8 +431,9 @@ def measure(llm, args) -> dict:
     llm.generate([prompt(8) for _ in range(4)], sp(n4))
     tm = llm.last_timing
     out.update(bs4_tokens=tm["decode_tokens"], bs4_tok_s=tm["decode_tok_s"], bs4_s=tm["decode_s"])
-    # prefill: pp tokens in one request, --reps times (llama-bench's pp512 is the mean of its -r repetitions)
+    # prefill: pp tokens in one request, --reps times after one untimed (llama-bench: mean of -r after a warm-up)
     pps = []
+    llm.generate([prompt(args.pp)], sp(1))  # untimed, as llama-bench's warm-up run
     for _ in range(args.reps):
         llm.generate([prompt(args.pp)], sp(1))
         pps.append(llm.last_timing["prefill_tok_s"])
