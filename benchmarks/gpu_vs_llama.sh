@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# moestream vs llama.cpp on the same GGUF files, same GPU machine, same run (issue 13 item 4).
+#
+# ---- before the device call, here, from the repo root ---------------------------------------------
+#   bash benchmarks/peer_src.sh         # pip-downloads the llama-cpp-python 0.3.36 sdist (73 MiB, over the
+#                                       # 64 MiB carry limit) and keeps its vendored llama.cpp, trimmed, as
+#                                       # .peer/llama.cpp-src.tar.gz (~9 MB) + .peer/llama.cpp-src.txt
+#                                       # (any tar.gz of that llama.cpp/ tree works: LLAMA_SRC=.peer/FILE; without
+#                                       # LLAMA_SRC, .peer/llama.cpp-src.tar.gz, else .peer/llama.cpp-slim.tar.gz)
+#   cp ../shared/data/qwen3-tokenizer-gguf-fields.json .peer/        # the vocabulary (7.7 MB)
+#   mkdir -p .whl && pip download --no-deps gguf==0.19.0 -d .whl     # GGUFWriter for the file writer (the
+#                                                                    # GPU image has no gguf package)
+#   X="$(git rev-parse --git-common-dir)/info/exclude"         # .peer/ and .whl/ must be ignored to be carried
+#   grep -qx '/.peer/' "$X" || echo '/.peer/' >> "$X"          # (.whl/ is in .gitignore already)
+# (a results JSON of an earlier call, for VRAM_FROM / MERGE below, also goes into .peer/)
+#
+# ---- the device call (kind nvidia-h200), carry [".peer", ".whl"] -----------------------------------
+#   bash benchmarks/gpu_vs_llama.sh
+# Everything goes to $OUT: vs_llama.log (this output), vs_llama.json (all figures, raw), vs_llama.md (the
+# table), vs_llama.png (plot). Results are rewritten after every measurement, so a call stopped at its time
+# limit still returns what it measured.
+#
+# Phases, chosen by environment variables (defaults in brackets):
+#   QUANTS      files, in order, each written to GGUF_DIR, measured, then deleted ["q8_0 q4_k_m"]
+#   BUILD       build llama-bench + llama-batched-bench (CUDA, sm_90) in the background from the start [1]
+#   LLAMA       run llama.cpp at -ncmoe $NCMOE on each file (needs the build) [1]
+#   MOE         run moestream on each file over $GRID [1]
+#   GRID        vs_llama.py moe --grid [fused first, then offload/auto/hybrid/cpu at llama.cpp's VRAM]
+#   NCMOE       ["0,15,29,33,40"]
+#   VRAM_FROM   an earlier vs_llama.json whose llama.cpp VRAM sets the caps when LLAMA=0 (e.g. .peer/vs_llama.json)
+#   MERGE       an earlier vs_llama.json merged into this call's report [VRAM_FROM]
+#   DEADLINE_S  seconds from the start after which no new moestream configuration starts [540]
+#   CONFIG_S    time limit per moestream configuration [150]; MEASURE_S seconds aimed at per decode figure [20]
+#   GGUF_DIR    [/dev/shm, or /tmp when it has no room]; KEEP_GGUF=1 keeps the files
+#   BENCHBW=1   `moestream bench bw` first, so `auto` can weigh hybrid [0]
+#   BUILD_CORES cores the build may use while moestream runs [2-15]
+#   PP, TG, REPS  prompt / generated tokens / repetitions [512, 64, 2]
+# For a dry run without a GPU (what was checked on the development machine): TINY=1 (tiny files, made-up
+# vocabulary) DEVICE=cpu (moestream on the CPU, caps not applied) LLAMA_BIN=DIR (an existing llama.cpp build,
+# e.g. a CPU one; no build) NCMOE=0,2,4 GRID="fused@all;offload,cpu,auto@n2".
+#
+# With moestream as slow on GGUF as it is at 75226ac (issue 13: 3 tok/s), one call does not hold everything.
+# A split that fits ~9.5 minutes per call:
+#   1. QUANTS=q8_0   GRID="fused@all;cpu@n40"            build, write, fused during the build, llama.cpp x5
+#   2. QUANTS=q8_0   BUILD=0 LLAMA=0 VRAM_FROM=.peer/vs_llama.json GRID="offload,auto,hybrid,cpu@n15,n29,n33"
+#   3. QUANTS=q4_k_m with the GRID of call 1, MERGE=.peer/vs_llama.json; then like call 2 for q4_k_m
+# (copy each call's vs_llama.json into .peer/ before the next). Once the pair kernels read compressed
+# experts (issue 13 item 1) a configuration takes seconds and the defaults fit one call per file.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+QUANTS=${QUANTS:-"q8_0 q4_k_m"}; BUILD=${BUILD:-1}; LLAMA=${LLAMA:-1}; MOE=${MOE:-1}
+NCMOE=${NCMOE:-0,15,29,33,40}; DEADLINE_S=${DEADLINE_S:-540}; CONFIG_S=${CONFIG_S:-150}; MEASURE_S=${MEASURE_S:-20}
+VRAM_FROM=${VRAM_FROM:-}; MERGE=${MERGE:-$VRAM_FROM}; BUILD_CORES=${BUILD_CORES:-2-15}
+DEVICE=${DEVICE:-cuda}; TINY=${TINY:-0}; LLAMA_BIN=${LLAMA_BIN:-}
+SIZES="--pp ${PP:-512} --tg ${TG:-64} --reps ${REPS:-2}"  # llama-bench -p / -n / -r and moestream's pp / tg / reps
+WORK=${WORK:-/tmp/vs_work}; LL=/tmp/llama; mkdir -p "$WORK" "$LL"
+[ -n "$LLAMA_BIN" ] && BUILD=0
+BIN=${LLAMA_BIN:-$LL/build/bin}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+VOCAB=.peer/qwen3-tokenizer-gguf-fields.json
+left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
+
+build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama.cpp source
+  touch "$LL/BUILDING"
+  local src=${LLAMA_SRC:-$(ls .peer/llama.cpp-src.tar.gz .peer/llama.cpp-slim.tar.gz 2>/dev/null | head -1)}
+  echo "llama.cpp source: $src"
+  tar xzf "$src" -C "$LL" \
+  && cmake -S "$LL/llama.cpp" -B "$LL/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  && taskset -c "$BUILD_CORES" cmake --build "$LL/build" --target llama-bench llama-batched-bench -j "$(nproc)"
+  local rc=$?
+  rm -f "$LL/BUILDING"
+  echo "build rc $rc after $(( $(date +%s) - T0 )) s"
+  return $rc
+}
+
+report() {
+  timeout 120 python3 benchmarks/vs_llama.py report --work "$WORK" --out "$OUT" ${MERGE:+--merge "$MERGE"} "$@" \
+    > "$WORK/report.txt" 2>&1 || tail -5 "$WORK/report.txt"
+}
+
+{
+  echo "== $(date -u) moestream vs llama.cpp; QUANTS='$QUANTS' BUILD=$BUILD LLAMA=$LLAMA MOE=$MOE"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  lscpu | grep -E "Model name|^CPU\(s\)" || true
+  free -g | head -2; df -h /dev/shm /tmp | tail -2
+  python3 benchmarks/vs_llama.py env --work "$WORK"
+  python3 -c "import gguf" 2>/dev/null || echo "WARNING: no gguf package (carry .whl/gguf-*.whl): the file writer needs it"
+  [ -f "$VOCAB" ] || echo "WARNING: $VOCAB missing (copy ../shared/data/qwen3-tokenizer-gguf-fields.json into .peer/)"
+  BUILD_PID=
+  if [ "$BUILD" = 1 ]; then
+    build > "$WORK/build.log" 2>&1 &
+    BUILD_PID=$!
+  fi
+  if [ "${BENCHBW:-0}" = 1 ]; then timeout 150 python3 -m moestream.cli bench bw; fi
+  for Q in $QUANTS; do
+    DIR=${GGUF_DIR:-/dev/shm}
+    NEED=$([ "$Q" = q8_0 ] && echo 38 || echo 23)
+    FREE=$(df -BG --output=avail "$DIR" | tail -1 | tr -dc 0-9)
+    if [ "${FREE:-0}" -lt "$NEED" ]; then echo "$DIR has ${FREE} GB free, $Q needs $NEED: using /tmp"; DIR=/tmp; fi
+    F=$DIR/qwen36-$Q.gguf
+    echo "== $(date -u +%T) [$(left) s left] write $F"
+    if [ "$TINY" = 1 ]; then WARGS=--tiny; else WARGS="--vocab-from $VOCAB"; fi
+    timeout 300 python3 benchmarks/vs_llama.py write "$Q" "$F" $WARGS --work "$WORK" || { echo "write failed"; continue; }
+    report
+    if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
+      # while llama.cpp builds: only the configurations that need no llama.cpp VRAM figure (fused, fixed caps)
+      echo "== $(date -u +%T) [$(left) s left] moestream during the build (fused)"
+      timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe --model "$F" --quant "$Q" \
+        --work "$WORK" --resume $SIZES --grid "fused@all" --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
+        --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
+      report
+    fi
+    if [ "$LLAMA" = 1 ]; then
+      if [ -n "$BUILD_PID" ]; then wait "$BUILD_PID"; BUILD_PID=; tail -3 "$WORK/build.log"; fi
+      if [ -x "$BIN/llama-bench" ]; then
+        echo "== $(date -u +%T) [$(left) s left] llama.cpp on $Q"
+        timeout 420 python3 benchmarks/vs_llama.py llama --model "$F" --quant "$Q" --work "$WORK" --resume $SIZES \
+          --bin "$BIN" --ncmoe "$NCMOE" --threads "$(nproc)"
+        grep -h "buffer size" "$WORK"/llama_"$Q"_ncmoe*.log 2>/dev/null | sort | uniq -c | head -30
+        report
+      else
+        echo "no llama-bench: build failed"; tail -30 "$WORK/build.log"
+      fi
+    fi
+    if [ "$MOE" = 1 ]; then
+      echo "== $(date -u +%T) [$(left) s left] moestream on $Q"
+      timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe --model "$F" --quant "$Q" \
+        --work "$WORK" --resume $SIZES ${GRID:+--grid "$GRID"} --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
+        --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
+      report --plot
+    fi
+    [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F"
+  done
+  [ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; tail -3 "$WORK/build.log"; }
+  report --plot
+  cat "$WORK/report.txt"
+  echo "== done after $(( $(date +%s) - T0 )) s"
+} 2>&1 | tee "$OUT/vs_llama.log"
