@@ -103,11 +103,14 @@ report() {
     DIR=${GGUF_DIR:-/dev/shm}
     NEED=$([ "$Q" = q8_0 ] && echo 38 || echo 23)
     FREE=$(df -BG --output=avail "$DIR" | tail -1 | tr -dc 0-9)
-    if [ "${FREE:-0}" -lt "$NEED" ]; then echo "$DIR has ${FREE} GB free, $Q needs $NEED: using /tmp"; DIR=/tmp; fi
+    if [ ! -f "$DIR/qwen36-$Q.gguf.done" ] && [ "${FREE:-0}" -lt "$NEED" ]; then echo "$DIR has ${FREE} GB free, $Q needs $NEED: using /tmp"; DIR=/tmp; fi
     F=$DIR/qwen36-$Q.gguf
     echo "== $(date -u +%T) [$(left) s left] write $F"
     if [ "$TINY" = 1 ]; then WARGS=--tiny; else WARGS="--vocab-from $VOCAB"; fi
-    timeout 300 python3 benchmarks/vs_llama.py write "$Q" "$F" $WARGS --work "$WORK" || { echo "write failed"; continue; }
+    if [ -f "$F.done" ]; then echo "$F written already"
+    else
+      timeout 300 python3 benchmarks/vs_llama.py write "$Q" "$F" $WARGS --work "$WORK" || { echo "write failed"; continue; }
+    fi
     report
     if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
       # while llama.cpp builds: only the configurations that need no llama.cpp VRAM figure (fused, fixed caps)
@@ -136,7 +139,7 @@ report() {
         --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
       report --plot
     fi
-    [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F"
+    [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F" "$F.done"
   done
   [ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; tail -3 "$WORK/build.log"; }
   report --plot
