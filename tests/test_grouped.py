@@ -50,12 +50,13 @@ SPLIT = {"bf16", "Q8_0", "Q4_K-Q6_K-padded-rows"}  # cases that also run compute
 
 
 # --------------------------------------------------------------------------- cases
-def _quantized(name: str, w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] float32 -> [E, bytes] GGUF rows."""
-    from test_quant import _quantize
+def _gguf_rows(name: str, shape, seed: int) -> torch.Tensor:
+    """[E, bytes] random GGUF blocks of an [E, N, K] weight: every field random but the fp16 scales
+    (small finite), so every code path of the decoder is taken (synthetic.random_raw; no quantizer needed)."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
 
-    e = w.shape[0]
-    return torch.from_numpy(np.ascontiguousarray(_quantize(name, w.reshape(-1, w.shape[-1]).numpy()))).reshape(e, -1)
+    return random_raw(gguf_format(name), shape, seed=seed).reshape(shape[0], -1)
 
 
 def _bank_rows(per_expert: torch.Tensor, slot: torch.Tensor, n_rows: int, pad: int, g) -> torch.Tensor:
@@ -89,9 +90,10 @@ def build_case(case: str):
         ref_w = (gate_up[:, :I].double(), gate_up[:, I:].double(), wd.to(dt).double())
         return x, ids, w, bank, slot, None, ref_w
     fmt = gguf_expert_format({"gate": gu_t, "up": gu_t, "down": d_t}, H, I)
-    raw = {"gate": _quantized(gu_t, wg), "up": _quantized(gu_t, wu), "down": _quantized(d_t, wd)}
-    bank = {p: _bank_rows(r, slot, n_rows, pad, g) for p, r in raw.items()}
     shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    types = {"gate": gu_t, "up": gu_t, "down": d_t}
+    raw = {p: _gguf_rows(types[p], shapes[p], seed=i + len(case)) for i, p in enumerate(shapes)}
+    bank = {p: _bank_rows(r, slot, n_rows, pad, g) for p, r in raw.items()}
     ref_w = tuple(fmt.quant(p).dequantize(raw[p], shapes[p], torch.float64) for p in ("gate", "up", "down"))
     return x, ids, w, bank, slot, fmt, ref_w
 
