@@ -44,6 +44,7 @@ CASES = {
     "Q5_K": ("Q5_K", "Q5_K", 256, 256, 8, 11, 2, torch.bfloat16, 0),
     # a Q4_K_M-style layer: Q6_K down, rows of a slot pool sized for a bigger type of another layer
     "Q4_K-Q6_K-padded-rows": ("Q4_K", "Q6_K", 256, 256, 8, 21, 3, torch.bfloat16, 96),
+    "block-table": None,  # the kernel's block table equals block_table_oracle
 }
 NEGATIVE = {"bf16", "Q4_K-Q6_K-padded-rows"}  # cases that also check that wrong rows fail (interpreter time)
 SPLIT = {"bf16", "Q8_0", "Q4_K-Q6_K-padded-rows"}  # cases that also run compute.grouped_partials + the loop
@@ -124,6 +125,8 @@ def check(y, ref, dt, what: str) -> list[str]:
 def check_case(case: str, device: str = "cpu") -> list[str]:
     from moestream.moe.grouped import grouped_moe
 
+    if case == "block-table":
+        return check_block_table(device)
     x, ids, w, bank, slot, fmt, ref_w = build_case(case)
     dt = x.dtype
     dev = torch.device(device)
@@ -174,15 +177,37 @@ def test_interpreted_grouped(interpreted, case):
     assert_case(interpreted, case)
 
 
-def test_block_table_skips_and_splits():
-    """Blocks of bm pairs per expert over the sorted pairs; experts without a row get none."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
+def block_table_oracle(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: int) -> torch.Tensor:
+    """grouped.block_table in torch ops: per expert in order, ceil(count / bm) blocks (row, first, end)."""
+    out, first = [], 0
+    for c, r in zip(counts.tolist(), rows.tolist()):
+        if r >= 0:
+            out += [[r, first + j * bm, first + c] for j in range(-(-c // bm))]
+        first += c
+    out += [[-1, -1, -1]] * (max_blocks - len(out))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def test_block_table_oracle():
+    t = block_table_oracle(torch.tensor([3, 0, 20, 5, 17]), torch.tensor([4, 1, -1, 0, 2]), 16, 5 + 4)
+    want = [[4, 0, 3], [0, 23, 28], [2, 28, 45], [2, 44, 45]] + [[-1, -1, -1]] * 5  # end: the expert's end
+    assert t.tolist() == want
+
+
+def check_block_table(device: str) -> list[str]:
     from moestream.moe.grouped import block_table
 
-    t = block_table(torch.tensor([3, 0, 20, 5, 17]), torch.tensor([4, 1, -1, 0, 2]), 16, 5 + 4)
-    want = [[4, 0, 3], [0, 23, 28], [2, 28, 45], [2, 44, 45]] + [[-1]] * 5  # end: the expert's end
-    assert [r[:3] if r[0] >= 0 else [-1] for r in t.tolist()] == want
+    g = torch.Generator().manual_seed(7)
+    errs = []
+    for n_exp, bm, t in ((5, 16, 40), (37, 16, 300), (256, 32, 512), (3, 64, 1)):
+        counts = torch.randint(0, t + 1, (n_exp,), generator=g)
+        counts[0] = 0
+        rows = torch.randint(-1, 3 * n_exp, (n_exp,), generator=g)
+        max_blocks = -(-int(counts.sum()) // bm) + n_exp
+        got = block_table(counts.to(device), rows.to(device), bm, max_blocks, t).cpu()
+        if not torch.equal(got, block_table_oracle(counts, rows, bm, max_blocks)):
+            errs.append(f"block table differs for {n_exp} experts, bm={bm}")
+    return errs
 
 
 def test_supports():

@@ -177,7 +177,8 @@ def grouped_partials(x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef])
     counts = torch.tensor(groups.counts, device=dev)
     rows = torch.tensor([refs[e].index if e in refs else -1 for e in groups.experts], device=dev)
     pairs = (groups.rows * k + groups.pos).to(dev)
-    grouped_pairs(x, topk_w, pairs, counts, rows, ref.bank, ref.fmt, scatter=True, out=groups.pair_out)
+    grouped_pairs(x, topk_w, pairs, counts, rows, ref.bank, ref.fmt, scatter=True, out=groups.pair_out,
+                  max_count=max(groups.counts))
     return dict.fromkeys(refs, IN_PAIR_OUT)
 
 

@@ -198,19 +198,37 @@ def block_m(pairs: int) -> int:
     return bm
 
 
-def block_table(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: int) -> torch.Tensor:
-    """[max_blocks, 3] int32 (bank row, first, end) over the pairs sorted by expert: expert i (counts[i]
-    pairs, bank row rows[i], skipped where < 0) gets ceil(counts[i] / bm) blocks; spare blocks have row -1.
-    All on the device: no host sync."""
-    counts = counts.long()
-    nb = torch.where(rows >= 0, (counts + bm - 1) // bm, 0)
-    cum = torch.cumsum(nb, 0)
-    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    b = torch.arange(max_blocks, device=counts.device)
-    e = torch.searchsorted(cum, b, right=True).clamp_(max=counts.numel() - 1)
-    start = first[e] + (b - (cum - nb)[e]) * bm
-    row = torch.where(b < cum[-1], rows.long()[e], -1)
-    return torch.stack([row, start, first[e] + counts[e]], 1).to(torch.int32).contiguous()
+@triton.jit
+def _block_table_kernel(counts, rows, blocks, n_exp, BM: tl.constexpr, EP: tl.constexpr, JMAX: tl.constexpr,
+                        JB: tl.constexpr):
+    """One program: expert i (counts[i] sorted pairs from sum(counts[:i]), bank row rows[i], none if < 0)
+    writes its ceil(counts[i] / BM) blocks (row, first pair, end of the expert's pairs) after those of
+    experts < i. EP >= n_exp, JMAX >= the most blocks of one expert (both powers of two)."""
+    e = tl.arange(0, EP)
+    me = e < n_exp
+    c = tl.load(counts + e, mask=me, other=0).to(tl.int32)
+    r = tl.load(rows + e, mask=me, other=-1).to(tl.int32)
+    nb = tl.where(r >= 0, (c + BM - 1) // BM, 0)
+    first = tl.cumsum(c, 0) - c
+    b0 = tl.cumsum(nb, 0) - nb
+    for j0 in range(0, JMAX, JB):
+        j = j0 + tl.arange(0, JB)[None, :]
+        m = me[:, None] & (j < nb[:, None])
+        b = (b0[:, None] + j) * 3
+        tl.store(blocks + b, r[:, None] + j * 0, mask=m)
+        tl.store(blocks + b + 1, first[:, None] + j * BM, mask=m)
+        tl.store(blocks + b + 2, (first + c)[:, None] + j * 0, mask=m)
+
+
+def block_table(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: int, max_count: int) -> torch.Tensor:
+    """[max_blocks, 3] int32 (bank row, first pair, end of the expert's pairs) over the pairs sorted by
+    expert: expert i (counts[i] <= max_count pairs, bank row rows[i], skipped where < 0) gets
+    ceil(counts[i] / bm) blocks; spare blocks have row -1. Two launches, no host sync."""
+    blocks = torch.full((max_blocks, 3), -1, dtype=torch.int32, device=counts.device)
+    jmax = triton.next_power_of_2(max(1, triton.cdiv(max_count, bm)))
+    _block_table_kernel[(1,)](counts, rows, blocks, counts.numel(), BM=bm,
+                              EP=triton.next_power_of_2(max(counts.numel(), 2)), JMAX=jmax, JB=min(jmax, 16))
+    return blocks
 
 
 def _arrays(bank: dict, fmt: ExpertFormat | None):
@@ -230,10 +248,11 @@ def _launch_opts(interp: bool) -> dict:
 
 def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, counts: torch.Tensor,
                   rows: torch.Tensor, bank: dict, fmt: ExpertFormat | None, *, scatter: bool,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, max_count: int | None = None) -> torch.Tensor:
     """Pair outputs w * mlp_e(x[t]) [P, H] of the pairs `pairs` (flat ids t*k + j, sorted by expert, with
     counts[i] pairs of the i-th expert, whose bank row is rows[i], -1 = leave its pairs unwritten): row p
-    of `out` (scatter=False) or row pair id (scatter=True). topk_w [T, k]."""
+    of `out` (scatter=False) or row pair id (scatter=True). topk_w [T, k]. max_count: the most pairs of
+    one expert (default T: routing gives an expert at most one pair per token)."""
     T, H = x.shape
     k = topk_w.shape[1]
     P = pairs.numel()
@@ -248,7 +267,7 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
     x, topk_w, pairs = x.contiguous(), topk_w.contiguous(), pairs.contiguous()
     bm = CONFIG["bm"] or block_m(T * k)
     max_blocks = triton.cdiv(P, bm) + counts.numel()  # sum of ceil(c / bm) <= P / bm + experts
-    blocks = block_table(counts, rows, bm, max_blocks)
+    blocks = block_table(counts, rows, bm, max_blocks, T if max_count is None else max_count)
     h = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     lut = cached_table("iq4nl", lambda: torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32), x.device)
     interp = x.device.type != "cuda"
