@@ -8,7 +8,8 @@ uniformly (each token 8 distinct random experts). For each format (bf16, GGUF Q8
   loop      partial_outputs (per expert: gather, dequantize, 3 GEMMs) + accumulate: the previous path
 
 Prints us per layer call (median of --iters, CUDA events), TFLOP/s (2 * T * k * 3 * H * I flops) and the
-normwise difference grouped vs loop. Usage: python benchmarks/grouped_bench.py [--tokens 512] [--formats bf16,Q8_0,Q4_K]
+normwise difference grouped vs loop. Usage: python benchmarks/grouped_bench.py [--tokens 512]
+[--formats bf16,Q8_0,Q4_K] [--sweep: the 5 fastest launch configurations of grouped_moe instead]
 """
 from __future__ import annotations
 
@@ -77,11 +78,34 @@ def bench(name: str, tokens: int, iters: int, dev) -> None:
     yg, yl, yk = grouped(), loop(), grouped_moe(x, ids, w, bank, rows, fmt)
     diff = ((yg.double() - yl.double()).norm() / yl.double().norm()).item()
     diffk = ((yk.double() - yl.double()).norm() / yl.double().norm()).item()
-    res = {"grouped": time_us(grouped, iters), "kernels": time_us(lambda: grouped_moe(x, ids, w, bank, rows, fmt), iters),
+    res = {"grouped": time_us(grouped, iters),
+           "kernels": time_us(lambda: grouped_moe(x, ids, w, bank, rows, fmt), iters),
            "loop": time_us(loop, max(3, iters // 5))}
     line = "  ".join(f"{k} {v:9.1f} us {flops / v / 1e6:6.1f} TFLOP/s" for k, v in res.items())
     print(f"{name:6s} T={tokens}  {line}  speedup {res['loop'] / res['grouped']:.1f}x  "
           f"|grouped-loop|/|loop| {diff:.2e} (kernels {diffk:.2e})", flush=True)
+
+
+def sweep(name: str, tokens: int, dev) -> None:
+    """grouped_moe under each launch configuration (grouped.CONFIG); prints the 5 fastest."""
+    import itertools
+
+    from moestream.moe import grouped as G
+
+    bank, fmt = make_bank(name, dev)
+    x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(tokens, E, device=dev).topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(tokens, K, device=dev), -1)
+    rows = torch.arange(E, device=dev)
+    saved, res = dict(G.CONFIG), []
+    for bm, (bn, bk), nw, st in itertools.product((16, 32, 64), ((64, 64), (128, 64), (64, 128), (128, 128)),
+                                                  (4, 8), (3, 4)):
+        G.CONFIG.update(bn=bn, bk=bk, num_warps=nw, num_stages=st, bm=bm)
+        res.append((time_us(lambda: grouped_moe(x, ids, w, bank, rows, fmt), 5), dict(G.CONFIG)))
+    G.CONFIG.update(saved)
+    flops = 2 * tokens * K * 3 * H * I
+    for us, cfg in sorted(res, key=lambda r: r[0])[:5]:
+        print(f"{name:6s} T={tokens} {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s {cfg}", flush=True)
 
 
 def main() -> None:
@@ -89,6 +113,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--formats", default="bf16,Q8_0,Q4_K")
+    ap.add_argument("--sweep", action="store_true", help="time grouped_moe under other launch configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_bench needs a CUDA GPU")
@@ -96,7 +121,10 @@ def main() -> None:
     print(torch.cuda.get_device_name(), f"H={H} I={I} E={E} k={K}")
     with torch.inference_mode():
         for name in args.formats.split(","):
-            bench(name, args.tokens, args.iters, dev)
+            if args.sweep:
+                sweep(name, args.tokens, dev)
+            else:
+                bench(name, args.tokens, args.iters, dev)
 
 
 if __name__ == "__main__":

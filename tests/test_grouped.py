@@ -22,7 +22,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,9 +221,12 @@ def test_supports():
     assert not supports(dense_format(torch.float16), 2048, 512, bf16)  # weights in another dtype
     assert not supports(None, 2048, 512, torch.float32)
     assert not supports(None, 2048, 500, bf16)  # I not a multiple of the K step
+    assert supports(None, 64, 32, bf16)  # tiny test models: K step 32
     q4km = gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, 2048, 512)
     assert supports(q4km, 2048, 512, bf16)
-    assert not supports(gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "IQ3_S"}, 2048, 512), 2048, 512, bf16)
+    assert not supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}, 256, 128), 256, 128, bf16)
+    iq3 = gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "IQ3_S"}, 2048, 512)
+    assert not supports(iq3, 2048, 512, bf16)
     assert not supports(gguf_expert_format({"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}, 2048, 512), 2048, 512, bf16)
     fp8 = hf_expert_format(FP8_BLOCK, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
                                        for n in ("weight", "weight_scale_inv")}, 2048, 512)
@@ -316,6 +318,38 @@ def test_cuda_qwen36_layer_shape(qtype):
     loop = accumulate(x, groups, partial_outputs(x, w, groups, {e: WeightRef(bank, e, fmt) for e in groups.experts}))
     rel, mx = errors(y, loop.double().cpu())
     assert rel < 1e-2 and mx < 2e-2, (rel, mx)  # both round weights and h to bf16, in different orders
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_backends_equal_fused_through_the_grouped_path(tiny_checkpoint, monkeypatch):
+    """bf16 tiny Qwen3 (H=64, I=32: K step 32): prefill chunks of every GPU backend take the grouped
+    kernels (counted), and offload gives fused's greedy tokens (a pair's value does not depend on which
+    bank or call computed it; k-order sums everywhere). Hybrid is left out: its CPU experts round bf16
+    differently."""
+    from moestream import LLM, SamplingParams
+    from moestream.moe import grouped
+
+    calls = []
+    real = grouped.grouped_pairs
+    monkeypatch.setattr(grouped, "grouped_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=7, max_running_requests=4)
+    prompts = [[5 + i for i in range(n)] for n in (4, 17, 30)]
+
+    def tokens(backend, **kw):
+        llm = LLM(tiny_checkpoint("qwen3"), moe_backend=backend, **common, **kw)
+        out = [o.token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.runtime.close()
+        return out
+
+    want = tokens("fused")
+    assert calls, "fused prefill did not take the grouped kernels"
+    for backend, kw in [("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+                        ("offload", {"moe_cache_size": 5, "moe_prefetch": "off"})]:
+        calls.clear()
+        assert tokens(backend, **kw) == want, backend
+        assert calls, f"{backend} did not take the grouped kernels"
 
 
 if __name__ == "__main__":

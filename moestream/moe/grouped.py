@@ -2,7 +2,8 @@
 
 Why: the torch loop (compute.partial_outputs) costs a gather, a dequantization of the whole expert and
 three GEMMs per expert, ~200 us each on an H200; a 512-token prefill chunk routes to ~all 256 experts of
-a layer. Here the (token, k) pairs are sorted by expert once, on the device, and
+a layer. Here the (token, k) pairs are sorted by expert once, on the device (no host loop, no sync:
+`_block_table_kernel` cuts each expert's pairs into blocks of BM), and
 
 1. `_gate_up_kernel`: each program takes BM pairs of one expert x BN columns of I, loops over H in BK
    steps, loads the expert's gate and up tiles from its row of the bank (compressed formats are decoded
@@ -10,10 +11,10 @@ a layer. Here the (token, k) pairs are sorted by expert once, on the device, and
    accumulation and writes h = silu(g) * u [P, I] (activation dtype);
 2. `_down_kernel`: the same over I for down [H, I], scaled by the pair's routing weight, writes [P, H].
 
-Pair outputs are summed over k in k order (deterministic), or handed back by expert to
-`compute.accumulate`. Every pair row is computed by the same tile code whichever other pairs share its
-call (BM depends on the call's T*k only), so a row's value does not depend on how experts are split
-between calls (fused bank vs slot pool vs prefill buffer).
+Pair outputs are written by pair id (t*k + j) and summed over k in k order in fp32 (deterministic), by
+`grouped_moe` or by `compute.accumulate` (compute.grouped_partials). Every pair row is computed by the
+same tile code whichever other pairs share its call (BM depends on the call's T*k only), so a row's
+value does not depend on how experts are split between calls (fused bank vs slot pool vs prefill buffer).
 
 Shapes: x [T, H]; topk_ids, topk_w [T, k]; bank: name -> [N, ...] (dense: gate_up [N, 2I, H], down
 [N, H, I]; GGUF: gate/up/down [N, >= bytes] uint8, a row may be longer than this layer's bytes);
@@ -30,9 +31,9 @@ from ..quant.gguf_formats import _IQ4NL_LEVELS
 from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, gguf_decode
 from .formats import PROJS, ExpertFormat, GGUFExpertFormat
 
-BK = 64  # K step: a multiple of every GGUF sub-block (16 or 32 values), 128 bytes of bf16
+BK = 64  # preferred K step: a multiple of every GGUF sub-block (16 or 32 values), 128 bytes of bf16
 BN = 64
-# CUDA launch configuration (benchmarks/grouped_bench.py --sweep tries others); bm None: block_m()
+# CUDA launch configuration (benchmarks/grouped_bench.py --sweep times others); bm None: block_m()
 CONFIG = {"bn": BN, "bk": BK, "num_warps": 4, "num_stages": 3, "bm": None}
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -139,7 +140,8 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, lut, out, H: tl.constex
         acc = _mma(a, _tile(d_base, n, nm, k0, I, lut, DT, QT, BS, TS, NS, BN, BK), acc, F32)
     acc = acc * tl.load(topk_w + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
     r = pair if SCATTER else p
-    tl.store(out + r.to(tl.int64)[:, None] * H + n[None, :], acc.to(out.dtype.element_ty), mask=pm[:, None] & nm[None, :])
+    mask = pm[:, None] & nm[None, :]
+    tl.store(out + r.to(tl.int64)[:, None] * H + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -150,17 +152,41 @@ def _gguf_consts(q) -> dict:
 _DENSE = {"QT": -1, "BS": 1, "TS": 1, "NS": 1}
 
 
+def _sub_block(fmt: ExpertFormat | None) -> int:
+    """Values per scale of the format's types (a K step must hold whole sub-blocks); dense: 16 (tl.dot's minimum)."""
+    if fmt is None or not fmt.quantized:
+        return 16
+    return max(q.block_size // _GGUF_NS.get(q.type_name, 1) for q in (fmt.quant(p) for p in PROJS))
+
+
+def k_step(fmt: ExpertFormat | None, hidden: int, inter: int, largest: int = BK) -> int | None:
+    """The largest K step <= `largest` that divides H and I and holds whole sub-blocks; None: none does."""
+    ss = _sub_block(fmt)
+    bk = largest
+    while bk >= max(16, ss):
+        if hidden % bk == 0 and inter % bk == 0:
+            return bk
+        bk //= 2
+    return None
+
+
 def supports(fmt: ExpertFormat | None, hidden: int, inter: int, dtype: torch.dtype) -> bool:
     """Whether the kernels compute experts of `fmt` (one layer's format; None: dense in `dtype`) for
     activations of `dtype`, H = hidden, I = inter."""
-    if dtype not in ACT_DTYPES or hidden % BK or inter % BK:
+    if dtype not in ACT_DTYPES:
         return False
     if fmt is None or not fmt.quantized:
-        return fmt is None or fmt.dtype == dtype  # dense weights are multiplied in the activation dtype
-    if type(fmt) is GGUFExpertFormat:
+        if fmt is not None and fmt.dtype != dtype:  # dense weights are multiplied in the activation dtype
+            return False
+    elif type(fmt) is not GGUFExpertFormat:
+        return False
+    else:
         types = dict(fmt.types)  # gate and up share one decoder in _gate_up_kernel
-        return types["gate"] == types["up"] and all(t in _GGUF_IDS for t in types.values())
-    return False
+        if types["gate"] != types["up"] or any(t not in _GGUF_IDS for t in types.values()):
+            return False
+        if hidden % fmt.quant("gate").block_size or inter % fmt.quant("down").block_size:
+            return False  # rows of whole blocks (a GGUF file has nothing else)
+    return k_step(fmt, hidden, inter) is not None
 
 
 def bank_supported(bank: dict, fmt: ExpertFormat | None, x: torch.Tensor) -> bool:
@@ -181,12 +207,11 @@ def bank_supported(bank: dict, fmt: ExpertFormat | None, x: torch.Tensor) -> boo
     return supports(fmt, hidden, inter, x.dtype) and x.shape[-1] == hidden
 
 
-def _tiles(hidden: int, inter: int, interp: bool) -> tuple[int, int]:
+def _tiles(fmt: ExpertFormat | None, hidden: int, inter: int, interp: bool) -> tuple[int, int]:
     """(BN, BK). Triton's interpreter pays per op, not per element: bigger tiles, fewer programs."""
-    if not interp:
-        return CONFIG["bn"], CONFIG["bk"]
-    bk = next(b for b in (256, 128, BK) if hidden % b == 0 and inter % b == 0)
-    return 128, bk
+    if interp:
+        return 128, k_step(fmt, hidden, inter, 256)
+    return CONFIG["bn"], k_step(fmt, hidden, inter, CONFIG["bk"])
 
 
 def block_m(pairs: int) -> int:
@@ -271,10 +296,11 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
     h = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     lut = cached_table("iq4nl", lambda: torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32), x.device)
     interp = x.device.type != "cuda"
-    bn, bk = _tiles(H, inter, interp)
+    bn, bk = _tiles(fmt, H, inter, interp)
     opts = _launch_opts(interp)
     _gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
-        x, pairs, blocks, wg, wg.stride(0), wu, wu.stride(0), u_off, lut, h, k, H=H, I=inter, **cg, BM=bm, BN=bn, BK=bk, **opts)
+        x, pairs, blocks, wg, wg.stride(0), wu, wu.stride(0), u_off, lut, h, k, H=H, I=inter, **cg,
+        BM=bm, BN=bn, BK=bk, **opts)
     _down_kernel[(max_blocks, triton.cdiv(H, bn))](
         h, pairs, blocks, topk_w, wd, wd.stride(0), lut, out, H=H, I=inter, **cd, SCATTER=scatter,
         BM=bm, BN=bn, BK=bk, **opts)
