@@ -5,9 +5,12 @@ quantized format computes from its compressed rows through `ExpertFormat.expert_
 tile by tile where the rows are). Decode on CUDA uses moe/pairs.py instead (no host sync).
 
 Every placement computes per-expert partial outputs `{expert: [n_e, H]}` wherever the expert's weights
-are (slot pool, prefill buffer, device bank or host bank) and `accumulate` sums them into y in
-ascending expert order on the compute device. Same ops on bit-identical weights in the same order is
-why every backend gives exactly fused's tokens on one device.
+are (slot pool, prefill buffer, device bank or host bank) and `accumulate` sums them into y on the
+compute device (CUDA: each token's pairs in k order; CPU: in ascending expert order). On CUDA the experts
+of one bank in a supported format are computed by moe/grouped.py's grouped GEMM straight into the layer
+call's `groups.pair_out` (their partial is the marker IN_PAIR_OUT); a pair's value does not depend on
+which other experts share the call. Same ops on bit-identical weights in the same
+order is why every backend gives exactly fused's tokens on one device.
 
 """
 from __future__ import annotations
@@ -44,6 +47,8 @@ class RouteGroups:
     rows: torch.Tensor  # [T*k] token row of each pair, grouped by expert
     pos: torch.Tensor  # [T*k] k position of each pair
     starts: list[int]
+    # [T*k, H] pair outputs by pair id (t*k + j) written by grouped kernels (compute device, CUDA)
+    pair_out: torch.Tensor | None = None
 
     @classmethod
     def of(cls, topk_ids: torch.Tensor) -> "RouteGroups":
@@ -83,14 +88,42 @@ def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
     return out
 
 
+class _InPairOut:
+    """Partial of an expert computed by grouped_partials: its rows are in `groups.pair_out`."""
+
+    def __repr__(self) -> str:
+        return "IN_PAIR_OUT"
+
+
+IN_PAIR_OUT = _InPairOut()
+
+
 def accumulate(x: torch.Tensor, groups: RouteGroups, partials: dict[int, torch.Tensor]) -> torch.Tensor:
-    """y [T, H]: partials summed in ascending expert order. Invariant: each routed expert exactly once."""
+    """y [T, H]: on CUDA each token's k pair outputs summed in k order in float32 (3 launches, not one
+    index_add_ per expert); on CPU partials summed in ascending expert order. Invariant: each routed
+    expert exactly once. Deterministic either way: each sum has a fixed order."""
     if sorted(partials) != groups.experts:
         raise RuntimeError(f"expert runtime bug: computed experts {sorted(partials)} != routed {groups.experts}")
+    if x.is_cuda or groups.pair_out is not None:
+        return _sum_in_k_order(x, groups, partials)
     out = torch.zeros_like(x)
     for i, e in enumerate(groups.experts):
         out.index_add_(0, groups.members(i)[0], partials[e].to(device=out.device, dtype=out.dtype))
     return out
+
+
+def _sum_in_k_order(x: torch.Tensor, groups: RouteGroups, partials: dict) -> torch.Tensor:
+    """Partials not already in groups.pair_out (the loop's, CPU threads') are copied there by pair id."""
+    T, H = x.shape
+    k = groups.rows.numel() // max(T, 1)
+    out = groups.pair_out
+    if out is None:
+        out = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    for i, e in enumerate(groups.experts):
+        if partials[e] is not IN_PAIR_OUT:
+            rows, pos = groups.members(i)
+            out.index_copy_(0, (rows * k + pos).to(x.device), partials[e].to(device=x.device, dtype=out.dtype))
+    return out.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def moe_reference(x, topk_ids, topk_w, gate_up, down) -> torch.Tensor:
@@ -102,10 +135,51 @@ def moe_reference(x, topk_ids, topk_w, gate_up, down) -> torch.Tensor:
 
 
 class DeviceExperts:
-    """Grouped computation on the compute device over the slots (or bank rows) a step uses."""
+    """Grouped computation on the compute device over the slots (or bank rows) a step uses: on CUDA,
+    experts of one bank in a supported format go through moe/grouped.py's Triton kernels (two launches
+    for all of them), the rest through `partial_outputs`."""
 
-    def compute(self, x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef]) -> dict[int, torch.Tensor]:
+    def compute(self, x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef]) -> dict:
+        """{expert: partial [n_e, H] or IN_PAIR_OUT}, for `accumulate`."""
+        if refs and grouped_ready(x, refs):
+            return grouped_partials(x, topk_w, groups, refs)
         return partial_outputs(x, topk_w, groups, refs)
+
+
+def grouped_ready(x: torch.Tensor, refs: dict[int, WeightRef]) -> bool:
+    """Whether `grouped_partials` computes these refs: CUDA, Triton enabled, one bank and one format."""
+    if x.device.type != "cuda":
+        return False
+    from ..env import triton_enabled
+
+    first = next(iter(refs.values()))
+    if not triton_enabled() or any(r.bank is not first.bank or r.fmt != first.fmt for r in refs.values()):
+        return False
+    try:
+        from . import grouped
+    except ImportError:  # triton is optional
+        return False
+    return grouped.bank_supported(first.bank, first.fmt, x)
+
+
+def grouped_partials(x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef]) -> dict:
+    """`partial_outputs` by moe/grouped.py: the pairs of refs' experts in one grouped GEMM, written by
+    pair id into groups.pair_out (made by the first call of a layer call, shared by the next ones); each
+    expert's partial is the marker IN_PAIR_OUT (no per-expert tensor: 256 slices cost ~1 ms of host time)."""
+    from .grouped import grouped_pairs
+
+    ref = next(iter(refs.values()))
+    dev = x.device
+    k = topk_w.shape[1]
+    if groups.pair_out is None:  # the dtype of the loop's partials (y * topk_w)
+        dtype = torch.promote_types(x.dtype, topk_w.dtype)
+        groups.pair_out = torch.empty((x.shape[0] * k, x.shape[1]), dtype=dtype, device=dev)
+    counts = torch.tensor(groups.counts, device=dev)
+    rows = torch.tensor([refs[e].index if e in refs else -1 for e in groups.experts], device=dev)
+    pairs = (groups.rows * k + groups.pos).to(dev)
+    grouped_pairs(x, topk_w, pairs, counts, rows, ref.bank, ref.fmt, scatter=True, out=groups.pair_out,
+                  max_count=max(groups.counts))
+    return dict.fromkeys(refs, IN_PAIR_OUT)
 
 
 def physical_cores() -> int:

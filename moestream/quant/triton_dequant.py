@@ -262,6 +262,40 @@ def _nvfp4_g(p, e, s, m):
 
 
 @triton.jit
+def gguf_decode(p, e, s, m, lut, QT: tl.constexpr):
+    """Values ``e`` (sub-block ``s``) of the GGUF blocks at ``p`` as float32, for the type with kernel id QT.
+    Shapes broadcast: e.g. p [G, 1, 1], e [1, NS, SS], s [1, NS, 1] (also imported by moe/grouped.py)."""
+    if QT == 0:
+        return _q4_0(p, e, m)
+    elif QT == 1:
+        return _q4_1(p, e, m)
+    elif QT == 2:
+        return _q5_0(p, e, m)
+    elif QT == 3:
+        return _q5_1(p, e, m)
+    elif QT == 4:
+        return _q8_0(p, e, m)
+    elif QT == 5:
+        return _q2_k(p, e, s, m)
+    elif QT == 6:
+        return _q3_k(p, e, s, m)
+    elif QT == 7:
+        return _q4_k(p, e, s, m)
+    elif QT == 8:
+        return _q5_k(p, e, s, m)
+    elif QT == 9:
+        return _q6_k(p, e, s, m)
+    elif QT == 10:
+        return _iq4_nl(p, e, m, lut)
+    elif QT == 11:
+        return _iq4_xs(p, e, s, m, lut)
+    elif QT == 12:
+        return _mxfp4_g(p, e, m)
+    else:
+        return _nvfp4_g(p, e, s, m)
+
+
+@triton.jit
 def _gguf_kernel(src, out, idx, lut, row0, n_rows, nblk, row_stride,
                  QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
                  HAS_IDX: tl.constexpr, OUT_BF16: tl.constexpr):
@@ -276,34 +310,7 @@ def _gguf_kernel(src, out, idx, lut, row0, n_rows, nblk, row_stride,
     m = mg[:, None, None]
     s = tl.arange(0, NS)[None, :, None]
     e = s * (BS // NS) + tl.arange(0, BS // NS)[None, None, :]
-    if QT == 0:
-        v = _q4_0(p, e, m)
-    elif QT == 1:
-        v = _q4_1(p, e, m)
-    elif QT == 2:
-        v = _q5_0(p, e, m)
-    elif QT == 3:
-        v = _q5_1(p, e, m)
-    elif QT == 4:
-        v = _q8_0(p, e, m)
-    elif QT == 5:
-        v = _q2_k(p, e, s, m)
-    elif QT == 6:
-        v = _q3_k(p, e, s, m)
-    elif QT == 7:
-        v = _q4_k(p, e, s, m)
-    elif QT == 8:
-        v = _q5_k(p, e, s, m)
-    elif QT == 9:
-        v = _q6_k(p, e, s, m)
-    elif QT == 10:
-        v = _iq4_nl(p, e, m, lut)
-    elif QT == 11:
-        v = _iq4_xs(p, e, s, m, lut)
-    elif QT == 12:
-        v = _mxfp4_g(p, e, m)
-    else:
-        v = _nvfp4_g(p, e, s, m)
+    v = gguf_decode(p, e, s, m, lut, QT)
     _store(out, g[:, None, None] * BS + e, v, m, OUT_BF16)
 
 
