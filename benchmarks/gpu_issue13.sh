@@ -25,7 +25,7 @@ WRITE=$!
 {
   if [ "${TESTS:-1}" = 1 ]; then
     timeout ${TESTS_S:-150} taskset -c 0-1 python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_qpairs.py \
-      tests/test_moe_pairs.py tests/test_cuda_graphs.py tests/test_device_cache_triton.py ${EXTRA_TESTS:-} 2>&1 | tail -30
+      tests/test_moe_pairs.py tests/test_grouped.py tests/test_cuda_graphs.py tests/test_device_cache_triton.py ${EXTRA_TESTS:-} 2>&1 | tail -30
   fi
   if [ "${MICRO:-1}" = 1 ]; then
     timeout 90 taskset -c 0-1 python3 benchmarks/qpair_bench.py 2>&1 | tail -40
