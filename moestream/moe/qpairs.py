@@ -236,12 +236,14 @@ if triton is not None:
             mg = mrow & (cg < K)
             if KIND == 0:  # e4m3 codes, one byte per column: contiguous (vectorized) loads
                 c = cg[:, :, None] + tl.arange(0, GS)[None, None, :]
-                v = _e4m3(_ld(w + nn[:, :, None] * K, c, mg[:, :, None]))
+                # per column: a group may straddle K (partial scale blocks), and a code read past the row
+                # could be NaN (0x7F), which times x = 0 is still NaN
+                v = _e4m3(_ld(w + nn[:, :, None] * K, c, mg[:, :, None] & (c < K)))
                 xv = tl.load(xrow + c, mask=c < K, other=0.0).to(tl.float32)
                 part = tl.sum(v * xv, axis=2)
             else:  # e2m1 pairs: load each byte once, dot its low / high nibble with x's even / odd columns
                 c2 = cg[:, :, None] // 2 + tl.arange(0, GS // 2)[None, None, :]  # byte ids
-                b = _ld(w + nn[:, :, None] * (K // 2), c2, mg[:, :, None])
+                b = _ld(w + nn[:, :, None] * (K // 2), c2, mg[:, :, None] & (2 * c2 < K))
                 xe = tl.load(xrow + 2 * c2, mask=2 * c2 < K, other=0.0).to(tl.float32)
                 xo = tl.load(xrow + 2 * c2 + 1, mask=2 * c2 < K, other=0.0).to(tl.float32)
                 part = tl.sum(_e2m1(b & 0xF) * xe + _e2m1(b >> 4) * xo, axis=2)
