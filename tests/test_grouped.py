@@ -3,12 +3,12 @@
 Reference: each expert dequantized by the torch decoders (moestream.quant) in float64, then
 y[t] = sum_j w[t, j] * down @ (silu(gate @ x[t]) * (up @ x[t])) in float64 (x is the same bf16/fp16 input).
 
-Tolerance (normwise |y - ref| / |ref|, and max |y - ref| / max |ref|): the kernel rounds each weight
-and h to the activation dtype before the tensor-core products (fp32 sums), so each stage adds a
-relative error of one rounding: bf16 2^-9 (nearest, GPU) or 2^-8 (truncation, Triton's interpreter),
-fp16 2^-12 / 2^-11. Over three stages that is <= ~1.2% (bf16, interpreter) and ~0.15% (fp16); the
-bounds below are REL_TOL = 2e-2 / 4e-3 and MAX_TOL = 4e-2 / 8e-3. A wrong expert row or a wrong scale
-gives errors of order 1 (each case also checks that swapped rows fail the bound).
+Tolerance (normwise |y - ref| / |ref|, and max |y - ref| / max |ref|): the kernel rounds (to nearest
+even, also under the interpreter) where the torch loop rounds: each weight, g, u, silu(g), h and the
+expert's output to the activation dtype, with fp32 sums in between. Each rounding adds a relative error
+<= 2^-9 (bf16) or 2^-12 (fp16); six of them give ~0.5% (bf16) in these cases (measured 0.4-0.6%
+normwise). Bounds: REL_TOL = 1.5e-2 / 4e-3 and MAX_TOL = 3e-2 / 8e-3 (fp16). A wrong expert row gives
+errors of order 1 (two cases also check that rolled rows fail the bound).
 
 * Interpreter: the cases run once in a subprocess with TRITON_INTERPRET=1 (tests/triton_harness.py).
 * sm_90: both kernels compile with ptxas and use tensor-core mma.
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
 
-REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-MAX_TOL = {torch.bfloat16: 4e-2, torch.float16: 8e-3}
+REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
+MAX_TOL = {torch.bfloat16: 3e-2, torch.float16: 8e-3}
 
 # case -> (gate/up type, down type or "", H, I, E, T, k, activation dtype, bytes of padding per bank row)
 CASES = {

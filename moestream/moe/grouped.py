@@ -8,7 +8,8 @@ a layer. Here the (token, k) pairs are sorted by expert once, on the device (no 
 1. `_gate_up_kernel`: each program takes BM pairs of one expert x BN columns of I, loops over H in BK
    steps, loads the expert's gate and up tiles from its row of the bank (compressed formats are decoded
    in registers by the decoders of quant/triton_dequant.py), `tl.dot`s in the activation dtype with fp32
-   accumulation and writes h = silu(g) * u [P, I] (activation dtype);
+   accumulation and writes h = silu(g) * u [P, I] (activation dtype; g, u, silu(g), h rounded to it
+   where the torch loop rounds, so GPU backends keep the loop's and HF's bf16 rounding structure);
 2. `_down_kernel`: the same over I for down [H, I], scaled by the pair's routing weight, writes [P, H].
 
 Pair outputs are written by pair id (t*k + j) and summed over k in k order in fp32 (deterministic), by
@@ -64,12 +65,22 @@ def _gguf_tile(w, n, nm, k0, K, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.
 
 @triton.jit
 def _tile(w, n, nm, k0, K, lut, DT: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-          NS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          NS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """Weight tile [BN, BK] in the activation dtype DT; QT < 0: dense."""
     if QT < 0:
         return _dense_tile(w, n, nm, k0, K, BK).to(DT)
     else:
-        return _gguf_tile(w, n, nm, k0, K, lut, QT, BS, TS, NS, BN, BK).to(DT)
+        return _act(_gguf_tile(w, n, nm, k0, K, lut, QT, BS, TS, NS, BN, BK), DT, F32)
+
+
+@triton.jit
+def _act(v, DT: tl.constexpr, F32: tl.constexpr):
+    """float32 -> activation dtype DT, rounded to nearest even. F32 (Triton's interpreter, whose float ->
+    bfloat16 cast truncates): round the float32 bits first, so the cast is exact."""
+    if F32 and DT == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        v = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return v.to(DT)
 
 
 @triton.jit
@@ -115,10 +126,13 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, lut, h,
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
         a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc_g = _mma(a, _tile(g_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK), acc_g, F32)
-        acc_u = _mma(a, _tile(u_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK), acc_u, F32)
-    hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h + p.to(tl.int64)[:, None] * I + n[None, :], hv.to(DT), mask=pm[:, None] & nm[None, :])
+        acc_g = _mma(a, _tile(g_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc_g, F32)
+        acc_u = _mma(a, _tile(u_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc_u, F32)
+    # the rounding points of the torch loop (formats.expert_mlp): g, u, silu(g) and h in the activation dtype
+    g = _act(acc_g, DT, F32).to(tl.float32)
+    u = _act(acc_u, DT, F32).to(tl.float32)
+    hv = _act(g / (1.0 + tl.exp(-g)), DT, F32).to(tl.float32) * u
+    tl.store(h + p.to(tl.int64)[:, None] * I + n[None, :], _act(hv, DT, F32), mask=pm[:, None] & nm[None, :])
 
 
 @triton.jit
@@ -137,8 +151,9 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, lut, out, H: tl.constex
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc = _mma(a, _tile(d_base, n, nm, k0, I, lut, DT, QT, BS, TS, NS, BN, BK), acc, F32)
-    acc = acc * tl.load(topk_w + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
+        acc = _mma(a, _tile(d_base, n, nm, k0, I, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc, F32)
+    # as the loop: the expert's output rounded to the activation dtype, then times the routing weight
+    acc = _act(acc, DT, F32).to(tl.float32) * tl.load(topk_w + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
     r = pair if SCATTER else p
     mask = pm[:, None] & nm[None, :]
     tl.store(out + r.to(tl.int64)[:, None] * H + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
