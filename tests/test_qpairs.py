@@ -205,15 +205,37 @@ def _stage_case() -> list[str]:
     return errs
 
 
+def _linear_case(qtype: str) -> list[str]:
+    """qpairs.quant_linear (a dense layer kept compressed) against the torch decoder and a float64 GEMM;
+    K = 512 (two K-quant super-blocks), N = 40 (a partial tile), T = 3 rows of bf16 activations."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format(qtype)
+    N, K = 40, 512
+    raw = random_raw(q, (N, K), "cpu", seed=3)
+    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    got = qpairs.quant_linear(x, q, raw, (N, K)).double()
+    W = q.dequantize(raw, (N, K), torch.float64)
+    want = x.double() @ W.t()
+    # fp32 accumulation in any order (bounded by _bound), then one bf16 rounding of the output
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    bad = (got - want).abs() > tol
+    return [f"{qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
+
+
 def _worker_case(case: str) -> list[str]:
     if case == "stage":
         return _stage_case()
+    if case.startswith("linear:"):
+        return _linear_case(case.split(":")[1])
     if case.endswith(":default"):
         return _check(case.split(":")[0])
     return _check(case, cfg=INTERP_CFG)
 
 
-WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage"]
+WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "linear:Q8_0", "linear:Q4_K",
+                "linear:Q6_K"]
 
 
 @pytest.fixture(scope="module")
@@ -365,3 +387,22 @@ def test_cuda_stage_compressed_rows_then_pairs():
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     write_case_results(WORKER_CASES, _worker_case, sys.argv[2])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_cuda_quant_linear(qtype):
+    """A dense layer kept compressed, on the GPU, equals the torch decoder + float64 GEMM (same bound)."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format(qtype)
+    N, K = 4096, 2048
+    raw = random_raw(q, (N, K), "cuda", seed=3)
+    x = (torch.randn(4, K, device="cuda") * 0.5).to(torch.bfloat16)
+    got = qpairs.quant_linear(x, q, raw, (N, K)).double()
+    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
+    want = x.double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    assert not ((got - want).abs() > tol).any()

@@ -154,6 +154,31 @@ def down_triton(h, w, src, pool, fmt, y: torch.Tensor, cfg=None) -> torch.Tensor
     return _launch(pool, fmt, "down", (h, src), fmt.hidden, fmt.inter, y, cfg, w=w)
 
 
+def linear_supported(fmt) -> bool:
+    """Does `quant_linear` have a kernel for this moestream.quant GGUF format (a dense weight's format)?"""
+    from ..quant.gguf_formats import GGUFFormat
+
+    return isinstance(fmt, GGUFFormat) and fmt.type_name in td._GGUF_IDS
+
+
+def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor:
+    """y [T, N] (x.dtype) = x [T, K] @ W.T for a dense layer kept compressed (GGUF bytes, N rows of
+    K // block_size blocks): the pair "down" kernel with one expert row holding the whole matrix, every
+    pair reading it with weight 1 (fp32 accumulation, no dense copy of W). For decode-sized T on CUDA
+    (capturable: shapes decide everything); under TRITON_INTERPRET=1 on CPU tensors in the tests."""
+    from .formats import PROJS, gguf_expert_format
+
+    N, K = int(shape[-2]), int(shape[-1])
+    efmt = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
+    xs = x.reshape(-1, K).contiguous()
+    T = xs.shape[0]
+    src = torch.zeros(T, dtype=torch.long, device=x.device)
+    w = torch.ones(T, dtype=torch.float32, device=x.device)
+    y = torch.empty((T, N), dtype=torch.float32, device=x.device)
+    down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y)
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 # A program computes BN output rows of one pair: grid (P, cdiv(N, BN)). It streams its rows' bytes
 # once, BV logical columns (K values) per loop step, decodes them in registers with the decoders of
