@@ -123,8 +123,10 @@ def serve(model_path: str | None, engine_options: dict, host: str = "127.0.0.1",
         info = engine.start()
         # Our own handlers stay installed around uvicorn's: uvicorn re-raises the signal it caught once
         # it has shut down, and the default SIGTERM action would kill us before the engine is stopped.
+        # One that comes before uvicorn installs its handlers is kept and honoured once it has.
+        caught: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+            signal.signal(sig, lambda sig, _frame: caught.append(sig))
     except Interrupted as e:
         log.info("%s while starting: stopping", e)
         if engine is not None:
@@ -134,7 +136,7 @@ def serve(model_path: str | None, engine_options: dict, host: str = "127.0.0.1",
         log.info("engine ready (pid %d): %s, max_seq_len %d, KV %d tokens%s", info["pid"], info["architecture"],
                  info["max_seq_len"], info["kv_tokens"],
                  f" per rank, {info['tp_size']} tensor-parallel ranks" if info.get("tp_size", 1) > 1 else "")
-        server = _make_server(state, engine, host, port, log_level, header_timeout)
+        server = _make_server(state, engine, host, port, log_level, header_timeout, caught)
         log.info("serving %s on http://%s:%d%s", state.model_name, host, port,
                  " (random-weight demo)" if is_demo else "")
         server.run()
@@ -147,13 +149,18 @@ def serve(model_path: str | None, engine_options: dict, host: str = "127.0.0.1",
         log.info("engine stopped; bye")
 
 
-def _make_server(state, engine, host: str, port: int, log_level: str, header_timeout: float):
+def _make_server(state, engine, host: str, port: int, log_level: str, header_timeout: float, caught: list[int]):
     import uvicorn
 
     from .app import create_app
 
     class Server(uvicorn.Server):
         engine_died = False
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if caught:  # SIGTERM/SIGINT between loading and now: stop as if it came now
+                self.handle_exit(caught[0], None)
 
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
