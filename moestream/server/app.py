@@ -277,8 +277,9 @@ async def refresh_snapshot(state: ServerState, interval: float = 0.5) -> None:
             check_alive()
         if state.engine.alive:
             try:
+                asked = time.time()  # the engine's numbers are from after this moment
                 data = dict(await asyncio.wait_for(state.engine.stats(), 30.0))
-                data["_at"] = time.time()
+                data["_at"] = asked
                 state.snapshot = data
                 if state.metrics is not None:
                     state.metrics.update_engine(data)
