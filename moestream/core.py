@@ -25,11 +25,22 @@ class RequestError(MoestreamError):
     """A request that cannot be served as asked (too long, bad parameters)."""
 
 
+# torch.Generator.manual_seed takes exactly this range (int64 min .. uint64 max); outside it raises.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MAX_TEMPERATURE = 100.0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens. The names follow vLLM / the OpenAI API.
 
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    `validate` refuses every value the sampler cannot take (a seed torch cannot hold, nan, inf), so a
+    request that passed it cannot fail inside the engine's step.
     """
 
     max_tokens: int = 16
@@ -51,16 +62,22 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):  # also false for nan
+            raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.top_k, int):
-            raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be an integer >= -1 (-1 or 0: off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise RequestError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop sequences must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be token ids >= 0")
 
     @property
     def greedy(self) -> bool:

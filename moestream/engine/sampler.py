@@ -15,8 +15,14 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row [V] of fp32 logits -> tempered, filtered logits (-inf outside the kept set)."""
-    x = logits / p.temperature
+    """One row [V] of fp32 logits -> tempered, filtered logits (-inf outside the kept set).
+
+    The row is shifted so its maximum is 0 before dividing: any temperature > 0, however tiny, then
+    gives finite-or--inf values with the best token at exactly 0, never inf or nan (1e-40 acts greedy).
+    """
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    x = (x - x.max()) / p.temperature
+    x = x.masked_fill(torch.isnan(x), float("-inf"))  # (-inf - -inf) on an all -inf row
     if p.top_k > 0 and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -39,6 +45,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = torch.softmax(filter_logits(logits[i], p), -1)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        out[i] = sample_row(logits[i], p, generators[i])
     return out.tolist()
+
+
+def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from one row; falls back to the best token when nothing finite is left to draw."""
+    probs = torch.softmax(filter_logits(logits, p), -1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+    return int(torch.multinomial(probs, 1, generator=generator)[0])

@@ -34,6 +34,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.last_step: dict = {}
+        # After a failed step: ids of the requests that were in it, run one at a time until they end,
+        # so a request that fails again fails alone and the others go on.
+        self.suspects: set[str] = set()
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -84,6 +87,18 @@ class Scheduler:
             self._finish(req, reason)
         return victims
 
+    def isolate_running(self) -> list[Request]:
+        """After a failed step: every running request goes back to the queue (its caches may be
+        half-written: they are freed and recomputed) and is then run alone until it finishes."""
+        victims = list(self.running)
+        for req in reversed(victims):  # reversed: they keep their order at the head of the queue
+            self._release(req)
+            req.status = Status.WAITING
+            req.num_computed = 0
+            self.waiting.insert(0, req)
+        self.suspects.update(r.id for r in victims)
+        return victims
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self._plan()
@@ -116,7 +131,8 @@ class Scheduler:
                 if self._reserve(req, req.num_computed + n):
                     plan.append((req, n))
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        limit = 1 if self.suspects else self.max_running
+        while self.waiting and budget > 0 and len(self.running) < limit:
             req = self.waiting[0]
             n = min(budget, req.num_tokens)
             if self.kv.pages_for(n) > self.kv.pages.num_free or self.state.slots.num_free == 0:
@@ -230,6 +246,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         self.requests.pop(req.id, None)
+        self.suspects.discard(req.id)
 
     def check_integrity(self) -> None:
         self.kv.pages.check_integrity()

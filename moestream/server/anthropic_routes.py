@@ -10,10 +10,11 @@ import contextlib
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from . import protocol as P
 from .engine_client import EngineError
-from .generation import ApiError, GenSpec, ServerState, chat_spec, collect, render_chat, run
+from .generation import ApiError, GenSpec, ServerState, chat_spec, collect, encode, render_chat, run
 
 PING_SECONDS = 15.0  # keep-alive for clients and proxies that drop idle streams (long prefill, queue)
 
@@ -22,11 +23,18 @@ def _prompt(state: ServerState, req) -> str:
     return render_chat(state, req.to_openai_messages(), req.tools_openai(), req.template_kwargs())
 
 
-async def messages(state: ServerState, request, body: dict) -> Any:
+def _prepare(state: ServerState, body: dict) -> tuple[P.AnthropicMessagesRequest, GenSpec]:
     req = P.AnthropicMessagesRequest.model_validate(body)
-    tools = req.tools_openai()
-    spec = chat_spec(state, _prompt(state, req), lambda room: req.to_sampling_params(), tools,
-                     req.tool_choice_openai())
+    # max_tokens is required here and clients such as Claude Code send one fixed value for every
+    # model: it is cut to the context left instead of refused
+    spec = chat_spec(state, _prompt(state, req), lambda room: req.to_sampling_params(), req.tools_openai(),
+                     req.tool_choice_openai(), clamp=True)
+    return req, spec
+
+
+async def messages(state: ServerState, request, body: dict) -> Any:
+    # validation, template and tokenizer are CPU work that grows with the body: off the event loop
+    req, spec = await run_in_threadpool(_prepare, state, body)
     mid = P.new_message_id()
     if req.stream:
         return StreamingResponse(_stream(state, spec, request, mid), media_type="text/event-stream",
@@ -42,9 +50,12 @@ async def messages(state: ServerState, request, body: dict) -> Any:
 
 
 async def count_tokens(state: ServerState, request, body: dict) -> Any:
+    return JSONResponse({"input_tokens": await run_in_threadpool(_count, state, body)})
+
+
+def _count(state: ServerState, body: dict) -> int:
     req = P.CountTokensRequest.model_validate(body)
-    prompt = _prompt(state, req)
-    return JSONResponse({"input_tokens": len(state.tokenizer.encode(prompt))})
+    return len(encode(state, _prompt(state, req)))
 
 
 async def _stream(state: ServerState, spec: GenSpec, request, mid: str) -> AsyncIterator[str]:

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -13,6 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -24,17 +27,30 @@ from .protocol import anthropic_error_body, openai_error_body, validation_error_
 log = logging.getLogger("moestream.server")
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="moestream", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+                  lifespan=_with_snapshots(state, lifespan))
     app.state.moestream = state
     _install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     return app
+
+
+def _with_snapshots(state: ServerState, inner):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async with inner(app) if inner is not None else contextlib.nullcontext():
+            task = asyncio.create_task(refresh_snapshot(state))
+            try:
+                yield
+            finally:
+                task.cancel()
+
+    return lifespan
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -51,6 +67,8 @@ def error_response(request: Request, status: int, message: str, type: str | None
         default = "invalid_request_error" if status < 500 else "server_error"
         body = openai_error_body(message, param=param, code=code, type=type or default)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status in (408, 413):  # the body was not (fully) read: the connection cannot carry another request
+        headers = {"Connection": "close"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -76,7 +94,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        # no log here: Starlette re-raises after answering and uvicorn logs it with its traceback (once)
         return error_response(request, 500, f"internal server error: {type(e).__name__}: {e}")
 
 
@@ -97,15 +115,84 @@ def _check_auth(state: ServerState, request: Request) -> None:
                        code="invalid_api_key")
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+async def _json_body(state: ServerState, request: Request) -> dict:
+    """The body as a JSON object, bounded in size, time and nesting; every failure is a 4xx."""
+    raw = await _read_body(state, request)
+    return await run_in_threadpool(_parse_json, raw, state.limits.max_json_depth)  # big bodies: off the loop
+
+
+async def _read_body(state: ServerState, request: Request) -> bytes:
+    limit = state.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {int(declared)} bytes; this server accepts at most {limit} "
+                       "(--max-body-bytes)", type="request_too_large")
+    chunks, size = [], 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # chunked bodies declare no length: count as they come
+                raise ApiError(413, f"the request body is larger than {limit} bytes, the most this server "
+                               "accepts (--max-body-bytes)", type="request_too_large")
+            chunks.append(chunk)
+
     try:
-        body = json.loads(raw)
+        await asyncio.wait_for(read(), state.limits.body_timeout)
+    except asyncio.TimeoutError:  # e.g. a body shorter than its Content-Length: do not hold the connection
+        raise ApiError(408, f"the request body did not arrive within {state.limits.body_timeout:g} s "
+                       "(--body-timeout)", type="timeout_error") from None
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes, max_depth: int) -> dict:
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request JSON is nested too deeply (at most {max_depth} levels)") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_json(body, max_depth)
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_json(body, max_depth: int) -> None:
+    """Nesting within `max_depth` and every string valid Unicode (JSON may carry lone surrogates such as
+    "\\ud800", which no tokenizer or encoder takes), iteratively so no input can overflow the stack."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > max_depth:
+            raise ApiError(400, f"the request JSON is nested too deeply (at most {max_depth} levels)")
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "the request JSON has a string that is not valid Unicode "
+                               f"(a lone surrogate \\u{ord(value[_bad_index(value)]):04x})") from None
+
+
+def _bad_index(text: str) -> int:
+    return next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+
+
+def _check_messages(state: ServerState, body: dict) -> None:
+    n = len(body["messages"]) if isinstance(body.get("messages"), list) else 0
+    if n > state.limits.max_messages:
+        raise ApiError(400, f"the request has {n} messages; this server accepts at most "
+                       f"{state.limits.max_messages} (--max-messages)", param="messages")
 
 
 # ---- routes --------------------------------------------------------------------------------------
@@ -121,7 +208,9 @@ def _generation_endpoint(state: ServerState, handler):
         _check_auth(state, request)
         if not state.engine.alive:
             raise ApiError(503, "the engine is not running", type="server_error")
-        return await handler(state, request, await _json_body(request))
+        body = await _json_body(state, request)
+        _check_messages(state, body)
+        return await handler(state, request, body)
 
     return endpoint
 
@@ -137,19 +226,24 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         _check_auth(state, request)
-        card = {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "moestream",
-                "root": state.model_name, "max_model_len": state.max_seq_len, "context_length": state.max_seq_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        _check_auth(state, request)
+        if model_id != state.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{state.model_name}'.",
+                           param="model", code="model_not_found")
+        return _model_card(state)
 
     @app.get("/v1/stats")
     async def stats(request: Request):
         _check_auth(state, request)
-        engine = await state.engine.stats()
-        if state.metrics is not None:
-            state.metrics.update_engine(engine)
+        engine = state.snapshot  # never wait on the engine: a long prefill would stall scrapers
         requests = state.metrics.summary() if state.metrics is not None else {}
         requests.update(active=engine.get("running", 0), queued=engine.get("queued", 0))
         return {"model": state.model_name, "engine": dict(state.engine.info), "uptime_s": time.time() - state.started,
+                "engine_alive": bool(state.engine.alive), "snapshot_age_s": _snapshot_age(state),
                 "running": engine.get("running", 0), "queued": engine.get("queued", 0),
                 "kv": engine.get("kv"), "state": engine.get("state"), "throughput": engine.get("throughput"),
                 "requests": requests, "experts": engine.get("experts"),
@@ -157,12 +251,38 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "engine_totals": engine.get("totals")}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not state.metrics_public:
+            _check_auth(state, request)
         if state.metrics is None:
             return Response(b"", media_type="text/plain")
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "moestream",
+            "root": state.model_name, "max_model_len": state.max_seq_len, "context_length": state.max_seq_len}
+
+
+def _snapshot_age(state: ServerState) -> float | None:
+    at = state.snapshot.get("_at")
+    return None if at is None else round(time.time() - at, 3)
+
+
+async def refresh_snapshot(state: ServerState, interval: float = 0.5) -> None:
+    """Keep `state.snapshot` (and the Prometheus gauges) fresh; runs for the life of the server."""
+    check_alive = getattr(state.engine, "check_alive", None)
+    while True:
+        if check_alive is not None:
+            check_alive()
         if state.engine.alive:
             try:
-                state.metrics.update_engine(await state.engine.stats())
-            except EngineError:
-                pass
-        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+                asked = time.time()  # the engine's numbers are from after this moment
+                data = dict(await asyncio.wait_for(state.engine.stats(), 30.0))
+                data["_at"] = asked
+                state.snapshot = data
+                if state.metrics is not None:
+                    state.metrics.update_engine(data)
+            except (EngineError, asyncio.TimeoutError):
+                pass  # busy (a long step) or gone: keep the last snapshot
+        await asyncio.sleep(interval)

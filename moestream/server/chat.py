@@ -55,29 +55,30 @@ def _print_reply(pieces: Iterator[tuple[str, str]], stdout, tty: bool) -> str:
 
 
 # ---- against a server ------------------------------------------------------------------------
-def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512, temperature: float = 0.7):
-    import httpx
+class ServerError(Exception):
+    """The server could not be reached or refused the request; the message says which and why."""
 
+
+def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512, temperature: float = 0.7):
+    """Standard library only (urllib): `pip install moestream` has no HTTP client dependency."""
     base = server.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = httpx.Client(timeout=httpx.Timeout(10.0, read=None), headers=headers)
-    model = client.get(f"{base}/models").raise_for_status().json()["data"][0]["id"]
+    with _open(f"{base}/models", headers, None, timeout=10.0) as r:
+        model = json.load(r)["data"][0]["id"]
 
     def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
         body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
                 "temperature": temperature}
-        with client.stream("POST", f"{base}/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
-            for line in r.iter_lines():
+        with _open(f"{base}/chat/completions", headers, body, timeout=None) as r:
+            for raw in r:
+                line = raw.decode("utf-8").rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    raise RuntimeError(chunk["error"].get("message"))
+                    raise ServerError(chunk["error"].get("message"))
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta", {})
                     if delta.get("reasoning_content"):
@@ -86,6 +87,31 @@ def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512,
                         yield "content", delta["content"]
 
     return reply
+
+
+def _open(url: str, headers: dict, body: dict | None, timeout: float | None):
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={**headers, "Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"{url}: HTTP {e.code}: {_error_message(e)}" + (
+            "; pass the server's key with --api-key or MOESTREAM_API_KEY" if e.code == 401 else "")) from None
+    except urllib.error.URLError as e:
+        raise ServerError(f"cannot reach {url}: {e.reason}; is the server running?") from None
+    except OSError as e:  # timeouts, resets
+        raise ServerError(f"cannot reach {url}: {e}") from None
+
+
+def _error_message(e) -> str:
+    try:
+        body = json.loads(e.read())
+        return body["error"]["message"]
+    except Exception:  # not our JSON error body: the reason phrase is all there is
+        return str(e.reason)
 
 
 # ---- in-process ------------------------------------------------------------------------------
@@ -110,11 +136,14 @@ def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
 
 def main(server: str | None, model_path: str | None, engine_options: dict, api_key: str | None,
          max_tokens: int, temperature: float, system: str | None) -> int:
-    import logging
+    from ..core import MoestreamError
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would garble the chat
     if server:
-        return run_chat(remote_reply(server, api_key, max_tokens, temperature), system=system)
+        try:
+            reply = remote_reply(server, api_key, max_tokens, temperature)
+        except ServerError as e:
+            raise MoestreamError(str(e)) from None
+        return run_chat(reply, system=system)
     from ..llm import LLM
     from .launch import resolve_model
 

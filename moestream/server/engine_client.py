@@ -52,6 +52,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc = None
+        self.on_death = None  # called on the loop when the engine process dies while serving
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> dict:
@@ -88,6 +89,22 @@ class EngineClient:
         self._loop = loop
         threading.Thread(target=self._reader, name="moestream-engine-reader", daemon=True).start()
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def check_alive(self) -> bool:
+        """Poll the process (the pipe's EOF is the fast path; this catches a hung-up pipe too)."""
+        if self.alive and self._proc is not None and not self._proc.is_alive():
+            log.error("the engine process exited (exit code %s)", self._proc.exitcode)
+            self._engine_died()
+        return self.alive
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """End every request in flight with an error (on shutdown: streams get a final error event)."""
+        for q in self._queues.values():
+            q.put_nowait(EngineError(message, status))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to stop, then make sure it did (terminate, then kill)."""
         proc, self.alive = self._proc, False
@@ -99,7 +116,8 @@ class EngineClient:
             pass
         proc.join(timeout)
         if proc.is_alive():
-            log.warning("engine did not stop in %.0f s; terminating it", timeout)
+            if timeout > 0:
+                log.warning("engine did not stop in %.0f s; terminating it", timeout)
             proc.terminate()
             proc.join(5)
         if proc.is_alive():
@@ -170,7 +188,8 @@ class EngineClient:
                 return
         if self.alive:
             log.error("the engine process died; failing its requests")
-        self._post(self._engine_died)
+        if self._proc is not None:
+            self._post(self._engine_died)  # (None: we shut it down ourselves)
 
     def _post(self, fn, *args) -> bool:
         try:
@@ -199,8 +218,9 @@ class EngineClient:
         was_alive, self.alive = self.alive, False
         if not was_alive:
             return
-        for q in self._queues.values():
-            q.put_nowait(EngineError("the engine process stopped", 503))
+        self.fail_all("the engine process stopped", 503)
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineError("the engine process stopped", 503))
+        if self.on_death is not None:
+            self.on_death()

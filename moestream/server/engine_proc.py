@@ -43,8 +43,7 @@ def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, _exit_now)  # while loading there is nothing to finish: go at once
     if args.engine_options.get("tp_size", 1) > 1:
         import multiprocessing
 
@@ -57,15 +56,27 @@ def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
     try:
         loop = EngineLoop(args, outbox)
     except Exception as e:  # a bad model path/config must reach the user as one readable line
-        log.exception("engine start-up failed")
+        # the front end prints the one line; the traceback is for --log-level debug (a corrupt folder
+        # would otherwise bury the message under 20-30 lines of loader internals)
+        log.debug("engine start-up failed", exc_info=True)
         outbox.send({"type": "startup_error", "message": f"{type(e).__name__}: {e}" if not _is_user_error(e)
                      else str(e)})
         return
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))  # serving: leave the loop cleanly
     outbox.send({"type": "ready", "info": loop.info()})
     try:
         loop.run(inbox, parent_pid, stop)
     finally:
         loop.llm.close()  # with --tp-size: stops the other ranks
+        # Nothing is left to save; interpreter teardown (torch's) took seconds of CPU on a busy box,
+        # which a SIGTERM'd server would spend waiting on us.
+        logging.shutdown()
+        os._exit(0)
+
+
+def _exit_now(*_) -> None:
+    raise SystemExit(0)
 
 
 def _is_user_error(e: Exception) -> bool:
@@ -172,23 +183,19 @@ class EngineLoop:
         except MoestreamError as e:
             self.outbox.send({"type": "error", "rid": rid, "message": str(e), "status": 400})
             return
+        except Exception as e:  # the front end validates first; whatever slips through fails this request only
+            log.exception("could not add request %s", rid)
+            self.totals["failed"] += 1
+            self.outbox.send({"type": "error", "rid": rid, "message": f"internal error: {type(e).__name__}: {e}",
+                              "status": 500})
+            return
         self.totals["prompt_tokens"] += len(req.prompt_ids)
 
     def _step(self) -> None:
-        import torch
-
         try:
             outputs = self.scheduler.step()
-        except Exception as e:  # OOM or a bug in one batch: fail its requests, keep serving
-            oom = isinstance(e, torch.OutOfMemoryError)
-            log.exception("step failed; failing the %d running request(s)", len(self.scheduler.running))
-            if oom and torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            for req in self.scheduler.abort_all():
-                self.totals["failed"] += 1
-                msg = ("out of memory while computing this request; retry with a shorter prompt or fewer "
-                       "concurrent requests" if oom else f"internal error: {type(e).__name__}: {e}")
-                self.outbox.send({"type": "error", "rid": req.id, "message": msg, "status": 503 if oom else 500})
+        except Exception as e:  # OOM or a bug: find the request(s) it belongs to, keep serving the others
+            self._step_failed(e)
             return
         items = []
         for o in outputs:
@@ -201,6 +208,26 @@ class EngineLoop:
         if items:
             self.outbox.send({"type": "out", "items": items})
         self._account(self.scheduler.last_step)
+
+    def _step_failed(self, e: Exception) -> None:
+        """A batch of several requests is retried one request at a time (the scheduler's suspects);
+        a request that fails alone is the cause and fails with an error, nothing else does."""
+        import torch
+
+        oom = isinstance(e, torch.OutOfMemoryError)
+        if oom and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if len(self.scheduler.running) > 1:
+            log.warning("step failed (%s: %s); retrying its %d requests one at a time", type(e).__name__, e,
+                        len(self.scheduler.running))
+            self.scheduler.isolate_running()
+            return
+        log.exception("step failed; failing the request that ran alone")
+        for req in self.scheduler.abort_all():
+            self.totals["failed"] += 1
+            msg = ("out of memory while computing this request; retry with a shorter prompt or fewer "
+                   "concurrent requests" if oom else f"internal error: {type(e).__name__}: {e}")
+            self.outbox.send({"type": "error", "rid": req.id, "message": msg, "status": 503 if oom else 500})
 
     # ---- observability ---------------------------------------------------------------------
     def _account(self, st: dict) -> None:

@@ -28,6 +28,16 @@ class ApiError(Exception):
 
 
 @dataclass
+class Limits:
+    """Bounds on the work one request can ask for (flags of `moestream serve`)."""
+
+    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies: 413 before they are read
+    max_messages: int = 4096
+    max_json_depth: int = 64  # nesting of the request JSON (tool schemas are the deepest honest use)
+    body_timeout: float = 30.0  # seconds to receive the whole body once the headers are in (408 after)
+
+
+@dataclass
 class ServerState:
     """What the routes share: the engine handle, the tokenizer and the serving options."""
 
@@ -39,6 +49,10 @@ class ServerState:
     api_key: str | None = None
     metrics: Any = None
     started: float = field(default_factory=time.time)
+    limits: Limits = field(default_factory=Limits)
+    metrics_public: bool = False  # /metrics without the API key
+    # The engine's last stats, refreshed in the background: /v1/stats and /metrics never wait on it.
+    snapshot: dict = field(default_factory=dict)
 
     @property
     def max_seq_len(self) -> int:
@@ -77,17 +91,27 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
                 add_generation_prompt: bool = True, continue_final: bool = False) -> str:
     if state.tokenizer is None or state.tokenizer.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt")
-    try:
-        prompt = state.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt, **template_kwargs)
-    except Exception as e:  # template errors come as jinja2/ChatTemplateError/TypeError; all are the request's
-        raise ApiError(400, f"the chat template could not render these messages: {e}") from None
+    prompt = _apply_template(state, messages, tools, template_kwargs, add_generation_prompt)
+    if tools and prompt == _apply_template(state, messages, None, template_kwargs, add_generation_prompt):
+        # the template ignores `tools`: the model would never see them, so answering would be a lie
+        raise ApiError(400, "this model's chat template does not render tools, so tool calling is not "
+                       "available with it; send the request without tools (or with tool_choice \"none\")",
+                       param="tools")
     if continue_final:
         last = messages[-1].get("content") or ""
         cut = prompt.rfind(last) if last else -1
         if cut >= 0:
             prompt = prompt[:cut + len(last)]  # drop the end-of-turn so the model continues the message
     return prompt
+
+
+def _apply_template(state: ServerState, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
+                    add_generation_prompt: bool) -> str:
+    try:
+        return state.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except Exception as e:  # template errors come as jinja2/ChatTemplateError/TypeError; all are the request's
+        raise ApiError(400, f"the chat template could not render these messages: {e}") from None
 
 
 def check_prompt_fits(state: ServerState, n: int) -> None:
@@ -103,34 +127,51 @@ def check_prompt_fits(state: ServerState, n: int) -> None:
                        "shorten the prompt or raise --num-tokens", param="messages", code="context_length_exceeded")
 
 
-def sampling_params(state: ServerState, n_prompt: int, make) -> SamplingParams:
-    """`make(default_max_tokens)` -> SamplingParams, with max_tokens clamped to the context left."""
+def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False) -> SamplingParams:
+    """`make(default_max_tokens)` -> SamplingParams. max_tokens beyond the context left is refused as
+    OpenAI does (400), or with `clamp` cut to what fits (Anthropic clients send their own fixed value)."""
     room = state.max_seq_len - n_prompt
     try:
         params = make(room)
     except MoestreamError as e:
         raise ApiError(400, str(e)) from None
-    if params.max_tokens > room:  # like max_tokens larger than the model allows: generate what fits
-        params.max_tokens = room
+    if params.max_tokens > room and not clamp:
+        raise ApiError(400, f"This model's maximum context length is {state.max_seq_len} tokens. However, you "
+                       f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                       f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                       "max_tokens.", param="max_tokens", code="context_length_exceeded")
+    params.max_tokens = min(params.max_tokens, room)
+    _check_token_ids(state, params.stop_token_ids, "stop_token_ids")
     return params
 
 
+def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = state.engine.info.get("vocab_size")
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"{param} must be token ids in [0, {vocab})", param=param)
+
+
 def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, tool_choice: Any,
-              skip_special_tokens: bool = True) -> GenSpec:
-    ids = state.tokenizer.encode(prompt)
+              skip_special_tokens: bool = True, clamp: bool = False) -> GenSpec:
+    ids = encode(state, prompt)
     check_prompt_fits(state, len(ids))
-    params = sampling_params(state, len(ids), params_fn)
+    params = sampling_params(state, len(ids), params_fn, clamp)
     use_tools = bool(tools) and tool_choice != "none"
     tool_parser = state.tool_parser_cls(tools) if use_tools else NoToolParser()
     reasoning = state.reasoning_parser_cls(starts_in_reasoning=prompt_opens_reasoning(prompt))
     return GenSpec(ids, params, tool_parser, reasoning, keep_markup=skip_special_tokens)
 
 
+def encode(state: ServerState, text: str) -> list[int]:
+    try:
+        return state.tokenizer.encode(text)
+    except (UnicodeError, ValueError) as e:  # e.g. a lone surrogate that slipped into a template variable
+        raise ApiError(400, f"the prompt could not be tokenized: {e}") from None
+
+
 def plain_spec(state: ServerState, ids: list[int], params_fn) -> GenSpec:
     check_prompt_fits(state, len(ids))
-    vocab = state.engine.info.get("vocab_size")
-    if vocab and any(not 0 <= t < vocab for t in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    _check_token_ids(state, ids, "prompt")
     params = sampling_params(state, len(ids), params_fn)
     return GenSpec(ids, params, NoToolParser(), NoReasoningParser(), keep_markup=False)
 
@@ -143,7 +184,7 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
     t0 = time.perf_counter()
     first: float | None = None
     tokens = 0
-    outcome = "error"
+    outcome = "error"  # an EngineError (or a bug) leaves it so
     try:
         async with contextlib.aclosing(state.engine.generate(rid, spec.prompt_ids, spec.params,
                                                              spec.keep_markup)) as deltas:
@@ -156,10 +197,13 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
                 if d.finish_reason is not None:
                     for ev in _finish(spec):
                         yield ev
-                    outcome = d.finish_reason
+                    outcome = "aborted" if d.finish_reason == "abort" else d.finish_reason  # engine totals' word
                     yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens)
                     return
-        outcome = "abort"
+        outcome = "aborted"
+    except (GeneratorExit, asyncio.CancelledError):
+        outcome = "aborted"  # the client went away and its response closed this generator
+        raise
     finally:
         if watcher is not None:
             watcher.cancel()

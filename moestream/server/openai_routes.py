@@ -5,10 +5,12 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from . import protocol as P
 from .engine_client import EngineError
-from .generation import ApiError, GenSpec, ServerState, chat_spec, collect, new_request_id, plain_spec, run
+from .generation import (ApiError, GenSpec, ServerState, chat_spec, collect, encode, new_request_id, plain_spec,
+                         run)
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -18,12 +20,8 @@ def check_model(state: ServerState, model: str) -> None:
 
 
 async def chat_completions(state: ServerState, request, body: dict) -> Any:
-    req = P.ChatCompletionRequest.model_validate(body)
-    check_model(state, req.model)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    prompt = _render(state, req)
-    spec = chat_spec(state, prompt, lambda room: req.to_sampling_params(room), tools, req.tool_choice,
-                     req.skip_special_tokens)
+    # validation, template and tokenizer are CPU work that grows with the body: off the event loop
+    req, spec = await run_in_threadpool(_chat_prepare, state, body)
     rid = new_request_id("chatcmpl")
     if req.stream:
         return _sse(_chat_stream(state, spec, request, rid, req.include_usage))
@@ -31,6 +29,16 @@ async def chat_completions(state: ServerState, request, body: dict) -> Any:
     return JSONResponse(P.chat_completion_response(
         rid, state.model_name, got.content or None, reasoning_content=got.reasoning, tool_calls=got.tool_calls,
         finish_reason=got.finish_reason, prompt_tokens=len(spec.prompt_ids), completion_tokens=got.completion_tokens))
+
+
+def _chat_prepare(state: ServerState, body: dict) -> tuple[P.ChatCompletionRequest, GenSpec]:
+    req = P.ChatCompletionRequest.model_validate(body)
+    check_model(state, req.model)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    prompt = _render(state, req)
+    spec = chat_spec(state, prompt, lambda room: req.to_sampling_params(room), tools, req.tool_choice,
+                     req.skip_special_tokens)
+    return req, spec
 
 
 def _render(state: ServerState, req: P.ChatCompletionRequest) -> str:
@@ -76,14 +84,8 @@ async def _chat_stream(state: ServerState, spec: GenSpec, request, rid: str, inc
 
 
 async def completions(state: ServerState, request, body: dict) -> Any:
-    req = P.CompletionRequest.model_validate(body)
-    check_model(state, req.model)
-    ids = req.prompt_token_ids
-    if ids is None:
-        if state.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = state.tokenizer.encode(req.prompt_text)
-    spec = plain_spec(state, ids, lambda room: req.to_sampling_params(room))
+    req, spec = await run_in_threadpool(_completion_prepare, state, body)
+    ids = spec.prompt_ids
     rid = new_request_id("cmpl")
     if req.stream:
         return _sse(_completion_stream(state, spec, request, rid, req.include_usage))
@@ -110,6 +112,17 @@ async def _completion_stream(state: ServerState, spec: GenSpec, request, rid: st
     except EngineError as e:
         yield P.sse_data(P.openai_error_body(e.message, type="server_error"))
     yield P.SSE_DONE
+
+
+def _completion_prepare(state: ServerState, body: dict) -> tuple[P.CompletionRequest, GenSpec]:
+    req = P.CompletionRequest.model_validate(body)
+    check_model(state, req.model)
+    ids = req.prompt_token_ids
+    if ids is None:
+        if state.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = encode(state, req.prompt_text)
+    return req, plain_spec(state, ids, lambda room: req.to_sampling_params(room))
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from moestream.core import RequestError, SamplingParams
+from moestream.core import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 from moestream.server.parsers import ToolCall
 
 __all__ = [
@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1000  # per stop string: the detokenizer holds this much text back while matching
+MAX_TOKEN_IDS = 1 << 20  # stop_token_ids / prompt ids beyond any vocabulary or context: refused early
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,9 +123,10 @@ class _OpenAISampling(_Model):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0, lt=MAX_TOKEN_IDS)]]] = Field(
+        default=None, max_length=MAX_STOP_SEQUENCES * 16)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: Optional[int] = None
@@ -136,6 +139,9 @@ class _OpenAISampling(_Model):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: Any) -> Any:
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop sequences may have at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if isinstance(v, list):
             if len(v) > MAX_STOP_SEQUENCES:
                 raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
@@ -420,8 +426,9 @@ class CompletionRequest(_OpenAISampling):
                 raise ValueError(f"only one prompt per request is supported, got {len(v)}")
             if isinstance(v[0], list) and not v[0]:
                 raise ValueError("prompt token list must not be empty")
-            if isinstance(v[0], int) and any(t < 0 for t in v):
-                raise ValueError("prompt token ids must be >= 0")
+            ids = v[0] if isinstance(v[0], list) else v
+            if isinstance(ids[0], int) and any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError("prompt token ids must be integers >= 0")
         return v
 
     @field_validator("echo")
@@ -715,6 +722,8 @@ class AnthropicMessagesRequest(_AnthropicConversation):
     def _check_stops(cls, v: Optional[list[str]]) -> Optional[list[str]]:
         if v and any(s == "" for s in v):
             raise ValueError("stop_sequences must be non-empty strings")
+        if v and any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"stop sequences may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")

@@ -210,6 +210,9 @@ def test_disconnect_frees_pages(server, http):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
+        deadline = time.time() + 5  # /v1/stats is a snapshot refreshed every 0.5 s
+        while _stats(http)["kv"]["used_pages"] == 0 and time.time() < deadline:
+            time.sleep(0.1)
         assert _stats(http)["kv"]["used_pages"] > 0
     deadline = time.time() + 10
     while time.time() < deadline:
@@ -250,7 +253,7 @@ def test_api_key_required(server):
 
 def test_metrics_and_batch_logs(server, http, oai):
     oai.chat.completions.create(model=MODEL, messages=msgs("hi"), max_tokens=3)  # so there is a TTFT to report
-    text = httpx.get(server["url"] + "/metrics").text
+    text = http.get("/metrics").text  # behind the key, as /v1/stats
     assert "moestream_generation_tokens_total" in text and "moestream_kv_cache_usage_ratio" in text
     s = _stats(http)
     assert s["requests"]["ttft_p95_ms"] is not None and s["throughput"]["decode_tps"] >= 0
@@ -263,7 +266,9 @@ def test_metrics_and_batch_logs(server, http, oai):
 def test_sigterm_stops_server_and_engine(server, http):
     engine_pid = _stats(http)["engine"]["pid"]
     http.close()
+    t0 = time.perf_counter()
     assert stop_server(server["proc"]) == 0
+    assert time.perf_counter() - t0 <= 10  # idle: prompt
     assert port_is_free(server["port"])
     deadline = time.time() + 5
     while time.time() < deadline and _pid_alive(engine_pid):

@@ -1,0 +1,99 @@
+"""No request can hurt another inside the engine: sampling parameters are refused before they reach
+torch, any valid value samples finite tokens, and a failing step is retried one request at a time so
+only the request it belongs to fails (moestream.server.engine_proc, moestream.scheduler)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.core import SEED_MAX, SEED_MIN, RequestError, SamplingParams
+from moestream.engine.sampler import make_generator, sample
+from moestream.server.engine_proc import EngineArgs, EngineLoop
+
+POISON = 7  # a prompt holding this token id makes the (patched) forward fail
+
+
+@pytest.mark.parametrize("kw", [{"seed": SEED_MAX + 1}, {"seed": SEED_MIN - 1}, {"seed": 1.5},
+                                {"temperature": float("nan")}, {"temperature": float("inf")},
+                                {"temperature": 1e9}, {"top_k": -2}, {"top_k": True}, {"stop": [""]},
+                                {"stop_token_ids": [-1]}, {"max_tokens": 2 ** 70 + 0.5}])
+def test_sampling_params_refuse_what_torch_cannot_take(kw):
+    with pytest.raises(RequestError):
+        SamplingParams(**kw)
+
+
+def test_seed_range_edges_make_generators():
+    for seed in (SEED_MIN, SEED_MAX, 0):
+        assert make_generator(SamplingParams(seed=seed), torch.device("cpu")) is not None
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-7, 5e-324, 100.0])
+def test_any_valid_temperature_samples_a_real_token(temperature):
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 30
+    logits[2, 5] = float("inf")  # even a broken row gives a token, not an exception
+    params = [SamplingParams(temperature=temperature, top_p=0.9, top_k=10, min_p=0.1)] * 3
+    toks = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    assert all(0 <= t < 64 for t in toks)
+    if temperature < 1e-6:  # vanishing temperature is greedy
+        assert toks == logits.argmax(-1).tolist()
+
+
+class Outbox:
+    def __init__(self):
+        self.msgs = []
+
+    def send(self, msg):
+        self.msgs.append(msg)
+
+
+@pytest.fixture(scope="module")
+def loop(tiny_checkpoint):
+    return EngineLoop(EngineArgs(str(tiny_checkpoint("qwen35")), {"device": "cpu", "dtype": "float32",
+                                                                  "max_running_requests": 4}), Outbox())
+
+
+def _run(loop, prompts: dict[str, list[int]], max_tokens: int = 6) -> tuple[dict, dict]:
+    loop.outbox.msgs.clear()
+    for rid, ids in prompts.items():
+        loop._add({"rid": rid, "prompt_ids": ids, "params": {"max_tokens": max_tokens, "temperature": 0,
+                                                            "ignore_eos": True}})
+    for _ in range(200):
+        if not loop.scheduler.has_work():
+            break
+        loop._step()
+    texts = {rid: "" for rid in prompts}
+    errors = {}
+    for m in loop.outbox.msgs:
+        if m["type"] == "out":
+            for rid, text, *_ in m["items"]:
+                texts[rid] += text
+        elif m["type"] == "error":
+            errors[m["rid"]] = m
+    return texts, errors
+
+
+def test_a_failing_request_fails_alone(loop, monkeypatch):
+    prompts = {"a": [1, 2, 3, 4, 5], "bad": [POISON, 9, 10], "b": [11, 12, 13, 14], "c": [20, 21]}
+    alone = {rid: _run(loop, {rid: ids})[0][rid] for rid, ids in prompts.items() if rid != "bad"}
+    forward = loop.llm.engine.forward
+
+    def poisoned(batch):
+        if bool((batch.input_ids == POISON).any()):
+            raise RuntimeError("poisoned batch")
+        return forward(batch)
+
+    monkeypatch.setattr(loop.llm.engine, "forward", poisoned)
+    failed_before = loop.totals["failed"]
+    texts, errors = _run(loop, prompts)
+    assert set(errors) == {"bad"} and errors["bad"]["status"] == 500 and "poisoned" in errors["bad"]["message"]
+    assert {rid: texts[rid] for rid in alone} == alone  # the others finished, exactly as when run alone
+    assert loop.totals["failed"] == failed_before + 1
+    s = loop.scheduler
+    assert not s.suspects and not s.running and not s.waiting
+    assert s.kv.pages.num_used == 0 and s.state.slots.num_used == 0
+
+
+def test_an_unexpected_add_error_fails_that_request_only(loop, monkeypatch):
+    monkeypatch.setattr(loop.scheduler, "add", lambda req: (_ for _ in ()).throw(OverflowError("boom")))
+    _, errors = _run(loop, {"x": [1, 2]})
+    assert errors["x"]["status"] == 500 and "boom" in errors["x"]["message"]
