@@ -71,7 +71,9 @@ class ExpertRuntime:
         raise NotImplementedError(f"the {self.name} backend has no expert cache to resize")
 
     def stats(self) -> dict:
-        return {"backend": self.name, **self.book.as_dict(), "options": dict(self.options.__dict__)}
+        options = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                   for k, v in self.options.__dict__.items()}  # JSON-safe: served at /v1/stats
+        return {"backend": self.name, **self.book.as_dict(), "options": options}
 
     def step_hit_rate(self) -> float | None:
         """Hit rate of the last decode step (None before the first one)."""
