@@ -129,3 +129,16 @@ def test_cli_errors_are_one_line(tmp_path):
                         "--prompt", "x"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("moestream: error:")
+
+
+def test_cli_generate_answers_an_instruct_model_through_its_chat_template():
+    """`moestream generate --prompt` on the default (instruct) model prints an answer: the chat template is
+    applied when the model has one (a raw completion of a question printed nothing before)."""
+    r = subprocess.run([sys.executable, "-m", "moestream.cli", "generate", "--prompt", "What is the capital of France?",
+                        "--max-tokens", "12", "--temperature", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), r.stderr
+    raw = subprocess.run([sys.executable, "-m", "moestream.cli", "generate", "--prompt", "What is the capital of France?",
+                          "--max-tokens", "12", "--temperature", "0", "--no-chat"], capture_output=True, text=True,
+                         timeout=300)
+    assert raw.returncode == 0 and raw.stdout != r.stdout  # --no-chat completes the raw text instead
