@@ -25,20 +25,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.scale = head_dim ** -0.5
+        self.qkv_proj = None  # models/fuse.py: q_proj | k_proj | v_proj in one GEMM
+
+    def _project(self, x: torch.Tensor):
+        """x [T, hidden] -> q [T, q_out], k, v [T, Hk*D] (views of one GEMM if fused)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj.split(self.qkv_proj(x))
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
         T = x.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x)
+        q, k, v = self._project(x)
         gate = None
         if self.output_gate:
             # Per head, the projection holds [query (D) | gate (D)].
             q, gate = q.view(T, H, 2 * D).chunk(2, dim=-1)
             gate = gate.reshape(T, H * D)
         q = self.q_norm(q.reshape(T, H, D))
-        k = self.k_norm(self.k_proj(x).view(T, Hk, D))
-        v = self.v_proj(x).view(T, Hk, D)
+        k = self.k_norm(k.view(T, Hk, D))
+        v = v.view(T, Hk, D)
         q, k = rotary.apply(q, k, batch.positions)
         k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))

@@ -31,8 +31,8 @@ def enabled(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, N, eps, ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr,
-                    BLOCK: tl.constexpr):
+    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, N, eps, G_INNER, G_STRIDE, ZERO_CENTERED: tl.constexpr,
+                    GATED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         o = tl.arange(0, BLOCK)
         m = o < N
@@ -45,7 +45,9 @@ if triton is not None:
         else:
             y = (xn.to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
         if GATED:
-            g = tl.load(g_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)
+            # gate rows: G_INNER rows of N apart, groups of them G_STRIDE apart (a view into a fused GEMM)
+            g_row = g_ptr + (row // G_INNER) * G_STRIDE + (row % G_INNER) * N
+            g = tl.load(g_row + o, mask=m, other=0.0).to(tl.float32)
             y = y * (g / (1.0 + tl.exp(-g)))
         tl.store(y_ptr + row * N + o, y.to(out_ty), mask=m)
 
@@ -63,9 +65,35 @@ if triton is not None:
         return (y / (1.0 + tl.exp(-y))).to(out_ty).to(tl.float32)  # rounded like the torch path
 
     @triton.jit
+    def _softplus(x):
+        """torch.nn.functional.softplus (threshold 20) with an accurate log1p (not in the interpreter's libdevice)."""
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        return tl.where(x > 20.0, x, log1p)
+
+    @triton.jit
+    def _decay_beta(b, h, g_ptr, beta_ptr, HV, a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                    RAW_GATES: tl.constexpr):
+        """exp(g) and beta of token b, value head h: read (fp32 [B, Hv]) or, RAW_GATES, computed from the
+        projections a, b like GatedDeltaNet._gates: beta = sigmoid(b) rounded to b's dtype,
+        g = -exp(A_log) * softplus(a + dt_bias) in fp32."""
+        if RAW_GATES:
+            braw = tl.load(braw_ptr + b * B_STRIDE + h)
+            beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
+            x = tl.load(a_ptr + b * A_STRIDE + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+            g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x)
+        else:
+            g = tl.load(g_ptr + b * HV + h)
+            beta = tl.load(beta_ptr + b * HV + h)
+        return tl.exp(g), beta
+
+    @triton.jit
     def _gdn_decode_kernel(mixed_ptr, conv_ptr, convw_ptr, slots_ptr, g_ptr, beta_ptr, rec_ptr, out_ptr,
-                           CONV_DIM, KEY_DIM, HV, REP, scale,
-                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr):
+                           CONV_DIM, KEY_DIM, HV, REP, scale, MIXED_STRIDE,
+                           a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr,
+                           RAW_GATES: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -75,7 +103,7 @@ if triton is not None:
         dv = vb * BV + tl.arange(0, BV)
         taps = tl.arange(0, KW)
         conv_base = conv_ptr + slot * CONV_DIM * (KW - 1)
-        mixed_row = mixed_ptr + b * CONV_DIM
+        mixed_row = mixed_ptr + b * MIXED_STRIDE
         out_ty = out_ptr.dtype.element_ty
         cq = hk * DK + dk
         ck = KEY_DIM + hk * DK + dk
@@ -90,8 +118,8 @@ if triton is not None:
         shifted = tl.sum(tl.where(taps[None, None, :] == taps[None, :, None] + 1, wv[:, None, :], 0.0), axis=2)
         tl.store(conv_base + cv[:, None] * (KW - 1) + taps[None, :], shifted.to(conv_ptr.dtype.element_ty),
                  mask=taps[None, :] < KW - 1)
-        gate = tl.exp(tl.load(g_ptr + b * HV + h))
-        beta = tl.load(beta_ptr + b * HV + h)
+        gate, beta = _decay_beta(b, h, g_ptr, beta_ptr, HV, a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                                 RAW_GATES)
         sp = rec_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
         S = tl.load(sp).to(tl.float32) * gate
         u = (v - tl.sum(S * k[:, None], axis=0)) * beta
@@ -101,14 +129,15 @@ if triton is not None:
         tl.store(out_ptr + (b * HV + h) * DV + dv, o.to(out_ty))
 
     @triton.jit
-    def _conv_shift_kernel(mixed_ptr, conv_ptr, slots_ptr, CONV_DIM, NCH, KW: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_shift_kernel(mixed_ptr, conv_ptr, slots_ptr, CONV_DIM, MIXED_STRIDE, NCH, KW: tl.constexpr,
+                           BLOCK: tl.constexpr):
         """Shift the conv windows of channels [0, NCH) by one token (after every reader ran)."""
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         taps = tl.arange(0, KW)
         m = c < NCH
         base = conv_ptr + tl.load(slots_ptr + b) * CONV_DIM * (KW - 1)
-        win = _window(base, mixed_ptr + b * CONV_DIM, tl.where(m, c, 0), taps, KW)
+        win = _window(base, mixed_ptr + b * MIXED_STRIDE, tl.where(m, c, 0), taps, KW)
         shifted = tl.sum(tl.where(taps[None, None, :] == taps[None, :, None] + 1, win[:, None, :], 0.0), axis=2)
         tl.store(base + c[:, None] * (KW - 1) + taps[None, :], shifted.to(conv_ptr.dtype.element_ty),
                  mask=m[:, None] & (taps[None, :] < KW - 1))
@@ -120,27 +149,176 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     N = shape[-1]
     x2 = x.reshape(-1, N).contiguous()
     y = torch.empty_like(x2)
-    g2 = gate.reshape(-1, N).contiguous() if gate is not None else x2
-    _rms_kernel[(x2.shape[0],)](x2, weight, g2, y, N, eps, ZERO_CENTERED=zero_centered, GATED=gate is not None,
-                                BLOCK=triton.next_power_of_2(N))
+    g3 = _gate_rows(gate, N) if gate is not None else x2.view(1, -1, N)
+    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, N, eps, g3.shape[1], g3.stride(0), ZERO_CENTERED=zero_centered,
+                                GATED=gate is not None, BLOCK=triton.next_power_of_2(N))
     return y.view(shape)
 
 
-def gdn_decode(mixed, conv_state, conv_w, slots, g, beta, rec_state, out, key_dim, hk, hv, dk, dv) -> None:
-    """mixed [B, conv_dim]; conv_state [slots, conv_dim, K-1]; conv_w [conv_dim, K]; g, beta [B, Hv] fp32;
-    rec_state [slots, Hv, Dk, Dv]; writes out [B, Hv, Dv] and updates both states in place."""
+def _gate_rows(gate: torch.Tensor, N: int) -> torch.Tensor:
+    """gate [..., R, N] as [G, R, N] with rows N apart inside a group (a view where possible: GatedDeltaNet's
+    z is [T, Hv, Dv] inside the fused projection, groups a product row apart)."""
+    g = gate.reshape(-1, gate.shape[-2] if gate.dim() > 1 else 1, N)
+    if g.stride(2) != 1 or (g.shape[1] > 1 and g.stride(1) != N) or (g.shape[0] > 1 and g.stride(0) < 0):
+        g = g.contiguous()
+    return g
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [B, N] with unit stride along N (a view of a fused projection keeps its row stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def gdn_decode(mixed, conv_state, conv_w, slots, g, beta, rec_state, out, key_dim, hk, hv, dk, dv,
+               raw_gates=None) -> None:
+    """mixed [B, conv_dim] (any row stride); conv_state [slots, conv_dim, K-1]; conv_w [conv_dim, K];
+    g, beta [B, Hv] fp32, or raw_gates = (b, a [B, Hv] projections, A_log, dt_bias [Hv]) to compute them in the
+    kernel; rec_state [slots, Hv, Dk, Dv]; writes out [B, Hv, Dv] and updates both states in place."""
     B, conv_dim = mixed.shape
     K = conv_w.shape[1]
     bv = min(32, dv)
-    mixed = mixed.contiguous()
+    mixed = _rows(mixed)
+    if raw_gates is not None:
+        braw, a, alog, dtb = raw_gates
+        braw, a = _rows(braw), _rows(a)
+        g = beta = a  # unused pointers
+    else:
+        g, beta = g.contiguous(), beta.contiguous()
+        braw = a = alog = dtb = g
     _gdn_decode_kernel[(B, hv, dv // bv)](
-        mixed, conv_state, conv_w.contiguous(), slots, g.contiguous(), beta.contiguous(), rec_state,
-        out, conv_dim, key_dim, hv, hv // hk, dk ** -0.5, DK=dk, DV=dv, KW=K, BV=bv)
-    _conv_shift_kernel[(B, triton.cdiv(2 * key_dim, 128))](mixed, conv_state, slots, conv_dim, 2 * key_dim,
-                                                           KW=K, BLOCK=128)
+        mixed, conv_state, conv_w.contiguous(), slots, g, beta, rec_state,
+        out, conv_dim, key_dim, hv, hv // hk, dk ** -0.5, mixed.stride(0),
+        a, braw, a.stride(0), braw.stride(0), alog, dtb,
+        DK=dk, DV=dv, KW=K, BV=bv, RAW_GATES=raw_gates is not None)
+    _conv_shift_kernel[(B, triton.cdiv(2 * key_dim, 128))](mixed, conv_state, slots, conv_dim, mixed.stride(0),
+                                                           2 * key_dim, KW=K, BLOCK=128)
 
 
 def gdn_decode_ok(conv_state: torch.Tensor, K: int, dk: int, dv: int) -> bool:
     """Shapes the kernel handles: power-of-two head dims and conv width, contiguous states."""
     p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return p2(dk) and p2(dv) and p2(K) and K >= 2 and conv_state.is_contiguous()
+
+
+# ---- the MoE block's small ops: router top-k, shared-expert activation, combine + residual ----------------
+# Each public function below takes the kernel on CUDA (enabled()) and otherwise its torch reference
+# (`*_torch`, also what the tests compare the kernels with under the interpreter).
+
+if triton is not None:
+    @triton.jit
+    def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, STRIDE, K: tl.constexpr, KP: tl.constexpr,
+                           NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One token: softmax over E logits (fp32), the K largest (descending; ties: lowest id first),
+        optionally renormalised to sum 1, cast to the weights' dtype."""
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        m = e < E
+        x = tl.load(logits_ptr + t * STRIDE + e, mask=m, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        cur = tl.where(m, p, -1.0)  # probabilities are >= 0: -1 marks taken and padded experts
+        j = tl.arange(0, KP)
+        top_w = tl.zeros([KP], dtype=tl.float32)
+        top_i = tl.zeros([KP], dtype=tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(cur, axis=0)
+            idx = tl.min(tl.where(cur == best, e, BLOCK_E), axis=0)
+            top_w = tl.where(j == i, best, top_w)
+            top_i = tl.where(j == i, idx.to(tl.int64), top_i)
+            cur = tl.where(e == idx, -1.0, cur)
+        if NORMALIZE:
+            top_w = top_w / tl.sum(top_w, axis=0)  # padded entries are 0
+        tl.store(ids_ptr + t * K + j, top_i, mask=j < K)
+        tl.store(w_ptr + t * K + j, top_w.to(w_ptr.dtype.element_ty), mask=j < K)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, INTER, STRIDE, BLOCK: tl.constexpr):
+        """out[t] = silu(gu[t, :I]) * gu[t, I:2I], rounded like torch: silu to the dtype, then the product."""
+        t = tl.program_id(0)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < INTER
+        ty = out_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + t * STRIDE + o, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + t * STRIDE + INTER + o, mask=m, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(out_ptr + t * INTER + o, (s * u).to(ty), mask=m)
+
+    @triton.jit
+    def _gated_combine_kernel(y_ptr, s_ptr, gate_ptr, r_ptr, out_ptr, N, GATE_STRIDE, RESIDUAL: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """out[t] = (r[t] +) (y[t] + sigmoid(gate[t]) * s[t]), each op rounded to the dtype as in torch."""
+        t = tl.program_id(0)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        ty = out_ptr.dtype.element_ty
+        gl = tl.load(gate_ptr + t * GATE_STRIDE).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-gl))).to(ty).to(tl.float32)
+        sh = (sig * tl.load(s_ptr + t * N + o, mask=m, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+        acc = (tl.load(y_ptr + t * N + o, mask=m, other=0.0).to(tl.float32) + sh).to(ty)
+        if RESIDUAL:
+            acc = (tl.load(r_ptr + t * N + o, mask=m, other=0.0).to(tl.float32) + acc.to(tl.float32)).to(ty)
+        tl.store(out_ptr + t * N + o, acc, mask=m)
+
+
+def route_topk_torch(logits: torch.Tensor, k: int, normalize: bool):
+    """logits [T, E] -> ids [T, k] int64, weights [T, k] in logits.dtype (the reference of route_topk)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w.to(logits.dtype)
+
+
+def route_topk_ok(logits: torch.Tensor, k: int) -> bool:
+    """Sizes the one-program-per-token kernel is meant for (E up to 512, k up to 16), unit-stride rows."""
+    return logits.dim() == 2 and logits.shape[1] <= 512 and 1 <= k <= min(16, logits.shape[1]) \
+        and logits.stride(1) == 1
+
+
+def route_topk(logits: torch.Tensor, k: int, normalize: bool):
+    """Kernel of route_topk_torch: one launch instead of softmax, topk, sum, divide and cast."""
+    T, E = logits.shape
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    w = torch.empty((T, k), dtype=logits.dtype, device=logits.device)
+    if T:
+        _route_topk_kernel[(T,)](logits, ids, w, E, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
+                                 NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    return ids, w
+
+
+def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    return torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+
+
+def silu_mul(gu: torch.Tensor, inter: int, force: bool = False) -> torch.Tensor:
+    """gu [T, >= 2I] (gate | up | ..., unit stride along rows) -> silu(gate) * up [T, I]."""
+    if not (force or enabled(gu)) or gu.stride(-1) != 1:
+        return silu_mul_torch(gu, inter)
+    T = gu.shape[0]
+    out = torch.empty((T, inter), dtype=gu.dtype, device=gu.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), BLOCK=block)
+    return out
+
+
+def gated_combine_torch(y, shared, gate, residual=None):
+    y = y + torch.sigmoid(gate) * shared
+    return y if residual is None else residual + y
+
+
+def gated_combine(y: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None,
+                  force: bool = False) -> torch.Tensor:
+    """y, shared [T, H] (routed and shared expert outputs), gate [T, 1] logits (any row stride), residual
+    [T, H] or None -> (residual +) y + sigmoid(gate) * shared, in one launch on CUDA."""
+    same = all(t is None or (t.dtype == y.dtype and t.is_contiguous()) for t in (shared, residual))
+    if not (force or enabled(y)) or not same or not y.is_contiguous() or y.dtype != shared.dtype:
+        return gated_combine_torch(y, shared, gate, residual)
+    T, N = y.shape
+    out = torch.empty_like(y)
+    if T:
+        block = min(1024, triton.next_power_of_2(N))
+        _gated_combine_kernel[(T, triton.cdiv(N, block))](y, shared, gate, y if residual is None else residual, out,
+                                                         N, gate.stride(0), RESIDUAL=residual is not None,
+                                                         BLOCK=block)
+    return out

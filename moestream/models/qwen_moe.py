@@ -18,6 +18,7 @@ from ..engine.batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..kernels.linear import Linear, linear
+from ..layers import triton_ops
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
 
@@ -42,11 +43,11 @@ class Router(nn.Module):
     def forward(self, x):
         """x [T, H] -> (topk ids [T, k], topk weights [T, k] in x.dtype, logits [T, E])."""
         logits = linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            w = w / w.sum(-1, keepdim=True)
-        return ids, w.to(logits.dtype), logits
+        if triton_ops.enabled(logits) and triton_ops.route_topk_ok(logits, self.top_k):
+            ids, w = triton_ops.route_topk(logits, self.top_k, self.normalize)  # one launch, not ~6
+        else:
+            ids, w = triton_ops.route_topk_torch(logits, self.top_k, self.normalize)
+        return ids, w, logits
 
 
 class SparseMoeBlock(nn.Module):
@@ -59,13 +60,26 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.runtime = None  # set by the engine: an ExpertRuntime
+        # models/fuse.py: shared gate_proj | up_proj | shared_expert_gate in one GEMM, and then the block
+        # adds the decoder's residual itself (forward(x, residual)) inside its combine
+        self.shared_in = None
+        self.takes_residual = False
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """x [T, H] -> routed + gated shared expert [T, H] (+ residual when given: fused blocks only)."""
         ids, w, _ = self.gate(x)
         y = self.runtime.forward(self.layer, x, ids, w)
+        if self.shared_in is not None:
+            return self._fused_shared(x, y, residual)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return y if residual is None else residual + y
+
+    def _fused_shared(self, x, y, residual):
+        gu = self.shared_in(x)  # [T, 2I + 1]: gate | up | shared-expert gate logit
+        inter = self.shared_in.sizes[0]
+        act = triton_ops.silu_mul(gu, inter)  # [T, I] = silu(gate) * up
+        return triton_ops.gated_combine(y, self.shared_expert.down_proj(act), gu[:, 2 * inter:], residual)
 
 
 class DecoderLayer(nn.Module):
@@ -117,6 +131,9 @@ class QwenMoeModel(nn.Module):
                 j = self.kv_layer[i]
                 x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
             h = r + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if getattr(layer.mlp, "takes_residual", False):
+                h = layer.mlp(layer.post_attention_layernorm(h), h)  # residual added in the MoE combine
+            else:
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
