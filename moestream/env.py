@@ -18,6 +18,11 @@ def triton_enabled() -> bool:
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
 
+def fuse_projections_enabled() -> bool:
+    """MOESTREAM_FUSE=0 keeps the loaded projections unfused (models/fuse.py): for A/B measurements."""
+    return os.environ.get("MOESTREAM_FUSE", "1") != "0"
+
+
 @lru_cache(maxsize=None)
 def cpu_has_native(dtype) -> bool:
     """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""
