@@ -1,7 +1,8 @@
 """The decode-step fusions of layers/triton_ops.py against their torch references:
 router softmax + top-k (+ renormalisation), shared-expert silu(gate) * up, the MoE combine + residual,
 the Gated DeltaNet decode kernel computing its own gates from the raw projections (on views of a fused
-projection), and the gated RMSNorm reading its gate through a strided view.
+projection), the gated RMSNorm reading its gate through a strided view, and the decoder's residual add
+fused into the post-attention RMSNorm.
 
 * Interpreter: all cases run once in a subprocess with TRITON_INTERPRET=1, on CPU tensors.
 * sm_90: each kernel is compiled by the real compiler (no GPU needed).
@@ -29,7 +30,7 @@ from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_re
 
 from moestream.layers import triton_ops  # noqa: E402
 from moestream.layers.gdn import GatedDeltaNet  # noqa: E402
-from moestream.layers.norm import GatedRMSNorm  # noqa: E402
+from moestream.layers.norm import GatedRMSNorm, RMSNorm  # noqa: E402
 
 BF16_ULP = dict(rtol=2 ** -7, atol=1e-6)  # one bf16 ulp relative
 BF16_INTERP = dict(rtol=2 ** -5, atol=1e-6)  # truncation at up to two rounding points (module docstring)
@@ -131,6 +132,19 @@ def case_gated_norm_strided(dtype) -> list[str]:
     return _close("gated norm", got, n(x, z), F32 if dtype == torch.float32 else BF16_INTERP)
 
 
+def case_add_rms_norm(dtype, zero_centered) -> list[str]:
+    """The decoder's residual add fused into the post-attention norm: both outputs against torch."""
+    g = torch.Generator().manual_seed(5)
+    n = RMSNorm(96, 1e-6, zero_centered).to(dtype)
+    torch.nn.init.normal_(n.weight, 0.3, 0.2)
+    x, r = (torch.randn(3, 96, generator=g).to(dtype) for _ in range(2))
+    y, h = triton_ops.add_rms_norm(x, r, n.weight, n.eps, zero_centered)
+    yr, hr = n.add_forward(x, r)  # CPU tensors: the torch path
+    errs = [] if torch.equal(h, hr) or dtype != torch.float32 else ["h != r + x"]
+    tol = F32 if dtype == torch.float32 else BF16_INTERP
+    return errs + _close("h", h, hr, tol) + _close("norm", y, yr, dict(tol, atol=2 ** -6))
+
+
 CASES = {
     "route-E256-k8-norm": lambda: case_route(5, 256, 8, True, torch.float32),
     "route-E512-k16": lambda: case_route(3, 512, 16, False, torch.float32),
@@ -145,6 +159,10 @@ CASES = {
     "gdn-raw-gates-bf16": lambda: case_gdn_raw_gates(torch.bfloat16, torch.float32),
     "gated-norm-strided-f32": lambda: case_gated_norm_strided(torch.float32),
     "gated-norm-strided-bf16": lambda: case_gated_norm_strided(torch.bfloat16),
+    "add-rms-norm-f32": lambda: case_add_rms_norm(torch.float32, False),
+    "add-rms-norm-zc-f32": lambda: case_add_rms_norm(torch.float32, True),
+    "add-rms-norm-bf16": lambda: case_add_rms_norm(torch.bfloat16, False),
+    "add-rms-norm-zc-bf16": lambda: case_add_rms_norm(torch.bfloat16, True),
 }
 
 
@@ -171,6 +189,8 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 
 
 # --------------------------------------------------------------------------- sm_90
+RMS_SIG = {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "g_ptr", "y_ptr", "r_ptr", "h_ptr")}, "N": "i32", "eps": "fp32",
+           "G_INNER": "i32", "G_STRIDE": "i32", **{c: "constexpr" for c in ("ZERO_CENTERED", "GATED", "ADD", "BLOCK")}}
 SM90 = {
     "route": lambda: (triton_ops._route_topk_kernel,
                       {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32", "STRIDE": "i32",
@@ -195,11 +215,10 @@ SM90 = {
                                                      "B_STRIDE")},
                                "scale": "fp32", **{c: "constexpr" for c in ("DK", "DV", "KW", "BV", "RAW_GATES")}},
                               {"DK": 128, "DV": 128, "KW": 4, "BV": 32, "RAW_GATES": True}),
-    "gated-norm": lambda: (triton_ops._rms_kernel,
-                           {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32",
-                            "eps": "fp32", "G_INNER": "i32", "G_STRIDE": "i32", "ZERO_CENTERED": "constexpr",
-                            "GATED": "constexpr", "BLOCK": "constexpr"},
-                           {"ZERO_CENTERED": False, "GATED": True, "BLOCK": 128}),
+    "gated-norm": lambda: (triton_ops._rms_kernel, RMS_SIG, {"ZERO_CENTERED": False, "GATED": True, "ADD": False,
+                                                             "BLOCK": 128}),
+    "add-rms-norm": lambda: (triton_ops._rms_kernel, RMS_SIG, {"ZERO_CENTERED": True, "GATED": False, "ADD": True,
+                                                               "BLOCK": 2048}),
 }
 
 

@@ -31,12 +31,16 @@ def enabled(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, N, eps, G_INNER, G_STRIDE, ZERO_CENTERED: tl.constexpr,
-                    GATED: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, h_ptr, N, eps, G_INNER, G_STRIDE, ZERO_CENTERED: tl.constexpr,
+                    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         o = tl.arange(0, BLOCK)
         m = o < N
         x = tl.load(x_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)
+        if ADD:  # the decoder's residual add first: h = r + x, rounded to the dtype like torch, then normed
+            x = (x + tl.load(r_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * N + o, x, mask=m)
+            x = x.to(tl.float32)
         xn = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
         w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
         out_ty = y_ptr.dtype.element_ty
@@ -150,9 +154,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     x2 = x.reshape(-1, N).contiguous()
     y = torch.empty_like(x2)
     g3 = _gate_rows(gate, N) if gate is not None else x2.view(1, -1, N)
-    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, N, eps, g3.shape[1], g3.stride(0), ZERO_CENTERED=zero_centered,
-                                GATED=gate is not None, BLOCK=triton.next_power_of_2(N))
+    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, x2, y, N, eps, g3.shape[1], g3.stride(0),
+                                ZERO_CENTERED=zero_centered, GATED=gate is not None, ADD=False,
+                                BLOCK=triton.next_power_of_2(N))
     return y.view(shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] contiguous -> (rms_norm(residual + x), residual + x) in one launch."""
+    T, N = x.shape
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    _rms_kernel[(T,)](x, weight, x.view(1, -1, N), y, residual, h, N, eps, 1, 0, ZERO_CENTERED=zero_centered,
+                      GATED=False, ADD=True, BLOCK=triton.next_power_of_2(N))
+    return y, h
 
 
 def _gate_rows(gate: torch.Tensor, N: int) -> torch.Tensor:

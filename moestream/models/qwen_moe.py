@@ -130,10 +130,10 @@ class QwenMoeModel(nn.Module):
             else:
                 j = self.kv_layer[i]
                 x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
-            h = r + x
+            x, h = layer.post_attention_layernorm.add_forward(x, r)  # h = r + x, x = norm(h)
             if getattr(layer.mlp, "takes_residual", False):
-                h = layer.mlp(layer.post_attention_layernorm(h), h)  # residual added in the MoE combine
+                h = layer.mlp(x, h)  # residual added in the MoE combine
             else:
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + layer.mlp(x)
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
