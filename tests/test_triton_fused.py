@@ -2,7 +2,7 @@
 router softmax + top-k (+ renormalisation), shared-expert silu(gate) * up, the MoE combine + residual,
 the Gated DeltaNet decode kernel computing its own gates from the raw projections (on views of a fused
 projection), the gated RMSNorm reading its gate through a strided view, and the decoder's residual add
-fused into the post-attention RMSNorm.
+fused into the post-attention RMSNorm, and attention's q/k norm + rotary + KV-cache write.
 
 * Interpreter: all cases run once in a subprocess with TRITON_INTERPRET=1, on CPU tensors.
 * sm_90: each kernel is compiled by the real compiler (no GPU needed).
@@ -145,6 +145,38 @@ def case_add_rms_norm(dtype, zero_centered) -> list[str]:
     return errs + _close("h", h, hr, tol) + _close("norm", y, yr, dict(tol, atol=2 ** -6))
 
 
+def case_qk_norm_rope_cache(dtype, zero_centered, output_gate, rotary_dim, cache_dtype) -> list[str]:
+    """Attention's q/k norm + rotary + KV write (one kernel) against the module's torch path, on q/k/v views
+    of one fused projection row (Qwen3.5: [query | gate] per head)."""
+    from moestream.layers.attention import Attention
+    from moestream.layers.rotary import Rotary
+
+    torch.manual_seed(6)
+    T, H, Hk, D, hidden = 3, 4, 2, 64, 32
+    a = Attention(hidden, H, Hk, D, 1e-6, output_gate, zero_centered).to(dtype)
+    for n in (a.q_norm, a.k_norm):
+        torch.nn.init.normal_(n.weight, 0.2, 0.3)
+    rot = Rotary(rotary_dim, 1e4, 64, "cpu", dtype)
+    qw = H * D * (2 if output_gate else 1)
+    row = (torch.randn(T, qw + 2 * Hk * D + 3) * 2).to(dtype)  # + 3: the fused row is wider than q | k | v
+    q, k, v = torch.split(row[:, :qw + 2 * Hk * D], [qw, Hk * D, Hk * D], dim=-1)
+    q = q.view(T, H, 2 * D)[..., :D] if output_gate else q.view(T, H, D)
+    k, v = k.view(T, Hk, D), v.view(T, Hk, D)
+    pos, write = torch.tensor([5, 0, 63]), torch.tensor([7, 2, 4])
+    caches = [torch.zeros(9, Hk, D, dtype=cache_dtype) for _ in range(4)]
+    got = triton_ops.qk_norm_rope_cache(q, k, v, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, zero_centered, rot,
+                                        pos, write, caches[0], caches[1])
+    want, kr = rot.apply(a.q_norm(q.reshape(T, H, D)), a.k_norm(k), pos)
+    caches[2].index_copy_(0, write, kr.to(cache_dtype))
+    caches[3].index_copy_(0, write, v.to(cache_dtype))
+    tol = F32 if dtype == torch.float32 else BF16_INTERP
+    tol = dict(tol, atol=2 ** -6 if dtype != torch.float32 else 1e-6)  # rotary sums cancel
+    errs = _close("q", got, want, tol) + _close("k cache", caches[0], caches[2], tol)
+    if not torch.equal(caches[1], caches[3]):
+        errs.append("v cache differs")
+    return errs
+
+
 CASES = {
     "route-E256-k8-norm": lambda: case_route(5, 256, 8, True, torch.float32),
     "route-E512-k16": lambda: case_route(3, 512, 16, False, torch.float32),
@@ -163,6 +195,12 @@ CASES = {
     "add-rms-norm-zc-f32": lambda: case_add_rms_norm(torch.float32, True),
     "add-rms-norm-bf16": lambda: case_add_rms_norm(torch.bfloat16, False),
     "add-rms-norm-zc-bf16": lambda: case_add_rms_norm(torch.bfloat16, True),
+    # Qwen3.5/3.6: zero-centred norms, output gate, partial rotary (a quarter of the head)
+    "qk-rope-qwen35-bf16": lambda: case_qk_norm_rope_cache(torch.bfloat16, True, True, 16, torch.bfloat16),
+    "qk-rope-qwen35-f32": lambda: case_qk_norm_rope_cache(torch.float32, True, True, 16, torch.float32),
+    # Qwen3: plain norms, full rotary; a float32 cache under bf16 activations
+    "qk-rope-qwen3-bf16": lambda: case_qk_norm_rope_cache(torch.bfloat16, False, False, 64, torch.float32),
+    "qk-rope-qwen3-f32": lambda: case_qk_norm_rope_cache(torch.float32, False, False, 64, torch.float32),
 }
 
 
@@ -191,6 +229,10 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 # --------------------------------------------------------------------------- sm_90
 RMS_SIG = {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "g_ptr", "y_ptr", "r_ptr", "h_ptr")}, "N": "i32", "eps": "fp32",
            "G_INNER": "i32", "G_STRIDE": "i32", **{c: "constexpr" for c in ("ZERO_CENTERED", "GATED", "ADD", "BLOCK")}}
+QK_SIG = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "qout_ptr",
+                                   "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64", "write_ptr": "*i64",
+          **{p: "i32" for p in ("H", "HK", "Q_T", "Q_H", "K_T", "V_T")}, "eps": "fp32",
+          **{c: "constexpr" for c in ("D", "RD", "ZERO_CENTERED")}}
 SM90 = {
     "route": lambda: (triton_ops._route_topk_kernel,
                       {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32", "STRIDE": "i32",
@@ -217,6 +259,8 @@ SM90 = {
                               {"DK": 128, "DV": 128, "KW": 4, "BV": 32, "RAW_GATES": True}),
     "gated-norm": lambda: (triton_ops._rms_kernel, RMS_SIG, {"ZERO_CENTERED": False, "GATED": True, "ADD": False,
                                                              "BLOCK": 128}),
+    "qk-norm-rope-cache": lambda: (triton_ops._qk_norm_rope_cache_kernel, QK_SIG,
+                                   {"D": 256, "RD": 64, "ZERO_CENTERED": True}),
     "add-rms-norm": lambda: (triton_ops._rms_kernel, RMS_SIG, {"ZERO_CENTERED": True, "GATED": False, "ADD": True,
                                                                "BLOCK": 2048}),
 }

@@ -337,3 +337,85 @@ def gated_combine(y: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, res
                                                          N, gate.stride(0), RESIDUAL=residual is not None,
                                                          BLOCK=block)
     return out
+
+
+# ---- attention: q/k RMSNorm + rotary + KV-cache write in one launch -------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _head_norm(ptr, w_ptr, d, inv, D: tl.constexpr, ZERO_CENTERED: tl.constexpr, out_ty):
+        """Channels d of one head normed like layers/norm.py RMSNorm (inv = 1/rms of the head), as fp32."""
+        x = tl.load(ptr + d).to(tl.float32) * inv
+        w = tl.load(w_ptr + d).to(tl.float32)
+        if ZERO_CENTERED:
+            return (x * (1.0 + w)).to(out_ty).to(tl.float32)
+        return (x.to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope_head(src, w_ptr, cos_row, sin_row, eps, out_ty, D: tl.constexpr, RD: tl.constexpr,
+                        ZERO_CENTERED: tl.constexpr):
+        """One head [D] at src: RMSNorm, then neox rotary on the first RD channels, rounded like rotary.py."""
+        d = tl.arange(0, D)
+        x = tl.load(src + d).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _head_norm(src, w_ptr, d, inv, D, ZERO_CENTERED, out_ty)
+        half: tl.constexpr = RD // 2
+        rot_d = tl.where(d < half, d + half, d - half)
+        in_rd = d < RD
+        partner = _head_norm(src, w_ptr, tl.where(in_rd, rot_d, d), inv, D, ZERO_CENTERED, out_ty)
+        partner = tl.where(d < half, -partner, partner)
+        c = tl.load(cos_row + d, mask=in_rd, other=1.0).to(tl.float32)
+        s = tl.load(sin_row + d, mask=in_rd, other=0.0).to(tl.float32)
+        rotated = ((y * c).to(out_ty).to(tl.float32) + (partner * s).to(out_ty).to(tl.float32)).to(out_ty)
+        return tl.where(in_rd, rotated, y.to(out_ty))
+
+    @triton.jit
+    def _qk_norm_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr,
+                                   qout_ptr, kc_ptr, vc_ptr, H, HK, Q_T, Q_H, K_T, V_T, eps,
+                                   D: tl.constexpr, RD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+        """Program (t, j): j < H normalises + rotates query head j into qout [T, H, D]; j >= H does key head
+        j - H into the cache row write[t] and copies the matching value head there."""
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        d = tl.arange(0, D)
+        out_ty = qout_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + t)
+        cos_row = cos_ptr + pos * RD
+        sin_row = sin_ptr + pos * RD
+        if j < H:
+            y = _norm_rope_head(q_ptr + t * Q_T + j * Q_H, qw_ptr, cos_row, sin_row, eps, out_ty, D, RD,
+                                ZERO_CENTERED)
+            tl.store(qout_ptr + (t * H + j) * D + d, y)
+        else:
+            hk = j - H
+            y = _norm_rope_head(k_ptr + t * K_T + hk * D, kw_ptr, cos_row, sin_row, eps, out_ty, D, RD,
+                                ZERO_CENTERED)
+            row = tl.load(write_ptr + t)
+            tl.store(kc_ptr + (row * HK + hk) * D + d, y.to(kc_ptr.dtype.element_ty))
+            v = tl.load(v_ptr + t * V_T + hk * D + d)
+            tl.store(vc_ptr + (row * HK + hk) * D + d, v.to(vc_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_cache_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          rotary, head_dim: int) -> bool:
+    """Shapes the kernel handles: q [T, H, D] / k, v [T, Hk, D] with unit-stride heads of D apart (k, v),
+    a power-of-two D, an even rotary width with contiguous cos/sin tables, contiguous caches."""
+    D, rd = head_dim, rotary.rotary_dim
+    return (D & (D - 1) == 0 and rd % 2 == 0 and 0 < rd <= D and q.stride(2) == 1
+            and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D
+            and rotary.cos.is_contiguous() and rotary.sin.is_contiguous() and k_cache.is_contiguous())
+
+
+def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps: float, zero_centered: bool, rotary, positions,
+                       write_index, k_cache, v_cache) -> torch.Tensor:
+    """q [T, H, D], k, v [T, Hk, D] (views, any token stride) -> normed and rotated q [T, H, D]; the normed,
+    rotated k and v are written to k_cache, v_cache [slots, Hk, D] at rows write_index [T]. Equals
+    Attention's q_norm/k_norm + Rotary.apply + index_copy_ (layers/attention.py), one launch."""
+    T, H, D = q.shape
+    Hk = k.shape[1]
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T:
+        _qk_norm_rope_cache_kernel[(T, H + Hk)](
+            q, k, v, q_weight, k_weight, rotary.cos, rotary.sin, positions, write_index, out, k_cache, v_cache,
+            H, Hk, q.stride(0), q.stride(1), k.stride(0), v.stride(0), eps,
+            D=D, RD=rotary.rotary_dim, ZERO_CENTERED=zero_centered)
+    return out
