@@ -5,7 +5,8 @@ saved is a few µs. After the checkpoint is loaded by its HF names (safetensors 
 
 - Gated DeltaNet: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a  -> `in_proj` (rows concatenated);
 - attention: q_proj (query and, Qwen3.5, its output gate) | k_proj | v_proj -> `qkv_proj`;
-- MoE block: shared_expert.gate_proj | shared_expert.up_proj | shared_expert_gate (1 row) -> `shared_in`.
+- MoE block: router (mlp.gate) | shared_expert.gate_proj | shared_expert.up_proj | shared_expert_gate (1 row)
+  -> `shared_in`; the router keeps a view of its rows (the expert runtime calls it to prefetch).
 
 The forward code splits the product by views (`FusedLinear.split`). A group is fused only when every
 part is a plain `Linear` without bias whose weight is a dense tensor of one dtype and device; anything
@@ -80,8 +81,32 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
             done["attention"] += _fuse(a, [(a, "q_proj"), (a, "k_proj"), (a, "v_proj")], "qkv_proj")
         mlp = layer.mlp
         if isinstance(mlp, SparseMoeBlock) and mlp.shared_expert is not None:
-            s = mlp.shared_expert
-            if _fuse(mlp, [(s, "gate_proj"), (s, "up_proj"), (mlp, "shared_expert_gate")], "shared_in"):
-                mlp.takes_residual = True  # the fused combine also adds the decoder's residual
-                done["shared_expert"] += 1
+            done["shared_expert"] += _fuse_moe_inputs(mlp)
     return done
+
+
+@torch.no_grad()
+def _fuse_moe_inputs(mlp) -> bool:
+    """[router | shared gate_proj | up_proj | shared_expert_gate] -> mlp.shared_in. The router module stays
+    (the expert runtime calls it to prefetch) and reads its rows as a plain-tensor view of the fused weight,
+    so they are held once; a router whose weight is not a plain dense tensor stays its own GEMM."""
+    s, router = mlp.shared_expert, mlp.gate
+    names = [(s, "gate_proj"), (s, "up_proj"), (mlp, "shared_expert_gate")]
+    parts = [getattr(p, n) for p, n in names]
+    if not fusable(*parts):
+        return False
+    rw, w0 = router.weight, parts[0].weight
+    with_router = (type(rw) is nn.Parameter and type(rw.data) is torch.Tensor and rw.dtype == w0.dtype
+                   and rw.device == w0.device and rw.dim() == 2 and rw.shape[1] == w0.shape[1])
+    lead = [rw] if with_router else []
+    weight = torch.cat(lead + [m.weight for m in parts], dim=0)
+    sizes = tuple(w.shape[0] for w in lead) + tuple(m.out_features for m in parts)
+    for parent, name in names:
+        delattr(parent, name)
+    mlp.shared_in = FusedLinear(weight, sizes)
+    if with_router:
+        del router.weight  # the Parameter; a plain attribute (no second copy, not in state_dict) replaces it
+        router.weight = mlp.shared_in.weight.detach()[:rw.shape[0]]
+        mlp.router_rows = rw.shape[0]
+    mlp.takes_residual = True  # the fused combine also adds the decoder's residual
+    return True

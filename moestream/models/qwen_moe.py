@@ -42,7 +42,10 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [T, H] -> (topk ids [T, k], topk weights [T, k] in x.dtype, logits [T, E])."""
-        logits = linear(x, self.weight)
+        return self.route(linear(x, self.weight))
+
+    def route(self, logits):
+        """logits [T, E] (a view of a fused GEMM's product is fine) -> as forward."""
         if triton_ops.enabled(logits) and triton_ops.route_topk_ok(logits, self.top_k):
             ids, w = triton_ops.route_topk(logits, self.top_k, self.normalize)  # one launch, not ~6
         else:
@@ -60,24 +63,30 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.runtime = None  # set by the engine: an ExpertRuntime
-        # models/fuse.py: shared gate_proj | up_proj | shared_expert_gate in one GEMM, and then the block
+        # models/fuse.py: [router |] shared gate_proj | up_proj | shared_expert_gate in one GEMM, and then the block
         # adds the decoder's residual itself (forward(x, residual)) inside its combine
         self.shared_in = None
+        self.router_rows = 0  # E when the router's rows lead shared_in (the router then reads a view of them)
         self.takes_residual = False
 
     def forward(self, x, residual=None):
         """x [T, H] -> routed + gated shared expert [T, H] (+ residual when given: fused blocks only)."""
+        if self.shared_in is not None:
+            return self._fused_forward(x, residual)
         ids, w, _ = self.gate(x)
         y = self.runtime.forward(self.layer, x, ids, w)
-        if self.shared_in is not None:
-            return self._fused_shared(x, y, residual)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y if residual is None else residual + y
 
-    def _fused_shared(self, x, y, residual):
-        gu = self.shared_in(x)  # [T, 2I + 1]: gate | up | shared-expert gate logit
-        inter = self.shared_in.sizes[0]
+    def _fused_forward(self, x, residual):
+        """One GEMM: [router logits (E, if fused) | shared gate (I) | shared up (I) | shared-expert gate (1)]."""
+        out = self.shared_in(x)
+        e = self.router_rows
+        ids, w, _ = self.gate.route(out[:, :e]) if e else self.gate(x)
+        y = self.runtime.forward(self.layer, x, ids, w)
+        gu = out[:, e:]  # [T, 2I + 1]
+        inter = self.shared_in.sizes[-2]
         act = triton_ops.silu_mul(gu, inter)  # [T, I] = silu(gate) * up
         return triton_ops.gated_combine(y, self.shared_expert.down_proj(act), gu[:, 2 * inter:], residual)
 
