@@ -1,8 +1,10 @@
 """Count the kernels one decode step issues, per decoder layer, on the CPU.
 
 A TorchDispatchMode sees every aten op of one decode step of a tiny model (bf16, as on a GPU: the dtype
-casts count); ops that launch no kernel (views, allocations) are not counted. The step's ops are attributed to the layer whose input RMSNorm
-ran last; the routed experts (`runtime.forward`, moe/) are a bucket of their own.
+casts count); ops that launch no kernel (views, allocations) are not counted. Ops are attributed to the
+layer whose token mixer (GDN or attention) ran last: a layer counts from its mixer up to the next
+layer's input norm (which a fused MoE combine may compute). The first layer's input norm is under
+"embed"; the routed experts (`runtime.forward`, moe/) are a bucket of their own.
 
 With `triton=True` (run under TRITON_INTERPRET=1) the model takes its CUDA path on CPU tensors: the
 Triton wrappers' `enabled()` ignores the device and every Triton launch counts as one kernel (the aten
@@ -115,7 +117,8 @@ def count_decode_step(folder: Path, triton: bool = False, **llm_kw) -> dict[str,
         for i, layer in enumerate(model.layers):
             tag = f"{i}:{'gdn' if layer.kind == 'linear_attention' else 'attn'}"
             tag += "+moe" if hasattr(layer.mlp, "runtime") else "+mlp"
-            layer.input_layernorm.register_forward_pre_hook(lambda m, a, tag=tag: setattr(counter, "where", tag))
+            mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
+            mixer.register_forward_pre_hook(lambda m, a, tag=tag: setattr(counter, "where", tag))
         model.norm.register_forward_pre_hook(lambda m, a: setattr(counter, "where", "head"))
         runtime_forward = eng.runtime.forward
 

@@ -2,7 +2,7 @@
 router softmax + top-k (+ renormalisation), shared-expert silu(gate) * up, the MoE combine + residual,
 the Gated DeltaNet decode kernel computing its own gates from the raw projections (on views of a fused
 projection), the gated RMSNorm reading its gate through a strided view, and the decoder's residual add
-fused into the post-attention RMSNorm, and attention's q/k norm + rotary + KV-cache write.
+fused into the post-attention RMSNorm, the MoE combine with the next layer's input norm, and attention's q/k norm + rotary + KV-cache write.
 
 * Interpreter: all cases run once in a subprocess with TRITON_INTERPRET=1, on CPU tensors.
 * sm_90: each kernel is compiled by the real compiler (no GPU needed).
@@ -79,6 +79,22 @@ def case_combine(dtype, residual: bool) -> list[str]:
     want = triton_ops.gated_combine_torch(y, s, gate, r if residual else None)
     # sums cancel: a rounding error of an addend (|addend| < 4 here) is absolute, not relative to the sum
     return _close("combine", got, want, F32 if dtype == torch.float32 else dict(BF16_INTERP, atol=2 ** -5))
+
+
+def case_combine_norm(dtype, zero_centered) -> list[str]:
+    """The combine with the next layer's input RMSNorm in the same launch: h and norm(h) against torch."""
+    g = torch.Generator().manual_seed(7)
+    T, N = 3, 80  # not a power of two: masked tail inside the one block of a row
+    y, s, r = (torch.randn(T, N, generator=g).to(dtype) for _ in range(3))
+    gate = torch.randn(T, 7, generator=g).to(dtype)[:, 6:]
+    n = RMSNorm(N, 1e-6, zero_centered).to(dtype)
+    torch.nn.init.normal_(n.weight, 0.3, 0.2)
+    assert triton_ops.gated_combine_norm_ok(y, s, r, force=True)
+    h, xn = triton_ops.gated_combine_norm(y, s, gate, r, n.weight, n.eps, zero_centered)
+    hr = triton_ops.gated_combine_torch(y, s, gate, r)
+    tol = F32 if dtype == torch.float32 else dict(BF16_INTERP, atol=2 ** -5)
+    # the norm of the kernel's own h (the reference h may differ by the tolerance above)
+    return _close("h", h, hr, tol) + _close("norm", xn, n(h), tol)
 
 
 def _gdn(dtype):
@@ -187,6 +203,9 @@ CASES = {
     "combine-residual-f32": lambda: case_combine(torch.float32, True),
     "combine-residual-bf16": lambda: case_combine(torch.bfloat16, True),
     "combine-bf16": lambda: case_combine(torch.bfloat16, False),
+    "combine-norm-f32": lambda: case_combine_norm(torch.float32, False),
+    "combine-norm-zc-bf16": lambda: case_combine_norm(torch.bfloat16, True),
+    "combine-norm-bf16": lambda: case_combine_norm(torch.bfloat16, False),
     "gdn-raw-gates-f32": lambda: case_gdn_raw_gates(torch.float32, torch.float32),
     "gdn-raw-gates-bf16": lambda: case_gdn_raw_gates(torch.bfloat16, torch.float32),
     "gated-norm-strided-f32": lambda: case_gated_norm_strided(torch.float32),
@@ -233,6 +252,9 @@ QK_SIG = {**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr",
                                    "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64", "write_ptr": "*i64",
           **{p: "i32" for p in ("H", "HK", "Q_T", "Q_H", "K_T", "V_T")}, "eps": "fp32",
           **{c: "constexpr" for c in ("D", "RD", "ZERO_CENTERED")}}
+COMBINE_SIG = {**{p: "*bf16" for p in ("y_ptr", "s_ptr", "gate_ptr", "r_ptr", "out_ptr", "nw_ptr", "n_ptr")},
+               "N": "i32", "GATE_STRIDE": "i32", "eps": "fp32",
+               **{c: "constexpr" for c in ("RESIDUAL", "NORM", "ZERO_CENTERED", "BLOCK")}}
 SM90 = {
     "route": lambda: (triton_ops._route_topk_kernel,
                       {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32", "STRIDE": "i32",
@@ -245,10 +267,10 @@ SM90 = {
     "silu_mul": lambda: (triton_ops._silu_mul_kernel,
                          {"gu_ptr": "*bf16", "out_ptr": "*bf16", "INTER": "i32", "STRIDE": "i32", "BLOCK": "constexpr"},
                          {"BLOCK": 512}),
-    "combine": lambda: (triton_ops._gated_combine_kernel,
-                        {"y_ptr": "*bf16", "s_ptr": "*bf16", "gate_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*bf16",
-                         "N": "i32", "GATE_STRIDE": "i32", "RESIDUAL": "constexpr", "BLOCK": "constexpr"},
-                        {"RESIDUAL": True, "BLOCK": 1024}),
+    "combine": lambda: (triton_ops._gated_combine_kernel, COMBINE_SIG,
+                        {"RESIDUAL": True, "NORM": False, "ZERO_CENTERED": False, "BLOCK": 1024}),
+    "combine-norm": lambda: (triton_ops._gated_combine_kernel, COMBINE_SIG,
+                             {"RESIDUAL": True, "NORM": True, "ZERO_CENTERED": True, "BLOCK": 2048}),
     "gdn-raw-gates": lambda: (triton_ops._gdn_decode_kernel,
                               {**{p: "*bf16" for p in ("mixed_ptr", "conv_ptr", "convw_ptr", "out_ptr", "a_ptr",
                                                        "braw_ptr", "alog_ptr", "dtb_ptr")},

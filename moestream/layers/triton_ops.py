@@ -259,9 +259,11 @@ if triton is not None:
         tl.store(out_ptr + t * INTER + o, (s * u).to(ty), mask=m)
 
     @triton.jit
-    def _gated_combine_kernel(y_ptr, s_ptr, gate_ptr, r_ptr, out_ptr, N, GATE_STRIDE, RESIDUAL: tl.constexpr,
+    def _gated_combine_kernel(y_ptr, s_ptr, gate_ptr, r_ptr, out_ptr, nw_ptr, n_ptr, N, GATE_STRIDE, eps,
+                              RESIDUAL: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                               BLOCK: tl.constexpr):
-        """out[t] = (r[t] +) (y[t] + sigmoid(gate[t]) * s[t]), each op rounded to the dtype as in torch."""
+        """out[t] = (r[t] +) (y[t] + sigmoid(gate[t]) * s[t]), each op rounded to the dtype as in torch.
+        NORM (one program per row, BLOCK >= N): also n[t] = RMSNorm(out[t]) with weight nw, as _rms_kernel."""
         t = tl.program_id(0)
         o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = o < N
@@ -273,6 +275,15 @@ if triton is not None:
         if RESIDUAL:
             acc = (tl.load(r_ptr + t * N + o, mask=m, other=0.0).to(tl.float32) + acc.to(tl.float32)).to(ty)
         tl.store(out_ptr + t * N + o, acc, mask=m)
+        if NORM:  # the next layer's input norm of the new residual stream
+            h = tl.where(m, acc.to(tl.float32), 0.0)
+            xn = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            w = tl.load(nw_ptr + o, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                v = xn * (1.0 + w)
+            else:
+                v = xn.to(ty).to(tl.float32) * w
+            tl.store(n_ptr + t * N + o, v.to(ty), mask=m)
 
 
 def route_topk_torch(logits: torch.Tensor, k: int, normalize: bool):
@@ -322,21 +333,43 @@ def gated_combine_torch(y, shared, gate, residual=None):
     return y if residual is None else residual + y
 
 
+def _combine_ok(y, shared, residual) -> bool:
+    return (y.is_contiguous() and shared.dtype == y.dtype and shared.is_contiguous()
+            and (residual is None or (residual.dtype == y.dtype and residual.is_contiguous())))
+
+
 def gated_combine(y: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None,
                   force: bool = False) -> torch.Tensor:
     """y, shared [T, H] (routed and shared expert outputs), gate [T, 1] logits (any row stride), residual
     [T, H] or None -> (residual +) y + sigmoid(gate) * shared, in one launch on CUDA."""
-    same = all(t is None or (t.dtype == y.dtype and t.is_contiguous()) for t in (shared, residual))
-    if not (force or enabled(y)) or not same or not y.is_contiguous() or y.dtype != shared.dtype:
+    if not (force or enabled(y)) or not _combine_ok(y, shared, residual):
         return gated_combine_torch(y, shared, gate, residual)
     T, N = y.shape
     out = torch.empty_like(y)
     if T:
         block = min(1024, triton.next_power_of_2(N))
         _gated_combine_kernel[(T, triton.cdiv(N, block))](y, shared, gate, y if residual is None else residual, out,
-                                                         N, gate.stride(0), RESIDUAL=residual is not None,
-                                                         BLOCK=block)
+                                                         y, y, N, gate.stride(0), 0.0, RESIDUAL=residual is not None,
+                                                         NORM=False, ZERO_CENTERED=False, BLOCK=block)
     return out
+
+
+def gated_combine_norm_ok(y, shared, residual, force: bool = False) -> bool:
+    """Whether gated_combine_norm runs (rows up to 16K wide, held by one program each)."""
+    return (force or enabled(y)) and _combine_ok(y, shared, residual) and y.shape[-1] <= 16384
+
+
+def gated_combine_norm(y, shared, gate, residual, norm_weight, eps: float, zero_centered: bool):
+    """gated_combine with a residual, and the next layer's RMSNorm of the result in the same launch:
+    -> (h [T, H], norm(h) [T, H]). Callers check gated_combine_norm_ok first."""
+    T, N = y.shape
+    out, normed = torch.empty_like(y), torch.empty_like(y)
+    if T:
+        block = triton.next_power_of_2(N)
+        _gated_combine_kernel[(T, 1)](y, shared, gate, residual, out, norm_weight, normed, N, gate.stride(0), eps,
+                                      RESIDUAL=True, NORM=True, ZERO_CENTERED=zero_centered, BLOCK=block,
+                                      num_warps=8 if block >= 2048 else 4)
+    return out, normed
 
 
 # ---- attention: q/k RMSNorm + rotary + KV-cache write in one launch -------------------------------------------

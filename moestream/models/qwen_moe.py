@@ -79,16 +79,24 @@ class SparseMoeBlock(nn.Module):
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y if residual is None else residual + y
 
-    def _fused_forward(self, x, residual):
-        """One GEMM: [router logits (E, if fused) | shared gate (I) | shared up (I) | shared-expert gate (1)]."""
+    def _fused_forward(self, x, residual, next_norm=None):
+        """One GEMM: [router logits (E, if fused) | shared gate (I) | shared up (I) | shared-expert gate (1)].
+        With next_norm (an RMSNorm; fused blocks with a residual only): returns (h, next_norm(h))."""
         out = self.shared_in(x)
         e = self.router_rows
         ids, w, _ = self.gate.route(out[:, :e]) if e else self.gate(x)
         y = self.runtime.forward(self.layer, x, ids, w)
         gu = out[:, e:]  # [T, 2I + 1]
         inter = self.shared_in.sizes[-2]
-        act = triton_ops.silu_mul(gu, inter)  # [T, I] = silu(gate) * up
-        return triton_ops.gated_combine(y, self.shared_expert.down_proj(act), gu[:, 2 * inter:], residual)
+        shared = self.shared_expert.down_proj(triton_ops.silu_mul(gu, inter))  # down(silu(gate) * up)
+        gate = gu[:, 2 * inter:]
+        if next_norm is None:
+            return triton_ops.gated_combine(y, shared, gate, residual)
+        if triton_ops.gated_combine_norm_ok(y, shared, residual):
+            return triton_ops.gated_combine_norm(y, shared, gate, residual, next_norm.weight, next_norm.eps,
+                                                 next_norm.zero_centered)
+        h = triton_ops.gated_combine(y, shared, gate, residual)
+        return h, next_norm(h)
 
 
 class DecoderLayer(nn.Module):
@@ -130,19 +138,27 @@ class QwenMoeModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            r = h
-            x = layer.input_layernorm(h)
-            if layer.kind == "linear_attention":
-                j = self.state_layer[i]
-                x = layer.linear_attn(x, batch, self.caches.state.conv[j], self.caches.state.rec[j])
-            else:
-                j = self.kv_layer[i]
-                x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
-            x, h = layer.post_attention_layernorm.add_forward(x, r)  # h = r + x, x = norm(h)
-            if getattr(layer.mlp, "takes_residual", False):
-                h = layer.mlp(x, h)  # residual added in the MoE combine
-            else:
-                h = h + layer.mlp(x)
+        normed = None
+        for i in range(len(self.layers)):
+            h, normed = self._layer(i, h, normed, batch)
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
+
+    def _layer(self, i: int, h: torch.Tensor, normed, batch: ForwardBatch):
+        """Decoder layer i: h [T, H] -> (h, this layer's output already normed by layer i+1's input norm, or
+        None). normed: layer i's input norm of h when the previous layer's MoE combine computed it."""
+        layer = self.layers[i]
+        x = layer.input_layernorm(h) if normed is None else normed
+        if layer.kind == "linear_attention":
+            j = self.state_layer[i]
+            x = layer.linear_attn(x, batch, self.caches.state.conv[j], self.caches.state.rec[j])
+        else:
+            j = self.kv_layer[i]
+            x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
+        x, h = layer.post_attention_layernorm.add_forward(x, h)  # h = h + x, x = norm(h)
+        if not getattr(layer.mlp, "takes_residual", False):
+            return h + layer.mlp(x), None
+        # residual added in the MoE combine, which also norms the result for the next layer
+        nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+        out = layer.mlp._fused_forward(x, h, nxt)
+        return out if nxt is not None else (out, None)
