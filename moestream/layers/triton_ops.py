@@ -8,6 +8,13 @@ decode ~40, each far shorter than its launch. These kernels do the same math in 
   Qwen3.5: multiply in fp32, cast last; gated: then times silu(gate) in fp32).
 - `gdn_decode`: conv window update + depthwise conv + SiLU + L2 norms + the gated delta rule step +
   the state write-back, one program per (sequence, value head, block of value dims).
+  With raw_gates it also computes beta and the decay from the b/a projections (no torch gate ops).
+- `add_rms_norm`: the decoder's residual add + the post-attention norm.
+- `route_topk`: router softmax + top-k + renormalisation + cast, one program per token.
+- `silu_mul`, `gated_combine(_norm)`: the shared expert's activation, and routed + sigmoid(gate) * shared
+  + residual (+ the next layer's input norm).
+- `qk_norm_rope_cache`: attention's q/k norms + rotary + KV-cache write.
+Inputs may be strided views of a fused projection's product (models/fuse.py): no copies to split it.
 
 Used on CUDA when Triton imports (MOESTREAM_TRITON=0 turns them off); the torch code stays the
 reference and the CPU path. tests/test_triton_layers.py compares both on a GPU.
