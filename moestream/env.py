@@ -13,9 +13,15 @@ def cache_dir() -> Path:
 
 
 def triton_enabled() -> bool:
-    """MOESTREAM_TRITON=0 turns the Triton kernels off (dequantization in moestream.quant, RMSNorm and the
-    Gated DeltaNet decode step in layers/triton_ops.py): the torch reference paths run instead."""
+    """MOESTREAM_TRITON=0 turns the Triton kernels off (dequantization in moestream.quant; the norms, Gated
+    DeltaNet decode step, router top-k, attention q/k prep and MoE combine in layers/triton_ops.py): the
+    torch reference paths run instead."""
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
+
+
+def fuse_projections_enabled() -> bool:
+    """MOESTREAM_FUSE=0 keeps the loaded projections unfused (models/fuse.py): for A/B measurements."""
+    return os.environ.get("MOESTREAM_FUSE", "1") != "0"
 
 
 @lru_cache(maxsize=None)

@@ -15,9 +15,11 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError
+from ..env import fuse_projections_enabled
 from ..kvcache import KVPool, StatePool
 from ..layers.rotary import Rotary
 from ..models.loader import expert_format_for, load_weights
+from ..models.fuse import fuse_projections
 from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
@@ -123,6 +125,10 @@ class Engine:
         load_weights(model, store, self.cfg, folder)
         if self.tp:
             model = self.tp.shard(model).to(self.device)
+        elif fuse_projections_enabled():
+            # one GEMM per group of projections reading the same input (tensor parallel: shard.py slices
+            # the unfused modules by heads, so ranks stay unfused)
+            log.debug("fused projections: %s", fuse_projections(model))
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ..engine.batch import ForwardBatch
 from ..kernels.linear import Linear
+from . import triton_ops
 from .norm import RMSNorm
 from .rotary import Rotary
 
@@ -25,23 +26,42 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm) if qk_norm else nn.Identity()
         self.scale = head_dim ** -0.5
+        self.qkv_proj = None  # models/fuse.py: q_proj | k_proj | v_proj in one GEMM
+
+    def _project(self, x: torch.Tensor):
+        """x [T, hidden] -> q [T, q_out], k, v [T, Hk*D] (views of one GEMM if fused)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj.split(self.qkv_proj(x))
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _fused_prep(self, q, k, v, k_cache, rotary) -> bool:
+        qn, kn = self.q_norm, self.k_norm
+        return (triton_ops.enabled(q) and isinstance(qn, RMSNorm) and isinstance(kn, RMSNorm)
+                and qn.eps == kn.eps and qn.zero_centered == kn.zero_centered
+                and triton_ops.qk_norm_rope_cache_ok(q, k, v, k_cache, rotary, self.head_dim))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rotary: Rotary) -> torch.Tensor:
         T = x.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x)
+        q, k, v = self._project(x)
         gate = None
         if self.output_gate:
             # Per head, the projection holds [query (D) | gate (D)].
             q, gate = q.view(T, H, 2 * D).chunk(2, dim=-1)
             gate = gate.reshape(T, H * D)
-        q = self.q_norm(q.reshape(T, H, D))
-        k = self.k_norm(self.k_proj(x).view(T, Hk, D))
-        v = self.v_proj(x).view(T, Hk, D)
-        q, k = rotary.apply(q, k, batch.positions)
-        k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
+        q, k, v = q.view(T, H, D), k.view(T, Hk, D), v.view(T, Hk, D)
+        if self._fused_prep(q, k, v, k_cache, rotary):
+            # q/k norms, rotary and the KV-cache write in one launch (q: a new contiguous [T, H, D])
+            q = triton_ops.qk_norm_rope_cache(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                              self.q_norm.zero_centered, rotary, batch.positions,
+                                              batch.kv_write_index, k_cache, v_cache)
+        else:
+            q = self.q_norm(q.reshape(T, H, D))
+            k = self.k_norm(k)
+            q, k = rotary.apply(q, k, batch.positions)
+            k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
         if "decode_kv_index" in batch.extra:
             out = self._decode_padded(q, batch.extra["decode_kv_index"], batch.extra["decode_kv_valid"],
                                       k_cache, v_cache)

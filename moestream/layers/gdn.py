@@ -90,23 +90,44 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.norm = GatedRMSNorm(v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        self.in_proj = None  # models/fuse.py: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a in one GEMM
+
+    def _project(self, x: torch.Tensor):
+        """x [T, hidden] -> mixed [T, conv_dim], z [T, value_dim], b, a [T, Hv] (views of one GEMM if fused)."""
+        if self.in_proj is not None:
+            return self.in_proj.split(self.in_proj(x))
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor):
+        """b, a [T, Hv] -> g (log decay), beta [T, Hv] fp32. beta rounds like the reference (sigmoid in x.dtype)."""
+        beta = torch.sigmoid(b).float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, beta
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; conv_state [slots, conv_dim, K-1] and rec_state [slots, Hv, Dk, Dv] of this layer."""
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        mixed, z, b, a = self._project(x)  # mixed [T, conv_dim], z [T, value_dim], b, a [T, Hv]
         core = torch.empty((x.shape[0], self.hv, self.dv), dtype=x.dtype, device=x.device)
-        if batch.is_decode:
+        if batch.is_decode and self._triton_decode(mixed, conv_state):
+            # the gate math runs inside the decode kernel (no ~8 elementwise launches)
+            triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], batch.state_slots, None, None,
+                                  rec_state, core, self.key_dim, self.hk, self.hv, self.dk, self.dv,
+                                  raw_gates=(b, a, self.A_log, self.dt_bias))
+        elif batch.is_decode:
+            g, beta = self._gates(b, a)
             self._decode(mixed, g, beta, batch, conv_state, rec_state, core)
         else:
+            g, beta = self._gates(b, a)
             for s in batch.seqs:
                 sl = slice(s.start, s.start + s.length)
                 core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state)
-        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
+        # z stays a (strided) view: [T, Hv, Dv] rows of the fused product, normed with core [T, Hv, Dv]
+        out = self.norm(core, z.unflatten(-1, (self.hv, self.dv))).reshape(x.shape[0], -1)
         return self.out_proj(out)
+
+    def _triton_decode(self, mixed, conv_state) -> bool:
+        return triton_ops.enabled(mixed) and triton_ops.gdn_decode_ok(conv_state, self.kernel, self.dk, self.dv)
 
     def _split(self, conv_out: torch.Tensor):
         """conv_out [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, repeated to value heads), v [..., Hv, Dv]."""
@@ -130,7 +151,7 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, batch, conv_state, rec_state, core):
         slots = batch.state_slots
-        if triton_ops.enabled(mixed) and triton_ops.gdn_decode_ok(conv_state, self.kernel, self.dk, self.dv):
+        if self._triton_decode(mixed, conv_state):
             triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], slots, g, beta, rec_state, core,
                                   self.key_dim, self.hk, self.hv, self.dk, self.dv)
             return

@@ -31,6 +31,15 @@ class RMSNorm(nn.Module):
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, dim] -> (norm(residual + x), residual + x): the decoder's residual add, fused
+        into the norm's kernel on CUDA."""
+        if triton_ops.enabled(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() \
+                and residual.dtype == x.dtype:
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+        h = residual + x
+        return self(h), h
+
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of the Gated DeltaNet output, then multiplied by silu(gate). Shape [..., dim]."""

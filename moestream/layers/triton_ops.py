@@ -8,6 +8,13 @@ decode ~40, each far shorter than its launch. These kernels do the same math in 
   Qwen3.5: multiply in fp32, cast last; gated: then times silu(gate) in fp32).
 - `gdn_decode`: conv window update + depthwise conv + SiLU + L2 norms + the gated delta rule step +
   the state write-back, one program per (sequence, value head, block of value dims).
+  With raw_gates it also computes beta and the decay from the b/a projections (no torch gate ops).
+- `add_rms_norm`: the decoder's residual add + the post-attention norm.
+- `route_topk`: router softmax + top-k + renormalisation + cast, one program per token.
+- `silu_mul`, `gated_combine(_norm)`: the shared expert's activation, and routed + sigmoid(gate) * shared
+  + residual (+ the next layer's input norm).
+- `qk_norm_rope_cache`: attention's q/k norms + rotary + KV-cache write.
+Inputs may be strided views of a fused projection's product (models/fuse.py): no copies to split it.
 
 Used on CUDA when Triton imports (MOESTREAM_TRITON=0 turns them off); the torch code stays the
 reference and the CPU path. tests/test_triton_layers.py compares both on a GPU.
@@ -31,12 +38,16 @@ def enabled(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, N, eps, ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr,
-                    BLOCK: tl.constexpr):
+    def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, h_ptr, N, eps, G_INNER, G_STRIDE, ZERO_CENTERED: tl.constexpr,
+                    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         o = tl.arange(0, BLOCK)
         m = o < N
         x = tl.load(x_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)
+        if ADD:  # the decoder's residual add first: h = r + x, rounded to the dtype like torch, then normed
+            x = (x + tl.load(r_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * N + o, x, mask=m)
+            x = x.to(tl.float32)
         xn = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
         w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
         out_ty = y_ptr.dtype.element_ty
@@ -45,7 +56,9 @@ if triton is not None:
         else:
             y = (xn.to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
         if GATED:
-            g = tl.load(g_ptr + row * N + o, mask=m, other=0.0).to(tl.float32)
+            # gate rows: G_INNER rows of N apart, groups of them G_STRIDE apart (a view into a fused GEMM)
+            g_row = g_ptr + (row // G_INNER) * G_STRIDE + (row % G_INNER) * N
+            g = tl.load(g_row + o, mask=m, other=0.0).to(tl.float32)
             y = y * (g / (1.0 + tl.exp(-g)))
         tl.store(y_ptr + row * N + o, y.to(out_ty), mask=m)
 
@@ -63,9 +76,35 @@ if triton is not None:
         return (y / (1.0 + tl.exp(-y))).to(out_ty).to(tl.float32)  # rounded like the torch path
 
     @triton.jit
+    def _softplus(x):
+        """torch.nn.functional.softplus (threshold 20) with an accurate log1p (not in the interpreter's libdevice)."""
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        return tl.where(x > 20.0, x, log1p)
+
+    @triton.jit
+    def _decay_beta(b, h, g_ptr, beta_ptr, HV, a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                    RAW_GATES: tl.constexpr):
+        """exp(g) and beta of token b, value head h: read (fp32 [B, Hv]) or, RAW_GATES, computed from the
+        projections a, b like GatedDeltaNet._gates: beta = sigmoid(b) rounded to b's dtype,
+        g = -exp(A_log) * softplus(a + dt_bias) in fp32."""
+        if RAW_GATES:
+            braw = tl.load(braw_ptr + b * B_STRIDE + h)
+            beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
+            x = tl.load(a_ptr + b * A_STRIDE + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+            g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x)
+        else:
+            g = tl.load(g_ptr + b * HV + h)
+            beta = tl.load(beta_ptr + b * HV + h)
+        return tl.exp(g), beta
+
+    @triton.jit
     def _gdn_decode_kernel(mixed_ptr, conv_ptr, convw_ptr, slots_ptr, g_ptr, beta_ptr, rec_ptr, out_ptr,
-                           CONV_DIM, KEY_DIM, HV, REP, scale,
-                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr):
+                           CONV_DIM, KEY_DIM, HV, REP, scale, MIXED_STRIDE,
+                           a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr,
+                           RAW_GATES: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -75,7 +114,7 @@ if triton is not None:
         dv = vb * BV + tl.arange(0, BV)
         taps = tl.arange(0, KW)
         conv_base = conv_ptr + slot * CONV_DIM * (KW - 1)
-        mixed_row = mixed_ptr + b * CONV_DIM
+        mixed_row = mixed_ptr + b * MIXED_STRIDE
         out_ty = out_ptr.dtype.element_ty
         cq = hk * DK + dk
         ck = KEY_DIM + hk * DK + dk
@@ -90,8 +129,8 @@ if triton is not None:
         shifted = tl.sum(tl.where(taps[None, None, :] == taps[None, :, None] + 1, wv[:, None, :], 0.0), axis=2)
         tl.store(conv_base + cv[:, None] * (KW - 1) + taps[None, :], shifted.to(conv_ptr.dtype.element_ty),
                  mask=taps[None, :] < KW - 1)
-        gate = tl.exp(tl.load(g_ptr + b * HV + h))
-        beta = tl.load(beta_ptr + b * HV + h)
+        gate, beta = _decay_beta(b, h, g_ptr, beta_ptr, HV, a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
+                                 RAW_GATES)
         sp = rec_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
         S = tl.load(sp).to(tl.float32) * gate
         u = (v - tl.sum(S * k[:, None], axis=0)) * beta
@@ -101,14 +140,15 @@ if triton is not None:
         tl.store(out_ptr + (b * HV + h) * DV + dv, o.to(out_ty))
 
     @triton.jit
-    def _conv_shift_kernel(mixed_ptr, conv_ptr, slots_ptr, CONV_DIM, NCH, KW: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_shift_kernel(mixed_ptr, conv_ptr, slots_ptr, CONV_DIM, MIXED_STRIDE, NCH, KW: tl.constexpr,
+                           BLOCK: tl.constexpr):
         """Shift the conv windows of channels [0, NCH) by one token (after every reader ran)."""
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         taps = tl.arange(0, KW)
         m = c < NCH
         base = conv_ptr + tl.load(slots_ptr + b) * CONV_DIM * (KW - 1)
-        win = _window(base, mixed_ptr + b * CONV_DIM, tl.where(m, c, 0), taps, KW)
+        win = _window(base, mixed_ptr + b * MIXED_STRIDE, tl.where(m, c, 0), taps, KW)
         shifted = tl.sum(tl.where(taps[None, None, :] == taps[None, :, None] + 1, win[:, None, :], 0.0), axis=2)
         tl.store(base + c[:, None] * (KW - 1) + taps[None, :], shifted.to(conv_ptr.dtype.element_ty),
                  mask=m[:, None] & (taps[None, :] < KW - 1))
@@ -120,27 +160,302 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     N = shape[-1]
     x2 = x.reshape(-1, N).contiguous()
     y = torch.empty_like(x2)
-    g2 = gate.reshape(-1, N).contiguous() if gate is not None else x2
-    _rms_kernel[(x2.shape[0],)](x2, weight, g2, y, N, eps, ZERO_CENTERED=zero_centered, GATED=gate is not None,
+    g3 = _gate_rows(gate, N) if gate is not None else x2.view(1, -1, N)
+    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, x2, y, N, eps, g3.shape[1], g3.stride(0),
+                                ZERO_CENTERED=zero_centered, GATED=gate is not None, ADD=False,
                                 BLOCK=triton.next_power_of_2(N))
     return y.view(shape)
 
 
-def gdn_decode(mixed, conv_state, conv_w, slots, g, beta, rec_state, out, key_dim, hk, hv, dk, dv) -> None:
-    """mixed [B, conv_dim]; conv_state [slots, conv_dim, K-1]; conv_w [conv_dim, K]; g, beta [B, Hv] fp32;
-    rec_state [slots, Hv, Dk, Dv]; writes out [B, Hv, Dv] and updates both states in place."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, N] contiguous -> (rms_norm(residual + x), residual + x) in one launch."""
+    T, N = x.shape
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    _rms_kernel[(T,)](x, weight, x.view(1, -1, N), y, residual, h, N, eps, 1, 0, ZERO_CENTERED=zero_centered,
+                      GATED=False, ADD=True, BLOCK=triton.next_power_of_2(N))
+    return y, h
+
+
+def _gate_rows(gate: torch.Tensor, N: int) -> torch.Tensor:
+    """gate [..., R, N] as [G, R, N] with rows N apart inside a group (a view where possible: GatedDeltaNet's
+    z is [T, Hv, Dv] inside the fused projection, groups a product row apart)."""
+    g = gate.reshape(-1, gate.shape[-2] if gate.dim() > 1 else 1, N)
+    if g.stride(2) != 1 or (g.shape[1] > 1 and g.stride(1) != N) or (g.shape[0] > 1 and g.stride(0) < 0):
+        g = g.contiguous()
+    return g
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [B, N] with unit stride along N (a view of a fused projection keeps its row stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def gdn_decode(mixed, conv_state, conv_w, slots, g, beta, rec_state, out, key_dim, hk, hv, dk, dv,
+               raw_gates=None) -> None:
+    """mixed [B, conv_dim] (any row stride); conv_state [slots, conv_dim, K-1]; conv_w [conv_dim, K];
+    g, beta [B, Hv] fp32, or raw_gates = (b, a [B, Hv] projections, A_log, dt_bias [Hv]) to compute them in the
+    kernel; rec_state [slots, Hv, Dk, Dv]; writes out [B, Hv, Dv] and updates both states in place."""
     B, conv_dim = mixed.shape
     K = conv_w.shape[1]
     bv = min(32, dv)
-    mixed = mixed.contiguous()
+    mixed = _rows(mixed)
+    if raw_gates is not None:
+        braw, a, alog, dtb = raw_gates
+        braw, a = _rows(braw), _rows(a)
+        g = beta = a  # unused pointers
+    else:
+        g, beta = g.contiguous(), beta.contiguous()
+        braw = a = alog = dtb = g
     _gdn_decode_kernel[(B, hv, dv // bv)](
-        mixed, conv_state, conv_w.contiguous(), slots, g.contiguous(), beta.contiguous(), rec_state,
-        out, conv_dim, key_dim, hv, hv // hk, dk ** -0.5, DK=dk, DV=dv, KW=K, BV=bv)
-    _conv_shift_kernel[(B, triton.cdiv(2 * key_dim, 128))](mixed, conv_state, slots, conv_dim, 2 * key_dim,
-                                                           KW=K, BLOCK=128)
+        mixed, conv_state, conv_w.contiguous(), slots, g, beta, rec_state,
+        out, conv_dim, key_dim, hv, hv // hk, dk ** -0.5, mixed.stride(0),
+        a, braw, a.stride(0), braw.stride(0), alog, dtb,
+        DK=dk, DV=dv, KW=K, BV=bv, RAW_GATES=raw_gates is not None)
+    _conv_shift_kernel[(B, triton.cdiv(2 * key_dim, 128))](mixed, conv_state, slots, conv_dim, mixed.stride(0),
+                                                           2 * key_dim, KW=K, BLOCK=128)
 
 
 def gdn_decode_ok(conv_state: torch.Tensor, K: int, dk: int, dv: int) -> bool:
     """Shapes the kernel handles: power-of-two head dims and conv width, contiguous states."""
     p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return p2(dk) and p2(dv) and p2(K) and K >= 2 and conv_state.is_contiguous()
+
+
+# ---- the MoE block's small ops: router top-k, shared-expert activation, combine + residual ----------------
+# Each public function below takes the kernel on CUDA (enabled()) and otherwise its torch reference
+# (`*_torch`, also what the tests compare the kernels with under the interpreter).
+
+if triton is not None:
+    @triton.jit
+    def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, STRIDE, K: tl.constexpr, KP: tl.constexpr,
+                           NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One token: softmax over E logits (fp32), the K largest (descending; ties: lowest id first),
+        optionally renormalised to sum 1, cast to the weights' dtype."""
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        m = e < E
+        x = tl.load(logits_ptr + t * STRIDE + e, mask=m, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        cur = tl.where(m, p, -1.0)  # probabilities are >= 0: -1 marks taken and padded experts
+        j = tl.arange(0, KP)
+        top_w = tl.zeros([KP], dtype=tl.float32)
+        top_i = tl.zeros([KP], dtype=tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(cur, axis=0)
+            idx = tl.min(tl.where(cur == best, e, BLOCK_E), axis=0)
+            top_w = tl.where(j == i, best, top_w)
+            top_i = tl.where(j == i, idx.to(tl.int64), top_i)
+            cur = tl.where(e == idx, -1.0, cur)
+        if NORMALIZE:
+            top_w = top_w / tl.sum(top_w, axis=0)  # padded entries are 0
+        tl.store(ids_ptr + t * K + j, top_i, mask=j < K)
+        tl.store(w_ptr + t * K + j, top_w.to(w_ptr.dtype.element_ty), mask=j < K)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, INTER, STRIDE, BLOCK: tl.constexpr):
+        """out[t] = silu(gu[t, :I]) * gu[t, I:2I], rounded like torch: silu to the dtype, then the product."""
+        t = tl.program_id(0)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < INTER
+        ty = out_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + t * STRIDE + o, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + t * STRIDE + INTER + o, mask=m, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(out_ptr + t * INTER + o, (s * u).to(ty), mask=m)
+
+    @triton.jit
+    def _gated_combine_kernel(y_ptr, s_ptr, gate_ptr, r_ptr, out_ptr, nw_ptr, n_ptr, N, GATE_STRIDE, eps,
+                              RESIDUAL: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """out[t] = (r[t] +) (y[t] + sigmoid(gate[t]) * s[t]), each op rounded to the dtype as in torch.
+        NORM (one program per row, BLOCK >= N): also n[t] = RMSNorm(out[t]) with weight nw, as _rms_kernel."""
+        t = tl.program_id(0)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        ty = out_ptr.dtype.element_ty
+        gl = tl.load(gate_ptr + t * GATE_STRIDE).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-gl))).to(ty).to(tl.float32)
+        sh = (sig * tl.load(s_ptr + t * N + o, mask=m, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+        acc = (tl.load(y_ptr + t * N + o, mask=m, other=0.0).to(tl.float32) + sh).to(ty)
+        if RESIDUAL:
+            acc = (tl.load(r_ptr + t * N + o, mask=m, other=0.0).to(tl.float32) + acc.to(tl.float32)).to(ty)
+        tl.store(out_ptr + t * N + o, acc, mask=m)
+        if NORM:  # the next layer's input norm of the new residual stream
+            h = tl.where(m, acc.to(tl.float32), 0.0)
+            xn = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            w = tl.load(nw_ptr + o, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                v = xn * (1.0 + w)
+            else:
+                v = xn.to(ty).to(tl.float32) * w
+            tl.store(n_ptr + t * N + o, v.to(ty), mask=m)
+
+
+def route_topk_torch(logits: torch.Tensor, k: int, normalize: bool):
+    """logits [T, E] -> ids [T, k] int64, weights [T, k] in logits.dtype (the reference of route_topk)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w.to(logits.dtype)
+
+
+def route_topk_ok(logits: torch.Tensor, k: int) -> bool:
+    """Sizes the one-program-per-token kernel is meant for (E up to 512, k up to 16), unit-stride rows."""
+    return logits.dim() == 2 and logits.shape[1] <= 512 and 1 <= k <= min(16, logits.shape[1]) \
+        and logits.stride(1) == 1
+
+
+def route_topk(logits: torch.Tensor, k: int, normalize: bool):
+    """Kernel of route_topk_torch: one launch instead of softmax, topk, sum, divide and cast."""
+    T, E = logits.shape
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    w = torch.empty((T, k), dtype=logits.dtype, device=logits.device)
+    if T:
+        _route_topk_kernel[(T,)](logits, ids, w, E, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
+                                 NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    return ids, w
+
+
+def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    return torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+
+
+def silu_mul(gu: torch.Tensor, inter: int, force: bool = False) -> torch.Tensor:
+    """gu [T, >= 2I] (gate | up | ..., unit stride along rows) -> silu(gate) * up [T, I]."""
+    if not (force or enabled(gu)) or gu.stride(-1) != 1:
+        return silu_mul_torch(gu, inter)
+    T = gu.shape[0]
+    out = torch.empty((T, inter), dtype=gu.dtype, device=gu.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), BLOCK=block)
+    return out
+
+
+def gated_combine_torch(y, shared, gate, residual=None):
+    y = y + torch.sigmoid(gate) * shared
+    return y if residual is None else residual + y
+
+
+def _combine_ok(y, shared, residual) -> bool:
+    return (y.is_contiguous() and shared.dtype == y.dtype and shared.is_contiguous()
+            and (residual is None or (residual.dtype == y.dtype and residual.is_contiguous())))
+
+
+def gated_combine(y: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor | None = None,
+                  force: bool = False) -> torch.Tensor:
+    """y, shared [T, H] (routed and shared expert outputs), gate [T, 1] logits (any row stride), residual
+    [T, H] or None -> (residual +) y + sigmoid(gate) * shared, in one launch on CUDA."""
+    if not (force or enabled(y)) or not _combine_ok(y, shared, residual):
+        return gated_combine_torch(y, shared, gate, residual)
+    T, N = y.shape
+    out = torch.empty_like(y)
+    if T:
+        block = min(1024, triton.next_power_of_2(N))
+        _gated_combine_kernel[(T, triton.cdiv(N, block))](y, shared, gate, y if residual is None else residual, out,
+                                                         y, y, N, gate.stride(0), 0.0, RESIDUAL=residual is not None,
+                                                         NORM=False, ZERO_CENTERED=False, BLOCK=block)
+    return out
+
+
+def gated_combine_norm_ok(y, shared, residual, force: bool = False) -> bool:
+    """Whether gated_combine_norm runs (rows up to 16K wide, held by one program each)."""
+    return (force or enabled(y)) and _combine_ok(y, shared, residual) and y.shape[-1] <= 16384
+
+
+def gated_combine_norm(y, shared, gate, residual, norm_weight, eps: float, zero_centered: bool):
+    """gated_combine with a residual, and the next layer's RMSNorm of the result in the same launch:
+    -> (h [T, H], norm(h) [T, H]). Callers check gated_combine_norm_ok first."""
+    T, N = y.shape
+    out, normed = torch.empty_like(y), torch.empty_like(y)
+    if T:
+        block = triton.next_power_of_2(N)
+        _gated_combine_kernel[(T, 1)](y, shared, gate, residual, out, norm_weight, normed, N, gate.stride(0), eps,
+                                      RESIDUAL=True, NORM=True, ZERO_CENTERED=zero_centered, BLOCK=block,
+                                      num_warps=8 if block >= 2048 else 4)
+    return out, normed
+
+
+# ---- attention: q/k RMSNorm + rotary + KV-cache write in one launch -------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _head_norm(ptr, w_ptr, d, inv, D: tl.constexpr, ZERO_CENTERED: tl.constexpr, out_ty):
+        """Channels d of one head normed like layers/norm.py RMSNorm (inv = 1/rms of the head), as fp32."""
+        x = tl.load(ptr + d).to(tl.float32) * inv
+        w = tl.load(w_ptr + d).to(tl.float32)
+        if ZERO_CENTERED:
+            return (x * (1.0 + w)).to(out_ty).to(tl.float32)
+        return (x.to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope_head(src, w_ptr, cos_row, sin_row, eps, out_ty, D: tl.constexpr, RD: tl.constexpr,
+                        ZERO_CENTERED: tl.constexpr):
+        """One head [D] at src: RMSNorm, then neox rotary on the first RD channels, rounded like rotary.py."""
+        d = tl.arange(0, D)
+        x = tl.load(src + d).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _head_norm(src, w_ptr, d, inv, D, ZERO_CENTERED, out_ty)
+        half: tl.constexpr = RD // 2
+        rot_d = tl.where(d < half, d + half, d - half)
+        in_rd = d < RD
+        partner = _head_norm(src, w_ptr, tl.where(in_rd, rot_d, d), inv, D, ZERO_CENTERED, out_ty)
+        partner = tl.where(d < half, -partner, partner)
+        c = tl.load(cos_row + d, mask=in_rd, other=1.0).to(tl.float32)
+        s = tl.load(sin_row + d, mask=in_rd, other=0.0).to(tl.float32)
+        rotated = ((y * c).to(out_ty).to(tl.float32) + (partner * s).to(out_ty).to(tl.float32)).to(out_ty)
+        return tl.where(in_rd, rotated, y.to(out_ty))
+
+    @triton.jit
+    def _qk_norm_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr,
+                                   qout_ptr, kc_ptr, vc_ptr, H, HK, Q_T, Q_H, K_T, V_T, eps,
+                                   D: tl.constexpr, RD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+        """Program (t, j): j < H normalises + rotates query head j into qout [T, H, D]; j >= H does key head
+        j - H into the cache row write[t] and copies the matching value head there."""
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        d = tl.arange(0, D)
+        out_ty = qout_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + t)
+        cos_row = cos_ptr + pos * RD
+        sin_row = sin_ptr + pos * RD
+        if j < H:
+            y = _norm_rope_head(q_ptr + t * Q_T + j * Q_H, qw_ptr, cos_row, sin_row, eps, out_ty, D, RD,
+                                ZERO_CENTERED)
+            tl.store(qout_ptr + (t * H + j) * D + d, y)
+        else:
+            hk = j - H
+            y = _norm_rope_head(k_ptr + t * K_T + hk * D, kw_ptr, cos_row, sin_row, eps, out_ty, D, RD,
+                                ZERO_CENTERED)
+            row = tl.load(write_ptr + t)
+            tl.store(kc_ptr + (row * HK + hk) * D + d, y.to(kc_ptr.dtype.element_ty))
+            v = tl.load(v_ptr + t * V_T + hk * D + d)
+            tl.store(vc_ptr + (row * HK + hk) * D + d, v.to(vc_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_cache_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          rotary, head_dim: int) -> bool:
+    """Shapes the kernel handles: q [T, H, D] / k, v [T, Hk, D] with unit-stride heads of D apart (k, v),
+    a power-of-two D, an even rotary width with contiguous cos/sin tables, contiguous caches."""
+    D, rd = head_dim, rotary.rotary_dim
+    return (D & (D - 1) == 0 and rd % 2 == 0 and 0 < rd <= D and q.stride(2) == 1
+            and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D
+            and rotary.cos.is_contiguous() and rotary.sin.is_contiguous() and k_cache.is_contiguous())
+
+
+def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps: float, zero_centered: bool, rotary, positions,
+                       write_index, k_cache, v_cache) -> torch.Tensor:
+    """q [T, H, D], k, v [T, Hk, D] (views, any token stride) -> normed and rotated q [T, H, D]; the normed,
+    rotated k and v are written to k_cache, v_cache [slots, Hk, D] at rows write_index [T]. Equals
+    Attention's q_norm/k_norm + Rotary.apply + index_copy_ (layers/attention.py), one launch."""
+    T, H, D = q.shape
+    Hk = k.shape[1]
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T:
+        _qk_norm_rope_cache_kernel[(T, H + Hk)](
+            q, k, v, q_weight, k_weight, rotary.cos, rotary.sin, positions, write_index, out, k_cache, v_cache,
+            H, Hk, q.stride(0), q.stride(1), k.stride(0), v.stride(0), eps,
+            D=D, RD=rotary.rotary_dim, ZERO_CENTERED=zero_centered)
+    return out

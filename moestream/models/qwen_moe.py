@@ -18,6 +18,7 @@ from ..engine.batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..kernels.linear import Linear, linear
+from ..layers import triton_ops
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
 
@@ -41,12 +42,15 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [T, H] -> (topk ids [T, k], topk weights [T, k] in x.dtype, logits [T, E])."""
-        logits = linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            w = w / w.sum(-1, keepdim=True)
-        return ids, w.to(logits.dtype), logits
+        return self.route(linear(x, self.weight))
+
+    def route(self, logits):
+        """logits [T, E] (a view of a fused GEMM's product is fine) -> as forward."""
+        if triton_ops.enabled(logits) and triton_ops.route_topk_ok(logits, self.top_k):
+            ids, w = triton_ops.route_topk(logits, self.top_k, self.normalize)  # one launch, not ~6
+        else:
+            ids, w = triton_ops.route_topk_torch(logits, self.top_k, self.normalize)
+        return ids, w, logits
 
 
 class SparseMoeBlock(nn.Module):
@@ -59,13 +63,40 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.runtime = None  # set by the engine: an ExpertRuntime
+        # models/fuse.py: [router |] shared gate_proj | up_proj | shared_expert_gate in one GEMM, and then the block
+        # adds the decoder's residual itself (forward(x, residual)) inside its combine
+        self.shared_in = None
+        self.router_rows = 0  # E when the router's rows lead shared_in (the router then reads a view of them)
+        self.takes_residual = False
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """x [T, H] -> routed + gated shared expert [T, H] (+ residual when given: fused blocks only)."""
+        if self.shared_in is not None:
+            return self._fused_forward(x, residual)
         ids, w, _ = self.gate(x)
         y = self.runtime.forward(self.layer, x, ids, w)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return y if residual is None else residual + y
+
+    def _fused_forward(self, x, residual, next_norm=None):
+        """One GEMM: [router logits (E, if fused) | shared gate (I) | shared up (I) | shared-expert gate (1)].
+        With next_norm (an RMSNorm; fused blocks with a residual only): returns (h, next_norm(h))."""
+        out = self.shared_in(x)
+        e = self.router_rows
+        ids, w, _ = self.gate.route(out[:, :e]) if e else self.gate(x)
+        y = self.runtime.forward(self.layer, x, ids, w)
+        gu = out[:, e:]  # [T, 2I + 1]
+        inter = self.shared_in.sizes[-2]
+        shared = self.shared_expert.down_proj(triton_ops.silu_mul(gu, inter))  # down(silu(gate) * up)
+        gate = gu[:, 2 * inter:]
+        if next_norm is None:
+            return triton_ops.gated_combine(y, shared, gate, residual)
+        if triton_ops.gated_combine_norm_ok(y, shared, residual):
+            return triton_ops.gated_combine_norm(y, shared, gate, residual, next_norm.weight, next_norm.eps,
+                                                 next_norm.zero_centered)
+        h = triton_ops.gated_combine(y, shared, gate, residual)
+        return h, next_norm(h)
 
 
 class DecoderLayer(nn.Module):
@@ -107,16 +138,27 @@ class QwenMoeModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            r = h
-            x = layer.input_layernorm(h)
-            if layer.kind == "linear_attention":
-                j = self.state_layer[i]
-                x = layer.linear_attn(x, batch, self.caches.state.conv[j], self.caches.state.rec[j])
-            else:
-                j = self.kv_layer[i]
-                x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
-            h = r + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        normed = None
+        for i in range(len(self.layers)):
+            h, normed = self._layer(i, h, normed, batch)
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
+
+    def _layer(self, i: int, h: torch.Tensor, normed, batch: ForwardBatch):
+        """Decoder layer i: h [T, H] -> (h, this layer's output already normed by layer i+1's input norm, or
+        None). normed: layer i's input norm of h when the previous layer's MoE combine computed it."""
+        layer = self.layers[i]
+        x = layer.input_layernorm(h) if normed is None else normed
+        if layer.kind == "linear_attention":
+            j = self.state_layer[i]
+            x = layer.linear_attn(x, batch, self.caches.state.conv[j], self.caches.state.rec[j])
+        else:
+            j = self.kv_layer[i]
+            x = layer.self_attn(x, batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
+        x, h = layer.post_attention_layernorm.add_forward(x, h)  # h = h + x, x = norm(h)
+        if not getattr(layer.mlp, "takes_residual", False):
+            return h + layer.mlp(x), None
+        # residual added in the MoE combine, which also norms the result for the next layer
+        nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+        out = layer.mlp._fused_forward(x, h, nxt)
+        return out if nxt is not None else (out, None)
