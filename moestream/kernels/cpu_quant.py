@@ -1,0 +1,127 @@
+"""Compiled CPU matmuls on compressed GGUF weights: ``y = x @ W.T`` read straight from the stored bytes.
+
+Source: ``kernels/cpu/qmatmul.cpp``, built at first use with ``torch.utils.cpp_extension.load`` into
+torch's extensions cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and reused
+from there; never at install. It is a plain C-ABI library (no torch headers, so the first build takes
+seconds) called through ctypes. On a CPU with AVX2+FMA+F16C it is built with those instruction sets
+(explicit flags, not ``-march=native``: the cache key is the source and the flags, so a cache shared
+between machines must not hold code for a newer CPU), else as portable C++ (the scalar kernels).
+
+Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
+*quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
+scale (amax / 127), and the products are summed in integers. The weight side is exact (the same values
+as ``moestream.quant``'s decoders); the activation rounding adds a relative error of at most 1/254 of
+each block's largest |x| per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|`` over the
+block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
+multiply float32 activations (no rounding beyond float32 sums).
+
+Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (torch's libgomp), so
+``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
+``MOESTREAM_CPU_KERNELS=0``, ``available()`` is False and callers keep the torch path; a failed build is
+reported by one warning line.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from ..env import cpu_flags, cpu_kernels_enabled
+
+log = logging.getLogger("moestream")
+
+# ggml type ids the kernel computes (a subset of quant.gguf_formats.GGML_TYPE_IDS)
+TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+         "BF16": 30}
+# (values, bytes) per block
+_BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+_SRC = os.path.join(os.path.dirname(__file__), "cpu", "qmatmul.cpp")
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "mod": the built module or None once tried
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    isa, flags = _isa_flags()
+    path = load(name=f"moestream_qmatmul_{isa}", sources=[_SRC], extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    lib = ctypes.CDLL(path)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ms_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.ms_qmatmul.restype = ctypes.c_int
+    lib.ms_has_avx2.restype = ctypes.c_int
+    return lib
+
+
+def module():
+    """The compiled library (ctypes), building it on first use; None if the build failed."""
+    if "mod" in _STATE:
+        return _STATE["mod"]
+    with _LOCK:
+        if "mod" not in _STATE:
+            mod = None
+            try:
+                mod = _build()
+            except Exception as e:  # no compiler, no headers, ...: the torch path still works
+                log.warning("moestream: CPU quant kernels unavailable (%s: %s); using the torch tile decoders",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _STATE["mod"] = mod
+    return _STATE["mod"]
+
+
+def available() -> bool:
+    """Whether the kernels run: MOESTREAM_CPU_KERNELS is not 0 (read at each call, so a test or a user can
+    switch them off at run time) and the library is built."""
+    return cpu_kernels_enabled() and module() is not None
+
+
+def supports(type_name: str) -> bool:
+    return type_name in TYPES
+
+
+def has_avx2() -> bool:
+    mod = module()
+    return bool(mod is not None and mod.ms_has_avx2())
+
+
+def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None,
+            force_scalar: bool = False) -> torch.Tensor:
+    """``x [n, K] @ W.T`` as float32 ``[n, N]``; ``raw`` holds W's GGUF bytes as ``[N, row_bytes]``
+    (any dtype; it is viewed as bytes; rows may be strided). ``out``: a float32 ``[n, N]`` view whose
+    rows may be strided. ``force_scalar`` runs the portable kernels (tests)."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    k = x.shape[-1]
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    if raw.dtype != torch.uint8:
+        raw = raw.contiguous().view(torch.uint8)
+    if raw.dim() != 2 or raw.stride(-1) != 1:
+        raw = raw.contiguous().reshape(raw.shape[0] if raw.dim() == 2 else -1, raw.shape[-1])
+    n_out = raw.shape[0]
+    bs, ts = _BLOCKS[type_name]
+    if k % bs or raw.shape[1] != k // bs * ts:
+        raise ValueError(f"{type_name}: K={k} needs rows of {k // bs * ts} bytes in blocks of {bs}; got {raw.shape[1]}")
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (x.shape[0], n_out) or out.stride(-1) != 1:
+        raise ValueError(f"out must be a float32 [{x.shape[0]}, {n_out}] view with contiguous rows")
+    rc = mod.ms_qmatmul(x.data_ptr(), x.shape[0], k, raw.data_ptr(), n_out, raw.stride(0), TYPES[type_name],
+                        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(force_scalar))
+    if rc:
+        raise ValueError(f"CPU quant kernel: type {type_name} with K={k} is not supported")
+    return out
