@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import cpu_quant
 from ..quant import gguf_format, qlinear
+from ..quant.base import CPU_KERNEL_MAX_ROWS
 
 
 class QuantLinear(nn.Module):
@@ -20,13 +22,20 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.fmt = gguf_format(type_name)
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("raw", raw.reshape(out_features, -1), persistent=False)
+        self.register_buffer("raw", raw.reshape(out_features, -1).contiguous().view(torch.uint8), persistent=False)
+        self.type_id = cpu_quant.TYPES.get(type_name)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # decode steps: straight to the kernel (qlinear's dispatch costs as much as a small matmul)
+        if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+                and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features and self.raw.device.type == "cpu"
+                and cpu_quant.available()):
+            y = cpu_quant.rows_matmul(x.view(-1, self.in_features), self.raw, self.type_id)
+            return y.view(*x.shape[:-1], self.out_features)
         return qlinear(x, self.fmt, self.raw, self.shape)
 
     def extra_repr(self) -> str:
