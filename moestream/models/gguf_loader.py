@@ -217,8 +217,10 @@ class GGUFCheckpoint:
         if isinstance(module, torch.nn.Embedding):
             new = QuantEmbedding(kind, raw, n, k, module.weight.dtype)
             if cfg.tie_word_embeddings and isinstance(model.get_submodule("lm_head"), Linear):
-                model.lm_head = QuantLinear(kind, raw, n, k)
+                model.lm_head = _output_head(kind, raw, n, k)
                 seen.add("lm_head.weight")
+        elif name == "lm_head.weight":
+            new = _output_head(kind, raw, n, k)
         else:
             new = QuantLinear(kind, raw, n, k)
         parent, _, child = path.rpartition(".")
@@ -321,6 +323,19 @@ class GGUFCheckpoint:
         if "tokenizer.ggml.tokens" not in fields:
             return None
         return tokenizer_from_gguf_fields(fields, name_or_path=str(self.path))
+
+
+def _output_head(kind: str, raw: torch.Tensor, n: int, k: int):
+    """The vocabulary projection as F16 (float32 activations, no int8 rounding): logits pick the tokens,
+    and rounding this one matmul's activations is what flips near-ties (the default model's answer to
+    "What is the capital of France?" among them). F16 keeps the decoded values to ~5e-4 relative."""
+    from ..layers.quant_linear import QuantLinear
+    from ..quant import gguf_format
+
+    if kind not in ("F16", "BF16"):
+        raw = gguf_format(kind).dequantize(raw, (n, k), torch.float32).half().view(torch.uint8)
+        kind = "F16"
+    return QuantLinear(kind, raw, n, k)
 
 
 def _untile(w: torch.Tensor, dim: int, hk: int, rep: int) -> torch.Tensor:
