@@ -24,6 +24,22 @@ def fuse_projections_enabled() -> bool:
     return os.environ.get("MOESTREAM_FUSE", "1") != "0"
 
 
+def cpu_kernels_enabled() -> bool:
+    """MOESTREAM_CPU_KERNELS=0 turns the compiled CPU matmuls of compressed weights off
+    (kernels/cpu_quant.py): quant.qlinear then decodes tiles with torch and multiplies them."""
+    return os.environ.get("MOESTREAM_CPU_KERNELS", "1") != "0"
+
+
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
 @lru_cache(maxsize=None)
 def cpu_has_native(dtype) -> bool:
     """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""

@@ -8,7 +8,9 @@ RANK = {"core": 0, "env": 0, "demo_tokenizer": 0, "config": 1, "quant": 2, "kern
         "demo": 2, "moe": 3, "layers": 4, "kvcache": 4, "models": 5, "engine": 6, "scheduler": 7, "parallel": 7,
         "llm": 8, "server": 9, "cli": 10}
 # engine/batch.py is plain data shared by layers and models (the vocabulary of a forward pass).
-ALLOWED = {("layers", "engine.batch"), ("models", "engine.batch"), ("kvcache", "core")}
+# kernels/cpu_quant.py (the compiled CPU matmuls; it imports only env) computes quant.qlinear on CPU.
+ALLOWED = {("layers", "engine.batch"), ("models", "engine.batch"), ("kvcache", "core"),
+           ("quant", "kernels.cpu_quant")}
 
 
 def _imports(path: Path):

@@ -316,8 +316,15 @@ def _examples():
     return out
 
 
+@pytest.fixture
+def torch_tiles(monkeypatch):
+    """qlinear's torch tile path (few-row CPU calls otherwise take the compiled kernel, whose activation
+    rounding tests/test_cpu_kernels.py bounds): these tests check the tile decoders bit for bit."""
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+
+
 @pytest.mark.parametrize("example", _examples(), ids=lambda e: e[0].name)
-def test_rows_tiles_and_qlinear(example):
+def test_rows_tiles_and_qlinear(example, torch_tiles):
     fmt, raw, shape = example
     full = fmt.dequantize(raw, shape)
     flat = full.reshape(-1, shape[-1])
@@ -385,7 +392,7 @@ def test_cuda_gguf_bit_exact(name):
     assert _bits_equal(gpu, _ours(name, raw, shape))
 
 
-def test_qlinear_cpu_tiles_are_deterministic():
+def test_qlinear_cpu_tiles_are_deterministic(torch_tiles):
     """CPU qlinear decodes L2-sized row tiles; the result does not depend on the tile size (each output
     column is one dot product over K, whatever the tiling) and equals x @ W.T of the whole matrix."""
     from moestream.quant import default_tile_rows
@@ -405,7 +412,7 @@ def test_qlinear_cpu_tiles_are_deterministic():
                 assert torch.equal(y, want), (dt, m, tile)
 
 
-def test_qlinear_never_decodes_more_than_a_tile(monkeypatch):
+def test_qlinear_never_decodes_more_than_a_tile(monkeypatch, torch_tiles):
     fmt = gguf_format("Q8_0")
     raw = torch.from_numpy(_random_blocks("Q8_0", 64, 4, np.random.default_rng(1)))
     seen = []
@@ -456,7 +463,10 @@ def test_bench_bw_counts_compressed_bytes(expert_format, tmp_path, monkeypatch, 
     groups = RouteGroups.of(torch.ones(3, 1, dtype=torch.long))
     got = partial_outputs(x, torch.ones(3, 1), groups, {1: WeightRef(bank, 1, fmt)})[1]
     gate_up, down = fmt.dense({k: v[1] for k, v in bank.items()}, torch.float32)
-    torch.testing.assert_close(got, expert_mlp(x, gate_up, down), rtol=1e-4, atol=1e-4)
+    want = expert_mlp(x, gate_up, down)
+    # GGUF experts on CPU multiply int8-rounded activations (kernels/cpu_quant.py): ~1% of the largest output
+    tol = 2e-2 * want.abs().max().item() if expert_format == "q4_k" else 1e-4
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
 
 
 def test_bench_bw_rejects_unknown_formats():

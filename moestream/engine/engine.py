@@ -122,7 +122,11 @@ class Engine:
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         store = (self.tp.expert_store if self.tp else ExpertStore)(
             moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size, fmt, home)
-        load_weights(model, store, self.cfg, folder)
+        # CPU-only, one rank: a GGUF's dense linears stay compressed and run on the CPU quant kernels
+        from ..kernels import cpu_quant
+
+        compressed = self.device.type == "cpu" and not self.tp and cpu_quant.available()
+        load_weights(model, store, self.cfg, folder, compressed_dense=compressed)
         if self.tp:
             model = self.tp.shard(model).to(self.device)
         elif fuse_projections_enabled():

@@ -159,15 +159,22 @@ class GGUFCheckpoint:
             raise ConfigError(f"GGUF {self.path.name} lacks metadata moestream needs: {e!r}") from None
 
     # ---- tensors -----------------------------------------------------------------------------
-    def load(self, model: torch.nn.Module, store, cfg: ModelConfig) -> set[str]:
-        """Fill the model's parameters and the expert store; returns the HF names filled."""
+    def load(self, model: torch.nn.Module, store, cfg: ModelConfig, compressed_dense: bool = False) -> set[str]:
+        """Fill the model's parameters and the expert store; returns the HF names filled.
+
+        compressed_dense: replace dense linears and the embedding whose GGUF type the CPU kernels compute
+        by modules holding the stored bytes (layers/quant_linear.py; CPU-only, one rank)."""
         params = dict(model.named_parameters())
         seen: set[str] = set()
         experts: dict[int, dict[str, torch.Tensor]] = {}
         raw_experts = getattr(store.fmt, "quantized", False)
+        # qwen35moe's dense tensors need value transforms (norm offsets, head reordering): dequantized
+        compressed_dense = compressed_dense and self.arch in ("llama", "qwen3moe")
         for t in self.reader.tensors:
             if raw_experts and (m := EXPERTS.match(t.name)):
                 self._put_raw_experts(store, int(m[1]), m[2], t)
+                continue
+            if compressed_dense and self._keep_compressed(model, t, cfg, seen):
                 continue
             if m := EXPERTS.match(t.name):
                 experts.setdefault(int(m[1]), {})[m[2]] = self._dequant(t)
@@ -184,6 +191,42 @@ class GGUFCheckpoint:
                 param.copy_(w)
             seen.add(name)
         return seen
+
+    def _keep_compressed(self, model: torch.nn.Module, t, cfg: ModelConfig, seen: set[str]) -> bool:
+        """Swap the Linear (or the embedding) that tensor ``t`` fills for one holding its GGUF bytes;
+        False (dequantize as usual) for other tensors or types the CPU kernels lack."""
+        from ..kernels import cpu_quant
+        from ..kernels.linear import Linear
+        from ..layers.quant_linear import QuantEmbedding, QuantLinear
+
+        kind = self.reader.type_name(t)
+        name = self._hf_name(t.name)
+        if name is None or not name.endswith(".weight") or not cpu_quant.supports(kind):
+            return False
+        path = name.removesuffix(".weight")
+        module = model.get_submodule(path)
+        if not isinstance(module, (Linear, torch.nn.Embedding)):
+            return False
+        with warnings.catch_warnings():  # the mmap is read-only; we copy the bytes out of it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1).clone()
+        leaf = LAYER.match(t.name)[2] if LAYER.match(t.name) else t.name
+        if self.arch == "llama" and leaf in ("attn_q.weight", "attn_k.weight"):  # a row permutation: rows move whole
+            raw = _unpermute(raw, cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads)
+        n, k = module.weight.shape
+        if isinstance(module, torch.nn.Embedding):
+            new = QuantEmbedding(kind, raw, n, k, module.weight.dtype)
+            if cfg.tie_word_embeddings and isinstance(model.get_submodule("lm_head"), Linear):
+                model.lm_head = _output_head(kind, raw, n, k)
+                seen.add("lm_head.weight")
+        elif name == "lm_head.weight":
+            new = _output_head(kind, raw, n, k)
+        else:
+            new = QuantLinear(kind, raw, n, k)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        seen.add(name)
+        return True
 
     def _hf_name(self, name: str) -> str | None:
         if name in TOP_NAMES:
@@ -280,6 +323,19 @@ class GGUFCheckpoint:
         if "tokenizer.ggml.tokens" not in fields:
             return None
         return tokenizer_from_gguf_fields(fields, name_or_path=str(self.path))
+
+
+def _output_head(kind: str, raw: torch.Tensor, n: int, k: int):
+    """The vocabulary projection as F16 (float32 activations, no int8 rounding): logits pick the tokens,
+    and rounding this one matmul's activations is what flips near-ties (the default model's answer to
+    "What is the capital of France?" among them). F16 keeps the decoded values to ~5e-4 relative."""
+    from ..layers.quant_linear import QuantLinear
+    from ..quant import gguf_format
+
+    if kind not in ("F16", "BF16"):
+        raw = gguf_format(kind).dequantize(raw, (n, k), torch.float32).half().view(torch.uint8)
+        kind = "F16"
+    return QuantLinear(kind, raw, n, k)
 
 
 def _untile(w: torch.Tensor, dim: int, hk: int, rep: int) -> torch.Tensor:

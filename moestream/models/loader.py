@@ -145,8 +145,10 @@ def expert_format_for(cfg: ModelConfig, folder: Path | None):
         return _Quantized(cfg, tensors).expert_format()
 
 
-def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path | None) -> None:
-    """folder None: random weights made in memory (benchmarks of full-size shapes without files)."""
+def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path | None,
+                 compressed_dense: bool = False) -> None:
+    """folder None: random weights made in memory (benchmarks of full-size shapes without files).
+    compressed_dense: a GGUF's dense linears keep their stored bytes (CPU kernels; GGUFCheckpoint.load)."""
     from .gguf_loader import find_gguf, open_gguf
 
     if folder is None:
@@ -155,7 +157,7 @@ def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, f
 
     gguf_path = find_gguf(folder)
     if gguf_path is not None:
-        seen = open_gguf(gguf_path).load(model, store, cfg)
+        seen = open_gguf(gguf_path).load(model, store, cfg, compressed_dense=compressed_dense)
         _check_complete(cfg, dict(model.named_parameters()), store, seen)
         return
     files = safetensors_files(folder)

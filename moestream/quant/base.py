@@ -350,10 +350,43 @@ def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
     return r - r % 16 if r >= 32 else r
 
 
+# Up to this many rows of x, CPU qlinear runs the compiled kernel (kernels/cpu_quant.py: integer dot
+# products on the stored blocks, each weight block unpacked once per 4 rows); from here on decoding a
+# tile to float32 once and running the float32 GEMM is faster (measured on a 2-core AVX2 EPYC).
+CPU_KERNEL_MAX_ROWS = 8
+
+
+def _cpu_kernel_linear(xs, fmt, raw, shape, r0: int, r1: int, out):
+    """``xs @ W[r0:r1].T`` in ``xs.dtype`` through the compiled CPU kernel, or None where it does not apply
+    (not CPU, a format it lacks, many rows, MOESTREAM_CPU_KERNELS=0, or the kernel could not be built)."""
+    if xs.device.type != "cpu" or xs.shape[0] > CPU_KERNEL_MAX_ROWS or not isinstance(raw, torch.Tensor):
+        return None
+    from ..kernels.cpu_quant import TYPES, available, qmatmul, rows_matmul, supports
+
+    name = getattr(fmt, "type_name", None)
+    if not supports(name) or xs.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not available():
+        return None
+    k = shape[-1]
+    rb = fmt.row_bytes(k)
+    w = raw if raw.dtype == torch.uint8 else raw.contiguous().view(torch.uint8)
+    w = w.reshape(-1, rb)[r0:r1]
+    if out is None and xs.dtype == torch.float32 and xs.is_contiguous():  # decode: skip qmatmul's conversions
+        return rows_matmul(xs, w, TYPES[name])
+    y32 = out.view(-1, r1 - r0) if out is not None and out.dtype == torch.float32 else None
+    y32 = qmatmul(xs, w, name, out=y32)
+    if out is not None and out.dtype != torch.float32:
+        return out.view(-1, r1 - r0).copy_(y32)
+    return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
+
+
 def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple[int, int] | None = None,
             bias: torch.Tensor | None = None, tile_rows: int | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time.
+
+    On CPU, up to CPU_KERNEL_MAX_ROWS rows of x with a GGUF type the compiled kernels know go through
+    kernels/cpu_quant.py instead: integer dot products on the stored blocks with x rounded to int8 per
+    block of 32 (llama.cpp's scheme; that module's docstring bounds the error). The rest is below.
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.
@@ -370,6 +403,11 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
         raise QuantFormatError(f"x has {x.shape[-1]} features, the weight has K={k}")
     r0, r1 = rows if rows is not None else (0, prod(shape[:-1]))
     xs = x.reshape(-1, k)
+    y = _cpu_kernel_linear(xs, fmt, raw, shape, r0, r1, out)
+    if y is not None:
+        if bias is not None:
+            y += bias[r0:r1] if bias.shape[-1] != r1 - r0 else bias
+        return y.reshape(*x.shape[:-1], r1 - r0)
     # CPUs without native 16-bit GEMMs: 16+ rows multiply float32 tiles (see kernels/linear.py)
     if widen_gemm(xs, x.dtype):
         xs = xs.float()

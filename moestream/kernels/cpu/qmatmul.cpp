@@ -1,0 +1,470 @@
+// moestream CPU kernels: y[n, N] = x[n, K] @ W.T with W in GGUF block formats, read from its stored bytes.
+//
+// Block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): each activation row is quantized
+// once per call to int8 in blocks of 32 (one float scale per block, plus that scale times the sum of
+// the block's int8 values), then every weight sub-block of 32 is unpacked to small integers q with
+// value = a * q + b, and the dot product is a * dx * sum(q * xq) + b * dx * sum(xq): integer products
+// (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16), one float multiply-add per 32 values per row.
+// F16 / BF16 weights multiply float32 activations directly (no activation quantization).
+//
+// Every kernel has a scalar twin (portable C++); `force_scalar` selects it at run time, so the tests
+// check both paths from one build. Rows of W are split over `nthreads` OpenMP threads (the caller passes
+// torch.get_num_threads(); torch's own libgomp serves them); each weight row is read once for all x rows.
+// Plain C ABI, no torch headers: the first build takes seconds, not the minute torch/extension.h costs.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MS_AVX2 1
+#endif
+
+namespace {
+
+// f(begin, end) over [0, n) in up to nt contiguous parts of at least `grain` items each.
+template <class F>
+void par_for(int64_t n, int64_t grain, int nt, F&& f) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nt, n / std::max<int64_t>(1, grain)));
+  if (parts == 1) {
+    f((int64_t)0, n);
+    return;
+  }
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
+  for (int64_t t = 0; t < parts; ++t) f(t * n / parts, (t + 1) * n / parts);
+}
+
+// ggml type ids (the ones this file computes)
+enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+                 T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+constexpr int QB = 32;  // activation block
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef MS_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float v = std::ldexp((float)man, -24);
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// The quantized activations: n rows of K int8, with per-32 scale d and d * sum(q).
+struct QAct {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t K = 0, nb = 0;
+  const int8_t* qr(int64_t r) const { return q.data() + r * K; }
+  const float* dr(int64_t r) const { return d.data() + r * nb; }
+  const float* sr(int64_t r) const { return s.data() + r * nb; }
+};
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    float amax = 0.f;
+    for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QB; ++i) {
+      const int v = (int)std::nearbyint(xb[i] * id);
+      q[b * QB + i] = (int8_t)v;
+      sum += v;
+    }
+    d[b] = db;
+    s[b] = db * (float)sum;
+  }
+}
+
+QAct quantize(const float* x, int64_t n, int64_t K, int nt) {
+  QAct a;
+  a.K = K;
+  a.nb = K / QB;
+  a.q.resize(n * K);
+  a.d.resize(n * a.nb);
+  a.s.resize(n * a.nb);
+  par_for(n, 16, nt, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(x + r * K, K, a.q.data() + r * K, a.d.data() + r * a.nb, a.s.data() + r * a.nb);
+  });
+  return a;
+}
+
+// ------------------------------------------------------------------ scalar unpackers
+// unpack(w, K, f) calls f(j, q[32], a0, a1, b) for each sub-block j of 32 values of one weight row:
+// value_i = (i < 16 ? a0 : a1) * q_i + b.
+struct Sub {
+  int q[QB];
+  float a0, a1, b;
+};
+
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {  // Q4_K / Q5_K 6-bit pairs
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <class F>
+void unpack_scalar(int64_t type, const uint8_t* w, int64_t K, F&& f) {
+  Sub u;
+  switch (type) {
+    case T_Q8_0:
+      for (int64_t j = 0; j < K / 32; ++j, w += 34) {
+        u.a0 = u.a1 = half_to_float(w), u.b = 0.f;
+        for (int i = 0; i < 32; ++i) u.q[i] = (int8_t)w[2 + i];
+        f(j, u);
+      }
+      break;
+    case T_Q4_0:
+    case T_Q4_1: {
+      const bool has_min = type == T_Q4_1;
+      const int qo = has_min ? 4 : 2;
+      for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 20 : 18) {
+        const float d = half_to_float(w);
+        u.a0 = u.a1 = d, u.b = has_min ? half_to_float(w + 2) : -8.f * d;
+        for (int i = 0; i < 16; ++i) u.q[i] = w[qo + i] & 0x0F, u.q[i + 16] = w[qo + i] >> 4;
+        f(j, u);
+      }
+      break;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+      const bool has_min = type == T_Q5_1;
+      const int ho = has_min ? 4 : 2;
+      for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 24 : 22) {
+        const float d = half_to_float(w);
+        uint32_t qh;
+        std::memcpy(&qh, w + ho, 4);
+        u.a0 = u.a1 = d, u.b = has_min ? half_to_float(w + 2) : -16.f * d;
+        for (int i = 0; i < 16; ++i) {
+          u.q[i] = (w[ho + 4 + i] & 0x0F) | (((qh >> i) & 1) << 4);
+          u.q[i + 16] = (w[ho + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        }
+        f(j, u);
+      }
+      break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+      const bool five = type == T_Q5_K;
+      for (int64_t blk = 0; blk < K / 256; ++blk, w += five ? 176 : 144) {
+        const float d = half_to_float(w), dmin = half_to_float(w + 2);
+        const uint8_t* qh = w + 16;
+        const uint8_t* qs = w + (five ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+          int sc, m;
+          k_scale_min(w + 4, j, sc, m);
+          u.a0 = u.a1 = d * sc, u.b = -dmin * m;
+          const uint8_t* c = qs + 32 * (j / 2);
+          for (int i = 0; i < 32; ++i) {
+            u.q[i] = (j & 1) ? c[i] >> 4 : c[i] & 0x0F;
+            if (five) u.q[i] |= ((qh[i] >> j) & 1) << 4;
+          }
+          f(blk * 8 + j, u);
+        }
+      }
+      break;
+    }
+    case T_Q6_K:
+      for (int64_t blk = 0; blk < K / 256; ++blk, w += 210) {
+        const float d = half_to_float(w + 208);
+        const int8_t* sc = (const int8_t*)(w + 192);
+        for (int s = 0; s < 8; ++s) {
+          const int h = s / 4, k = s % 4;
+          const uint8_t* ql = w + 64 * h + 32 * (k % 2);
+          const uint8_t* qh = w + 128 + 32 * h;
+          u.a0 = d * sc[2 * s], u.a1 = d * sc[2 * s + 1], u.b = 0.f;
+          for (int i = 0; i < 32; ++i)
+            u.q[i] = (((k / 2) ? ql[i] >> 4 : ql[i] & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4)) - 32;
+          f(blk * 8 + s, u);
+        }
+      }
+      break;
+  }
+}
+
+template <int NR>
+void dot_scalar(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
+  double acc[NR] = {};
+  unpack_scalar(type, w, x.K, [&](int64_t j, const Sub& u) {
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* xq = x.qr(r0 + r) + j * QB;
+      int s0 = 0, s1 = 0;
+      for (int i = 0; i < 16; ++i) s0 += u.q[i] * xq[i], s1 += u.q[i + 16] * xq[i + 16];
+      acc[r] += (double)x.dr(r0 + r)[j] * (u.a0 * s0 + u.a1 * s1) + (double)u.b * x.sr(r0 + r)[j];
+    }
+  });
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+template <int NR>
+void dot_float_scalar(bool bf16, const uint8_t* w, const float* x, int64_t K, int64_t xstride, float* out) {
+  double acc[NR] = {};
+  for (int64_t i = 0; i < K; ++i) {
+    float v;
+    if (bf16) {
+      const uint32_t bits = (uint32_t)(w[2 * i] | (w[2 * i + 1] << 8)) << 16;
+      std::memcpy(&v, &bits, 4);
+    } else {
+      v = half_to_float(w + 2 * i);
+    }
+    for (int r = 0; r < NR; ++r) acc[r] += (double)v * x[r * xstride + i];
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+#ifdef MS_AVX2
+// ------------------------------------------------------------------ AVX2 unpackers
+// unpack_avx2<T>(w, K, f) calls f(j, q, a, b) per sub-block j of 32: q 32 bytes (unsigned 0..63, or
+// signed for Q8_0/Q6_K), a the per-lane float scale of the 8 int32 partial sums (lanes 0-3 hold
+// values 0-15, lanes 4-7 values 16-31), b the per-value offset.
+
+inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32: low nibbles, then high nibbles
+  const __m128i v = _mm_loadu_si128((const __m128i*)p);
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+inline __m256i bits_to_0x10(uint32_t x) {  // byte i = 0x10 if bit i of x is set, else 0
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x),
+                                  _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                   2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));  // all bits but bit (i % 8)
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+template <int NR, bool SIGNED>
+struct Acc {
+  __m256 v[NR];
+  float off[NR];
+  const QAct& x;
+  int64_t r0;
+  Acc(const QAct& x_, int64_t r0_) : x(x_), r0(r0_) {
+    for (int r = 0; r < NR; ++r) v[r] = _mm256_setzero_ps(), off[r] = 0.f;
+  }
+  inline void add(int64_t j, __m256i q, __m256 a, float b) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i qa = SIGNED ? _mm256_sign_epi8(q, q) : q;
+    for (int r = 0; r < NR; ++r) {
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.qr(r0 + r) + j * QB));
+      const __m256i p = _mm256_maddubs_epi16(qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq);
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.dr(r0 + r)[j])), v[r]);
+      if (!SIGNED) off[r] += b * x.sr(r0 + r)[j];
+    }
+  }
+  void store(float* out) const {
+    for (int r = 0; r < NR; ++r) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v[r]), _mm256_extractf128_ps(v[r], 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      out[r] = _mm_cvtss_f32(s) + off[r];
+    }
+  }
+};
+
+template <int NR>
+void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
+  const int64_t K = x.K;
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
+  switch (type) {
+    case T_Q8_0: {
+      Acc<NR, true> acc(x, r0);
+      for (int64_t j = 0; j < K / 32; ++j, w += 34)
+        acc.add(j, _mm256_loadu_si256((const __m256i*)(w + 2)), _mm256_set1_ps(half_to_float(w)), 0.f);
+      acc.store(out);
+      return;
+    }
+    case T_Q4_0:
+    case T_Q4_1: {
+      const bool has_min = type == T_Q4_1;
+      Acc<NR, false> acc(x, r0);
+      for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 20 : 18) {
+        const float d = half_to_float(w);
+        acc.add(j, nibbles(w + (has_min ? 4 : 2)), _mm256_set1_ps(d), has_min ? half_to_float(w + 2) : -8.f * d);
+      }
+      acc.store(out);
+      return;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+      const bool has_min = type == T_Q5_1;
+      const int ho = has_min ? 4 : 2;
+      Acc<NR, false> acc(x, r0);
+      for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 24 : 22) {
+        const float d = half_to_float(w);
+        uint32_t qh;
+        std::memcpy(&qh, w + ho, 4);
+        const __m256i q = _mm256_or_si256(nibbles(w + ho + 4), bits_to_0x10(qh));
+        acc.add(j, q, _mm256_set1_ps(d), has_min ? half_to_float(w + 2) : -16.f * d);
+      }
+      acc.store(out);
+      return;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+      const bool five = type == T_Q5_K;
+      Acc<NR, false> acc(x, r0);
+      for (int64_t blk = 0; blk < K / 256; ++blk, w += five ? 176 : 144) {
+        const float d = half_to_float(w), dmin = half_to_float(w + 2);
+        const uint8_t* qs = w + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+          for (int h = 0; h < 2; ++h) {
+            const int j = 2 * c + h;
+            __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m0f);
+            if (five)  // bit j of each qh byte becomes bit 4 (masked before the shift: no carry between bytes)
+              q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), m01), 4));
+            int sc, m;
+            k_scale_min(w + 4, j, sc, m);
+            acc.add(blk * 8 + j, q, _mm256_set1_ps(d * sc), -dmin * m);
+          }
+        }
+      }
+      acc.store(out);
+      return;
+    }
+    case T_Q6_K: {
+      Acc<NR, true> acc(x, r0);
+      const __m256i m32 = _mm256_set1_epi8(32);
+      for (int64_t blk = 0; blk < K / 256; ++blk, w += 210) {
+        const float d = half_to_float(w + 208);
+        const int8_t* sc = (const int8_t*)(w + 192);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * h));
+          for (int k = 0; k < 4; ++k) {
+            const int s = 4 * h + k;
+            const __m256i l = _mm256_loadu_si256((const __m256i*)(w + 64 * h + 32 * (k % 2)));
+            __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
+            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
+            const __m256 a = _mm256_set_m128(_mm_set1_ps(d * sc[2 * s + 1]), _mm_set1_ps(d * sc[2 * s]));
+            acc.add(blk * 8 + s, _mm256_sub_epi8(q, m32), a, 0.f);
+          }
+        }
+      }
+      acc.store(out);
+      return;
+    }
+  }
+}
+
+template <int NR>
+void dot_float_avx2(bool bf16, const uint8_t* w, const float* x, int64_t K, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    const __m128i h = _mm_loadu_si128((const __m128i*)(w + 2 * i));
+    const __m256 v = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * K + i), acc[r]);
+  }
+  float tail[NR] = {};
+  if (i < K) dot_float_scalar<NR>(bf16, w + 2 * i, x + i, K - i, K, tail);
+  for (int r = 0; r < NR; ++r) {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, acc[r]);
+    out[r] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7] + tail[r];
+  }
+}
+#endif
+
+int64_t row_bytes(int64_t type, int64_t K) {
+  switch (type) {
+    case T_F16: case T_BF16: return 2 * K;
+    case T_Q8_0: return K / 32 * 34;
+    case T_Q4_0: return K / 32 * 18;
+    case T_Q4_1: return K / 32 * 20;
+    case T_Q5_0: return K / 32 * 22;
+    case T_Q5_1: return K / 32 * 24;
+    case T_Q4_K: return K / 256 * 144;
+    case T_Q5_K: return K / 256 * 176;
+    case T_Q6_K: return K / 256 * 210;
+  }
+  return -1;
+}
+
+int64_t block_size(int64_t type) {
+  switch (type) {
+    case T_F16: case T_BF16: return 1;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+  }
+  return 32;
+}
+
+// One weight row against x rows [r0, r0 + nr), nr <= 4.
+template <int NR>
+inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, const QAct& qx, const float* xf, int64_t r0,
+                     float* out) {
+  const bool is_float = type == T_F16 || type == T_BF16;
+#ifdef MS_AVX2
+  if (!scalar) {
+    if (is_float) dot_float_avx2<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, out);
+    else dot_avx2<NR>(type, w, qx, r0, out);
+    return;
+  }
+#endif
+  if (is_float) dot_float_scalar<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, qx.K, out);
+  else dot_scalar<NR>(type, w, qx, r0, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: float32 [n, K] rows contiguous; w: N rows of row_bytes(type, K) bytes, `wstride` bytes apart;
+// out: float32 [n, N], rows `ostride` floats apart. Writes out = x @ W.T. Returns 0, or -1 for an
+// unsupported type or K.
+int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, int64_t type,
+               float* op, int64_t os, int nthreads, int force_scalar) {
+  if (row_bytes(type, K) <= 0 || K % block_size(type)) return -1;
+  const bool is_float = type == T_F16 || type == T_BF16;
+  QAct qx;
+  if (is_float) qx.K = K;
+  else qx = quantize(xf, n, K, nthreads);
+  // at least ~32 KiB of weights per thread so the thread start-up stays small next to the work
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
+  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
+    float o[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* wr = wp + i * ws;
+      int64_t r = 0;
+      for (; r + 4 <= n; r += 4) {
+        rows_dot<4>(type, force_scalar, wr, qx, xf, r, o);
+        for (int k = 0; k < 4; ++k) op[(r + k) * os + i] = o[k];
+      }
+      switch (n - r) {
+        case 3: rows_dot<3>(type, force_scalar, wr, qx, xf, r, o); break;
+        case 2: rows_dot<2>(type, force_scalar, wr, qx, xf, r, o); break;
+        case 1: rows_dot<1>(type, force_scalar, wr, qx, xf, r, o); break;
+      }
+      for (int64_t k = 0; r + k < n; ++k) op[(r + k) * os + i] = o[k];
+    }
+  });
+  return 0;
+}
+
+int ms_has_avx2() {
+#ifdef MS_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"

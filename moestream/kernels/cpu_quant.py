@@ -1,0 +1,153 @@
+"""Compiled CPU matmuls on compressed GGUF weights: ``y = x @ W.T`` read straight from the stored bytes.
+
+Source: ``kernels/cpu/qmatmul.cpp``, compiled at first use by the system C++ compiler into moestream's
+cache (``env.cache_dir()/kernels``, one file per source and flags) and reused from there; never at
+install. It is a plain C-ABI library (no torch headers, so the first build takes seconds) called
+through ctypes. On a CPU with AVX2+FMA+F16C it is built with those instruction sets
+(explicit flags, not ``-march=native``: the cache key is the source and the flags, so a cache shared
+between machines must not hold code for a newer CPU), else as portable C++ (the scalar kernels).
+
+Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
+*quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
+scale (amax / 127), and the products are summed in integers. The weight side is exact (the same values
+as ``moestream.quant``'s decoders); the activation rounding adds a relative error of at most 1/254 of
+each block's largest |x| per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|`` over the
+block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
+multiply float32 activations (no rounding beyond float32 sums).
+
+Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the compiler's OpenMP runtime), so
+``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
+``MOESTREAM_CPU_KERNELS=0``, ``available()`` is False and callers keep the torch path; a failed build is
+reported by one warning line.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+
+import torch
+
+from ..env import cache_dir, cpu_flags, cpu_kernels_enabled
+
+log = logging.getLogger("moestream")
+
+# ggml type ids the kernel computes (a subset of quant.gguf_formats.GGML_TYPE_IDS)
+TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+         "BF16": 30}
+# (values, bytes) per block
+_BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+_SRC = os.path.join(os.path.dirname(__file__), "cpu", "qmatmul.cpp")
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "mod": the built module or None once tried
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def _build():
+    """Compile the C-ABI library with the system C++ compiler into moestream's cache, once per (source,
+    flags): no torch headers and no build tool beyond the compiler (a few seconds)."""
+    isa, flags = _isa_flags()
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    args = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *flags]
+    with open(_SRC, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(args).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"qmatmul_{isa}_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
+        r = subprocess.run([cxx, *args, _SRC, "-o", str(tmp)], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
+            raise RuntimeError(f"{cxx} failed: {first}")
+        os.replace(tmp, path)  # atomic: a concurrent build or reader sees a whole library
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ms_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.ms_qmatmul.restype = ctypes.c_int
+    lib.ms_has_avx2.restype = ctypes.c_int
+    return lib
+
+
+def module():
+    """The compiled library (ctypes), building it on first use; None if the build failed."""
+    if "mod" in _STATE:
+        return _STATE["mod"]
+    with _LOCK:
+        if "mod" not in _STATE:
+            mod = None
+            try:
+                mod = _build()
+            except Exception as e:  # no compiler, no headers, ...: the torch path still works
+                log.warning("moestream: CPU quant kernels unavailable (%s: %s); using the torch tile decoders",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _STATE["mod"] = mod
+    return _STATE["mod"]
+
+
+def available() -> bool:
+    """Whether the kernels run: MOESTREAM_CPU_KERNELS is not 0 (read at each call, so a test or a user can
+    switch them off at run time) and the library is built."""
+    return cpu_kernels_enabled() and module() is not None
+
+
+def supports(type_name: str) -> bool:
+    return type_name in TYPES
+
+
+def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Tensor:
+    """The per-step fast path (QuantLinear): x float32 contiguous [n, K], raw2d uint8 [N, row_bytes] already
+    checked by the caller; returns float32 [n, N]. Skips qmatmul's conversions and checks (~10 us a call)."""
+    n, k = x.shape
+    out = torch.empty(n, raw2d.shape[0], dtype=torch.float32)
+    _STATE["mod"].ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
+                             out.data_ptr(), raw2d.shape[0], torch.get_num_threads(), 0)
+    return out
+
+
+def has_avx2() -> bool:
+    mod = module()
+    return bool(mod is not None and mod.ms_has_avx2())
+
+
+def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None,
+            force_scalar: bool = False) -> torch.Tensor:
+    """``x [n, K] @ W.T`` as float32 ``[n, N]``; ``raw`` holds W's GGUF bytes as ``[N, row_bytes]``
+    (any dtype; it is viewed as bytes; rows may be strided). ``out``: a float32 ``[n, N]`` view whose
+    rows may be strided. ``force_scalar`` runs the portable kernels (tests)."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    k = x.shape[-1]
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    if raw.dtype != torch.uint8:
+        raw = raw.contiguous().view(torch.uint8)
+    if raw.dim() != 2 or raw.stride(-1) != 1:
+        raw = raw.contiguous().reshape(raw.shape[0] if raw.dim() == 2 else -1, raw.shape[-1])
+    n_out = raw.shape[0]
+    bs, ts = _BLOCKS[type_name]
+    if k % bs or raw.shape[1] != k // bs * ts:
+        raise ValueError(f"{type_name}: K={k} needs rows of {k // bs * ts} bytes in blocks of {bs}; got {raw.shape[1]}")
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (x.shape[0], n_out) or out.stride(-1) != 1:
+        raise ValueError(f"out must be a float32 [{x.shape[0]}, {n_out}] view with contiguous rows")
+    rc = mod.ms_qmatmul(x.data_ptr(), x.shape[0], k, raw.data_ptr(), n_out, raw.stride(0), TYPES[type_name],
+                        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(force_scalar))
+    if rc:
+        raise ValueError(f"CPU quant kernel: type {type_name} with K={k} is not supported")
+    return out

@@ -1,0 +1,191 @@
+"""The compiled CPU matmuls on GGUF bytes (moestream/kernels/cpu_quant.py) against float64 references.
+
+Block formats multiply activations rounded to int8 per block of 32 (scale d = amax/127, as llama.cpp
+does), so two references:
+- exact model: the same rounding done here in float32, then float64 products: the kernel must agree to
+  float32 accumulation error (rtol 1e-5 of sum |w x|) — this catches any unpacking or scale bug;
+- true float64 x @ W.T: the error is bounded by the activation rounding, |x - xq| <= d/2 per value, so
+  |y - y_ref| <= sum_blocks d_b / 2 * sum_{k in b} |W[i, k]| (plus the float32 slack above).
+Both the AVX2 kernels (when this CPU has them) and the portable scalar ones are checked.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from moestream.kernels import cpu_quant
+from moestream.quant import gguf_format, qlinear
+from moestream.quant import base as qbase
+
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+FLOAT_TYPES = ["F16", "BF16"]
+# byte offsets of fp16 scale fields in one block (ggml block structs)
+SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+          "Q5_K": (0, 2), "Q6_K": (208,)}
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant kernels could not be built here")
+
+
+def _weights(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, row_bytes] GGUF bytes: random in every field, random signed fp16 scales (d and dmin differ)."""
+    rng = np.random.default_rng(seed)
+    if name in FLOAT_TYPES:
+        dt = torch.float16 if name == "F16" else torch.bfloat16
+        return torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(dt).view(torch.uint8)
+    fmt = gguf_format(name)
+    b = rng.integers(0, 256, size=(n * k // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    for off in SCALES[name]:
+        d = (rng.standard_normal(b.shape[0]) * 0.05).astype(np.float16)
+        b[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+def _quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded like the kernel (float32 math, round half to even) and the per-block scales d."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv)
+    return (q.double() * d.double()).reshape(x.shape), d.squeeze(-1).double()
+
+
+def _check(name: str, n_x: int, force_scalar: bool, n: int = 40, k: int = 512, seed: int = 0):
+    raw = _weights(name, n, k, seed)
+    w = gguf_format(name).dequantize(raw, (n, k), torch.float64)
+    x = torch.randn(n_x, k, generator=torch.Generator().manual_seed(seed))
+    y = cpu_quant.qmatmul(x, raw, name, force_scalar=force_scalar).double()
+    scale = x.double().abs() @ w.abs().T  # sum |w x| per output: the float32 rounding scale
+    if name in FLOAT_TYPES:
+        torch.testing.assert_close(y, x.double() @ w.T, rtol=0, atol=1e-5 * scale.max().item())
+        return
+    xq, d = _quantized_x(x)
+    assert (y - xq @ w.T).abs().le(1e-5 * scale + 1e-6).all(), "kernel differs from its exact model"
+    bound = (d / 2) @ w.abs().reshape(n, -1, 32).sum(-1).T  # [n_x, n]
+    err = (y - x.double() @ w.T).abs()
+    assert err.le(bound + 1e-5 * scale + 1e-6).all(), f"activation rounding error above its bound: {(err / bound).max()}"
+    assert err.max() > 0  # the rounding is real: this reference is not the exact model above
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("n_x", [1, 3, 6])
+def test_kernels_against_float64(name, n_x):
+    _check(name, n_x, force_scalar=False)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
+def test_scalar_kernels_against_float64(name):
+    _check(name, 5, force_scalar=True, seed=1)
+
+
+def test_avx2_build_on_avx2_cpus():
+    from moestream.env import cpu_flags
+
+    assert cpu_quant.has_avx2() == ({"avx2", "fma", "f16c"} <= cpu_flags())
+
+
+def test_threads_split_rows_without_changing_results():
+    raw = _weights("Q4_K", 300, 1024)
+    x = torch.randn(2, 1024)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = cpu_quant.qmatmul(x, raw, "Q4_K")
+        torch.set_num_threads(2)
+        y2 = cpu_quant.qmatmul(x, raw, "Q4_K")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+def test_bad_row_bytes_are_refused():
+    raw = _weights("Q8_0", 4, 64)
+    with pytest.raises(ValueError):
+        cpu_quant.qmatmul(torch.randn(1, 96), raw, "Q8_0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qlinear_uses_the_kernel_for_few_rows(dtype, monkeypatch):
+    fmt, n, k = gguf_format("Q5_K"), 48, 512
+    raw = _weights("Q5_K", 2 * n, k).reshape(2, n, -1)
+    x = torch.randn(3, k).to(dtype)
+    y = qlinear(x, fmt, raw, (2, n, k), rows=(n, 2 * n))  # expert 1
+    assert y.dtype == dtype and y.shape == (3, n)
+    assert torch.equal(y, cpu_quant.qmatmul(x, raw.reshape(2 * n, -1)[n:], "Q5_K").to(dtype))
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")  # the torch tile path: differs by the x rounding
+    y_torch = qlinear(x, fmt, raw, (2, n, k), rows=(n, 2 * n))
+    assert not torch.equal(y, y_torch)
+    torch.testing.assert_close(y.float(), y_torch.float(), rtol=0.05, atol=0.05 * y_torch.float().abs().max().item())
+
+
+def test_qlinear_many_rows_take_the_float_gemm():
+    fmt, n, k = gguf_format("Q4_0"), 32, 256
+    raw = _weights("Q4_0", n, k)
+    x = torch.randn(qbase.CPU_KERNEL_MAX_ROWS + 1, k)
+    y = qlinear(x, fmt, raw, (n, k))
+    torch.testing.assert_close(y, x @ fmt.dequantize(raw, (n, k)).T, rtol=1e-5, atol=1e-4)
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_quant, "_STATE", {})
+
+    def fail():
+        raise OSError("no compiler")
+
+    monkeypatch.setattr(cpu_quant, "_build", fail)
+    fmt, n, k = gguf_format("Q8_0"), 16, 64
+    raw = _weights("Q8_0", n, k)
+    x = torch.randn(1, k)
+    with caplog.at_level(logging.WARNING, logger="moestream"):
+        y1 = qlinear(x, fmt, raw, (n, k))
+        y2 = qlinear(x, fmt, raw, (n, k))
+    assert not cpu_quant.available()
+    assert len([r for r in caplog.records if "CPU quant kernels unavailable" in r.message]) == 1
+    ref = x @ fmt.dequantize(raw, (n, k)).T
+    assert torch.equal(y1, y2)
+    torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch):
+    """CPU-only GGUF runs keep dense linears and the embedding compressed (bytes equal to what the
+    dequantize-at-load path decodes, llama's q/k rows un-permuted too) and compute them and the routed
+    experts with the kernels: logits within the int8 activation rounding of the exact path's."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM
+    from moestream.layers.quant_linear import QuantEmbedding, QuantLinear
+    from test_engine_parity import full_logits
+
+    hf_dir = tiny_checkpoint("qwen3") if variant == "qwen3" else gguf_writer.make_llama(tmp_path / "hf")
+    path, _ = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", Q.Q8_0)
+    kw = dict(device="cpu", dtype="float32")
+    fast = LLM(path, **kw)
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    monkeypatch.setenv("MOESTREAM_FUSE", "0")  # the exact model keeps its projections by their loaded names
+    exact = LLM(path, **kw)
+    params = dict(exact.engine.model.named_parameters())
+    mods = [(n, m) for n, m in fast.engine.model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert any(n.endswith("q_proj") for n, _ in mods) and any(isinstance(m, QuantEmbedding) for _, m in mods)
+    for name, m in mods:
+        w = params[name + ".weight"]
+        got = m.fmt.dequantize(m.raw, tuple(w.shape))
+        if name == "lm_head":  # kept as F16 (float activations for the logits): fp16 rounding of the values
+            assert m.fmt.type_name == "F16"
+            torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-6)
+        else:
+            assert torch.equal(got, w), name
+    ids = list(range(4, 10))  # 6 rows: every matmul takes the kernel
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "1")
+    ours = full_logits(fast, ids)
+    theirs = full_logits(exact, ids)
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    # ~1% per rounded matmul, compounded over the layers of a random-weight model
+    assert 1e-6 < rel < 6e-2, rel
+    # greedy picks agree wherever the exact path's top-2 margin exceeds twice the largest logit change
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (ours - theirs).abs().max()
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
