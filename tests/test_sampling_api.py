@@ -142,3 +142,14 @@ def test_cli_generate_answers_an_instruct_model_through_its_chat_template():
                           "--max-tokens", "12", "--temperature", "0", "--no-chat"], capture_output=True, text=True,
                          timeout=300)
     assert raw.returncode == 0 and raw.stdout != r.stdout  # --no-chat completes the raw text instead
+
+
+@pytest.mark.parametrize("config", ["{not json", '{"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64}'])
+def test_cli_corrupt_hf_folder_is_one_line(config, tmp_path):
+    """A corrupt or incomplete config.json: one readable line, exit 2, no traceback."""
+    (tmp_path / "config.json").write_text(config)
+    r = subprocess.run([sys.executable, "-m", "moestream.cli", "generate", "--model-path", str(tmp_path),
+                        "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("moestream: error:") and "config.json" in r.stderr
