@@ -39,8 +39,7 @@ try:  # optional: absent on CPU-only installs (the torch reference runs there)
     import triton.language as tl
 
     from ..quant import triton_dequant as td
-    from ..quant.triton_dequant import (_e2m1, _e4m3, _e8m0, _iq4_nl, _iq4_xs, _ld, _mxfp4_g, _nvfp4_g,
-                                        _q2_k, _q3_k, _q4_0, _q4_1, _q4_k, _q5_0, _q5_1, _q5_k, _q6_k, _q8_0, _store)
+    from ..quant.triton_dequant import _e2m1, _e4m3, _e8m0, _ld, _store, gguf_decode
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -192,39 +191,6 @@ _S_BLOCK, _S_CHANNEL, _S_TENSOR = 0, 1, 2  # SMODE of FP8 scales
 if triton is not None:
 
     @triton.jit
-    def _gguf_block(p, e, s, m, lut, QT: tl.constexpr):
-        """Blocks at p [BN, BKB, 1, 1] -> values [BN, BKB, NS, SS] (quant/triton_dequant.py's QT ids)."""
-        if QT == 0:
-            v = _q4_0(p, e, m)
-        elif QT == 1:
-            v = _q4_1(p, e, m)
-        elif QT == 2:
-            v = _q5_0(p, e, m)
-        elif QT == 3:
-            v = _q5_1(p, e, m)
-        elif QT == 4:
-            v = _q8_0(p, e, m)
-        elif QT == 5:
-            v = _q2_k(p, e, s, m)
-        elif QT == 6:
-            v = _q3_k(p, e, s, m)
-        elif QT == 7:
-            v = _q4_k(p, e, s, m)
-        elif QT == 8:
-            v = _q5_k(p, e, s, m)
-        elif QT == 9:
-            v = _q6_k(p, e, s, m)
-        elif QT == 10:
-            v = _iq4_nl(p, e, m, lut)
-        elif QT == 11:
-            v = _iq4_xs(p, e, s, m, lut)
-        elif QT == 12:
-            v = _mxfp4_g(p, e, m)
-        else:
-            v = _nvfp4_g(p, e, s, m)
-        return v
-
-    @triton.jit
     def _gguf_dot(w, n, nmask, xrow, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                   NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
         """[BN] fp32: rows n of one expert's GGUF matrix (rows of K // BS blocks of TS bytes at w) dot xrow [K].
@@ -239,7 +205,7 @@ if triton is not None:
             bm = b < nblk
             p = (rowp[:, None] + b[None, :] * TS)[:, :, None, None]
             m = (nmask[:, None] & bm[None, :])[:, :, None, None]
-            v = _gguf_block(p, e, s, m, lut, QT)
+            v = gguf_decode(p, e, s, m, lut, QT)
             xv = tl.load(xrow + (b * BS)[None, :, None, None] + e, mask=bm[None, :, None, None], other=0.0)
             acc += tl.sum(tl.sum(v * xv.to(tl.float32), axis=3), axis=2)
         return tl.sum(acc, axis=1)
