@@ -32,3 +32,12 @@ def test_an_idle_cpu_is_probed_with_a_little_work():
     for _ in range(4):
         s.observe(0.0, 0.0)  # no CPU pairs in these windows
     assert s.value == pytest.approx(0.9 - 2 * PROBE)
+
+
+def test_a_measured_share_is_kept_through_windows_without_cpu_work():
+    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, every=1)
+    s.observe(16e9 * 0.004, 0.004)  # one measured window: 16 GB/s
+    measured = s.value
+    for _ in range(5):
+        s.observe(16e9 * 0.004, 0.004)  # no new CPU work (e.g. every miss fetched, or no misses)
+    assert s.value == measured and s.cpu_gbs == pytest.approx(16.0)

@@ -9,9 +9,9 @@ B_pcie is the pinned host-to-device rate (`moestream bench bw`, or a short copy 
 
 The share lives in a float32 device scalar that the route kernel reads at every call
 (device_cache.route with a tensor fraction), so recorded CUDA graphs follow it with no re-recording.
-When the CPU is slow the share goes to 1 and hybrid fetches every miss, as offload does; while the CPU
-computes nothing (share near 1, or small calls) the share is lowered a little once per window so the
-CPU rate keeps being measured.
+When the CPU is slow the share goes to 1 and hybrid fetches every miss, as offload does; until the CPU
+has computed enough to be measured, the share is lowered a little once per window (a start-up probe);
+windows with too little CPU work after that keep the share.
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class LiveShare:
         if self.steps % self.every:
             return
         db, ds = cpu_bytes - self._mark[0], cpu_s - self._mark[1]
-        if ds < MIN_BUSY_S:
-            self._set(max(self.value - PROBE, 0.0))
+        if ds < MIN_BUSY_S:  # too little CPU work to measure: probe until a first rate, then keep the share
+            if self.cpu_gbs is None:
+                self._set(max(self.value - PROBE, 0.0))
             return
         self._mark = (cpu_bytes, cpu_s)
         self.cpu_gbs = db / ds / 1e9
