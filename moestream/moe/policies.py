@@ -15,7 +15,7 @@ import torch
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
 from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache, device_fetch_count
 from .bridge import CpuBridge
-from .pairs import pair_outputs, pair_sum, stage_experts, triton_ready
+from .pairs import pair_moe, pair_outputs, pair_sum, stage_experts, triton_ready
 from .qpairs import supports as qpair_supports
 from .residency import Residency
 from .runtime import ExpertRuntime, register
@@ -63,9 +63,8 @@ class FusedRuntime(ExpertRuntime):
             self._count_pairs(layer, topk_ids)
             routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
             self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
-            y = pair_outputs(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
+            return pair_moe(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
                             self.store.fmt.for_layer(layer))
-            return pair_sum(y, topk_ids.shape[1], x.dtype)
         groups = RouteGroups.of(topk_ids)
         self._count(layer, topk_ids, groups)
         s = self.book[layer]
@@ -275,8 +274,8 @@ class DeviceCachedRuntime(CachedRuntime):
     """Decode through the pair kernels and the device-side slot cache (moe/device_cache.py) where they
     apply (dense or compressed experts with a pair kernel, every host bank pinned, a prefill buffer):
     hits read their slot, misses are read from the pinned host bank by the kernel and admitted into LRU
-    victims in the same pass, with no host synchronisation, so decode steps can be CUDA graphs. Otherwise the grouped path: host LRU,
-    copies on the copy stream, then compute."""
+    victims in the same pass, with no host synchronisation, so decode steps can be CUDA graphs. Otherwise
+    the grouped path: host LRU, copies on the copy stream, then compute."""
 
     def __init__(self, store, device, options):
         pinned = device.type != "cuda" or all(t.is_pinned() for per in store.banks.values() for t in per.values())
@@ -351,8 +350,7 @@ class OffloadRuntime(DeviceCachedRuntime):
         self._count_pairs(layer, topk_ids)
         src, experts, rows, count = self.dcache.route(layer, topk_ids)
         stage_experts(self.store.bank(layer), self.pool.arrays, experts, rows, count)
-        y = pair_outputs(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
-        return pair_sum(y, topk_ids.shape[1], x.dtype)
+        return pair_moe(x, topk_w, src, self.pool.arrays, self.store.fmt.for_layer(layer))
 
     def _decode(self, layer, x, topk_w, groups):
         return self._device_rounds(layer, x, topk_w, groups, groups.experts,
