@@ -39,13 +39,15 @@
 # vocabulary) DEVICE=cpu (moestream on the CPU, caps not applied) LLAMA_BIN=DIR (an existing llama.cpp build,
 # e.g. a CPU one; no build) NCMOE=0,2,4 GRID="fused@all;offload,cpu,auto@n2".
 #
-# With moestream as slow on GGUF as it is at 75226ac (issue 13: 3 tok/s), one call does not hold everything.
-# A split that fits ~9.5 minutes per call:
-#   1. QUANTS=q8_0   GRID="fused@all;cpu@n40"            build, write, fused during the build, llama.cpp x5
-#   2. QUANTS=q8_0   BUILD=0 LLAMA=0 VRAM_FROM=.peer/vs_llama.json GRID="offload,auto,hybrid,cpu@n15,n29,n33"
-#   3. QUANTS=q4_k_m with the GRID of call 1, MERGE=.peer/vs_llama.json; then like call 2 for q4_k_m
-# (copy each call's vs_llama.json into .peer/ before the next). Once the pair kernels read compressed
-# experts (issue 13 item 1) a configuration takes seconds and the defaults fit one call per file.
+#   BUILD_GRID  the moestream grid run while llama.cpp builds [fused@all]
+#   DURING_BUILD a shell command run after that grid if the build is still going (e.g. the CUDA tests)
+#
+# The build runs in its own session (setsid): it outlives the call, and a later call on the same warm
+# machine (the device tool keeps a machine 30 s after a call) finds llama-bench built, the file in
+# GGUF_DIR (KEEP_GGUF=1) and the results in WORK (--resume skips what is measured). The split used on
+# 2026-12-03 (fourth session), two calls back to back:
+#   A. KEEP_GGUF=1 QUANTS=q8_0 BUILD_GRID="fused@all;cpu@all" DURING_BUILD="bash benchmarks/gpu_tests.sh"
+#   B. KEEP_GGUF=1 QUANTS=q8_0                         (llama.cpp at every -ncmoe, then the default grid)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -67,6 +69,7 @@ left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 
 build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama.cpp source
   touch "$LL/BUILDING"
+  trap 'rm -f "$LL/BUILDING"' EXIT
   local src=${LLAMA_SRC:-$(ls .peer/llama.cpp-src.tar.gz .peer/llama.cpp-slim.tar.gz 2>/dev/null | head -1)}
   echo "llama.cpp source: $src"
   tar xzf "$src" -C "$LL" \
@@ -79,6 +82,14 @@ build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama
   echo "build rc $rc after $(( $(date +%s) - T0 )) s"
   return $rc
 }
+
+building() { [ -f "$LL/BUILDING" ]; }
+wait_build() {  # until the build ends or $1 seconds pass; 0 if llama-bench is there
+  local until=$(( $(date +%s) + $1 ))
+  while building && [ "$(date +%s)" -lt "$until" ]; do sleep 2; done
+  [ -x "$BIN/llama-bench" ]
+}
+if [ "${1:-}" = __build ]; then build; exit $?; fi
 
 report() {
   timeout 120 python3 benchmarks/vs_llama.py report --work "$WORK" --out "$OUT" ${MERGE:+--merge "$MERGE"} "$@" \
@@ -94,9 +105,15 @@ report() {
   python3 -c "import gguf" 2>/dev/null || echo "WARNING: no gguf package (carry .whl/gguf-*.whl): the file writer needs it"
   [ -f "$VOCAB" ] || echo "WARNING: $VOCAB missing (copy ../shared/data/qwen3-tokenizer-gguf-fields.json into .peer/)"
   BUILD_PID=
-  if [ "$BUILD" = 1 ]; then
-    build > "$WORK/build.log" 2>&1 &
-    BUILD_PID=$!
+  if [ "$BUILD" = 1 ] && [ -x "$BIN/llama-bench" ]; then
+    echo "llama.cpp already built in $BIN (an earlier call on this machine)"
+  elif [ "$BUILD" = 1 ] && [ -f "$LL/BUILDING" ]; then
+    echo "llama.cpp build of an earlier call still running"; BUILD_PID=marker
+  elif [ "$BUILD" = 1 ]; then
+    # its own session: it outlives this call, so the next call on the same (warm) machine finds it done
+    touch "$LL/BUILDING"
+    setsid nohup bash "$0" __build > "$WORK/build.log" 2>&1 < /dev/null &
+    BUILD_PID=marker
   fi
   if [ "${BENCHBW:-0}" = 1 ]; then timeout 150 python3 -m moestream.cli bench bw; fi
   for Q in $QUANTS; do
@@ -112,19 +129,23 @@ report() {
       timeout 300 python3 benchmarks/vs_llama.py write "$Q" "$F" $WARGS --work "$WORK" || { echo "write failed"; continue; }
     fi
     report
-    if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
+    if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && building; then
       # while llama.cpp builds: only the configurations that need no llama.cpp VRAM figure (fused, fixed caps)
       echo "== $(date -u +%T) [$(left) s left] moestream during the build (fused)"
       timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe --model "$F" --quant "$Q" \
-        --work "$WORK" --resume $SIZES --grid "fused@all" --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
+        --work "$WORK" --resume $SIZES --grid "${BUILD_GRID:-fused@all}" --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
         --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
       report
     fi
+    if [ -n "${DURING_BUILD:-}" ] && building; then echo "== $(date -u +%T) [$(left) s left] $DURING_BUILD"; bash -c "$DURING_BUILD"; fi
     if [ "$LLAMA" = 1 ]; then
-      if [ -n "$BUILD_PID" ]; then wait "$BUILD_PID"; BUILD_PID=; tail -3 "$WORK/build.log"; fi
+      if [ -n "$BUILD_PID" ]; then
+        echo "== $(date -u +%T) [$(left) s left] waiting for the llama.cpp build"
+        wait_build $(( $(left) > 60 ? $(left) - 60 : 1 )); BUILD_PID=; tail -3 "$WORK/build.log"
+      fi
       if [ -x "$BIN/llama-bench" ]; then
         echo "== $(date -u +%T) [$(left) s left] llama.cpp on $Q"
-        timeout 420 python3 benchmarks/vs_llama.py llama --model "$F" --quant "$Q" --work "$WORK" --resume $SIZES \
+        timeout $(( $(left) > 90 ? $(left) : 90 )) python3 benchmarks/vs_llama.py llama --model "$F" --quant "$Q" --work "$WORK" --resume $SIZES \
           --bin "$BIN" --ncmoe "$NCMOE" --threads "$(nproc)"
         grep -h "buffer size" "$WORK"/llama_"$Q"_ncmoe*.log 2>/dev/null | sort | uniq -c | head -30
         report
@@ -141,7 +162,7 @@ report() {
     fi
     [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F" "$F.done"
   done
-  [ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; tail -3 "$WORK/build.log"; }
+  [ -n "${BUILD_PID:-}" ] && { building && echo "llama.cpp build still running (it goes on after this call)"; tail -3 "$WORK/build.log"; }
   report --plot
   cat "$WORK/report.txt"
   echo "== done after $(( $(date +%s) - T0 )) s"

@@ -368,11 +368,14 @@ def run_child(args) -> None:
                 llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None)
                 rec["load_s"] = time.perf_counter() - t
                 rec["reconfigured"] = True
+            gib = lambda m: {k: round(v / 2**30, 3) for k, v in m.items()}  # noqa: E731
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
+                rec["memory_after_load_gib"] = gib(llm.engine.memory_report())
             rec.update(measure(llm, args))
             if args.device.startswith("cuda"):
                 rec["torch_max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                rec["memory_after_gib"] = gib(llm.engine.memory_report())
             rec["concurrent_build"] = Path("/tmp/llama/BUILDING").exists()
         except Exception as e:  # a plan that does not fit is a result too
             rec["error"] = f"{type(e).__name__}: {e}"

@@ -58,6 +58,23 @@ def test_gpu_memory_cap_and_rate():
     assert p.cache_slots == 0 and p.prefill_slots == 64 and p.bytes.experts_device == 0
 
 
+def test_gpu_memory_cap_covers_the_cuda_context():
+    """--gpu-memory-gb caps the process: the measured CUDA context comes off the budget the plan splits
+    (and the plan shows it); --memory-ratio shares free memory, which the context has already left."""
+    import dataclasses
+
+    hw = dataclasses.replace(gpu(139), context_bytes=700 * MiB)
+    capped = plan_memory(BIG, hw, EngineConfig(moe_backend="offload", gpu_memory_gb=6))
+    b = capped.bytes
+    assert b.budget == 6 * GiB - 700 * MiB and b.context == 700 * MiB
+    assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv + b.context <= 6 * GiB
+    assert "CUDA context 0.68 GiB" in capped.describe()
+    plain = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="offload", gpu_memory_gb=6))
+    assert plain.cache_slots > capped.cache_slots  # the context's 700 MiB would have been expert slots
+    ratio = plan_memory(BIG, hw, EngineConfig(moe_backend="offload", memory_ratio=0.05))
+    assert ratio.bytes.budget == int(0.05 * 139 * GiB) and ratio.bytes.context == 0
+
+
 @pytest.mark.parametrize("cfg,match", [
     (dict(moe_backend="offload", moe_cache_size=7), "below one layer's top-k"),
     (dict(moe_backend="offload", moe_cache_rate=0.0001), "below one layer's top-k"),

@@ -97,6 +97,27 @@ class Engine:
                  cfg.architecture, self.device, str(self.dtype).replace("torch.", ""), self.max_seq_len,
                  self.caches.kv.num_pages * self.caches.kv.page_size, self.caches.state.num_slots,
                  self.runtime.name)
+        if self.device.type == "cuda":
+            # load-time temporaries (dequantized tensors, the unfused projections) are free but still held
+            # by torch's cache: give them back so the process holds what the plan says
+            torch.cuda.empty_cache()
+            log.info("%s", self.memory_line())
+
+    def memory_report(self) -> dict:
+        """GPU memory now, in bytes: the plan's budget and context, torch's allocated and reserved bytes,
+        and the device's used memory (all processes) — what benchmarks compare with nvidia-smi."""
+        if self.device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"budget": self.plan.bytes.budget, "context": self.hardware.context_bytes,
+                "allocated": torch.cuda.memory_allocated(self.device),
+                "reserved": torch.cuda.memory_reserved(self.device),
+                "max_reserved": torch.cuda.max_memory_reserved(self.device), "device_used": total - free}
+
+    def memory_line(self) -> str:
+        m, g = self.memory_report(), (lambda n: f"{n / 2**30:.2f}")
+        return (f"GPU memory: torch allocated {g(m['allocated'])} GiB, reserved {g(m['reserved'])} GiB, CUDA context "
+                f"~{g(m['context'])} GiB (plan budget {g(m['budget'])} GiB + context); device used {g(m['device_used'])} GiB")
 
     def _max_seq_len(self) -> int:
         limit = self.cfg.max_position_embeddings
@@ -150,6 +171,10 @@ class Engine:
         old.close()
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()  # recorded steps point into the old runtime's pools
+        # nothing may keep the old runtime's device cache alive while the new one allocates its own
+        self.runtime = None
+        for block in self.model.moe_blocks():
+            block.runtime = None
         self.ecfg = self.ecfg.replace(**changes)
         self.plan = self._plan_memory(self.model, store.fmt)
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
@@ -159,6 +184,9 @@ class Engine:
                 self.pinning = store.pin_host(self.plan.bytes.pin_budget)
         del old
         if self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # runtimes hold reference cycles (routers <-> runtime)
             torch.cuda.empty_cache()
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
         self.runtime.attach_routers({b.layer: b.gate for b in self.model.moe_blocks()})

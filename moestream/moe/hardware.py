@@ -23,12 +23,33 @@ def host_memory() -> tuple[int, int]:
         return total, total // 2
 
 
+CONTEXT_MAX = 2 << 30  # a larger figure means other processes share the GPU: theirs is not ours to count
+
+
+def cuda_context_bytes(device: torch.device) -> int:
+    """GPU memory in use outside torch's caching allocator after the CUDA context, cuBLAS and a first
+    GEMM exist: the process's fixed cost, which `--gpu-memory-gb` (a cap on the whole process) must cover.
+    Measured as device-wide used memory less torch's reserved bytes, so another process's memory on the
+    same GPU would count too: the figure is capped at CONTEXT_MAX (contexts take 0.3-1.5 GiB)."""
+    with torch.device(device):
+        a = torch.ones(64, 64, dtype=torch.bfloat16)
+        (a @ a).sum().item()  # loads cuBLAS(Lt) and its workspace
+        del a
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free - torch.cuda.memory_reserved(device)
+    return int(min(max(used, 0), CONTEXT_MAX))
+
+
 def probe_hardware(device: torch.device) -> Hardware:
     total, avail = host_memory()
+    context = 0
     if device.type == "cuda":
+        context = cuda_context_bytes(device)
         free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device)  # torch's cache is ours to reuse
         name = torch.cuda.get_device_name(device)
     else:
         free, name = avail, "cpu"
     return Hardware(device=device.type, name=name, free_bytes=int(free), host_total_bytes=total,
-                    host_available_bytes=avail, physical_cores=physical_cores())
+                    host_available_bytes=avail, physical_cores=physical_cores(), context_bytes=context)

@@ -47,6 +47,10 @@ class Hardware:
     host_total_bytes: int
     host_available_bytes: int
     physical_cores: int
+    # GPU memory this process holds outside torch's allocator once the CUDA context and the math libraries'
+    # handles exist (measured by probe_hardware); `--gpu-memory-gb` caps the process, so the plan's budget
+    # is the cap less this. 0 on a CPU.
+    context_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class Bandwidths:
 
 @dataclass(frozen=True)
 class PlanBytes:
-    budget: int
+    budget: int  # what the plan splits: the cap (or memory-ratio share) less the CUDA context
     dense: int
     state: int
     workspace: int
@@ -77,6 +81,7 @@ class PlanBytes:
     kv: int
     host_banks: int
     pin_budget: int
+    context: int = 0  # CUDA context and library handles, outside the budget (counted against --gpu-memory-gb)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class MoePlan:
             f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}",
             f"  {self.device} budget {g(b.budget)} GiB: dense {g(b.dense)} + experts {g(b.experts_device)} + "
             f"prefill {g(b.prefill_buffer)} + KV {g(b.kv)} ({self.kv_tokens} tokens) + state {g(b.state)} + "
-            f"workspace {g(b.workspace)}",
+            f"workspace {g(b.workspace)}" + (f"; CUDA context {g(b.context)} GiB outside it" if b.context else ""),
             f"  host expert banks {g(b.host_banks)} GiB, pin budget {g(b.pin_budget)} GiB",
         ])
 
@@ -150,14 +155,16 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         experts_device=expert_dev + (host if hw.device == "cpu" else 0),
                         prefill_buffer=2 * prefill * m.expert_bytes, kv=kv_tokens * m.kv_bytes_per_token,
                         host_banks=host if backend != "fused" or hw.device == "cpu" else 0,
-                        pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0),
+                        pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0,
+                        context=hw.context_bytes if e.gpu_memory_gb is not None else 0),
         pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0)
 
 
 def _budget(hw: Hardware, e) -> int:
     if e.gpu_memory_gb is not None:
         cap = int(e.gpu_memory_gb * GiB)
-        return cap if hw.device == "cpu" else min(cap, hw.free_bytes)
+        # the cap is the whole process's GPU memory (what nvidia-smi shows): the context comes off it
+        return cap if hw.device == "cpu" else min(cap - hw.context_bytes, hw.free_bytes)
     return int(e.memory_ratio * hw.free_bytes)
 
 
