@@ -169,3 +169,17 @@ def test_cpu_bridge_failure_fails_the_step_not_the_engine(tiny_checkpoint, fused
     bridge._compute = real
     llm2_tokens = [o.token_ids for o in llm.generate(ps, SP)]
     assert llm2_tokens == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reconfigure_keeps_fused_tokens(tiny_checkpoint, fused_tokens, arch):
+    """Engine.reconfigure_experts (the benchmarks' sweep) swaps the runtime on the loaded weights: every
+    block then runs the new one (none keeps the old), and each backend still gives fused's tokens."""
+    ps, want = fused_tokens(arch)
+    llm = LLM(tiny_checkpoint(arch), moe_backend="fused", **COMMON)
+    for backend, kw in (("offload", {"moe_cache_size": 3}), ("hybrid", {"moe_cache_size": 3}), ("fused", {})):
+        old = llm.engine.runtime
+        plan = llm.engine.reconfigure_experts(moe_backend=backend, **kw)
+        assert plan.backend == backend and llm.engine.runtime is not old
+        assert all(b.runtime is llm.engine.runtime for b in llm.engine.model.moe_blocks())
+        assert [o.token_ids for o in llm.generate(ps, SP)] == want, backend
