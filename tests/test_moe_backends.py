@@ -183,3 +183,30 @@ def test_reconfigure_keeps_fused_tokens(tiny_checkpoint, fused_tokens, arch):
         assert plan.backend == backend and llm.engine.runtime is not old
         assert all(b.runtime is llm.engine.runtime for b in llm.engine.model.moe_blocks())
         assert [o.token_ids for o in llm.generate(ps, SP)] == want, backend
+
+
+@pytest.mark.parametrize("prompts_", [[[1, 2, 3]], [[1, 2, 3], [7, 8, 9, 10]]])
+def test_fused_pairs_count_distinct_experts(tiny_checkpoint, prompts_):
+    """fused on the pair path counts each decode layer call's distinct experts: on the device for a batch,
+    on the host for one token (its top-k are distinct; no kernel in the step)."""
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="fused", moe_decode_kernel="pairs", **COMMON)
+    rt = llm.engine.runtime
+    assert rt.pairs
+    seen = []
+    orig = rt.forward
+
+    def spy(layer, x, ids, w):
+        before = rt.book.total()
+        y = orig(layer, x, ids, w)
+        after = rt.book.total()
+        if not rt.prefill_mode:
+            n = len(torch.unique(ids))
+            d = {k: getattr(after, k) - getattr(before, k) for k in ("hits", "expert_calls", "gpu_experts")}
+            assert d == {"hits": n, "expert_calls": n, "gpu_experts": n}, (d, n)
+            seen.append(ids.shape[0])
+        return y
+
+    for block in llm.engine.model.moe_blocks():
+        block.runtime.forward = spy
+    llm.generate(prompts_, SP)
+    assert seen and max(seen) == len(prompts_)

@@ -48,6 +48,8 @@ class FusedRuntime(ExpertRuntime):
         if self.pairs:
             self.distinct = torch.zeros(len(store.moe_layers), dtype=torch.long, device=device)
             self.layer_index = {layer: i for i, layer in enumerate(store.moe_layers)}
+            # one token's top-k experts are distinct: a batch-1 step's count needs no kernel (counted here)
+            self.single = [0] * len(store.moe_layers)
             self.book.device_counts = self._device_counts
 
     def capturable(self, info=None):
@@ -55,14 +57,23 @@ class FusedRuntime(ExpertRuntime):
 
     def _device_counts(self) -> dict:
         d = self.distinct.tolist()
-        return {layer: {"hits": d[i], "expert_calls": d[i], "gpu_experts": d[i]}
-                for layer, i in self.layer_index.items()}
+        return {layer: {"hits": d[i] + self.single[i], "expert_calls": d[i] + self.single[i],
+                        "gpu_experts": d[i] + self.single[i]} for layer, i in self.layer_index.items()}
+
+    def count_replay(self, num_tokens: int, top_k: int) -> None:
+        super().count_replay(num_tokens, top_k)
+        if self.pairs and num_tokens == 1:
+            self.single = [c + top_k for c in self.single]
 
     def forward(self, layer, x, topk_ids, topk_w):
         if self.pairs and not self.prefill_mode:
             self._count_pairs(layer, topk_ids)
-            routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
-            self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
+            if topk_ids.shape[0] == 1:  # distinct by construction (a replay adds them in count_replay)
+                if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self.single[self.layer_index[layer]] += topk_ids.shape[1]
+            else:
+                routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
+                self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
             return pair_moe(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
                             self.store.fmt.for_layer(layer))
         groups = RouteGroups.of(topk_ids)
