@@ -169,9 +169,14 @@ def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch)
     exact = LLM(path, **kw)
     params = dict(exact.engine.model.named_parameters())
     mods = [(n, m) for n, m in fast.engine.model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
-    assert any(n.endswith("q_proj") for n, _ in mods) and any(isinstance(m, QuantEmbedding) for _, m in mods)
+    assert any(n.endswith("qkv_proj") for n, _ in mods) and any(isinstance(m, QuantEmbedding) for _, m in mods)
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # fused by byte rows (models/fuse.py)
     for name, m in mods:
-        w = params[name + ".weight"]
+        head, _, leaf = name.rpartition(".")
+        if leaf in parts:
+            w = torch.cat([params[f"{head}.{p}.weight"] for p in parts[leaf]])
+        else:
+            w = params[name + ".weight"]
         got = m.fmt.dequantize(m.raw, tuple(w.shape))
         if name == "lm_head":  # kept as F16 (float activations for the logits): fp16 rounding of the values
             assert m.fmt.type_name == "F16"

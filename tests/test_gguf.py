@@ -165,3 +165,40 @@ def test_own_reader_equals_the_gguf_package():
     for a, b in zip(ours.tensors, ref.tensors):
         assert list(a.shape) == [int(x) for x in b.shape] and a.type_id == int(b.tensor_type), a.name
         assert np.array_equal(a.data.reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1)), a.name
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen35", "qwen35_wide_heads", "llama"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_gpu_dense_layout_keeps_bytes_and_logits(variant, qtype, hf_dirs, tmp_path, monkeypatch, tiny_checkpoint):
+    """What a GPU keeps compressed (MOESTREAM_DENSE_QUANT=gpu forces that choice here): the linears with
+    their stored bytes — rows and block-aligned column groups moved as the HF layout needs, projections of
+    one type fused by byte rows — and the same logits as transformers on the dequantized weights; the
+    plan's dense bytes are the bytes held."""
+    from moestream.layers.quant_linear import FusedQuantLinear, QuantLinear
+
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")  # exact torch tiles: the layout is what is tested
+    monkeypatch.setenv("MOESTREAM_DENSE_QUANT", "gpu")
+    # value heads of 32 channels: ssm_out's value-head column groups are whole blocks and move as bytes
+    hf_dir = tiny_checkpoint("qwen35_causal", linear_value_head_dim=32) if variant == "qwen35_wide_heads" \
+        else hf_dirs[variant]
+    path, oracle = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", qtype)
+    ref = tiny_models.hf_reference(hf_dir)
+    ref.load_state_dict(oracle, strict=False)
+    llm = LLM(path, device="cpu", dtype="float32")
+    model = llm.engine.model
+    if variant == "qwen35_wide_heads":
+        assert all(isinstance(layer.linear_attn.out_proj, QuantLinear) for layer in model.layers
+                   if layer.kind == "linear_attention")
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    tied = llm.model_config.tie_word_embeddings  # then the file has no output.weight: lm_head is the embedding
+    assert quant and isinstance(model.lm_head, QuantLinear) != tied
+    assert not isinstance(model.embed_tokens, QuantLinear)
+    if variant.startswith("qwen35"):
+        assert any(isinstance(m, FusedQuantLinear) and len(m.sizes) == 4 for m in quant)  # GDN in_proj
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
+    assert llm.engine.plan.bytes.dense == held
+    ids = list(range(4, 44))
+    ours = full_logits(llm, ids)
+    theirs = tiny_models.hf_logits(ref, ids)
+    assert (ours - theirs).norm() / theirs.norm() < 1e-4

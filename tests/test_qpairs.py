@@ -411,3 +411,37 @@ def test_cuda_quant_linear(qtype):
     want = x.double() @ W.t()
     tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
     assert not ((got - want).abs() > tol).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_cuda_quant_linear_module(rows):
+    """layers.QuantLinear on a GPU: decode rows through the GEMV kernel (recordable in a CUDA graph), a
+    prefill's rows through a decoded weight and one GEMM; both equal the dequantized weight's product."""
+    from moestream.layers.quant_linear import GPU_GEMV_ROWS, FusedQuantLinear
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q8_0")
+    N, K = 3072, 2048
+    raw = random_raw(q, (N, K), "cuda", seed=5)
+    lin = FusedQuantLinear("Q8_0", raw, (1024, 2048), K)
+    x = (torch.randn(rows, K, device="cuda") * 0.5).to(torch.bfloat16)
+    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
+    want = x.double() @ W.t()
+    got = lin(x)
+    assert got.shape == (rows, N) and got.dtype == torch.bfloat16
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+    assert not ((got.double() - want).abs() > tol).any()
+    a, b = lin.split(got)
+    assert a.shape[-1] == 1024 and b.shape[-1] == 2048
+    if rows <= GPU_GEMV_ROWS:
+        g = torch.cuda.CUDAGraph()
+        static = x.clone()
+        lin(static)
+        with torch.cuda.graph(g):
+            out = lin(static)
+        static.copy_(x.flip(0))
+        g.replay()
+        torch.testing.assert_close(out, lin(x.flip(0)), rtol=0, atol=0)

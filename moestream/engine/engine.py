@@ -138,16 +138,14 @@ class Engine:
         fmt = fmt or dense_format(self.dtype)
         with torch.device("meta"):  # the planner counts this rank's dense bytes
             local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
+        mode = self._dense_mode()
+        self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.plan = self._plan_memory(local, fmt)
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         store = (self.tp.expert_store if self.tp else ExpertStore)(
             moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size, fmt, home)
-        # CPU-only, one rank: a GGUF's dense linears stay compressed and run on the CPU quant kernels
-        from ..kernels import cpu_quant
-
-        compressed = self.device.type == "cpu" and not self.tp and cpu_quant.available()
-        load_weights(model, store, self.cfg, folder, compressed_dense=compressed)
+        load_weights(model, store, self.cfg, folder, compressed_dense=mode)
         if self.tp:
             model = self.tp.shard(model).to(self.device)
         elif fuse_projections_enabled():
@@ -161,6 +159,35 @@ class Engine:
         for block in model.moe_blocks():
             block.runtime = self.runtime
         return model.eval()
+
+    def _planned_dense_bytes(self, model, folder, mode) -> int | None:
+        """Dense bytes of a GGUF whose linears stay compressed (what they will hold); None: the parameters'."""
+        if not mode or folder is None:
+            return None
+        from ..models.gguf_loader import find_gguf, open_gguf
+
+        path = find_gguf(folder)
+        return open_gguf(path).dense_bytes(model, self.local_cfg, mode) if path is not None else None
+
+    def _dense_mode(self) -> str | None:
+        """Where a GGUF's dense linears stay compressed (one rank): "cpu" on a CPU with the compiled kernels,
+        "gpu" on CUDA with Triton (the decode GEMV reads the blocks; MOESTREAM_DENSE_QUANT=0 dequantizes
+        them to the model dtype at load, as before)."""
+        import os
+
+        from ..kernels import cpu_quant
+
+        env = os.environ.get("MOESTREAM_DENSE_QUANT", "1")
+        if self.tp or env == "0":
+            return None
+        if env == "gpu":  # the GPU's choice of what stays compressed, on any device (tests on a CPU)
+            return "gpu"
+        if self.device.type == "cpu":
+            return "cpu" if cpu_quant.available() else None
+        from ..env import triton_enabled
+        from ..moe.pairs import triton
+
+        return "gpu" if triton is not None and triton_enabled() else None
 
     def reconfigure_experts(self, **changes) -> MoePlan:
         """Re-plan expert placement on the loaded weights (backend, --gpu-memory-gb, cache size...):
@@ -204,7 +231,10 @@ class Engine:
     def _plan_memory(self, model, fmt) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
         cfg, e = self.local_cfg, self.ecfg
-        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+        dense = getattr(self, "dense_bytes", None)
+        if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
+            dense = sum(p.numel() * p.element_size() for p in model.parameters())
+            dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
         kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, self.dtype)
         state = e.max_running_requests * StatePool.bytes_per_slot(
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),

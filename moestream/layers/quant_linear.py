@@ -1,9 +1,15 @@
-"""Dense layers that keep a GGUF checkpoint's weights compressed (CPU-only runs).
+"""Dense layers that keep a GGUF checkpoint's weights compressed.
 
-``QuantLinear`` holds a weight's GGUF bytes ([out_features, row_bytes]) and computes through
-``quant.qlinear``: the compiled CPU kernel for a few rows (decode), row tiles + float32 GEMM for many
-(prefill). ``QuantEmbedding`` gathers the rows of the token ids and dequantizes only those. A decode
-step then reads the weights' compressed bytes, as llama.cpp does, instead of float32 copies 4-8x larger.
+``QuantLinear`` holds a weight's GGUF bytes ([out_features, row_bytes]) and computes
+- on a CPU through ``quant.qlinear``: the compiled CPU kernel for a few rows (decode), row tiles + float32
+  GEMM for many (prefill);
+- on a GPU, up to ``GPU_GEMV_ROWS`` rows (decode), through ``moe.qpairs.quant_linear``: the Triton pair
+  kernel that decodes the blocks in registers (fp32 accumulation, capturable in a CUDA graph); more rows
+  (prefill) decode the whole weight once per call (Triton) and run one GEMM.
+``FusedQuantLinear`` is projections of one type concatenated by rows (models/fuse.py), split by views.
+``QuantEmbedding`` gathers the rows of the token ids and dequantizes only those. A decode step then reads
+the weights' compressed bytes, as llama.cpp does, instead of 16/32-bit copies 2-8x larger, and a GPU holds
+the compressed bytes only.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from torch import nn
 from ..kernels import cpu_quant
 from ..quant import gguf_format, qlinear
 from ..quant.base import CPU_KERNEL_MAX_ROWS
+
+GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV kernel; more: dequantize + GEMM
 
 
 class QuantLinear(nn.Module):
@@ -36,10 +44,38 @@ class QuantLinear(nn.Module):
                 and cpu_quant.available()):
             y = cpu_quant.rows_matmul(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)
+        if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and gpu_gemv(self.fmt):
+            from ..moe.qpairs import quant_linear
+
+            return quant_linear(x, self.fmt, self.raw, self.shape)
         return qlinear(x, self.fmt, self.raw, self.shape)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group)."""
+        return self.fmt.dequantize(self.raw, self.shape, dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt.name}"
+
+
+class FusedQuantLinear(QuantLinear):
+    """QuantLinear whose output rows are the concatenated outputs of `sizes[i]`-row projections of one GGUF
+    type (their byte rows concatenated): one kernel launch for the group."""
+
+    def __init__(self, type_name: str, raw: torch.Tensor, sizes: tuple[int, ...], in_features: int):
+        super().__init__(type_name, raw, sum(sizes), in_features)
+        self.sizes = tuple(sizes)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.sizes, dim=-1)
+
+
+def gpu_gemv(fmt) -> bool:
+    """Whether the GPU decode kernel reads this GGUF type (the Triton pair kernels' types)."""
+    from ..env import triton_enabled
+    from ..moe.qpairs import linear_supported
+
+    return triton_enabled() and linear_supported(fmt)
 
 
 class QuantEmbedding(nn.Module):

@@ -52,10 +52,59 @@ def fusable(*mods) -> bool:
                for m in mods)
 
 
+def _quant_group(mods) -> str | None:
+    """'same': every module a QuantLinear of one GGUF type and input width (fused by byte rows); 'mixed':
+    QuantLinears with plain Linears or other types (densified, then fused as dense); None: no QuantLinear."""
+    from ..layers.quant_linear import FusedQuantLinear, QuantLinear
+
+    quant = [m for m in mods if isinstance(m, QuantLinear) and not isinstance(m, FusedQuantLinear)]
+    if not quant:
+        return None
+    q0 = quant[0]
+    if len(quant) == len(mods) and all(m.fmt.name == q0.fmt.name and m.in_features == q0.in_features
+                                       and m.raw.device == q0.raw.device for m in quant):
+        return "same"
+    return "mixed"
+
+
+@torch.no_grad()
+def densify_quant(parts: list[tuple[nn.Module, str]], like: nn.Module | None = None) -> None:
+    """Replace the QuantLinears among (parent, attribute) by plain Linears holding their dequantized weights
+    (dtype and device of `like`'s weight, else bf16 on the bytes' device)."""
+    from ..layers.quant_linear import QuantLinear
+
+    ref = next((getattr(p, n).weight for p, n in parts if not isinstance(getattr(p, n), QuantLinear)), None)
+    for parent, name in parts:
+        m = getattr(parent, name)
+        if isinstance(m, QuantLinear):
+            dtype = ref.dtype if ref is not None else torch.bfloat16
+            w = m.dense(dtype)
+            lin = Linear(m.in_features, m.out_features, bias=False, device="meta")
+            lin.weight = nn.Parameter(w.to(ref.device if ref is not None else w.device), requires_grad=False)
+            setattr(parent, name, lin)
+
+
 @torch.no_grad()
 def _fuse(owner: nn.Module, names: list[tuple[nn.Module, str]], target: str) -> bool:
-    """Replace the modules (parent, attribute) by one FusedLinear `owner.<target>`; False if not fusable."""
+    """Replace the modules (parent, attribute) by one FusedLinear `owner.<target>` (FusedQuantLinear for
+    QuantLinears of one type); False if not fusable. A group mixing compressed and dense modules is
+    densified first (its compressed members were small or of several types)."""
     mods = [getattr(parent, name) for parent, name in names]
+    kind = _quant_group(mods)
+    if kind == "same":
+        from ..layers.quant_linear import FusedQuantLinear
+
+        raw = torch.cat([m.raw for m in mods], dim=0)
+        sizes = tuple(m.out_features for m in mods)
+        k = mods[0].in_features
+        type_name = mods[0].fmt.type_name
+        for parent, name in names:
+            delattr(parent, name)
+        setattr(owner, target, FusedQuantLinear(type_name, raw, sizes, k))
+        return True
+    if kind == "mixed":
+        densify_quant(names)
+        mods = [getattr(parent, name) for parent, name in names]
     if not fusable(*mods):
         return False
     weight = torch.cat([m.weight for m in mods], dim=0)
@@ -92,6 +141,8 @@ def _fuse_moe_inputs(mlp) -> bool:
     so they are held once; a router whose weight is not a plain dense tensor stays its own GEMM."""
     s, router = mlp.shared_expert, mlp.gate
     names = [(s, "gate_proj"), (s, "up_proj"), (mlp, "shared_expert_gate")]
+    if _quant_group([getattr(p, n) for p, n in names]) is not None:
+        densify_quant(names)  # the router and the 1-row gate are dense: fused as dense (6 MB a layer)
     parts = [getattr(p, n) for p, n in names]
     if not fusable(*parts):
         return False

@@ -61,6 +61,8 @@ TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Norms llama.cpp stores as (1 + w) for Qwen3.5 (its norm multiplies by the weight directly).
+# kept dense on a GPU: fused with the (dense) router and 1-row gate into one GEMM (models/fuse.py)
+GPU_DENSE_PARTS = ("shared_expert.gate_proj", "shared_expert.up_proj")
 QWEN35_OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
                        "attn_k_norm.weight", "output_norm.weight")
 
@@ -162,19 +164,25 @@ class GGUFCheckpoint:
     def load(self, model: torch.nn.Module, store, cfg: ModelConfig, compressed_dense: bool = False) -> set[str]:
         """Fill the model's parameters and the expert store; returns the HF names filled.
 
-        compressed_dense: replace dense linears and the embedding whose GGUF type the CPU kernels compute
-        by modules holding the stored bytes (layers/quant_linear.py; CPU-only, one rank)."""
+        compressed_dense: replace dense linears by modules holding the stored bytes (layers/quant_linear.py):
+        "cpu" (or True): the linears and the embedding whose GGUF type the CPU kernels compute (CPU-only, one
+        rank; llama and qwen3moe); "gpu": the linears whose type the GPU's Triton kernels read, on the model's
+        device, every architecture (the embedding stays dense: one row a token)."""
         params = dict(model.named_parameters())
         seen: set[str] = set()
         experts: dict[int, dict[str, torch.Tensor]] = {}
         raw_experts = getattr(store.fmt, "quantized", False)
-        # qwen35moe's dense tensors need value transforms (norm offsets, head reordering): dequantized
-        compressed_dense = compressed_dense and self.arch in ("llama", "qwen3moe")
+        mode = "cpu" if compressed_dense is True else (compressed_dense or None)
+        # on the CPU path qwen35moe's dense tensors stay dequantized (value transforms: norm offsets, head
+        # reordering); the GPU path moves rows (and block-aligned column groups) of the stored bytes
+        if mode == "cpu" and self.arch not in ("llama", "qwen3moe"):
+            mode = None
+        self.compressed_bytes = 0
         for t in self.reader.tensors:
             if raw_experts and (m := EXPERTS.match(t.name)):
                 self._put_raw_experts(store, int(m[1]), m[2], t)
                 continue
-            if compressed_dense and self._keep_compressed(model, t, cfg, seen):
+            if mode and self._keep_compressed(model, t, cfg, seen, mode):
                 continue
             if m := EXPERTS.match(t.name):
                 experts.setdefault(int(m[1]), {})[m[2]] = self._dequant(t)
@@ -192,41 +200,102 @@ class GGUFCheckpoint:
             seen.add(name)
         return seen
 
-    def _keep_compressed(self, model: torch.nn.Module, t, cfg: ModelConfig, seen: set[str]) -> bool:
-        """Swap the Linear (or the embedding) that tensor ``t`` fills for one holding its GGUF bytes;
-        False (dequantize as usual) for other tensors or types the CPU kernels lack."""
+    def dense_bytes(self, model: torch.nn.Module, cfg: ModelConfig, mode: str) -> int:
+        """The bytes the model's dense parameters will take once `load(..., compressed_dense=mode)` keeps
+        what it can compressed (model: the unloaded module tree, on meta): what the memory plan counts."""
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        if mode == "cpu" and self.arch not in ("llama", "qwen3moe"):
+            return total
+        for t in self.reader.tensors:
+            if EXPERTS.match(t.name):
+                continue
+            total += self._keep_compressed(model, t, cfg, set(), mode, dry=True) or 0
+        return total
+
+    def _keep_compressed(self, model: torch.nn.Module, t, cfg: ModelConfig, seen: set[str], mode: str = "cpu",
+                         dry: bool = False):
+        """Swap the Linear (or, mode "cpu", the embedding) that tensor ``t`` fills for one holding its GGUF
+        bytes; False (dequantize as usual) for other tensors, types the mode's kernels lack, or value
+        transforms that bytes cannot follow."""
         from ..kernels import cpu_quant
         from ..kernels.linear import Linear
-        from ..layers.quant_linear import QuantEmbedding, QuantLinear
+        from ..layers.quant_linear import QuantEmbedding, QuantLinear, gpu_gemv
+        from ..quant import QuantFormatError, gguf_format
 
         kind = self.reader.type_name(t)
         name = self._hf_name(t.name)
-        if name is None or not name.endswith(".weight") or not cpu_quant.supports(kind):
+        if name is None or not name.endswith(".weight"):
             return False
+        if mode == "cpu" and not cpu_quant.supports(kind):
+            return False
+        if mode == "gpu":
+            try:
+                if kind in ("F32", "F16", "BF16") or not gpu_gemv(gguf_format(kind)):
+                    return False
+            except (QuantFormatError, KeyError):
+                return False
         path = name.removesuffix(".weight")
         module = model.get_submodule(path)
-        if not isinstance(module, (Linear, torch.nn.Embedding)):
+        if not isinstance(module, (Linear, torch.nn.Embedding)) or module.weight.dim() != 2:
             return False
+        if mode == "gpu" and (isinstance(module, torch.nn.Embedding) or path.endswith(GPU_DENSE_PARTS)):
+            return False
+        leaf = LAYER.match(t.name)[2] if LAYER.match(t.name) else t.name
         with warnings.catch_warnings():  # the mmap is read-only; we copy the bytes out of it
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1).clone()
-        leaf = LAYER.match(t.name)[2] if LAYER.match(t.name) else t.name
-        if self.arch == "llama" and leaf in ("attn_q.weight", "attn_k.weight"):  # a row permutation: rows move whole
-            raw = _unpermute(raw, cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads)
+            raw = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1)
+        raw = self._move_bytes(leaf, raw, cfg, module.weight.shape[1], kind)
+        if raw is None:
+            return False
+        if dry:
+            return raw.numel() * raw.element_size() - module.weight.numel() * module.weight.element_size()
+        raw = raw.clone() if mode == "cpu" else raw.to(module.weight.device)
         n, k = module.weight.shape
         if isinstance(module, torch.nn.Embedding):
             new = QuantEmbedding(kind, raw, n, k, module.weight.dtype)
             if cfg.tie_word_embeddings and isinstance(model.get_submodule("lm_head"), Linear):
                 model.lm_head = _output_head(kind, raw, n, k)
                 seen.add("lm_head.weight")
-        elif name == "lm_head.weight":
+        elif name == "lm_head.weight" and mode == "cpu":
             new = _output_head(kind, raw, n, k)
         else:
             new = QuantLinear(kind, raw, n, k)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+        self.compressed_bytes += raw.numel() * raw.element_size()
         seen.add(name)
         return True
+
+    def _move_bytes(self, leaf: str, raw: torch.Tensor, cfg: ModelConfig, k: int, kind: str):
+        """The value transforms of `_transform` done on stored bytes [N, row_bytes] where they only move
+        rows, or groups of whole blocks within rows; None where they change values (dequantize instead)."""
+        if self.arch == "llama" and leaf in ("attn_q.weight", "attn_k.weight"):  # a row permutation
+            return _unpermute(raw, cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads)
+        if self.arch != "qwen35moe":
+            return raw
+        if leaf in QWEN35_OFFSET_NORMS or leaf == "ffn_gate_inp_shexp.weight":
+            return None
+        hk = cfg.linear_num_key_heads or 1
+        rep = (cfg.linear_num_value_heads or hk) // hk
+        if rep == 1 or leaf not in ("attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_out.weight",
+                                    "attn_qkv.weight"):
+            return raw
+        if leaf == "attn_qkv.weight":
+            kd = cfg.linear_key_dim
+            return torch.cat([raw[:2 * kd], _untile(raw[2 * kd:], 0, hk, rep)])
+        if leaf != "ssm_out.weight":
+            return _untile(raw, 0, hk, rep)
+        # ssm_out: value-head groups of columns move; in bytes only when a head's columns are whole blocks
+        from ..quant import gguf_format
+
+        fmt = gguf_format(kind)
+        bs = fmt.block_size if hasattr(fmt, "block_size") else None
+        unit = k // (hk * rep)
+        if not bs or unit % bs or raw.shape[1] % (k // bs):
+            return None
+        tb = raw.shape[1] // (k // bs)  # bytes per block
+        blocks = raw.reshape(raw.shape[0], k // bs, tb)
+        return _untile(blocks, 1, hk, rep).reshape(raw.shape[0], -1)
 
     def _hf_name(self, name: str) -> str | None:
         if name in TOP_NAMES:

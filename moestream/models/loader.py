@@ -146,9 +146,10 @@ def expert_format_for(cfg: ModelConfig, folder: Path | None):
 
 
 def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, folder: Path | None,
-                 compressed_dense: bool = False) -> None:
+                 compressed_dense: bool | str = False) -> None:
     """folder None: random weights made in memory (benchmarks of full-size shapes without files).
-    compressed_dense: a GGUF's dense linears keep their stored bytes (CPU kernels; GGUFCheckpoint.load)."""
+    compressed_dense: a GGUF's dense linears keep their stored bytes ("cpu" / True: CPU kernels; "gpu": the
+    GPU's Triton kernels; GGUFCheckpoint.load)."""
     from .gguf_loader import find_gguf, open_gguf
 
     if folder is None:

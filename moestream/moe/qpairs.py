@@ -168,14 +168,31 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor
     from .formats import PROJS, gguf_expert_format
 
     N, K = int(shape[-2]), int(shape[-1])
-    efmt = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
+    key = (fmt.type_name, N, K)
+    efmt = _LINEAR_FORMATS.get(key)
+    if efmt is None:
+        efmt = _LINEAR_FORMATS[key] = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
     xs = x.reshape(-1, K).contiguous()
-    T = xs.shape[0]
-    src = torch.zeros(T, dtype=torch.long, device=x.device)
-    w = torch.ones(T, dtype=torch.float32, device=x.device)
-    y = torch.empty((T, N), dtype=torch.float32, device=x.device)
+    src, w = _unit_pairs(xs.shape[0], x.device)
+    y = torch.empty((xs.shape[0], N), dtype=torch.float32, device=x.device)
     down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+_LINEAR_FORMATS: dict = {}
+_UNIT_PAIRS: dict = {}
+
+
+def _unit_pairs(T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src = zeros [T], w = ones [T]) for quant_linear, made once per (T, device): no fill kernels in a
+    recorded decode step. Read-only."""
+    key = str(device)
+    got = _UNIT_PAIRS.get(key)
+    if got is None or got[0].shape[0] < T:  # the engine runs a step eagerly before it records one
+        n = max(T, 64)
+        got = _UNIT_PAIRS[key] = (torch.zeros(n, dtype=torch.long, device=device),
+                                  torch.ones(n, dtype=torch.float32, device=device))
+    return got[0][:T], got[1][:T]
 
 
 # ----------------------------------------------------------------------------- Triton kernels
