@@ -212,8 +212,11 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
     for part in filter(None, (p.strip() for p in grid.split(";"))):
         backends, _, where = part.partition("@")
         for b in backends.split(","):
-            if b not in BACKENDS:
-                raise SystemExit(f"unknown backend {b!r} in --grid")
+            b, plus, variant = b.partition("+")
+            if b not in BACKENDS or variant not in ("", "qdense", "bf16dense"):
+                raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
+            # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
+            env = {"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"} if variant else {}
             for c in (where or "all").split(","):
                 if c == "all":  # no cap: fused and auto sit in the all-resident row, cpu in the no-experts row
                     cfg = {"backend": b, "cap_gb": None, "ncmoe": 40 if b == "cpu" else 0}
@@ -225,7 +228,9 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                         cfg = {"backend": b, "cap_gb": caps[n], "ncmoe": n}
                 else:
                     cfg = {"backend": b, "cap_gb": float(c), "ncmoe": None}
-                cfg["name"] = f"{b}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
+                cfg["name"] = f"{b}{plus}{variant}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
+                if env:
+                    cfg["env"] = env
                 out.append(cfg)
     return out
 
@@ -250,8 +255,8 @@ def run_moe(args) -> None:
     poller = VramPoller()
     res["idle_vram_mib"] = poller.idle_mib()
     t_end = time.time() + args.deadline_s if args.deadline_s else None
-    groups = [[c] for c in plan if c["backend"] == "fused"]
-    rest = [c for c in plan if c["backend"] != "fused"]
+    groups = [[c] for c in plan if c["backend"] == "fused" or c.get("env")]  # a load of its own
+    rest = [c for c in plan if c["backend"] != "fused" and not c.get("env")]
     groups += [rest] if args.reuse and rest else [[c] for c in rest]
     for group in groups:
         todo = list(group)
@@ -273,7 +278,7 @@ def _child(args, configs: list[dict], res: dict, path: Path, poller: VramPoller,
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "child", "--model", args.model, "--device", args.device,
            "--configs", json.dumps(configs), "--measure-s", str(args.measure_s), "--pp", str(args.pp),
            "--tg", str(args.tg), "--reps", str(args.reps), "--min-tokens", str(args.min_tokens)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(configs[0].get("env", {}) if len(configs) == 1 else {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -486,6 +491,8 @@ def rows(rep: dict, quant: str) -> list[dict]:
         l = lr.get(str(v), {}) if kind == "n" else {}
         ms: dict[str, dict] = {}
         for r in mr.values():  # per backend: a run that worked before one that failed, a capped one first
+            if r.get("env"):  # dense-layer variants: in the JSON and the log, not in the table
+                continue
             if (r.get("ncmoe") == v if kind == "n" else r.get("ncmoe") is None and r.get("cap_gb") == v):
                 prev = ms.get(r["backend"])
                 rank = lambda x: ("error" in x, x.get("cap_gb") is None)  # noqa: E731

@@ -139,7 +139,16 @@ class Engine:
         with torch.device("meta"):  # the planner counts this rank's dense bytes
             local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
         mode = self._dense_mode()
+        self.dense_bytes = None
+        if mode == "gpu" and self._dense_policy() == "auto":
+            # VRAM to spare (every expert resident with 16-bit dense layers): cuBLAS GEMVs on 16-bit weights
+            try:
+                if self._plan_memory(local, fmt, log_it=False).backend == "fused":
+                    mode = None
+            except ConfigError:
+                pass
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
+        self.dense_mode = mode
         self.plan = self._plan_memory(local, fmt)
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
@@ -169,15 +178,21 @@ class Engine:
         path = find_gguf(folder)
         return open_gguf(path).dense_bytes(model, self.local_cfg, mode) if path is not None else None
 
+    @staticmethod
+    def _dense_policy() -> str:
+        """MOESTREAM_DENSE_QUANT: "auto" (default: on a GPU, compressed unless every expert fits with 16-bit
+        dense layers), "1" (always), "0" (never: dequantized at load), "gpu" (the GPU's choice on any device)."""
+        import os
+
+        return os.environ.get("MOESTREAM_DENSE_QUANT", "auto")
+
     def _dense_mode(self) -> str | None:
         """Where a GGUF's dense linears stay compressed (one rank): "cpu" on a CPU with the compiled kernels,
         "gpu" on CUDA with Triton (the decode GEMV reads the blocks; MOESTREAM_DENSE_QUANT=0 dequantizes
         them to the model dtype at load, as before)."""
-        import os
-
         from ..kernels import cpu_quant
 
-        env = os.environ.get("MOESTREAM_DENSE_QUANT", "1")
+        env = self._dense_policy()
         if self.tp or env == "0":
             return None
         if env == "gpu":  # the GPU's choice of what stays compressed, on any device (tests on a CPU)
@@ -228,7 +243,7 @@ class Engine:
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k,
                                    act_dtype=self.dtype)
 
-    def _plan_memory(self, model, fmt) -> MoePlan:
+    def _plan_memory(self, model, fmt, log_it: bool = True) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
         cfg, e = self.local_cfg, self.ecfg
         dense = getattr(self, "dense_bytes", None)
@@ -244,7 +259,7 @@ class Engine:
                             fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size))
         bw = Bandwidths.from_profile(load_profile(self.device))
         plan = plan_memory(sizes, self.hardware, e, bw)
-        for line in plan.describe().splitlines():
+        for line in plan.describe().splitlines() if log_it else ():
             log.info("%s", line)
         return plan
 
