@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The CUDA tests on the GPU machine (its image lacks the server's packages: test files that import them
 # are skipped at collection, the rest run): every test marked `cuda`, plus the files that skip without a
-# GPU by their own condition. Output to stdout; TESTS_S bounds each pytest run.
+# GPU by their own condition. Verbose results go to ${TESTS_LOG:-/tmp/gpu_tests.log} line by line (a run
+# stopped at TESTS_S keeps what it reached); stdout gets the failures and the counts.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs -m cuda --continue-on-collection-errors tests 2>&1 \
-  | grep -v "^E  \|^  \|^Traceback\|^Hint\|^___\|^/usr\|^tests/.*: in <module>\|^ImportError" | tail -30
-timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs -k "not interpreted" tests/test_cuda_graphs.py \
-  tests/test_triton_layers.py tests/test_triton_fused.py tests/test_decode_ops.py 2>&1 | tail -8
+LOG=${TESTS_LOG:-/tmp/gpu_tests.log}
+: > "$LOG"
+timeout ${TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider -rfs -m cuda --continue-on-collection-errors tests \
+  >> "$LOG" 2>&1
+timeout ${TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider -rfs -k "not interpreted" tests/test_cuda_graphs.py \
+  tests/test_triton_layers.py tests/test_triton_fused.py tests/test_decode_ops.py >> "$LOG" 2>&1
+echo "CUDA tests: $(grep -c ' PASSED' "$LOG") passed, $(grep -c ' FAILED' "$LOG") failed, $(grep -c ' SKIPPED' "$LOG") skipped, $(grep -c '^ERROR' "$LOG") collection errors (missing server packages)"
+grep -E " FAILED|^FAILED|Error:|assert " "$LOG" | grep -v "ModuleNotFoundError\|ImportError" | head -40
