@@ -230,3 +230,54 @@ def test_disabled_prefix_cache(tiny_checkpoint):
     outs = [llm.generate([p], GREEDY)[0] for _ in range(2)]
     assert outs[1].cached_tokens == 0 and outs[0].token_ids == outs[1].token_ids
     assert llm.engine.caches.kv.pages.num_used == 0 and "prefix_cache" not in llm.scheduler.stats()
+
+
+# ---- usage and stats -----------------------------------------------------------------------------
+def test_usage_reports_cached_tokens():
+    from moestream.server import protocol as P
+
+    assert P.usage_dict(100, 7, 64)["prompt_tokens_details"] == {"cached_tokens": 64}
+    assert P.usage_dict(100, 7)["prompt_tokens_details"] == {"cached_tokens": 0}
+    msg = P.anthropic_message_response("m", "x", text="hi", input_tokens=100, output_tokens=7,
+                                       cache_read_input_tokens=64)
+    assert msg["usage"] == {"input_tokens": 36, "output_tokens": 7, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 64}
+    enc = P.AnthropicStreamEncoder("m", "x", input_tokens=100)
+    enc.start()
+    tail = enc.finish("stop", 7, cache_read_input_tokens=64)
+    assert '"cache_read_input_tokens": 64' in tail and '"input_tokens": 36' in tail
+
+
+def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
+    from moestream.server.engine_proc import EngineArgs, EngineLoop
+    from moestream.server.metrics import Metrics
+
+    class Outbox:
+        def __init__(self):
+            self.msgs = []
+
+        def send(self, msg):
+            self.msgs.append(msg)
+
+    loop = EngineLoop(EngineArgs(str(tiny_checkpoint("qwen3")), {"device": "cpu", "dtype": "float32",
+                                                                 "page_size": 4}), Outbox())
+    prompt = list(range(3, 33))
+    finals = []
+    for rid in ("a", "b"):
+        loop.outbox.msgs.clear()
+        loop._add({"rid": rid, "prompt_ids": prompt, "params": {"max_tokens": 3, "temperature": 0,
+                                                                "ignore_eos": True}})
+        for _ in range(50):
+            loop._step()
+            items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"] if i[3] is not None]
+            if items:
+                finals.append(items[0])
+                break
+    assert [f[5] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    stats = loop.stats()
+    assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
+    m = Metrics("x")
+    m.update_engine(stats)
+    text = m.exposition().decode()
+    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.466' in text
+    assert 'moestream_prefix_cache_cached_tokens{model="x"} 28.0' in text
