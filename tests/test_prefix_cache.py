@@ -281,3 +281,21 @@ def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
     text = m.exposition().decode()
     assert 'moestream_prefix_cache_hit_rate{model="x"} 0.466' in text
     assert 'moestream_prefix_cache_cached_tokens{model="x"} 28.0' in text
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
+def test_tensor_parallel_ranks_load_and_save_snapshots(tiny_checkpoint, reference, one_torch_thread):
+    """State copies travel in the ForwardBatch: every rank resumes a hit from its own snapshot shard."""
+    from moestream.parallel import TPWorkers
+
+    w = TPWorkers(2, "cpu")
+    try:
+        with _llm(tiny_checkpoint("qwen35"), tp_size=2, tp_workers=w, moe_cpu_threads=1) as llm:
+            V = llm.model_config.vocab_size
+            base = _rand(37, 7, V)
+            outs = [llm.generate([p], GREEDY)[0] for p in (base + [1], base + [2])]
+            assert [o.cached_tokens for o in outs] == [0, 36]
+            for p, o in zip((base + [1], base + [2]), outs):
+                assert o.token_ids == reference("qwen35", p)
+    finally:
+        w.close()

@@ -91,13 +91,11 @@ class StatePool:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the whole state (every layer's conv window and recurrent state) of slot src into dst."""
-        if self.conv is None or not pairs:
+        if self.conv is None:
             return
-        dev = self.conv.device
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(dev)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(dev)
-        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
-        self.rec.index_copy_(1, dst, self.rec.index_select(1, src))
+        for src, dst in pairs:  # two device copies each, no host tensors
+            self.conv[:, dst].copy_(self.conv[:, src])
+            self.rec[:, dst].copy_(self.rec[:, src])
 
     def reset(self, slot: int) -> None:
         if self.conv is not None:

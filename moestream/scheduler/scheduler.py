@@ -311,6 +311,8 @@ class Scheduler:
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""
         P, tree = self.kv.page_size, self.prefix
+        if req.num_computed // P <= len(req.nodes):
+            return
         ids = req.all_ids
         parent = req.nodes[-1] if req.nodes else tree.root
         for i in range(len(req.nodes), req.num_computed // P):
