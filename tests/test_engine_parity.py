@@ -16,11 +16,15 @@ def full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     sch = llm.scheduler
     req = Request("logits", list(ids), SamplingParams(max_tokens=1))
     sch.add(req)
-    plan = sch._plan()
-    batch, _ = sch._build_batch(plan)
-    batch.logits_index = torch.arange(len(ids))
-    out = llm.engine.forward(batch)
-    sch.abort(req.id)
+    prefix, sch.prefix = sch.prefix, None  # no reuse and no prefill stop at a snapshot boundary: one pass
+    try:
+        plan = sch._plan()
+        batch, _ = sch._build_batch(plan)
+        batch.logits_index = torch.arange(len(ids))
+        out = llm.engine.forward(batch)
+        sch.abort(req.id)
+    finally:
+        sch.prefix = prefix
     return out
 
 

@@ -181,8 +181,8 @@ class Scheduler:
 
     def _lookup(self, req: Request) -> list:
         """The cached path req can start after (references taken), or [] without the cache."""
-        if self.prefix is None:
-            return []
+        if self.prefix is None or getattr(req.params, "prompt_logprobs", None):
+            return []  # prompt logprobs need the logits of every prompt position: computed, not reused
         hit = self.prefix.match(req.all_ids, req.num_tokens - 1)  # the last token is computed for its logits
         self.prefix.acquire(hit)
         return hit
