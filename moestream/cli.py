@@ -22,6 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-ratio", type=float, default=0.9, help="fraction of free VRAM moestream may use")
     g.add_argument("--gpu-memory-gb", type=float, default=None, help="cap on VRAM used (makes a big GPU act small)")
     g.add_argument("--linear-state-dtype", default="float32", help="dtype of the Gated DeltaNet recurrent state")
+    g.add_argument("--disable-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the KV pages and linear-state snapshots of earlier requests' prefixes")
+    g.add_argument("--prefix-cache-snapshots", type=int, default=None,
+                   help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
     m = p.add_argument_group("experts")
     m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
@@ -45,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override", "num_tokens", "page_size",
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
-               "tp_size", "cuda_graphs", "moe_decode_kernel")
+               "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -370,6 +370,11 @@ class EngineConfig:
     moe_decode_kernel: str = "auto"
     seed: int = 0
     revision: str | None = None
+    # reuse the KV pages (and Gated DeltaNet state snapshots) of earlier requests' prompt prefixes
+    prefix_cache: bool = True
+    # linear-state snapshot slots of the prefix cache (models with Gated DeltaNet layers); None: 2 per
+    # running request (a prompt's end and a finished request's last page boundary)
+    prefix_cache_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -411,6 +416,8 @@ class EngineConfig:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
+            raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
 

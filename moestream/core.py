@@ -108,6 +108,8 @@ class RequestOutput:
     finish_reason: str | None
     # Time to first token and decode speed for this request, in seconds / tokens per second.
     ttft_s: float | None = None
+    # Prompt tokens whose KV (and linear state) came from the prefix cache instead of being computed.
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

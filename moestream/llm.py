@@ -79,6 +79,9 @@ class LLM:
         s["plan"] = self.engine.plan.as_dict()
         s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
+        prefix = self.scheduler.stats().get("prefix_cache")
+        if prefix is not None:
+            s["prefix_cache"] = prefix
         return s
 
     def close(self) -> None:
@@ -146,7 +149,8 @@ class LLM:
         else:
             text = ""
         ttft = (r.first_token_at - r.arrival) if r.first_token_at else None
-        return RequestOutput(r.id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, ttft)
+        return RequestOutput(r.id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, ttft,
+                             cached_tokens=r.cached_tokens or 0)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -90,7 +90,8 @@ def test_a_failing_request_fails_alone(loop, monkeypatch):
     assert loop.totals["failed"] == failed_before + 1
     s = loop.scheduler
     assert not s.suspects and not s.running and not s.waiting
-    assert s.kv.pages.num_used == 0 and s.state.slots.num_used == 0
+    s.check_integrity()
+    assert s.kv.pages.num_used == s.prefix.num_evictable and s.state.slots.num_used == 0
 
 
 def test_an_unexpected_add_error_fails_that_request_only(loop, monkeypatch):

@@ -32,6 +32,10 @@ class ForwardBatch:
     kv_write_index: torch.Tensor  # [T] flat KV-pool index where each new token's K/V goes
     logits_index: torch.Tensor  # [B'] rows of the flat batch whose logits are needed
     state_slots: torch.Tensor | None = None  # [B] long, the seqs' state slots (decode fast path)
+    # linear-state slot copies (src, dst) done before / after the forward pass: a prefix-cache hit
+    # resumes from a snapshot; a snapshot is saved after the step that reached its page boundary
+    state_loads: list = field(default_factory=list)
+    state_saves: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -119,6 +119,14 @@ class Engine:
         return (f"GPU memory: torch allocated {g(m['allocated'])} GiB, reserved {g(m['reserved'])} GiB, CUDA context "
                 f"~{g(m['context'])} GiB (plan budget {g(m['budget'])} GiB + context); device used {g(m['device_used'])} GiB")
 
+    @property
+    def num_state_snapshots(self) -> int:
+        """Linear-state slots kept for prefix-cache snapshots (0 without the cache or linear layers)."""
+        e = self.ecfg
+        if not e.prefix_cache or not self.cfg.linear_attention_layers:
+            return 0
+        return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
+
     def _max_seq_len(self) -> int:
         limit = self.cfg.max_position_embeddings
         if self.ecfg.max_seq_len_override is not None:
@@ -251,7 +259,7 @@ class Engine:
             dense = sum(p.numel() * p.element_size() for p in model.parameters())
             dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
         kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        state = e.max_running_requests * StatePool.bytes_per_slot(
+        state = (e.max_running_requests + self.num_state_snapshots) * StatePool.bytes_per_slot(
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
             DTYPES[e.linear_state_dtype]) if cfg.linear_attention_layers else 0
@@ -270,7 +278,8 @@ class Engine:
                     cfg.head_dim, self.dtype, self.device)
         state = StatePool(len(cfg.linear_attention_layers), e.max_running_requests, cfg.linear_conv_dim,
                           max(cfg.linear_conv_kernel, 1), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim, self.dtype, DTYPES[e.linear_state_dtype], self.device)
+                          cfg.linear_value_head_dim, self.dtype, DTYPES[e.linear_state_dtype], self.device,
+                          num_snapshots=self.num_state_snapshots)
         return Caches(kv, state)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -280,12 +289,17 @@ class Engine:
         if graphs is None and self.device.type == "cuda" and self.ecfg.cuda_graphs and not self.tp:
             graphs = self.graphs = DecodeGraphs(self)
         use_graph = graphs is not None and decode and graphs.usable(batch)
+        state = self.caches.state
+        state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
         try:
             if use_graph:
-                return graphs.run(batch)
-            if decode and self.device.type == "cuda" and "decode_kv_index" not in batch.extra:
-                batch.extra.update(decode_extra(batch))  # one padded KV index per step, not per layer
-            return self.model(batch)
+                out = graphs.run(batch)
+            else:
+                if decode and self.device.type == "cuda" and "decode_kv_index" not in batch.extra:
+                    batch.extra.update(decode_extra(batch))  # one padded KV index per step, not per layer
+                out = self.model(batch)
+            state.copy(batch.state_saves)  # snapshots at page boundaries, after the step reached them
+            return out
         finally:
             self.runtime.end_step()

@@ -1,4 +1,5 @@
 """Paged KV pool for full-attention layers and the per-request state pool for linear-attention layers."""
 from .pools import KVPool, StatePool, PagePool
+from .prefix import PrefixCache
 
-__all__ = ["KVPool", "StatePool", "PagePool"]
+__all__ = ["KVPool", "StatePool", "PagePool", "PrefixCache"]

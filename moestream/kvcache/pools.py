@@ -4,7 +4,8 @@ KVPool: K and V for every full-attention layer, as [layers, num_pages * page_siz
 A request owns a list of pages; position p of a request lives at flat index
 page_table[p // page_size] * page_size + p % page_size.
 
-StatePool: the Gated DeltaNet conv window and recurrent state of each running request, one slot each.
+StatePool: the Gated DeltaNet conv window and recurrent state of each running request, one slot each,
+then `num_snapshots` more slots that the prefix cache keeps state snapshots in (kvcache/prefix.py).
 """
 from __future__ import annotations
 
@@ -74,13 +75,27 @@ class KVPool:
 class StatePool:
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int,
                  num_v_heads: int, k_head_dim: int, v_head_dim: int,
-                 conv_dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
+                 conv_dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, num_snapshots: int = 0):
         self.num_slots = num_slots
-        self.conv = (torch.zeros((num_layers, num_slots, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
+        self.num_snapshots = num_snapshots if num_layers else 0
+        n = num_slots + self.num_snapshots
+        self.conv = (torch.zeros((num_layers, n, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
                      if num_layers else None)
-        self.rec = (torch.zeros((num_layers, num_slots, num_v_heads, k_head_dim, v_head_dim), dtype=state_dtype,
+        self.rec = (torch.zeros((num_layers, n, num_v_heads, k_head_dim, v_head_dim), dtype=state_dtype,
                                 device=device) if num_layers else None)
-        self.slots = PagePool(num_slots)
+        self.slots = PagePool(num_slots)  # request slots; snapshot slots are num_slots.. (the prefix cache's)
+
+    @property
+    def snapshot_slots(self) -> list[int]:
+        return list(range(self.num_slots, self.num_slots + self.num_snapshots))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the whole state (every layer's conv window and recurrent state) of slot src into dst."""
+        if self.conv is None:
+            return
+        for src, dst in pairs:  # two device copies each, no host tensors
+            self.conv[:, dst].copy_(self.conv[:, src])
+            self.rec[:, dst].copy_(self.rec[:, src])
 
     def reset(self, slot: int) -> None:
         if self.conv is not None:

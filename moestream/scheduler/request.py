@@ -33,6 +33,12 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    # prefix cache: the tree nodes this request holds (its first len(nodes) pages), the prompt tokens it
+    # found cached when first admitted, a snapshot to resume from in its next step, its rolling snapshot
+    nodes: list = field(default_factory=list)
+    cached_tokens: int | None = None
+    pending_load: int = -1
+    roll_node: object = None
 
     @property
     def all_ids(self) -> list[int]:

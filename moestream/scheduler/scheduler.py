@@ -3,7 +3,15 @@
 Each step: every running request that is decoding contributes one token; the remaining token budget
 (`chunked_prefill_size`) goes to prefill chunks, first of running requests, then of waiting ones
 admitted while a state slot and KV pages are free. KV pages are taken as tokens arrive; when none is
-left the newest running request is preempted (its caches freed, recomputed later from its tokens).
+left the prefix cache gives back unreferenced pages, then the newest running request is preempted (its
+caches freed, recomputed later from its tokens).
+
+Prefix cache (kvcache/prefix.py, on unless --disable-prefix-cache): a request admitted from the queue
+starts after the longest cached run of full pages of its tokens (at most all but the last token), and
+its pages enter the tree as they fill. For models with Gated DeltaNet layers the run must end at a state
+snapshot: the request's slot is loaded from it before its first step (ForwardBatch.state_loads); a prompt's
+prefill stops at its last page boundary to save one there, and decoding saves one at each page boundary,
+replacing that request's previous one (ForwardBatch.state_saves, copied after the step).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import torch
 from ..core import FinishReason, RequestError
 from ..engine.batch import ForwardBatch, SeqMeta
 from ..engine.sampler import make_generator, sample
+from ..kvcache.prefix import PrefixCache
 from .request import Request, Status, StepOutput
 
 log = logging.getLogger("moestream.scheduler")
@@ -37,6 +46,14 @@ class Scheduler:
         # After a failed step: ids of the requests that were in it, run one at a time until they end,
         # so a request that fails again fails alone and the others go on.
         self.suspects: set[str] = set()
+        self.prefix: PrefixCache | None = None
+        if engine.ecfg.prefix_cache:
+            linear = self.state.conv is not None
+            self.prefix = PrefixCache(self.kv.pages, self.kv.page_size, needs_snapshot=linear,
+                                      snap_slots=self.state.snapshot_slots if linear else None)
+        self._pending_snaps: list[tuple[Request, int, int, bool]] = []  # (req, tokens, slot, rolling)
+        self.prefix_totals = {"requests": 0, "hits": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                              "saved_prefill_tokens": 0}
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -74,11 +91,16 @@ class Scheduler:
     def stats(self) -> dict:
         """Occupancy right now: what /v1/stats and the per-batch log lines show."""
         kv, slots = self.kv.pages, self.state.slots
-        return {"running": len(self.running), "queued": len(self.waiting),
-                "kv": {"used_pages": kv.num_used, "total_pages": kv.n, "page_size": self.kv.page_size,
-                       "usage": kv.num_used / kv.n if kv.n else 0.0},
-                "state": {"used_slots": slots.num_used, "total_slots": slots.n,
-                          "usage": slots.num_used / slots.n if slots.n else 0.0}}
+        out = {"running": len(self.running), "queued": len(self.waiting),
+               "kv": {"used_pages": kv.num_used, "total_pages": kv.n, "page_size": self.kv.page_size,
+                      "usage": kv.num_used / kv.n if kv.n else 0.0},
+               "state": {"used_slots": slots.num_used, "total_slots": slots.n,
+                         "usage": slots.num_used / slots.n if slots.n else 0.0}}
+        if self.prefix is not None:
+            t = self.prefix_totals
+            out["prefix_cache"] = {**self.prefix.stats(), **t,
+                                   "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0}
+        return out
 
     def abort_all(self, reason: str = FinishReason.ABORT.value) -> list[Request]:
         """Finish every running request (after a failed step their caches may be half-written)."""
@@ -108,7 +130,13 @@ class Scheduler:
         decode = sum(1 for r, _ in plan if not r.in_prefill)
         prefill_seqs = len(plan) - decode
         t0 = time.perf_counter()
-        logits = self.engine.forward(batch)
+        try:
+            logits = self.engine.forward(batch)
+        except BaseException:
+            for _, _, slot, _ in self._pending_snaps:  # never written: the step did not finish
+                self.prefix.free_snapshot(slot)
+            self._pending_snaps = []
+            raise
         outputs = self._apply(plan, sample_reqs, logits)
         self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
                           "prefill_tokens": batch.num_tokens - decode, "prefill_seqs": prefill_seqs,
@@ -127,34 +155,76 @@ class Scheduler:
                 budget -= 1
         for req in list(self.running):
             if req.status == Status.RUNNING and req.in_prefill and budget > 0:
-                n = min(budget, req.num_tokens - req.num_computed)
+                n = self._chunk(req, req.num_computed, min(budget, req.num_tokens - req.num_computed))
                 if self._reserve(req, req.num_computed + n):
                     plan.append((req, n))
                     budget -= n
         limit = 1 if self.suspects else self.max_running
         while self.waiting and budget > 0 and len(self.running) < limit:
             req = self.waiting[0]
-            n = min(budget, req.num_tokens)
-            if self.kv.pages_for(n) > self.kv.pages.num_free or self.state.slots.num_free == 0:
+            hit = self._lookup(req)
+            m = len(hit) * self.kv.page_size
+            n = self._chunk(req, m, min(budget, req.num_tokens - m))
+            if self.kv.pages_for(m + n) - len(hit) > self._free_pages() or self.state.slots.num_free == 0:
+                if hit:
+                    self.prefix.release(hit)
                 break
             self.waiting.pop(0)
-            self._admit(req)
-            self._reserve(req, n)
+            self._admit(req, hit)
+            self._reserve(req, m + n)
             plan.append((req, n))
             budget -= n
         return [(r, n) for r, n in plan if r.status == Status.RUNNING]
 
-    def _admit(self, req: Request) -> None:
+    def _free_pages(self) -> int:
+        return self.kv.pages.num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
+
+    def _lookup(self, req: Request) -> list:
+        """The cached path req can start after (references taken), or [] without the cache."""
+        if self.prefix is None or getattr(req.params, "prompt_logprobs", None):
+            return []  # prompt logprobs need the logits of every prompt position: computed, not reused
+        hit = self.prefix.match(req.all_ids, req.num_tokens - 1)  # the last token is computed for its logits
+        self.prefix.acquire(hit)
+        return hit
+
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """A linear-state model's prefill chunk stops at the last page boundary before the request's last
+        token, to save a snapshot there (the state after its whole prompt cannot be cut later)."""
+        if self.prefix is not None and self.prefix.num_snap_slots:
+            P = self.kv.page_size
+            b = (req.num_tokens - 1) // P * P
+            if start < b < start + n:
+                return b - start
+        return n
+
+    def _admit(self, req: Request, hit: list | None = None) -> None:
+        hit = hit or []
         req.state_slot = self.state.slots.alloc(1)[0]
         self.state.reset(req.state_slot)
         req.status = Status.RUNNING
-        req.num_computed = 0
+        m = len(hit) * self.kv.page_size
+        req.num_computed = m
+        if self.prefix is not None:
+            req.nodes, req.pages = list(hit), [node.page for node in hit]
+            if hit and self.prefix.needs_snapshot:
+                req.pending_load = hit[-1].snap
+            t = self.prefix_totals
+            if req.cached_tokens is None:  # first admission: what the usage reports
+                req.cached_tokens = min(m, len(req.prompt_ids))
+                t["requests"] += 1
+                t["hits"] += m > 0
+                t["prompt_tokens"] += len(req.prompt_ids)
+                t["cached_tokens"] += req.cached_tokens
+            t["saved_prefill_tokens"] += m
         self.running.append(req)
 
     def _reserve(self, req: Request, tokens: int) -> bool:
-        """Make sure req owns pages for `tokens` positions, preempting newer requests if needed."""
+        """Make sure req owns pages for `tokens` positions, evicting unreferenced cached pages, then
+        preempting newer requests if needed."""
         need = self.kv.pages_for(tokens) - len(req.pages)
         while need > 0:
+            if self.prefix is not None and self.kv.pages.num_free < need:
+                self.prefix.evict(need - self.kv.pages.num_free)
             got = self.kv.pages.alloc(need)
             if got is not None:
                 req.pages += got
@@ -174,7 +244,14 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def _release(self, req: Request) -> None:
-        if req.pages:
+        if self.prefix is not None:
+            # pages in the tree stay cached (unreferenced ones are evicted when pages run short)
+            own = [p for p in req.pages if p not in self.prefix.owned]
+            if own:
+                self.kv.pages.free(own)
+            self.prefix.release(req.nodes)
+            req.nodes, req.pages, req.pending_load, req.roll_node = [], [], -1, None
+        elif req.pages:
             self.kv.pages.free(req.pages)
             req.pages = []
         if req.state_slot >= 0:
@@ -205,11 +282,62 @@ class Scheduler:
             logits_index=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=dev),
         )
+        if self.prefix is not None and self.prefix.needs_snapshot:
+            self._plan_state_copies(plan, batch)
         return batch, sample_reqs
+
+    def _plan_state_copies(self, plan, batch: ForwardBatch) -> None:
+        """Snapshot loads (hits, before the step) and saves (page boundaries, after it). Every load is
+        done before any save, so a save may reuse the slot of a snapshot loaded in the same step."""
+        P = self.kv.page_size
+        for req, _ in plan:
+            if req.pending_load >= 0:
+                batch.state_loads.append((req.pending_load, req.state_slot))
+                req.pending_load = -1
+        if not self.prefix.num_snap_slots:
+            return
+        for req, n in plan:
+            end = req.num_computed + n
+            if end % P or not (end == (req.num_tokens - 1) // P * P or end == req.num_tokens):
+                continue
+            rolling = not req.in_prefill  # a decode step: replaces this request's previous decode snapshot
+            if rolling and req.roll_node is not None:
+                self.prefix.drop_snapshot(req.roll_node)
+                req.roll_node = None
+            slot = self.prefix.alloc_snapshot()
+            batch.state_saves.append((req.state_slot, slot))
+            self._pending_snaps.append((req, end, slot, rolling))
+
+    def _cache_pages(self, req: Request) -> None:
+        """Put req's newly filled pages into the tree (or share the node another request made first)."""
+        P, tree = self.kv.page_size, self.prefix
+        if req.num_computed // P <= len(req.nodes):
+            return
+        ids = req.all_ids
+        parent = req.nodes[-1] if req.nodes else tree.root
+        for i in range(len(req.nodes), req.num_computed // P):
+            node, _ = tree.insert(parent, tuple(ids[i * P:(i + 1) * P]), req.pages[i])
+            tree.acquire([node])
+            req.nodes.append(node)
+            parent = node
+
+    def _attach_snapshots(self) -> None:
+        for req, end, slot, rolling in self._pending_snaps:
+            k = end // self.kv.page_size
+            if req.status != Status.RUNNING or len(req.nodes) < k:
+                self.prefix.free_snapshot(slot)
+                continue
+            if self.prefix.attach_snapshot(req.nodes[k - 1], slot) and rolling:
+                req.roll_node = req.nodes[k - 1]
+        self._pending_snaps = []
 
     def _apply(self, plan, sample_reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         for req, n in plan:
             req.num_computed += n
+            if self.prefix is not None:
+                self._cache_pages(req)
+        if self._pending_snaps:
+            self._attach_snapshots()
         if not sample_reqs:
             return []
         tokens = sample(logits, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
@@ -251,5 +379,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.pages.check_integrity()
         self.state.slots.check_integrity()
-        owned = sum(len(r.pages) for r in self.running)
+        if self.prefix is None:
+            owned = sum(len(r.pages) for r in self.running)
+        else:
+            self.prefix.check_integrity()
+            owned = self.prefix.num_pages + sum(len([p for p in r.pages if p not in self.prefix.owned])
+                                                for r in self.running)
+            for r in self.running:
+                assert [n.page for n in r.nodes] == [p if p in self.prefix.owned else n.page
+                                                     for n, p in zip(r.nodes, r.pages)]
         assert owned == self.kv.pages.num_used, (owned, self.kv.pages.num_used)

@@ -46,7 +46,7 @@ async def messages(state: ServerState, request, body: dict) -> Any:
     return JSONResponse(P.anthropic_message_response(
         mid, state.model_name, text=got.content, thinking=got.reasoning, tool_calls=got.tool_calls,
         finish_reason=got.finish_reason, stop_sequence=got.stop, input_tokens=len(spec.prompt_ids),
-        output_tokens=got.completion_tokens))
+        output_tokens=got.completion_tokens, cache_read_input_tokens=got.cached_tokens))
 
 
 async def count_tokens(state: ServerState, request, body: dict) -> Any:
@@ -81,7 +81,8 @@ async def _stream(state: ServerState, spec: GenSpec, request, mid: str) -> Async
             elif ev.kind == "tool_call":
                 yield enc.tool_call(ev.call)
             else:
-                yield enc.finish(ev.finish_reason, ev.completion_tokens, stop_sequence=ev.stop)
+                yield enc.finish(ev.finish_reason, ev.completion_tokens, stop_sequence=ev.stop,
+                                 cache_read_input_tokens=ev.cached_tokens)
     except EngineError as e:
         yield enc.error(e.message, "overloaded_error" if e.status == 503 else "api_error")
     finally:

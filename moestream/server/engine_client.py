@@ -28,6 +28,7 @@ class Delta:
     tokens: int  # generated tokens this delta stands for
     finish_reason: str | None = None
     stop: str | None = None  # the stop string that ended the request, if one did
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
 
 
 class EngineError(Exception):
@@ -201,10 +202,10 @@ class EngineClient:
     def _dispatch(self, msg: dict) -> None:
         kind = msg.get("type")
         if kind == "out":
-            for rid, text, tokens, reason, stop in msg["items"]:
+            for rid, text, tokens, reason, stop, cached in msg["items"]:
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(text, tokens, reason, stop))
+                    q.put_nowait(Delta(text, tokens, reason, stop, cached))
         elif kind == "error":
             q = self._queues.get(msg["rid"])
             if q is not None:

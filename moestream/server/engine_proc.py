@@ -4,7 +4,7 @@ through two one-way pipes carrying small dicts.
     front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool}
                           {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
     engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
-                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str], ...]}
+                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str, cached_tokens], ...]}
                           {"type": "error", "rid", "message", "status"}   {"type": "stats", "sid", "data"}
 
 Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
@@ -201,7 +201,7 @@ class EngineLoop:
         for o in outputs:
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
-            items.append([o.request.id, o.text_delta, 1, reason, stop_str])
+            items.append([o.request.id, o.text_delta, 1, reason, stop_str, o.request.cached_tokens or 0])
             if o.finished:
                 self.totals["finished"] += 1
         self.totals["generated_tokens"] += len(outputs)

@@ -80,6 +80,7 @@ class Event:
     finish_reason: str | None = None
     stop: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (on "done")
 
 
 def new_request_id(prefix: str) -> str:
@@ -198,7 +199,8 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
                     for ev in _finish(spec):
                         yield ev
                     outcome = "aborted" if d.finish_reason == "abort" else d.finish_reason  # engine totals' word
-                    yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens)
+                    yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens,
+                                cached_tokens=getattr(d, "cached_tokens", 0))
                     return
         outcome = "aborted"
     except (GeneratorExit, asyncio.CancelledError):
@@ -247,6 +249,7 @@ class Collected:
     finish_reason: str
     stop: str | None
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 async def collect(events: AsyncIterator[Event], saw_reasoning=None) -> Collected:
@@ -266,4 +269,4 @@ async def collect(events: AsyncIterator[Event], saw_reasoning=None) -> Collected
             done = ev
     has_reasoning = bool(reasoning) or bool(saw_reasoning and saw_reasoning())
     return Collected("".join(reasoning) if has_reasoning else None, "".join(content), calls,
-                     done.finish_reason or "abort", done.stop, done.completion_tokens)
+                     done.finish_reason or "abort", done.stop, done.completion_tokens, done.cached_tokens)

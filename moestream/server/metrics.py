@@ -30,6 +30,12 @@ class Metrics:
         self.decode_tps = Gauge("moestream_gen_throughput_tokens_per_second", "Decode tokens/s (5 s window)",
                                 lbl, registry=r)
         self.hit_rate = Gauge("moestream_expert_hit_rate", "Expert cache hit rate", lbl, registry=r)
+        self.prefix = {k: Gauge(f"moestream_prefix_cache_{k}", doc, lbl, registry=r) for k, doc in (
+            ("hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"),
+            ("cached_tokens", "Prompt tokens served from the prefix cache (total)"),
+            ("saved_prefill_tokens", "Prefill tokens not computed thanks to the prefix cache, re-admissions included"),
+            ("pages", "KV pages held by the prefix cache"),
+            ("snapshots", "Linear-state snapshots held by the prefix cache"))}
         # Recent requests, for TTFT mean/p95 in /v1/stats.
         self.recent_ttft: collections.deque = collections.deque(maxlen=window)
         self.recent_latency: collections.deque = collections.deque(maxlen=window)
@@ -66,6 +72,9 @@ class Metrics:
         self.decode_tps.labels(m).set(stats.get("throughput", {}).get("decode_tps", 0.0))
         if stats.get("experts_hit_rate") is not None:
             self.hit_rate.labels(m).set(stats["experts_hit_rate"])
+        for k, g in self.prefix.items():
+            if isinstance(stats.get("prefix_cache"), dict) and k in stats["prefix_cache"]:
+                g.labels(m).set(stats["prefix_cache"][k])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

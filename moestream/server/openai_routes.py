@@ -28,7 +28,8 @@ async def chat_completions(state: ServerState, request, body: dict) -> Any:
     got = await _collect(state, spec, request, rid)
     return JSONResponse(P.chat_completion_response(
         rid, state.model_name, got.content or None, reasoning_content=got.reasoning, tool_calls=got.tool_calls,
-        finish_reason=got.finish_reason, prompt_tokens=len(spec.prompt_ids), completion_tokens=got.completion_tokens))
+        finish_reason=got.finish_reason, prompt_tokens=len(spec.prompt_ids), completion_tokens=got.completion_tokens,
+        cached_tokens=got.cached_tokens))
 
 
 def _chat_prepare(state: ServerState, body: dict) -> tuple[P.ChatCompletionRequest, GenSpec]:
@@ -75,7 +76,7 @@ async def _chat_stream(state: ServerState, spec: GenSpec, request, rid: str, inc
                 reason = P.openai_finish_reason(ev.finish_reason, n_calls > 0)
                 yield P.sse_data(P.chat_completion_chunk(rid, model, created=created, finish_reason=reason))
                 if include_usage:
-                    usage = P.usage_dict(len(spec.prompt_ids), ev.completion_tokens)
+                    usage = P.usage_dict(len(spec.prompt_ids), ev.completion_tokens, ev.cached_tokens)
                     yield P.sse_data(P.chat_completion_chunk(rid, model, created=created, usage=usage,
                                                              include_choice=False))
     except EngineError as e:
@@ -91,7 +92,8 @@ async def completions(state: ServerState, request, body: dict) -> Any:
         return _sse(_completion_stream(state, spec, request, rid, req.include_usage))
     got = await _collect(state, spec, request, rid)
     return JSONResponse(P.completion_response(rid, state.model_name, got.content, finish_reason=got.finish_reason,
-                                              prompt_tokens=len(ids), completion_tokens=got.completion_tokens))
+                                              prompt_tokens=len(ids), completion_tokens=got.completion_tokens,
+                                              cached_tokens=got.cached_tokens))
 
 
 async def _completion_stream(state: ServerState, spec: GenSpec, request, rid: str, include_usage: bool
@@ -106,7 +108,7 @@ async def _completion_stream(state: ServerState, spec: GenSpec, request, rid: st
                 reason = P.openai_finish_reason(ev.finish_reason)
                 yield P.sse_data(P.completion_chunk(rid, model, created=created, finish_reason=reason))
                 if include_usage:
-                    usage = P.usage_dict(len(spec.prompt_ids), ev.completion_tokens)
+                    usage = P.usage_dict(len(spec.prompt_ids), ev.completion_tokens, ev.cached_tokens)
                     yield P.sse_data(P.completion_chunk(rid, model, created=created, usage=usage,
                                                         include_choice=False))
     except EngineError as e:

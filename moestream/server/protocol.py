@@ -765,12 +765,19 @@ def _now() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # from the prefix cache
     }
+
+
+def anthropic_usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from a cache apart from input_tokens."""
+    return {"input_tokens": input_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
 
 def openai_finish_reason(finish_reason: Optional[str], has_tool_calls: bool = False) -> Optional[str]:
@@ -797,6 +804,7 @@ def chat_completion_response(
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     created: Optional[int] = None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """A ``chat.completion`` object. ``finish_reason`` is the engine's; it becomes "tool_calls" when calls were made."""
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
@@ -817,7 +825,7 @@ def chat_completion_response(
                 "finish_reason": openai_finish_reason(finish_reason, bool(tool_calls)),
             }
         ],
-        "usage": usage_dict(prompt_tokens, completion_tokens),
+        "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -870,6 +878,7 @@ def completion_response(
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     created: Optional[int] = None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -879,7 +888,7 @@ def completion_response(
         "choices": [
             {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
         ],
-        "usage": usage_dict(prompt_tokens, completion_tokens),
+        "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -951,6 +960,7 @@ def anthropic_message_response(
     stop_sequence: Optional[str] = None,
     input_tokens: int = 0,
     output_tokens: int = 0,
+    cache_read_input_tokens: int = 0,
 ) -> dict[str, Any]:
     """A Messages API ``message``: thinking block, text block, then tool_use blocks (empty ones left out).
     ``finish_reason`` is the engine's; ``stop_sequence`` is the stop string that ended it, if any."""
@@ -970,7 +980,7 @@ def anthropic_message_response(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence if stop_reason == "stop_sequence" else None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        "usage": anthropic_usage(input_tokens, output_tokens, cache_read_input_tokens),
     }
 
 
@@ -1083,7 +1093,7 @@ class AnthropicStreamEncoder:
         return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
 
     def finish(self, finish_reason: Optional[str] = "stop", output_tokens: int = 0,
-               stop_sequence: Optional[str] = None) -> str:
+               stop_sequence: Optional[str] = None, cache_read_input_tokens: Optional[int] = None) -> str:
         """Close the open block and end the message; ``finish_reason`` is the engine's."""
         if self._finished:
             return ""
@@ -1094,7 +1104,8 @@ class AnthropicStreamEncoder:
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason,
                       "stop_sequence": stop_sequence if stop_reason == "stop_sequence" else None},
-            "usage": {"output_tokens": output_tokens},
+            "usage": ({"output_tokens": output_tokens} if cache_read_input_tokens is None else
+                      anthropic_usage(self.input_tokens, output_tokens, cache_read_input_tokens)),
         })
         return out + sse_event("message_stop", {"type": "message_stop"})
 

@@ -1,0 +1,301 @@
+"""Prefix cache: the radix tree's bookkeeping, and greedy tokens identical with and without the cache on
+both architectures (attention-only Qwen3-MoE, and Qwen3.5 with Gated DeltaNet state snapshots), for
+repeated prompts, concurrent requests sharing a prefix, agent-like growing conversations, preemption
+and eviction of pages and snapshots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.kvcache.pools import PagePool
+from moestream.kvcache.prefix import PrefixCache
+from moestream.scheduler.request import Request
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+# ---- the tree alone -------------------------------------------------------------------------------
+def _grow(tree: PrefixCache, ids: list[int]) -> list:
+    """Insert ids' full pages as one request would (pages from the pool), holding them."""
+    P, parent, nodes = tree.page_size, tree.root, []
+    for i in range(len(ids) // P):
+        page = tree.pages.alloc(1)[0]
+        node, adopted = tree.insert(parent, tuple(ids[i * P:(i + 1) * P]), page)
+        if not adopted:
+            tree.pages.free([page])
+        tree.acquire([node])
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
+def test_tree_match_refcount_and_lru_eviction():
+    pool = PagePool(8)
+    tree = PrefixCache(pool, 2)
+    a = _grow(tree, [1, 2, 3, 4, 5, 6])  # 3 pages
+    b = _grow(tree, [1, 2, 3, 4, 9, 9])  # shares 2 pages, 1 new
+    assert pool.num_used == 4 and tree.num_pages == 4
+    assert a[:2] == b[:2] and a[2] is not b[2]
+    assert [n.page for n in tree.match([1, 2, 3, 4, 5, 6, 7], 7)] == [n.page for n in a]
+    assert len(tree.match([1, 2, 3, 4, 5, 6], 5)) == 2  # at most max_tokens tokens, full pages only
+    assert tree.match([2, 2], 2) == []
+    assert tree.evict(4) == 0  # everything referenced
+    tree.release(a)
+    tree.check_integrity()
+    assert tree.num_evictable == 1  # a's last page only: the shared ones are still b's
+    tree.release(b)
+    assert tree.num_evictable == 4
+    tree.acquire(tree.match([1, 2, 3, 4, 9, 9], 6))  # b's path is now the most recently used
+    tree.release(tree.match([1, 2, 3, 4, 9, 9], 6))
+    assert tree.evict(1) == 1
+    assert len(tree.match([1, 2, 3, 4, 5, 6], 6)) == 2 and len(tree.match([1, 2, 3, 4, 9, 9], 6)) == 3
+    assert tree.evict(10) == 3 and pool.num_used == 0 and tree.num_pages == 0
+    tree.check_integrity()
+    pool.check_integrity()
+
+
+def test_tree_snapshots_gate_hits_and_are_lru():
+    pool = PagePool(8)
+    tree = PrefixCache(pool, 2, needs_snapshot=True, snap_slots=[10, 11])
+    nodes = _grow(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert tree.match([1, 2, 3, 4, 5, 6, 7, 8, 0], 9) == []  # no snapshot: nothing to resume from
+    s = tree.alloc_snapshot()
+    assert tree.attach_snapshot(nodes[1], s)
+    assert tree.match([1, 2, 3, 4, 5, 6, 7, 8, 0], 9) == nodes[:2]
+    assert not tree.attach_snapshot(nodes[1], tree.alloc_snapshot())  # has one: the slot goes back
+    assert tree.attach_snapshot(nodes[3], tree.alloc_snapshot())
+    assert tree.match([1, 2, 3, 4, 5, 6, 7, 8, 0], 9) == nodes
+    assert tree.match([1, 2, 3, 4, 5, 6, 7, 8, 0], 7) == nodes[:2]
+    tree.acquire(nodes[:2])  # touch: node 1 is now more recent than node 3
+    tree.release(nodes[:2])
+    third = tree.alloc_snapshot()  # none free: the least recently used snapshot (node 3's) is dropped
+    assert nodes[3].snap == -1 and nodes[1].snap >= 0 and tree.evicted_snaps == 1
+    tree.free_snapshot(third)
+    tree.release(nodes)
+    tree.evict(8)
+    assert not tree.snap_nodes and sorted(tree.free_snaps) == [10, 11]
+    tree.check_integrity()
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+VARIANTS = ["qwen3", "qwen35"]
+
+
+def _llm(path, **kw):
+    return LLM(path, device="cpu", dtype="float32", page_size=kw.pop("page_size", 4), **kw)
+
+
+def _run(llm, reqs, arrivals=None):
+    """Drive the scheduler to the end; arrivals: {step: [requests]} added at that step. Checks the
+    scheduler's invariants after every step."""
+    sch, arrivals = llm.scheduler, dict(arrivals or {})
+    for r in reqs:
+        sch.add(r)
+    pending = [r for rs in arrivals.values() for r in rs]
+    step = 0
+    while any(r.finish_reason is None for r in reqs + pending):
+        for r in arrivals.pop(step, []):
+            sch.add(r)
+        sch.step()
+        sch.check_integrity()
+        step += 1
+    return step
+
+
+def _rand(n, seed, vocab):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """Greedy tokens of each prompt computed alone without the prefix cache."""
+    cache: dict = {}
+    llms: dict = {}
+
+    def get(variant, prompt, max_tokens=10):
+        key = (variant, tuple(prompt), max_tokens)
+        if key not in cache:
+            if variant not in llms:
+                llms[variant] = _llm(tiny_checkpoint(variant), prefix_cache=False)
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            cache[key] = llms[variant].generate([prompt], sp)[0].token_ids
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_repeated_and_branching_prompts(variant, tiny_checkpoint, reference):
+    llm = _llm(tiny_checkpoint(variant))
+    V = llm.model_config.vocab_size
+    base = _rand(37, 1, V)
+    prompts = [base + [5, 6, 7], base + [8, 9], base + [5, 6, 7], base[:20]]
+    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference(variant, p)
+    # base + [5,6,7]: nothing cached; base + [8,9]: the first's 36 tokens (its prompt-end snapshot for
+    # the hybrid model); the same prompt again: its 36 tokens still; base[:20]: 16 (attention) or none
+    # (no snapshot at 16 for the hybrid model)
+    want = [0, 36, 36, 16 if variant == "qwen3" else 0]
+    assert [o.cached_tokens for o in outs] == want
+    st = llm.scheduler.stats()["prefix_cache"]
+    assert st["requests"] == 4 and st["cached_tokens"] == sum(want)
+    assert st["saved_prefill_tokens"] == sum(want) and st["prompt_tokens"] == sum(map(len, prompts))
+    assert "prefix_cache" in llm.stats()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_agent_turns_reuse_the_previous_turn(variant, tiny_checkpoint, reference):
+    """Each turn resends the conversation so far (prompt + answer) plus a few new tokens: it starts
+    after the last full page the previous turn computed (its rolling decode snapshot when hybrid)."""
+    llm = _llm(tiny_checkpoint(variant))
+    V = llm.model_config.vocab_size
+    conv = _rand(23, 2, V)
+    for turn in range(3):
+        out = llm.generate([conv], GREEDY)[0]
+        assert out.token_ids == reference(variant, conv)
+        if turn:
+            assert out.cached_tokens == prev_computed // 4 * 4
+        prev_computed = len(conv) + len(out.token_ids) - 1  # the last sampled token is not computed
+        conv = conv + out.token_ids + _rand(5, 10 + turn, V)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_concurrent_requests_share_a_running_prefix(variant, tiny_checkpoint, reference):
+    """B and C arrive while A still runs: they reuse A's pages (and prompt-end snapshot), all three decode
+    together on shared pages, and each gets its tokens from alone without the cache."""
+    llm = _llm(tiny_checkpoint(variant), chunked_prefill_size=16)
+    V = llm.model_config.vocab_size
+    base = _rand(40, 3, V)
+    a = Request("a", base + [1], GREEDY)
+    b = Request("b", base + [2, 3], GREEDY)
+    c = Request("c", base + [1], GREEDY)
+    _run(llm, [a], {4: [b], 6: [c]})
+    for r in (a, b, c):
+        assert r.output_ids == reference(variant, r.prompt_ids)
+    assert a.cached_tokens == 0 and b.cached_tokens == 40 and c.cached_tokens == 40
+    tree = llm.scheduler.prefix
+    assert tree.num_evictable == tree.num_pages == llm.engine.caches.kv.pages.num_used
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_preemption_and_eviction_keep_tokens(variant, tiny_checkpoint, reference):
+    """A pool of 24 pages of 4 tokens for 4 requests of 30+ tokens sharing 16: pages are evicted and
+    requests preempted (and resumed from the cache), and the tokens stay the ones computed alone."""
+    llm = _llm(tiny_checkpoint(variant), num_tokens=96, prefix_cache_snapshots=3)
+    V = llm.model_config.vocab_size
+    shared = _rand(16, 4, V)
+    reqs = [Request(f"r{i}", shared + _rand(14 + i, 20 + i, V), SamplingParams(max_tokens=24, temperature=0.0,
+                                                                               ignore_eos=True))
+            for i in range(4)]
+    _run(llm, reqs)
+    for r in reqs:
+        assert r.output_ids == reference(variant, r.prompt_ids, 24)
+    assert sum(r.preemptions for r in reqs) > 0
+    tree = llm.scheduler.prefix
+    assert tree.evicted_pages > 0
+    if variant == "qwen35":
+        assert tree.evicted_snaps > 0
+    # the conversations go on, one at a time, the last finished first: the LRU kept its pages and last
+    # snapshot (3 snapshot slots for 4 requests: the others' may have been dropped)
+    hits = []
+    for r in sorted(reqs, key=lambda r: -r.finished_at):
+        p = r.prompt_ids + r.output_ids
+        again = llm.generate([p], GREEDY)[0]
+        assert again.token_ids == reference(variant, p)
+        hits.append((again.cached_tokens, (len(p) - 1) // 4 * 4))  # (got, all it had computed)
+        llm.scheduler.check_integrity()
+    assert hits[0][0] == hits[0][1], hits
+
+
+def test_a_hit_without_its_snapshot_would_differ(tiny_checkpoint, reference, monkeypatch):
+    """The hybrid tests can fail: dropping the snapshot load (resuming from a zero state) changes tokens."""
+    llm = _llm(tiny_checkpoint("qwen35"))
+    V = llm.model_config.vocab_size
+    base = _rand(37, 5, V)
+    llm.generate([base + [1]], GREEDY)
+    state = llm.engine.caches.state
+    copy = state.copy
+    monkeypatch.setattr(state, "copy", lambda pairs: copy([p for p in pairs if p[0] < state.num_slots]))
+    out = llm.generate([base + [2]], GREEDY)[0]
+    assert out.cached_tokens == 36
+    assert out.token_ids != reference("qwen35", base + [2])
+
+
+def test_disabled_prefix_cache(tiny_checkpoint):
+    llm = _llm(tiny_checkpoint("qwen35"), prefix_cache=False)
+    assert llm.scheduler.prefix is None and llm.engine.caches.state.num_snapshots == 0
+    p = _rand(30, 6, llm.model_config.vocab_size)
+    outs = [llm.generate([p], GREEDY)[0] for _ in range(2)]
+    assert outs[1].cached_tokens == 0 and outs[0].token_ids == outs[1].token_ids
+    assert llm.engine.caches.kv.pages.num_used == 0 and "prefix_cache" not in llm.scheduler.stats()
+
+
+# ---- usage and stats -----------------------------------------------------------------------------
+def test_usage_reports_cached_tokens():
+    from moestream.server import protocol as P
+
+    assert P.usage_dict(100, 7, 64)["prompt_tokens_details"] == {"cached_tokens": 64}
+    assert P.usage_dict(100, 7)["prompt_tokens_details"] == {"cached_tokens": 0}
+    msg = P.anthropic_message_response("m", "x", text="hi", input_tokens=100, output_tokens=7,
+                                       cache_read_input_tokens=64)
+    assert msg["usage"] == {"input_tokens": 36, "output_tokens": 7, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 64}
+    enc = P.AnthropicStreamEncoder("m", "x", input_tokens=100)
+    enc.start()
+    tail = enc.finish("stop", 7, cache_read_input_tokens=64)
+    assert '"cache_read_input_tokens": 64' in tail and '"input_tokens": 36' in tail
+
+
+def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
+    from moestream.server.engine_proc import EngineArgs, EngineLoop
+    from moestream.server.metrics import Metrics
+
+    class Outbox:
+        def __init__(self):
+            self.msgs = []
+
+        def send(self, msg):
+            self.msgs.append(msg)
+
+    loop = EngineLoop(EngineArgs(str(tiny_checkpoint("qwen3")), {"device": "cpu", "dtype": "float32",
+                                                                 "page_size": 4}), Outbox())
+    prompt = list(range(3, 33))
+    finals = []
+    for rid in ("a", "b"):
+        loop.outbox.msgs.clear()
+        loop._add({"rid": rid, "prompt_ids": prompt, "params": {"max_tokens": 3, "temperature": 0,
+                                                                "ignore_eos": True}})
+        for _ in range(50):
+            loop._step()
+            items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"] if i[3] is not None]
+            if items:
+                finals.append(items[0])
+                break
+    assert [f[5] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    stats = loop.stats()
+    assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
+    m = Metrics("x")
+    m.update_engine(stats)
+    text = m.exposition().decode()
+    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.466' in text
+    assert 'moestream_prefix_cache_cached_tokens{model="x"} 28.0' in text
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
+def test_tensor_parallel_ranks_load_and_save_snapshots(tiny_checkpoint, reference, one_torch_thread):
+    """State copies travel in the ForwardBatch: every rank resumes a hit from its own snapshot shard."""
+    from moestream.parallel import TPWorkers
+
+    w = TPWorkers(2, "cpu")
+    try:
+        with _llm(tiny_checkpoint("qwen35"), tp_size=2, tp_workers=w, moe_cpu_threads=1) as llm:
+            V = llm.model_config.vocab_size
+            base = _rand(37, 7, V)
+            outs = [llm.generate([p], GREEDY)[0] for p in (base + [1], base + [2])]
+            assert [o.cached_tokens for o in outs] == [0, 36]
+            for p, o in zip((base + [1], base + [2]), outs):
+                assert o.token_ids == reference("qwen35", p)
+    finally:
+        w.close()
