@@ -446,7 +446,8 @@
   }
   function label(v, unit) {
     if (unit === "%") return Math.round(v * 100) + "%";
-    return v >= 100 ? Math.round(v).toString() : v >= 10 ? v.toFixed(0) : v.toFixed(v === 0 ? 0 : 1);
+    if (v === 0) return "0";
+    return v >= 10 ? Math.round(v).toString() : v >= 1 ? v.toFixed(1) : Number(v.toPrecision(2)).toString();
   }
 
   function drawCharts() {

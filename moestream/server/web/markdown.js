@@ -24,10 +24,10 @@
   const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*\n]+?)\*\*|__([^_\n]+?)__|\*([^*\s][^*\n]*?)\*|(?:^|(?<=\W))_([^_\s][^_\n]*?)_(?=\W|$)|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
 
   function inline(parent, text) {
+    const re = new RegExp(INLINE.source, "g"); // own lastIndex: bold/italic/link text recurse
     let last = 0;
-    INLINE.lastIndex = 0;
     let m;
-    while ((m = INLINE.exec(text)) !== null) {
+    while ((m = re.exec(text)) !== null) {
       if (m.index > last) parent.appendChild(document.createTextNode(text.slice(last, m.index)));
       if (m[1] !== undefined) parent.appendChild(el("code", "inline", m[2]));
       else if (m[3] !== undefined || m[4] !== undefined) inline(parent.appendChild(el("strong")), m[3] ?? m[4]);
@@ -45,7 +45,8 @@
           parent.appendChild(document.createTextNode(m[0]));
         }
       }
-      last = INLINE.lastIndex;
+      if (!m[0]) re.lastIndex++; // (no alternative matches empty; never loop if one ever does)
+      last = re.lastIndex;
     }
     if (last < text.length) parent.appendChild(document.createTextNode(text.slice(last)));
   }
