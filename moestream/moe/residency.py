@@ -17,8 +17,8 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 def recency_digit(rank: int, n: int) -> str:
-    """"1".."9" for the rank-th least recently used of n resident experts."""
-    return str(1 + (9 * rank) // max(n, 1))
+    """"1".."9" for the rank-th least recently used of n resident experts: "1" the least, "9" the most."""
+    return "9" if n <= 1 else str(1 + (8 * rank) // (n - 1))
 
 
 class CacheFull(RuntimeError):
@@ -57,7 +57,7 @@ class Residency:
 
     def resident_map(self, num_experts: int) -> dict[str, str]:
         """Per layer, one character per expert (for /v1/stats): "0" not in a slot, "1".."9" resident, by
-        recency of use among the resident experts ("9": the most recently used tenth)."""
+        recency of use among the resident experts ("1" the least recently used, "9" the most)."""
         rows = {layer: ["0"] * num_experts for layer in self.counts}
         n = len(self.slot_of)
         for rank, (layer, expert) in enumerate(self.slot_of):  # least recently used first
