@@ -300,3 +300,67 @@ def test_api_key_and_dashboard_move_while_a_request_runs(browser, moe_server, sh
         assert p.errors == []
     finally:
         p.close()
+
+
+# ---- reasoning and tool calls (a scripted engine: random or small models emit neither reliably) ------------
+SCRIPT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me **check** that.\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+WEATHER_TOOL = ('[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+                '"properties": {"city": {"type": "string"}}, "required": ["city"]}}}]')
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tmp_path_factory):
+    """The real app (routes, parsers, page) on uvicorn in a thread, over the test double of the engine."""
+    import threading
+
+    import uvicorn
+    from fake_engine import FakeEngine
+    from moestream.demo_tokenizer import build_tokenizer
+    from moestream.server.app import create_app
+    from moestream.server.generation import ServerState
+    from moestream.server.metrics import Metrics
+    from moestream.server.parsers import pick_reasoning_parser, pick_tool_parser
+    from moestream.tokenizer import Tokenizer
+    from test_server_e2e import free_port
+
+    folder = tmp_path_factory.mktemp("tok")
+    build_tokenizer(folder)
+    tok = Tokenizer.from_pretrained(folder)
+    state = ServerState(engine=FakeEngine(tok, SCRIPT), tokenizer=tok, model_name="scripted",
+                        tool_parser_cls=pick_tool_parser("auto", tok.chat_template),
+                        reasoning_parser_cls=pick_reasoning_parser("auto", tok.chat_template), metrics=Metrics("scripted"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "the scripted server did not start"
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}"}
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_reasoning_folded_and_tool_calls_shown(browser, scripted_server, shots, capsys):
+    p = Page(browser, scripted_server["url"] + "/")
+    try:
+        p.wait("window.moestreamPage && window.moestreamPage.model === 'scripted'", 20, "the model card")
+        p.page.click("#settings summary")
+        p.page.fill("#set-tools", WEATHER_TOOL)
+        _send(p, "Weather in Paris?")
+        assert _wait_answer_done(p, 1, 30) == "done"
+        folded = p.js("(() => { const d = document.querySelector('.msg.assistant details.reasoning'); "
+                      "return d && {open: d.open, text: d.querySelector('.thought').textContent}; })()")
+        assert folded == {"open": False, "text": "The user wants the weather."}, folded
+        assert p.js("document.querySelector('.msg.assistant .body strong').textContent") == "check"
+        assert p.text(".msg.assistant .toolcall .name") == "get_weather"
+        assert '"city": "Paris"' in p.text(".msg.assistant .toolcall pre")
+        assert "finish: tool_calls" in p.text(".msg.assistant .foot")
+        p.page.click(".msg.assistant details.reasoning summary")  # unfolds on a click
+        assert p.js("document.querySelector('.msg.assistant details.reasoning').open")
+        screenshot(p.page, shots, "5-reasoning-and-tool-call", capsys)
+        assert p.errors == []
+    finally:
+        p.close()

@@ -125,6 +125,10 @@
     const seed = num("set-seed", (v) => parseInt(v, 10));
     if (seed !== undefined) body.seed = seed;
     if ($("set-ignore-eos").checked) body.ignore_eos = true;
+    const tools = $("set-tools").value.trim();
+    if (tools) {
+      try { body.tools = JSON.parse(tools); } catch (e) { throw new Error("the tools setting is not valid JSON: " + e.message); }
+    }
     return body;
   }
 
@@ -156,7 +160,7 @@
       this.callsBox = el("div", "calls");
       this.body = el("div", "body cursor");
       this.foot = el("div", "foot");
-      this.box.append(this.callsBox, this.body, this.foot);
+      this.box.append(this.body, this.callsBox, this.foot); // calls come after the text that leads to them
       this.pending = false;
     }
     delta(d) {
@@ -181,7 +185,7 @@
         if (!this.reasoningBox) {
           this.reasoningBox = el("details", "reasoning");
           this.reasoningBox.append(el("summary"), el("div", "thought"));
-          this.box.insertBefore(this.reasoningBox, this.callsBox);
+          this.box.insertBefore(this.reasoningBox, this.body);
         }
         this.reasoningBox.querySelector("summary").textContent = "Reasoning (" + this.reasoning.length + " characters)";
         this.reasoningBox.querySelector(".thought").textContent = this.reasoning;
