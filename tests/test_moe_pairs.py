@@ -93,6 +93,12 @@ def test_device_cache_bookkeeping(slots):
             assert c.num_resident() <= slots
     if slots < 30:
         assert c.num_resident() == slots  # misses filled every slot
+    # /v1/stats's map: the resident (layer, expert) pairs, the most recently used slot brightest
+    rows = c.resident_map()
+    assert set(rows) == {str(layer) for layer in layers} and all(len(r) == E for r in rows.values())
+    for layer in layers:
+        assert {e for e, ch in enumerate(rows[str(layer)]) if ch != "0"} == set(c.resident_rows(layer))
+    assert "9" in "".join(rows.values())
 
 
 def test_kv_bucket():

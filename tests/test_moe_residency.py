@@ -150,3 +150,15 @@ def test_runtime_rounds_when_a_layer_needs_more_experts_than_slots():
 def test_fetch_count_balances(misses, frac):
     f = fetch_count(misses, frac)
     assert 0 <= f <= misses and abs(f - frac * misses) <= 1
+
+
+def test_resident_map_marks_residents_by_recency():
+    res = Residency(3, [0, 1])
+    for key in [(0, 1), (1, 3), (0, 2), (1, 0)]:  # (0, 1) is evicted by the fourth
+        res.access(key)
+    res.access((1, 3))  # now the most recently used
+    got = res.resident_map(4)
+    assert set(got) == {"0", "1"} and all(len(row) == 4 for row in got.values())
+    resident = {(int(layer), e) for layer, row in got.items() for e, c in enumerate(row) if c != "0"}
+    assert resident == set(res.slot_of)
+    assert got["0"][2] == "1" and got["1"][0] == "5" and got["1"][3] == "9"  # LRU order: (0,2), (1,0), (1,3)

@@ -231,3 +231,21 @@ def test_models_stats_metrics(demo_tokenizer):
     assert {"kv", "state", "throughput", "running", "queued"} <= set(stats)
     text = http.get("/metrics").text
     assert "moestream_requests_total" in text and "moestream_time_to_first_token_seconds" in text
+
+
+def test_web_page_and_stats_stream(demo_tokenizer):
+    engine, http, oai, _ = make(demo_tokenizer, "ok", api_key="sekret")
+    page = http.get("/")  # the page itself is public: it holds no data
+    assert page.status_code == 200 and "/ui/app.js" in page.text and "script-src 'self'" in page.headers[
+        "content-security-policy"]
+    assert http.get("/ui/markdown.js").headers["content-type"].startswith("text/javascript")
+    assert http.get("/ui/nope.js").status_code == 404
+    assert http.get("/health").json()["api_key_required"] is True
+    assert http.get("/v1/stats/stream").status_code == 401
+    with http.stream("GET", "/v1/stats/stream", headers={"Authorization": "Bearer sekret"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                break
+    assert event.keys() == http.get("/v1/stats", headers={"Authorization": "Bearer sekret"}).json().keys()

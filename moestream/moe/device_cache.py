@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..env import triton_enabled
+from .residency import recency_digit
 
 try:  # optional: absent on CPU-only installs
     import triton
@@ -146,6 +147,17 @@ class DeviceSlotCache:
 
     def num_resident(self) -> int:
         return int((self.slot_key[:self.num_slots] >= 0).sum())
+
+    def resident_map(self) -> dict[str, str]:
+        """As `Residency.resident_map`: per layer, one character per expert, "0" not in a slot, "1".."9"
+        resident by recency of use (the slots' last_use stamps); one read of the device tensors."""
+        table, last_use = self.table[:-1].tolist(), self.last_use.tolist()
+        held = sorted((last_use[slot], key) for key, slot in enumerate(table) if slot >= 0)
+        digits = ["0"] * len(table)
+        for rank, (_, key) in enumerate(held):
+            digits[key] = recency_digit(rank, len(held))
+        E = self.E
+        return {str(layer): "".join(digits[i * E:(i + 1) * E]) for layer, i in self.layer_index.items()}
 
     def check_integrity(self) -> None:
         table, keys = self.table[:-1].tolist(), self.slot_key[:-1].tolist()

@@ -261,7 +261,8 @@ class CachedRuntime(ExpertRuntime):
         self.copier.fold(block=True)
         out = super().stats()
         out["cache"] = {"slots": self.residency.num_slots, "resident": len(self.residency.slot_of),
-                        "prefill_slots_per_half": self.streamer.per_half if self.streamer else 0}
+                        "prefill_slots_per_half": self.streamer.per_half if self.streamer else 0,
+                        "resident_map": self.residency.resident_map(self.store.num_experts)}
         return out
 
     def check_integrity(self) -> None:
@@ -342,6 +343,7 @@ class DeviceCachedRuntime(CachedRuntime):
         out = super().stats()
         if self.pairs:
             out["cache"]["resident"] = self.dcache.num_resident()
+            out["cache"]["resident_map"] = self.dcache.resident_map()
             out["decode_kernel"] = "pairs"
         return out
 

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 Key = tuple[int, int]  # (layer, expert)
 
 
+def recency_digit(rank: int, n: int) -> str:
+    """"1".."9" for the rank-th least recently used of n resident experts: "1" the least, "9" the most."""
+    return "9" if n <= 1 else str(1 + (8 * rank) // (n - 1))
+
+
 class CacheFull(RuntimeError):
     """Every slot is pinned; the caller asked for more experts at once than the cache holds."""
 
@@ -49,6 +54,15 @@ class Residency:
 
     def resident(self, layer: int | None = None) -> set[Key]:
         return {k for k in self.slot_of if layer is None or k[0] == layer}
+
+    def resident_map(self, num_experts: int) -> dict[str, str]:
+        """Per layer, one character per expert (for /v1/stats): "0" not in a slot, "1".."9" resident, by
+        recency of use among the resident experts ("1" the least recently used, "9" the most)."""
+        rows = {layer: ["0"] * num_experts for layer in self.counts}
+        n = len(self.slot_of)
+        for rank, (layer, expert) in enumerate(self.slot_of):  # least recently used first
+            rows[layer][expert] = recency_digit(rank, n)
+        return {str(layer): "".join(row) for layer, row in rows.items()}
 
     # ---- accesses ----------------------------------------------------------------------
     def access(self, key: Key) -> tuple[int, bool]:

@@ -73,7 +73,10 @@ class ExpertRuntime:
     def stats(self) -> dict:
         options = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                    for k, v in self.options.__dict__.items()}  # JSON-safe: served at /v1/stats
-        return {"backend": self.name, **self.book.as_dict(), "options": options}
+        store = self.store
+        return {"backend": self.name, **self.book.as_dict(), "options": options,
+                "num_experts": store.num_experts,
+                "bytes_per_expert": {str(layer): store.bytes_per_expert(layer) for layer in store.moe_layers}}
 
     def step_hit_rate(self) -> float | None:
         """Hit rate of the last decode step (None before the first one)."""

@@ -13,13 +13,13 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import anthropic_routes, openai_routes
+from . import anthropic_routes, openai_routes, web
 from .engine_client import EngineError
 from .generation import ApiError, ServerState
 from .protocol import anthropic_error_body, openai_error_body, validation_error_message
@@ -37,6 +37,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     _install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    web.add_routes(app)
     return app
 
 
@@ -220,7 +221,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health():
         ok = bool(state.engine.alive)
         body = {"status": "ok" if ok else "error", "model": state.model_name, "version": __version__,
-                "uptime_s": round(time.time() - state.started, 3)}
+                "uptime_s": round(time.time() - state.started, 3), "api_key_required": bool(state.api_key)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -239,16 +240,15 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/stats")
     async def stats(request: Request):
         _check_auth(state, request)
-        engine = state.snapshot  # never wait on the engine: a long prefill would stall scrapers
-        requests = state.metrics.summary() if state.metrics is not None else {}
-        requests.update(active=engine.get("running", 0), queued=engine.get("queued", 0))
-        return {"model": state.model_name, "engine": dict(state.engine.info), "uptime_s": time.time() - state.started,
-                "engine_alive": bool(state.engine.alive), "snapshot_age_s": _snapshot_age(state),
-                "running": engine.get("running", 0), "queued": engine.get("queued", 0),
-                "kv": engine.get("kv"), "state": engine.get("state"), "throughput": engine.get("throughput"),
-                "requests": requests, "experts": engine.get("experts"),
-                "experts_hit_rate": engine.get("experts_hit_rate"), "memory_plan": engine.get("memory_plan"),
-                "engine_totals": engine.get("totals")}
+        return stats_body(state)
+
+    @app.get("/v1/stats/stream")
+    async def stats_stream(request: Request):
+        """The /v1/stats body as server-sent events, one each time the snapshot is refreshed (every
+        0.5 s): what the web page's dashboard draws. Same numbers as /v1/stats, no other source."""
+        _check_auth(state, request)
+        return StreamingResponse(_stats_events(state, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -257,6 +257,37 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if state.metrics is None:
             return Response(b"", media_type="text/plain")
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def stats_body(state: ServerState) -> dict:
+    engine = state.snapshot  # never wait on the engine: a long prefill would stall scrapers
+    requests = state.metrics.summary() if state.metrics is not None else {}
+    requests.update(active=engine.get("running", 0), queued=engine.get("queued", 0))
+    return {"model": state.model_name, "engine": dict(state.engine.info), "uptime_s": time.time() - state.started,
+            "engine_alive": bool(state.engine.alive), "snapshot_age_s": _snapshot_age(state),
+            "snapshot_at": engine.get("_at"), "max_seq_len": state.max_seq_len,
+            "running": engine.get("running", 0), "queued": engine.get("queued", 0),
+            "kv": engine.get("kv"), "state": engine.get("state"), "throughput": engine.get("throughput"),
+            "requests": requests, "experts": engine.get("experts"),
+            "experts_hit_rate": engine.get("experts_hit_rate"), "memory_plan": engine.get("memory_plan"),
+            "engine_totals": engine.get("totals")}
+
+
+async def _stats_events(state: ServerState, request: Request, poll: float = 0.1, heartbeat: float = 15.0):
+    last, quiet = object(), 0.0
+    while True:
+        at = state.snapshot.get("_at")
+        if at != last:
+            last, quiet = at, 0.0
+            body = await run_in_threadpool(json.dumps, stats_body(state))  # big expert maps: off the loop
+            yield f"data: {body}\n\n"
+        elif quiet >= heartbeat:  # a comment line keeps proxies from closing an idle stream
+            quiet = 0.0
+            yield ": keep-alive\n\n"
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(poll)
+        quiet += poll
 
 
 def _model_card(state: ServerState) -> dict:
