@@ -33,6 +33,13 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    matcher: object = None  # grammar.Matcher of a constrained request
+    thinking: bool = False  # inside <think>...</think> (the grammar waits, the thinking budget counts)
+    thinking_tokens: int = 0
+    forced: list[int] = field(default_factory=list)  # tokens emitted next instead of sampled ones
+    # prompt_lps[k]: (logprob, top alternatives) of prompt token k (k >= 1; None for token 0)
+    prompt_lps: list = field(default_factory=list)
+    output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
 
     @property
     def all_ids(self) -> list[int]:
@@ -56,3 +63,5 @@ class StepOutput:
     new_token: int | None
     text_delta: str
     finished: bool
+    logprobs: tuple | None = None  # (logprob of new_token, [(id, logprob)...]) when the request asked
+    prompt_logprobs: list | None = None  # the prompt's, with the first generated token

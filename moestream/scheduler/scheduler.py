@@ -14,7 +14,7 @@ import torch
 
 from ..core import FinishReason, RequestError
 from ..engine.batch import ForwardBatch, SeqMeta
-from ..engine.sampler import make_generator, sample
+from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample
 from .request import Request, Status, StepOutput
 
 log = logging.getLogger("moestream.scheduler")
@@ -37,6 +37,13 @@ class Scheduler:
         # After a failed step: ids of the requests that were in it, run one at a time until they end,
         # so a request that fails again fails alone and the others go on.
         self.suspects: set[str] = set()
+        self._rows = None  # (prompt logprob rows, sampling rows) of the step being built, when they differ
+        self.grammars = None  # tokenizer.grammar.Grammars, built at the first constrained request
+        tok = tokenizer
+        self.think_start = tok.token_to_id("<think>") if tok is not None else None
+        self.think_end = tok.token_to_id("</think>") if tok is not None else None
+        # what a spent thinking budget forces: the end of the block, as the chat templates write it
+        self.think_close = tok.encode("\n</think>\n\n") if tok is not None and self.think_end is not None else []
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -53,6 +60,19 @@ class Scheduler:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         req.generator = make_generator(req.params, self.engine.device)
+        if req.params.grammar and req.matcher is None:
+            if self.grammars is None:
+                from ..tokenizer.grammar import Grammars
+
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self.grammars = Grammars(self.tokenizer, vocab, sorted(self.eos))
+            req.matcher = self.grammars.matcher(req.params.grammar)
+        req.thinking = req.params.reasoning_open
+        if req.matcher is not None and not req.thinking:
+            req.matcher.prefetch()  # the first mask is built while the prompt is prefilled
+        if req.params.prompt_logprobs is not None and not req.prompt_lps:
+            req.prompt_lps = [None]
         if self.tokenizer is not None and req.detok is None:
             from ..tokenizer import IncrementalDetokenizer
 
@@ -186,6 +206,9 @@ class Scheduler:
     def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
         dev = self.engine.device
         ids, pos, seqs, logit_rows, sample_reqs = [], [], [], [], []
+        # prompt_logprobs: (request, prompt token index, logits row) of the extra rows this step computes
+        prompt_rows: list[tuple[Request, int, int]] = []
+        sample_rows: list[int] = []
         start = 0
         for req, n in plan:
             c = req.num_computed
@@ -193,10 +216,17 @@ class Scheduler:
             pos += range(c, c + n)
             kv_index = self.kv.flat_index(req.pages, 0, c + n, dev)
             seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index))
+            if req.prompt_lps:  # the row at position j predicts prompt token j + 1
+                for j in range(max(c, len(req.prompt_lps) - 1), min(c + n, len(req.prompt_ids) - 1)):
+                    prompt_rows.append((req, j + 1, len(logit_rows)))
+                    logit_rows.append(start + j - c)
             if c + n == req.num_tokens:  # the chunk reaches the newest token: sample the next one
-                logit_rows.append(start + n - 1)
+                if not logit_rows or logit_rows[-1] != start + n - 1:
+                    logit_rows.append(start + n - 1)
+                sample_rows.append(len(logit_rows) - 1)
                 sample_reqs.append(req)
             start += n
+        self._rows = (prompt_rows, sample_rows) if prompt_rows else None
         write = torch.cat([s.kv_index[s.cached:] for s in seqs])
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -210,29 +240,100 @@ class Scheduler:
     def _apply(self, plan, sample_reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         for req, n in plan:
             req.num_computed += n
+        rows, self._rows = self._rows, None
+        if rows is not None:  # prompt_logprobs asked for extra rows: split them off
+            prompt_rows, sample_rows = rows
+            self._prompt_logprobs(logits, prompt_rows)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
         if not sample_reqs:
             return []
+        raw = logits
+        for req in sample_reqs:  # a spent thinking budget closes the block
+            p = req.params
+            if (req.thinking and p.max_thinking_tokens is not None and not req.forced
+                    and req.thinking_tokens >= p.max_thinking_tokens and self.think_end is not None):
+                close = list(self.think_close) or [self.think_end]
+                if req.matcher is not None and self.think_end in close:  # the grammar starts right after it
+                    close = close[:close.index(self.think_end) + 1]
+                req.forced = close
+        # penalties, logit_bias, min_tokens and grammar masks touch only the rows of requests that use them
+        touched = [i for i, r in enumerate(sample_reqs)
+                   if (r.params.needs_processing or (r.matcher is not None and not r.thinking)) and not r.forced]
+        if touched:
+            logits = logits.clone()
+            for i in touched:
+                self._process_row(sample_reqs[i], logits[i])
         tokens = sample(logits, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
+        for i, req in enumerate(sample_reqs):
+            if req.forced:
+                tokens[i] = req.forced.pop(0)
+        lps = self._logprobs(raw, sample_reqs, tokens)
         now = time.perf_counter()
         outs = []
-        for req, tok in zip(sample_reqs, tokens):
-            if req.first_token_at is None:
+        for i, (req, tok) in enumerate(zip(sample_reqs, tokens)):
+            first = req.first_token_at is None
+            if first:
                 req.first_token_at = now
             req.output_ids.append(tok)
+            if i in lps:
+                req.output_lps.append(lps[i])
+            self._track(req, tok)
             delta = req.detok.add(tok) if req.detok is not None else ""
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 if req.detok is not None and not req.detok.stopped:
                     delta += req.detok.flush()
                 self._finish(req, reason)
-            outs.append(StepOutput(req, tok, delta, reason is not None))
+            outs.append(StepOutput(req, tok, delta, reason is not None, lps.get(i),
+                                   req.prompt_lps if first and req.prompt_lps else None))
         return outs
+
+    def _process_row(self, req: Request, row: torch.Tensor) -> None:
+        p = req.params
+        if p.needs_processing:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops)
+        if req.matcher is not None and not req.thinking and not req.matcher.done:
+            apply_bitmask(row, req.matcher.allowed())
+
+    def _track(self, req: Request, tok: int) -> None:
+        """Reasoning-block bookkeeping and the grammar's state after `tok` was appended."""
+        if req.thinking:
+            if tok == self.think_end:
+                req.thinking = False  # the block ended (by the model, or by the forced close)
+                if req.matcher is not None:
+                    req.matcher.prefetch()
+            else:
+                req.thinking_tokens += 1
+            return
+        if req.matcher is not None and not req.matcher.done:
+            req.matcher.consume(tok)
+        elif tok == self.think_start and self.think_start is not None and req.matcher is None:
+            req.thinking = True
+
+    def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: list[int]) -> dict[int, tuple]:
+        idx = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not idx:
+            return {}
+        rows = raw[torch.tensor(idx, dtype=torch.long, device=raw.device)]
+        got = logprobs_of(rows, [tokens[i] for i in idx], [reqs[i].params.logprobs for i in idx])
+        return dict(zip(idx, got))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Request, int, int]]) -> None:
+        rows = logits[torch.tensor([r for _, _, r in prompt_rows], dtype=torch.long, device=logits.device)]
+        got = logprobs_of(rows, [req.prompt_ids[k] for req, k, _ in prompt_rows],
+                          [req.params.prompt_logprobs for req, _, _ in prompt_rows])
+        for (req, k, _), lp in zip(prompt_rows, got):
+            if k == len(req.prompt_lps):
+                req.prompt_lps.append(lp)
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if req.detok is not None and req.detok.stopped:
             return FinishReason.STOP.value
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP.value
+        if req.matcher is not None and req.matcher.done:  # the grammar is complete
             return FinishReason.STOP.value
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH.value

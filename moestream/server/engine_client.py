@@ -28,6 +28,8 @@ class Delta:
     tokens: int  # generated tokens this delta stands for
     finish_reason: str | None = None
     stop: str | None = None  # the stop string that ended the request, if one did
+    logprobs: list | None = None  # [[token, logprob, [[id, logprob], ...]], ...] when asked for
+    prompt_logprobs: list | None = None  # [None, (logprob, alternatives), ...] with the first delta
 
 
 class EngineError(Exception):
@@ -201,10 +203,10 @@ class EngineClient:
     def _dispatch(self, msg: dict) -> None:
         kind = msg.get("type")
         if kind == "out":
-            for rid, text, tokens, reason, stop in msg["items"]:
+            for rid, text, tokens, reason, stop, lp, plp in msg["items"]:
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(text, tokens, reason, stop))
+                    q.put_nowait(Delta(text, tokens, reason, stop, [lp] if lp is not None else None, plp))
         elif kind == "error":
             q = self._queues.get(msg["rid"])
             if q is not None:

@@ -4,7 +4,9 @@ through two one-way pipes carrying small dicts.
     front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool}
                           {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
     engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
-                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str], ...]}
+                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str,
+                                                     [token, logprob, [[id, logprob]...]] | None,
+                                                     prompt logprobs (first item only) | None], ...]}
                           {"type": "error", "rid", "message", "status"}   {"type": "stats", "sid", "data"}
 
 Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
@@ -201,7 +203,8 @@ class EngineLoop:
         for o in outputs:
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
-            items.append([o.request.id, o.text_delta, 1, reason, stop_str])
+            lp = [o.new_token, o.logprobs[0], o.logprobs[1]] if o.logprobs is not None else None
+            items.append([o.request.id, o.text_delta, 1, reason, stop_str, lp, o.prompt_logprobs])
             if o.finished:
                 self.totals["finished"] += 1
         self.totals["generated_tokens"] += len(outputs)
