@@ -185,7 +185,7 @@ def test_errors_have_bodies_and_next_request_works(demo_tokenizer):
          "model_not_found"),
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}).encode(), 400,
          "context_length_exceeded"),
-        (json.dumps({**good, "n": 2}).encode(), 400, None),
+        (json.dumps({**good, "n": 99}).encode(), 400, None),
     ]
     for body, status, code in cases:
         r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
