@@ -1176,8 +1176,32 @@ class AnthropicStreamEncoder:
 # --------------------------------------------------------------------------------------------
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character that stands for each byte, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
 def _token_text(tokenizer, tid: int) -> tuple[str, list[int]]:
-    text = tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
+    """(text, UTF-8 bytes) of one token. A byte-level token may hold part of a character: its text then
+    shows U+FFFD while `bytes` keeps the real bytes, as OpenAI's logprobs do."""
+    if tokenizer is None:
+        return str(tid), list(str(tid).encode())
+    text = tokenizer.decode([tid], skip_special_tokens=False)
+    if "\ufffd" in text:
+        piece = tokenizer.id_to_token(tid) if hasattr(tokenizer, "id_to_token") else None
+        if piece and all(c in _BYTE_DECODER for c in piece):
+            return text, [_BYTE_DECODER[c] for c in piece]
     return text, list(text.encode("utf-8"))
 
 

@@ -168,6 +168,7 @@ class Matcher:
         self._m = m
         self.vocab_size = vocab_size
         self._next: Future | None = None
+        self._stopped = m.is_stopped()  # read only here and in consume: a mask may be computing meanwhile
 
     def prefetch(self) -> None:
         if self._next is None:
@@ -191,15 +192,12 @@ class Matcher:
             self._next.result()
             self._next = None
         ok = self._m.consume_token(int(token))
-        if ok and not self._m.is_stopped():
+        self._stopped = self._m.is_stopped()
+        if ok and not self._stopped:
             self.prefetch()
         return ok
 
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more."""
-        return self._m.is_stopped()
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        return self._stopped
