@@ -86,6 +86,8 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int],
 def apply_bitmask(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Logits outside `allowed` (a bool [V'] mask, V' may differ from V) -> -inf."""
     V = row.shape[-1]
+    if allowed.shape[0] == V:
+        return row.masked_fill_(~allowed.to(row.device, non_blocking=True), float("-inf"))
     n = min(V, allowed.shape[0])
     keep = torch.zeros(V, dtype=torch.bool, device=row.device)
     keep[:n] = allowed[:n].to(row.device)
