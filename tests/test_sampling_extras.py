@@ -174,3 +174,45 @@ def test_seeded_requests_are_independent_of_batching(llm):
     together = [o.token_ids for o in llm.generate([prompt] * 4, ps)]
     alone = [llm.generate([prompt], p)[0].token_ids for p in ps]
     assert together == alone and len({tuple(t) for t in together}) > 1
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
+def test_forced_tool_call_grammars_parse_against_the_schema(fmt, tmp_path):
+    """A uniform random walk over the tokens each grammar allows always ends in a call the server's parser
+    reads, with arguments of the declared types."""
+    from moestream.demo_tokenizer import build_tokenizer
+    from moestream.server.parsers import HermesToolParser, Qwen3CoderToolParser
+    from moestream.tokenizer import Tokenizer
+    from moestream.tokenizer.grammar import Grammars, tool_call_grammar, xml_tool_call_grammar
+
+    build_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}, "hourly": {"type": "boolean"}},
+        "required": ["city", "unit", "days"], "additionalProperties": False}}]
+    special = {t: tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>")}
+    make, parser_cls = ((tool_call_grammar, HermesToolParser) if fmt == "hermes"
+                        else (xml_tool_call_grammar, Qwen3CoderToolParser))
+    grammars = Grammars(tok, 600, tok.eos_token_ids)
+    g = make(tools, special)
+    for seed in range(10):
+        rng = random.Random(seed)
+        m, out = grammars.matcher(g), []
+        for _ in range(300):
+            allowed = [t for t in m.allowed().nonzero().flatten().tolist() if t not in tok.eos_token_ids]
+            if not allowed:
+                break
+            t = rng.choice(allowed)
+            assert m.consume(t)
+            out.append(t)
+            if m.done:
+                break
+        text = tok.decode(out, skip_special_tokens=False)
+        parser = parser_cls([{"type": "function", "function": {"name": "get_weather",
+                                                                 "parameters": tools[0]["parameters"]}}])
+        calls = [e for e in parser.feed(text) + parser.finish() if not isinstance(e, str)]
+        assert len(calls) == 1, text
+        args = json.loads(calls[0].arguments)
+        assert calls[0].name == "get_weather" and args.get("unit") in ("c", "f") and 1 <= args["days"] <= 7, text
+        assert isinstance(args["days"], int) and isinstance(args.get("hourly", True), bool), text

@@ -219,11 +219,14 @@ _warned_tool_grammar = False
 
 
 def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> str | None:
-    """The hermes tool-call grammar (other tool formats stay unconstrained); None when unavailable."""
+    """The grammar of the tool-call format the parser reads (hermes JSON or qwen3_coder XML; other formats
+    stay unconstrained); None when the grammar engine is unavailable."""
     global _warned_tool_grammar
-    from ..tokenizer.grammar import GrammarUnavailable, tool_call_grammar
+    from ..tokenizer.grammar import GrammarUnavailable, tool_call_grammar, xml_tool_call_grammar
 
-    if getattr(state.tool_parser_cls, "name", "") != "hermes":
+    build = {"hermes": tool_call_grammar, "qwen3_coder": xml_tool_call_grammar}.get(
+        getattr(state.tool_parser_cls, "name", ""))
+    if build is None:
         return None
     tok = state.tokenizer
     special = {}
@@ -232,7 +235,7 @@ def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> st
         if tid is not None and tid in tok.special_added_token_ids:
             special[tag] = tid
     try:
-        return tool_call_grammar(tools, special, multiple=tool_choice == "required")
+        return build(tools, special, multiple=tool_choice == "required")
     except GrammarUnavailable as e:
         if not _warned_tool_grammar:
             logging.getLogger("moestream.server").warning("forced tool calls are not constrained: %s", e)

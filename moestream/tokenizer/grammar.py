@@ -122,6 +122,49 @@ def tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = No
     return _check(_llg().LLMatcher.grammar_from_lark(lark), "tool schema")
 
 
+def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = None,
+                          multiple: bool = False) -> str:
+    """Forced tool calls in the Qwen3-Coder / Qwen3.5 XML format (`<tool_call>\\n<function=NAME>\\n
+    <parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`): the schema's properties in
+    order, required ones always, the others optionally; string values on one line (enums as listed),
+    every other type as compact JSON valid against its schema."""
+    special_ids = special_ids or {}
+
+    def lit(tag: str, before: str = "", after: str = "") -> str:
+        if tag in special_ids:
+            return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
+                            + ([json.dumps(after)] if after else []))
+        return json.dumps(before + tag + after)
+
+    rules, bodies = [], []
+    for i, t in enumerate(tools):
+        schema = t.get("parameters") or {}
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, ps) in enumerate(props.items()):
+            ps = ps if isinstance(ps, dict) else {}
+            if isinstance(ps.get("enum"), list) and all(isinstance(v, str) for v in ps["enum"]) and ps["enum"]:
+                value = " | ".join(json.dumps(v) for v in ps["enum"])
+            elif ps.get("type") == "string":
+                lo, hi = int(ps.get("minLength", 0)), ps.get("maxLength")
+                value = "/[^<\\n]{%d,%s}/" % (lo, "" if hi is None else int(hi))
+            else:
+                value = "%json " + json.dumps({**ps, "x-guidance": dict(_JSON_OPTIONS)}, separators=(",", ":"))
+            rules.append(f"v{i}_{j}: {value}")
+            p = f"{json.dumps('<parameter=' + key + '>' + chr(10))} v{i}_{j} {json.dumps(chr(10) + '</parameter>' + chr(10))}"
+            parts.append(f"({p})" + ("" if key in required else "?"))
+        head = json.dumps("<function=" + t["name"] + ">" + chr(10))
+        bodies.append(f"f{i}: {head} {' '.join(parts)} {json.dumps('</function>')}".replace("  ", " "))
+    lark = "\n".join([
+        "start: call" + ("+" if multiple else ""),
+        f"call: {lit('<tool_call>', after=chr(10))} body {lit('</tool_call>', before=chr(10))}",
+        "body: " + " | ".join(f"f{i}" for i in range(len(tools))),
+        *bodies, *rules,
+    ])
+    return _check(_llg().LLMatcher.grammar_from_lark(lark), "tool schema")
+
+
 # ---- engine side ------------------------------------------------------------------------------------
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
