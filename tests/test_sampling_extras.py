@@ -216,3 +216,42 @@ def test_forced_tool_call_grammars_parse_against_the_schema(fmt, tmp_path):
         args = json.loads(calls[0].arguments)
         assert calls[0].name == "get_weather" and args.get("unit") in ("c", "f") and 1 <= args["days"] <= 7, text
         assert isinstance(args["days"], int) and isinstance(args.get("hourly", True), bool), text
+
+
+def test_n_children_copy_the_parent_prefill(llm):
+    """Choices 1..n-1 of an n > 1 request copy choice 0's prompt K/V and linear state instead of prefilling:
+    same tokens as four independent seeded requests, the prompt computed once."""
+    from moestream.scheduler.request import Request
+
+    prompt = list(range(5, 45))
+    ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, ignore_eos=True, logprobs=1) for i in range(4)]
+    alone = [llm.generate([prompt], p)[0] for p in ps]
+    sched = llm.scheduler
+    reqs = [Request(f"fork-{i}", list(prompt), p, parent="fork-0" if i else None) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add(r)
+    assert len(sched.held["fork-0"]) == 3
+    prefill = 0
+    while any(r.finish_reason is None for r in reqs):
+        sched.step()
+        prefill += sched.last_step.get("prefill_tokens", 0)
+    assert prefill == len(prompt)  # once, not four times
+    assert [r.output_ids for r in reqs] == [a.token_ids for a in alone]
+    for r, a in zip(reqs, alone):
+        assert all(abs(x[0] - y[0]) < 1e-4 for x, y in zip(r.output_lps, a.logprobs))
+    sched.check_integrity()
+    assert not sched.held and sched.kv.pages.num_used == 0
+
+
+def test_aborted_parent_lets_children_prefill(llm):
+    from moestream.scheduler.request import Request
+
+    sched = llm.scheduler
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    parent, kid = Request("par", [5, 6, 7], p), Request("kid", [5, 6, 7], p, parent="par")
+    sched.add(parent)
+    sched.add(kid)
+    sched.abort("par")
+    while kid.finish_reason is None:
+        sched.step()
+    assert kid.output_ids == llm.generate([[5, 6, 7]], p)[0].token_ids and not sched.held

@@ -40,6 +40,7 @@ class Request:
     # prompt_lps[k]: (logprob, top alternatives) of prompt token k (k >= 1; None for token 0)
     prompt_lps: list = field(default_factory=list)
     output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
+    parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
 
     @property
     def all_ids(self) -> list[int]:

@@ -37,6 +37,8 @@ class Scheduler:
         # After a failed step: ids of the requests that were in it, run one at a time until they end,
         # so a request that fails again fails alone and the others go on.
         self.suspects: set[str] = set()
+        # n > 1: children waiting for their parent's prefill, which they copy (KV positions + linear state)
+        self.held: dict[str, list[Request]] = {}
         self._rows = None  # (prompt logprob rows, sampling rows) of the step being built, when they differ
         self.grammars = None  # tokenizer.grammar.Grammars, built at the first constrained request
         tok = tokenizer
@@ -79,7 +81,13 @@ class Scheduler:
             req.detok = IncrementalDetokenizer(self.tokenizer, stop=req.params.stop,
                                                skip_special_tokens=req.params.skip_special_tokens)
         self.requests[req.id] = req
-        self.waiting.append(req)
+        parent = self.requests.get(req.parent) if req.parent else None
+        if (parent is not None and parent.status != Status.FINISHED and parent.prompt_ids == req.prompt_ids
+                and not parent.output_ids and req.params.prompt_logprobs is None
+                and self.engine.ecfg.tp_size == 1):  # tensor parallel ranks would need the copies too
+            self.held.setdefault(parent.id, []).append(req)  # admitted when the parent's prefill is done
+        else:
+            self.waiting.append(req)
 
     def abort(self, req_id: str, reason: str = FinishReason.ABORT.value) -> bool:
         req = self.requests.get(req_id)
@@ -89,7 +97,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def stats(self) -> dict:
         """Occupancy right now: what /v1/stats and the per-batch log lines show."""
@@ -245,6 +253,8 @@ class Scheduler:
             prompt_rows, sample_rows = rows
             self._prompt_logprobs(logits, prompt_rows)
             logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        if self.held:
+            sample_reqs, logits = self._adopt_children(sample_reqs, logits)
         if not sample_reqs:
             return []
         raw = logits
@@ -287,6 +297,50 @@ class Scheduler:
             outs.append(StepOutput(req, tok, delta, reason is not None, lps.get(i),
                                    req.prompt_lps if first and req.prompt_lps else None))
         return outs
+
+    def _adopt_children(self, sample_reqs: list[Request], logits: torch.Tensor):
+        """Parents that just finished their prefill hand it to their held children: each child gets its own
+        pages and state slot, copies of the parent's prompt K/V and linear state, and samples its first
+        token from the parent's logits row. A child that finds no room is queued and prefills itself."""
+        extra, rows = [], []
+        for i, parent in enumerate(sample_reqs):
+            kids = self.held.pop(parent.id, None) if not parent.output_ids else None
+            for kid in kids or []:
+                if kid.status == Status.FINISHED:
+                    continue
+                n = len(kid.prompt_ids)
+                if self.state.slots.num_free == 0 or self.kv.pages_for(n + 1) > self.kv.pages.num_free \
+                        or len(self.running) >= self.max_running:
+                    self.waiting.append(kid)
+                    continue
+                self._admit(kid)
+                kid.pages = self.kv.pages.alloc(self.kv.pages_for(n))
+                self._copy_caches(parent, kid, n)
+                kid.num_computed = n
+                extra.append(kid)
+                rows.append(i)
+        if not extra:
+            return sample_reqs, logits
+        idx = torch.tensor(list(range(len(sample_reqs))) + rows, dtype=torch.long, device=logits.device)
+        return sample_reqs + extra, logits[idx]
+
+    def _copy_caches(self, src: Request, dst: Request, n: int) -> None:
+        dev = self.engine.device
+        a = self.kv.flat_index(src.pages, 0, n, dev)
+        b = self.kv.flat_index(dst.pages, 0, n, dev)
+        if self.kv.k is not None:
+            self.kv.k[:, b] = self.kv.k[:, a]
+            self.kv.v[:, b] = self.kv.v[:, a]
+        st = self.state
+        if st.conv is not None:
+            st.conv[:, dst.state_slot] = st.conv[:, src.state_slot]
+            st.rec[:, dst.state_slot] = st.rec[:, src.state_slot]
+
+    def _release_children(self, req: Request) -> None:
+        """A parent that ends before its prefill did: its children prefill themselves."""
+        for kid in self.held.pop(req.id, []):
+            if kid.status != Status.FINISHED:
+                self.waiting.append(kid)
 
     def _process_row(self, req: Request, row: torch.Tensor) -> None:
         p = req.params
@@ -343,6 +397,10 @@ class Scheduler:
         self._release(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.held:
+            self._release_children(req)
+            if req.parent in self.held and req in self.held[req.parent]:
+                self.held[req.parent].remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_at = time.perf_counter()

@@ -128,8 +128,8 @@ class EngineClient:
         self._proc = None
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, rid: str, prompt_ids: list[int], params, keep_markup: bool = True
-                       ) -> AsyncIterator[Delta]:
+    async def generate(self, rid: str, prompt_ids: list[int], params, keep_markup: bool = True,
+                       parent: str | None = None) -> AsyncIterator[Delta]:
         """Deltas until the one with a finish_reason. Leaving early (client gone, error) aborts it."""
         if not self.alive:
             raise EngineError("the engine is not running", 503)
@@ -138,7 +138,7 @@ class EngineClient:
         finished = False
         try:
             self._send({"op": "add", "rid": rid, "prompt_ids": list(prompt_ids),
-                        "params": dataclasses.asdict(params), "keep_markup": keep_markup})
+                        "params": dataclasses.asdict(params), "keep_markup": keep_markup, "parent": parent})
             while True:
                 item = await q.get()
                 if item is _GONE:

@@ -1,7 +1,8 @@
 """The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
 through two one-way pipes carrying small dicts.
 
-    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool}
+    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool,
+                           "parent": rid of an n > 1 sibling whose prefill this one copies, or None}
                           {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
     engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
                           {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str,
@@ -178,7 +179,7 @@ class EngineLoop:
         rid = msg["rid"]
         try:
             params = SamplingParams(**msg["params"])
-            req = Request(rid, list(msg["prompt_ids"]), params)
+            req = Request(rid, list(msg["prompt_ids"]), params, parent=msg.get("parent"))
             if self.tokenizer is not None and msg.get("keep_markup") and params.skip_special_tokens:
                 req.detok = IncrementalDetokenizer(self.markup_view, stop=params.stop, skip_special_tokens=True)
             self.scheduler.add(req)

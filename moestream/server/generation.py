@@ -71,6 +71,7 @@ class GenSpec:
     tool_parser: ToolParser
     reasoning: ReasoningParser
     keep_markup: bool = True
+    parent: str | None = None  # n > 1: the engine id of choice 0, whose prefill this choice copies
 
 
 @dataclass
@@ -271,8 +272,9 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
     tokens = 0
     outcome = "error"  # an EngineError (or a bug) leaves it so
     try:
+        extra = {"parent": spec.parent} if spec.parent else {}
         async with contextlib.aclosing(state.engine.generate(rid, spec.prompt_ids, spec.params,
-                                                             spec.keep_markup)) as deltas:
+                                                             spec.keep_markup, **extra)) as deltas:
             lps: list = []  # logprob entries not yet attached to an event
             plps = None
             async for d in deltas:

@@ -47,7 +47,8 @@ async def chat_completions(state: ServerState, request, body: dict) -> Any:
 
 def fork(spec: GenSpec, n: int) -> list[GenSpec]:
     """n choices of one request: fresh parsers each, and with a seed, choice i samples with seed + i (so
-    n=4 with seed s answers as the four single requests with seeds s..s+3 do)."""
+    n=4 with seed s answers as the four single requests with seeds s..s+3 do). Choices 1..n-1 name choice 0
+    as their parent: the engine copies its prefill instead of computing the prompt n times."""
     if n == 1:
         return [spec]
     out = []
@@ -59,8 +60,18 @@ def fork(spec: GenSpec, n: int) -> list[GenSpec]:
     return out
 
 
+def engine_ids(rid: str, specs: list[GenSpec]) -> list[str]:
+    """Engine request ids of the choices; sets each fork's parent to choice 0."""
+    if len(specs) == 1:
+        return [rid]
+    rids = [f"{rid}-{i}" for i in range(len(specs))]
+    for s in specs[1:]:
+        s.parent = rids[0]
+    return rids
+
+
 async def _collect_all(state: ServerState, specs: list[GenSpec], request, rid: str):
-    rids = [rid] if len(specs) == 1 else [f"{rid}-{i}" for i in range(len(specs))]
+    rids = engine_ids(rid, specs)
     tasks = [asyncio.ensure_future(_collect(state, s, request, r)) for s, r in zip(specs, rids)]
     try:
         return await asyncio.gather(*tasks)
@@ -134,7 +145,7 @@ async def _chat_stream(state: ServerState, specs: list[GenSpec], request, rid: s
     created = int(time.time())
     model = state.model_name
     tokens = [0] * len(specs)
-    rids = [rid] if len(specs) == 1 else [f"{rid}-{i}" for i in range(len(specs))]
+    rids = engine_ids(rid, specs)
     try:
         async for item in _merge([_chat_choice(state, s, request, r, rid, i, created, tokens)
                                   for i, (s, r) in enumerate(zip(specs, rids))]):
@@ -223,7 +234,7 @@ async def _completion_stream(state: ServerState, specs: list[GenSpec], request, 
     created = int(time.time())
     model = state.model_name
     tokens = [0] * len(specs)
-    rids = [rid] if len(specs) == 1 else [f"{rid}-{i}" for i in range(len(specs))]
+    rids = engine_ids(rid, specs)
     try:
         async for item in _merge([_completion_choice(state, s, request, r, rid, i, created, tokens, echo)
                                   for i, (s, r) in enumerate(zip(specs, rids))]):
