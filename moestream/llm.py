@@ -150,6 +150,8 @@ class LLM:
             text = ""
         ttft = (r.first_token_at - r.arrival) if r.first_token_at else None
         return RequestOutput(r.id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, ttft,
+                             list(r.output_lps) if r.params.logprobs is not None else None,
+                             list(r.prompt_lps) if r.params.prompt_logprobs is not None else None,
                              cached_tokens=r.cached_tokens or 0)
 
 

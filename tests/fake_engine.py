@@ -23,7 +23,7 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.fail_with: EngineError | None = None
 
-    async def generate(self, rid, prompt_ids, params, keep_markup=True):
+    async def generate(self, rid, prompt_ids, params, keep_markup=True, parent=None):
         self.prompts.append(list(prompt_ids))
         if self.fail_with is not None:
             raise self.fail_with

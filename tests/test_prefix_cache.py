@@ -273,7 +273,7 @@ def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
             if items:
                 finals.append(items[0])
                 break
-    assert [f[5] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    assert [f[7] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
     stats = loop.stats()
     assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
     m = Metrics("x")

@@ -73,13 +73,16 @@ def test_error_bodies():
 # chat completions requests
 
 CHAT_ERRORS = [
-    ({"n": 2}, "n", "only n=1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
-    ({"logit_bias": {"42": 5}}, "logit_bias", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.type", "not supported"),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"n": 17}, "n", "less than or equal to 16"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"logit_bias": {"x": 5}}, "logit_bias", "must be token ids"),
+    ({"logit_bias": {"42": 500}}, "logit_bias", "[-100, 100]"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
+    ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
@@ -128,8 +131,10 @@ def test_chat_request_accepts_full_openai_shape_and_ignores_extras():
     assert req.include_usage
     kw = req.sampling_kwargs()
     assert kw == {"max_tokens": 20, "temperature": 0.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 7,
-                  "stop": ["END"], "stop_token_ids": [151645], "ignore_eos": True, "skip_special_tokens": True}
-    sp = SamplingParams(**kw)
+                  "stop": ["END"], "stop_token_ids": [151645], "ignore_eos": True, "skip_special_tokens": True,
+                  "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None,
+                  "min_tokens": None, "logprobs": None}
+    sp = SamplingParams(**{k: v for k, v in kw.items() if v is not None})
     assert sp.greedy and sp.max_tokens == 20
     assert req.template_kwargs() == {"enable_thinking": False}
     msgs = req.template_messages()
@@ -180,8 +185,8 @@ def test_completion_request_prompts():
     ({"prompt": ["a", "b"]}, "only one prompt"),
     ({"prompt": []}, "must not be empty"),
     ({"prompt": [1, -2]}, ">= 0"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "n": 3}, "only n=1"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "n": 30}, "less than or equal to 16"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({}, "prompt: Field required"),

@@ -185,7 +185,7 @@ def test_errors_have_bodies_and_next_request_works(demo_tokenizer):
          "model_not_found"),
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}).encode(), 400,
          "context_length_exceeded"),
-        (json.dumps({**good, "n": 2}).encode(), 400, None),
+        (json.dumps({**good, "n": 99}).encode(), 400, None),
     ]
     for body, status, code in cases:
         r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
@@ -249,3 +249,40 @@ def test_web_page_and_stats_stream(demo_tokenizer):
                 event = json.loads(line[6:])
                 break
     assert event.keys() == http.get("/v1/stats", headers={"Authorization": "Bearer sekret"}).json().keys()
+
+
+def test_without_the_grammar_engine_structured_requests_get_an_error_and_the_rest_works(demo_tokenizer,
+                                                                                          monkeypatch):
+    from moestream.tokenizer import grammar
+
+    def missing():
+        raise grammar.GrammarUnavailable("structured outputs need the llguidance package (simulated)")
+
+    monkeypatch.setattr(grammar, "_llg", missing)
+    engine, http, oai, _ = make(demo_tokenizer, "ok")
+    for extra in ({"response_format": {"type": "json_object"}}, {"guided_regex": "a+"}):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    **extra})
+        assert r.status_code == 501 and "llguidance" in r.json()["error"]["message"], r.text
+    # a forced tool call is then generated unconstrained, and plain requests are untouched
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                    tool_choice="required")
+    assert r.choices[0].message.content == "ok"
+    assert oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).choices[0] \
+        .message.content == "ok"
+
+
+def test_n_and_logprobs_shapes_with_a_scripted_engine(demo_tokenizer):
+    engine, http, oai, _ = make(demo_tokenizer, "ok")
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == "ok" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * len(demo_tokenizer.encode("ok"))
+    seen = {}
+    for chunk in oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                             stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            seen[ch.index] = seen.get(ch.index, "") + (ch.delta.content or "")
+    assert seen == {0: "ok", 1: "ok"}
+    r = oai.completions.create(model=MODEL, prompt="hi there", echo=True, max_tokens=4)
+    assert r.choices[0].text == "hi thereok"

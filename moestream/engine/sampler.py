@@ -55,3 +55,56 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
     return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+# ---- logits processing: penalties, logit_bias, min_tokens, grammar masks -----------------------
+def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                    stop_ids: set[int] | frozenset = frozenset()) -> torch.Tensor:
+    """One row [V] of fp32 logits -> the row after min_tokens, logit_bias and the penalties, in vLLM's
+    order. `stop_ids`: the ids that end the request (EOS and stop_token_ids), masked below min_tokens."""
+    V = row.shape[-1]
+    if p.min_tokens and len(output_ids) < p.min_tokens:
+        ids = [t for t in stop_ids if 0 <= t < V]
+        if ids:
+            row[ids] = float("-inf")
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < V]
+        if ids:
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
+        seen = seen[seen < V]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+        out = torch.tensor(output_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out[out < V], minlength=V).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def apply_bitmask(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits outside `allowed` (a bool [V'] mask, V' may differ from V) -> -inf."""
+    V = row.shape[-1]
+    if allowed.shape[0] == V:
+        return row.masked_fill_(~allowed.to(row.device, non_blocking=True), float("-inf"))
+    n = min(V, allowed.shape[0])
+    keep = torch.zeros(V, dtype=torch.bool, device=row.device)
+    keep[:n] = allowed[:n].to(row.device)
+    return row.masked_fill_(~keep, float("-inf"))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[tuple]:
+    """Rows [B, V] of raw logits, the chosen token of each row and how many alternatives to report ->
+    per row (token logprob, [(id, logprob) of the `top` most likely]). log_softmax in fp32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops, default=0)
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    out = []
+    for i, top in enumerate(tops):
+        alts = list(zip(ids[i][:top], vals[i][:top])) if top else []
+        out.append((chosen[i], alts))
+    return out

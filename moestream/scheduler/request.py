@@ -39,6 +39,14 @@ class Request:
     cached_tokens: int | None = None
     pending_load: int = -1
     roll_node: object = None
+    matcher: object = None  # grammar.Matcher of a constrained request
+    thinking: bool = False  # inside <think>...</think> (the grammar waits, the thinking budget counts)
+    thinking_tokens: int = 0
+    forced: list[int] = field(default_factory=list)  # tokens emitted next instead of sampled ones
+    # prompt_lps[k]: (logprob, top alternatives) of prompt token k (k >= 1; None for token 0)
+    prompt_lps: list = field(default_factory=list)
+    output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
+    parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
 
     @property
     def all_ids(self) -> list[int]:
@@ -62,3 +70,5 @@ class StepOutput:
     new_token: int | None
     text_delta: str
     finished: bool
+    logprobs: tuple | None = None  # (logprob of new_token, [(id, logprob)...]) when the request asked
+    prompt_logprobs: list | None = None  # the prompt's, with the first generated token

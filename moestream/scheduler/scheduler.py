@@ -22,7 +22,7 @@ import torch
 
 from ..core import FinishReason, RequestError
 from ..engine.batch import ForwardBatch, SeqMeta
-from ..engine.sampler import make_generator, sample
+from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample
 from ..kvcache.prefix import PrefixCache
 from .request import Request, Status, StepOutput
 
@@ -54,6 +54,15 @@ class Scheduler:
         self._pending_snaps: list[tuple[Request, int, int, bool]] = []  # (req, tokens, slot, rolling)
         self.prefix_totals = {"requests": 0, "hits": 0, "prompt_tokens": 0, "cached_tokens": 0,
                               "saved_prefill_tokens": 0}
+        # n > 1: children waiting for their parent's prefill, which they copy (KV positions + linear state)
+        self.held: dict[str, list[Request]] = {}
+        self._rows = None  # (prompt logprob rows, sampling rows) of the step being built, when they differ
+        self.grammars = None  # tokenizer.grammar.Grammars, built at the first constrained request
+        tok = tokenizer
+        self.think_start = tok.token_to_id("<think>") if tok is not None else None
+        self.think_end = tok.token_to_id("</think>") if tok is not None else None
+        # what a spent thinking budget forces: the end of the block, as the chat templates write it
+        self.think_close = tok.encode("\n</think>\n\n") if tok is not None and self.think_end is not None else []
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -70,13 +79,32 @@ class Scheduler:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         req.generator = make_generator(req.params, self.engine.device)
+        if req.params.grammar and req.matcher is None:
+            if self.grammars is None:
+                from ..tokenizer.grammar import Grammars
+
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self.grammars = Grammars(self.tokenizer, vocab, sorted(self.eos))
+            req.matcher = self.grammars.matcher(req.params.grammar)
+        req.thinking = req.params.reasoning_open
+        if req.matcher is not None and not req.thinking:
+            req.matcher.prefetch()  # the first mask is built while the prompt is prefilled
+        if req.params.prompt_logprobs is not None and not req.prompt_lps:
+            req.prompt_lps = [None]
         if self.tokenizer is not None and req.detok is None:
             from ..tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, stop=req.params.stop,
                                                skip_special_tokens=req.params.skip_special_tokens)
         self.requests[req.id] = req
-        self.waiting.append(req)
+        parent = self.requests.get(req.parent) if req.parent else None
+        if (parent is not None and parent.status != Status.FINISHED and parent.prompt_ids == req.prompt_ids
+                and not parent.output_ids and req.params.prompt_logprobs is None
+                and self.engine.ecfg.tp_size == 1):  # tensor parallel ranks would need the copies too
+            self.held.setdefault(parent.id, []).append(req)  # admitted when the parent's prefill is done
+        else:
+            self.waiting.append(req)
 
     def abort(self, req_id: str, reason: str = FinishReason.ABORT.value) -> bool:
         req = self.requests.get(req_id)
@@ -86,7 +114,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def stats(self) -> dict:
         """Occupancy right now: what /v1/stats and the per-batch log lines show."""
@@ -263,6 +291,9 @@ class Scheduler:
     def _build_batch(self, plan: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
         dev = self.engine.device
         ids, pos, seqs, logit_rows, sample_reqs = [], [], [], [], []
+        # prompt_logprobs: (request, prompt token index, logits row) of the extra rows this step computes
+        prompt_rows: list[tuple[Request, int, int]] = []
+        sample_rows: list[int] = []
         start = 0
         for req, n in plan:
             c = req.num_computed
@@ -270,10 +301,17 @@ class Scheduler:
             pos += range(c, c + n)
             kv_index = self.kv.flat_index(req.pages, 0, c + n, dev)
             seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index))
+            if req.prompt_lps:  # the row at position j predicts prompt token j + 1
+                for j in range(max(c, len(req.prompt_lps) - 1), min(c + n, len(req.prompt_ids) - 1)):
+                    prompt_rows.append((req, j + 1, len(logit_rows)))
+                    logit_rows.append(start + j - c)
             if c + n == req.num_tokens:  # the chunk reaches the newest token: sample the next one
-                logit_rows.append(start + n - 1)
+                if not logit_rows or logit_rows[-1] != start + n - 1:
+                    logit_rows.append(start + n - 1)
+                sample_rows.append(len(logit_rows) - 1)
                 sample_reqs.append(req)
             start += n
+        self._rows = (prompt_rows, sample_rows) if prompt_rows else None
         write = torch.cat([s.kv_index[s.cached:] for s in seqs])
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -338,29 +376,146 @@ class Scheduler:
                 self._cache_pages(req)
         if self._pending_snaps:
             self._attach_snapshots()
+        rows, self._rows = self._rows, None
+        if rows is not None:  # prompt_logprobs asked for extra rows: split them off
+            prompt_rows, sample_rows = rows
+            self._prompt_logprobs(logits, prompt_rows)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        if self.held:
+            sample_reqs, logits = self._adopt_children(sample_reqs, logits)
         if not sample_reqs:
             return []
+        raw = logits
+        for req in sample_reqs:  # a spent thinking budget closes the block
+            p = req.params
+            if (req.thinking and p.max_thinking_tokens is not None and not req.forced
+                    and req.thinking_tokens >= p.max_thinking_tokens and self.think_end is not None):
+                close = list(self.think_close) or [self.think_end]
+                if req.matcher is not None and self.think_end in close:  # the grammar starts right after it
+                    close = close[:close.index(self.think_end) + 1]
+                req.forced = close
+        # penalties, logit_bias, min_tokens and grammar masks touch only the rows of requests that use them
+        touched = [i for i, r in enumerate(sample_reqs)
+                   if (r.params.needs_processing or (r.matcher is not None and not r.thinking)) and not r.forced]
+        if touched:
+            logits = logits.clone()
+            for i in touched:
+                self._process_row(sample_reqs[i], logits[i])
         tokens = sample(logits, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
+        for i, req in enumerate(sample_reqs):
+            if req.forced:
+                tokens[i] = req.forced.pop(0)
+        lps = self._logprobs(raw, sample_reqs, tokens)
         now = time.perf_counter()
         outs = []
-        for req, tok in zip(sample_reqs, tokens):
-            if req.first_token_at is None:
+        for i, (req, tok) in enumerate(zip(sample_reqs, tokens)):
+            first = req.first_token_at is None
+            if first:
                 req.first_token_at = now
             req.output_ids.append(tok)
+            if i in lps:
+                req.output_lps.append(lps[i])
+            self._track(req, tok)
             delta = req.detok.add(tok) if req.detok is not None else ""
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 if req.detok is not None and not req.detok.stopped:
                     delta += req.detok.flush()
                 self._finish(req, reason)
-            outs.append(StepOutput(req, tok, delta, reason is not None))
+            outs.append(StepOutput(req, tok, delta, reason is not None, lps.get(i),
+                                   req.prompt_lps if first and req.prompt_lps else None))
         return outs
+
+    def _adopt_children(self, sample_reqs: list[Request], logits: torch.Tensor):
+        """Parents that just finished their prefill hand it to their held children: each child gets its own
+        pages and state slot, copies of the parent's prompt K/V and linear state, and samples its first
+        token from the parent's logits row. A child that finds no room is queued and prefills itself."""
+        extra, rows = [], []
+        for i, parent in enumerate(sample_reqs):
+            kids = self.held.pop(parent.id, None) if not parent.output_ids else None
+            for kid in kids or []:
+                if kid.status == Status.FINISHED:
+                    continue
+                n = len(kid.prompt_ids)
+                if self.state.slots.num_free == 0 or self.kv.pages_for(n + 1) > self.kv.pages.num_free \
+                        or len(self.running) >= self.max_running:
+                    self.waiting.append(kid)
+                    continue
+                self._admit(kid)
+                kid.pages = self.kv.pages.alloc(self.kv.pages_for(n))
+                self._copy_caches(parent, kid, n)
+                kid.num_computed = n
+                extra.append(kid)
+                rows.append(i)
+        if not extra:
+            return sample_reqs, logits
+        idx = torch.tensor(list(range(len(sample_reqs))) + rows, dtype=torch.long, device=logits.device)
+        return sample_reqs + extra, logits[idx]
+
+    def _copy_caches(self, src: Request, dst: Request, n: int) -> None:
+        dev = self.engine.device
+        a = self.kv.flat_index(src.pages, 0, n, dev)
+        b = self.kv.flat_index(dst.pages, 0, n, dev)
+        if self.kv.k is not None:
+            self.kv.k[:, b] = self.kv.k[:, a]
+            self.kv.v[:, b] = self.kv.v[:, a]
+        st = self.state
+        if st.conv is not None:
+            st.conv[:, dst.state_slot] = st.conv[:, src.state_slot]
+            st.rec[:, dst.state_slot] = st.rec[:, src.state_slot]
+
+    def _release_children(self, req: Request) -> None:
+        """A parent that ends before its prefill did: its children prefill themselves."""
+        for kid in self.held.pop(req.id, []):
+            if kid.status != Status.FINISHED:
+                self.waiting.append(kid)
+
+    def _process_row(self, req: Request, row: torch.Tensor) -> None:
+        p = req.params
+        if p.needs_processing:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops)
+        if req.matcher is not None and not req.thinking and not req.matcher.done:
+            apply_bitmask(row, req.matcher.allowed())
+
+    def _track(self, req: Request, tok: int) -> None:
+        """Reasoning-block bookkeeping and the grammar's state after `tok` was appended."""
+        if req.thinking:
+            if tok == self.think_end:
+                req.thinking = False  # the block ended (by the model, or by the forced close)
+                if req.matcher is not None:
+                    req.matcher.prefetch()
+            else:
+                req.thinking_tokens += 1
+            return
+        if req.matcher is not None and not req.matcher.done:
+            req.matcher.consume(tok)
+        elif tok == self.think_start and self.think_start is not None and req.matcher is None:
+            req.thinking = True
+
+    def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: list[int]) -> dict[int, tuple]:
+        idx = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not idx:
+            return {}
+        rows = raw[torch.tensor(idx, dtype=torch.long, device=raw.device)]
+        got = logprobs_of(rows, [tokens[i] for i in idx], [reqs[i].params.logprobs for i in idx])
+        return dict(zip(idx, got))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Request, int, int]]) -> None:
+        rows = logits[torch.tensor([r for _, _, r in prompt_rows], dtype=torch.long, device=logits.device)]
+        got = logprobs_of(rows, [req.prompt_ids[k] for req, k, _ in prompt_rows],
+                          [req.params.prompt_logprobs for req, _, _ in prompt_rows])
+        for (req, k, _), lp in zip(prompt_rows, got):
+            if k == len(req.prompt_lps):
+                req.prompt_lps.append(lp)
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if req.detok is not None and req.detok.stopped:
             return FinishReason.STOP.value
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP.value
+        if req.matcher is not None and req.matcher.done:  # the grammar is complete
             return FinishReason.STOP.value
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH.value
@@ -370,6 +525,10 @@ class Scheduler:
         self._release(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.held:
+            self._release_children(req)
+            if req.parent in self.held and req in self.held[req.parent]:
+                self.held[req.parent].remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_at = time.perf_counter()

@@ -27,9 +27,17 @@ def _prepare(state: ServerState, body: dict) -> tuple[P.AnthropicMessagesRequest
     req = P.AnthropicMessagesRequest.model_validate(body)
     # max_tokens is required here and clients such as Claude Code send one fixed value for every
     # model: it is cut to the context left instead of refused
+    th = req.thinking
+    budget = th.budget_tokens if th is not None and th.type == "enabled" else None
     spec = chat_spec(state, _prompt(state, req), lambda room: req.to_sampling_params(), req.tools_openai(),
-                     req.tool_choice_openai(), clamp=True)
+                     req.tool_choice_openai(), clamp=True,
+                     max_thinking_tokens=budget if budget is not None and _has_think(state) else None)
     return req, spec
+
+
+def _has_think(state: ServerState) -> bool:
+    # Anthropic clients send thinking budgets to any model; a model without a reasoning block ignores it
+    return state.tokenizer is not None and state.tokenizer.token_to_id("</think>") is not None
 
 
 async def messages(state: ServerState, request, body: dict) -> Any:

@@ -28,6 +28,8 @@ class Delta:
     tokens: int  # generated tokens this delta stands for
     finish_reason: str | None = None
     stop: str | None = None  # the stop string that ended the request, if one did
+    logprobs: list | None = None  # [[token, logprob, [[id, logprob], ...]], ...] when asked for
+    prompt_logprobs: list | None = None  # [None, (logprob, alternatives), ...] with the first delta
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
 
 
@@ -127,8 +129,8 @@ class EngineClient:
         self._proc = None
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, rid: str, prompt_ids: list[int], params, keep_markup: bool = True
-                       ) -> AsyncIterator[Delta]:
+    async def generate(self, rid: str, prompt_ids: list[int], params, keep_markup: bool = True,
+                       parent: str | None = None) -> AsyncIterator[Delta]:
         """Deltas until the one with a finish_reason. Leaving early (client gone, error) aborts it."""
         if not self.alive:
             raise EngineError("the engine is not running", 503)
@@ -137,7 +139,7 @@ class EngineClient:
         finished = False
         try:
             self._send({"op": "add", "rid": rid, "prompt_ids": list(prompt_ids),
-                        "params": dataclasses.asdict(params), "keep_markup": keep_markup})
+                        "params": dataclasses.asdict(params), "keep_markup": keep_markup, "parent": parent})
             while True:
                 item = await q.get()
                 if item is _GONE:
@@ -202,10 +204,10 @@ class EngineClient:
     def _dispatch(self, msg: dict) -> None:
         kind = msg.get("type")
         if kind == "out":
-            for rid, text, tokens, reason, stop, cached in msg["items"]:
+            for rid, text, tokens, reason, stop, lp, plp, cached in msg["items"]:
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(text, tokens, reason, stop, cached))
+                    q.put_nowait(Delta(text, tokens, reason, stop, [lp] if lp is not None else None, plp, cached))
         elif kind == "error":
             q = self._queues.get(msg["rid"])
             if q is not None:

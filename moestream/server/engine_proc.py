@@ -1,10 +1,13 @@
 """The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
 through two one-way pipes carrying small dicts.
 
-    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool}
+    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool,
+                           "parent": rid of an n > 1 sibling whose prefill this one copies, or None}
                           {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
     engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
-                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str, cached_tokens], ...]}
+                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str,
+                                                     [token, logprob, [[id, logprob]...]] | None,
+                                                     prompt logprobs (first item only) | None, cached_tokens], ...]}
                           {"type": "error", "rid", "message", "status"}   {"type": "stats", "sid", "data"}
 
 Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
@@ -176,7 +179,7 @@ class EngineLoop:
         rid = msg["rid"]
         try:
             params = SamplingParams(**msg["params"])
-            req = Request(rid, list(msg["prompt_ids"]), params)
+            req = Request(rid, list(msg["prompt_ids"]), params, parent=msg.get("parent"))
             if self.tokenizer is not None and msg.get("keep_markup") and params.skip_special_tokens:
                 req.detok = IncrementalDetokenizer(self.markup_view, stop=params.stop, skip_special_tokens=True)
             self.scheduler.add(req)
@@ -201,7 +204,9 @@ class EngineLoop:
         for o in outputs:
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
-            items.append([o.request.id, o.text_delta, 1, reason, stop_str, o.request.cached_tokens or 0])
+            lp = [o.new_token, o.logprobs[0], o.logprobs[1]] if o.logprobs is not None else None
+            items.append([o.request.id, o.text_delta, 1, reason, stop_str, lp, o.prompt_logprobs,
+                          o.request.cached_tokens or 0])
             if o.finished:
                 self.totals["finished"] += 1
         self.totals["generated_tokens"] += len(outputs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class GenSpec:
     tool_parser: ToolParser
     reasoning: ReasoningParser
     keep_markup: bool = True
+    parent: str | None = None  # n > 1: the engine id of choice 0, whose prefill this choice copies
 
 
 @dataclass
@@ -80,6 +82,9 @@ class Event:
     finish_reason: str | None = None
     stop: str | None = None
     completion_tokens: int = 0
+    # the logprob entries ([token, logprob, alternatives]) of the tokens up to this event, when asked for
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on "done")
 
 
@@ -143,6 +148,10 @@ def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False
                        "max_tokens.", param="max_tokens", code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
     _check_token_ids(state, params.stop_token_ids, "stop_token_ids")
+    _check_token_ids(state, list(params.logit_bias), "logit_bias")
+    if params.min_tokens > params.max_tokens:
+        raise ApiError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})",
+                       param="min_tokens")
     return params
 
 
@@ -153,14 +162,89 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, tool_choice: Any,
-              skip_special_tokens: bool = True, clamp: bool = False) -> GenSpec:
+              skip_special_tokens: bool = True, clamp: bool = False, grammar: tuple | None = None,
+              max_thinking_tokens: int | None = None) -> GenSpec:
+    """grammar: (kind, value, param) of a structured output; a forced tool_choice constrains the call."""
     ids = encode(state, prompt)
     check_prompt_fits(state, len(ids))
     params = sampling_params(state, len(ids), params_fn, clamp)
     use_tools = bool(tools) and tool_choice != "none"
     tool_parser = state.tool_parser_cls(tools) if use_tools else NoToolParser()
-    reasoning = state.reasoning_parser_cls(starts_in_reasoning=prompt_opens_reasoning(prompt))
+    opens = prompt_opens_reasoning(prompt)
+    reasoning = state.reasoning_parser_cls(starts_in_reasoning=opens)
+    forced = _forced_tools(tools, tool_choice) if use_tools else None
+    if grammar is not None and forced is not None:
+        raise ApiError(400, "a structured output (response_format / guided_*) cannot be combined with a forced "
+                       "tool_choice; send one of them", param=grammar[2])
+    if grammar is not None:
+        params.grammar = compile_structured(*grammar)
+    elif forced is not None:
+        params.grammar = _tool_grammar(state, forced, tool_choice)
+    params.reasoning_open = opens and state.reasoning_parser_cls.name != "none"
+    if max_thinking_tokens is not None:
+        if state.tokenizer is None or state.tokenizer.token_to_id("</think>") is None:
+            raise ApiError(400, "max_thinking_tokens needs a reasoning model (this tokenizer has no </think>)",
+                           param="max_thinking_tokens")
+        params.max_thinking_tokens = max_thinking_tokens
     return GenSpec(ids, params, tool_parser, reasoning, keep_markup=skip_special_tokens)
+
+
+def compile_structured(kind: str, value: Any, param: str | None = None) -> str:
+    """A request's structured output -> the llguidance grammar the engine applies; 400 when invalid,
+    501 when the grammar engine is not installed."""
+    from ..tokenizer.grammar import GrammarUnavailable, compile_grammar
+
+    try:
+        return compile_grammar(kind, value)
+    except GrammarUnavailable as e:
+        raise ApiError(501, str(e), type="server_error", param=param) from None
+    except MoestreamError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+def _forced_tools(tools: list | None, tool_choice: Any) -> list[dict] | None:
+    """The tools a forced tool_choice allows ([{"name", "parameters"}]), None when the choice is free."""
+    if not tools:
+        return None
+    fns = [t.get("function", t) for t in tools]
+    name = None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+    elif hasattr(tool_choice, "function"):
+        name = tool_choice.function.name
+    elif tool_choice != "required":
+        return None
+    return [{"name": f["name"], "parameters": f.get("parameters")} for f in fns if name is None or f["name"] == name]
+
+
+_warned_tool_grammar = False
+
+
+def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> str | None:
+    """The grammar of the tool-call format the parser reads (hermes JSON or qwen3_coder XML; other formats
+    stay unconstrained); None when the grammar engine is unavailable."""
+    global _warned_tool_grammar
+    from ..tokenizer.grammar import GrammarUnavailable, tool_call_grammar, xml_tool_call_grammar
+
+    build = {"hermes": tool_call_grammar, "qwen3_coder": xml_tool_call_grammar}.get(
+        getattr(state.tool_parser_cls, "name", ""))
+    if build is None:
+        return None
+    tok = state.tokenizer
+    special = {}
+    for tag in ("<tool_call>", "</tool_call>"):
+        tid = tok.token_to_id(tag) if tok is not None else None
+        if tid is not None and tid in tok.special_added_token_ids:
+            special[tag] = tid
+    try:
+        return build(tools, special, multiple=tool_choice == "required")
+    except GrammarUnavailable as e:
+        if not _warned_tool_grammar:
+            logging.getLogger("moestream.server").warning("forced tool calls are not constrained: %s", e)
+            _warned_tool_grammar = True
+        return None
+    except MoestreamError as e:
+        raise ApiError(400, f"the tool schemas cannot be enforced: {e}", param="tools") from None
 
 
 def encode(state: ServerState, text: str) -> list[int]:
@@ -170,10 +254,12 @@ def encode(state: ServerState, text: str) -> list[int]:
         raise ApiError(400, f"the prompt could not be tokenized: {e}") from None
 
 
-def plain_spec(state: ServerState, ids: list[int], params_fn) -> GenSpec:
+def plain_spec(state: ServerState, ids: list[int], params_fn, grammar: tuple | None = None) -> GenSpec:
     check_prompt_fits(state, len(ids))
     _check_token_ids(state, ids, "prompt")
     params = sampling_params(state, len(ids), params_fn)
+    if grammar is not None:
+        params.grammar = compile_structured(*grammar)
     return GenSpec(ids, params, NoToolParser(), NoReasoningParser(), keep_markup=False)
 
 
@@ -187,19 +273,31 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
     tokens = 0
     outcome = "error"  # an EngineError (or a bug) leaves it so
     try:
+        extra = {"parent": spec.parent} if spec.parent else {}
         async with contextlib.aclosing(state.engine.generate(rid, spec.prompt_ids, spec.params,
-                                                             spec.keep_markup)) as deltas:
+                                                             spec.keep_markup, **extra)) as deltas:
+            lps: list = []  # logprob entries not yet attached to an event
+            plps = None
             async for d in deltas:
                 tokens += d.tokens
                 if first is None and d.tokens:
                     first = time.perf_counter()
+                if d.logprobs:
+                    lps += d.logprobs
+                if d.prompt_logprobs:
+                    plps = d.prompt_logprobs
                 for ev in _feed(spec, d.text):
+                    if lps and ev.kind != "reasoning":
+                        ev.logprobs, lps = lps, []
                     yield ev
                 if d.finish_reason is not None:
                     for ev in _finish(spec):
+                        if lps and ev.kind != "reasoning":
+                            ev.logprobs, lps = lps, []
                         yield ev
                     outcome = "aborted" if d.finish_reason == "abort" else d.finish_reason  # engine totals' word
                     yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens,
+                                logprobs=lps or None, prompt_logprobs=plps,
                                 cached_tokens=getattr(d, "cached_tokens", 0))
                     return
         outcome = "aborted"
@@ -249,6 +347,8 @@ class Collected:
     finish_reason: str
     stop: str | None
     completion_tokens: int
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     cached_tokens: int = 0
 
 
@@ -257,8 +357,10 @@ async def collect(events: AsyncIterator[Event], saw_reasoning=None) -> Collected
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[ToolCall] = []
+    lps: list = []
     done = Event("done", finish_reason="abort")
     async for ev in events:
+        lps += ev.logprobs or []
         if ev.kind == "reasoning":
             reasoning.append(ev.text)
         elif ev.kind == "content":
@@ -269,4 +371,5 @@ async def collect(events: AsyncIterator[Event], saw_reasoning=None) -> Collected
             done = ev
     has_reasoning = bool(reasoning) or bool(saw_reasoning and saw_reasoning())
     return Collected("".join(reasoning) if has_reasoning else None, "".join(content), calls,
-                     done.finish_reason or "abort", done.stop, done.completion_tokens, done.cached_tokens)
+                     done.finish_reason or "abort", done.stop, done.completion_tokens, lps, done.prompt_logprobs,
+                     done.cached_tokens)

@@ -55,6 +55,7 @@ __all__ = [
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1000  # per stop string: the detokenizer holds this much text back while matching
 MAX_TOKEN_IDS = 1 << 20  # stop_token_ids / prompt ids beyond any vocabulary or context: refused early
+MAX_N = 16  # choices per request
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,12 +130,22 @@ class _OpenAISampling(_Model):
         default=None, max_length=MAX_STOP_SEQUENCES * 16)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    n: Optional[int] = Field(default=None, ge=1, le=MAX_N)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[Union[bool, int]] = None
+    min_tokens: Optional[int] = Field(default=None, ge=0)
     user: Optional[str] = None
+    # structured outputs in the shapes vLLM (guided_*, structured_outputs) and llama.cpp (grammar,
+    # json_schema) accept; at most one of them, or response_format on chat
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = None
 
     @field_validator("stop")
     @classmethod
@@ -149,33 +160,57 @@ class _OpenAISampling(_Model):
                 raise ValueError("stop sequences must be non-empty strings")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported, got n={v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, v: Optional[float], info: Any) -> Optional[float]:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this server (only 0 is accepted), got {v}")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        if v:
-            raise _unsupported("logit_bias")
+        for k, b in (v or {}).items():
+            if not k.strip().isdigit() or int(k) >= MAX_TOKEN_IDS:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, v: Any) -> Any:
-        if v:
-            raise _unsupported("logprobs")
-        return v
+    def grammar_request(self) -> Optional[tuple[str, Any, str]]:
+        """(kind, value, param) of the structured output asked for, None when none; two at once: 400."""
+        found: list[tuple[str, Any, str]] = []
+        gj = self.guided_json
+        if isinstance(gj, str):
+            try:
+                gj = json.loads(gj)
+            except ValueError:
+                raise RequestError("guided_json must be a JSON schema (an object or its JSON text)") from None
+        for kind, value, param in (("json_schema", gj, "guided_json"), ("regex", self.guided_regex, "guided_regex"),
+                                   ("grammar", self.guided_grammar, "guided_grammar"),
+                                   ("choice", self.guided_choice, "guided_choice"),
+                                   ("grammar", self.grammar, "grammar"),
+                                   ("json_schema", self.json_schema, "json_schema")):
+            if value is not None:
+                found.append((kind, value, param))
+        so = self.structured_outputs or {}
+        names = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+                 "json_object": "json_object"}
+        for key, value in so.items():
+            if key not in names:
+                if value is not None and key not in ("disable_fallback", "disable_any_whitespace",
+                                                     "disable_additional_properties", "whitespace_pattern"):
+                    raise RequestError(f"structured_outputs.{key} is not supported by this server")
+                continue
+            if value is None or (key == "json_object" and not value):
+                continue
+            if key == "json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise RequestError("structured_outputs.json must be a JSON schema") from None
+            found.append((names[key], value, f"structured_outputs.{key}"))
+        found += self._response_format()
+        if len(found) > 1:
+            raise RequestError("only one structured output may be asked for per request, got "
+                               + ", ".join(f for _, _, f in found))
+        return found[0] if found else None
+
+    def _response_format(self) -> list[tuple[str, Any, str]]:
+        return []
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_OpenAISampling":
@@ -205,7 +240,16 @@ class _OpenAISampling(_Model):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "min_tokens": self.min_tokens,
+            "logprobs": self._logprobs(),
         }
+
+    def _logprobs(self) -> Optional[int]:
+        return None
 
     def to_sampling_params(self, default_max_tokens: int, **defaults: Any) -> SamplingParams:
         """``SamplingParams`` from the request, with ``defaults`` (and ``default_max_tokens``) where unset."""
@@ -342,15 +386,22 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
-class ResponseFormat(_Model):
-    type: str = "text"
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
 
-    @field_validator("type")
-    @classmethod
-    def _check_type(cls, v: str) -> str:
-        if v != "text":
-            raise _unsupported(f"response_format type {v!r} (structured output / JSON mode)")
-        return v
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
+        return self
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -361,16 +412,28 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[ResponseFormat] = None
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # reasoning models: tokens allowed inside <think>...</think> before the server closes the block
+    max_thinking_tokens: Optional[int] = Field(default=None, ge=0)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _check_top_logprobs(cls, v: Optional[int]) -> Optional[int]:
-        if v:
-            raise _unsupported("top_logprobs")
-        return v
+    def _logprobs(self) -> Optional[int]:
+        if self.logprobs:
+            return self.top_logprobs or 0
+        if self.top_logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
+        return None
+
+    def _response_format(self) -> list[tuple[str, Any, str]]:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return []
+        if rf.type == "json_object":
+            return [("json_object", None, "response_format")]
+        schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        return [("json_schema", schema, "response_format")]
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
@@ -412,6 +475,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -431,12 +495,8 @@ class CompletionRequest(_OpenAISampling):
                 raise ValueError("prompt token ids must be integers >= 0")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo=true")
-        return v
+    def _logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -449,7 +509,7 @@ class CompletionRequest(_OpenAISampling):
     @classmethod
     def _check_best_of(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and v != 1:
-            raise ValueError(f"only best_of=1 is supported, got best_of={v}")
+            raise ValueError(f"only best_of=1 is supported, got best_of={v} (n > 1 is supported)")
         return v
 
     @property
@@ -805,6 +865,8 @@ def chat_completion_response(
     completion_tokens: int = 0,
     created: Optional[int] = None,
     cached_tokens: int = 0,
+    index: int = 0,
+    logprobs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` object. ``finish_reason`` is the engine's; it becomes "tool_calls" when calls were made."""
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
@@ -819,9 +881,9 @@ def chat_completion_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "message": message,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": openai_finish_reason(finish_reason, bool(tool_calls)),
             }
         ],
@@ -842,6 +904,8 @@ def chat_completion_chunk(
     finish_reason: Optional[str] = None,
     usage: Optional[dict[str, int]] = None,
     include_choice: bool = True,
+    index: int = 0,
+    logprobs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A ``chat.completion.chunk``. ``finish_reason`` is OpenAI's (use :func:`openai_finish_reason`).
     ``tool_calls`` are complete calls, numbered from ``tool_call_start_index``. With
@@ -863,7 +927,7 @@ def chat_completion_chunk(
             delta["reasoning_content"] = reasoning_content
         if tool_calls:
             delta["tool_calls"] = _tool_calls_list(tool_calls, streaming=True, start_index=tool_call_start_index)
-        chunk["choices"].append({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+        chunk["choices"].append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
     if usage is not None:
         chunk["usage"] = usage
     return chunk
@@ -879,6 +943,8 @@ def completion_response(
     completion_tokens: int = 0,
     created: Optional[int] = None,
     cached_tokens: int = 0,
+    index: int = 0,
+    logprobs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -886,7 +952,7 @@ def completion_response(
         "created": created if created is not None else _now(),
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
         ],
         "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
     }
@@ -901,13 +967,15 @@ def completion_chunk(
     finish_reason: Optional[str] = None,
     usage: Optional[dict[str, int]] = None,
     include_choice: bool = True,
+    index: int = 0,
+    logprobs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A streamed ``text_completion`` object; ``finish_reason`` is OpenAI's."""
     chunk: dict[str, Any] = {
         "id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
     }
     if include_choice:
-        chunk["choices"].append({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        chunk["choices"].append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
     if usage is not None:
         chunk["usage"] = usage
     return chunk
@@ -1112,3 +1180,64 @@ class AnthropicStreamEncoder:
     def error(self, message: str, type: str = "api_error") -> str:
         """An ``error`` event for failures after the stream began."""
         return sse_event("error", anthropic_error_body(message, type))
+
+
+# --------------------------------------------------------------------------------------------
+# Logprobs
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character that stands for each byte, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_text(tokenizer, tid: int) -> tuple[str, list[int]]:
+    """(text, UTF-8 bytes) of one token. A byte-level token may hold part of a character: its text then
+    shows U+FFFD while `bytes` keeps the real bytes, as OpenAI's logprobs do."""
+    if tokenizer is None:
+        return str(tid), list(str(tid).encode())
+    text = tokenizer.decode([tid], skip_special_tokens=False)
+    if "\ufffd" in text:
+        piece = tokenizer.id_to_token(tid) if hasattr(tokenizer, "id_to_token") else None
+        if piece and all(c in _BYTE_DECODER for c in piece):
+            return text, [_BYTE_DECODER[c] for c in piece]
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokenizer, entries: list) -> dict[str, Any]:
+    """Engine entries ``[token, logprob, [[id, logprob], ...]]`` -> a chat choice's ``logprobs``."""
+    content = []
+    for tid, lp, alts in entries:
+        text, raw = _token_text(tokenizer, tid)
+        tops = []
+        for aid, alp in alts:
+            at, ab = _token_text(tokenizer, aid)
+            tops.append({"token": at, "logprob": alp, "bytes": ab})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries: list, offset: int = 0) -> dict[str, Any]:
+    """Engine entries (``[token, logprob, alternatives]``; logprob None for a prompt's first token) ->
+    a completion choice's ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, alts in entries:
+        text, _ = _token_text(tokenizer, tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if lp is None else {_token_text(tokenizer, a)[0]: v for a, v in alts})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -313,6 +313,18 @@ def test_serve_without_arguments_serves_the_default_model_which_knows_paris():
         r = client.chat.completions.create(model=model, messages=msgs("What is the capital of France?"),
                                            max_tokens=24, temperature=0)
         assert "Paris" in r.choices[0].message.content
+        if importlib.util.find_spec("llguidance") is not None:
+            # issue 21: the official client's structured-output helper on the default model
+            from pydantic import BaseModel
+
+            class Capital(BaseModel):
+                country: str
+                capital: str
+
+            p = client.chat.completions.parse(model=model, response_format=Capital, max_tokens=60, temperature=0,
+                                              messages=msgs("What is the capital of France? Answer in JSON."))
+            parsed = p.choices[0].message.parsed
+            assert isinstance(parsed, Capital) and "Paris" in parsed.capital, p.choices[0].message.content
     finally:
         assert stop_server(proc) == 0
         log.close()

@@ -1,0 +1,246 @@
+"""Constrained decoding through llguidance: grammars compiled in the front end, matchers in the engine.
+
+Why llguidance (and not xgrammar or outlines-core): its wheel is one abi3 binary with no Python
+dependencies (xgrammar 0.2.9 pulls transformers, triton and apache-tvm-ffi into every install), it
+computes a token mask in tens of microseconds with no per-schema precompilation over the vocabulary
+(schemas differ per request in agent traffic), it takes JSON Schema, regex, Lark and llama.cpp's GBNF,
+and it is maintained by the guidance-ai team and used by vLLM, SGLang and llama.cpp.
+
+- `compile_grammar(kind, value)` (front end): a request's JSON schema / regex / grammar -> the
+  llguidance grammar string that travels to the engine in `SamplingParams.grammar`; raises
+  `RequestError` (HTTP 400) on an invalid one, `GrammarUnavailable` when llguidance is not installed.
+- `Grammars(tokenizer, vocab_size, eos_ids)` (engine): builds the llguidance tokenizer once and a
+  `Matcher` per constrained request. A matcher computes its next mask in a worker thread right after
+  it consumed a token, so the mask of step t+1 is built while step t+1's forward pass runs (llguidance
+  releases the GIL); the scheduler only waits when the forward pass was faster.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from moestream.core import MoestreamError, RequestError
+
+# JSON as models write it: no free whitespace (a weak model would fill it with newlines), ", " and ": ".
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarUnavailable(MoestreamError):
+    """The grammar engine (llguidance) cannot be imported on this machine."""
+
+
+def _llg():
+    try:
+        import llguidance
+    except Exception as e:  # ImportError, or a wheel built for another platform
+        raise GrammarUnavailable(
+            f"structured outputs need the llguidance package, which could not be imported here ({e}); "
+            "install it with `pip install llguidance`") from None
+    return llguidance
+
+
+def available() -> bool:
+    try:
+        _llg()
+        return True
+    except GrammarUnavailable:
+        return False
+
+
+def _check(grammar: str, what: str) -> str:
+    llg = _llg()
+    err = llg.LLMatcher.validate_grammar(grammar)
+    if err:
+        raise RequestError(f"invalid {what}: {err.strip()}")
+    return grammar
+
+
+def compile_grammar(kind: str, value: Any) -> str:
+    """kind: "json_schema" (a dict), "json_object", "regex", "grammar" (Lark or GBNF text),
+    "choice" (a list of strings) -> a validated llguidance grammar."""
+    llg = _llg()
+    if kind == "json_object":
+        kind, value = "json_schema", {"type": "object"}
+    if kind == "json_schema":
+        if isinstance(value, bool) or value == {}:  # "true" / "{}": any JSON value
+            value = {}
+        if not isinstance(value, dict):
+            raise RequestError(f"a JSON schema must be an object, got {type(value).__name__}")
+        try:
+            g = llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"invalid JSON schema: {e}") from None
+        return _check(g, "JSON schema")
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise RequestError("a regex must be a non-empty string")
+        return _check(llg.LLMatcher.grammar_from_regex(value), "regex")
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise RequestError("a grammar must be a non-empty string (Lark or GBNF)")
+        try:
+            g = llg.grammar_from("grammar", value)
+        except Exception as e:  # the GBNF converter raises on syntax errors
+            raise RequestError(f"invalid grammar: {e}") from None
+        return _check(g, "grammar")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise RequestError("a choice must be a non-empty list of non-empty strings")
+        lark = "start: " + " | ".join(json.dumps(c) for c in value)
+        return _check(llg.LLMatcher.grammar_from_lark(lark), "choice")
+    raise RequestError(f"unknown grammar kind {kind!r}")
+
+
+def tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = None, multiple: bool = False) -> str:
+    """Forced tool calls in the hermes format the tool parser reads:
+    `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` with ARGS valid against NAME's schema.
+    tools: [{"name", "parameters"}] (the allowed ones); special_ids: the tags that are special tokens of
+    the tokenizer (matched as that token, not as text); `multiple`: one or more calls."""
+    special_ids = special_ids or {}
+
+    def lit(tag: str, before: str = "", after: str = "") -> str:
+        if tag in special_ids:
+            return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
+                            + ([json.dumps(after)] if after else []))
+        return json.dumps(before + tag + after)
+
+    branches = []
+    for t in tools:
+        schema = {"type": "object", "properties": {"name": {"const": t["name"]},
+                                                   "arguments": t.get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": dict(_JSON_OPTIONS)}
+        branches.append("%json " + json.dumps(schema, separators=(",", ":")))
+    lark = "\n".join([
+        "start: call" + ("+" if multiple else ""),
+        f"call: {lit('<tool_call>', after=chr(10))} body {lit('</tool_call>', before=chr(10))}",
+        "body: " + " | ".join(f"b{i}" for i in range(len(branches))),
+        *(f"b{i}: {b}" for i, b in enumerate(branches)),
+    ])
+    return _check(_llg().LLMatcher.grammar_from_lark(lark), "tool schema")
+
+
+def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = None,
+                          multiple: bool = False) -> str:
+    """Forced tool calls in the Qwen3-Coder / Qwen3.5 XML format (`<tool_call>\\n<function=NAME>\\n
+    <parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`): the schema's properties in
+    order, required ones always, the others optionally; string values on one line (enums as listed),
+    every other type as compact JSON valid against its schema."""
+    special_ids = special_ids or {}
+
+    def lit(tag: str, before: str = "", after: str = "") -> str:
+        if tag in special_ids:
+            return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
+                            + ([json.dumps(after)] if after else []))
+        return json.dumps(before + tag + after)
+
+    rules, bodies = [], []
+    for i, t in enumerate(tools):
+        schema = t.get("parameters") or {}
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, ps) in enumerate(props.items()):
+            ps = ps if isinstance(ps, dict) else {}
+            if isinstance(ps.get("enum"), list) and all(isinstance(v, str) for v in ps["enum"]) and ps["enum"]:
+                value = " | ".join(json.dumps(v) for v in ps["enum"])
+            elif ps.get("type") == "string":
+                lo, hi = int(ps.get("minLength", 0)), ps.get("maxLength")
+                value = "/[^<\\n]{%d,%s}/" % (lo, "" if hi is None else int(hi))
+            else:
+                value = "%json " + json.dumps({**ps, "x-guidance": dict(_JSON_OPTIONS)}, separators=(",", ":"))
+            rules.append(f"v{i}_{j}: {value}")
+            p = f"{json.dumps('<parameter=' + key + '>' + chr(10))} v{i}_{j} {json.dumps(chr(10) + '</parameter>' + chr(10))}"
+            parts.append(f"({p})" + ("" if key in required else "?"))
+        head = json.dumps("<function=" + t["name"] + ">" + chr(10))
+        bodies.append(f"f{i}: {head} {' '.join(parts)} {json.dumps('</function>')}".replace("  ", " "))
+    lark = "\n".join([
+        "start: call" + ("+" if multiple else ""),
+        f"call: {lit('<tool_call>', after=chr(10))} body {lit('</tool_call>', before=chr(10))}",
+        "body: " + " | ".join(f"f{i}" for i in range(len(tools))),
+        *bodies, *rules,
+    ])
+    return _check(_llg().LLMatcher.grammar_from_lark(lark), "tool schema")
+
+
+# ---- engine side ------------------------------------------------------------------------------------
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-grammar")
+        return _POOL
+
+
+class Grammars:
+    """One llguidance tokenizer for the engine's vocabulary (built at the first constrained request)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self._lltok = None
+
+    def _lt(self):
+        if self._lltok is None:
+            llg = _llg()
+            backend = getattr(self.tokenizer, "_backend", None)
+            if backend is None:
+                raise RequestError("structured outputs need the model's tokenizer")
+            self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                          eos_token=self.eos_ids or None)
+        return self._lltok
+
+    def matcher(self, grammar: str) -> "Matcher":
+        llg = _llg()
+        m = llg.LLMatcher(self._lt(), grammar, log_level=0)
+        if m.is_error():
+            raise RequestError(f"the grammar could not be used: {m.get_error()}")
+        return Matcher(m, self.vocab_size)
+
+
+class Matcher:
+    """A request's grammar state: `allowed()` is the mask for the next token (a bool tensor [V]),
+    `consume(token)` advances and starts computing the next mask in the background."""
+
+    def __init__(self, m, vocab_size: int):
+        self._m = m
+        self.vocab_size = vocab_size
+        self._next: Future | None = None
+        self._stopped = m.is_stopped()  # read only here and in consume: a mask may be computing meanwhile
+
+    def prefetch(self) -> None:
+        if self._next is None:
+            self._next = _pool().submit(self._compute)
+
+    def _compute(self):
+        import numpy as np
+        import torch
+
+        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:self.vocab_size].astype(np.bool_))
+
+    def allowed(self):
+        self.prefetch()
+        fut, self._next = self._next, None
+        return fut.result()
+
+    def consume(self, token: int) -> bool:
+        """False when the token broke the grammar (only a forced token can)."""
+        if self._next is not None:  # a mask still computing reads the state we are about to change
+            self._next.result()
+            self._next = None
+        ok = self._m.consume_token(int(token))
+        self._stopped = self._m.is_stopped()
+        if ok and not self._stopped:
+            self.prefetch()
+        return ok
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more."""
+        return self._stopped
