@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import threading
 
+import numpy as np
 import torch
 
 from ..env import cache_dir, cpu_flags, cpu_kernels_enabled
@@ -77,6 +78,9 @@ def _build():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ms_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.ms_qmatmul.restype = ctypes.c_int
+    lib.ms_moe_layer.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                                 ctypes.c_int, ctypes.c_int]
+    lib.ms_moe_layer.restype = ctypes.c_int
     lib.ms_has_avx2.restype = ctypes.c_int
     return lib
 
@@ -114,6 +118,53 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     out = torch.empty(n, raw2d.shape[0], dtype=torch.float32)
     _STATE["mod"].ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
                              out.data_ptr(), raw2d.shape[0], torch.get_num_threads(), 0)
+    return out
+
+
+ACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LAYER_ERRORS = {-1: "a weight type or shape the kernels lack", -2: "bad groups or dtypes", -3: "a pair row out of range"}
+
+
+def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], starts: np.ndarray, rows: np.ndarray,
+              weights: np.ndarray | None, dst: np.ndarray, out: torch.Tensor, inter: int,
+              h_dtype: torch.dtype = torch.float32, round_mm: bool = False, force_scalar: bool = False) -> torch.Tensor:
+    """One MoE layer call's (token, expert) pairs in one C call (``ms_moe_layer`` in qmatmul.cpp).
+
+    x [nx, H] float32/bf16/f16 (contiguous); G experts with pairs grouped by expert: group g is pairs
+    ``starts[g]:starts[g+1]``; pair p reads x row ``rows[p]`` and writes ``out[dst[p]]`` (out: float32 [n, H],
+    rows contiguous). ``wptr`` int64 [G, 3]: addresses of expert g's gate [I, H], up [I, H], down [H, I]
+    bytes (ggml ``types``, each matrix's rows contiguous). Per pair: ``out = w * down(round(silu(gate x) *
+    up x))`` with float32 matmul outputs, h rounded to ``h_dtype`` (the pair kernels' semantics; round_mm:
+    every matmul output rounded too, PairMlp's dense semantics); ``weights`` float32 [P] or None (1).
+    The caller keeps the weight bytes alive and sized; the rest is checked here or in C."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    if x.dim() != 2 or x.dtype not in ACT_DTYPES or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"x must be a contiguous CPU [n, H] float32/bf16/f16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if h_dtype not in ACT_DTYPES:
+        raise ValueError(f"h_dtype must be float32, bfloat16 or float16, got {h_dtype}")
+    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != x.shape[1] or out.stride(1) != 1:
+        raise ValueError(f"out must be a float32 [n, {x.shape[1]}] tensor with contiguous rows")
+    G = len(starts) - 1
+    P = int(starts[-1]) if G >= 0 else 0
+    wptr = np.ascontiguousarray(wptr, dtype=np.int64)
+    starts, rows, dst = (np.ascontiguousarray(a, dtype=np.int64) for a in (starts, rows, dst))
+    if G < 0 or wptr.shape != (G, 3) or rows.shape != (P,) or dst.shape != (P,) or int(starts[0]) != 0:
+        raise ValueError(f"moe_layer: {G} groups need wptr [G, 3], starts [G + 1] from 0, rows and dst [{P}]")
+    if weights is not None:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if weights.shape != (P,):
+            raise ValueError(f"moe_layer: weights must be [{P}]")
+    tids = np.array([TYPES[t] for t in types], dtype=np.int64)
+    rc = mod.ms_moe_layer(x.data_ptr(), ACT_DTYPES[x.dtype], x.shape[0], x.shape[1], inter, G, wptr.ctypes.data,
+                          tids.ctypes.data, starts.ctypes.data, rows.ctypes.data,
+                          weights.ctypes.data if weights is not None else None, dst.ctypes.data, out.data_ptr(),
+                          out.shape[0], out.stride(0), ACT_DTYPES[h_dtype], int(round_mm), torch.get_num_threads(),
+                          int(force_scalar))
+    if rc:
+        raise ValueError(f"CPU MoE layer kernel ({'/'.join(types)}, H={x.shape[1]}, I={inter}): "
+                         f"{_LAYER_ERRORS.get(rc, rc)}")
     return out
 
 

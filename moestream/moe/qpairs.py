@@ -80,6 +80,10 @@ def quant_pair_outputs_torch(x, topk_w, src, pool, fmt) -> torch.Tensor:
     if x.shape[1] != H:
         raise ValueError(f"x has {x.shape[1]} features, the experts H={H}")
     if x.device.type == "cpu":
+        from . import cpu_moe
+
+        if cpu_moe.ready(fmt, x):  # the compiled layer call (int8 activations), as the CPU bridge computes
+            return cpu_moe.pair_outputs(x, topk_w, src, pool, fmt)
         pairs = torch.nonzero(src >= 0).flatten()
         if pairs.numel() == 0:
             return torch.zeros(P, H, dtype=torch.float32)

@@ -16,6 +16,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -85,6 +88,19 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     d[b] = db;
     s[b] = db * (float)sum;
   }
+}
+
+// Up to 4 quantized activation rows, by pointer (rows of one QAct, or pairs gathered from one).
+struct XR {
+  const int8_t* q[4];
+  const float* d[4];
+  const float* s[4];
+};
+
+inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
+  XR x{};
+  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.s[r] = a.sr(rows[r]);
+  return x;
 }
 
 QAct quantize(const float* x, int64_t n, int64_t K, int nt) {
@@ -199,21 +215,21 @@ void unpack_scalar(int64_t type, const uint8_t* w, int64_t K, F&& f) {
 }
 
 template <int NR>
-void dot_scalar(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
+void dot_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
   double acc[NR] = {};
-  unpack_scalar(type, w, x.K, [&](int64_t j, const Sub& u) {
+  unpack_scalar(type, w, K, [&](int64_t j, const Sub& u) {
     for (int r = 0; r < NR; ++r) {
-      const int8_t* xq = x.qr(r0 + r) + j * QB;
+      const int8_t* xq = x.q[r] + j * QB;
       int s0 = 0, s1 = 0;
       for (int i = 0; i < 16; ++i) s0 += u.q[i] * xq[i], s1 += u.q[i + 16] * xq[i + 16];
-      acc[r] += (double)x.dr(r0 + r)[j] * (u.a0 * s0 + u.a1 * s1) + (double)u.b * x.sr(r0 + r)[j];
+      acc[r] += (double)x.d[r][j] * (u.a0 * s0 + u.a1 * s1) + (double)u.b * x.s[r][j];
     }
   });
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
 
 template <int NR>
-void dot_float_scalar(bool bf16, const uint8_t* w, const float* x, int64_t K, int64_t xstride, float* out) {
+void dot_float_scalar(bool bf16, const uint8_t* w, const float* const* x, int64_t off, int64_t K, float* out) {
   double acc[NR] = {};
   for (int64_t i = 0; i < K; ++i) {
     float v;
@@ -223,7 +239,7 @@ void dot_float_scalar(bool bf16, const uint8_t* w, const float* x, int64_t K, in
     } else {
       v = half_to_float(w + 2 * i);
     }
-    for (int r = 0; r < NR; ++r) acc[r] += (double)v * x[r * xstride + i];
+    for (int r = 0; r < NR; ++r) acc[r] += (double)v * x[r][off + i];
   }
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
@@ -252,20 +268,19 @@ template <int NR, bool SIGNED>
 struct Acc {
   __m256 v[NR];
   float off[NR];
-  const QAct& x;
-  int64_t r0;
-  Acc(const QAct& x_, int64_t r0_) : x(x_), r0(r0_) {
+  const XR& x;
+  Acc(const XR& x_) : x(x_) {
     for (int r = 0; r < NR; ++r) v[r] = _mm256_setzero_ps(), off[r] = 0.f;
   }
   inline void add(int64_t j, __m256i q, __m256 a, float b) {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i qa = SIGNED ? _mm256_sign_epi8(q, q) : q;
     for (int r = 0; r < NR; ++r) {
-      const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.qr(r0 + r) + j * QB));
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + j * QB));
       const __m256i p = _mm256_maddubs_epi16(qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq);
       const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-      v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.dr(r0 + r)[j])), v[r]);
-      if (!SIGNED) off[r] += b * x.sr(r0 + r)[j];
+      v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.d[r][j])), v[r]);
+      if (!SIGNED) off[r] += b * x.s[r][j];
     }
   }
   void store(float* out) const {
@@ -279,12 +294,11 @@ struct Acc {
 };
 
 template <int NR>
-void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
-  const int64_t K = x.K;
+void dot_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
   const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
   switch (type) {
     case T_Q8_0: {
-      Acc<NR, true> acc(x, r0);
+      Acc<NR, true> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += 34)
         acc.add(j, _mm256_loadu_si256((const __m256i*)(w + 2)), _mm256_set1_ps(half_to_float(w)), 0.f);
       acc.store(out);
@@ -293,7 +307,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q4_0:
     case T_Q4_1: {
       const bool has_min = type == T_Q4_1;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 20 : 18) {
         const float d = half_to_float(w);
         acc.add(j, nibbles(w + (has_min ? 4 : 2)), _mm256_set1_ps(d), has_min ? half_to_float(w + 2) : -8.f * d);
@@ -305,7 +319,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q5_1: {
       const bool has_min = type == T_Q5_1;
       const int ho = has_min ? 4 : 2;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 24 : 22) {
         const float d = half_to_float(w);
         uint32_t qh;
@@ -319,7 +333,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q4_K:
     case T_Q5_K: {
       const bool five = type == T_Q5_K;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t blk = 0; blk < K / 256; ++blk, w += five ? 176 : 144) {
         const float d = half_to_float(w), dmin = half_to_float(w + 2);
         const uint8_t* qs = w + (five ? 48 : 16);
@@ -341,7 +355,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
       return;
     }
     case T_Q6_K: {
-      Acc<NR, true> acc(x, r0);
+      Acc<NR, true> acc(x);
       const __m256i m32 = _mm256_set1_epi8(32);
       for (int64_t blk = 0; blk < K / 256; ++blk, w += 210) {
         const float d = half_to_float(w + 208);
@@ -365,17 +379,17 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
 }
 
 template <int NR>
-void dot_float_avx2(bool bf16, const uint8_t* w, const float* x, int64_t K, float* out) {
+void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t K, float* out) {
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= K; i += 8) {
     const __m128i h = _mm_loadu_si128((const __m128i*)(w + 2 * i));
     const __m256 v = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * K + i), acc[r]);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[r] + i), acc[r]);
   }
   float tail[NR] = {};
-  if (i < K) dot_float_scalar<NR>(bf16, w + 2 * i, x + i, K - i, K, tail);
+  if (i < K) dot_float_scalar<NR>(bf16, w + 2 * i, x, i, K - i, tail);
   for (int r = 0; r < NR; ++r) {
     alignas(32) float t[8];
     _mm256_store_ps(t, acc[r]);
@@ -407,20 +421,195 @@ int64_t block_size(int64_t type) {
   return 32;
 }
 
-// One weight row against x rows [r0, r0 + nr), nr <= 4.
+inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
+
+// One weight row (K values) against NR <= 4 activation rows: xq (block types) or xf (F16/BF16 weights).
 template <int NR>
-inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, const QAct& qx, const float* xf, int64_t r0,
+inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& xq, const float* const* xf,
                      float* out) {
-  const bool is_float = type == T_F16 || type == T_BF16;
 #ifdef MS_AVX2
   if (!scalar) {
-    if (is_float) dot_float_avx2<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, out);
-    else dot_avx2<NR>(type, w, qx, r0, out);
+    if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
+    else dot_avx2<NR>(type, w, K, xq, out);
     return;
   }
 #endif
-  if (is_float) dot_float_scalar<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, qx.K, out);
-  else dot_scalar<NR>(type, w, qx, r0, out);
+  if (is_float_type(type)) dot_float_scalar<NR>(type == T_BF16, w, xf, 0, K, out);
+  else dot_scalar<NR>(type, w, K, xq, out);
+}
+
+// One weight row against n activation rows (rows[] index qa / xf), 4 at a time: out[r] for r < n.
+inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const QAct& qa, const float* xf,
+                     const int64_t* rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < n; r += 4) {
+    const int nr = (int)std::min<int64_t>(4, n - r);
+    XR xq{};
+    const float* fx[4] = {};
+    if (is_float_type(type)) {
+      for (int k = 0; k < nr; ++k) fx[k] = xf + rows[r + k] * K;
+    } else {
+      xq = xrows(qa, rows + r, nr);
+    }
+    switch (nr) {
+      case 4: rows_dot<4>(type, scalar, w, K, xq, fx, out + r); break;
+      case 3: rows_dot<3>(type, scalar, w, K, xq, fx, out + r); break;
+      case 2: rows_dot<2>(type, scalar, w, K, xq, fx, out + r); break;
+      case 1: rows_dot<1>(type, scalar, w, K, xq, fx, out + r); break;
+    }
+  }
+}
+
+
+// ------------------------------------------------------------------ the MoE layer call
+// float32 -> bf16 / f16 -> float32, round to nearest even (what torch's .to(dtype) does for finite values)
+inline float round_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7f800000u) == 0x7f800000u) return f;  // inf / nan as they are
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline float round_f16(float f) {
+#ifdef MS_AVX2
+  return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  if (!std::isfinite(f)) return f;
+  const float a = std::fabs(f);
+  if (a >= 65520.f) return std::copysign(INFINITY, f);  // rounds past the largest half (65504)
+  int e;
+  std::frexp(a, &e);                       // a = m * 2^e, m in [0.5, 1)
+  const int ulp_exp = std::max(e - 11, -24);  // 11 significant bits; subnormals step 2^-24
+  const float ulp = std::ldexp(1.f, ulp_exp);
+  return std::copysign(std::nearbyint(a / ulp) * ulp, f);  // exact: a / ulp and the product are powers-of-2 scalings
+#endif
+}
+
+inline float round_act(float v, int64_t mode) {
+  return mode == 1 ? round_bf16(v) : mode == 2 ? round_f16(v) : v;
+}
+
+inline float act_to_float(const void* x, int64_t dtype, int64_t i) {
+  if (dtype == 0) return ((const float*)x)[i];
+  const uint16_t h = ((const uint16_t*)x)[i];
+  if (dtype == 2) return half_to_float((const uint8_t*)&h);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Static share [b, e) of thread t over items weighted by cost(i) (prefix sums `cum`, cum[0] = 0).
+inline void share(const std::vector<double>& cum, int t, int nt, int64_t& b, int64_t& e) {
+  const double total = cum.back();
+  auto at = [&](int k) {
+    if (k <= 0) return (int64_t)0;
+    if (k >= nt) return (int64_t)cum.size() - 1;
+    return (int64_t)(std::lower_bound(cum.begin(), cum.end(), total * k / nt) - cum.begin());
+  };
+  b = at(t), e = at(t + 1);
+}
+
+int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
+                      const int64_t* wptr, const int64_t* wtype, const int64_t* gstart, const int64_t* prow,
+                      const float* pw, const int64_t* pdst, float* out, int64_t nout, int64_t os, int64_t hmode,
+                      int64_t flags, int nthreads, int scalar) {
+  const int64_t tg = wtype[0], tu = wtype[1], td = wtype[2];
+  for (int p = 0; p < 3; ++p)
+    if (row_bytes(wtype[p], p < 2 ? H : I) <= 0 || (p < 2 ? H : I) % block_size(wtype[p])) return -1;
+  if (xdtype < 0 || xdtype > 2 || hmode < 0 || hmode > 2 || nx < 0 || G < 0) return -2;
+  const int64_t P = G ? gstart[G] : 0;
+  for (int64_t g = 0; g < G; ++g)
+    if (gstart[g + 1] < gstart[g]) return -2;
+  for (int64_t p = 0; p < P; ++p)
+    if (prow[p] < 0 || prow[p] >= nx || pdst[p] < 0 || pdst[p] >= nout) return -3;
+  if (P == 0) return 0;
+  const bool round_mm = flags & 1;  // dense experts (PairMlp): every matmul output rounded to the act dtype
+  const int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
+  // per thread cost of one output row of group g: its weight bytes, plus compute per activation row
+  std::vector<double> cum1(G * I + 1), cum3(G * H + 1);
+  {
+    double c1 = 0, c3 = 0;
+    int64_t k1 = 0, k3 = 0;
+    cum1[0] = cum3[0] = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const double n = (double)(gstart[g + 1] - gstart[g]);
+      const double r1 = n ? (double)(rbg + rbu) * (1.0 + 0.25 * n) : 0.0, r3 = n ? (double)rbd * (1.0 + 0.25 * n) : 0.0;
+      for (int64_t i = 0; i < I; ++i) cum1[++k1] = (c1 += r1);
+      for (int64_t j = 0; j < H; ++j) cum3[++k3] = (c3 += r3);
+    }
+  }
+  const double bytes = cum1.back() + cum3.back();
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
+  const bool q_x = !is_float_type(tg) || !is_float_type(tu), q_h = !is_float_type(td);
+  std::vector<float> xf(nx * H), hbuf(P * I);
+  QAct xq, hq;
+  xq.K = H, xq.nb = H / QB, hq.K = I, hq.nb = I / QB;
+  if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
+  if (q_h) hq.q.resize(P * I), hq.d.resize(P * hq.nb), hq.s.resize(P * hq.nb);
+  std::vector<int64_t> hrow(P);
+  for (int64_t p = 0; p < P; ++p) hrow[p] = p;
+
+#pragma omp parallel num_threads(nt)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int t = 0, T = 1;
+#endif
+    // phase 0: x rows to float32, quantized once for every expert that reads them
+    for (int64_t r = t; r < nx; r += T) {
+      float* xr = xf.data() + r * H;
+      for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
+      if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+    }
+#pragma omp barrier
+    // phase 1: gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
+    {
+      int64_t b, e;
+      share(cum1, t, T, b, e);
+      std::vector<float> go, uo;
+      for (int64_t k = b; k < e; ++k) {
+        const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
+        if (!n) continue;
+        go.resize(n), uo.resize(n);
+        const uint8_t* wg = (const uint8_t*)wptr[3 * g] + i * rbg;
+        const uint8_t* wu = (const uint8_t*)wptr[3 * g + 1] + i * rbu;
+        row_dots(tg, scalar, wg, H, xq, xf.data(), prow + p0, n, go.data());
+        row_dots(tu, scalar, wu, H, xq, xf.data(), prow + p0, n, uo.data());
+        for (int64_t r = 0; r < n; ++r) {
+          float gv = go[r], uv = uo[r];
+          if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
+          hbuf[(p0 + r) * I + i] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
+        }
+      }
+    }
+#pragma omp barrier
+    // phase 2: h rows quantized for the down projection
+    if (q_h)
+      for (int64_t p = t; p < P; p += T)
+        quantize_row(hbuf.data() + p * I, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
+#pragma omp barrier
+    // phase 3: down rows, times the routing weight, into each pair's output row
+    {
+      int64_t b, e;
+      share(cum3, t, T, b, e);
+      std::vector<float> yo;
+      for (int64_t k = b; k < e; ++k) {
+        const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
+        if (!n) continue;
+        yo.resize(n);
+        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, hq, hbuf.data(), hrow.data() + p0, n,
+                 yo.data());
+        for (int64_t r = 0; r < n; ++r) {
+          const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
+          out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
+        }
+      }
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -439,24 +628,33 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   else qx = quantize(xf, n, K, nthreads);
   // at least ~32 KiB of weights per thread so the thread start-up stays small next to the work
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
+  std::vector<int64_t> rows(n);
+  for (int64_t r = 0; r < n; ++r) rows[r] = r;
   par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
-    float o[4];
+    std::vector<float> o(n);
     for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* wr = wp + i * ws;
-      int64_t r = 0;
-      for (; r + 4 <= n; r += 4) {
-        rows_dot<4>(type, force_scalar, wr, qx, xf, r, o);
-        for (int k = 0; k < 4; ++k) op[(r + k) * os + i] = o[k];
-      }
-      switch (n - r) {
-        case 3: rows_dot<3>(type, force_scalar, wr, qx, xf, r, o); break;
-        case 2: rows_dot<2>(type, force_scalar, wr, qx, xf, r, o); break;
-        case 1: rows_dot<1>(type, force_scalar, wr, qx, xf, r, o); break;
-      }
-      for (int64_t k = 0; r + k < n; ++k) op[(r + k) * os + i] = o[k];
+      row_dots(type, force_scalar, wp + i * ws, K, qx, xf, rows.data(), n, o.data());
+      for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
     }
   });
   return 0;
+}
+
+// A MoE layer's (token, expert) pairs in one call. x: nx activation rows [nx, H] (xdtype 0 float32, 1 bf16,
+// 2 f16); G experts, pairs grouped by expert: group g is pairs [gstart[g], gstart[g+1]), pair p reads x row
+// prow[p] and writes out row pdst[p] (`os` floats apart). wptr[3g + 0/1/2]: addresses of expert g's gate
+// [I, H], up [I, H] and down [H, I] matrices (rows contiguous), of ggml types wtype[0/1/2]. Per pair:
+//   g = W_gate x, u = W_up x (float32; flags & 1: rounded to hmode's dtype), h = silu(g) * u rounded to
+//   hmode's dtype (0 float32, 1 bf16, 2 f16), y = W_down h (flags & 1: rounded), out = y * pw[p] (pw may be 0).
+// x rows are quantized once for all experts, h once per pair. Threads: one parallel region; the gate/up rows
+// of all experts, then the down rows, are split over the threads by bytes (+ a share per activation row).
+// Returns 0, -1 for a type/shape the kernels lack, -2 for bad groups or dtypes, -3 for a row out of range.
+int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G, const int64_t* wptr,
+                 const int64_t* wtype, const int64_t* gstart, const int64_t* prow, const float* pw,
+                 const int64_t* pdst, float* out, int64_t nout, int64_t os, int64_t hmode, int64_t flags,
+                 int nthreads, int force_scalar) {
+  return ms_moe_layer_impl(x, xdtype, nx, H, I, G, wptr, wtype, gstart, prow, pw, pdst, out, nout, os, hmode, flags,
+                           nthreads, force_scalar);
 }
 
 int ms_has_avx2() {
