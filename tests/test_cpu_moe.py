@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moestream.kernels import cpu_quant
 from moestream.quant import gguf_format
-from test_cpu_kernels import _quantized_x, _weights
+from test_cpu_kernels import _quantized_x, _weights, act_block
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant kernels could not be built here")
 
@@ -44,7 +44,7 @@ def _dequant(types, banks, e):
 
 
 def _round_x(t, v):
-    return v.double() if t in ("F16", "BF16") else _quantized_x(v)[0]
+    return v.double() if t in ("F16", "BF16") else _quantized_x(v, act_block(t))[0]
 
 
 @pytest.mark.parametrize("force_scalar", [False, True])

@@ -49,30 +49,65 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "mod": the built module or None once tried
 
 
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# (name, /proc/cpuinfo flags needed, compiler flags), best first; the build takes the first this CPU has and
+# falls back to the next one if the compiler refuses it (an old compiler without -mavx512vnni)
+_ISAS = [
+    ("avx512vnni", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+     _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    ("avx2", {"avx2", "fma", "f16c"}, _AVX2),
+    ("generic", set(), []),
+]
+
+
+def _isa_candidates() -> list[tuple[str, list[str]]]:
+    """The builds this CPU can run, best first (explicit flags, never -march=native: see the module doc)."""
+    flags = cpu_flags()
+    return [(name, cflags) for name, need, cflags in _ISAS if need <= flags]
+
+
 def _isa_flags() -> tuple[str, list[str]]:
-    if {"avx2", "fma", "f16c"} <= cpu_flags():
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    return _isa_candidates()[0]
 
 
 def _build():
     """Compile the C-ABI library with the system C++ compiler into moestream's cache, once per (source,
-    flags): no torch headers and no build tool beyond the compiler (a few seconds)."""
-    isa, flags = _isa_flags()
+    flags): no torch headers and no build tool beyond the compiler (a few seconds). The best instruction
+    set this CPU has first; if the compiler refuses its flags, the next one."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    args = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *flags]
+    cands = _isa_candidates()
+    for i, (isa, flags) in enumerate(cands):
+        try:
+            return _build_isa(cxx, isa, flags)
+        except RuntimeError as e:
+            if i == len(cands) - 1:
+                raise
+            log.warning("moestream: CPU kernels: %s build failed (%s); trying %s", isa, e, cands[i + 1][0])
+
+
+_ARGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp"]
+
+
+def build_library(cxx: str, flags: list[str], out: str) -> None:
+    """Compile qmatmul.cpp with `flags` into `out` (raises RuntimeError with the compiler's first error)."""
+    args = [*_ARGS, *flags]
+    r = subprocess.run([cxx, *args, _SRC, "-o", out], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
+        raise RuntimeError(f"{cxx} failed: {first}")
+
+
+def _build_isa(cxx: str, isa: str, flags: list[str]):
+    args = [*_ARGS, *flags]
     with open(_SRC, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(args).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"qmatmul_{isa}_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
-        r = subprocess.run([cxx, *args, _SRC, "-o", str(tmp)], capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
-            raise RuntimeError(f"{cxx} failed: {first}")
+        build_library(cxx, flags, str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent build or reader sees a whole library
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -82,6 +117,7 @@ def _build():
                                  ctypes.c_int, ctypes.c_int]
     lib.ms_moe_layer.restype = ctypes.c_int
     lib.ms_has_avx2.restype = ctypes.c_int
+    lib.ms_isa.restype = ctypes.c_int
     return lib
 
 
@@ -171,6 +207,12 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
 def has_avx2() -> bool:
     mod = module()
     return bool(mod is not None and mod.ms_has_avx2())
+
+
+def isa() -> str | None:
+    """The instruction set the loaded library was built for ("avx512vnni", "avx2", "generic"), or None."""
+    mod = module()
+    return None if mod is None else ("generic", "avx2", "avx512vnni")[mod.ms_isa()]
 
 
 def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None,

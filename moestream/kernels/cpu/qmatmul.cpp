@@ -23,6 +23,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MS_AVX2 1
+// AVX512-VNNI (built only where the CPU has it, see cpu_quant._ISAS): the int8 dot products of the 32-value
+// blocks become one vpdpbusd instead of vpmaddubsw + vpmaddwd; the integer sums are the same.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MS_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -90,16 +95,60 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   }
 }
 
-// Up to 4 quantized activation rows, by pointer (rows of one QAct, or pairs gathered from one).
+// K-quant activations (llama.cpp's "Q8_K" idea): int8 with ONE float scale per 256 values and the sums of
+// every 16 int8 values, so a K-quant block's dot product is integer sums across its sub-blocks, multiplied
+// by the sub-block scales as integers, and one float multiply-add per 256 values per row.
+constexpr int KB = 256;
+struct QActK {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bs;
+  int64_t K = 0, nb = 0;
+  void resize(int64_t n, int64_t K_) {
+    K = K_, nb = K_ / KB;
+    q.resize(n * K), d.resize(n * nb), bs.resize(n * (K / 16));
+  }
+  const int8_t* qr(int64_t r) const { return q.data() + r * K; }
+  const float* dr(int64_t r) const { return d.data() + r * nb; }
+  const int16_t* br(int64_t r) const { return bs.data() + r * (K / 16); }
+};
+
+void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < K / KB; ++b) {
+    const float* xb = x + b * KB;
+    float amax = 0.f;
+    for (int i = 0; i < KB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    for (int g = 0; g < KB / 16; ++g) {
+      int sum = 0;
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        const int v = (int)std::nearbyint(xb[i] * id);
+        q[b * KB + i] = (int8_t)v;
+        sum += v;
+      }
+      bs[b * (KB / 16) + g] = (int16_t)sum;
+    }
+    d[b] = db;
+  }
+}
+
+// Up to 4 quantized activation rows, by pointer (rows of one QAct / QActK, or pairs gathered from them).
 struct XR {
   const int8_t* q[4];
   const float* d[4];
   const float* s[4];
+  const int16_t* bs[4];  // QActK rows only
 };
 
 inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
   XR x{};
   for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.s[r] = a.sr(rows[r]);
+  return x;
+}
+
+inline XR xrows(const QActK& a, const int64_t* rows, int nr) {
+  XR x{};
+  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.bs[r] = a.br(rows[r]);
   return x;
 }
 
@@ -228,6 +277,71 @@ void dot_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* o
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
 
+// The 8 6-bit scales and mins of a Q4_K/Q5_K block (12 bytes at s) as bytes.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 8; ++j) {
+    int a, b;
+    k_scale_min(s, j, a, b);
+    sc[j] = (uint8_t)a, mn[j] = (uint8_t)b;
+  }
+}
+
+// K-quant weights against QActK rows: per 256-block integer sums, one float product per block and row.
+template <int NR>
+void dot_k_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  double acc[NR] = {};
+  const int64_t tb = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+  for (int64_t blk = 0; blk < K / KB; ++blk, w += tb) {
+    if (type == T_Q6_K) {
+      const float d = half_to_float(w + 208);
+      const int8_t* sc = (const int8_t*)(w + 192);
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* xq = x.q[r] + blk * KB;
+        int isum = 0;
+        for (int s8 = 0; s8 < 8; ++s8) {  // sub-blocks of 32 as dot_avx2 lays them out
+          const int h = s8 / 4, k = s8 % 4;
+          const uint8_t* ql = w + 64 * h + 32 * (k % 2);
+          const uint8_t* qh = w + 128 + 32 * h;
+          for (int half = 0; half < 2; ++half) {
+            int sum = 0;
+            for (int i = 16 * half; i < 16 * half + 16; ++i) {
+              const int q = (((k / 2) ? ql[i] >> 4 : ql[i] & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4)) - 32;
+              sum += q * xq[32 * s8 + i];
+            }
+            isum += sc[2 * s8 + half] * sum;
+          }
+        }
+        acc[r] += (double)d * x.d[r][blk] * isum;
+      }
+    } else {
+      const bool five = type == T_Q5_K;
+      const float d = half_to_float(w), dmin = half_to_float(w + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      const uint8_t* qh = w + 16;
+      const uint8_t* qs = w + (five ? 48 : 16);
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* xq = x.q[r] + blk * KB;
+        const int16_t* bs = x.bs[r] + blk * (KB / 16);
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t* c = qs + 32 * (j / 2);
+          int sum = 0;
+          for (int i = 0; i < 32; ++i) {
+            int q = (j & 1) ? c[i] >> 4 : c[i] & 0x0F;
+            if (five) q |= ((qh[i] >> j) & 1) << 4;
+            sum += q * xq[32 * j + i];
+          }
+          isum += sc[j] * sum;
+          msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        }
+        acc[r] += (double)x.d[r][blk] * ((double)d * isum - (double)dmin * msum);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
 template <int NR>
 void dot_float_scalar(bool bf16, const uint8_t* w, const float* const* x, int64_t off, int64_t K, float* out) {
   double acc[NR] = {};
@@ -277,8 +391,14 @@ struct Acc {
     const __m256i qa = SIGNED ? _mm256_sign_epi8(q, q) : q;
     for (int r = 0; r < NR; ++r) {
       const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + j * QB));
+#ifdef MS_VNNI
+      (void)ones;
+      const __m256 s = _mm256_cvtepi32_ps(
+          _mm256_dpbusd_epi32(_mm256_setzero_si256(), qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq));
+#else
       const __m256i p = _mm256_maddubs_epi16(qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq);
       const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+#endif
       v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.d[r][j])), v[r]);
       if (!SIGNED) off[r] += b * x.s[r][j];
     }
@@ -378,6 +498,83 @@ void dot_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out
   }
 }
 
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int NR>
+void dot_k_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  if (type == T_Q6_K) {
+    for (int64_t blk = 0; blk < K / KB; ++blk, w += 210) {
+      const float d = half_to_float(w + 208);
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
+      __m256i isum[NR];
+      for (int r = 0; r < NR; ++r)  // the -32 offset of every value: 32 * sum_s sc_s * bsum_s, subtracted
+        isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.bs[r] + blk * 16)), sc16), 5));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * h));
+        for (int k = 0; k < 4; ++k) {
+          const int s8 = 4 * h + k;
+          const __m256i l = _mm256_loadu_si256((const __m256i*)(w + 64 * h + 32 * (k % 2)));
+          __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
+          q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
+          const int8_t* sc = (const int8_t*)(w + 192);
+          const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s8 + 1]), _mm_set1_epi16(sc[2 * s8]));
+          for (int r = 0; r < NR; ++r) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + blk * KB + 32 * s8));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scv));
+          }
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * x.d[r][blk]), acc[r]);
+    }
+  } else {
+    const bool five = type == T_Q5_K;
+    for (int64_t blk = 0; blk < K / KB; ++blk, w += five ? 176 : 144) {
+      const float d = half_to_float(w), dmin = half_to_float(w + 2);
+      alignas(16) uint8_t sc[16], mn[16];
+      k_scales(w + 4, sc, mn);
+      // each min twice: it multiplies the two 16-value sums of its sub-block
+      const __m128i mv = _mm_loadl_epi64((const __m128i*)mn);
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));
+      const uint8_t* qs = w + (five ? 48 : 16);
+      const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
+      __m256i isum[NR];
+      for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        if (five) {
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m01), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), m01), 4));
+        }
+        const __m256i sl = _mm256_set1_epi16(sc[2 * c]), sh = _mm256_set1_epi16(sc[2 * c + 1]);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xq = x.q[r] + blk * KB + 64 * c;
+          const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xq));
+          const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const float dx = x.d[r][blk];
+        const __m256i ms = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.bs[r] + blk * 16)), mins16);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+}
+
 template <int NR>
 void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t K, float* out) {
   __m256 acc[NR];
@@ -422,6 +619,7 @@ int64_t block_size(int64_t type) {
 }
 
 inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
+inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
 
 // One weight row (K values) against NR <= 4 activation rows: xq (block types) or xf (F16/BF16 weights).
 template <int NR>
@@ -430,23 +628,27 @@ inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
+    else if (is_k_type(type)) dot_k_avx2<NR>(type, w, K, xq, out);
     else dot_avx2<NR>(type, w, K, xq, out);
     return;
   }
 #endif
   if (is_float_type(type)) dot_float_scalar<NR>(type == T_BF16, w, xf, 0, K, out);
+  else if (is_k_type(type)) dot_k_scalar<NR>(type, w, K, xq, out);
   else dot_scalar<NR>(type, w, K, xq, out);
 }
 
-// One weight row against n activation rows (rows[] index qa / xf), 4 at a time: out[r] for r < n.
-inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const QAct& qa, const float* xf,
-                     const int64_t* rows, int64_t n, float* out) {
+// One weight row against n activation rows (rows[] index qa / qk / xf by type), 4 at a time: out[r], r < n.
+inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const QAct& qa, const QActK& qk,
+                     const float* xf, const int64_t* rows, int64_t n, float* out) {
   for (int64_t r = 0; r < n; r += 4) {
     const int nr = (int)std::min<int64_t>(4, n - r);
     XR xq{};
     const float* fx[4] = {};
     if (is_float_type(type)) {
       for (int k = 0; k < nr; ++k) fx[k] = xf + rows[r + k] * K;
+    } else if (is_k_type(type)) {
+      xq = xrows(qk, rows + r, nr);
     } else {
       xq = xrows(qa, rows + r, nr);
     }
@@ -542,12 +744,17 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   }
   const double bytes = cum1.back() + cum3.back();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
-  const bool q_x = !is_float_type(tg) || !is_float_type(tu), q_h = !is_float_type(td);
+  auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t); };
+  const bool q_x = blocks32(tg) || blocks32(tu), q_h = blocks32(td);
+  const bool k_x = is_k_type(tg) || is_k_type(tu), k_h = is_k_type(td);
   std::vector<float> xf(nx * H), hbuf(P * I);
   QAct xq, hq;
+  QActK xk, hk;
   xq.K = H, xq.nb = H / QB, hq.K = I, hq.nb = I / QB;
   if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
   if (q_h) hq.q.resize(P * I), hq.d.resize(P * hq.nb), hq.s.resize(P * hq.nb);
+  if (k_x) xk.resize(nx, H);
+  if (k_h) hk.resize(P, I);
   std::vector<int64_t> hrow(P);
   for (int64_t p = 0; p < P; ++p) hrow[p] = p;
 
@@ -563,6 +770,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       float* xr = xf.data() + r * H;
       for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
       if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+      if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
     }
 #pragma omp barrier
     // phase 1: gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
@@ -576,8 +784,8 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         go.resize(n), uo.resize(n);
         const uint8_t* wg = (const uint8_t*)wptr[3 * g] + i * rbg;
         const uint8_t* wu = (const uint8_t*)wptr[3 * g + 1] + i * rbu;
-        row_dots(tg, scalar, wg, H, xq, xf.data(), prow + p0, n, go.data());
-        row_dots(tu, scalar, wu, H, xq, xf.data(), prow + p0, n, uo.data());
+        row_dots(tg, scalar, wg, H, xq, xk, xf.data(), prow + p0, n, go.data());
+        row_dots(tu, scalar, wu, H, xq, xk, xf.data(), prow + p0, n, uo.data());
         for (int64_t r = 0; r < n; ++r) {
           float gv = go[r], uv = uo[r];
           if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
@@ -587,9 +795,12 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     }
 #pragma omp barrier
     // phase 2: h rows quantized for the down projection
-    if (q_h)
-      for (int64_t p = t; p < P; p += T)
-        quantize_row(hbuf.data() + p * I, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
+    if (q_h || k_h)
+      for (int64_t p = t; p < P; p += T) {
+        const float* hr = hbuf.data() + p * I;
+        if (q_h) quantize_row(hr, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
+        if (k_h) quantize_row_k(hr, I, hk.q.data() + p * I, hk.d.data() + p * hk.nb, hk.bs.data() + p * (I / 16));
+      }
 #pragma omp barrier
     // phase 3: down rows, times the routing weight, into each pair's output row
     {
@@ -600,7 +811,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
         if (!n) continue;
         yo.resize(n);
-        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, hq, hbuf.data(), hrow.data() + p0, n,
+        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, hq, hk, hbuf.data(), hrow.data() + p0, n,
                  yo.data());
         for (int64_t r = 0; r < n; ++r) {
           const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
@@ -624,8 +835,15 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   if (row_bytes(type, K) <= 0 || K % block_size(type)) return -1;
   const bool is_float = type == T_F16 || type == T_BF16;
   QAct qx;
+  QActK qk;
   if (is_float) qx.K = K;
-  else qx = quantize(xf, n, K, nthreads);
+  else if (is_k_type(type)) {
+    qk.resize(n, K);
+    par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_k(xf + r * K, K, qk.q.data() + r * K, qk.d.data() + r * qk.nb, qk.bs.data() + r * (K / 16));
+    });
+  } else qx = quantize(xf, n, K, nthreads);
   // at least ~32 KiB of weights per thread so the thread start-up stays small next to the work
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
   std::vector<int64_t> rows(n);
@@ -633,7 +851,7 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
     std::vector<float> o(n);
     for (int64_t i = i0; i < i1; ++i) {
-      row_dots(type, force_scalar, wp + i * ws, K, qx, xf, rows.data(), n, o.data());
+      row_dots(type, force_scalar, wp + i * ws, K, qx, qk, xf, rows.data(), n, o.data());
       for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
     }
   });
@@ -655,6 +873,17 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
                  int nthreads, int force_scalar) {
   return ms_moe_layer_impl(x, xdtype, nx, H, I, G, wptr, wtype, gstart, prow, pw, pdst, out, nout, os, hmode, flags,
                            nthreads, force_scalar);
+}
+
+// The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
+int ms_isa() {
+#if defined(MS_VNNI)
+  return 2;
+#elif defined(MS_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 int ms_has_avx2() {
