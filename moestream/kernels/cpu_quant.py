@@ -3,17 +3,23 @@
 Source: ``kernels/cpu/qmatmul.cpp``, compiled at first use by the system C++ compiler into moestream's
 cache (``env.cache_dir()/kernels``, one file per source and flags) and reused from there; never at
 install. It is a plain C-ABI library (no torch headers, so the first build takes seconds) called
-through ctypes. On a CPU with AVX2+FMA+F16C it is built with those instruction sets
-(explicit flags, not ``-march=native``: the cache key is the source and the flags, so a cache shared
-between machines must not hold code for a newer CPU), else as portable C++ (the scalar kernels).
+through ctypes. Instruction sets (``_ISAS``), chosen by /proc/cpuinfo's flags, best first: AVX512-VNNI
+(the 32-value block dot products as one vpdpbusd; AVX2 code otherwise), AVX2+FMA+F16C, portable C++ (the
+scalar kernels); explicit flags, not ``-march=native``: the cache key is the source and the flags, so a
+cache shared between machines must not hold code for a newer CPU. A compiler that refuses a variant's
+flags falls back to the next.
 
 Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
-scale (amax / 127), and the products are summed in integers. The weight side is exact (the same values
-as ``moestream.quant``'s decoders); the activation rounding adds a relative error of at most 1/254 of
-each block's largest |x| per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|`` over the
-block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
+scale (amax / 127) — per 256 values for the K-quants (llama.cpp's Q8_K idea: integer sums across a
+super-block's 8 sub-blocks, times their scales as integers) — and the products are summed in integers.
+The weight side is exact (the same values as ``moestream.quant``'s decoders); the activation rounding adds
+an error of at most half a block's scale per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|``
+over the block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
 multiply float32 activations (no rounding beyond float32 sums).
+
+``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
+weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
 
 Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the compiler's OpenMP runtime), so
 ``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or

@@ -4,7 +4,10 @@
 // once per call to int8 in blocks of 32 (one float scale per block, plus that scale times the sum of
 // the block's int8 values), then every weight sub-block of 32 is unpacked to small integers q with
 // value = a * q + b, and the dot product is a * dx * sum(q * xq) + b * dx * sum(xq): integer products
-// (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16), one float multiply-add per 32 values per row.
+// (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16; AVX512-VNNI: _mm256_dpbusd_epi32), one float
+// multiply-add per 32 values per row. K-quants (Q4_K, Q5_K, Q6_K) take activations with one scale per 256
+// values (QActK): integer sums over the whole super-block, one float multiply-add per 256 values per row.
+// ms_moe_layer: a MoE layer's pairs in one call (gate/up, SiLU, down, routing weight), one OpenMP region.
 // F16 / BF16 weights multiply float32 activations directly (no activation quantization).
 //
 // Every kernel has a scalar twin (portable C++); `force_scalar` selects it at run time, so the tests
