@@ -209,3 +209,64 @@ def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint,
     calls.clear()
     tokens(LLM(path, moe_backend="cpu", **COMMON))
     assert not calls
+
+
+# ---- the CPU bridge's worker (cpu / hybrid decode on a GPU), here on a CPU device -------------------------
+class _Store:
+    def __init__(self, fmt, banks):
+        self.fmt, self.banks, self.moe_layers, self.hidden = fmt, banks, [0], 64
+
+    def bank(self, layer):
+        return self.banks
+
+
+def _bridge_step(store, x, ids, w, cpu, dtype):
+    from moestream.moe.bridge import CpuBridge
+
+    bridge = CpuBridge(store, torch.device("cpu"), max_pairs=ids.numel(), dtype=dtype)
+    try:
+        bridge.begin_step()
+        bridge.post(0, x, ids, w, cpu)
+        y = torch.full((ids.numel(), x.shape[1]), 7.0)
+        bridge.collect(0, y, cpu)
+        bridge.end_step()
+    finally:
+        bridge.close()
+    return y
+
+
+def test_bridge_worker_takes_the_layer_call(monkeypatch):
+    """GGUF experts: the worker's rows are bit for bit the pair path's CPU dispatch (same kernel, same pairs),
+    the GPU's rows untouched; dense bf16 banks: PairMlp's bf16 roundings, within bf16 of the torch GEMMs."""
+    from moestream.moe import qpairs
+    from moestream.moe.formats import dense_format, gguf_expert_format
+    from moestream.moe.pairs import _pair_outputs_torch
+
+    calls = []
+    real = cpu_quant.moe_layer
+    monkeypatch.setattr(cpu_quant, "moe_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, i, e, k, T = 64, 32, 6, 3, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    cpu = torch.tensor([1, 0, 1, 1, 1, 0], dtype=torch.bool)
+
+    fmt = gguf_expert_format({"gate": "Q4_1", "up": "Q4_1", "down": "Q8_0"}, h, i)
+    banks = {p: _weights(t, e * n, kk, seed=j).reshape(e, -1)
+             for j, (p, t, (n, kk)) in enumerate(zip(("gate", "up", "down"), ("Q4_1", "Q4_1", "Q8_0"),
+                                                     ((i, h), (i, h), (h, i))))}
+    y = _bridge_step(_Store(fmt, banks), x, ids, w, cpu, torch.float32)
+    assert calls
+    want = qpairs.quant_pair_outputs(x, w, torch.where(cpu, ids.reshape(-1), -1), banks, fmt)
+    assert torch.equal(y[cpu], want[cpu]) and torch.all(y[~cpu] == 7.0)
+
+    calls.clear()
+    xb = x.to(torch.bfloat16)
+    dense = {"gate_up": (torch.randn(e, 2 * i, h, generator=g) * 0.2).to(torch.bfloat16),
+             "down": (torch.randn(e, h, i, generator=g) * 0.2).to(torch.bfloat16)}
+    y = _bridge_step(_Store(dense_format(torch.bfloat16), dense), xb, ids, w, cpu, torch.bfloat16)
+    assert calls
+    want = _pair_outputs_torch(xb, w, ids.reshape(-1), dense)
+    torch.testing.assert_close(y[cpu], want[cpu], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert torch.all(y[~cpu] == 7.0)

@@ -223,11 +223,13 @@ class CpuExperts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-cpu-experts")
 
     def submit(self, x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
-               refs: dict[int, WeightRef]) -> Future:
-        """x/topk_w on any device; returns a future of {expert: partial on CPU}."""
-        if not refs:
+               refs: dict[int, WeightRef], inline: bool = False) -> Future:
+        """x/topk_w on any device; returns a future of {expert: partial on CPU}. inline: computed on the
+        calling thread (a caller that would wait at once: no hand-off to the worker thread)."""
+        if not refs or inline:
             done: Future = Future()
-            done.set_result({})
+            done.set_result(self._run(x.to("cpu"), topk_w.to("cpu"), groups.to(torch.device("cpu")), refs)
+                            if refs else {})
             return done
         x_h, w_h, g_h = x.to("cpu"), topk_w.to("cpu"), groups.to(torch.device("cpu"))
         return self._pool.submit(self._run, x_h, w_h, g_h, refs)

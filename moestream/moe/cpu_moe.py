@@ -18,6 +18,8 @@ output rounded to the weights' dtype). MOESTREAM_CPU_KERNELS=0 or a failed build
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -26,6 +28,7 @@ from .formats import GGUFExpertFormat
 GGUF_PROJS = ("gate", "up", "down")
 
 
+@lru_cache(maxsize=None)
 def gguf_types(fmt) -> tuple[str, str, str] | None:
     """(gate, up, down) GGUF type names if the compiled kernel reads this layer format, else None."""
     from ..kernels.cpu_quant import supports
@@ -54,16 +57,32 @@ def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
     return ok and cpu_quant.available()
 
 
+@lru_cache(maxsize=None)
+def _gguf_layout(fmt) -> tuple:
+    """(types, I, bytes of gate/up/down) of a GGUF layer format (cached: formats are frozen)."""
+    H, I = fmt.hidden, fmt.inter
+    need = tuple(fmt.quant(p).nbytes(s) for p, s in zip(GGUF_PROJS, ((I, H), (I, H), (H, I))))
+    return gguf_types(fmt), I, need
+
+
+def _row_bytes(a: torch.Tensor) -> int:
+    """Bytes of one row a[i] if its elements are contiguous, else -1."""
+    expected = 1
+    for d in range(a.dim() - 1, 0, -1):
+        if a.shape[d] != 1 and a.stride(d) != expected:
+            return -1
+        expected *= a.shape[d]
+    return expected * a.element_size()
+
+
 def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple[str, str, str], int, bool]:
     """(addresses [G, 3] of gate/up/down of bank rows `experts`, types, I, round_mm) for `run`. Checks that
-    every row index is in the bank and every row holds the layer's bytes."""
+    every row index is in the bank and every row holds the layer's bytes, contiguous."""
     experts = np.asarray(experts, dtype=np.int64)
     if fmt is not None and fmt.quantized:
-        types = gguf_types(fmt)
-        H, I = fmt.hidden, fmt.inter
+        types, I, need = _gguf_layout(fmt)
         arrays = [bank[p] for p in GGUF_PROJS]
-        need = [fmt.quant(p).nbytes(s) for p, s in zip(GGUF_PROJS, ((I, H), (I, H), (H, I)))]
-        offsets = [0, 0, 0]
+        offsets = (0, 0, 0)
         round_mm = False
     else:
         gu, dn = bank["gate_up"], bank["down"]
@@ -71,14 +90,14 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
         I = I2 // 2
         types = (_DENSE[gu.dtype],) * 3
         arrays = [gu, gu, dn]
-        need = [I2 * H * gu.element_size(), I2 * H * gu.element_size(), H * I * dn.element_size()]
-        offsets = [0, I * H * gu.element_size(), 0]
+        need = (I2 * H * gu.element_size(),) * 2 + (H * I * dn.element_size(),)
+        offsets = (0, I * H * gu.element_size(), 0)
         round_mm = True
     if len(experts) and (experts.min() < 0 or experts.max() >= min(a.shape[0] for a in arrays)):
         raise IndexError(f"expert rows {experts.min()}..{experts.max()} outside a bank of {arrays[0].shape[0]}")
     ptrs = np.empty((len(experts), 3), dtype=np.int64)
     for j, (a, nb, off) in enumerate(zip(arrays, need, offsets)):
-        if a.device.type != "cpu" or a[0].numel() * a.element_size() < nb or not a[0].is_contiguous():
+        if a.device.type != "cpu" or _row_bytes(a) < nb:
             raise ValueError(f"expert array {j}: CPU rows of at least {nb} contiguous bytes needed")
         ptrs[:, j] = a.data_ptr() + experts * (a.stride(0) * a.element_size()) + off
     return ptrs, types, I, round_mm
