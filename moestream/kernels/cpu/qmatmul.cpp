@@ -15,6 +15,7 @@
 // torch.get_num_threads(); torch's own libgomp serves them); each weight row is read once for all x rows.
 // Plain C ABI, no torch headers: the first build takes seconds, not the minute torch/extension.h costs.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -280,13 +281,22 @@ void dot_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* o
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
 
-// The 8 6-bit scales and mins of a Q4_K/Q5_K block (12 bytes at s) as bytes.
+// The 8 6-bit scales and mins of a Q4_K/Q5_K block (12 bytes at s) as bytes, k_scale_min's rule done
+// four bytes at a time: sub-blocks 0-3 are the low 6 bits of bytes 0-3 (scales) / 4-7 (mins); sub-blocks
+// 4-7 take their low 4 bits from a nibble of bytes 8-11 and their top 2 bits from bits 6-7 of bytes 0-3 /
+// 4-7 (per-byte shifts within a 32-bit word: the masks drop what crosses a byte boundary).
 inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 8; ++j) {
-    int a, b;
-    k_scale_min(s, j, a, b);
-    sc[j] = (uint8_t)a, mn[j] = (uint8_t)b;
-  }
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, s, 4);
+  std::memcpy(&a1, s + 4, 4);
+  std::memcpy(&a2, s + 8, 4);
+  const uint32_t sc_lo = a0 & 0x3f3f3f3fu, mn_lo = a1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4);
+  std::memcpy(sc, &sc_lo, 4);
+  std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4);
+  std::memcpy(mn + 4, &mn_hi, 4);
 }
 
 // K-quant weights against QActK rows: per 256-block integer sums, one float product per block and row.
@@ -641,29 +651,46 @@ inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
   else dot_scalar<NR>(type, w, K, xq, out);
 }
 
-// One weight row against n activation rows (rows[] index qa / qk / xf by type), 4 at a time: out[r], r < n.
-inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const QAct& qa, const QActK& qk,
-                     const float* xf, const int64_t* rows, int64_t n, float* out) {
-  for (int64_t r = 0; r < n; r += 4) {
-    const int nr = (int)std::min<int64_t>(4, n - r);
-    XR xq{};
-    const float* fx[4] = {};
+// n activation rows (rows[] of qa / qk / xf, whichever `type` reads) as chunks of up to 4 row pointers,
+// built once per call or expert group and shared by every weight row.
+struct XSet {
+  int64_t n = 0;
+  std::vector<XR> q;
+  std::vector<std::array<const float*, 4>> f;
+};
+
+inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActK& qk, const float* xf, int64_t K,
+                      const int64_t* rows, int64_t n) {
+  const int64_t nc = (n + 3) / 4;
+  xs.n = n;
+  xs.q.assign(nc, XR{});
+  xs.f.assign(nc, std::array<const float*, 4>{});
+  for (int64_t c = 0; c < nc; ++c) {
+    const int nr = (int)std::min<int64_t>(4, n - 4 * c);
     if (is_float_type(type)) {
-      for (int k = 0; k < nr; ++k) fx[k] = xf + rows[r + k] * K;
+      for (int k = 0; k < nr; ++k) xs.f[c][k] = xf + rows[4 * c + k] * K;
     } else if (is_k_type(type)) {
-      xq = xrows(qk, rows + r, nr);
+      xs.q[c] = xrows(qk, rows + 4 * c, nr);
     } else {
-      xq = xrows(qa, rows + r, nr);
-    }
-    switch (nr) {
-      case 4: rows_dot<4>(type, scalar, w, K, xq, fx, out + r); break;
-      case 3: rows_dot<3>(type, scalar, w, K, xq, fx, out + r); break;
-      case 2: rows_dot<2>(type, scalar, w, K, xq, fx, out + r); break;
-      case 1: rows_dot<1>(type, scalar, w, K, xq, fx, out + r); break;
+      xs.q[c] = xrows(qa, rows + 4 * c, nr);
     }
   }
 }
 
+// One weight row (K values) against every row of xs: out[r], r < xs.n.
+inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XSet& xs, float* out) {
+  for (size_t c = 0; c < xs.q.size(); ++c) {
+    const XR& xq = xs.q[c];
+    const float* const* fx = xs.f[c].data();
+    float* o = out + 4 * c;
+    switch (std::min<int64_t>(4, xs.n - 4 * (int64_t)c)) {
+      case 4: rows_dot<4>(type, scalar, w, K, xq, fx, o); break;
+      case 3: rows_dot<3>(type, scalar, w, K, xq, fx, o); break;
+      case 2: rows_dot<2>(type, scalar, w, K, xq, fx, o); break;
+      case 1: rows_dot<1>(type, scalar, w, K, xq, fx, o); break;
+    }
+  }
+}
 
 // ------------------------------------------------------------------ the MoE layer call
 // float32 -> bf16 / f16 -> float32, round to nearest even (what torch's .to(dtype) does for finite values)
@@ -781,14 +808,21 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       int64_t b, e;
       share(cum1, t, T, b, e);
       std::vector<float> go, uo;
+      XSet sg, su;
+      int64_t cur = -1;
       for (int64_t k = b; k < e; ++k) {
         const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
         if (!n) continue;
-        go.resize(n), uo.resize(n);
+        if (g != cur) {  // this expert's x rows, once for all its weight rows
+          cur = g;
+          go.resize(n), uo.resize(n);
+          make_xset(sg, tg, xq, xk, xf.data(), H, prow + p0, n);
+          make_xset(su, tu, xq, xk, xf.data(), H, prow + p0, n);
+        }
         const uint8_t* wg = (const uint8_t*)wptr[3 * g] + i * rbg;
         const uint8_t* wu = (const uint8_t*)wptr[3 * g + 1] + i * rbu;
-        row_dots(tg, scalar, wg, H, xq, xk, xf.data(), prow + p0, n, go.data());
-        row_dots(tu, scalar, wu, H, xq, xk, xf.data(), prow + p0, n, uo.data());
+        row_dots(tg, scalar, wg, H, sg, go.data());
+        row_dots(tu, scalar, wu, H, su, uo.data());
         for (int64_t r = 0; r < n; ++r) {
           float gv = go[r], uv = uo[r];
           if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
@@ -810,12 +844,17 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       int64_t b, e;
       share(cum3, t, T, b, e);
       std::vector<float> yo;
+      XSet sd;
+      int64_t cur = -1;
       for (int64_t k = b; k < e; ++k) {
         const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
         if (!n) continue;
-        yo.resize(n);
-        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, hq, hk, hbuf.data(), hrow.data() + p0, n,
-                 yo.data());
+        if (g != cur) {
+          cur = g;
+          yo.resize(n);
+          make_xset(sd, td, hq, hk, hbuf.data(), I, hrow.data() + p0, n);
+        }
+        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, sd, yo.data());
         for (int64_t r = 0; r < n; ++r) {
           const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
           out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
@@ -851,10 +890,12 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
   std::vector<int64_t> rows(n);
   for (int64_t r = 0; r < n; ++r) rows[r] = r;
+  XSet xs;
+  make_xset(xs, type, qx, qk, xf, K, rows.data(), n);
   par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
     std::vector<float> o(n);
     for (int64_t i = i0; i < i1; ++i) {
-      row_dots(type, force_scalar, wp + i * ws, K, qx, qk, xf, rows.data(), n, o.data());
+      row_dots(type, force_scalar, wp + i * ws, K, xs, o.data());
       for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
     }
   });
