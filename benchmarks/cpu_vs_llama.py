@@ -201,7 +201,18 @@ def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -
         for i in range(reps):
             cpu_quant.moe_layer(x, ptrs[i % len(ptrs)], types, starts, rows, w, dst, y, I)
         dt = (time.perf_counter() - t0) / reps
-        out[f"layer {'/'.join(types)} {top_k}x[{I},{H}]"] = {"us": dt * 1e6, "gbs": top_k * per_expert / dt / 1e9}
+        # the same work as 3 qmatmul calls per expert from Python (QuantPairMlp before the layer call)
+        views = [[b[e].view(n, -1) for b, n in zip(banks, (I, I, H))] for e in range(E)]
+        t0 = time.perf_counter()
+        for i in range(reps // 4):
+            for e in picks[i % len(picks)]:
+                g_, u_, d_ = views[e]
+                gv = cpu_quant.qmatmul(x, g_, types[0])
+                h = torch.nn.functional.silu(gv) * cpu_quant.qmatmul(x, u_, types[1])
+                cpu_quant.qmatmul(h, d_, types[2])
+        dt_calls = (time.perf_counter() - t0) / (reps // 4)
+        out[f"layer {'/'.join(types)} {top_k}x[{I},{H}]"] = {
+            "us": dt * 1e6, "gbs": top_k * per_expert / dt / 1e9, "per_matmul_calls_us": dt_calls * 1e6}
     return out
 
 

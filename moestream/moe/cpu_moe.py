@@ -50,6 +50,8 @@ def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
 
     if x.device.type != "cpu" or x.dtype not in cpu_quant.ACT_DTYPES:
         return False
+    if bank is not None and any(a.device.type != "cpu" for a in bank.values()):
+        return False
     if fmt is not None and fmt.quantized:
         ok = gguf_types(fmt) is not None
     else:
