@@ -11,7 +11,8 @@ Models:
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
 [2048, 512]) at 1 row, Q8_0 and Q4_K, cycling over 64 experts (more than the L3 holds), as GB/s of
-weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB).
+weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB); then the per-layer
+call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
 
 Prefill: one prompt of --prompt random ids, time to its first token. Decode: generate --decode tokens
 after an 8-token prompt; tok/s = (tokens - 1) / (time - time to first token). Best of --reps.
@@ -167,6 +168,51 @@ def bench_kernels(threads: int) -> dict:
                 cpu_quant.qmatmul(x, raw[e * n:(e + 1) * n], name)
             dt = (time.perf_counter() - t0) / reps
             out[f"{name} [{n}, {k}]"] = {"us": dt * 1e6, "gbs": n * raw.shape[1] / dt / 1e9}
+    out.update(bench_layer_call(E))
+    return out
+
+
+def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -> dict:
+    """The per-layer call (cpu_quant.moe_layer): top_k experts x 1 token at the Qwen3.6 expert shapes, a
+    different random top_k of E experts each call (banks beyond the L3), GB/s of expert bytes read."""
+    from moestream.kernels import cpu_quant
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    out = {}
+    rng = np.random.default_rng(0)
+    for types in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("BF16",) * 3):
+        banks = []
+        for t, (n, k) in zip(types, ((I, H), (I, H), (H, I))):
+            if t == "BF16":
+                banks.append(torch.randn(E, n * k).to(torch.bfloat16).view(torch.uint8))
+            else:
+                banks.append(random_raw(gguf_format(t), (E, n, k)).reshape(E, -1))
+        per_expert = sum(b.shape[1] for b in banks)
+        x = torch.randn(1, H)
+        y = torch.empty(top_k, H)
+        starts, rows = np.arange(top_k + 1), np.zeros(top_k, dtype=np.int64)
+        w, dst = np.full(top_k, 0.125, dtype=np.float32), np.arange(top_k)
+        picks = [rng.choice(E, top_k, replace=False) for _ in range(64)]
+        ptrs = [np.stack([b.data_ptr() + np.sort(p) * b.stride(0) for b in banks], 1) for p in picks]
+        cpu_quant.moe_layer(x, ptrs[0], types, starts, rows, w, dst, y, I)
+        reps = 4 * len(ptrs)
+        t0 = time.perf_counter()
+        for i in range(reps):
+            cpu_quant.moe_layer(x, ptrs[i % len(ptrs)], types, starts, rows, w, dst, y, I)
+        dt = (time.perf_counter() - t0) / reps
+        # the same work as 3 qmatmul calls per expert from Python (QuantPairMlp before the layer call)
+        views = [[b[e].view(n, -1) for b, n in zip(banks, (I, I, H))] for e in range(E)]
+        t0 = time.perf_counter()
+        for i in range(reps // 4):
+            for e in picks[i % len(picks)]:
+                g_, u_, d_ = views[e]
+                gv = cpu_quant.qmatmul(x, g_, types[0])
+                h = torch.nn.functional.silu(gv) * cpu_quant.qmatmul(x, u_, types[1])
+                cpu_quant.qmatmul(h, d_, types[2])
+        dt_calls = (time.perf_counter() - t0) / (reps // 4)
+        out[f"layer {'/'.join(types)} {top_k}x[{I},{H}]"] = {
+            "us": dt * 1e6, "gbs": top_k * per_expert / dt / 1e9, "per_matmul_calls_us": dt_calls * 1e6}
     return out
 
 

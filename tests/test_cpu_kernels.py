@@ -1,7 +1,7 @@
 """The compiled CPU matmuls on GGUF bytes (moestream/kernels/cpu_quant.py) against float64 references.
 
-Block formats multiply activations rounded to int8 per block of 32 (scale d = amax/127, as llama.cpp
-does), so two references:
+Block formats multiply activations rounded to int8 per block of 32 (K-quants: per 256; scale d = amax/127,
+as llama.cpp does), so two references:
 - exact model: the same rounding done here in float32, then float64 products: the kernel must agree to
   float32 accumulation error (rtol 1e-5 of sum |w x|) — this catches any unpacking or scale bug;
 - true float64 x @ W.T: the error is bounded by the activation rounding, |x - xq| <= d/2 per value, so
@@ -43,9 +43,18 @@ def _weights(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(b.reshape(n, -1))
 
 
-def _quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def act_block(name: str) -> int:
+    """Values per activation scale: 256 for K-quant weights (one scale per super-block, integer sums across
+    its sub-blocks, as llama.cpp's Q8_K), else 32."""
+    return 256 if name in K_TYPES else 32
+
+
+def _quantized_x(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x rounded like the kernel (float32 math, round half to even) and the per-block scales d."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
+    xb = x.float().reshape(x.shape[0], -1, block)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv)
@@ -61,9 +70,10 @@ def _check(name: str, n_x: int, force_scalar: bool, n: int = 40, k: int = 512, s
     if name in FLOAT_TYPES:
         torch.testing.assert_close(y, x.double() @ w.T, rtol=0, atol=1e-5 * scale.max().item())
         return
-    xq, d = _quantized_x(x)
+    block = act_block(name)
+    xq, d = _quantized_x(x, block)
     assert (y - xq @ w.T).abs().le(1e-5 * scale + 1e-6).all(), "kernel differs from its exact model"
-    bound = (d / 2) @ w.abs().reshape(n, -1, 32).sum(-1).T  # [n_x, n]
+    bound = (d / 2) @ w.abs().reshape(n, -1, block).sum(-1).T  # [n_x, n]
     err = (y - x.double() @ w.T).abs()
     assert err.le(bound + 1e-5 * scale + 1e-6).all(), f"activation rounding error above its bound: {(err / bound).max()}"
     assert err.max() > 0  # the rounding is real: this reference is not the exact model above
@@ -84,6 +94,57 @@ def test_avx2_build_on_avx2_cpus():
     from moestream.env import cpu_flags
 
     assert cpu_quant.has_avx2() == ({"avx2", "fma", "f16c"} <= cpu_flags())
+    assert cpu_quant.isa() == cpu_quant._isa_flags()[0]
+
+
+AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "sse4_2"}
+VNNI_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512dq"}
+
+
+def test_isa_selection_by_cpu_flags(monkeypatch):
+    """The build picks the best instruction set the CPU reports: AVX512-VNNI where all its flags are there,
+    else AVX2 (this development machine), else portable C++; each candidate falls back to the next."""
+    def pick(flags):
+        monkeypatch.setattr(cpu_quant, "cpu_flags", lambda: frozenset(flags))
+        return [name for name, _ in cpu_quant._isa_candidates()]
+
+    assert pick(VNNI_FLAGS) == ["avx512vnni", "avx2", "generic"]
+    assert pick(VNNI_FLAGS - {"avx512_vnni"}) == ["avx2", "generic"]  # AVX-512 without VNNI: the AVX2 build
+    assert pick(AVX2_FLAGS) == ["avx2", "generic"]
+    assert pick({"sse2"}) == ["generic"]
+    monkeypatch.setattr(cpu_quant, "cpu_flags", lambda: frozenset(VNNI_FLAGS))
+    assert "-mavx512vnni" in cpu_quant._isa_flags()[1] and "-mavx2" in cpu_quant._isa_flags()[1]
+
+
+def test_refused_isa_falls_back_to_the_next(monkeypatch):
+    monkeypatch.setattr(cpu_quant, "cpu_flags", lambda: frozenset(VNNI_FLAGS))
+    tried = []
+
+    def build(cxx, isa, flags):
+        tried.append(isa)
+        if isa == "avx512vnni":
+            raise RuntimeError("c++: unrecognized command-line option '-mavx512vnni'")
+        return isa
+
+    monkeypatch.setattr(cpu_quant, "_build_isa", build)
+    assert cpu_quant._build() == "avx2" and tried == ["avx512vnni", "avx2"]
+
+
+def test_avx512_vnni_build_compiles(tmp_path):
+    """The AVX512-VNNI variant cannot run on an AVX2-only machine, but it must compile, and use vpdpbusd."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    flags = dict((n, f) for n, _, f in cpu_quant._ISAS)["avx512vnni"]
+    out = tmp_path / "vnni.so"
+    cpu_quant.build_library(cxx, flags, str(out))
+    assert out.stat().st_size > 0
+    if shutil.which("objdump"):
+        dis = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
+        assert "vpdpbusd" in dis
 
 
 def test_threads_split_rows_without_changing_results():

@@ -3,17 +3,23 @@
 Source: ``kernels/cpu/qmatmul.cpp``, compiled at first use by the system C++ compiler into moestream's
 cache (``env.cache_dir()/kernels``, one file per source and flags) and reused from there; never at
 install. It is a plain C-ABI library (no torch headers, so the first build takes seconds) called
-through ctypes. On a CPU with AVX2+FMA+F16C it is built with those instruction sets
-(explicit flags, not ``-march=native``: the cache key is the source and the flags, so a cache shared
-between machines must not hold code for a newer CPU), else as portable C++ (the scalar kernels).
+through ctypes. Instruction sets (``_ISAS``), chosen by /proc/cpuinfo's flags, best first: AVX512-VNNI
+(the 32-value block dot products as one vpdpbusd; AVX2 code otherwise), AVX2+FMA+F16C, portable C++ (the
+scalar kernels); explicit flags, not ``-march=native``: the cache key is the source and the flags, so a
+cache shared between machines must not hold code for a newer CPU. A compiler that refuses a variant's
+flags falls back to the next.
 
 Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
-scale (amax / 127), and the products are summed in integers. The weight side is exact (the same values
-as ``moestream.quant``'s decoders); the activation rounding adds a relative error of at most 1/254 of
-each block's largest |x| per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|`` over the
-block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
+scale (amax / 127) — per 256 values for the K-quants (llama.cpp's Q8_K idea: integer sums across a
+super-block's 8 sub-blocks, times their scales as integers) — and the products are summed in integers.
+The weight side is exact (the same values as ``moestream.quant``'s decoders); the activation rounding adds
+an error of at most half a block's scale per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|``
+over the block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
 multiply float32 activations (no rounding beyond float32 sums).
+
+``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
+weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
 
 Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the compiler's OpenMP runtime), so
 ``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
@@ -30,6 +36,7 @@ import shutil
 import subprocess
 import threading
 
+import numpy as np
 import torch
 
 from ..env import cache_dir, cpu_flags, cpu_kernels_enabled
@@ -48,36 +55,75 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "mod": the built module or None once tried
 
 
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# (name, /proc/cpuinfo flags needed, compiler flags), best first; the build takes the first this CPU has and
+# falls back to the next one if the compiler refuses it (an old compiler without -mavx512vnni)
+_ISAS = [
+    ("avx512vnni", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+     _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    ("avx2", {"avx2", "fma", "f16c"}, _AVX2),
+    ("generic", set(), []),
+]
+
+
+def _isa_candidates() -> list[tuple[str, list[str]]]:
+    """The builds this CPU can run, best first (explicit flags, never -march=native: see the module doc)."""
+    flags = cpu_flags()
+    return [(name, cflags) for name, need, cflags in _ISAS if need <= flags]
+
+
 def _isa_flags() -> tuple[str, list[str]]:
-    if {"avx2", "fma", "f16c"} <= cpu_flags():
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    return _isa_candidates()[0]
 
 
 def _build():
     """Compile the C-ABI library with the system C++ compiler into moestream's cache, once per (source,
-    flags): no torch headers and no build tool beyond the compiler (a few seconds)."""
-    isa, flags = _isa_flags()
+    flags): no torch headers and no build tool beyond the compiler (a few seconds). The best instruction
+    set this CPU has first; if the compiler refuses its flags, the next one."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    args = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *flags]
+    cands = _isa_candidates()
+    for i, (isa, flags) in enumerate(cands):
+        try:
+            return _build_isa(cxx, isa, flags)
+        except RuntimeError as e:
+            if i == len(cands) - 1:
+                raise
+            log.warning("moestream: CPU kernels: %s build failed (%s); trying %s", isa, e, cands[i + 1][0])
+
+
+_ARGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp"]
+
+
+def build_library(cxx: str, flags: list[str], out: str) -> None:
+    """Compile qmatmul.cpp with `flags` into `out` (raises RuntimeError with the compiler's first error)."""
+    args = [*_ARGS, *flags]
+    r = subprocess.run([cxx, *args, _SRC, "-o", out], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
+        raise RuntimeError(f"{cxx} failed: {first}")
+
+
+def _build_isa(cxx: str, isa: str, flags: list[str]):
+    args = [*_ARGS, *flags]
     with open(_SRC, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(args).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"qmatmul_{isa}_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
-        r = subprocess.run([cxx, *args, _SRC, "-o", str(tmp)], capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
-            raise RuntimeError(f"{cxx} failed: {first}")
+        build_library(cxx, flags, str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent build or reader sees a whole library
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ms_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.ms_qmatmul.restype = ctypes.c_int
+    lib.ms_moe_layer.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                                 ctypes.c_int, ctypes.c_int]
+    lib.ms_moe_layer.restype = ctypes.c_int
     lib.ms_has_avx2.restype = ctypes.c_int
+    lib.ms_isa.restype = ctypes.c_int
     return lib
 
 
@@ -117,9 +163,62 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     return out
 
 
+ACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LAYER_ERRORS = {-1: "a weight type or shape the kernels lack", -2: "bad groups or dtypes", -3: "a pair row out of range"}
+
+
+def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], starts: np.ndarray, rows: np.ndarray,
+              weights: np.ndarray | None, dst: np.ndarray, out: torch.Tensor, inter: int,
+              h_dtype: torch.dtype = torch.float32, round_mm: bool = False, force_scalar: bool = False) -> torch.Tensor:
+    """One MoE layer call's (token, expert) pairs in one C call (``ms_moe_layer`` in qmatmul.cpp).
+
+    x [nx, H] float32/bf16/f16 (contiguous); G experts with pairs grouped by expert: group g is pairs
+    ``starts[g]:starts[g+1]``; pair p reads x row ``rows[p]`` and writes ``out[dst[p]]`` (out: float32 [n, H],
+    rows contiguous). ``wptr`` int64 [G, 3]: addresses of expert g's gate [I, H], up [I, H], down [H, I]
+    bytes (ggml ``types``, each matrix's rows contiguous). Per pair: ``out = w * down(round(silu(gate x) *
+    up x))`` with float32 matmul outputs, h rounded to ``h_dtype`` (the pair kernels' semantics; round_mm:
+    every matmul output rounded too, PairMlp's dense semantics); ``weights`` float32 [P] or None (1).
+    The caller keeps the weight bytes alive and sized; the rest is checked here or in C."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    if x.dim() != 2 or x.dtype not in ACT_DTYPES or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"x must be a contiguous CPU [n, H] float32/bf16/f16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if h_dtype not in ACT_DTYPES:
+        raise ValueError(f"h_dtype must be float32, bfloat16 or float16, got {h_dtype}")
+    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != x.shape[1] or out.stride(1) != 1:
+        raise ValueError(f"out must be a float32 [n, {x.shape[1]}] tensor with contiguous rows")
+    G = len(starts) - 1
+    P = int(starts[-1]) if G >= 0 else 0
+    wptr = np.ascontiguousarray(wptr, dtype=np.int64)
+    starts, rows, dst = (np.ascontiguousarray(a, dtype=np.int64) for a in (starts, rows, dst))
+    if G < 0 or wptr.shape != (G, 3) or rows.shape != (P,) or dst.shape != (P,) or int(starts[0]) != 0:
+        raise ValueError(f"moe_layer: {G} groups need wptr [G, 3], starts [G + 1] from 0, rows and dst [{P}]")
+    if weights is not None:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if weights.shape != (P,):
+            raise ValueError(f"moe_layer: weights must be [{P}]")
+    tids = np.array([TYPES[t] for t in types], dtype=np.int64)
+    rc = mod.ms_moe_layer(x.data_ptr(), ACT_DTYPES[x.dtype], x.shape[0], x.shape[1], inter, G, wptr.ctypes.data,
+                          tids.ctypes.data, starts.ctypes.data, rows.ctypes.data,
+                          weights.ctypes.data if weights is not None else None, dst.ctypes.data, out.data_ptr(),
+                          out.shape[0], out.stride(0), ACT_DTYPES[h_dtype], int(round_mm), torch.get_num_threads(),
+                          int(force_scalar))
+    if rc:
+        raise ValueError(f"CPU MoE layer kernel ({'/'.join(types)}, H={x.shape[1]}, I={inter}): "
+                         f"{_LAYER_ERRORS.get(rc, rc)}")
+    return out
+
+
 def has_avx2() -> bool:
     mod = module()
     return bool(mod is not None and mod.ms_has_avx2())
+
+
+def isa() -> str | None:
+    """The instruction set the loaded library was built for ("avx512vnni", "avx2", "generic"), or None."""
+    mod = module()
+    return None if mod is None else ("generic", "avx2", "avx512vnni")[mod.ms_isa()]
 
 
 def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None,

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cpu_moe
 from .pairs import triton
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
@@ -190,9 +191,14 @@ class CpuBridge:
             return
         order = pairs[np.argsort(ids[pairs], kind="stable")]  # the worker's pairs grouped by expert
         experts, starts = np.unique(ids[order], return_index=True)
-        groups = list(zip(experts.tolist(), starts.tolist(), np.append(starts[1:], len(order)).tolist()))
         bank = self.store.bank(layer)
         fmt = self.store.fmt.for_layer(layer)
+        if cpu_moe.ready(fmt, self.hx, bank):  # one compiled call: x rows and outputs stay in the host slots
+            cpu_moe.run(self.hx[i, :T], bank, fmt, experts, np.append(starts, len(order)), order // (P // T),
+                        self.hw[i].numpy()[order], order, self.hy[i])
+            self.cpu_experts[i] += len(experts)
+            return
+        groups = list(zip(experts.tolist(), starts.tolist(), np.append(starts[1:], len(order)).tolist()))
         with torch.inference_mode():
             idx = torch.from_numpy(order)
             xs = self.hx[i].index_select(0, idx // (P // T))

@@ -75,10 +75,19 @@ class RouteGroups:
 
 def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
                     refs: dict[int, WeightRef]) -> dict[int, torch.Tensor]:
-    """w * mlp_e(x rows routed to e) for each expert in refs (the torch grouped loop)."""
+    """w * mlp_e(x rows routed to e) for each expert in refs: on CPU, GGUF experts of up to
+    CPU_KERNEL_MAX_ROWS rows in one compiled call for the layer (moe/cpu_moe.py), the rest by the torch
+    grouped loop."""
     where = groups.index()
     out = {}
+    if refs and x.device.type == "cpu":
+        from ..quant.base import CPU_KERNEL_MAX_ROWS
+        from .cpu_moe import layer_partials
+
+        out = layer_partials(x, topk_w, groups, refs, CPU_KERNEL_MAX_ROWS)
     for e, ref in refs.items():
+        if e in out:
+            continue
         rows, pos = groups.members(where[e])
         if ref.fmt is not None:  # the format's own SwiGLU: quantized rows are decoded tile by tile
             y = ref.fmt.expert_mlp(x[rows], {name: a[ref.index] for name, a in ref.bank.items()})
@@ -214,11 +223,13 @@ class CpuExperts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-cpu-experts")
 
     def submit(self, x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
-               refs: dict[int, WeightRef]) -> Future:
-        """x/topk_w on any device; returns a future of {expert: partial on CPU}."""
-        if not refs:
+               refs: dict[int, WeightRef], inline: bool = False) -> Future:
+        """x/topk_w on any device; returns a future of {expert: partial on CPU}. inline: computed on the
+        calling thread (a caller that would wait at once: no hand-off to the worker thread)."""
+        if not refs or inline:
             done: Future = Future()
-            done.set_result({})
+            done.set_result(self._run(x.to("cpu"), topk_w.to("cpu"), groups.to(torch.device("cpu")), refs)
+                            if refs else {})
             return done
         x_h, w_h, g_h = x.to("cpu"), topk_w.to("cpu"), groups.to(torch.device("cpu"))
         return self._pool.submit(self._run, x_h, w_h, g_h, refs)

@@ -273,13 +273,13 @@ class CachedRuntime(ExpertRuntime):
             self.cpu.close()
 
     # ---- CPU compute -----------------------------------------------------------------------
-    def _submit_cpu(self, layer, x, topk_w, groups, experts: list[int]):
+    def _submit_cpu(self, layer, x, topk_w, groups, experts: list[int], inline: bool = False):
         for e in experts:
             self.residency.note_miss((layer, e))
         self.book[layer].cpu_experts += len(experts)
         bank = self.store.bank(layer)
         fmt = self.store.fmt.for_layer(layer)
-        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, fmt) for e in experts})
+        return self.cpu.submit(x, topk_w, groups, {e: WeightRef(bank, e, fmt) for e in experts}, inline=inline)
 
 
 class DeviceCachedRuntime(CachedRuntime):
@@ -439,7 +439,8 @@ class CpuRuntime(BridgedSteps, CachedRuntime):
         return pair_sum(y, k, x.dtype)
 
     def _decode(self, layer, x, topk_w, groups):
-        return self._submit_cpu(layer, x, topk_w, groups, groups.experts).result()
+        # waited for at once: on a CPU device the calling thread computes them (no worker hand-off)
+        return self._submit_cpu(layer, x, topk_w, groups, groups.experts, inline=x.device.type == "cpu").result()
 
 
 def fetch_count(misses: int, frac: float) -> int:

@@ -20,7 +20,9 @@ Semantics (both implementations), with W_* dequantized by moestream.quant's deco
     y[p] = w[p] * (W_down h)      fp32
 
 Implementations:
-- `quant_pair_outputs_torch`: the reference and the CPU path. On CPU it dequantizes each distinct
+- on CPU, where the compiled kernels read the layer's types: moe/cpu_moe.py, one call for the layer
+  (activations rounded to int8 per block, as the CPU bridge computes its pairs);
+- `quant_pair_outputs_torch`: the reference and the other CPU path. On CPU it dequantizes each distinct
   row used once; on CUDA (formats without a Triton decoder) it gathers and dequantizes one row per
   pair, which has static shapes and no host reads, so it can be recorded in a CUDA graph (slow:
   a fallback, not the decode path).
@@ -66,6 +68,11 @@ def quant_pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor,
         return pair_outputs(x, topk_w, src, pool)
     if x.device.type == "cuda" and supports(fmt) and _triton_ok():
         return _quant_pair_outputs_triton(x, topk_w, src, pool, fmt)
+    if x.device.type == "cpu":
+        from . import cpu_moe
+
+        if cpu_moe.ready(fmt, x):  # the compiled layer call (int8 activations), as the CPU bridge computes
+            return cpu_moe.pair_outputs(x, topk_w, src, pool, fmt)
     return quant_pair_outputs_torch(x, topk_w, src, pool, fmt)
 
 

@@ -4,7 +4,10 @@
 // once per call to int8 in blocks of 32 (one float scale per block, plus that scale times the sum of
 // the block's int8 values), then every weight sub-block of 32 is unpacked to small integers q with
 // value = a * q + b, and the dot product is a * dx * sum(q * xq) + b * dx * sum(xq): integer products
-// (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16), one float multiply-add per 32 values per row.
+// (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16; AVX512-VNNI: _mm256_dpbusd_epi32), one float
+// multiply-add per 32 values per row. K-quants (Q4_K, Q5_K, Q6_K) take activations with one scale per 256
+// values (QActK): integer sums over the whole super-block, one float multiply-add per 256 values per row.
+// ms_moe_layer: a MoE layer's pairs in one call (gate/up, SiLU, down, routing weight), one OpenMP region.
 // F16 / BF16 weights multiply float32 activations directly (no activation quantization).
 //
 // Every kernel has a scalar twin (portable C++); `force_scalar` selects it at run time, so the tests
@@ -12,14 +15,23 @@
 // torch.get_num_threads(); torch's own libgomp serves them); each weight row is read once for all x rows.
 // Plain C ABI, no torch headers: the first build takes seconds, not the minute torch/extension.h costs.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MS_AVX2 1
+// AVX512-VNNI (built only where the CPU has it, see cpu_quant._ISAS): the int8 dot products of the 32-value
+// blocks become one vpdpbusd instead of vpmaddubsw + vpmaddwd; the integer sums are the same.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MS_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -85,6 +97,63 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     d[b] = db;
     s[b] = db * (float)sum;
   }
+}
+
+// K-quant activations (llama.cpp's "Q8_K" idea): int8 with ONE float scale per 256 values and the sums of
+// every 16 int8 values, so a K-quant block's dot product is integer sums across its sub-blocks, multiplied
+// by the sub-block scales as integers, and one float multiply-add per 256 values per row.
+constexpr int KB = 256;
+struct QActK {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bs;
+  int64_t K = 0, nb = 0;
+  void resize(int64_t n, int64_t K_) {
+    K = K_, nb = K_ / KB;
+    q.resize(n * K), d.resize(n * nb), bs.resize(n * (K / 16));
+  }
+  const int8_t* qr(int64_t r) const { return q.data() + r * K; }
+  const float* dr(int64_t r) const { return d.data() + r * nb; }
+  const int16_t* br(int64_t r) const { return bs.data() + r * (K / 16); }
+};
+
+void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < K / KB; ++b) {
+    const float* xb = x + b * KB;
+    float amax = 0.f;
+    for (int i = 0; i < KB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    for (int g = 0; g < KB / 16; ++g) {
+      int sum = 0;
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        const int v = (int)std::nearbyint(xb[i] * id);
+        q[b * KB + i] = (int8_t)v;
+        sum += v;
+      }
+      bs[b * (KB / 16) + g] = (int16_t)sum;
+    }
+    d[b] = db;
+  }
+}
+
+// Up to 4 quantized activation rows, by pointer (rows of one QAct / QActK, or pairs gathered from them).
+struct XR {
+  const int8_t* q[4];
+  const float* d[4];
+  const float* s[4];
+  const int16_t* bs[4];  // QActK rows only
+};
+
+inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
+  XR x{};
+  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.s[r] = a.sr(rows[r]);
+  return x;
+}
+
+inline XR xrows(const QActK& a, const int64_t* rows, int nr) {
+  XR x{};
+  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.bs[r] = a.br(rows[r]);
+  return x;
 }
 
 QAct quantize(const float* x, int64_t n, int64_t K, int nt) {
@@ -199,21 +268,95 @@ void unpack_scalar(int64_t type, const uint8_t* w, int64_t K, F&& f) {
 }
 
 template <int NR>
-void dot_scalar(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
+void dot_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
   double acc[NR] = {};
-  unpack_scalar(type, w, x.K, [&](int64_t j, const Sub& u) {
+  unpack_scalar(type, w, K, [&](int64_t j, const Sub& u) {
     for (int r = 0; r < NR; ++r) {
-      const int8_t* xq = x.qr(r0 + r) + j * QB;
+      const int8_t* xq = x.q[r] + j * QB;
       int s0 = 0, s1 = 0;
       for (int i = 0; i < 16; ++i) s0 += u.q[i] * xq[i], s1 += u.q[i + 16] * xq[i + 16];
-      acc[r] += (double)x.dr(r0 + r)[j] * (u.a0 * s0 + u.a1 * s1) + (double)u.b * x.sr(r0 + r)[j];
+      acc[r] += (double)x.d[r][j] * (u.a0 * s0 + u.a1 * s1) + (double)u.b * x.s[r][j];
     }
   });
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
 
+// The 8 6-bit scales and mins of a Q4_K/Q5_K block (12 bytes at s) as bytes, k_scale_min's rule done
+// four bytes at a time: sub-blocks 0-3 are the low 6 bits of bytes 0-3 (scales) / 4-7 (mins); sub-blocks
+// 4-7 take their low 4 bits from a nibble of bytes 8-11 and their top 2 bits from bits 6-7 of bytes 0-3 /
+// 4-7 (per-byte shifts within a 32-bit word: the masks drop what crosses a byte boundary).
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, s, 4);
+  std::memcpy(&a1, s + 4, 4);
+  std::memcpy(&a2, s + 8, 4);
+  const uint32_t sc_lo = a0 & 0x3f3f3f3fu, mn_lo = a1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4);
+  std::memcpy(sc, &sc_lo, 4);
+  std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4);
+  std::memcpy(mn + 4, &mn_hi, 4);
+}
+
+// K-quant weights against QActK rows: per 256-block integer sums, one float product per block and row.
 template <int NR>
-void dot_float_scalar(bool bf16, const uint8_t* w, const float* x, int64_t K, int64_t xstride, float* out) {
+void dot_k_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  double acc[NR] = {};
+  const int64_t tb = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+  for (int64_t blk = 0; blk < K / KB; ++blk, w += tb) {
+    if (type == T_Q6_K) {
+      const float d = half_to_float(w + 208);
+      const int8_t* sc = (const int8_t*)(w + 192);
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* xq = x.q[r] + blk * KB;
+        int isum = 0;
+        for (int s8 = 0; s8 < 8; ++s8) {  // sub-blocks of 32 as dot_avx2 lays them out
+          const int h = s8 / 4, k = s8 % 4;
+          const uint8_t* ql = w + 64 * h + 32 * (k % 2);
+          const uint8_t* qh = w + 128 + 32 * h;
+          for (int half = 0; half < 2; ++half) {
+            int sum = 0;
+            for (int i = 16 * half; i < 16 * half + 16; ++i) {
+              const int q = (((k / 2) ? ql[i] >> 4 : ql[i] & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4)) - 32;
+              sum += q * xq[32 * s8 + i];
+            }
+            isum += sc[2 * s8 + half] * sum;
+          }
+        }
+        acc[r] += (double)d * x.d[r][blk] * isum;
+      }
+    } else {
+      const bool five = type == T_Q5_K;
+      const float d = half_to_float(w), dmin = half_to_float(w + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      const uint8_t* qh = w + 16;
+      const uint8_t* qs = w + (five ? 48 : 16);
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* xq = x.q[r] + blk * KB;
+        const int16_t* bs = x.bs[r] + blk * (KB / 16);
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t* c = qs + 32 * (j / 2);
+          int sum = 0;
+          for (int i = 0; i < 32; ++i) {
+            int q = (j & 1) ? c[i] >> 4 : c[i] & 0x0F;
+            if (five) q |= ((qh[i] >> j) & 1) << 4;
+            sum += q * xq[32 * j + i];
+          }
+          isum += sc[j] * sum;
+          msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        }
+        acc[r] += (double)x.d[r][blk] * ((double)d * isum - (double)dmin * msum);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+template <int NR>
+void dot_float_scalar(bool bf16, const uint8_t* w, const float* const* x, int64_t off, int64_t K, float* out) {
   double acc[NR] = {};
   for (int64_t i = 0; i < K; ++i) {
     float v;
@@ -223,7 +366,7 @@ void dot_float_scalar(bool bf16, const uint8_t* w, const float* x, int64_t K, in
     } else {
       v = half_to_float(w + 2 * i);
     }
-    for (int r = 0; r < NR; ++r) acc[r] += (double)v * x[r * xstride + i];
+    for (int r = 0; r < NR; ++r) acc[r] += (double)v * x[r][off + i];
   }
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
@@ -252,20 +395,25 @@ template <int NR, bool SIGNED>
 struct Acc {
   __m256 v[NR];
   float off[NR];
-  const QAct& x;
-  int64_t r0;
-  Acc(const QAct& x_, int64_t r0_) : x(x_), r0(r0_) {
+  const XR& x;
+  Acc(const XR& x_) : x(x_) {
     for (int r = 0; r < NR; ++r) v[r] = _mm256_setzero_ps(), off[r] = 0.f;
   }
   inline void add(int64_t j, __m256i q, __m256 a, float b) {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i qa = SIGNED ? _mm256_sign_epi8(q, q) : q;
     for (int r = 0; r < NR; ++r) {
-      const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.qr(r0 + r) + j * QB));
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + j * QB));
+#ifdef MS_VNNI
+      (void)ones;
+      const __m256 s = _mm256_cvtepi32_ps(
+          _mm256_dpbusd_epi32(_mm256_setzero_si256(), qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq));
+#else
       const __m256i p = _mm256_maddubs_epi16(qa, SIGNED ? _mm256_sign_epi8(xq, q) : xq);
       const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-      v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.dr(r0 + r)[j])), v[r]);
-      if (!SIGNED) off[r] += b * x.sr(r0 + r)[j];
+#endif
+      v[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, _mm256_set1_ps(x.d[r][j])), v[r]);
+      if (!SIGNED) off[r] += b * x.s[r][j];
     }
   }
   void store(float* out) const {
@@ -279,12 +427,11 @@ struct Acc {
 };
 
 template <int NR>
-void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* out) {
-  const int64_t K = x.K;
+void dot_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
   const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
   switch (type) {
     case T_Q8_0: {
-      Acc<NR, true> acc(x, r0);
+      Acc<NR, true> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += 34)
         acc.add(j, _mm256_loadu_si256((const __m256i*)(w + 2)), _mm256_set1_ps(half_to_float(w)), 0.f);
       acc.store(out);
@@ -293,7 +440,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q4_0:
     case T_Q4_1: {
       const bool has_min = type == T_Q4_1;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 20 : 18) {
         const float d = half_to_float(w);
         acc.add(j, nibbles(w + (has_min ? 4 : 2)), _mm256_set1_ps(d), has_min ? half_to_float(w + 2) : -8.f * d);
@@ -305,7 +452,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q5_1: {
       const bool has_min = type == T_Q5_1;
       const int ho = has_min ? 4 : 2;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += has_min ? 24 : 22) {
         const float d = half_to_float(w);
         uint32_t qh;
@@ -319,7 +466,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
     case T_Q4_K:
     case T_Q5_K: {
       const bool five = type == T_Q5_K;
-      Acc<NR, false> acc(x, r0);
+      Acc<NR, false> acc(x);
       for (int64_t blk = 0; blk < K / 256; ++blk, w += five ? 176 : 144) {
         const float d = half_to_float(w), dmin = half_to_float(w + 2);
         const uint8_t* qs = w + (five ? 48 : 16);
@@ -341,7 +488,7 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
       return;
     }
     case T_Q6_K: {
-      Acc<NR, true> acc(x, r0);
+      Acc<NR, true> acc(x);
       const __m256i m32 = _mm256_set1_epi8(32);
       for (int64_t blk = 0; blk < K / 256; ++blk, w += 210) {
         const float d = half_to_float(w + 208);
@@ -364,18 +511,95 @@ void dot_avx2(int64_t type, const uint8_t* w, const QAct& x, int64_t r0, float* 
   }
 }
 
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 template <int NR>
-void dot_float_avx2(bool bf16, const uint8_t* w, const float* x, int64_t K, float* out) {
+void dot_k_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  if (type == T_Q6_K) {
+    for (int64_t blk = 0; blk < K / KB; ++blk, w += 210) {
+      const float d = half_to_float(w + 208);
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
+      __m256i isum[NR];
+      for (int r = 0; r < NR; ++r)  // the -32 offset of every value: 32 * sum_s sc_s * bsum_s, subtracted
+        isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.bs[r] + blk * 16)), sc16), 5));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * h));
+        for (int k = 0; k < 4; ++k) {
+          const int s8 = 4 * h + k;
+          const __m256i l = _mm256_loadu_si256((const __m256i*)(w + 64 * h + 32 * (k % 2)));
+          __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
+          q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
+          const int8_t* sc = (const int8_t*)(w + 192);
+          const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s8 + 1]), _mm_set1_epi16(sc[2 * s8]));
+          for (int r = 0; r < NR; ++r) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + blk * KB + 32 * s8));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scv));
+          }
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * x.d[r][blk]), acc[r]);
+    }
+  } else {
+    const bool five = type == T_Q5_K;
+    for (int64_t blk = 0; blk < K / KB; ++blk, w += five ? 176 : 144) {
+      const float d = half_to_float(w), dmin = half_to_float(w + 2);
+      alignas(16) uint8_t sc[16], mn[16];
+      k_scales(w + 4, sc, mn);
+      // each min twice: it multiplies the two 16-value sums of its sub-block
+      const __m128i mv = _mm_loadl_epi64((const __m128i*)mn);
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));
+      const uint8_t* qs = w + (five ? 48 : 16);
+      const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
+      __m256i isum[NR];
+      for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        if (five) {
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), m01), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), m01), 4));
+        }
+        const __m256i sl = _mm256_set1_epi16(sc[2 * c]), sh = _mm256_set1_epi16(sc[2 * c + 1]);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xq = x.q[r] + blk * KB + 64 * c;
+          const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xq));
+          const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const float dx = x.d[r][blk];
+        const __m256i ms = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.bs[r] + blk * 16)), mins16);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+}
+
+template <int NR>
+void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t K, float* out) {
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= K; i += 8) {
     const __m128i h = _mm_loadu_si128((const __m128i*)(w + 2 * i));
     const __m256 v = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * K + i), acc[r]);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[r] + i), acc[r]);
   }
   float tail[NR] = {};
-  if (i < K) dot_float_scalar<NR>(bf16, w + 2 * i, x + i, K - i, K, tail);
+  if (i < K) dot_float_scalar<NR>(bf16, w + 2 * i, x, i, K - i, tail);
   for (int r = 0; r < NR; ++r) {
     alignas(32) float t[8];
     _mm256_store_ps(t, acc[r]);
@@ -407,20 +631,238 @@ int64_t block_size(int64_t type) {
   return 32;
 }
 
-// One weight row against x rows [r0, r0 + nr), nr <= 4.
+inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
+inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+// One weight row (K values) against NR <= 4 activation rows: xq (block types) or xf (F16/BF16 weights).
 template <int NR>
-inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, const QAct& qx, const float* xf, int64_t r0,
+inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& xq, const float* const* xf,
                      float* out) {
-  const bool is_float = type == T_F16 || type == T_BF16;
 #ifdef MS_AVX2
   if (!scalar) {
-    if (is_float) dot_float_avx2<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, out);
-    else dot_avx2<NR>(type, w, qx, r0, out);
+    if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
+    else if (is_k_type(type)) dot_k_avx2<NR>(type, w, K, xq, out);
+    else dot_avx2<NR>(type, w, K, xq, out);
     return;
   }
 #endif
-  if (is_float) dot_float_scalar<NR>(type == T_BF16, w, xf + r0 * qx.K, qx.K, qx.K, out);
-  else dot_scalar<NR>(type, w, qx, r0, out);
+  if (is_float_type(type)) dot_float_scalar<NR>(type == T_BF16, w, xf, 0, K, out);
+  else if (is_k_type(type)) dot_k_scalar<NR>(type, w, K, xq, out);
+  else dot_scalar<NR>(type, w, K, xq, out);
+}
+
+// n activation rows (rows[] of qa / qk / xf, whichever `type` reads) as chunks of up to 4 row pointers,
+// built once per call or expert group and shared by every weight row.
+struct XSet {
+  int64_t n = 0;
+  std::vector<XR> q;
+  std::vector<std::array<const float*, 4>> f;
+};
+
+inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActK& qk, const float* xf, int64_t K,
+                      const int64_t* rows, int64_t n) {
+  const int64_t nc = (n + 3) / 4;
+  xs.n = n;
+  xs.q.assign(nc, XR{});
+  xs.f.assign(nc, std::array<const float*, 4>{});
+  for (int64_t c = 0; c < nc; ++c) {
+    const int nr = (int)std::min<int64_t>(4, n - 4 * c);
+    if (is_float_type(type)) {
+      for (int k = 0; k < nr; ++k) xs.f[c][k] = xf + rows[4 * c + k] * K;
+    } else if (is_k_type(type)) {
+      xs.q[c] = xrows(qk, rows + 4 * c, nr);
+    } else {
+      xs.q[c] = xrows(qa, rows + 4 * c, nr);
+    }
+  }
+}
+
+// One weight row (K values) against every row of xs: out[r], r < xs.n.
+inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XSet& xs, float* out) {
+  for (size_t c = 0; c < xs.q.size(); ++c) {
+    const XR& xq = xs.q[c];
+    const float* const* fx = xs.f[c].data();
+    float* o = out + 4 * c;
+    switch (std::min<int64_t>(4, xs.n - 4 * (int64_t)c)) {
+      case 4: rows_dot<4>(type, scalar, w, K, xq, fx, o); break;
+      case 3: rows_dot<3>(type, scalar, w, K, xq, fx, o); break;
+      case 2: rows_dot<2>(type, scalar, w, K, xq, fx, o); break;
+      case 1: rows_dot<1>(type, scalar, w, K, xq, fx, o); break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ the MoE layer call
+// float32 -> bf16 / f16 -> float32, round to nearest even (what torch's .to(dtype) does for finite values)
+inline float round_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7f800000u) == 0x7f800000u) return f;  // inf / nan as they are
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline float round_f16(float f) {
+#ifdef MS_AVX2
+  return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  if (!std::isfinite(f)) return f;
+  const float a = std::fabs(f);
+  if (a >= 65520.f) return std::copysign(INFINITY, f);  // rounds past the largest half (65504)
+  int e;
+  std::frexp(a, &e);                       // a = m * 2^e, m in [0.5, 1)
+  const int ulp_exp = std::max(e - 11, -24);  // 11 significant bits; subnormals step 2^-24
+  const float ulp = std::ldexp(1.f, ulp_exp);
+  return std::copysign(std::nearbyint(a / ulp) * ulp, f);  // exact: a / ulp and the product are powers-of-2 scalings
+#endif
+}
+
+inline float round_act(float v, int64_t mode) {
+  return mode == 1 ? round_bf16(v) : mode == 2 ? round_f16(v) : v;
+}
+
+inline float act_to_float(const void* x, int64_t dtype, int64_t i) {
+  if (dtype == 0) return ((const float*)x)[i];
+  const uint16_t h = ((const uint16_t*)x)[i];
+  if (dtype == 2) return half_to_float((const uint8_t*)&h);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Static share [b, e) of thread t over items weighted by cost(i) (prefix sums `cum`, cum[0] = 0).
+inline void share(const std::vector<double>& cum, int t, int nt, int64_t& b, int64_t& e) {
+  const double total = cum.back();
+  auto at = [&](int k) {
+    if (k <= 0) return (int64_t)0;
+    if (k >= nt) return (int64_t)cum.size() - 1;
+    return (int64_t)(std::lower_bound(cum.begin(), cum.end(), total * k / nt) - cum.begin());
+  };
+  b = at(t), e = at(t + 1);
+}
+
+int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
+                      const int64_t* wptr, const int64_t* wtype, const int64_t* gstart, const int64_t* prow,
+                      const float* pw, const int64_t* pdst, float* out, int64_t nout, int64_t os, int64_t hmode,
+                      int64_t flags, int nthreads, int scalar) {
+  const int64_t tg = wtype[0], tu = wtype[1], td = wtype[2];
+  for (int p = 0; p < 3; ++p)
+    if (row_bytes(wtype[p], p < 2 ? H : I) <= 0 || (p < 2 ? H : I) % block_size(wtype[p])) return -1;
+  if (xdtype < 0 || xdtype > 2 || hmode < 0 || hmode > 2 || nx < 0 || G < 0) return -2;
+  const int64_t P = G ? gstart[G] : 0;
+  for (int64_t g = 0; g < G; ++g)
+    if (gstart[g + 1] < gstart[g]) return -2;
+  for (int64_t p = 0; p < P; ++p)
+    if (prow[p] < 0 || prow[p] >= nx || pdst[p] < 0 || pdst[p] >= nout) return -3;
+  if (P == 0) return 0;
+  const bool round_mm = flags & 1;  // dense experts (PairMlp): every matmul output rounded to the act dtype
+  const int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
+  // per thread cost of one output row of group g: its weight bytes, plus compute per activation row
+  std::vector<double> cum1(G * I + 1), cum3(G * H + 1);
+  {
+    double c1 = 0, c3 = 0;
+    int64_t k1 = 0, k3 = 0;
+    cum1[0] = cum3[0] = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const double n = (double)(gstart[g + 1] - gstart[g]);
+      const double r1 = n ? (double)(rbg + rbu) * (1.0 + 0.25 * n) : 0.0, r3 = n ? (double)rbd * (1.0 + 0.25 * n) : 0.0;
+      for (int64_t i = 0; i < I; ++i) cum1[++k1] = (c1 += r1);
+      for (int64_t j = 0; j < H; ++j) cum3[++k3] = (c3 += r3);
+    }
+  }
+  const double bytes = cum1.back() + cum3.back();
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
+  auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t); };
+  const bool q_x = blocks32(tg) || blocks32(tu), q_h = blocks32(td);
+  const bool k_x = is_k_type(tg) || is_k_type(tu), k_h = is_k_type(td);
+  std::vector<float> xf(nx * H), hbuf(P * I);
+  QAct xq, hq;
+  QActK xk, hk;
+  xq.K = H, xq.nb = H / QB, hq.K = I, hq.nb = I / QB;
+  if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
+  if (q_h) hq.q.resize(P * I), hq.d.resize(P * hq.nb), hq.s.resize(P * hq.nb);
+  if (k_x) xk.resize(nx, H);
+  if (k_h) hk.resize(P, I);
+  std::vector<int64_t> hrow(P);
+  for (int64_t p = 0; p < P; ++p) hrow[p] = p;
+
+#pragma omp parallel num_threads(nt)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int t = 0, T = 1;
+#endif
+    // phase 0: x rows to float32, quantized once for every expert that reads them
+    for (int64_t r = t; r < nx; r += T) {
+      float* xr = xf.data() + r * H;
+      for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
+      if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+      if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
+    }
+#pragma omp barrier
+    // phase 1: gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
+    {
+      int64_t b, e;
+      share(cum1, t, T, b, e);
+      std::vector<float> go, uo;
+      XSet sg, su;
+      int64_t cur = -1;
+      for (int64_t k = b; k < e; ++k) {
+        const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
+        if (!n) continue;
+        if (g != cur) {  // this expert's x rows, once for all its weight rows
+          cur = g;
+          go.resize(n), uo.resize(n);
+          make_xset(sg, tg, xq, xk, xf.data(), H, prow + p0, n);
+          make_xset(su, tu, xq, xk, xf.data(), H, prow + p0, n);
+        }
+        const uint8_t* wg = (const uint8_t*)wptr[3 * g] + i * rbg;
+        const uint8_t* wu = (const uint8_t*)wptr[3 * g + 1] + i * rbu;
+        row_dots(tg, scalar, wg, H, sg, go.data());
+        row_dots(tu, scalar, wu, H, su, uo.data());
+        for (int64_t r = 0; r < n; ++r) {
+          float gv = go[r], uv = uo[r];
+          if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
+          hbuf[(p0 + r) * I + i] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
+        }
+      }
+    }
+#pragma omp barrier
+    // phase 2: h rows quantized for the down projection
+    if (q_h || k_h)
+      for (int64_t p = t; p < P; p += T) {
+        const float* hr = hbuf.data() + p * I;
+        if (q_h) quantize_row(hr, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
+        if (k_h) quantize_row_k(hr, I, hk.q.data() + p * I, hk.d.data() + p * hk.nb, hk.bs.data() + p * (I / 16));
+      }
+#pragma omp barrier
+    // phase 3: down rows, times the routing weight, into each pair's output row
+    {
+      int64_t b, e;
+      share(cum3, t, T, b, e);
+      std::vector<float> yo;
+      XSet sd;
+      int64_t cur = -1;
+      for (int64_t k = b; k < e; ++k) {
+        const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
+        if (!n) continue;
+        if (g != cur) {
+          cur = g;
+          yo.resize(n);
+          make_xset(sd, td, hq, hk, hbuf.data(), I, hrow.data() + p0, n);
+        }
+        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, sd, yo.data());
+        for (int64_t r = 0; r < n; ++r) {
+          const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
+          out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
+        }
+      }
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -435,28 +877,57 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   if (row_bytes(type, K) <= 0 || K % block_size(type)) return -1;
   const bool is_float = type == T_F16 || type == T_BF16;
   QAct qx;
+  QActK qk;
   if (is_float) qx.K = K;
-  else qx = quantize(xf, n, K, nthreads);
+  else if (is_k_type(type)) {
+    qk.resize(n, K);
+    par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_k(xf + r * K, K, qk.q.data() + r * K, qk.d.data() + r * qk.nb, qk.bs.data() + r * (K / 16));
+    });
+  } else qx = quantize(xf, n, K, nthreads);
   // at least ~32 KiB of weights per thread so the thread start-up stays small next to the work
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
+  std::vector<int64_t> rows(n);
+  for (int64_t r = 0; r < n; ++r) rows[r] = r;
+  XSet xs;
+  make_xset(xs, type, qx, qk, xf, K, rows.data(), n);
   par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
-    float o[4];
+    std::vector<float> o(n);
     for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* wr = wp + i * ws;
-      int64_t r = 0;
-      for (; r + 4 <= n; r += 4) {
-        rows_dot<4>(type, force_scalar, wr, qx, xf, r, o);
-        for (int k = 0; k < 4; ++k) op[(r + k) * os + i] = o[k];
-      }
-      switch (n - r) {
-        case 3: rows_dot<3>(type, force_scalar, wr, qx, xf, r, o); break;
-        case 2: rows_dot<2>(type, force_scalar, wr, qx, xf, r, o); break;
-        case 1: rows_dot<1>(type, force_scalar, wr, qx, xf, r, o); break;
-      }
-      for (int64_t k = 0; r + k < n; ++k) op[(r + k) * os + i] = o[k];
+      row_dots(type, force_scalar, wp + i * ws, K, xs, o.data());
+      for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
     }
   });
   return 0;
+}
+
+// A MoE layer's (token, expert) pairs in one call. x: nx activation rows [nx, H] (xdtype 0 float32, 1 bf16,
+// 2 f16); G experts, pairs grouped by expert: group g is pairs [gstart[g], gstart[g+1]), pair p reads x row
+// prow[p] and writes out row pdst[p] (`os` floats apart). wptr[3g + 0/1/2]: addresses of expert g's gate
+// [I, H], up [I, H] and down [H, I] matrices (rows contiguous), of ggml types wtype[0/1/2]. Per pair:
+//   g = W_gate x, u = W_up x (float32; flags & 1: rounded to hmode's dtype), h = silu(g) * u rounded to
+//   hmode's dtype (0 float32, 1 bf16, 2 f16), y = W_down h (flags & 1: rounded), out = y * pw[p] (pw may be 0).
+// x rows are quantized once for all experts, h once per pair. Threads: one parallel region; the gate/up rows
+// of all experts, then the down rows, are split over the threads by bytes (+ a share per activation row).
+// Returns 0, -1 for a type/shape the kernels lack, -2 for bad groups or dtypes, -3 for a row out of range.
+int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G, const int64_t* wptr,
+                 const int64_t* wtype, const int64_t* gstart, const int64_t* prow, const float* pw,
+                 const int64_t* pdst, float* out, int64_t nout, int64_t os, int64_t hmode, int64_t flags,
+                 int nthreads, int force_scalar) {
+  return ms_moe_layer_impl(x, xdtype, nx, H, I, G, wptr, wtype, gstart, prow, pw, pdst, out, nout, os, hmode, flags,
+                           nthreads, force_scalar);
+}
+
+// The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
+int ms_isa() {
+#if defined(MS_VNNI)
+  return 2;
+#elif defined(MS_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 int ms_has_avx2() {

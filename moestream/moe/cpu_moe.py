@@ -1,0 +1,156 @@
+"""A MoE layer's CPU-computed (token, expert) pairs in ONE compiled call (kernels/cpu_quant.moe_layer).
+
+Every CPU path of a layer call goes through here when the compiled kernels are built and the layer's
+experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 (gate, up
+and down may differ, e.g. Q4_K_M's Q6_K down), and dense bf16/f16 banks (the bridge's PairMlp). Callers:
+
+- `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
+  up to `quant.base.CPU_KERNEL_MAX_ROWS` rows (more rows keep the per-expert tile GEMMs, as qlinear does);
+- `bridge.CpuBridge` (the decode step's CPU pairs of cpu/hybrid on a GPU), every pair;
+- `qpairs.quant_pair_outputs_torch` on a CPU device (the pair path's CPU reference), every pair.
+
+The kernel quantizes each x row once (int8 per 32, as qlinear's kernel), computes gate and up of every
+expert's pairs, h = silu(g) * u rounded to the activations' dtype, quantizes h, runs the down projection
+and multiplies by the routing weight; a pair's value depends only on its x row and its expert's bytes, not
+on which other pairs share the call, so every placement gives the same tokens. Semantics are the pair
+kernels' (float32 gate/up/down outputs, h rounded to x.dtype; dense experts: PairMlp's, every matmul
+output rounded to the weights' dtype). MOESTREAM_CPU_KERNELS=0 or a failed build: the callers' torch paths.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from .formats import GGUFExpertFormat
+
+GGUF_PROJS = ("gate", "up", "down")
+
+
+@lru_cache(maxsize=None)
+def gguf_types(fmt) -> tuple[str, str, str] | None:
+    """(gate, up, down) GGUF type names if the compiled kernel reads this layer format, else None."""
+    from ..kernels.cpu_quant import supports
+
+    if not isinstance(fmt, GGUFExpertFormat):
+        return None
+    t = dict(fmt.types)
+    types = tuple(t[p] for p in GGUF_PROJS)
+    return types if all(supports(name) for name in types) else None
+
+
+_DENSE = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
+    """Whether `run` computes this layer's experts for activations x: CPU x in float32/bf16/f16, kernels
+    built and enabled, and a GGUF format they read (or, fmt None / dense, a bf16/f16 bank)."""
+    from ..kernels import cpu_quant
+
+    if x.device.type != "cpu" or x.dtype not in cpu_quant.ACT_DTYPES:
+        return False
+    if bank is not None and any(a.device.type != "cpu" for a in bank.values()):
+        return False
+    if fmt is not None and fmt.quantized:
+        ok = gguf_types(fmt) is not None
+    else:
+        ok = bank is not None and "gate_up" in bank and bank["gate_up"].dtype in _DENSE
+    return ok and cpu_quant.available()
+
+
+@lru_cache(maxsize=None)
+def _gguf_layout(fmt) -> tuple:
+    """(types, I, bytes of gate/up/down) of a GGUF layer format (cached: formats are frozen)."""
+    H, I = fmt.hidden, fmt.inter
+    need = tuple(fmt.quant(p).nbytes(s) for p, s in zip(GGUF_PROJS, ((I, H), (I, H), (H, I))))
+    return gguf_types(fmt), I, need
+
+
+def _row_bytes(a: torch.Tensor) -> int:
+    """Bytes of one row a[i] if its elements are contiguous, else -1."""
+    expected = 1
+    for d in range(a.dim() - 1, 0, -1):
+        if a.shape[d] != 1 and a.stride(d) != expected:
+            return -1
+        expected *= a.shape[d]
+    return expected * a.element_size()
+
+
+def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple[str, str, str], int, bool]:
+    """(addresses [G, 3] of gate/up/down of bank rows `experts`, types, I, round_mm) for `run`. Checks that
+    every row index is in the bank and every row holds the layer's bytes, contiguous."""
+    experts = np.asarray(experts, dtype=np.int64)
+    if fmt is not None and fmt.quantized:
+        types, I, need = _gguf_layout(fmt)
+        arrays = [bank[p] for p in GGUF_PROJS]
+        offsets = (0, 0, 0)
+        round_mm = False
+    else:
+        gu, dn = bank["gate_up"], bank["down"]
+        I2, H = gu.shape[-2:]
+        I = I2 // 2
+        types = (_DENSE[gu.dtype],) * 3
+        arrays = [gu, gu, dn]
+        need = (I2 * H * gu.element_size(),) * 2 + (H * I * dn.element_size(),)
+        offsets = (0, I * H * gu.element_size(), 0)
+        round_mm = True
+    if len(experts) and (experts.min() < 0 or experts.max() >= min(a.shape[0] for a in arrays)):
+        raise IndexError(f"expert rows {experts.min()}..{experts.max()} outside a bank of {arrays[0].shape[0]}")
+    ptrs = np.empty((len(experts), 3), dtype=np.int64)
+    for j, (a, nb, off) in enumerate(zip(arrays, need, offsets)):
+        if a.device.type != "cpu" or _row_bytes(a) < nb:
+            raise ValueError(f"expert array {j}: CPU rows of at least {nb} contiguous bytes needed")
+        ptrs[:, j] = a.data_ptr() + experts * (a.stride(0) * a.element_size()) + off
+    return ptrs, types, I, round_mm
+
+
+def run(x: torch.Tensor, bank: dict, fmt, experts: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+        weights: np.ndarray | None, dst: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+    """out[dst[p]] = weights[p] * mlp_{experts[g]}(x[rows[p]]) for the pairs p of group g
+    (starts[g]:starts[g+1]); see kernels/cpu_quant.moe_layer. h is rounded to x.dtype."""
+    from ..kernels.cpu_quant import moe_layer
+
+    ptrs, types, inter, round_mm = expert_ptrs(bank, fmt, experts)
+    x = x.contiguous()
+    return moe_layer(x, ptrs, types, starts, rows, weights, dst, out, inter, h_dtype=x.dtype, round_mm=round_mm)
+
+
+def layer_partials(x: torch.Tensor, topk_w: torch.Tensor, groups, refs: dict, max_rows: int) -> dict:
+    """`compute.partial_outputs` for the refs the kernel computes (one bank and format, GGUF, at most
+    max_rows rows each): {expert: w * mlp(x rows) float32 [n_e, H]}; {} where it does not apply."""
+    first = next(iter(refs.values()))
+    if first.fmt is None or not first.fmt.quantized or not ready(first.fmt, x):
+        return {}
+    where = groups.index()
+    sel = [e for e, r in refs.items() if r.bank is first.bank and r.fmt == first.fmt
+           and groups.counts[where[e]] <= max_rows]
+    if not sel:
+        return {}
+    counts = np.array([groups.counts[where[e]] for e in sel], dtype=np.int64)
+    starts = np.zeros(len(sel) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    firsts = np.array([groups.starts[where[e]] for e in sel], dtype=np.int64)
+    idx = np.repeat(firsts - starts[:-1], counts) + np.arange(starts[-1])  # positions in groups.rows
+    prow = groups.rows.numpy()[idx]
+    w = topk_w.detach().float().numpy()[prow, groups.pos.numpy()[idx]]
+    out = torch.empty(int(starts[-1]), x.shape[1], dtype=torch.float32)
+    run(x, first.bank, first.fmt, np.array([refs[e].index for e in sel]), starts, prow, w,
+        np.arange(starts[-1]), out)
+    return {e: out[starts[i]:starts[i + 1]] for i, e in enumerate(sel)}
+
+
+def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The pair contract on CPU (moe/qpairs.py): y [P, H] float32, w[p] * mlp(x[p // k]) from pool row
+    src[p]; rows of pairs with src[p] < 0 are zero (or left as they are in a given `out`)."""
+    T, k = topk_w.shape
+    s = src.numpy()
+    pairs = np.flatnonzero(s >= 0)
+    order = pairs[np.argsort(s[pairs], kind="stable")]
+    experts, first = np.unique(s[order], return_index=True)
+    starts = np.append(first, len(order)).astype(np.int64)
+    if out is None:
+        out = torch.zeros(T * k, x.shape[1], dtype=torch.float32)
+    w = topk_w.detach().float().reshape(-1).numpy()[order]
+    return run(x, pool, fmt, experts, starts, order // k, w, order, out)

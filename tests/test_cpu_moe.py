@@ -1,0 +1,312 @@
+"""One compiled call per MoE layer for the CPU's (token, expert) pairs (kernels/cpu_quant.moe_layer,
+moe/cpu_moe.py): against a float64 reference, against the per-matmul kernel it fuses, independent of
+which pairs share a call, refusing bad input, and wired into every CPU path with fused's tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moestream.kernels import cpu_quant
+from moestream.quant import gguf_format
+from test_cpu_kernels import _quantized_x, _weights, act_block
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant kernels could not be built here")
+
+H, I, E = 512, 256, 4
+MIXES = [("Q8_0",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q4_1", "Q5_0", "Q5_K"), ("Q5_1", "Q4_0", "Q8_0"),
+         ("BF16", "F16", "Q4_0")]
+SHAPES = ((I, H), (I, H), (H, I))
+
+
+def _banks(types, seed=0):
+    return [_weights(t, E * n, k, seed=seed + j).reshape(E, -1) for j, (t, (n, k)) in enumerate(zip(types, SHAPES))]
+
+
+def _ptrs(banks, experts):
+    return np.stack([b.data_ptr() + np.asarray(experts) * b.stride(0) for b in banks], 1)
+
+
+# a layer call: 3 experts, 5 pairs over 3 x rows, outputs written out of order
+EXPERTS, STARTS, ROWS, DST = np.array([2, 0, 3]), np.array([0, 2, 3, 5]), np.array([0, 2, 1, 0, 1]), np.array([4, 1, 0, 2, 3])
+
+
+def _call(types, banks, x, w, h_dtype=torch.float32, force_scalar=False, experts=EXPERTS, starts=STARTS, rows=ROWS,
+          dst=DST, n_out=5):
+    out = torch.full((n_out, H), float("nan"))
+    return cpu_quant.moe_layer(x, _ptrs(banks, experts), types, starts, rows, w, dst, out, I, h_dtype=h_dtype,
+                               force_scalar=force_scalar)
+
+
+def _dequant(types, banks, e):
+    return [gguf_format(t).dequantize(b[e], s, torch.float64) for t, b, s in zip(types, banks, SHAPES)]
+
+
+def _round_x(t, v):
+    return v.double() if t in ("F16", "BF16") else _quantized_x(v, act_block(t))[0]
+
+
+@pytest.mark.parametrize("force_scalar", [False, True])
+@pytest.mark.parametrize("types", MIXES)
+def test_layer_call_matches_float64_model(types, force_scalar):
+    """Exact model: x and h rounded to int8 per 32 as the kernel does, float64 products; the kernel agrees
+    to float32 accumulation error (catches any unpacking, grouping, scatter or weight bug). Against the
+    true float64 MLP the error stays within the activation rounding (a few % of the output scale)."""
+    banks = _banks(types)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    w = np.random.default_rng(2).random(5).astype(np.float32)
+    y = _call(types, banks, x, w, force_scalar=force_scalar).double()
+    for g in range(3):
+        wg, wu, wd = _dequant(types, banks, EXPERTS[g])
+        for p in range(STARTS[g], STARTS[g + 1]):
+            xr = x[ROWS[p]:ROWS[p] + 1]
+            gv, uv = _round_x(types[0], xr) @ wg.T, _round_x(types[1], xr) @ wu.T
+            h = (F.silu(gv) * uv).float()
+            ref = (_round_x(types[2], h) @ wd.T)[0] * float(w[p])
+            scale = (h.double().abs() @ wd.abs().T)[0] * float(w[p])  # float32 rounding scale of the down sums
+            err = (y[DST[p]] - ref).abs()
+            # g/u carry float32 error into h (and so into h's int8 rounding): 1e-4 of the scale is ample
+            assert (err <= 1e-4 * scale + 1e-30).all(), (types, p, (err / scale).max().item())
+            true = (F.silu(xr.double() @ wg.T) * (xr.double() @ wu.T)) @ wd.T * float(w[p])
+            rel = ((y[DST[p]] - true[0]).norm() / true.norm()).item()
+            assert rel < 0.05, (types, p, rel)
+
+
+@pytest.mark.parametrize("types", MIXES)
+def test_layer_call_equals_the_matmuls_it_fuses(types):
+    """Bit for bit the composition of three qmatmul calls with torch's silu (what QuantPairMlp computed)."""
+    banks = _banks(types, seed=5)
+    x = torch.randn(3, H)
+    w = np.random.default_rng(0).random(5).astype(np.float32)
+    y = _call(types, banks, x, w)
+    for g in range(3):
+        e = EXPERTS[g]
+        for p in range(STARTS[g], STARTS[g + 1]):
+            xr = x[ROWS[p]:ROWS[p] + 1]
+            gv, uv = (cpu_quant.qmatmul(xr, banks[j][e].reshape(I, -1), types[j]) for j in (0, 1))
+            h = F.silu(gv) * uv
+            ref = cpu_quant.qmatmul(h, banks[2][e].reshape(H, -1), types[2])[0] * w[p]
+            assert torch.equal(y[DST[p]], ref), (types, p)
+
+
+@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float16])
+def test_h_rounded_to_the_activation_dtype(h_dtype):
+    types = ("Q8_0", "Q8_0", "BF16")  # a float down projection: h enters it exactly as rounded
+    banks = _banks(types)
+    x = torch.randn(3, H).to(h_dtype)
+    y = _call(types, banks, x, None, h_dtype=h_dtype)
+    wd = _dequant(types, banks, EXPERTS[0])[2]
+    xr = x[ROWS[0]:ROWS[0] + 1].float()
+    gv, uv = (cpu_quant.qmatmul(xr, banks[j][EXPERTS[0]].reshape(I, -1), "Q8_0") for j in (0, 1))
+    h = (F.silu(gv) * uv).to(h_dtype)
+    scale = (h.double().abs() @ wd.abs().T)[0]  # float32 rounding scale of the down sums
+    assert ((y[DST[0]].double() - (h.double() @ wd.T)[0]).abs() <= 2e-6 * scale).all()
+    h32 = F.silu(gv) * uv  # unrounded h gives a different answer: the rounding is really there
+    assert ((y[DST[0]].double() - (h32.double() @ wd.T)[0]).abs() > 2e-6 * scale).any()
+
+
+def test_pairs_do_not_depend_on_their_company():
+    """A pair's output is the same whether its expert shares the call with others, alone, or with more rows
+    (placements split a layer's experts differently; they must agree bit for bit)."""
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    banks = _banks(types)
+    x = torch.randn(6, H)
+    w = np.linspace(0.1, 1, 9).astype(np.float32)
+    rows = np.array([0, 1, 2, 3, 4, 5, 0, 3, 5])
+    full = _call(types, banks, x, w, experts=np.array([1, 3]), starts=np.array([0, 6, 9]), rows=rows,
+                 dst=np.arange(9), n_out=9)
+    alone = _call(types, banks, x, w[6:], experts=np.array([3]), starts=np.array([0, 3]), rows=rows[6:],
+                  dst=np.arange(3), n_out=3)
+    assert torch.equal(full[6:], alone)
+    single = _call(types, banks, x, w[:1], experts=np.array([1]), starts=np.array([0, 1]), rows=rows[:1],
+                   dst=np.arange(1), n_out=1)
+    assert torch.equal(full[:1], single)
+
+
+def test_bad_input_is_refused():
+    types = ("Q8_0",) * 3
+    banks = _banks(types)
+    x = torch.randn(3, H)
+    with pytest.raises(ValueError, match="out of range"):
+        _call(types, banks, x, None, rows=np.array([0, 2, 1, 0, 3]))  # x has 3 rows
+    with pytest.raises(ValueError, match="out of range"):
+        _call(types, banks, x, None, dst=np.array([4, 1, 0, 2, 5]))  # out has 5 rows
+    with pytest.raises(ValueError, match="weights"):
+        _call(types, banks, x, np.ones(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="groups"):
+        _call(types, banks, x, None, starts=np.array([0, 3, 2, 5]))  # decreasing
+    with pytest.raises(ValueError, match="lack"):
+        cpu_quant.moe_layer(torch.randn(1, 80), _ptrs(banks, [0]), types, np.array([0, 1]), np.array([0]), None,
+                            np.array([0]), torch.empty(1, 80), I)  # K=80 is not a whole number of Q8_0 blocks
+    with pytest.raises(ValueError, match="x must be"):
+        _call(types, banks, torch.randn(3, H, dtype=torch.float64), None)
+    with pytest.raises(KeyError):
+        _call(("Q8_0", "IQ4_XS", "Q8_0"), banks, x, None)
+
+
+def test_cpu_moe_checks_bank_rows():
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import gguf_expert_format
+
+    fmt = gguf_expert_format({"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}, H, I)
+    bank = dict(zip(("gate", "up", "down"), _banks(("Q8_0",) * 3)))
+    with pytest.raises(IndexError):
+        cpu_moe.expert_ptrs(bank, fmt, np.array([0, E]))
+    short = {n: b[:, :-1] for n, b in bank.items()}
+    with pytest.raises(ValueError, match="bytes"):
+        cpu_moe.expert_ptrs(short, fmt, np.array([0]))
+
+
+# ---- wired in: every placement policy on a CPU device, kernels on ---------------------------------------
+SP_KW = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
+BACKENDS = [
+    ("offload", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    ("cpu", {}),
+    ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    ("fused", {"moe_decode_kernel": "pairs"}),
+    ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+    ("cpu", {"moe_decode_kernel": "pairs"}),
+    ("hybrid", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint, tmp_path, monkeypatch):
+    """Q4_K_M-style type mixes per layer (Q8_0 down in even layers), kernels on: every placement runs its
+    CPU pairs through the one-call kernel and gives fused's greedy tokens."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+
+    def mix(layer, proj):
+        return Q.Q8_0 if proj == "down_proj" and layer % 2 == 0 else Q.Q4_1
+
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1, expert_qtype=mix)
+    calls = []
+    real = cpu_quant.moe_layer
+    monkeypatch.setattr(cpu_quant, "moe_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp = SamplingParams(**SP_KW)
+
+    def tokens(llm):
+        g = torch.Generator().manual_seed(5)
+        ps = [torch.randint(0, llm.model_config.vocab_size, (n,), generator=g).tolist() for n in (4, 17, 30)]
+        return [o.token_ids for o in llm.generate(ps, sp)]
+
+    fused = LLM(path, moe_backend="fused", **COMMON)
+    want = tokens(fused)
+    assert calls, "fused on CPU did not take the layer kernel"
+    for backend, kw in BACKENDS:
+        calls.clear()
+        llm = LLM(path, moe_backend=backend, **COMMON, **kw)
+        assert tokens(llm) == want, (backend, kw)
+        assert calls, (backend, kw)
+        llm.engine.runtime.close()
+    # the torch path (kernels off) is a different rounding of the activations, close to the same model
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    calls.clear()
+    tokens(LLM(path, moe_backend="cpu", **COMMON))
+    assert not calls
+
+
+# ---- the CPU bridge's worker (cpu / hybrid decode on a GPU), here on a CPU device -------------------------
+class _Store:
+    def __init__(self, fmt, banks):
+        self.fmt, self.banks, self.moe_layers, self.hidden = fmt, banks, [0], 64
+
+    def bank(self, layer):
+        return self.banks
+
+
+def _bridge_step(store, x, ids, w, cpu, dtype):
+    from moestream.moe.bridge import CpuBridge
+
+    bridge = CpuBridge(store, torch.device("cpu"), max_pairs=ids.numel(), dtype=dtype)
+    try:
+        bridge.begin_step()
+        bridge.post(0, x, ids, w, cpu)
+        y = torch.full((ids.numel(), x.shape[1]), 7.0)
+        bridge.collect(0, y, cpu)
+        bridge.end_step()
+    finally:
+        bridge.close()
+    return y
+
+
+def test_bridge_worker_takes_the_layer_call(monkeypatch):
+    """GGUF experts: the worker's rows are bit for bit the pair path's CPU dispatch (same kernel, same pairs),
+    the GPU's rows untouched; dense bf16 banks: PairMlp's bf16 roundings, within bf16 of the torch GEMMs."""
+    from moestream.moe import qpairs
+    from moestream.moe.formats import dense_format, gguf_expert_format
+    from moestream.moe.pairs import _pair_outputs_torch
+
+    calls = []
+    real = cpu_quant.moe_layer
+    monkeypatch.setattr(cpu_quant, "moe_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, i, e, k, T = 64, 32, 6, 3, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    cpu = torch.tensor([1, 0, 1, 1, 1, 0], dtype=torch.bool)
+
+    fmt = gguf_expert_format({"gate": "Q4_1", "up": "Q4_1", "down": "Q8_0"}, h, i)
+    banks = {p: _weights(t, e * n, kk, seed=j).reshape(e, -1)
+             for j, (p, t, (n, kk)) in enumerate(zip(("gate", "up", "down"), ("Q4_1", "Q4_1", "Q8_0"),
+                                                     ((i, h), (i, h), (h, i))))}
+    y = _bridge_step(_Store(fmt, banks), x, ids, w, cpu, torch.float32)
+    assert calls
+    want = qpairs.quant_pair_outputs(x, w, torch.where(cpu, ids.reshape(-1), -1), banks, fmt)
+    assert torch.equal(y[cpu], want[cpu]) and torch.all(y[~cpu] == 7.0)
+
+    calls.clear()
+    xb = x.to(torch.bfloat16)
+    dense = {"gate_up": (torch.randn(e, 2 * i, h, generator=g) * 0.2).to(torch.bfloat16),
+             "down": (torch.randn(e, h, i, generator=g) * 0.2).to(torch.bfloat16)}
+    y = _bridge_step(_Store(dense_format(torch.bfloat16), dense), xb, ids, w, cpu, torch.bfloat16)
+    assert calls
+    want = _pair_outputs_torch(xb, w, ids.reshape(-1), dense)
+    torch.testing.assert_close(y[cpu], want[cpu], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert torch.all(y[~cpu] == 7.0)
+
+
+def test_portable_f16_rounding_matches_f16c(tmp_path):
+    """Builds without AVX2 round h to float16 in portable C++: it must round exactly as the F16C instruction
+    (nearest even, subnormals, overflow to inf). A small harness built with -mf16c only (so the portable path
+    is compiled) compares both on 2M values over float16's whole range and beyond."""
+    import shutil
+    import subprocess
+
+    from moestream.env import cpu_flags
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None or "f16c" not in cpu_flags():
+        pytest.skip("needs a C++ compiler and an F16C CPU")
+    src = tmp_path / "rf16.cpp"
+    src.write_text(f'#include "{cpu_quant._SRC}"\n' + r'''
+#include <immintrin.h>
+#include <cstdio>
+#include <random>
+int main() {
+#ifdef MS_AVX2
+  return 2;  // the harness must compile the portable path
+#endif
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> ex(-30.f, 17.f), m(1.f, 2.f);
+  long bad = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    float f = std::ldexp(m(rng), (int)ex(rng)) * (i & 1 ? -1 : 1);
+    if (i % 1000 == 0) f = (float)(i % 7) * 0.5f;
+    float a = round_f16(f), b = _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+    bad += std::memcmp(&a, &b, 4) != 0 && !(a == 0 && b == 0);
+  }
+  std::printf("%ld\n", bad);
+  return bad != 0;
+}
+''')
+    exe = tmp_path / "rf16"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-mf16c", str(src), "-o", str(exe)], check=True, capture_output=True)
+    r = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "0", (r.returncode, r.stdout)
