@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV pages and linear-state snapshots of earlier requests' prefixes")
     g.add_argument("--prefix-cache-snapshots", type=int, default=None,
                    help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
+    g.add_argument("--prefix-cache-prompt-snapshot", default="long", choices=("long", "always", "never"),
+                   help="cut a Gated DeltaNet model's prompt at its last page boundary to snapshot it there (one "
+                        "extra prefill chunk): for prompts longer than one chunk (long), always, or never")
     m = p.add_argument_group("experts")
     m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
@@ -49,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override", "num_tokens", "page_size",
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
-               "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots")
+               "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
+               "prefix_cache_prompt_snapshot")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

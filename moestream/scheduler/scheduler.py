@@ -219,6 +219,10 @@ class Scheduler:
         """A linear-state model's prefill chunk stops at the last page boundary before the request's last
         token, to save a snapshot there (the state after its whole prompt cannot be cut later)."""
         if self.prefix is not None and self.prefix.num_snap_slots:
+            e = self.engine.ecfg
+            when = e.prefix_cache_prompt_snapshot
+            if when == "never" or (when == "long" and req.num_tokens <= e.chunked_prefill_size):
+                return n
             P = self.kv.page_size
             b = (req.num_tokens - 1) // P * P
             if start < b < start + n:
