@@ -139,8 +139,11 @@ class Engine:
     def _build_model(self, folder: Path) -> QwenMoeModel:
         with torch.device("meta"):
             model = QwenMoeModel(self.cfg)
-        # tensor parallel: the full dense model is loaded in host memory, then the rank keeps its slices
-        model = model.to_empty(device="cpu" if self.tp else self.device).to(self.dtype)
+        # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
+        # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
+        # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
+        # slices)
+        model = model.to_empty(device="cpu").to(self.dtype)
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
         fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
         fmt = fmt or dense_format(self.dtype)
@@ -165,10 +168,15 @@ class Engine:
         load_weights(model, store, self.cfg, folder, compressed_dense=mode)
         if self.tp:
             model = self.tp.shard(model).to(self.device)
-        elif fuse_projections_enabled():
-            # one GEMM per group of projections reading the same input (tensor parallel: shard.py slices
-            # the unfused modules by heads, so ranks stay unfused)
-            log.debug("fused projections: %s", fuse_projections(model))
+        else:
+            if fuse_projections_enabled():
+                # one GEMM per group of projections reading the same input (tensor parallel: shard.py slices
+                # the unfused modules by heads, so ranks stay unfused)
+                log.debug("fused projections: %s", fuse_projections(model))
+            model = model.to(self.device)
+            for block in model.moe_blocks():  # a fused router reads a view of shared_in's rows: view the moved one
+                if block.router_rows:
+                    block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())

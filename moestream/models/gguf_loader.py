@@ -249,7 +249,7 @@ class GGUFCheckpoint:
             return False
         if dry:
             return raw.numel() * raw.element_size() - module.weight.numel() * module.weight.element_size()
-        raw = raw.clone() if mode == "cpu" else raw.to(module.weight.device)
+        raw = raw.clone()  # out of the read-only mmap (the model is moved to its device after loading)
         n, k = module.weight.shape
         if isinstance(module, torch.nn.Embedding):
             new = QuantEmbedding(kind, raw, n, k, module.weight.dtype)
