@@ -50,8 +50,10 @@ def test_auto_choices():
 
 
 def test_gpu_memory_cap_and_rate():
+    from moestream.moe.planner import CAP_HEADROOM
+
     p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="offload", gpu_memory_gb=6))
-    assert p.bytes.budget == 6 * GiB
+    assert p.bytes.budget == 6 * GiB - CAP_HEADROOM  # the cap covers the whole process (see the next test)
     p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="hybrid", moe_cache_rate=0.1))
     assert p.cache_slots == 1024
     p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="cpu"))
@@ -63,13 +65,17 @@ def test_gpu_memory_cap_covers_the_cuda_context():
     (and the plan shows it); --memory-ratio shares free memory, which the context has already left."""
     import dataclasses
 
+    from moestream.moe.planner import CAP_HEADROOM
+
     hw = dataclasses.replace(gpu(139), context_bytes=700 * MiB)
     capped = plan_memory(BIG, hw, EngineConfig(moe_backend="offload", gpu_memory_gb=6))
     b = capped.bytes
-    assert b.budget == 6 * GiB - 700 * MiB and b.context == 700 * MiB
+    assert b.budget == 6 * GiB - 700 * MiB - CAP_HEADROOM and b.context == 700 * MiB + CAP_HEADROOM
     assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv + b.context <= 6 * GiB
-    assert "CUDA context 0.68 GiB" in capped.describe()
-    plain = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="offload", gpu_memory_gb=6))
+    assert "CUDA context + runtime headroom 1.18 GiB" in capped.describe()
+    bare = dataclasses.replace(gpu(139), context_bytes=0)
+    plain = plan_memory(BIG, bare, EngineConfig(moe_backend="offload", gpu_memory_gb=6))
+    assert plain.bytes.budget == 6 * GiB - CAP_HEADROOM
     assert plain.cache_slots > capped.cache_slots  # the context's 700 MiB would have been expert slots
     ratio = plan_memory(BIG, hw, EngineConfig(moe_backend="offload", memory_ratio=0.05))
     assert ratio.bytes.budget == int(0.05 * 139 * GiB) and ratio.bytes.context == 0

@@ -18,6 +18,12 @@ GiB = 1 << 30
 KV_RESERVE_TOKENS = 8192  # KV kept for requests before expert slots take the rest of the budget
 PREFILL_MAX_ROWS = 64  # rows per half of the prefill double buffer: enough to overlap, small in VRAM
 HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x pinned PCIe GB/s
+# Under a --gpu-memory-gb cap on a GPU, kept free beyond the CUDA context: what the running engine holds
+# outside the plan's items (recorded decode graphs' pool, prefill temporaries beyond the workspace, kernel
+# modules and library handles loaded after start-up). Measured on the H200 (2026-12-03, Qwen3.6-shaped Q8_0,
+# offload at 22.84 GiB): 0.28 GiB allocated beyond the plan + 0.14 GiB outside torch beyond the context +
+# 0.07 GiB torch cache = 0.49 GiB.
+CAP_HEADROOM = 512 << 20
 PIN_HEADROOM = 0.10  # host RAM left unpinned (at least 4 GiB) for the OS and the rest of the process
 
 
@@ -81,7 +87,8 @@ class PlanBytes:
     kv: int
     host_banks: int
     pin_budget: int
-    context: int = 0  # CUDA context and library handles, outside the budget (counted against --gpu-memory-gb)
+    # CUDA context (measured) + CAP_HEADROOM, outside the budget: counted against --gpu-memory-gb only
+    context: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,7 @@ class MoePlan:
             f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}",
             f"  {self.device} budget {g(b.budget)} GiB: dense {g(b.dense)} + experts {g(b.experts_device)} + "
             f"prefill {g(b.prefill_buffer)} + KV {g(b.kv)} ({self.kv_tokens} tokens) + state {g(b.state)} + "
-            f"workspace {g(b.workspace)}" + (f"; CUDA context {g(b.context)} GiB outside it" if b.context else ""),
+            f"workspace {g(b.workspace)}" + (f"; CUDA context + runtime headroom {g(b.context)} GiB outside it" if b.context else ""),
             f"  host expert banks {g(b.host_banks)} GiB, pin budget {g(b.pin_budget)} GiB",
         ])
 
@@ -156,7 +163,8 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         prefill_buffer=2 * prefill * m.expert_bytes, kv=kv_tokens * m.kv_bytes_per_token,
                         host_banks=host if backend != "fused" or hw.device == "cpu" else 0,
                         pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0,
-                        context=hw.context_bytes if e.gpu_memory_gb is not None else 0),
+                        context=hw.context_bytes + CAP_HEADROOM
+                        if e.gpu_memory_gb is not None and hw.device != "cpu" else 0),
         pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0)
 
 
@@ -164,7 +172,7 @@ def _budget(hw: Hardware, e) -> int:
     if e.gpu_memory_gb is not None:
         cap = int(e.gpu_memory_gb * GiB)
         # the cap is the whole process's GPU memory (what nvidia-smi shows): the context comes off it
-        return cap if hw.device == "cpu" else min(cap - hw.context_bytes, hw.free_bytes)
+        return cap if hw.device == "cpu" else min(cap - hw.context_bytes - CAP_HEADROOM, hw.free_bytes)
     return int(e.memory_ratio * hw.free_bytes)
 
 
