@@ -319,3 +319,35 @@ def test_prompt_snapshot_policy(tiny_checkpoint, reference, when, chunk, chunks)
     again = llm.generate([prompt], sp)[0]
     assert again.token_ids == first.token_ids == reference("qwen35", prompt, 1)
     assert again.cached_tokens == (28 if 28 in [sum(chunks[:i + 1]) for i in range(len(chunks))] else 0)
+
+
+def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_checkpoint, tmp_path):
+    """A GGUF on the CPU kernels: a prompt's tail after a prefix-cache hit is a short chunk, computed with float
+    activations like the whole prompt (int8 activations are for decode steps only), so the repeat's logits
+    equal the first run's bit for bit."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.kernels import cpu_quant
+
+    if not cpu_quant.available():
+        pytest.skip("CPU quant kernels could not be built here")
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q8_0)
+    llm = LLM(path, device="cpu", dtype="float32", page_size=4)
+    seen = []
+    orig = llm.engine.model.forward
+
+    def spy(batch):
+        seen.append((batch.is_decode, cpu_quant.available()))
+        return orig(batch)
+
+    llm.engine.model.forward = spy
+    prompt = list(range(5, 35))
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    first, again = (llm.generate([prompt], sp)[0] for _ in range(2))
+    assert again.cached_tokens == 28 and first.cached_tokens == 0
+    assert again.token_ids == first.token_ids
+    # float GEMMs of 30 rows and of 2 round alike to ~1e-6; int8 activations in the tail would move ~1e-2
+    assert max(abs(a[0] - b[0]) for a, b in zip(again.logprobs, first.logprobs)) < 1e-4
+    assert {d: a for d, a in seen} == {False: False, True: True}  # kernels off in prefill, on in decode
+    assert cpu_quant.available()

@@ -300,6 +300,10 @@ class Engine:
         state = self.caches.state
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
+        if self.device.type == "cpu":
+            from ..kernels import cpu_quant
+
+            cpu_quant.prefill_step(not decode)
         try:
             if use_graph:
                 out = graphs.run(batch)
@@ -310,4 +314,6 @@ class Engine:
             state.copy(batch.state_saves)  # snapshots at page boundaries, after the step reached them
             return out
         finally:
+            if self.device.type == "cpu":
+                cpu_quant.prefill_step(False)
             self.runtime.end_step()

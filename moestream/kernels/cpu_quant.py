@@ -143,10 +143,22 @@ def module():
     return _STATE["mod"]
 
 
+_PREFILL = [False]
+
+
+def prefill_step(on: bool) -> None:
+    """Set by the engine around a CPU forward pass: while a prefill runs, the kernels are off, so every prompt
+    row is computed with float activations (tile GEMMs) however the prompt is chunked. A prompt's last rows
+    otherwise took the int8-activation kernel when they came as a short chunk — the tail after a prefix-cache
+    hit — and rounding them flipped near-ties that the whole prompt computed in float does not (the default
+    model's "capital of France" answer). Decode keeps the kernels."""
+    _PREFILL[0] = bool(on)
+
+
 def available() -> bool:
     """Whether the kernels run: MOESTREAM_CPU_KERNELS is not 0 (read at each call, so a test or a user can
-    switch them off at run time) and the library is built."""
-    return cpu_kernels_enabled() and module() is not None
+    switch them off at run time), no prefill step is running (prefill_step) and the library is built."""
+    return cpu_kernels_enabled() and not _PREFILL[0] and module() is not None
 
 
 def supports(type_name: str) -> bool:
