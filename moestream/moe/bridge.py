@@ -72,6 +72,9 @@ class CpuBridge:
         self.failure: BaseException | None = None
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
         self.cpu_seconds = [0.0] * L  # the worker's time computing them
+        # layer calls in which the worker computed exactly one expert, and their seconds: a call's fixed cost
+        # (moe/share.py weighs it against fetching that expert over PCIe)
+        self.single_calls, self.single_seconds = 0, 0.0
         self.mlp = PairMlp(P)
         self.qmlp = QuantPairMlp()
         self._cancel = False
@@ -166,9 +169,13 @@ class CpuBridge:
                         break
                     try:
                         if self.failure is None:
-                            t0 = time.perf_counter()
+                            t0, n0 = time.perf_counter(), self.cpu_experts[i]
                             self._compute(i, layer)
-                            self.cpu_seconds[i] += time.perf_counter() - t0
+                            dt = time.perf_counter() - t0
+                            self.cpu_seconds[i] += dt
+                            if self.cpu_experts[i] - n0 == 1:
+                                self.single_calls += 1
+                                self.single_seconds += dt
                     except BaseException as exc:  # noqa: BLE001 - reported by end_step, the GPU must go on
                         self.failure = exc
                         self._err[0] = 1

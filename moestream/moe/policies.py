@@ -492,10 +492,16 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
     def end_step(self):
         decode = self.share is not None and not self.prefill_mode
         super().end_step()
-        if decode:
+        if decode and (self.share.steps + 1) % self.share.every:
+            self.share.observe(0.0, 0.0)  # counts the step; the rates are read once per window
+        elif decode:
             b = self.bridge
             cpu_bytes = sum(b.cpu_experts[i] * self.store.bytes_per_expert(layer) for layer, i in b.index.items())
-            self.share.observe(cpu_bytes, sum(b.cpu_seconds))
+            layers = list(self.store.moe_layers)
+            self.decode_layer_calls = self.share.steps * len(layers) + len(layers)  # this step included
+            expert_bytes = sum(self.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
+            self.share.observe(cpu_bytes, sum(b.cpu_seconds), b.single_calls, b.single_seconds,
+                               self.book.total().misses, self.decode_layer_calls, expert_bytes)
 
     def stats(self):
         out = super().stats()
