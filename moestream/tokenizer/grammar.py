@@ -16,6 +16,7 @@ and it is maintained by the guidance-ai team and used by vLLM, SGLang and llama.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,18 +94,20 @@ def compile_grammar(kind: str, value: Any) -> str:
     raise RequestError(f"unknown grammar kind {kind!r}")
 
 
+def _literal(tag: str, special_ids: dict[str, int], before: str = "", after: str = "") -> str:
+    """A Lark literal for `before + tag + after`, the tag matched as its special token where it is one."""
+    if tag in special_ids:
+        return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
+                        + ([json.dumps(after)] if after else []))
+    return json.dumps(before + tag + after)
+
+
 def tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = None, multiple: bool = False) -> str:
     """Forced tool calls in the hermes format the tool parser reads:
     `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` with ARGS valid against NAME's schema.
     tools: [{"name", "parameters"}] (the allowed ones); special_ids: the tags that are special tokens of
     the tokenizer (matched as that token, not as text); `multiple`: one or more calls."""
-    special_ids = special_ids or {}
-
-    def lit(tag: str, before: str = "", after: str = "") -> str:
-        if tag in special_ids:
-            return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
-                            + ([json.dumps(after)] if after else []))
-        return json.dumps(before + tag + after)
+    lit = functools.partial(_literal, special_ids=special_ids or {})
 
     branches = []
     for t in tools:
@@ -128,13 +131,7 @@ def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None 
     <parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`): the schema's properties in
     order, required ones always, the others optionally; string values on one line (enums as listed),
     every other type as compact JSON valid against its schema."""
-    special_ids = special_ids or {}
-
-    def lit(tag: str, before: str = "", after: str = "") -> str:
-        if tag in special_ids:
-            return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
-                            + ([json.dumps(after)] if after else []))
-        return json.dumps(before + tag + after)
+    lit = functools.partial(_literal, special_ids=special_ids or {})
 
     rules, bodies = [], []
     for i, t in enumerate(tools):
