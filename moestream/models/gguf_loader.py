@@ -243,13 +243,15 @@ class GGUFCheckpoint:
         leaf = LAYER.match(t.name)[2] if LAYER.match(t.name) else t.name
         with warnings.catch_warnings():  # the mmap is read-only; we copy the bytes out of it
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1)
-        raw = self._move_bytes(leaf, raw, cfg, module.weight.shape[1], kind)
+            stored = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1)
+        # planning (dry) only asks whether the bytes can follow the transforms: nothing is read or moved
+        raw = self._move_bytes(leaf, stored, cfg, module.weight.shape[1], kind, move=not dry)
         if raw is None:
             return False
         if dry:
             return raw.numel() * raw.element_size() - module.weight.numel() * module.weight.element_size()
-        raw = raw.clone()  # out of the read-only mmap (the model is moved to its device after loading)
+        if raw.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+            raw = raw.clone()  # out of the read-only mmap (the model is moved to its device after loading)
         n, k = module.weight.shape
         if isinstance(module, torch.nn.Embedding):
             new = QuantEmbedding(kind, raw, n, k, module.weight.dtype)
@@ -266,11 +268,12 @@ class GGUFCheckpoint:
         seen.add(name)
         return True
 
-    def _move_bytes(self, leaf: str, raw: torch.Tensor, cfg: ModelConfig, k: int, kind: str):
+    def _move_bytes(self, leaf: str, raw: torch.Tensor, cfg: ModelConfig, k: int, kind: str, move: bool = True):
         """The value transforms of `_transform` done on stored bytes [N, row_bytes] where they only move
-        rows, or groups of whole blocks within rows; None where they change values (dequantize instead)."""
+        rows, or groups of whole blocks within rows; None where they change values (dequantize instead).
+        move=False: only that decision (raw back unmoved where the bytes can follow)."""
         if self.arch == "llama" and leaf in ("attn_q.weight", "attn_k.weight"):  # a row permutation
-            return _unpermute(raw, cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads)
+            return _unpermute(raw, cfg.num_heads if leaf == "attn_q.weight" else cfg.num_kv_heads) if move else raw
         if self.arch != "qwen35moe":
             return raw
         if leaf in QWEN35_OFFSET_NORMS or leaf == "ffn_gate_inp_shexp.weight":
@@ -282,9 +285,9 @@ class GGUFCheckpoint:
             return raw
         if leaf == "attn_qkv.weight":
             kd = cfg.linear_key_dim
-            return torch.cat([raw[:2 * kd], _untile(raw[2 * kd:], 0, hk, rep)])
+            return torch.cat([raw[:2 * kd], _untile(raw[2 * kd:], 0, hk, rep)]) if move else raw
         if leaf != "ssm_out.weight":
-            return _untile(raw, 0, hk, rep)
+            return _untile(raw, 0, hk, rep) if move else raw
         # ssm_out: value-head groups of columns move; in bytes only when a head's columns are whole blocks
         from ..quant import gguf_format
 
@@ -293,6 +296,8 @@ class GGUFCheckpoint:
         unit = k // (hk * rep)
         if not bs or unit % bs or raw.shape[1] % (k // bs):
             return None
+        if not move:
+            return raw
         tb = raw.shape[1] // (k // bs)  # bytes per block
         blocks = raw.reshape(raw.shape[0], k // bs, tb)
         return _untile(blocks, 1, hk, rep).reshape(raw.shape[0], -1)
