@@ -25,6 +25,7 @@ from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
 from ..moe.formats import dense_format
 from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
+from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
 from .batch import ForwardBatch
 from .graphs import DecodeGraphs, decode_extra
@@ -206,8 +207,6 @@ class Engine:
         """Where a GGUF's dense linears stay compressed (one rank): "cpu" on a CPU with the compiled kernels,
         "gpu" on CUDA with Triton (the decode GEMV reads the blocks; MOESTREAM_DENSE_QUANT=0 dequantizes
         them to the model dtype at load, as before)."""
-        from ..kernels import cpu_quant
-
         env = self._dense_policy()
         if self.tp or env == "0":
             return None
@@ -301,8 +300,6 @@ class Engine:
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
         if self.device.type == "cpu":
-            from ..kernels import cpu_quant
-
             cpu_quant.prefill_step(not decode)
         try:
             if use_graph:

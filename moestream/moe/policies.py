@@ -498,10 +498,10 @@ class HybridRuntime(BridgedSteps, DeviceCachedRuntime):
             b = self.bridge
             cpu_bytes = sum(b.cpu_experts[i] * self.store.bytes_per_expert(layer) for layer, i in b.index.items())
             layers = list(self.store.moe_layers)
-            self.decode_layer_calls = self.share.steps * len(layers) + len(layers)  # this step included
+            layer_calls = (self.share.steps + 1) * len(layers)  # decode steps so far, this one included
             expert_bytes = sum(self.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
             self.share.observe(cpu_bytes, sum(b.cpu_seconds), b.single_calls, b.single_seconds,
-                               self.book.total().misses, self.decode_layer_calls, expert_bytes)
+                               self.book.total().misses, layer_calls, expert_bytes)
 
     def stats(self):
         out = super().stats()
