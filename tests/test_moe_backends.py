@@ -104,6 +104,15 @@ def test_hybrid_exactly_once_per_decode_step(tiny_checkpoint):
     """Per layer call in decode: hits + misses == distinct routed experts == device + CPU computations
     (a miss is either fetched or computed on CPU, never both)."""
     llm = LLM(tiny_checkpoint("qwen3"), moe_backend="hybrid", moe_cache_size=4, **COMMON)
+    seen = decode_call_counts(llm, [[1, 2, 3], [7, 8, 9, 10]], ("hits", "misses", "gpu_experts", "cpu_experts"))
+    for n, _, d in seen:
+        assert d["hits"] + d["misses"] == n == d["gpu_experts"] + d["cpu_experts"], d
+    assert seen and sum(d["cpu_experts"] for _, _, d in seen) > 0
+
+
+def decode_call_counts(llm, prompts, keys):
+    """Generate `prompts`; per decode layer call: (distinct routed experts, tokens, {key: change of the
+    runtime's counter `key` over the call})."""
     rt = llm.engine.runtime
     seen = []
     orig = rt.forward
@@ -113,16 +122,14 @@ def test_hybrid_exactly_once_per_decode_step(tiny_checkpoint):
         y = orig(layer, x, ids, w)
         after = rt.book.total()
         if not rt.prefill_mode:
-            n = len(torch.unique(ids))
-            d = {k: getattr(after, k) - getattr(before, k) for k in ("hits", "misses", "gpu_experts", "cpu_experts")}
-            assert d["hits"] + d["misses"] == n == d["gpu_experts"] + d["cpu_experts"], d
-            seen.append(d)
+            seen.append((len(torch.unique(ids)), ids.shape[0],
+                         {k: getattr(after, k) - getattr(before, k) for k in keys}))
         return y
 
     for block in llm.engine.model.moe_blocks():
         block.runtime.forward = spy
-    llm.generate([[1, 2, 3], [7, 8, 9, 10]], SP)
-    assert seen and sum(d["cpu_experts"] for d in seen) > 0
+    llm.generate(prompts, SP)
+    return seen
 
 
 def test_prefill_streaming_keeps_decode_working_set(tiny_checkpoint):
@@ -190,23 +197,8 @@ def test_fused_pairs_count_distinct_experts(tiny_checkpoint, prompts_):
     """fused on the pair path counts each decode layer call's distinct experts: on the device for a batch,
     on the host for one token (its top-k are distinct; no kernel in the step)."""
     llm = LLM(tiny_checkpoint("qwen3"), moe_backend="fused", moe_decode_kernel="pairs", **COMMON)
-    rt = llm.engine.runtime
-    assert rt.pairs
-    seen = []
-    orig = rt.forward
-
-    def spy(layer, x, ids, w):
-        before = rt.book.total()
-        y = orig(layer, x, ids, w)
-        after = rt.book.total()
-        if not rt.prefill_mode:
-            n = len(torch.unique(ids))
-            d = {k: getattr(after, k) - getattr(before, k) for k in ("hits", "expert_calls", "gpu_experts")}
-            assert d == {"hits": n, "expert_calls": n, "gpu_experts": n}, (d, n)
-            seen.append(ids.shape[0])
-        return y
-
-    for block in llm.engine.model.moe_blocks():
-        block.runtime.forward = spy
-    llm.generate(prompts_, SP)
-    assert seen and max(seen) == len(prompts_)
+    assert llm.engine.runtime.pairs
+    seen = decode_call_counts(llm, prompts_, ("hits", "expert_calls", "gpu_experts"))
+    for n, _, d in seen:
+        assert d == {"hits": n, "expert_calls": n, "gpu_experts": n}, (d, n)
+    assert seen and max(tokens for _, tokens, _ in seen) == len(prompts_)
