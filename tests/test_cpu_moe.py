@@ -73,9 +73,18 @@ def test_layer_call_matches_float64_model(types, force_scalar):
             assert rel < 0.05, (types, p, rel)
 
 
+def _torch_silu_is_libm() -> bool:
+    """Whether torch's float32 silu rounds like g / (1 + expf(-g)) of the C library: true of its AVX2 kernels
+    (checked bit for bit by the test below on AVX2 machines), not of its AVX-512 ones."""
+    return torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX")
+
+
 @pytest.mark.parametrize("types", MIXES)
 def test_layer_call_equals_the_matmuls_it_fuses(types):
-    """Bit for bit the composition of three qmatmul calls with torch's silu (what QuantPairMlp computed)."""
+    """The composition of three qmatmul calls with torch's silu (what QuantPairMlp computed): bit for bit
+    where torch's silu rounds like the C library's expf (AVX2 builds of torch); torch's AVX-512 silu (the H200
+    host) differs in the last bit of some h values, and a last-bit change of h can move one of its int8 codes
+    for the down projection, so there the bound is that one code step of h times the down weights' scale."""
     banks = _banks(types, seed=5)
     x = torch.randn(3, H)
     w = np.random.default_rng(0).random(5).astype(np.float32)
@@ -87,7 +96,12 @@ def test_layer_call_equals_the_matmuls_it_fuses(types):
             gv, uv = (cpu_quant.qmatmul(xr, banks[j][e].reshape(I, -1), types[j]) for j in (0, 1))
             h = F.silu(gv) * uv
             ref = cpu_quant.qmatmul(h, banks[2][e].reshape(H, -1), types[2])[0] * w[p]
-            assert torch.equal(y[DST[p]], ref), (types, p)
+            if _torch_silu_is_libm():
+                assert torch.equal(y[DST[p]], ref), (types, p)
+            else:
+                wd = _dequant(types, banks, e)[2].abs()
+                step = float(h.abs().max()) / 127 * w[p]  # one int8 code of h (per-32 or per-256 scale)
+                assert ((y[DST[p]] - ref).abs() <= 2 * step * wd.max(1).values + 1e-6 * ref.abs().max()).all()
 
 
 @pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float16])
