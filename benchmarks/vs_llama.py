@@ -16,6 +16,9 @@ each subcommand also runs alone:
 Grid (`--grid`): `;`-separated `BACKENDS@CAPS`, caps being `all` (no cap: fused), `nN` (llama.cpp's measured VRAM
 at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. Default:
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
+Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
+`BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` (the CPU kernels on OpenMP threads
+instead of their own pool).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
 moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
@@ -47,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
+SET_ENV_KEYS = ("MOESTREAM_CPU_POOL",)  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -213,10 +217,12 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
         backends, _, where = part.partition("@")
         for b in backends.split(","):
             b, plus, variant = b.partition("+")
-            if b not in BACKENDS or variant not in ("", "qdense", "bf16dense"):
+            threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
+            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp") and threads is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
-            env = {"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"} if variant else {}
+            env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
+                   if variant in ("qdense", "bf16dense") else {})
             for c in (where or "all").split(","):
                 if c == "all":  # no cap: fused and auto sit in the all-resident row, cpu in the no-experts row
                     cfg = {"backend": b, "cap_gb": None, "ncmoe": 40 if b == "cpu" else 0}
@@ -231,6 +237,10 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                 cfg["name"] = f"{b}{plus}{variant}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
                 if env:
                     cfg["env"] = env
+                if threads:
+                    cfg["threads"] = threads
+                if variant == "omp":  # read by the CPU kernels at each call: set inside the shared child
+                    cfg["set_env"] = {"MOESTREAM_CPU_POOL": "omp"}
                 out.append(cfg)
     return out
 
@@ -360,6 +370,9 @@ def run_child(args) -> None:
     llm = None
     for cfg in configs:
         print("@@start " + json.dumps(cfg), flush=True)
+        for k in SET_ENV_KEYS:
+            os.environ.pop(k, None)
+        os.environ.update(cfg.get("set_env", {}))
         rec = dict(cfg)
         t = time.perf_counter()
         cap = cfg["cap_gb"] if args.device.startswith("cuda") else None  # on a CPU the cap would be host memory
@@ -367,10 +380,12 @@ def run_child(args) -> None:
             if llm is None:
                 llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device.startswith("cuda") else "float32",
                           moe_backend=cfg["backend"], gpu_memory_gb=cap, max_running_requests=4,
+                          moe_cpu_threads=cfg.get("threads", 0),
                           max_seq_len_override=max(1024, args.pp + args.tg + 64), chunked_prefill_size=2048)
                 rec["load_s"] = time.perf_counter() - t
             else:
-                llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None)
+                llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None,
+                                               moe_cpu_threads=cfg.get("threads", 0))
                 rec["load_s"] = time.perf_counter() - t
                 rec["reconfigured"] = True
             gib = lambda m: {k: round(v / 2**30, 3) for k, v in m.items()}  # noqa: E731

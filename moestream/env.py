@@ -30,6 +30,15 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("MOESTREAM_CPU_KERNELS", "1") != "0"
 
 
+def cpu_threading() -> tuple[bool, int]:
+    """(own pool, spin microseconds) for the compiled CPU kernels' threads (kernels/cpu/qmatmul.cpp):
+    MOESTREAM_CPU_POOL=omp runs them on OpenMP instead of the kernels' own pool (default `pool`);
+    MOESTREAM_CPU_SPIN_US (default 300) is how long an idle pool worker spins before it sleeps. Read at each
+    kernel call, so a benchmark can switch within one process."""
+    spin = os.environ.get("MOESTREAM_CPU_SPIN_US", "300")
+    return os.environ.get("MOESTREAM_CPU_POOL", "pool") != "omp", int(spin) if spin.isdigit() else 300
+
+
 @lru_cache(maxsize=None)
 def cpu_flags() -> frozenset:
     """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""

@@ -324,3 +324,57 @@ int main() {
     subprocess.run([cxx, "-O2", "-std=c++17", "-mf16c", str(src), "-o", str(exe)], check=True, capture_output=True)
     r = subprocess.run([str(exe)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "0", (r.returncode, r.stdout)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_own_pool_and_openmp_agree(threads, monkeypatch):
+    """The kernels' own thread pool (default) and OpenMP split rows the same way: bit-equal layer calls and
+    matmuls at any thread count (more threads than cores too), over many calls in a row (the pool's workers
+    go from spinning to sleeping and back: MOESTREAM_CPU_SPIN_US=0 makes every call wake them)."""
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    banks = _banks(types, seed=3)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4))
+    w = np.random.default_rng(5).random(5).astype(np.float32)
+    raw = banks[0][0].reshape(I, -1)
+    torch.set_num_threads(threads)
+    try:
+        got = {}
+        for mode, spin in (("omp", "300"), ("pool", "300"), ("pool", "0")):
+            monkeypatch.setenv("MOESTREAM_CPU_POOL", mode)
+            monkeypatch.setenv("MOESTREAM_CPU_SPIN_US", spin)
+            ys = [_call(types, banks, x, w) for _ in range(20)]
+            ms = [cpu_quant.qmatmul(x, raw, types[0]) for _ in range(20)]
+            assert all(torch.equal(y, ys[0]) for y in ys) and all(torch.equal(m, ms[0]) for m in ms)
+            got[(mode, spin)] = (ys[0], ms[0])
+        first = got[("omp", "300")]
+        for y, m in got.values():
+            assert torch.equal(y, first[0]) and torch.equal(m, first[1])
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_concurrent_callers_share_the_pool():
+    """Two Python threads calling the kernels at once: one gets the pool, the other runs on OpenMP (the pool
+    takes one job at a time); both get exactly the single-caller results."""
+    import threading
+
+    types = ("Q8_0",) * 3
+    banks = _banks(types, seed=6)
+    xs = [torch.randn(3, H, generator=torch.Generator().manual_seed(7 + i)) for i in range(2)]
+    w = np.random.default_rng(8).random(5).astype(np.float32)
+    want = [_call(types, banks, x, w) for x in xs]
+    bad = []
+
+    def hammer(i):
+        torch.set_num_threads(2)
+        for _ in range(40):
+            if not torch.equal(_call(types, banks, xs[i], w), want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts), "a kernel call hung"
+    assert not bad

@@ -93,6 +93,7 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
         bridge = llm.engine.runtime.bridge
         assert bridge is not None and bridge.seq > 0 and sum(bridge.cpu_experts) > 0  # decode went through it
         assert t["cpu_s"] >= sum(bridge.cpu_seconds) > 0  # the worker's compute time reaches the stats
+        assert 0 <= t["cpu_kernel_s"] <= t["cpu_s"] and t["cpu_kernel_s"] == pytest.approx(sum(bridge.kernel_seconds))
     if kw.get("moe_prefetch", "off") == "off":
         assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
     elif backend in ("offload", "hybrid"):

@@ -21,8 +21,9 @@ multiply float32 activations (no rounding beyond float32 sums).
 ``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
 weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
 
-Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the compiler's OpenMP runtime), so
-``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
+Threads: output rows are split over ``torch.get_num_threads()`` threads of the library's own pool (idle workers
+spin ``MOESTREAM_CPU_SPIN_US`` before sleeping; ``MOESTREAM_CPU_POOL=omp``: the compiler's OpenMP runtime
+instead), so ``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
 ``MOESTREAM_CPU_KERNELS=0``, ``available()`` is False and callers keep the torch path; a failed build is
 reported by one warning line.
 """
@@ -39,7 +40,7 @@ import threading
 import numpy as np
 import torch
 
-from ..env import cache_dir, cpu_flags, cpu_kernels_enabled
+from ..env import cache_dir, cpu_flags, cpu_kernels_enabled, cpu_threading
 
 log = logging.getLogger("moestream")
 
@@ -124,7 +125,18 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_moe_layer.restype = ctypes.c_int
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
+    lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
+    lib.ms_set_threading.restype = None
     return lib
+
+
+def _threads(mod) -> int:
+    """torch's intra-op thread count for this call, after passing the pool setting on when it changed."""
+    want = cpu_threading()
+    if _STATE.get("threading") != want:
+        mod.ms_set_threading(int(want[0]), want[1])
+        _STATE["threading"] = want
+    return torch.get_num_threads()
 
 
 def module():
@@ -170,8 +182,9 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     checked by the caller; returns float32 [n, N]. Skips qmatmul's conversions and checks (~10 us a call)."""
     n, k = x.shape
     out = torch.empty(n, raw2d.shape[0], dtype=torch.float32)
-    _STATE["mod"].ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
-                             out.data_ptr(), raw2d.shape[0], torch.get_num_threads(), 0)
+    mod = _STATE["mod"]
+    mod.ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
+                   out.data_ptr(), raw2d.shape[0], _threads(mod), 0)
     return out
 
 
@@ -214,7 +227,7 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
     rc = mod.ms_moe_layer(x.data_ptr(), ACT_DTYPES[x.dtype], x.shape[0], x.shape[1], inter, G, wptr.ctypes.data,
                           tids.ctypes.data, starts.ctypes.data, rows.ctypes.data,
                           weights.ctypes.data if weights is not None else None, dst.ctypes.data, out.data_ptr(),
-                          out.shape[0], out.stride(0), ACT_DTYPES[h_dtype], int(round_mm), torch.get_num_threads(),
+                          out.shape[0], out.stride(0), ACT_DTYPES[h_dtype], int(round_mm), _threads(mod),
                           int(force_scalar))
     if rc:
         raise ValueError(f"CPU MoE layer kernel ({'/'.join(types)}, H={x.shape[1]}, I={inter}): "
@@ -258,7 +271,7 @@ def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tenso
     if out.dtype != torch.float32 or out.shape != (x.shape[0], n_out) or out.stride(-1) != 1:
         raise ValueError(f"out must be a float32 [{x.shape[0]}, {n_out}] view with contiguous rows")
     rc = mod.ms_qmatmul(x.data_ptr(), x.shape[0], k, raw.data_ptr(), n_out, raw.stride(0), TYPES[type_name],
-                        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(force_scalar))
+                        out.data_ptr(), out.stride(0), _threads(mod), int(force_scalar))
     if rc:
         raise ValueError(f"CPU quant kernel: type {type_name} with K={k} is not supported")
     return out

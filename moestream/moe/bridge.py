@@ -72,6 +72,7 @@ class CpuBridge:
         self.failure: BaseException | None = None
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
         self.cpu_seconds = [0.0] * L  # the worker's time computing them
+        self.kernel_seconds = [0.0] * L  # of which inside the compiled layer call
         # layer calls in which the worker computed exactly one expert, and their seconds: a call's fixed cost
         # (moe/share.py weighs it against fetching that expert over PCIe)
         self.single_calls, self.single_seconds = 0, 0.0
@@ -201,8 +202,10 @@ class CpuBridge:
         bank = self.store.bank(layer)
         fmt = self.store.fmt.for_layer(layer)
         if cpu_moe.ready(fmt, self.hx, bank):  # one compiled call: x rows and outputs stay in the host slots
+            t0 = time.perf_counter()
             cpu_moe.run(self.hx[i, :T], bank, fmt, experts, np.append(starts, len(order)), order // (P // T),
                         self.hw[i].numpy()[order], order, self.hy[i])
+            self.kernel_seconds[i] += time.perf_counter() - t0
             self.cpu_experts[i] += len(experts)
             return
         groups = list(zip(experts.tolist(), starts.tolist(), np.append(starts[1:], len(order)).tolist()))

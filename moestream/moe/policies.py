@@ -318,7 +318,8 @@ class DeviceCachedRuntime(CachedRuntime):
                           "expert_calls": c[HITS] + c[MISSES]}
             if cpu is not None:
                 i = self.dcache.layer_index[layer]
-                out[layer].update(cpu_experts=cpu[i], cpu_s=self.bridge.cpu_seconds[i])
+                out[layer].update(cpu_experts=cpu[i], cpu_s=self.bridge.cpu_seconds[i],
+                                  cpu_kernel_s=self.bridge.kernel_seconds[i])
         return out
 
     def capturable(self, info=None):
@@ -420,8 +421,8 @@ class CpuRuntime(BridgedSteps, CachedRuntime):
             self.book.device_counts = self._device_counts
 
     def _device_counts(self) -> dict:
-        c, t = self.bridge.cpu_experts, self.bridge.cpu_seconds
-        return {layer: {"misses": c[i], "cpu_experts": c[i], "cpu_s": t[i], "expert_calls": c[i]}
+        c, t, k = self.bridge.cpu_experts, self.bridge.cpu_seconds, self.bridge.kernel_seconds
+        return {layer: {"misses": c[i], "cpu_experts": c[i], "cpu_s": t[i], "cpu_kernel_s": k[i], "expert_calls": c[i]}
                 for layer, i in self.bridge.index.items()}
 
     def capturable(self, info=None):

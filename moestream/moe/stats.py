@@ -5,7 +5,8 @@ hits / misses     decode-path experts found in / missing from the slot cache (on
 evictions         slots taken from another expert (counted against the evicted expert's layer)
 bytes_h2d, copies host -> device (slot pool or prefill buffer) bytes and expert copies; copy_s their time
 gpu_experts       expert computations from device memory; cpu_experts: from host banks on CPU
-cpu_s             seconds the CPU expert worker of a decode step spent computing (moe/bridge.py)
+cpu_s             seconds the CPU expert worker of a decode step spent computing (moe/bridge.py); of which
+cpu_kernel_s      inside cpu_moe.run (argument checks and the compiled layer call; the rest: the worker's Python)
 expert_calls      distinct experts routed per layer call, summed: == gpu_experts + cpu_experts always
 prefetch_*        issued (copies started), hits (routed and resident thanks to a prefetch),
                   unused (prefetched and not routed by the layer it was predicted for)
@@ -29,6 +30,7 @@ class LayerStats:
     gpu_experts: int = 0
     cpu_experts: int = 0
     cpu_s: float = 0.0
+    cpu_kernel_s: float = 0.0
     expert_calls: int = 0
     routed: int = 0  # (token, expert) pairs
     tokens: int = 0

@@ -9,6 +9,8 @@ checkpoint's compressed bytes (all experts of an array at once, or one expert's)
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import weakref
 
@@ -31,8 +33,8 @@ class ExpertStore:
         self.banks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in specs}
         for layer in self.moe_layers:  # each layer's bank in that layer's own format
             for name, (shape, dtype) in fmt.for_layer(layer).arrays(hidden, inter).items():
-                self.banks[name][layer] = torch.empty((num_experts, *shape), dtype=dtype, device=self.device,
-                                                      pin_memory=pin)
+                bank = torch.empty((num_experts, *shape), dtype=dtype, device=self.device, pin_memory=pin)
+                self.banks[name][layer] = advise_huge_pages(bank)
         # filled[name][layer] is a bool per expert (and per half of gate_up) so missing tensors are found.
         self._filled = {(name, layer): torch.zeros(num_experts, 2 if name == "gate_up" else 1, dtype=torch.bool)
                         for name in specs for layer in self.moe_layers}
@@ -163,7 +165,11 @@ class ExpertStore:
         for name, layers in self.banks.items():
             for layer in list(layers):
                 src = layers.pop(layer)
-                out.banks[name][layer] = src.to(out.device)
+                if out.device.type == "cpu":  # advised before the copy writes its pages
+                    dst = advise_huge_pages(torch.empty(src.shape, dtype=src.dtype))
+                    out.banks[name][layer] = dst.copy_(src)
+                else:
+                    out.banks[name][layer] = src.to(out.device)
                 if src.data_ptr() in registered:  # unlock before the memory is freed and maybe reused
                     registered.remove(src.data_ptr())
                     _unregister([src.data_ptr()])
@@ -177,6 +183,40 @@ class ExpertStore:
 
     def total_bytes(self) -> int:
         return sum(self.layer_bytes(layer) for layer in self.moe_layers)
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """Ask Linux for transparent huge pages under a host tensor not yet written (madvise MADV_HUGEPAGE on
+    its whole 2 MiB pages), so the CPU expert kernels stream through 2 MiB pages: where THP is `madvise`
+    (the common default) a bank is otherwise 4 KiB pages, one TLB miss and one hardware-prefetch stop
+    every 4 KiB (benchmarks/cpu_layer_diag.py measures both). A no-op on other devices, small tensors,
+    other systems, or when the kernel refuses."""
+    if t.device.type != "cpu" or t.is_pinned():
+        return t
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = (start + nbytes) // HUGE_PAGE * HUGE_PAGE
+    libc = _libc()
+    if hi > lo and libc is not None:
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_HUGEPAGE))
+    return t
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC.append(ctypes.CDLL(name, use_errno=True) if name else None)
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0] if _LIBC[0] is not None and hasattr(_LIBC[0], "madvise") else None
 
 
 def _page_lock(t: torch.Tensor, registered: list[int]) -> torch.Tensor:

@@ -16,9 +16,15 @@
 // Plain C ABI, no torch headers: the first build takes seconds, not the minute torch/extension.h costs.
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -36,6 +42,139 @@
 
 namespace {
 
+// ------------------------------------------------------------------ threads
+// The kernels' own thread pool (the default), or OpenMP (ms_set_threading). Why a pool of our own: a decode
+// step calls a kernel every few tens of microseconds (a CPU-only model's linears) or once per MoE layer
+// between GPU work (the cpu/hybrid bridge); a team must start hot each time. The pool's workers spin for
+// `spin_us` after a job before they sleep (condition variable), the caller is thread 0, and barriers inside a
+// job spin and then yield (a 2-core machine with other work stays usable). OpenMP's runtime decides its own
+// spinning (libgomp: next to none once it manages more threads than there are CPUs) and is shared with every
+// other OpenMP user of the process. One job at a time: a caller that finds the pool busy (another Python
+// thread inside a kernel) runs its job on OpenMP instead; results do not depend on which ran it.
+struct Pool {
+  std::vector<std::thread> workers;
+  std::mutex run_mu;                 // one job at a time
+  std::mutex mu;                     // sleeping workers
+  std::condition_variable cv;
+  std::atomic<uint64_t> gen{0};      // job generation: a worker runs each generation once
+  std::atomic<int> pending{0};       // participating workers still inside the job
+  std::atomic<int> sleepers{0};
+  std::atomic<int> bar_count{0};
+  std::atomic<uint64_t> bar_gen{0};
+  std::atomic<int64_t> spin_ns{300000};
+  const std::function<void(int, int)>* job = nullptr;
+  int nt = 1;
+  bool stop = false;
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+      gen.fetch_add(1);
+    }
+    cv.notify_all();
+    for (auto& w : workers) w.join();
+  }
+
+  static void relax() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_ia32_pause();
+#endif
+  }
+
+  void worker(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      // wait for a new generation: spin, then sleep
+      const auto t0 = std::chrono::steady_clock::now();
+      int k = 0;
+      while (gen.load(std::memory_order_acquire) == seen) {
+        relax();
+        if (++k % 256 == 0 &&
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >
+                spin_ns.load(std::memory_order_relaxed)) {
+          std::unique_lock<std::mutex> lk(mu);
+          sleepers.fetch_add(1);
+          cv.wait(lk, [&] { return gen.load() != seen; });
+          sleepers.fetch_sub(1);
+          break;
+        }
+      }
+      seen = gen.load(std::memory_order_acquire);
+      if (stop) return;
+      if (id < nt) {
+        (*job)(id, nt);
+        pending.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  // f(t, T) on T threads (the caller is t = 0); false if the pool is busy (nothing ran).
+  bool run(int T, const std::function<void(int, int)>& f) {
+    std::unique_lock<std::mutex> busy(run_mu, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    while ((int)workers.size() < T - 1) {
+      const int id = (int)workers.size() + 1;
+      workers.emplace_back([this, id] { worker(id); });
+    }
+    job = &f;
+    nt = T;
+    bar_count.store(0);
+    pending.store(T - 1);
+    gen.fetch_add(1);  // seq_cst: ordered before the sleepers check below
+    if (sleepers.load() > 0) {
+      std::lock_guard<std::mutex> lk(mu);
+      cv.notify_all();
+    }
+    f(0, T);
+    int k = 0;
+    while (pending.load(std::memory_order_acquire) > 0)
+      if (++k % 1024 == 0) std::this_thread::yield(); else relax();
+    return true;
+  }
+
+  void barrier(int T) {
+    const uint64_t g = bar_gen.load(std::memory_order_acquire);
+    if (bar_count.fetch_add(1, std::memory_order_acq_rel) == T - 1) {
+      bar_count.store(0, std::memory_order_relaxed);
+      bar_gen.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    int k = 0;
+    while (bar_gen.load(std::memory_order_acquire) == g)
+      if (++k % 1024 == 0) std::this_thread::yield(); else relax();
+  }
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: workers may outlive static destruction order at exit
+  return *p;
+}
+
+std::atomic<int> g_use_pool{1};
+
+// body(t, T, barrier) on up to nt threads: the pool, or OpenMP when it is off or busy.
+template <class B>
+void parallel(int nt, B&& body) {
+  if (nt <= 1) {
+    body(0, 1, [] {});
+    return;
+  }
+  if (g_use_pool.load(std::memory_order_relaxed)) {
+    Pool& p = pool();
+    const std::function<void(int, int)> f = [&](int t, int T) { body(t, T, [&p, T] { p.barrier(T); }); };
+    if (p.run(nt, f)) return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  body(omp_get_thread_num(), omp_get_num_threads(), [] {
+#pragma omp barrier
+  });
+#else
+  body(0, 1, [] {});
+#endif
+}
+
 // f(begin, end) over [0, n) in up to nt contiguous parts of at least `grain` items each.
 template <class F>
 void par_for(int64_t n, int64_t grain, int nt, F&& f) {
@@ -44,8 +183,7 @@ void par_for(int64_t n, int64_t grain, int nt, F&& f) {
     f((int64_t)0, n);
     return;
   }
-#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
-  for (int64_t t = 0; t < parts; ++t) f(t * n / parts, (t + 1) * n / parts);
+  parallel((int)parts, [&](int t, int T, auto&&) { f(t * n / T, (t + 1) * n / T); });
 }
 
 // ggml type ids (the ones this file computes)
@@ -788,13 +926,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   std::vector<int64_t> hrow(P);
   for (int64_t p = 0; p < P; ++p) hrow[p] = p;
 
-#pragma omp parallel num_threads(nt)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
+  parallel(nt, [&](const int t, const int T, auto&& barrier) {
     // phase 0: x rows to float32, quantized once for every expert that reads them
     for (int64_t r = t; r < nx; r += T) {
       float* xr = xf.data() + r * H;
@@ -802,7 +934,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
       if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
     }
-#pragma omp barrier
+    barrier();
     // phase 1: gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
     {
       int64_t b, e;
@@ -830,7 +962,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         }
       }
     }
-#pragma omp barrier
+    barrier();
     // phase 2: h rows quantized for the down projection
     if (q_h || k_h)
       for (int64_t p = t; p < P; p += T) {
@@ -838,7 +970,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         if (q_h) quantize_row(hr, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
         if (k_h) quantize_row_k(hr, I, hk.q.data() + p * I, hk.d.data() + p * hk.nb, hk.bs.data() + p * (I / 16));
       }
-#pragma omp barrier
+    barrier();
     // phase 3: down rows, times the routing weight, into each pair's output row
     {
       int64_t b, e;
@@ -861,7 +993,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         }
       }
     }
-  }
+  });
   return 0;
 }
 
@@ -917,6 +1049,13 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
                  int nthreads, int force_scalar) {
   return ms_moe_layer_impl(x, xdtype, nx, H, I, G, wptr, wtype, gstart, prow, pw, pdst, out, nout, os, hmode, flags,
                            nthreads, force_scalar);
+}
+
+// Threads of the kernels: use_pool 1 (default) the library's own pool, whose idle workers spin spin_us
+// microseconds before they sleep; 0 OpenMP.
+void ms_set_threading(int use_pool, int64_t spin_us) {
+  g_use_pool.store(use_pool ? 1 : 0);
+  pool().spin_ns.store(std::max<int64_t>(0, spin_us) * 1000);
 }
 
 // The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
