@@ -200,8 +200,9 @@ def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint,
 
     path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1, expert_qtype=mix)
     calls = []
-    real = cpu_quant.moe_layer
-    monkeypatch.setattr(cpu_quant, "moe_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("moe_layer", "moe_layer_unchecked"):  # checked calls, and the bridge's per-layer LayerCall
+        real = getattr(cpu_quant, name)
+        monkeypatch.setattr(cpu_quant, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     sp = SamplingParams(**SP_KW)
 
     def tokens(llm):
@@ -257,8 +258,9 @@ def test_bridge_worker_takes_the_layer_call(monkeypatch):
     from moestream.moe.pairs import _pair_outputs_torch
 
     calls = []
-    real = cpu_quant.moe_layer
-    monkeypatch.setattr(cpu_quant, "moe_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("moe_layer", "moe_layer_unchecked"):  # checked calls, and the bridge's per-layer LayerCall
+        real = getattr(cpu_quant, name)
+        monkeypatch.setattr(cpu_quant, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     h, i, e, k, T = 64, 32, 6, 3, 2
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, h, generator=g)
@@ -378,3 +380,26 @@ def test_concurrent_callers_share_the_pool():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in ts), "a kernel call hung"
     assert not bad
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("BF16", "F16", "Q4_0")])
+def test_layer_call_object_equals_run(types):
+    """cpu_moe.LayerCall (addresses worked out once per layer, the bridge's per-step call) gives run()'s
+    output bit for bit, and refuses an expert outside the bank."""
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import GGUFExpertFormat
+
+    banks = _banks(types, seed=9)
+    bank = dict(zip(("gate", "up", "down"), banks))
+    fmt = GGUFExpertFormat(name="gguf:mix", dtype=torch.bfloat16, hidden=H, inter=I,
+                           types=tuple(zip(("gate", "up", "down"), types)))
+    x = torch.randn(3, H).to(torch.bfloat16)
+    w = np.random.default_rng(10).random(5).astype(np.float32)
+    experts, starts = np.sort(EXPERTS), STARTS.astype(np.int64)
+    want = cpu_moe.run(x, bank, fmt, experts, starts, ROWS, w, DST, torch.zeros(5, H))
+    call = cpu_moe.LayerCall(bank, fmt, x.dtype)
+    got = call(x, experts.astype(np.int64), starts, ROWS.astype(np.int64), w, DST.astype(np.int64), torch.zeros(5, H))
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError):
+        call(x, np.array([0, 1, E], dtype=np.int64), starts, ROWS.astype(np.int64), w, DST.astype(np.int64),
+             torch.zeros(5, H))

@@ -235,6 +235,22 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
     return out
 
 
+def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+                        weights: np.ndarray, dst: np.ndarray, out: torch.Tensor, inter: int, h_code: int,
+                        round_mm: bool) -> None:
+    """moe_layer for a caller that built and checked every argument itself (moe/cpu_moe.LayerCall: int64 /
+    float32 contiguous arrays, ggml type ids, the activation dtype code): one C call, no conversions. The C
+    side still checks groups and rows (an error raises ValueError)."""
+    mod = _STATE["mod"]
+    rc = mod.ms_moe_layer(x.data_ptr(), ACT_DTYPES[x.dtype], x.shape[0], x.shape[1], inter, len(starts) - 1,
+                          wptr.ctypes.data, tids.ctypes.data, starts.ctypes.data, rows.ctypes.data, weights.ctypes.data,
+                          dst.ctypes.data, out.data_ptr(), out.shape[0], out.stride(0), h_code, int(round_mm),
+                          _threads(mod), 0)
+    if rc:
+        raise ValueError(f"CPU MoE layer kernel (type ids {tids.tolist()}, H={x.shape[1]}, I={inter}): "
+                         f"{_LAYER_ERRORS.get(rc, rc)}")
+
+
 def has_avx2() -> bool:
     mod = module()
     return bool(mod is not None and mod.ms_has_avx2())

@@ -76,6 +76,9 @@ class CpuBridge:
         # layer calls in which the worker computed exactly one expert, and their seconds: a call's fixed cost
         # (moe/share.py weighs it against fetching that expert over PCIe)
         self.single_calls, self.single_seconds = 0, 0.0
+        self._hw = self.hw.numpy()
+        self._calls: dict = {}
+        self._calls_enabled = None
         self.mlp = PairMlp(P)
         self.qmlp = QuantPairMlp()
         self._cancel = False
@@ -191,6 +194,17 @@ class CpuBridge:
             time.sleep(0)  # lets the launching thread have the interpreter
         return True
 
+    def _layer_call(self, i: int, layer: int, fmt, bank: dict):
+        """The layer's cpu_moe.LayerCall (built at its first call), or None where the compiled kernels do not
+        compute it (then PairMlp / QuantPairMlp). Re-checked when the kernels are switched off or on."""
+        on = cpu_moe.kernels_on()
+        if on != self._calls_enabled:
+            self._calls, self._calls_enabled = {}, on
+        if i not in self._calls:
+            self._calls[i] = cpu_moe.LayerCall(bank, fmt, self.hx.dtype) if on and cpu_moe.ready(fmt, self.hx, bank) \
+                else None
+        return self._calls[i]
+
     def _compute(self, i: int, layer: int) -> None:
         T, P = (int(v) for v in self._meta[i])
         ids = self._ids[i, :P]
@@ -201,10 +215,11 @@ class CpuBridge:
         experts, starts = np.unique(ids[order], return_index=True)
         bank = self.store.bank(layer)
         fmt = self.store.fmt.for_layer(layer)
-        if cpu_moe.ready(fmt, self.hx, bank):  # one compiled call: x rows and outputs stay in the host slots
+        call = self._layer_call(i, layer, fmt, bank)
+        if call is not None:  # one compiled call: x rows and outputs stay in the host slots
             t0 = time.perf_counter()
-            cpu_moe.run(self.hx[i, :T], bank, fmt, experts, np.append(starts, len(order)), order // (P // T),
-                        self.hw[i].numpy()[order], order, self.hy[i])
+            call(self.hx[i, :T], experts, np.append(starts, len(order)), order // (P // T),
+                 self._hw[i][order], order, self.hy[i])
             self.kernel_seconds[i] += time.perf_counter() - t0
             self.cpu_experts[i] += len(experts)
             return

@@ -43,6 +43,13 @@ def gguf_types(fmt) -> tuple[str, str, str] | None:
 _DENSE = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def kernels_on() -> bool:
+    """Whether the compiled kernels run now (built, enabled, not inside a prefill step)."""
+    from ..kernels import cpu_quant
+
+    return cpu_quant.available()
+
+
 def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
     """Whether `run` computes this layer's experts for activations x: CPU x in float32/bf16/f16, kernels
     built and enabled, and a GGUF format they read (or, fmt None / dense, a bf16/f16 bank)."""
@@ -103,6 +110,41 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
             raise ValueError(f"expert array {j}: CPU rows of at least {nb} contiguous bytes needed")
         ptrs[:, j] = a.data_ptr() + experts * (a.stride(0) * a.element_size()) + off
     return ptrs, types, I, round_mm
+
+
+class LayerCall:
+    """`run` for one layer's bank, with what does not change between calls worked out once: the arrays'
+    addresses and row strides, the type ids, I, the rounding mode (the bridge worker calls it every decode
+    step of every MoE layer; `run`'s argument building and checks cost ~100 us a call in Python, a few
+    percent of a CPU decode step). The bank must stay where it is while this object is used."""
+
+    def __init__(self, bank: dict, fmt, x_dtype: torch.dtype):
+        from ..kernels.cpu_quant import ACT_DTYPES, TYPES
+
+        probe = np.arange(1, dtype=np.int64)
+        base, self.types, self.inter, self.round_mm = expert_ptrs(bank, fmt, probe)
+        step = expert_ptrs(bank, fmt, probe + 1)[0] - base if self._experts(bank) > 1 else np.zeros_like(base)
+        self.base, self.step = base[0], step[0]
+        self.tids = np.array([TYPES[t] for t in self.types], dtype=np.int64)
+        self.h_code = ACT_DTYPES[x_dtype]
+        self.num_experts = self._experts(bank)
+
+    @staticmethod
+    def _experts(bank: dict) -> int:
+        return min(a.shape[0] for a in bank.values())
+
+    def __call__(self, x: torch.Tensor, experts: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+                 weights: np.ndarray, dst: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """x contiguous CPU [nx, H] in the dtype given at construction; int64 experts (ascending, in the bank),
+        starts [G + 1], rows, dst [P]; float32 weights [P]; out float32 [n, H] with contiguous rows."""
+        from ..kernels.cpu_quant import moe_layer_unchecked
+
+        if len(experts) and (experts[0] < 0 or experts[-1] >= self.num_experts):
+            raise IndexError(f"expert rows {experts[0]}..{experts[-1]} outside a bank of {self.num_experts}")
+        wptr = self.base[None, :] + experts[:, None] * self.step[None, :]
+        moe_layer_unchecked(x, wptr, self.tids, starts, rows, weights, dst, out, self.inter, self.h_code,
+                            self.round_mm)
+        return out
 
 
 def run(x: torch.Tensor, bank: dict, fmt, experts: np.ndarray, starts: np.ndarray, rows: np.ndarray,
