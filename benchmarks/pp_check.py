@@ -2,6 +2,7 @@
 goes when the cache splits a hybrid model's prompt at its last page boundary (issue 19 / 13).
 
     PYTHONPATH=$PWD python3 benchmarks/pp_check.py MODEL.gguf [fused] [offload:22.84] ... [--ab: prefix cache on, then off]
+        [--profile FILE: one more pp512 under torch.profiler; the top CUDA and CPU ops by total time to FILE]
 """
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import torch
 def main() -> None:
     from moestream import LLM, SamplingParams
 
-    args = [a for a in sys.argv[1:] if a != "--ab"]
+    argv = list(sys.argv[1:])
+    prof_out = None
+    if "--profile" in argv:
+        i = argv.index("--profile")
+        prof_out = argv[i + 1]
+        del argv[i:i + 2]
+    args = [a for a in argv if a != "--ab"]
     path, specs = args[0], args[1:] or ["fused"]
     g = torch.Generator().manual_seed(0)
     out = []
@@ -35,6 +42,8 @@ def main() -> None:
             for _ in range(3):
                 llm.generate([prompt(512)], sp)
                 pps.append(llm.last_timing["prefill_tok_s"])
+            if prof_out:
+                profile(llm, prompt(512), sp, f"{prof_out}.{backend}{cap}.txt")
             llm.generate([prompt(8)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
             llm.generate([prompt(8)], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
             mem = {k: round(v / 2**30, 3) for k, v in llm.engine.memory_report().items()}
@@ -44,6 +53,23 @@ def main() -> None:
             out.append(rec)
             del llm
             torch.cuda.empty_cache()
+
+
+def profile(llm, ids, sp, path: str) -> None:
+    """One prefill of `ids` under torch.profiler: the ops with the most CUDA time, then the most CPU time."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([ids], sp)
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    text = (f"pp{len(ids)} {llm.last_timing['prefill_tok_s']:.0f} tok/s under the profiler\n"
+            + avg.table(sort_by="cuda_time_total", row_limit=30) + "\n"
+            + avg.table(sort_by="cpu_time_total", row_limit=25))
+    with open(path, "w") as f:
+        f.write(text)
+    print(text[:3000], flush=True)
 
 
 if __name__ == "__main__":
