@@ -65,7 +65,7 @@ def profile(llm, ids, sp, path: str) -> None:
         torch.cuda.synchronize()
     avg = prof.key_averages()
     text = (f"pp{len(ids)} {llm.last_timing['prefill_tok_s']:.0f} tok/s under the profiler\n"
-            + avg.table(sort_by="cuda_time_total", row_limit=30) + "\n"
+            + avg.table(sort_by="device_time_total", row_limit=30) + "\n"
             + avg.table(sort_by="cpu_time_total", row_limit=25))
     with open(path, "w") as f:
         f.write(text)
