@@ -82,8 +82,51 @@ def pin(banks) -> list[int]:
     return ptrs
 
 
-def walk(banks, types, threads: int, tokens: int, gap_s: float, rng) -> float:
-    """GB/s of expert bytes over `tokens` walks of all layers."""
+def huge_bytes() -> int:
+    """This process's anonymous memory in transparent huge pages (bytes)."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+class GpuPoller:
+    """`programs` GPU programs spinning on a pinned host word until it is set, as the bridge's collect
+    kernels poll while the CPU computes (PCIe reads of host memory the whole time)."""
+
+    def __init__(self, programs: int):
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def spin(flag_ptr, out_ptr, LIMIT: tl.constexpr):
+            n = 0
+            while (tl.load(flag_ptr, volatile=True) == 0) & (n < LIMIT):
+                n += 1
+            tl.store(out_ptr + tl.program_id(0), n)
+
+        self.kernel, self.programs = spin, programs
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.out = torch.zeros(programs, dtype=torch.int64, device="cuda")
+
+    def __enter__(self):
+        self.flag[0] = 0
+        self.kernel[(self.programs,)](self.flag, self.out, LIMIT=1 << 30)
+        return self
+
+    def __exit__(self, *exc):
+        self.flag[0] = 1
+        torch.cuda.synchronize()
+
+
+def walk(banks, types, threads: int, tokens: int, gap_s: float, rng, poll: int = 0) -> float:
+    """GB/s of expert bytes over `tokens` walks of all layers (poll: GPU programs polling host memory)."""
+    if poll:
+        with GpuPoller(poll):
+            return walk(banks, types, threads, tokens, gap_s, rng)
     torch.set_num_threads(threads)
     x = torch.randn(1, H).to(torch.bfloat16)
     y = torch.empty(K, H)
@@ -121,6 +164,9 @@ def main() -> None:
     ap.add_argument("--threads", default="16,15,8")
     ap.add_argument("--types", default="Q8_0")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--in-step", action="store_true",
+                    help="only the in-step case (worker thread, 100 us gap, pinned where CUDA is), with and without "
+                         "GPU programs polling host memory, plain and huge pages (a whole model's layers: --layers 40)")
     args = ap.parse_args()
     types = tuple(args.types.split("/")) * (3 if "/" not in args.types else 1)
     threads = [int(t) for t in args.threads.split(",")]
@@ -129,6 +175,25 @@ def main() -> None:
            "read_gbs": {t: round(read_gbs(t), 1) for t in threads}, "runs": []}
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
     rng = np.random.default_rng(0)
+    if args.in_step:
+        cuda = torch.cuda.is_available()
+        for huge in (False, True):
+            banks = make_banks(args.layers, types, huge)
+            info = {"huge": huge, "huge_gib": round(huge_bytes() / 2**30, 1)}
+            regs = pin(banks) if cuda else []
+            for poll in ((0, 8) if cuda else (0,)):
+                for mode in ("pool", "omp"):
+                    os.environ["MOESTREAM_CPU_POOL"] = mode
+                    gbs = in_thread(walk, banks, types, threads[0], args.tokens, 1e-4, rng, poll)
+                    run = {**info, "pinned": bool(regs), "poll": poll, "threading": mode, "gbs": round(gbs, 1)}
+                    res["runs"].append(run)
+                    print(json.dumps(run), flush=True)
+            for p in regs:
+                torch.cuda.cudart().cudaHostUnregister(p)
+            del banks
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     for huge in (False, True):
         banks = make_banks(args.layers, types, huge)
         for pinned in ((False, True) if torch.cuda.is_available() else (False,)):
