@@ -115,6 +115,52 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class StructuralTag(_Model):
+    """One tag of a ``structural_tag`` response format (vLLM's shape): ``begin``, JSON valid against
+    ``schema`` (any JSON value without one), ``end``."""
+    begin: str = Field(min_length=1)
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    end: str = ""
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: Optional[JsonSchemaFormat] = None
+    structures: Optional[list[StructuralTag]] = None  # structural_tag: the tags
+    triggers: Optional[list[str]] = None  # structural_tag: texts that start a tag (each begin starts with one)
+    format: Optional[Any] = None  # xgrammar's newer structural_tag shape: refused, not ignored
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
+        if self.type == "structural_tag" and self.format is not None:
+            raise ValueError("the structural_tag 'format' shape is not supported; send 'structures' "
+                             "([{begin, schema, end}]) and 'triggers'")
+        if self.type == "structural_tag" and (not self.structures or not self.triggers):
+            raise ValueError("response_format of type 'structural_tag' needs 'structures' and 'triggers'")
+        return self
+
+    def grammar(self) -> list[tuple[str, Any, str]]:
+        """The structured output it asks for, as `_OpenAISampling.grammar_request` lists them."""
+        if self.type == "text":
+            return []
+        if self.type == "json_object":
+            return [("json_object", None, "response_format")]
+        if self.type == "structural_tag":
+            tags = [{"begin": t.begin, "schema": t.schema_, "end": t.end} for t in self.structures]
+            return [("structural_tag", {"structures": tags, "triggers": self.triggers}, "response_format")]
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return [("json_schema", schema, "response_format")]
+
+
 class _OpenAISampling(_Model):
     model: str = ""
     stream: bool = False
@@ -138,7 +184,7 @@ class _OpenAISampling(_Model):
     min_tokens: Optional[int] = Field(default=None, ge=0)
     user: Optional[str] = None
     # structured outputs in the shapes vLLM (guided_*, structured_outputs) and llama.cpp (grammar,
-    # json_schema) accept; at most one of them, or response_format on chat
+    # json_schema) accept; at most one of them, response_format included
     guided_json: Optional[Union[dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_grammar: Optional[str] = None
@@ -146,6 +192,8 @@ class _OpenAISampling(_Model):
     structured_outputs: Optional[dict[str, Any]] = None
     grammar: Optional[str] = None
     json_schema: Optional[dict[str, Any]] = None
+    # OpenAI's field (chat); vLLM takes it on completions too
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("stop")
     @classmethod
@@ -188,7 +236,7 @@ class _OpenAISampling(_Model):
                 found.append((kind, value, param))
         so = self.structured_outputs or {}
         names = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
-                 "json_object": "json_object"}
+                 "json_object": "json_object", "structural_tag": "structural_tag"}
         for key, value in so.items():
             if key not in names:
                 if value is not None and key not in ("disable_fallback", "disable_any_whitespace",
@@ -203,14 +251,11 @@ class _OpenAISampling(_Model):
                 except ValueError:
                     raise RequestError("structured_outputs.json must be a JSON schema") from None
             found.append((names[key], value, f"structured_outputs.{key}"))
-        found += self._response_format()
+        found += self.response_format.grammar() if self.response_format is not None else []
         if len(found) > 1:
             raise RequestError("only one structured output may be asked for per request, got "
                                + ", ".join(f for _, _, f in found))
         return found[0] if found else None
-
-    def _response_format(self) -> list[tuple[str, Any, str]]:
-        return []
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_OpenAISampling":
@@ -386,24 +431,6 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Model):
-    name: str = "response"
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class ResponseFormat(_Model):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: Optional[JsonSchemaFormat] = None
-
-    @model_validator(mode="after")
-    def _check_schema(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
-        return self
-
-
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -411,7 +438,6 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    response_format: Optional[ResponseFormat] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -425,15 +451,6 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.top_logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
         return None
-
-    def _response_format(self) -> list[tuple[str, Any, str]]:
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return []
-        if rf.type == "json_object":
-            return [("json_object", None, "response_format")]
-        schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        return [("json_schema", schema, "response_format")]
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
@@ -477,8 +494,10 @@ class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # text after the insertion point: the prompt becomes a fill-in-the-middle prompt (models with FIM tokens)
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    # candidates generated; the n with the highest cumulative logprob are returned
+    best_of: Optional[int] = Field(default=None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
     @classmethod
@@ -498,19 +517,20 @@ class CompletionRequest(_OpenAISampling):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
-    @field_validator("suffix")
-    @classmethod
-    def _check_suffix(cls, v: Optional[str]) -> Optional[str]:
-        if v:
-            raise _unsupported("suffix")
-        return v
+    @model_validator(mode="after")
+    def _check_best_of_and_suffix(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ValueError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})")
+        if self.stream and (self.best_of or 1) > 1:
+            raise ValueError("best_of cannot be used with stream: the best candidate is known only at the end")
+        if self.suffix and self.echo:
+            raise ValueError("echo cannot be combined with suffix")
+        return self
 
-    @field_validator("best_of")
-    @classmethod
-    def _check_best_of(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and v != 1:
-            raise ValueError(f"only best_of=1 is supported, got best_of={v} (n > 1 is supported)")
-        return v
+    @property
+    def candidates(self) -> int:
+        """Completions generated: best_of, or n."""
+        return self.best_of or self.n or 1
 
     @property
     def prompt_text(self) -> Optional[str]:
