@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..core import SEED_MAX, RequestError
-from . import protocol as P
+from .protocol import openai_api as P
 from .engine_client import EngineError
 from .generation import (ApiError, GenSpec, ServerState, chat_spec, collect, encode, new_request_id, plain_spec,
                          run)
