@@ -194,7 +194,7 @@ def compile_structured(state: ServerState, kind: str, value: Any, param: str | N
     501 when the grammar engine is not installed."""
     from ..tokenizer.grammar import GrammarUnavailable, compile_grammar
 
-    special = _special_ids(state.tokenizer, _strings(value)) if kind == "structural_tag" else None
+    special = _special_ids(state.tokenizer) if kind == "structural_tag" else None
     try:
         return compile_grammar(kind, value, special)
     except GrammarUnavailable as e:
@@ -203,26 +203,13 @@ def compile_structured(state: ServerState, kind: str, value: Any, param: str | N
         raise ApiError(400, str(e), param=param) from None
 
 
-def _strings(value: Any) -> list[str]:
-    """The strings inside a request value (the texts of a structural tag)."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
-
-
-def _special_ids(tok, texts) -> dict[str, int]:
-    """{text: id} of the tokenizer's special tokens that occur in `texts`: grammars match them as that
-    token (a special token's text written out in pieces is another thing)."""
+def _special_ids(tok) -> dict[str, int]:
+    """{text: id} of the tokenizer's special tokens: grammars match them as that token (a special token's
+    text written out in pieces is another thing)."""
     if tok is None:
         return {}
-    found = {}
-    for tid in tok.special_added_token_ids:
-        piece = tok.id_to_token(tid)
-        if piece and any(piece in t for t in texts):
-            found[piece] = tid
-    return found
+    pieces = {tid: tok.id_to_token(tid) for tid in tok.special_added_token_ids}
+    return {piece: tid for tid, piece in pieces.items() if piece}
 
 
 def _forced_tools(tools: list | None, tool_choice: Any) -> list[dict] | None:
@@ -253,7 +240,7 @@ def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> st
         getattr(state.tool_parser_cls, "name", ""))
     if build is None:
         return None
-    special = _special_ids(state.tokenizer, ("<tool_call>", "</tool_call>"))
+    special = _special_ids(state.tokenizer)
     try:
         return build(tools, special, multiple=tool_choice == "required")
     except GrammarUnavailable as e:

@@ -62,7 +62,7 @@ def compile_grammar(kind: str, value: Any, special_ids: dict[str, int] | None = 
     """kind: "json_schema" (a dict), "json_object", "regex", "grammar" (Lark or GBNF text),
     "choice" (a list of strings), "structural_tag" ({"structures", "triggers"}, see
     `structural_tag_grammar`) -> a validated llguidance grammar. special_ids: the tokenizer's special
-    tokens that a structural tag's strings contain, by text."""
+    tokens by text, matched as those tokens where a structural tag's strings hold them."""
     llg = _llg()
     if kind == "structural_tag":
         return structural_tag_grammar(value, special_ids or {})
@@ -121,8 +121,8 @@ def structural_tag_grammar(value: Any, special_ids: dict[str, int] | None = None
 
     value: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [str, ...]}; each begin starts
     with a trigger (the longest one that fits is its trigger). A text trigger is matched lazily, the moment
-    the model has written it; a trigger that starts with a special token (`<tool_call>` in Qwen) waits for
-    that token, and the rest of its begin is forced."""
+    the model has written it; a trigger that starts with a special token (the demo tokenizer's `<tool_call>`)
+    waits for that token, and the rest of its begin is forced."""
     special_ids = special_ids or {}
     structures, triggers = _structural_tag_parts(value)
     rules, names = [], []
@@ -134,7 +134,7 @@ def structural_tag_grammar(value: Any, special_ids: dict[str, int] | None = None
         trigger = max(fits, key=len)
         schema = {**(schema or {}), "x-guidance": dict(_JSON_OPTIONS)}
         body = f"%json {json.dumps(schema, separators=(',', ':'))} {_seq(end, special_ids)}"
-        head = next((t for t in special_ids if trigger.startswith(t)), None)
+        head = max((t for t in special_ids if trigger.startswith(t)), key=len, default=None)
         if head is not None:  # a special token: not text, so no lazy match; the tag starts at that token
             rules.append(f"tag{i}: TEXT <[{special_ids[head]}]> {_seq(begin[len(head):], special_ids)} {body}")
         elif any(t in trigger for t in special_ids):
