@@ -265,3 +265,12 @@ def test_structural_tag_constrains_each_tag_and_leaves_the_rest_free(oai, tiny_c
             assert end and after == "" and set(value) == {"x", "ok"} and 0 <= value["x"] <= 99, text
     free = oai.completions.create(seed=0, extra_body=extra, **kw).choices[0].text
     assert "<tool_call>" in free and "<tool_call>\n{" not in free  # without the format: no tag body
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400_that_says_why(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="def f(x):\n    return ", suffix="\n\nprint(f(2))", max_tokens=4)
+    assert "fill-in-the-middle" in e.value.body["message"] and e.value.body["param"] == "suffix"
+    with pytest.raises(openai.BadRequestError, match="best_of cannot be used with stream"):
+        oai.completions.create(model=MODEL, prompt="x", best_of=2, stream=True, max_tokens=4)
+    assert oai.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
