@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from moestream.server.engine_client import Delta, EngineError
+from moestream.server.engine_client import EngineError
 from moestream.server.engine_proc import _KeepMarkup
+from moestream.server.messages import Delta
 from moestream.tokenizer import IncrementalDetokenizer
 
 

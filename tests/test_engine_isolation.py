@@ -9,6 +9,7 @@ import torch
 from moestream.core import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 from moestream.engine.sampler import make_generator, sample
 from moestream.server.engine_proc import EngineArgs, EngineLoop
+from moestream.server.messages import Add, Failed, Outputs
 
 POISON = 7  # a prompt holding this token id makes the (patched) forward fail
 
@@ -55,8 +56,7 @@ def loop(tiny_checkpoint):
 def _run(loop, prompts: dict[str, list[int]], max_tokens: int = 6) -> tuple[dict, dict]:
     loop.outbox.msgs.clear()
     for rid, ids in prompts.items():
-        loop._add({"rid": rid, "prompt_ids": ids, "params": {"max_tokens": max_tokens, "temperature": 0,
-                                                            "ignore_eos": True}})
+        loop._add(Add(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
     for _ in range(200):
         if not loop.scheduler.has_work():
             break
@@ -64,11 +64,11 @@ def _run(loop, prompts: dict[str, list[int]], max_tokens: int = 6) -> tuple[dict
     texts = {rid: "" for rid in prompts}
     errors = {}
     for m in loop.outbox.msgs:
-        if m["type"] == "out":
-            for rid, text, *_ in m["items"]:
-                texts[rid] += text
-        elif m["type"] == "error":
-            errors[m["rid"]] = m
+        if isinstance(m, Outputs):
+            for rid, delta in m.items:
+                texts[rid] += delta.text
+        elif isinstance(m, Failed):
+            errors[m.rid] = m
     return texts, errors
 
 
@@ -85,7 +85,7 @@ def test_a_failing_request_fails_alone(loop, monkeypatch):
     monkeypatch.setattr(loop.llm.engine, "forward", poisoned)
     failed_before = loop.totals["failed"]
     texts, errors = _run(loop, prompts)
-    assert set(errors) == {"bad"} and errors["bad"]["status"] == 500 and "poisoned" in errors["bad"]["message"]
+    assert set(errors) == {"bad"} and errors["bad"].status == 500 and "poisoned" in errors["bad"].message
     assert {rid: texts[rid] for rid in alone} == alone  # the others finished, exactly as when run alone
     assert loop.totals["failed"] == failed_before + 1
     s = loop.scheduler
@@ -97,4 +97,4 @@ def test_a_failing_request_fails_alone(loop, monkeypatch):
 def test_an_unexpected_add_error_fails_that_request_only(loop, monkeypatch):
     monkeypatch.setattr(loop.scheduler, "add", lambda req: (_ for _ in ()).throw(OverflowError("boom")))
     _, errors = _run(loop, {"x": [1, 2]})
-    assert errors["x"]["status"] == 500 and "boom" in errors["x"]["message"]
+    assert errors["x"].status == 500 and "boom" in errors["x"].message

@@ -251,6 +251,7 @@ def test_usage_reports_cached_tokens():
 
 def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
     from moestream.server.engine_proc import EngineArgs, EngineLoop
+    from moestream.server.messages import Add, Outputs
     from moestream.server.metrics import Metrics
 
     class Outbox:
@@ -266,15 +267,15 @@ def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
     finals = []
     for rid in ("a", "b"):
         loop.outbox.msgs.clear()
-        loop._add({"rid": rid, "prompt_ids": prompt, "params": {"max_tokens": 3, "temperature": 0,
-                                                                "ignore_eos": True}})
+        loop._add(Add(rid, prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
         for _ in range(50):
             loop._step()
-            items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"] if i[3] is not None]
+            items = [d for m in loop.outbox.msgs if isinstance(m, Outputs) for _, d in m.items
+                     if d.finish_reason is not None]
             if items:
                 finals.append(items[0])
                 break
-    assert [f[7] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    assert [f.cached_tokens for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
     stats = loop.stats()
     assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
     m = Metrics("x")

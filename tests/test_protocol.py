@@ -80,7 +80,7 @@ CHAT_ERRORS = [
     ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"logit_bias": {"x": 5}}, "logit_bias", "must be token ids"),
     ({"logit_bias": {"42": 500}}, "logit_bias", "[-100, 100]"),
-    ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object', 'json_schema' or 'structural_tag'"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
     ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
@@ -187,8 +187,10 @@ def test_completion_request_prompts():
     ({"prompt": [1, -2]}, ">= 0"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "n": 30}, "less than or equal to 16"),
-    ({"prompt": "a", "best_of": 2}, "best_of"),
-    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "best_of": 2, "n": 3}, "best_of (2) must be greater than or equal to n (3)"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of cannot be used with stream"),
+    ({"prompt": "a", "best_of": 17}, "best_of: Input should be less than or equal to 16"),
+    ({"prompt": "a", "suffix": "z", "echo": True}, "echo cannot be combined with suffix"),
     ({}, "prompt: Field required"),
 ])
 def test_completion_request_errors(extra, fragment):

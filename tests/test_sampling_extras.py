@@ -258,3 +258,42 @@ def test_aborted_parent_lets_children_prefill(llm):
     while kid.finish_reason is None:
         sched.step()
     assert kid.output_ids == llm.generate([[5, 6, 7]], p)[0].token_ids and not sched.held
+
+
+def test_structural_tag_grammar_constrains_only_the_tags(tmp_path):
+    """Free text is free; a trigger starts a tag whose JSON must fit its schema and whose end is forced; a
+    special-token trigger (the demo's <tool_call>) is matched as that token."""
+    from moestream.demo_tokenizer import build_tokenizer
+    from moestream.tokenizer import Tokenizer
+    from moestream.tokenizer.grammar import Grammars, compile_grammar
+
+    build_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    grammars = Grammars(tok, tok.vocab_size, tok.eos_token_ids)
+    eos = tok.eos_token_ids[0]
+    ints = lambda key: {"type": "object", "properties": {key: {"type": "integer"}}, "required": [key],
+                        "additionalProperties": False}
+    text_tags = compile_grammar("structural_tag", {"triggers": ["<function="], "structures": [
+        {"begin": "<function=add>", "schema": ints("a"), "end": "</function>"},
+        {"begin": "<function=mul>", "schema": ints("b"), "end": "</function>"}]})
+    special = {t: tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>")}
+    token_tags = compile_grammar("structural_tag", {"triggers": ["<tool_call>"], "structures": [
+        {"begin": "<tool_call>\n", "schema": ints("x"), "end": "\n</tool_call>"}]}, special)
+
+    def verdict(grammar, text):
+        m = grammars.matcher(grammar)
+        for t in tok.encode(text):
+            if not m.consume(t):
+                return "rejected"
+        return "complete" if m.allowed()[eos] else "open"
+
+    assert verdict(text_tags, "Just prose, no call at all.") == "complete"
+    assert verdict(text_tags, 'Sum: <function=add>{"a":1}</function> and <function=mul>{"b":12}</function>!') \
+        == "complete"
+    assert verdict(text_tags, '<function=add>{"a":1}') == "open"  # the end is still owed
+    assert verdict(text_tags, '<function=add>{"b":1}</function>') == "rejected"  # add's schema has no b
+    assert verdict(text_tags, '<function=sub>{"a":1}</function>') == "rejected"  # no such tag
+    assert verdict(text_tags, '<function=add>{"a":"one"}</function>') == "rejected"
+    assert verdict(token_tags, 'Hi <tool_call>\n{"x":5}\n</tool_call> done') == "complete"
+    assert verdict(token_tags, "Hi <tool_call>\nnot json") == "rejected"
+    assert verdict(token_tags, 'Hi <tool_call>\n{"x":5}') == "open"

@@ -286,3 +286,48 @@ def test_n_and_logprobs_shapes_with_a_scripted_engine(demo_tokenizer):
     assert seen == {0: "ok", 1: "ok"}
     r = oai.completions.create(model=MODEL, prompt="hi there", echo=True, max_tokens=4)
     assert r.choices[0].text == "hi thereok"
+
+
+def test_suffix_is_a_fill_in_the_middle_prompt_in_the_real_qwen3_tokens(qwen3_tokenizer, demo_tokenizer):
+    tok = qwen3_tokenizer
+    engine, http, oai, _ = make(tok, "a + b")
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    r = oai.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=8)
+    fim = [tok.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
+    want = [fim[0], *tok.encode(prefix), fim[1], *tok.encode(suffix), fim[2]]
+    assert engine.prompts[-1] == want and r.usage.prompt_tokens == len(want)
+    assert r.choices[0].text == "a + b"  # the middle only: neither prompt nor suffix is echoed
+    ids = tok.encode(prefix)  # token-id prompts are wrapped the same way
+    oai.completions.create(model=MODEL, prompt=ids, suffix=suffix, max_tokens=8)
+    assert engine.prompts[-1] == want
+    # a tokenizer without FIM tokens: a 400 that says why, and the server keeps serving
+    engine, http, oai, _ = make(demo_tokenizer, "ok")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="x", suffix="y", max_tokens=2)
+    assert "fill-in-the-middle" in e.value.body["message"] and e.value.body["param"] == "suffix"
+    assert engine.prompts == [] and oai.completions.create(model=MODEL, prompt="x", suffix="").choices[0].text == "ok"
+
+
+def test_best_of_and_structural_tag_refusals_are_400s(demo_tokenizer):
+    engine, http, oai, _ = make(demo_tokenizer, "ok")
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=MODEL, prompt="x", best_of=2, n=3)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        oai.completions.create(model=MODEL, prompt="x", best_of=2, stream=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [({"type": "structural_tag", "structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<g"]},
+            "starts with none of the triggers"),
+           ({"type": "structural_tag", "triggers": ["<f"]}, "needs 'structures' and 'triggers'"),
+           ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "'format' shape is not supported"),
+           ({"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": 5}}], "triggers": ["<f"]},
+            "invalid structural tag")]
+    for fmt, words in bad:
+        with pytest.raises(openai.BadRequestError, match=words):
+            oai.chat.completions.create(model=MODEL, messages=msgs, response_format=fmt)
+    with pytest.raises(openai.BadRequestError, match="only one structured output"):
+        oai.completions.create(model=MODEL, prompt="x", extra_body={
+            "guided_regex": "a", "structured_outputs": {"structural_tag": json.dumps(
+                {"structures": [{"begin": "<f>"}], "triggers": ["<f"]})}})
+    assert engine.prompts == []
+    assert oai.completions.create(model=MODEL, prompt="x", best_of=3, n=2).usage.completion_tokens == \
+        3 * len(demo_tokenizer.encode("ok"))

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from . import protocol as P
+from .protocol import anthropic_api as P
 from .engine_client import EngineError
 from .generation import ApiError, GenSpec, ServerState, chat_spec, collect, encode, render_chat, run
 

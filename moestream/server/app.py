@@ -22,7 +22,9 @@ from .. import __version__
 from . import anthropic_routes, openai_routes, web
 from .engine_client import EngineError
 from .generation import ApiError, ServerState
-from .protocol import anthropic_error_body, openai_error_body, validation_error_message
+from .protocol.anthropic_api import anthropic_error_body
+from .protocol.common import validation_error_message
+from .protocol.openai_api import openai_error_body
 
 log = logging.getLogger("moestream.server")
 

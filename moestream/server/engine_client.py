@@ -7,30 +7,18 @@ One reader thread blocks on the engine's pipe and hands each message to the asyn
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import threading
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..core import MoestreamError
 from .engine_proc import EngineArgs, engine_main
+from .messages import Abort, Add, Delta, Failed, Outputs, Ready, Shutdown, StartupError, Stats, StatsQuery
 
 log = logging.getLogger("moestream.server")
-
-
-@dataclass
-class Delta:
-    text: str
-    tokens: int  # generated tokens this delta stands for
-    finish_reason: str | None = None
-    stop: str | None = None  # the stop string that ended the request, if one did
-    logprobs: list | None = None  # [[token, logprob, [[id, logprob], ...]], ...] when asked for
-    prompt_logprobs: list | None = None  # [None, (logprob, alternatives), ...] with the first delta
-    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
 
 
 class EngineError(Exception):
@@ -69,20 +57,20 @@ class EngineClient:
         to_engine_r.close()  # our copies: closing them lets each side see EOF when the other dies
         from_engine_w.close()
         msg = self._recv_startup()
-        self.info, self.alive = msg["info"], True
+        self.info, self.alive = msg.info, True
         return self.info
 
-    def _recv_startup(self) -> dict:
+    def _recv_startup(self) -> Ready:
         while True:
             if self._from_engine.poll(0.5):
                 try:
                     msg = self._from_engine.recv()
                 except EOFError:
                     msg = None
-                if msg is None or msg.get("type") == "startup_error":
+                if not isinstance(msg, Ready):
                     self.shutdown()
-                    raise MoestreamError("the engine failed to start: " +
-                                         (msg["message"] if msg else "it exited (see the log above)"))
+                    raise MoestreamError("the engine failed to start: " + (
+                        msg.message if isinstance(msg, StartupError) else "it exited (see the log above)"))
                 return msg
             if not self._proc.is_alive():
                 raise MoestreamError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
@@ -114,7 +102,7 @@ class EngineClient:
         if proc is None:
             return
         try:
-            self._send({"op": "shutdown"})
+            self._send(Shutdown())
         except (OSError, ValueError):
             pass
         proc.join(timeout)
@@ -138,8 +126,7 @@ class EngineClient:
         self._queues[rid] = q
         finished = False
         try:
-            self._send({"op": "add", "rid": rid, "prompt_ids": list(prompt_ids),
-                        "params": dataclasses.asdict(params), "keep_markup": keep_markup, "parent": parent})
+            self._send(Add(rid, list(prompt_ids), params, keep_markup, parent))
             while True:
                 item = await q.get()
                 if item is _GONE:
@@ -159,7 +146,7 @@ class EngineClient:
     def cancel(self, rid: str) -> None:
         """Abort now (frees the request's pages and slot) and wake its generator."""
         if self.alive:
-            self._send({"op": "abort", "rid": rid})
+            self._send(Abort(rid))
         q = self._queues.get(rid)
         if q is not None:
             q.put_nowait(_GONE)
@@ -170,14 +157,14 @@ class EngineClient:
         sid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[sid] = fut
-        self._send({"op": "stats", "sid": sid})
+        self._send(StatsQuery(sid))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(sid, None)
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: Add | Abort | StatsQuery | Shutdown) -> None:
         with self._lock:
             self._to_engine.send(msg)
 
@@ -201,21 +188,22 @@ class EngineClient:
         except RuntimeError:  # the loop closed: the server is shutting down
             return False
 
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "out":
-            for rid, text, tokens, reason, stop, lp, plp, cached in msg["items"]:
+    def _dispatch(self, msg: Outputs | Failed | Stats) -> None:
+        if isinstance(msg, Outputs):
+            for rid, delta in msg.items:
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(text, tokens, reason, stop, [lp] if lp is not None else None, plp, cached))
-        elif kind == "error":
-            q = self._queues.get(msg["rid"])
+                    q.put_nowait(delta)
+        elif isinstance(msg, Failed):
+            q = self._queues.get(msg.rid)
             if q is not None:
-                q.put_nowait(EngineError(msg["message"], msg.get("status", 500)))
-        elif kind == "stats":
-            fut = self._stats_waiters.get(msg["sid"])
+                q.put_nowait(EngineError(msg.message, msg.status))
+        elif isinstance(msg, Stats):
+            fut = self._stats_waiters.get(msg.sid)
             if fut is not None and not fut.done():
-                fut.set_result(msg["data"])
+                fut.set_result(msg.data)
+        else:
+            log.error("unexpected message from the engine: %r", msg)
 
     def _engine_died(self) -> None:
         was_alive, self.alive = self.alive, False

@@ -1,14 +1,6 @@
 """The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
-through two one-way pipes carrying small dicts.
-
-    front end -> engine   {"op": "add", "rid", "prompt_ids", "params": {...}, "keep_markup": bool,
-                           "parent": rid of an n > 1 sibling whose prefill this one copies, or None}
-                          {"op": "abort", "rid"}   {"op": "stats", "sid"}   {"op": "shutdown"}
-    engine -> front end   {"type": "ready", "info": {...}}  |  {"type": "startup_error", "message"}
-                          {"type": "out", "items": [[rid, text_delta, new_tokens, finish, stop_str,
-                                                     [token, logprob, [[id, logprob]...]] | None,
-                                                     prompt logprobs (first item only) | None, cached_tokens], ...]}
-                          {"type": "error", "rid", "message", "status"}   {"type": "stats", "sid", "data"}
+through two one-way pipes carrying the dataclasses of `server/messages.py` (Add / Abort / StatsQuery /
+Shutdown in; Ready or StartupError, then Outputs / Failed / Stats out).
 
 Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
 The process ends with its parent: it polls the parent pid and the pipe (EOF), and on Linux asks the
@@ -25,6 +17,8 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+
+from .messages import Abort, Add, Delta, Failed, Outputs, Ready, Shutdown, StartupError, Stats, StatsQuery
 
 log = logging.getLogger("moestream.engine")
 
@@ -62,12 +56,11 @@ def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
         # the front end prints the one line; the traceback is for --log-level debug (a corrupt folder
         # would otherwise bury the message under 20-30 lines of loader internals)
         log.debug("engine start-up failed", exc_info=True)
-        outbox.send({"type": "startup_error", "message": f"{type(e).__name__}: {e}" if not _is_user_error(e)
-                     else str(e)})
+        outbox.send(StartupError(f"{type(e).__name__}: {e}" if not _is_user_error(e) else str(e)))
         return
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))  # serving: leave the loop cleanly
-    outbox.send({"type": "ready", "info": loop.info()})
+    outbox.send(Ready(loop.info()))
     try:
         loop.run(inbox, parent_pid, stop)
     finally:
@@ -159,38 +152,38 @@ class EngineLoop:
     def _drain(self, inbox) -> bool:
         while inbox.poll(0):
             msg = inbox.recv()
-            op = msg.get("op")
-            if op == "shutdown":
+            if isinstance(msg, Shutdown):
                 return False
-            if op == "add":
+            if isinstance(msg, Add):
                 self._add(msg)
-            elif op == "abort":
-                if self.scheduler.abort(msg["rid"]):
+            elif isinstance(msg, Abort):
+                if self.scheduler.abort(msg.rid):
                     self.totals["aborted"] += 1
-            elif op == "stats":
-                self.outbox.send({"type": "stats", "sid": msg["sid"], "data": self.stats()})
+            elif isinstance(msg, StatsQuery):
+                self.outbox.send(Stats(msg.sid, self.stats()))
+            else:
+                log.error("unexpected message from the front end: %r", msg)
         return True
 
-    def _add(self, msg: dict) -> None:
-        from ..core import MoestreamError, SamplingParams
+    def _add(self, msg: Add) -> None:
+        from ..core import MoestreamError
         from ..scheduler.request import Request
         from ..tokenizer import IncrementalDetokenizer
 
-        rid = msg["rid"]
+        rid, params = msg.rid, msg.params
         try:
-            params = SamplingParams(**msg["params"])
-            req = Request(rid, list(msg["prompt_ids"]), params, parent=msg.get("parent"))
-            if self.tokenizer is not None and msg.get("keep_markup") and params.skip_special_tokens:
+            params.validate()  # the front end validated it; a request that slipped past fails alone
+            req = Request(rid, list(msg.prompt_ids), params, parent=msg.parent)
+            if self.tokenizer is not None and msg.keep_markup and params.skip_special_tokens:
                 req.detok = IncrementalDetokenizer(self.markup_view, stop=params.stop, skip_special_tokens=True)
             self.scheduler.add(req)
         except MoestreamError as e:
-            self.outbox.send({"type": "error", "rid": rid, "message": str(e), "status": 400})
+            self.outbox.send(Failed(rid, str(e), 400))
             return
         except Exception as e:  # the front end validates first; whatever slips through fails this request only
             log.exception("could not add request %s", rid)
             self.totals["failed"] += 1
-            self.outbox.send({"type": "error", "rid": rid, "message": f"internal error: {type(e).__name__}: {e}",
-                              "status": 500})
+            self.outbox.send(Failed(rid, f"internal error: {type(e).__name__}: {e}", 500))
             return
         self.totals["prompt_tokens"] += len(req.prompt_ids)
 
@@ -204,14 +197,14 @@ class EngineLoop:
         for o in outputs:
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
-            lp = [o.new_token, o.logprobs[0], o.logprobs[1]] if o.logprobs is not None else None
-            items.append([o.request.id, o.text_delta, 1, reason, stop_str, lp, o.prompt_logprobs,
-                          o.request.cached_tokens or 0])
+            lp = [[o.new_token, o.logprobs[0], o.logprobs[1]]] if o.logprobs is not None else None
+            items.append((o.request.id, Delta(o.text_delta, 1, reason, stop_str, lp, o.prompt_logprobs,
+                                              o.request.cached_tokens or 0)))
             if o.finished:
                 self.totals["finished"] += 1
         self.totals["generated_tokens"] += len(outputs)
         if items:
-            self.outbox.send({"type": "out", "items": items})
+            self.outbox.send(Outputs(items))
         self._account(self.scheduler.last_step)
 
     def _step_failed(self, e: Exception) -> None:
@@ -232,7 +225,7 @@ class EngineLoop:
             self.totals["failed"] += 1
             msg = ("out of memory while computing this request; retry with a shorter prompt or fewer "
                    "concurrent requests" if oom else f"internal error: {type(e).__name__}: {e}")
-            self.outbox.send({"type": "error", "rid": req.id, "message": msg, "status": 503 if oom else 500})
+            self.outbox.send(Failed(req.id, msg, 503 if oom else 500))
 
     # ---- observability ---------------------------------------------------------------------
     def _account(self, st: dict) -> None:

@@ -177,7 +177,7 @@ def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, to
         raise ApiError(400, "a structured output (response_format / guided_*) cannot be combined with a forced "
                        "tool_choice; send one of them", param=grammar[2])
     if grammar is not None:
-        params.grammar = compile_structured(*grammar)
+        params.grammar = compile_structured(state, *grammar)
     elif forced is not None:
         params.grammar = _tool_grammar(state, forced, tool_choice)
     params.reasoning_open = opens and state.reasoning_parser_cls.name != "none"
@@ -189,17 +189,27 @@ def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, to
     return GenSpec(ids, params, tool_parser, reasoning, keep_markup=skip_special_tokens)
 
 
-def compile_structured(kind: str, value: Any, param: str | None = None) -> str:
+def compile_structured(state: ServerState, kind: str, value: Any, param: str | None = None) -> str:
     """A request's structured output -> the llguidance grammar the engine applies; 400 when invalid,
     501 when the grammar engine is not installed."""
     from ..tokenizer.grammar import GrammarUnavailable, compile_grammar
 
+    special = _special_ids(state.tokenizer) if kind == "structural_tag" else None
     try:
-        return compile_grammar(kind, value)
+        return compile_grammar(kind, value, special)
     except GrammarUnavailable as e:
         raise ApiError(501, str(e), type="server_error", param=param) from None
     except MoestreamError as e:
         raise ApiError(400, str(e), param=param) from None
+
+
+def _special_ids(tok) -> dict[str, int]:
+    """{text: id} of the tokenizer's special tokens: grammars match them as that token (a special token's
+    text written out in pieces is another thing)."""
+    if tok is None:
+        return {}
+    pieces = {tid: tok.id_to_token(tid) for tid in tok.special_added_token_ids}
+    return {piece: tid for tid, piece in pieces.items() if piece}
 
 
 def _forced_tools(tools: list | None, tool_choice: Any) -> list[dict] | None:
@@ -230,12 +240,7 @@ def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> st
         getattr(state.tool_parser_cls, "name", ""))
     if build is None:
         return None
-    tok = state.tokenizer
-    special = {}
-    for tag in ("<tool_call>", "</tool_call>"):
-        tid = tok.token_to_id(tag) if tok is not None else None
-        if tid is not None and tid in tok.special_added_token_ids:
-            special[tag] = tid
+    special = _special_ids(state.tokenizer)
     try:
         return build(tools, special, multiple=tool_choice == "required")
     except GrammarUnavailable as e:
@@ -259,7 +264,7 @@ def plain_spec(state: ServerState, ids: list[int], params_fn, grammar: tuple | N
     _check_token_ids(state, ids, "prompt")
     params = sampling_params(state, len(ids), params_fn)
     if grammar is not None:
-        params.grammar = compile_structured(*grammar)
+        params.grammar = compile_structured(state, *grammar)
     return GenSpec(ids, params, NoToolParser(), NoReasoningParser(), keep_markup=False)
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..core import SEED_MAX, RequestError
-from . import protocol as P
+from .protocol import openai_api as P
 from .engine_client import EngineError
 from .generation import (ApiError, GenSpec, ServerState, chat_spec, collect, encode, new_request_id, plain_spec,
                          run)
@@ -193,16 +193,16 @@ async def completions(state: ServerState, request, body: dict) -> Any:
     req, spec = await run_in_threadpool(_completion_prepare, state, body)
     ids = spec.prompt_ids
     rid = new_request_id("cmpl")
-    specs = fork(spec, req.n or 1)
+    specs = fork(spec, req.candidates)
     echo = _echo_text(state, req, ids) if req.echo else None
     if req.stream:
         return _sse(_completion_stream(state, specs, request, rid, req.include_usage, echo))
     gots = await _collect_all(state, specs, request, rid)
     out = None
-    for i, got in enumerate(gots):
+    for i, got in enumerate(best(gots, req.n or 1)):
         text = (echo or "") + got.content
         lp = None
-        if spec.params.logprobs is not None:
+        if req.logprobs is not None:
             entries = _prompt_entries(ids, got.prompt_logprobs) if req.echo else []
             lp = P.completion_logprobs(state.tokenizer, entries + got.logprobs)
         one = P.completion_response(rid, state.model_name, text, finish_reason=got.finish_reason,
@@ -212,9 +212,18 @@ async def completions(state: ServerState, request, body: dict) -> Any:
             out = one
         else:
             out["choices"] += one["choices"]
-            out["usage"] = P.usage_dict(len(ids), out["usage"]["completion_tokens"] + got.completion_tokens,
-                                        out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # every candidate was generated, so usage counts them all (as OpenAI bills best_of)
+    out["usage"] = P.usage_dict(len(ids), sum(g.completion_tokens for g in gots),
+                                out["usage"]["prompt_tokens_details"]["cached_tokens"])
     return JSONResponse(out)
+
+
+def best(gots: list, n: int) -> list:
+    """best_of: the n candidates with the highest cumulative logprob of their generated tokens, best first
+    (the earlier candidate on a tie); all of them, in order, when there are only n."""
+    if len(gots) == n:
+        return gots
+    return sorted(gots, key=lambda g: -sum(e[1] for e in g.logprobs or []))[:n]
 
 
 def _echo_text(state: ServerState, req: P.CompletionRequest, ids: list[int]) -> str:
@@ -296,14 +305,29 @@ def _completion_prepare(state: ServerState, body: dict) -> tuple[P.CompletionReq
         if state.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         ids = encode(state, req.prompt_text)
+    if req.suffix:
+        ids = _fill_in_the_middle(state, ids, req.suffix)
 
     def make(room):
         params = req.to_sampling_params(room)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = req.logprobs  # echo + logprobs: the prompt's tokens are scored too
+        if req.candidates > (req.n or 1) and params.logprobs is None:
+            params.logprobs = 0  # best_of ranks by the sampled tokens' logprobs (not returned unless asked)
         return params
 
     return req, plain_spec(state, ids, make, grammar=grammar)
+
+
+def _fill_in_the_middle(state: ServerState, ids: list[int], suffix: str) -> list[int]:
+    """A fill-in-the-middle prompt: PREFIX prompt SUFFIX suffix MIDDLE, in the tokenizer's FIM tokens."""
+    fim = state.tokenizer.fim_ids() if state.tokenizer is not None else None
+    if fim is None:
+        raise ApiError(400, "suffix needs a model trained for fill-in-the-middle, whose tokenizer has FIM tokens "
+                       "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> or StarCoder's / DeepSeek-Coder's); "
+                       "this model's tokenizer has none", param="suffix")
+    prefix, suffix_tok, middle = fim
+    return [prefix, *ids, suffix_tok, *encode(state, suffix), middle]
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:

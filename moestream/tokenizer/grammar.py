@@ -6,7 +6,7 @@ computes a token mask in tens of microseconds with no per-schema precompilation 
 (schemas differ per request in agent traffic), it takes JSON Schema, regex, Lark and llama.cpp's GBNF,
 and it is maintained by the guidance-ai team and used by vLLM, SGLang and llama.cpp.
 
-- `compile_grammar(kind, value)` (front end): a request's JSON schema / regex / grammar -> the
+- `compile_grammar(kind, value)` (front end): a request's JSON schema / regex / grammar / structural tags -> the
   llguidance grammar string that travels to the engine in `SamplingParams.grammar`; raises
   `RequestError` (HTTP 400) on an invalid one, `GrammarUnavailable` when llguidance is not installed.
 - `Grammars(tokenizer, vocab_size, eos_ids)` (engine): builds the llguidance tokenizer once and a
@@ -58,10 +58,14 @@ def _check(grammar: str, what: str) -> str:
     return grammar
 
 
-def compile_grammar(kind: str, value: Any) -> str:
+def compile_grammar(kind: str, value: Any, special_ids: dict[str, int] | None = None) -> str:
     """kind: "json_schema" (a dict), "json_object", "regex", "grammar" (Lark or GBNF text),
-    "choice" (a list of strings) -> a validated llguidance grammar."""
+    "choice" (a list of strings), "structural_tag" ({"structures", "triggers"}, see
+    `structural_tag_grammar`) -> a validated llguidance grammar. special_ids: the tokenizer's special
+    tokens by text, matched as those tokens where a structural tag's strings hold them."""
     llg = _llg()
+    if kind == "structural_tag":
+        return structural_tag_grammar(value, special_ids or {})
     if kind == "json_object":
         kind, value = "json_schema", {"type": "object"}
     if kind == "json_schema":
@@ -94,12 +98,83 @@ def compile_grammar(kind: str, value: Any) -> str:
     raise RequestError(f"unknown grammar kind {kind!r}")
 
 
+def _seq(text: str, special_ids: dict[str, int]) -> str:
+    """A Lark sequence for `text`: quoted literals, each special token's text in it matched as that token
+    (a special token is never produced by spelling its text). "" for an empty text."""
+    parts, i = [], 0
+    while i < len(text):
+        hits = [(at, -len(tag), tag) for tag in special_ids if (at := text.find(tag, i)) >= 0]
+        if not hits:
+            parts.append(json.dumps(text[i:]))
+            break
+        at, _, tag = min(hits)  # the first tag in the text; the longest where two start together
+        if at > i:
+            parts.append(json.dumps(text[i:at]))
+        parts.append(f"<[{special_ids[tag]}]>")
+        i = at + len(tag)
+    return " ".join(parts)
+
+
+def structural_tag_grammar(value: Any, special_ids: dict[str, int] | None = None) -> str:
+    """vLLM's structural tags: free text, in which each trigger starts a tag — `begin`, JSON valid against
+    `schema` (any JSON value when it has none), then `end` — after which free text resumes.
+
+    value: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [str, ...]}; each begin starts
+    with a trigger (the longest one that fits is its trigger). A text trigger is matched lazily, the moment
+    the model has written it; a trigger that starts with a special token (the demo tokenizer's `<tool_call>`)
+    waits for that token, and the rest of its begin is forced."""
+    special_ids = special_ids or {}
+    structures, triggers = _structural_tag_parts(value)
+    rules, names = [], []
+    for i, st in enumerate(structures):
+        begin, end, schema = st["begin"], st.get("end", ""), st.get("schema")
+        fits = [t for t in triggers if begin.startswith(t)]
+        if not fits:
+            raise RequestError(f"structural tag {i}: begin {begin!r} starts with none of the triggers {triggers}")
+        trigger = max(fits, key=len)
+        schema = {**(schema or {}), "x-guidance": dict(_JSON_OPTIONS)}
+        body = f"%json {json.dumps(schema, separators=(',', ':'))} {_seq(end, special_ids)}"
+        head = max((t for t in special_ids if trigger.startswith(t)), key=len, default=None)
+        if head is not None:  # a special token: not text, so no lazy match; the tag starts at that token
+            rules.append(f"tag{i}: TEXT <[{special_ids[head]}]> {_seq(begin[len(head):], special_ids)} {body}")
+        elif any(t in trigger for t in special_ids):
+            raise RequestError(f"structural tag trigger {trigger!r} holds a special token after its start")
+        else:
+            rules += [f"trigger{i}[lazy]: TEXT {json.dumps(trigger)}",
+                      f"tag{i}: trigger{i} {_seq(begin[len(trigger):], special_ids)} {body}"]
+        names.append(f"tag{i}")
+    lark = "\n".join(["%llguidance {}", f"start: ({' | '.join(names)})* TEXT", "TEXT: /(.|\\n)*/", *rules])
+    return _check(_llg().LLMatcher.grammar_from_lark(lark), "structural tag")
+
+
+def _structural_tag_parts(value: Any) -> tuple[list[dict], list[str]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RequestError("a structural tag must be an object (or its JSON text)") from None
+    if not isinstance(value, dict):
+        raise RequestError("a structural tag must be an object with 'structures' and 'triggers'")
+    if "format" in value:
+        raise RequestError("the structural tag 'format' shape is not supported; send 'structures' "
+                           "([{begin, schema, end}]) and 'triggers'")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise RequestError("a structural tag needs 'triggers': a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise RequestError("a structural tag needs 'structures': a non-empty list of {begin, schema, end}")
+    for i, st in enumerate(structures):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not st["begin"] \
+                or not isinstance(st.get("end", ""), str):
+            raise RequestError(f"structural tag {i} needs a non-empty string 'begin' and a string 'end'")
+        if st.get("schema") is not None and not isinstance(st["schema"], dict):
+            raise RequestError(f"structural tag {i}: 'schema' must be a JSON schema object")
+    return structures, triggers
+
+
 def _literal(tag: str, special_ids: dict[str, int], before: str = "", after: str = "") -> str:
     """A Lark literal for `before + tag + after`, the tag matched as its special token where it is one."""
-    if tag in special_ids:
-        return " ".join(([json.dumps(before)] if before else []) + [f"<[{special_ids[tag]}]>"]
-                        + ([json.dumps(after)] if after else []))
-    return json.dumps(before + tag + after)
+    return _seq(before + tag + after, {tag: special_ids[tag]} if tag in special_ids else {})
 
 
 def tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None = None, multiple: bool = False) -> str:

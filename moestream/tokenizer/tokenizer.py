@@ -75,6 +75,16 @@ def _read_chat_template(folder: Path, config: dict) -> str | None:
     return template
 
 
+# Fill-in-the-middle markers (prefix, suffix, middle), in the order a FIM prompt holds them:
+# PREFIX text SUFFIX text MIDDLE, and the model writes what goes between. Qwen2.5/3-Coder and Qwen3.5
+# (with pipes), StarCoder (without), DeepSeek-Coder (begin / hole / end).
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+
+
 class Tokenizer:
     """A model's tokenizer: encode/decode, special token ids and chat template rendering."""
 
@@ -195,6 +205,14 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
+
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) ids of the vocabulary's fill-in-the-middle tokens; None without them."""
+        for names in FIM_TOKENS:
+            ids = tuple(self.token_to_id(t) for t in names)
+            if None not in ids:
+                return ids  # type: ignore[return-value]
+        return None
 
     # ------------------------------------------------------------ encode / decode
 

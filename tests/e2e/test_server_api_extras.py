@@ -222,3 +222,55 @@ def test_thinking_budget_ends_the_block(oai):
     reasoning = getattr(msg, "reasoning_content", None) or msg.model_extra.get("reasoning_content")
     assert reasoning is not None and msg.content and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 14
+
+
+SEED_BEST_OF = 70  # a seed whose two best candidates are not the first two generated
+
+
+def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(oai):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [oai.completions.create(seed=SEED_BEST_OF + i, logprobs=0, **kw).choices[0] for i in range(4)]
+    score = [sum(c.logprobs.token_logprobs) for c in singles]
+    order = sorted(range(4), key=lambda i: -score[i])
+    assert len(set(score)) == 4 and order[:2] != [0, 1]  # the seed is one where the best are not the first two
+    r = oai.completions.create(seed=SEED_BEST_OF, best_of=4, n=2, **kw)
+    assert [c.text for c in r.choices] == [singles[i].text for i in order[:2]]
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    assert r.usage.completion_tokens == 4 * 6  # every candidate was generated
+    one = oai.completions.create(seed=SEED_BEST_OF, best_of=4, logprobs=1, **kw).choices
+    assert len(one) == 1 and one[0].text == singles[order[0]].text
+    assert abs(sum(one[0].logprobs.token_logprobs) - score[order[0]]) < 1e-4
+
+
+def test_structural_tag_constrains_each_tag_and_leaves_the_rest_free(oai, tiny_checkpoint):
+    from moestream.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_checkpoint("qwen35"))
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["x", "ok"], "additionalProperties": False}
+    fmt = {"type": "structural_tag", "triggers": ["<tool_call>"],
+           "structures": [{"begin": "<tool_call>\n", "schema": schema, "end": "\n</tool_call>"}]}
+    # random weights never write a tag: a bias toward the <tool_call> token makes them start one at once
+    extra = {"ignore_eos": True, "skip_special_tokens": False,
+             "logit_bias": {str(tok.token_to_id("<tool_call>")): 100}}
+    kw = dict(model=MODEL, prompt="Call:", max_tokens=60, temperature=1.0)
+    for seed in range(3):
+        text = oai.completions.create(seed=seed, extra_body={**extra, "response_format": fmt}, **kw).choices[0].text
+        tags = text.split("<tool_call>\n")
+        assert tags[0] == "" and len(tags) >= 3, text
+        for tag in tags[1:-1]:  # the last may be cut by max_tokens
+            body, end, after = tag.partition("\n</tool_call>")
+            value = json.loads(body)
+            assert end and after == "" and set(value) == {"x", "ok"} and 0 <= value["x"] <= 99, text
+    free = oai.completions.create(seed=0, extra_body=extra, **kw).choices[0].text
+    assert "<tool_call>" in free and "<tool_call>\n{" not in free  # without the format: no tag body
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400_that_says_why(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="def f(x):\n    return ", suffix="\n\nprint(f(2))", max_tokens=4)
+    assert "fill-in-the-middle" in e.value.body["message"] and e.value.body["param"] == "suffix"
+    with pytest.raises(openai.BadRequestError, match="best_of cannot be used with stream"):
+        oai.completions.create(model=MODEL, prompt="x", best_of=2, stream=True, max_tokens=4)
+    assert oai.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1

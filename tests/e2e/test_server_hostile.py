@@ -223,8 +223,9 @@ CMPL_CASES = [
     ("prompt nested empty", {"prompt": [[]]}, 400), ("prompt two id lists", {"prompt": [[1], [2]]}, 400),
     ("prompt an object", {"prompt": {"a": 1}}, 400), ("prompt mixed list", {"prompt": [1, "a"]}, 400),
     ("prompt ids beyond context", {"prompt": [5] * CTX}, 400), ("prompt text beyond context", {"prompt": "w " * 3000}, 400),
-    ("prompt ids fine", {"prompt": [[1, 2, 3]]}, 200), ("echo", {"echo": True}, 200), ("suffix", {"suffix": "x"}, 400),
-    ("best_of 3", {"best_of": 3}, 400), ("200 KB prompt", {"prompt": "y" * 200_000}, 400),
+    ("prompt ids fine", {"prompt": [[1, 2, 3]]}, 200), ("echo", {"echo": True}, 200), ("suffix without FIM tokens", {"suffix": "x"}, 400),
+    ("best_of 3", {"best_of": 3}, 200), ("best_of below n", {"best_of": 2, "n": 3}, 400),
+    ("best_of streamed", {"best_of": 2, "stream": True}, 400), ("200 KB prompt", {"prompt": "y" * 200_000}, 400),
 ]
 
 MSGS_CASES = [
