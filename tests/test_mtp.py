@@ -109,3 +109,88 @@ def test_gguf_with_nextn_block_loads(mtp_gguf, tiny_checkpoint):
     ga, gb = spec.engine.runtime.store, hf.engine.runtime.store
     assert ga.moe_layers == gb.moe_layers == [0, 1, 2, 3, 4]
     assert tokens(spec, ps) == want
+
+
+# ---- speculative decoding -----------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_tokens_equal_without_speculation(mtp_dir, plain_tokens, k):
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=k, **COMMON)
+    assert tokens(llm, ps) == want  # batch 4
+    assert [tokens(llm, [p])[0] for p in ps[:2]] == want[:2]  # batch 1
+    st = llm.stats()["speculative"]
+    assert st["verify_steps"] > 0 and st["drafted"] > 0
+    assert len(st["drafted_per_position"]) == k
+    llm.scheduler.check_integrity()
+
+
+BACKENDS = [("offload", {"moe_cache_size": 3}), ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+            ("cpu", {}), ("hybrid", {"moe_cache_size": 3}), ("fused", {"moe_decode_kernel": "pairs"})]
+
+
+@pytest.mark.parametrize("backend,kw", BACKENDS)
+def test_every_backend_gives_the_same_greedy_tokens(mtp_dir, plain_tokens, backend, kw):
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend=backend, speculative="mtp", num_speculative_tokens=2, **COMMON, **kw)
+    assert tokens(llm, ps) == want  # batch 4
+    assert tokens(llm, [ps[1]]) == [want[1]]  # batch 1
+    assert llm.stats()["speculative"]["drafted"] > 0
+    llm.scheduler.check_integrity()
+
+
+def script_drafter(llm, seqs, wrong_from: int | None = None):
+    """Make the MTP block's drafts scripted: at position j with input token x[j+1] it proposes x[j+2] of the
+    known greedy continuation (a drafter that agrees with the model); from draft step `wrong_from` on it
+    proposes a different token. The block still runs (its K/V, its experts): only its logits are replaced."""
+    table = {}
+    for s in seqs:
+        for j in range(len(s) - 2):
+            assert table.setdefault((j, s[j + 1]), s[j + 2]) == s[j + 2]  # no ambiguity between prompts
+    real, V = llm.engine.draft, llm.model_config.vocab_size
+
+    def draft(batch, hidden, step=0):
+        logits = real(batch, hidden, step)
+        pos, ids = batch.positions.tolist(), batch.input_ids.tolist()
+        out = torch.full_like(logits, -1e4)
+        for i, r in enumerate(batch.logits_index.tolist()):
+            nxt = table.get((pos[r], ids[r]), 0)
+            out[i, (nxt + 1) % V if wrong_from is not None and step >= wrong_from else nxt] = 0.0
+        return out
+
+    llm.engine.draft = draft
+
+
+def expected_counters(max_tokens: int, k: int, right: int) -> tuple[list[int], list[int], int]:
+    """Per-position drafted / accepted counts and verify steps of one request whose drafter is right for
+    its first `right` drafts of every step (trimmed to what max_tokens leaves)."""
+    drafted, accepted, steps, emitted, out = [0] * k, [0] * k, 0, 0, 1
+    while out < max_tokens:
+        n = min(k, max_tokens - out - 1)
+        a = min(n, right)
+        if n:  # with no room for a draft the step is a plain decode step
+            steps += 1
+            emitted += a + 1
+        for i in range(n):
+            drafted[i] += 1
+            accepted[i] += i < a
+        out += a + 1
+    return drafted, accepted, steps, emitted
+
+
+@pytest.mark.parametrize("k,right", [(3, 3), (2, 1), (3, 0)])
+def test_acceptance_counters_exact_with_a_scripted_drafter(mtp_dir, plain_tokens, k, right):
+    ps, want = plain_tokens
+    # prompts in one chunk: each request's first token comes from its prefill, every later one from decode
+    # steps (a prompt cut at a page boundary would end its prefill with a one-token step that verifies a draft)
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=k,
+              **{**COMMON, "chunked_prefill_size": 64})
+    script_drafter(llm, [p + w for p, w in zip(ps, want)], wrong_from=right)
+    assert tokens(llm, ps) == want
+    st = llm.stats()["speculative"]
+    d, a, steps, emitted = expected_counters(SP.max_tokens, k, right)
+    assert st["drafted_per_position"] == [x * len(ps) for x in d]
+    assert st["accepted_per_position"] == [x * len(ps) for x in a]
+    assert st["verify_steps"] == steps * len(ps)
+    assert st["acceptance_rate"] == pytest.approx(sum(a) / sum(d))
+    assert st["emitted"] == emitted * len(ps)
+    llm.scheduler.check_integrity()

@@ -318,7 +318,9 @@ class Engine:
         # tensor parallel ranks run eagerly: recording NCCL all-reduces in graphs is untested here
         if graphs is None and self.device.type == "cuda" and self.ecfg.cuda_graphs and not self.tp:
             graphs = self.graphs = DecodeGraphs(self)
-        use_graph = graphs is not None and decode and graphs.usable(batch)
+        # --speculative mtp runs eagerly: the drafter reads every row's final hidden state (batch.extra
+        # "keep_hidden"), which recorded steps do not keep, and verify steps are not decode steps
+        use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
         state = self.caches.state
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
@@ -333,6 +335,19 @@ class Engine:
                 out = self.model(batch)
             state.copy(batch.state_saves)  # snapshots at page boundaries, after the step reached them
             return out
+        finally:
+            if self.device.type == "cpu":
+                cpu_quant.prefill_step(False)
+            self.runtime.end_step()
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
+        decode = batch.is_decode
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False})
+        if self.device.type == "cpu":
+            cpu_quant.prefill_step(not decode)
+        try:
+            return self.model.draft(batch, hidden, step)
         finally:
             if self.device.type == "cpu":
                 cpu_quant.prefill_step(False)
