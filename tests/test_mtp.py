@@ -86,10 +86,14 @@ def test_speculative_mtp_needs_a_block(tiny_checkpoint):
         LLM(tiny_checkpoint("qwen35"), speculative="mtp", num_speculative_tokens=0, **COMMON)
 
 
-def test_gguf_with_nextn_block_loads(mtp_gguf, tiny_checkpoint):
+def test_gguf_with_nextn_block_loads(mtp_gguf, tiny_checkpoint, monkeypatch):
     """A GGUF whose block_count counts the MTP block (blk.4.nextn.*): loads as the 4-layer model, and with
-    --speculative mtp its block holds the HF block's weights (Q8_0 rounding aside)."""
+    --speculative mtp its block holds the HF block's weights (Q8_0 rounding aside) and greedy tokens are the
+    same. The CPU int8-activation kernels are off: with them a prompt's tokens depend on which requests share
+    its decode steps even without speculation (mixed steps compute in float), as on this tiny model."""
     from moestream.models.gguf_loader import open_gguf
+
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
 
     ck = open_gguf(mtp_gguf)
     assert any(t.name == "blk.4.nextn.eh_proj.weight" for t in ck.reader.tensors)
@@ -194,3 +198,168 @@ def test_acceptance_counters_exact_with_a_scripted_drafter(mtp_dir, plain_tokens
     assert st["acceptance_rate"] == pytest.approx(sum(a) / sum(d))
     assert st["emitted"] == emitted * len(ps)
     llm.scheduler.check_integrity()
+
+
+def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(mtp_dir, tiny_checkpoint):
+    """Shared prefixes (hits resume from a state snapshot) and a KV pool so small that requests are preempted
+    and recomputed: with drafts verified every step the tokens are those of the plain model."""
+    plain = LLM(tiny_checkpoint("qwen35"), moe_backend="fused", **COMMON, page_size=4)
+    V = plain.model_config.vocab_size
+    base = prompts(V, (21,))[0]
+    ps = [base + [1, 2], base + [3], base[:13] + [4, 5, 6]]
+    want = tokens(plain, ps)
+    for kw in ({"prefix_cache_prompt_snapshot": "always"}, {"num_tokens": 48}):
+        llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
+                  **{**COMMON, **kw})
+        got = [tokens(llm, [p])[0] for p in ps] if "num_tokens" not in kw else tokens(llm, ps)
+        assert got == want, kw
+        llm.scheduler.check_integrity()
+        if "num_tokens" not in kw:
+            assert llm.scheduler.stats()["prefix_cache"]["cached_tokens"] > 0
+        assert llm.engine.caches.kv.pages.num_used == llm.scheduler.prefix.num_pages  # nothing leaked
+
+
+def test_rejected_pages_are_released(mtp_dir):
+    """After each verify step a request holds pages for its tokens only (not for its rejected drafts)."""
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=3, page_size=2,
+              **{**COMMON, "prefix_cache": False})
+    V = llm.model_config.vocab_size
+    from moestream.scheduler.request import Request
+
+    req = Request("r", prompts(V, (5,))[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    llm.scheduler.add(req)
+    seen = 0
+    while req.finish_reason is None:
+        llm.scheduler.step()
+        if req.finish_reason is None and llm.scheduler.spec_totals["verify_steps"] > seen:
+            seen = llm.scheduler.spec_totals["verify_steps"]
+            # the drafter's own K/V may reach ahead by K - 1 positions (pages it took for its drafts)
+            assert len(req.pages) <= llm.engine.caches.kv.pages_for(req.num_tokens + 2)
+    assert seen > 0 and llm.engine.caches.kv.pages.num_used == 0
+
+
+def test_gdn_checkpoints_hold_the_state_after_each_token():
+    """A verify step's per-position states equal the states after each prefix computed on its own."""
+    from moestream.engine.batch import ForwardBatch, SeqMeta
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    gdn = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
+    with torch.no_grad():
+        for n, p in gdn.named_parameters():
+            p.copy_(torch.rand_like(p) if n in ("A_log", "dt_bias") else torch.randn_like(p) * 0.3)
+        gdn.norm.weight.fill_(1.0)
+    x = torch.randn(5, 32)
+    conv, rec = torch.zeros(6, gdn.conv_dim, 3), torch.zeros(6, 4, 8, 8)
+    conv[0], rec[0] = torch.randn(gdn.conv_dim, 3), torch.randn(4, 8, 8) * 0.1
+    start = conv.clone(), rec.clone()
+
+    def batch(n, ckpt=None):
+        return ForwardBatch(torch.zeros(n, dtype=torch.long), torch.arange(n),
+                            [SeqMeta(0, n, 0, 0, torch.arange(n), checkpoints=ckpt)], torch.arange(n), torch.arange(1),
+                            state_slots=torch.zeros(1, dtype=torch.long))
+
+    with torch.no_grad():
+        out = gdn(x, batch(5, [1, 2, 3, 4]), conv, rec)  # the state after tokens 0..3 -> slots 1..4
+        for i in range(5):
+            c, r = start[0].clone(), start[1].clone()
+            ref = gdn(x[:i + 1], batch(i + 1), c, r)  # the chunked prefill over the first i + 1 tokens
+            got = (conv[0], rec[0]) if i == 4 else (conv[1 + i], rec[1 + i])
+            assert torch.allclose(r[0], got[1], atol=1e-5), i
+            assert torch.allclose(c[0], got[0], atol=1e-6), i  # the projections of 2 vs 5 rows may round apart
+            assert torch.allclose(ref, out[:i + 1], atol=1e-5), i
+
+
+# ---- the acceptance rule -------------------------------------------------------------------------
+def test_verify_drafts_greedy():
+    from moestream.engine.sampler import verify_drafts
+
+    logits = torch.tensor([[0., 3., 1.], [2., 0., 1.], [0., 0., 5.]])
+    greedy = SamplingParams(temperature=0.0)
+    assert verify_drafts(logits, [1, 0], greedy, None) == [1, 0, 2]  # both accepted + the target's token
+    assert verify_drafts(logits, [1, 2], greedy, None) == [1, 0]  # the second rejected: the target's instead
+    assert verify_drafts(logits, [0, 0], greedy, None) == [1]
+    assert verify_drafts(logits[:1], [], greedy, None) == [1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_verify_drafts_keeps_the_sampling_distribution(params):
+    """Whatever the (one-hot) drafts, each emitted token has the distribution plain sampling gives it: the
+    first token's and, given the first draft was kept, the second's (5000 draws, 4-token vocabulary; a draft
+    outside top-k / top-p is never kept)."""
+    from moestream.engine.sampler import filter_logits, verify_drafts
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.6], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0]])
+    p = [torch.softmax(filter_logits(row, params), -1) for row in logits]
+    g = torch.Generator().manual_seed(1)
+    n = 5000
+    for drafts in ([0, 1], [2, 3]):
+        first = torch.zeros(4)
+        second, kept = torch.zeros(4), 0
+        for _ in range(n):
+            out = verify_drafts(logits, drafts, params, g)
+            assert 1 <= len(out) <= 3
+            first[out[0]] += 1
+            if out[0] == drafts[0]:  # the first draft was accepted: the next token is from p[1]
+                second[out[1]] += 1
+                kept += 1
+        # 4.5 standard errors of a binomial proportion
+        tol = 4.5 * (p[0] * (1 - p[0]) / n).sqrt() + 1e-9
+        assert ((first / n - p[0]).abs() <= tol).all(), (drafts, first / n, p[0])
+        assert kept == 0 if p[0][drafts[0]] == 0 else kept > 200
+        if kept:
+            tol = 4.5 * (p[1] * (1 - p[1]) / kept).sqrt() + 1e-9
+            assert ((second / kept - p[1]).abs() <= tol).all(), (drafts, second / kept, p[1])
+
+
+def test_sampled_requests_speculate_and_finish(mtp_dir):
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    V = llm.model_config.vocab_size
+    script = [p + [0] * 40 for p in prompts(V)]
+    script_drafter(llm, script)  # drafts that are often wrong and sometimes right
+    out = llm.generate(prompts(V), SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=3,
+                                                  ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [16] * 4
+    assert all(0 <= t < V for o in out for t in o.token_ids)
+    st = llm.stats()["speculative"]
+    assert st["verify_steps"] > 0 and st["emitted"] == st["accepted"] + st["verify_steps"]
+    llm.scheduler.check_integrity()
+
+
+def test_processed_requests_decode_without_drafts(mtp_dir, plain_tokens):
+    """Logit processing (penalties here), grammars and logprobs decode one token a step: no drafts."""
+    ps, _ = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    llm.generate(ps[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
+    llm.generate(ps[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    assert llm.stats()["speculative"]["drafted"] == 0
+
+
+def test_engine_loop_stats_and_metrics(mtp_dir):
+    from moestream.server.engine_proc import EngineArgs, EngineLoop
+    from moestream.server.metrics import Metrics
+
+    class Outbox:
+        def __init__(self):
+            self.msgs = []
+
+        def send(self, msg):
+            self.msgs.append(msg)
+
+    loop = EngineLoop(EngineArgs(str(mtp_dir), {"device": "cpu", "dtype": "float32", "speculative": "mtp",
+                                                "num_speculative_tokens": 2}), Outbox())
+    script_drafter(loop.llm, [list(range(3, 13)) + [0] * 20])
+    loop._add({"rid": "a", "prompt_ids": list(range(3, 13)), "params": {"max_tokens": 8, "temperature": 0,
+                                                                        "ignore_eos": True}})
+    for _ in range(20):
+        loop._step()
+    items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"]]
+    assert len(items) == 8 and items[-1][3] == "length"
+    spec = loop.stats()["speculative"]
+    assert spec["verify_steps"] > 0 and len(spec["acceptance_rate_per_position"]) == 2
+    m = Metrics("x")
+    m.update_engine(loop.stats())
+    text = m.exposition().decode()
+    assert f'moestream_spec_decode_drafted_tokens{{model="x"}} {float(spec["drafted"])}' in text
+    assert 'moestream_spec_decode_acceptance_rate_per_position{model="x",position="1"}' in text

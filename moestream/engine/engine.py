@@ -325,7 +325,9 @@ class Engine:
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
         if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode)
+            # a speculative verify step without prompt rows computes like the decode steps it replaces (the
+            # int8-activation kernels), so its tokens are those plain decoding would give
+            cpu_quant.prefill_step(not (decode or batch.extra.get("decode_like")))
         try:
             if use_graph:
                 out = graphs.run(batch)

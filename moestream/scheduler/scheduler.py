@@ -366,6 +366,8 @@ class Scheduler:
         )
         if self.spec_k:
             batch.extra["keep_hidden"] = True  # the drafter reads every row's final hidden state
+            if self._spec and len(self._spec) + sum(1 for s in seqs if s.length == 1) == len(seqs):
+                batch.extra["decode_like"] = True  # decode and verify rows only: decode's kernels (engine)
         if self.prefix is not None and self.prefix.needs_snapshot:
             self._plan_state_copies(plan, batch)
         return batch, sample_reqs
