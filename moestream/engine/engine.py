@@ -127,6 +127,12 @@ class Engine:
                 f"~{g(m['context'])} GiB (plan budget {g(m['budget'])} GiB + context); device used {g(m['device_used'])} GiB")
 
     @property
+    def rows_per_request(self) -> int:
+        """Rows a decoding request brings to a decode-like step: its newest token, plus its drafts when
+        speculating (the experts' decode buffers are sized by it)."""
+        return 1 + (self.ecfg.num_speculative_tokens if self.use_mtp else 0)
+
+    @property
     def num_kv_layers(self) -> int:
         """Full-attention layers with K/V in the pool: the main model's, then the MTP block's when loaded."""
         return len(self.local_cfg.full_attention_layers) + (self.cfg.mtp_num_layers if self.use_mtp else 0)
@@ -275,7 +281,7 @@ class Engine:
         import dataclasses
 
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
-                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k,
+                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 
     def _plan_memory(self, model, fmt, log_it: bool = True) -> MoePlan:
@@ -323,11 +329,13 @@ class Engine:
         use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
         state = self.caches.state
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
+        # a speculative verify step without prompt rows is a decode step for the experts (the slot cache and
+        # its LRU, the pair kernels; not prefill streaming) and on a CPU computes with decode's int8-activation
+        # kernels, so its tokens are those plain decoding would give
+        decode_like = decode or bool(batch.extra.get("decode_like"))
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph})
         if self.device.type == "cpu":
-            # a speculative verify step without prompt rows computes like the decode steps it replaces (the
-            # int8-activation kernels), so its tokens are those plain decoding would give
-            cpu_quant.prefill_step(not (decode or batch.extra.get("decode_like")))
+            cpu_quant.prefill_step(not decode_like)
         try:
             if use_graph:
                 out = graphs.run(batch)
