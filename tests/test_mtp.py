@@ -200,6 +200,16 @@ def test_acceptance_counters_exact_with_a_scripted_drafter(mtp_dir, plain_tokens
     llm.scheduler.check_integrity()
 
 
+def assert_full_pages(llm):
+    """Every node of the prefix tree holds a full page of tokens."""
+    stack = [llm.scheduler.prefix.root]
+    while stack:
+        node = stack.pop()
+        for key, child in node.children.items():
+            assert len(key) == llm.engine.caches.kv.page_size, key
+            stack.append(child)
+
+
 def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(mtp_dir, tiny_checkpoint):
     """Shared prefixes (hits resume from a state snapshot) and a KV pool so small that requests are preempted
     and recomputed: with drafts verified every step the tokens are those of the plain model."""
@@ -217,6 +227,7 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(mtp_dir, tiny_check
         if "num_tokens" not in kw:
             assert llm.scheduler.stats()["prefix_cache"]["cached_tokens"] > 0
         assert llm.engine.caches.kv.pages.num_used == llm.scheduler.prefix.num_pages  # nothing leaked
+        assert_full_pages(llm)
 
 
 def test_rejected_pages_are_released(mtp_dir):
@@ -363,3 +374,27 @@ def test_engine_loop_stats_and_metrics(mtp_dir):
     text = m.exposition().decode()
     assert f'moestream_spec_decode_drafted_tokens{{model="x"}} {float(spec["drafted"])}' in text
     assert 'moestream_spec_decode_acceptance_rate_per_position{model="x",position="1"}' in text
+
+
+def test_conversation_resumes_from_a_snapshot_taken_by_a_verify_step(mtp_dir, tiny_checkpoint):
+    """A turn decoded with drafts leaves a rolling state snapshot at a page boundary its verify steps reached,
+    so the next turn (the conversation so far + new tokens) hits past the first turn's prompt."""
+    plain = LLM(tiny_checkpoint("qwen35"), moe_backend="fused", **COMMON, page_size=4)
+    V = plain.model_config.vocab_size
+    first = prompts(V, (9,))[0]
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    reply = tokens(plain, [first], sp)[0]
+    second = first + reply + [5, 6, 7]
+    want = tokens(plain, [second], sp)[0]
+    # every draft right, 3 tokens a step from position 9: the state lands on the page boundary 12
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
+              **{**COMMON, "prefix_cache_prompt_snapshot": "never"})
+    script_drafter(llm, [first + reply, second + want])
+    assert tokens(llm, [first], sp)[0] == reply
+    assert llm.scheduler.spec_totals["accepted"] > 0
+    out = llm.generate([second], sp)[0]
+    assert out.token_ids == want
+    assert out.cached_tokens > len(first)  # a snapshot inside the first turn's reply
+    assert out.cached_tokens % 4 == 0
+    llm.scheduler.check_integrity()
+    assert_full_pages(llm)

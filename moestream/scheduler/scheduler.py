@@ -387,7 +387,7 @@ class Scheduler:
             if end % P or not (end == (req.num_tokens - 1) // P * P or end == req.num_tokens):
                 continue
             if n > 1 and not req.in_prefill:
-                continue  # a verify step: its state is at a page boundary only if every draft is accepted
+                continue  # a verify step: its snapshot is taken once it knows what it kept (_roll_snapshot)
             rolling = not req.in_prefill  # a decode step: replaces this request's previous decode snapshot
             if rolling and req.roll_node is not None:
                 self.prefix.drop_snapshot(req.roll_node)
@@ -520,15 +520,32 @@ class Scheduler:
             req.num_computed += a + 1
             if a < len(drafts) and slots:
                 self.state.copy([(slots[a], req.state_slot)])
-            if self.prefix is not None:
-                self._cache_pages(req)
             for tok in toks:
                 outs.append(self._emit(req, tok, None, now))
                 if req.status == Status.FINISHED:
                     break
-            if req.status == Status.RUNNING:
-                self._trim_pages(req, req.num_tokens)
+            if req.status != Status.RUNNING:
+                continue
+            if self.prefix is not None:  # the kept tokens are in all_ids now: full pages enter the tree
+                self._cache_pages(req)
+                if slots and self.prefix.num_snap_slots and req.num_computed % self.kv.page_size == 0:
+                    self._roll_snapshot(req)
+            self._trim_pages(req, req.num_tokens)
         return outs
+
+    def _roll_snapshot(self, req: Request) -> None:
+        """A verify step that kept req's state at a page boundary: the rolling decode snapshot there (as a
+        decode step's would be, copied now that the state is rolled back)."""
+        k = req.num_computed // self.kv.page_size
+        if len(req.nodes) < k:
+            return
+        if req.roll_node is not None:
+            self.prefix.drop_snapshot(req.roll_node)
+            req.roll_node = None
+        slot = self.prefix.alloc_snapshot()
+        self.state.copy([(req.state_slot, slot)])
+        if self.prefix.attach_snapshot(req.nodes[k - 1], slot):
+            req.roll_node = req.nodes[k - 1]
 
     def _trim_pages(self, req: Request, tokens: int) -> None:
         keep = self.kv.pages_for(tokens)
