@@ -398,3 +398,29 @@ def test_conversation_resumes_from_a_snapshot_taken_by_a_verify_step(mtp_dir, ti
     assert out.cached_tokens % 4 == 0
     llm.scheduler.check_integrity()
     assert_full_pages(llm)
+
+
+def test_stacked_and_quantized_mtp_experts_load(mtp_dir, tiny_checkpoint, tmp_path, plain_tokens):
+    """The block's experts stacked (mtp.layers.0.mlp.experts.gate_up_proj) load to the same store rows as
+    per-expert ones; NVFP4 / MXFP4 checkpoints keep the block's experts compressed, like every layer's."""
+    import tiny_models
+    from test_hf_quant import QUANT_CONFIGS, _quantize, _stack, _write
+
+    stacked = tiny_checkpoint("qwen35_mtp", mtp_expert_layout="stacked")
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in tiny_models.tensor_names(stacked)
+    a = LLM(mtp_dir, moe_backend="fused", speculative="mtp", **COMMON).engine.runtime.store
+    b = LLM(stacked, moe_backend="fused", speculative="mtp", **COMMON).engine.runtime.store
+    for name in a.banks:
+        assert torch.equal(a.bank(4)[name], b.bank(4)[name]), name
+    ps, want = plain_tokens
+    sd = tiny_models.read_state_dict(mtp_dir)
+    for scheme, stack in (("nvfp4", False), ("mxfp4", True)):
+        qsd, _ = _quantize(_stack(sd) if stack else sd, scheme)
+        assert any(k.startswith("mtp.layers.0.mlp.experts.") and t.dtype == torch.uint8 for k, t in qsd.items())
+        qdir = _write(mtp_dir, tmp_path / scheme, qsd, QUANT_CONFIGS[scheme])
+        plain_q = LLM(qdir, moe_backend="fused", **COMMON)
+        spec_q = LLM(qdir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+        store = spec_q.engine.runtime.store
+        assert store.fmt.quantized and 4 in store.moe_layers
+        assert store.bytes_per_expert(4) == store.bytes_per_expert(0)
+        assert tokens(spec_q, ps) == tokens(plain_q, ps), scheme

@@ -470,9 +470,13 @@ def add_mtp_block(path, *, seed: int = 0, layers: int = 1) -> Path:
     return path
 
 
-def make_qwen3_5_moe_mtp(out_dir, *, mtp_seed: int = 0, **kw) -> Path:
-    """``make_qwen3_5_moe`` plus an MTP block (``add_mtp_block``)."""
-    return add_mtp_block(make_qwen3_5_moe(out_dir, **kw), seed=mtp_seed)
+def make_qwen3_5_moe_mtp(out_dir, *, mtp_seed: int = 0, mtp_expert_layout: str = "per_expert", **kw) -> Path:
+    """``make_qwen3_5_moe`` plus an MTP block (``add_mtp_block``); ``mtp_expert_layout="stacked"`` then
+    rewrites every layer's experts, the block's included, stacked."""
+    path = add_mtp_block(make_qwen3_5_moe(out_dir, **kw), seed=mtp_seed)
+    if mtp_expert_layout != "per_expert":
+        rewrite_expert_layout(path, mtp_expert_layout)
+    return path
 
 
 def _drop_prefix(path: Path, prefix: str) -> None:
