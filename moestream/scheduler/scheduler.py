@@ -587,16 +587,17 @@ class Scheduler:
             live = [(r, row) for r, row in zip(drafters, rows) if self._page_for(r, r.num_computed - 1 + step)]
             if not live:
                 return
-            prev = model.hidden
+            prev = model.hidden  # the block's own output at each request's last row: its next input
             ps = [r.num_computed - 1 + step for r, _ in live]
             seqs = [SeqMeta(start=i, length=1, cached=p, state_slot=r.state_slot,
-                            kv_index=self.kv.flat_index(r.pages, 0, p + 1, dev)) for i, ((r, _), p) in enumerate(zip(live, ps))]
-            nxt = ForwardBatch(input_ids=torch.tensor([r.drafts[-1] for r, _ in live], dtype=torch.long, device=dev),
-                               positions=torch.tensor(ps, dtype=torch.long, device=dev), seqs=seqs,
+                            kv_index=self.kv.flat_index(r.pages, 0, p + 1, dev))
+                    for i, ((r, _), p) in enumerate(zip(live, ps))]
+            ids = torch.tensor([r.drafts[-1] for r, _ in live], dtype=torch.long, device=dev)
+            nxt = ForwardBatch(input_ids=ids, positions=torch.tensor(ps, dtype=torch.long, device=dev), seqs=seqs,
                                kv_write_index=torch.cat([q.kv_index[-1:] for q in seqs]),
                                logits_index=torch.arange(len(live), dtype=torch.long, device=dev))
-            logits = self.engine.draft(nxt, prev[torch.tensor([row for _, row in live], dtype=torch.long, device=dev)],
-                                       step)
+            src = torch.tensor([row for _, row in live], dtype=torch.long, device=dev)
+            logits = self.engine.draft(nxt, prev[src], step)
             for (r, _), tok in zip(live, torch.argmax(logits, dim=-1).tolist()):
                 r.drafts.append(tok)
             drafters, rows = [r for r, _ in live], list(range(len(live)))
