@@ -424,3 +424,21 @@ def test_stacked_and_quantized_mtp_experts_load(mtp_dir, tiny_checkpoint, tmp_pa
         assert store.fmt.quantized and 4 in store.moe_layers
         assert store.bytes_per_expert(4) == store.bytes_per_expert(0)
         assert tokens(spec_q, ps) == tokens(plain_q, ps), scheme
+
+
+def test_a_failing_drafter_loses_no_tokens(mtp_dir, plain_tokens):
+    """The drafter runs after the step's tokens are taken: if it fails they still come out, undrafted."""
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    real, calls = llm.engine.draft, []
+
+    def flaky(batch, hidden, step=0):
+        calls.append(step)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("simulated drafter failure")
+        return real(batch, hidden, step)
+
+    llm.engine.draft = flaky
+    assert tokens(llm, ps) == want
+    assert len(calls) >= 3
+    llm.scheduler.check_integrity()

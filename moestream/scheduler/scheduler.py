@@ -189,7 +189,12 @@ class Scheduler:
             raise
         outputs = self._apply(plan, sample_reqs, logits)
         if self.spec_k:
-            self._draft(before, batch)
+            try:
+                self._draft(before, batch)
+            except Exception:  # drafts only save time: this step's tokens are already out, keep them
+                log.exception("the MTP drafter failed; these requests decode without drafts this step")
+                for req, _ in before:
+                    req.drafts = []
             # decode requests' tokens this step (a verify step emits up to K + 1 per request)
             decode = sum(1 for o in outputs if o.request.id in decoding)
         self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
