@@ -500,7 +500,8 @@ class Scheduler:
                     or (req.thinking and p.max_thinking_tokens is not None))
 
     def _trim_drafts(self, req: Request) -> list[int]:
-        """Drafts that fit what req may still generate (max_tokens, the context) and its KV pages."""
+        """The drafts req may verify: none for requests that decode one token a step (_can_draft), and no more
+        than what it may still generate after the target's own token (max_tokens, the context)."""
         room = min(req.params.max_tokens - len(req.output_ids), self.max_seq_len - req.num_tokens) - 1
         req.drafts = req.drafts[:max(0, room)] if self._can_draft(req) else []
         return req.drafts
