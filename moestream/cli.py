@@ -29,6 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-prompt-snapshot", default="long", choices=("long", "always", "never"),
                    help="cut a Gated DeltaNet model's prompt at its last page boundary to snapshot it there (one "
                         "extra prefill chunk): for prompts longer than one chunk (long), always, or never")
+    g.add_argument("--speculative", default="none", choices=("none", "mtp"),
+                   help="speculative decoding: mtp drafts tokens with the checkpoint's multi-token-prediction "
+                        "block (Qwen3.5/3.6; loaded only then) and verifies them in one forward pass")
+    g.add_argument("--num-speculative-tokens", type=int, default=1,
+                   help="drafts per decoding request and step with --speculative mtp (1-8)")
     m = p.add_argument_group("experts")
     m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
@@ -53,7 +58,7 @@ ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override"
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
                "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
-               "prefix_cache_prompt_snapshot")
+               "prefix_cache_prompt_snapshot", "speculative", "num_speculative_tokens")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -74,6 +74,9 @@ class ModelConfig:
     # fp8_tensor, nvfp4, mxfp4), "block_size" ((bn, bk) for fp8_block), "exclude" (module patterns)}
     quantization: dict | None = None
     qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3 families; not Llama)
+    # multi-token-prediction layers the checkpoint carries (Qwen3.5/3.6 `mtp_num_hidden_layers`, GGUF
+    # `nextn_predict_layers`): loaded only for --speculative mtp
+    mtp_num_layers: int = 0
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -99,6 +102,12 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """Layer ids of the MTP block's decoder layers: after the main model's (the expert store, the
+        expert runtime and the KV pool know them by these ids)."""
+        return list(range(self.num_layers, self.num_layers + self.mtp_num_layers))
 
     def approx_num_params(self) -> int:
         """Rough parameter count (embeddings, attention, MLPs, experts): for sizing decisions only."""
@@ -248,6 +257,13 @@ def _eos(raw: dict, text: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _mtp_layers(text: dict) -> int:
+    n = text.get("mtp_num_hidden_layers", 0) or 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"config.json field 'mtp_num_hidden_layers' must be a non-negative integer, got {n!r}")
+    return n
+
+
 def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extra_quant: dict | None) -> ModelConfig:
     hidden = _need(text, "hidden_size")
     num_layers = _need(text, "num_hidden_layers")
@@ -329,6 +345,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
         eos_token_ids=_eos(raw, text),
         quantization=_quantization(raw, text, extra_quant),
         qk_norm=family != "llama",
+        mtp_num_layers=_mtp_layers(text) if is35 else 0,
         **lin,
     )
 
@@ -337,6 +354,8 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
 # Engine configuration: every field is a CLI flag (underscored). "auto" is resolved by the engine.
 # ---------------------------------------------------------------------------------------------
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
+SPECULATIVE = ("none", "mtp")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -380,6 +399,10 @@ class EngineConfig:
     # "long" only for prompts longer than one --chunked-prefill-size chunk (where agents' prompts live and
     # the extra chunk is a small share), "always", or "never" (snapshots only where chunks end anyway)
     prefix_cache_prompt_snapshot: str = "long"
+    # speculative decoding: "mtp" drafts with the checkpoint's multi-token-prediction block (loaded only
+    # then), num_speculative_tokens drafts per step verified in one forward pass of the main model
+    speculative: str = "none"
+    num_speculative_tokens: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -426,6 +449,13 @@ class EngineConfig:
                               f"{self.prefix_cache_prompt_snapshot!r}")
         if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
             raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
+        if self.speculative not in SPECULATIVE:
+            raise ConfigError(f"--speculative must be none or mtp, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                              f"{self.num_speculative_tokens}")
+        if self.speculative != "none" and self.tp_size > 1:
+            raise ConfigError("--speculative mtp does not run with --tp-size > 1 yet")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
 

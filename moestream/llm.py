@@ -79,9 +79,10 @@ class LLM:
         s["plan"] = self.engine.plan.as_dict()
         s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
-        prefix = self.scheduler.stats().get("prefix_cache")
-        if prefix is not None:
-            s["prefix_cache"] = prefix
+        sched = self.scheduler.stats()
+        for key in ("prefix_cache", "speculative"):
+            if sched.get(key) is not None:
+                s[key] = sched[key]
         return s
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ VARIANTS = {
     "qwen3": ("make_qwen3_moe", {}),
     "qwen35": ("make_qwen3_5_moe", {"layout": "conditional"}),
     "qwen35_causal": ("make_qwen3_5_moe", {"layout": "causal"}),
+    "qwen35_mtp": ("make_qwen3_5_moe_mtp", {"layout": "conditional"}),  # with a multi-token-prediction block
 }
 
 

@@ -101,10 +101,18 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0, expert_qtype=None) ->
     _metadata(w, arch, tc, cfg, hf_dir)
     oracle: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    L = tc["num_hidden_layers"]
     for name, t in sd.items():
         if name.startswith("model.visual."):
             continue
         local = name[len(prefix):] if name.startswith(prefix) else name
+        if local.startswith("mtp."):  # llama.cpp's layout: block L + i, nextn.* for the block's own tensors
+            local = _mtp_local(local, L)
+            if local.startswith("nextn."):
+                leaf = NEXTN[local[len("nextn."):]]
+                g = t.float() + 1.0 if "norm" in leaf else t.float()  # qwen35 norms are stored as 1 + w
+                _add(w, f"blk.{L}.{leaf}", g, _qtype_for(g, leaf, qtype))
+                continue
         if ".mlp.experts." in local:
             layer, _, _, e, proj, _ = local.split(".")[1], *local.split(".")[2:]
             experts.setdefault((int(layer), proj), {})[int(e)] = t
@@ -113,12 +121,16 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0, expert_qtype=None) ->
         g = _to_gguf_layout(arch, leaf, t.float(), tc)
         q = _qtype_for(g, leaf, qtype)
         _add(w, gname, g, q)
+        if name.startswith("mtp."):
+            continue  # not in the HF oracle (transformers ignores the block)
         back = roundtrip(g, q)
         oracle[name] = _from_gguf_layout(arch, leaf, back, tc, t.shape)
     for (layer, proj), per in sorted(experts.items()):
         stacked = torch.stack([per[e] for e in sorted(per)]).float()  # [E, out, in]
         q = _qtype_for(stacked, "exps", expert_qtype(layer, proj) if expert_qtype else qtype)
         _add(w, f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked, q)
+        if layer >= L:
+            continue  # an MTP layer's experts: not in the HF oracle
         back = roundtrip(stacked.reshape(-1, stacked.shape[-1]), q).reshape(stacked.shape)
         # transformers holds experts stacked in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I]
         key = f"{prefix}layers.{layer}.mlp.experts."
@@ -135,6 +147,19 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.Q8_0, expert_qtype=None) ->
     w.write_tensors_to_file()
     w.close()
     return out, oracle
+
+
+NEXTN = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+         "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def _mtp_local(local: str, num_layers: int) -> str:
+    """mtp.layers.i.X -> layers.{L + i}.X; the block's own tensors -> their nextn.* key in NEXTN."""
+    rest = local[len("mtp."):]
+    if rest.startswith("layers."):
+        _, i, tail = rest.split(".", 2)
+        return f"layers.{num_layers + int(i)}.{tail}"
+    return "nextn." + rest
 
 
 def _from_gguf_layout(arch, leaf, back, tc, shape):
@@ -186,7 +211,11 @@ def _add(w: GGUFWriter, name: str, t: torch.Tensor, q: Q) -> None:
 
 def _metadata(w: GGUFWriter, arch: str, tc: dict, cfg: dict, hf_dir: Path) -> None:
     a = arch + "."
-    w.add_uint32(a + "block_count", tc["num_hidden_layers"])
+    mtp = tc.get("mtp_num_hidden_layers", 0) if any(k.startswith("mtp.") for k in tiny_models.tensor_names(hf_dir)) \
+        else 0
+    w.add_uint32(a + "block_count", tc["num_hidden_layers"] + mtp)  # llama.cpp counts the MTP blocks too
+    if mtp:
+        w.add_uint32(a + "nextn_predict_layers", mtp)
     w.add_uint32(a + "context_length", tc.get("max_position_embeddings", 512))
     w.add_uint32(a + "embedding_length", tc["hidden_size"])
     w.add_uint32(a + "attention.head_count", tc["num_attention_heads"])
@@ -212,7 +241,8 @@ def _metadata(w: GGUFWriter, arch: str, tc: dict, cfg: dict, hf_dir: Path) -> No
         w.add_uint32(a + "ssm.group_count", tc["linear_num_key_heads"])
         w.add_uint32(a + "ssm.time_step_rank", tc["linear_num_value_heads"])
         w.add_uint32(a + "ssm.inner_size", tc["linear_num_value_heads"] * tc["linear_value_head_dim"])
-        w.add_array(a + "attention.recurrent_layers", [t == "linear_attention" for t in tc["layer_types"]])
+        w.add_array(a + "attention.recurrent_layers",
+                    [t == "linear_attention" for t in tc["layer_types"]] + [False] * mtp)
     _tokenizer(w, hf_dir)
 
 

@@ -233,6 +233,25 @@ def test_models_stats_metrics(demo_tokenizer):
     assert "moestream_requests_total" in text and "moestream_time_to_first_token_seconds" in text
 
 
+def test_stats_carry_speculative_decoding(demo_tokenizer):
+    """With --speculative mtp the engine's counters reach /v1/stats (speculative) and /metrics."""
+    from moestream.server.app import stats_body
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "verify_steps": 5, "drafted": 10, "accepted": 7,
+            "emitted": 12, "drafted_per_position": [5, 5], "accepted_per_position": [4, 3],
+            "acceptance_rate_per_position": [0.8, 0.6], "acceptance_rate": 0.7, "tokens_per_verify_step": 2.4}
+    state = ServerState(engine=FakeEngine(demo_tokenizer), tokenizer=demo_tokenizer, model_name=MODEL,
+                        tool_parser_cls=None, reasoning_parser_cls=None, metrics=Metrics(MODEL))
+    state.snapshot = {"running": 0, "queued": 0, "speculative": spec}
+    state.metrics.update_engine(state.snapshot)
+    assert stats_body(state)["speculative"] == spec
+    http = TestClient(create_app(state))
+    assert http.get("/v1/stats").json()["speculative"]["accepted_per_position"] == [4, 3]
+    text = http.get("/metrics").text
+    assert f'moestream_spec_decode_accepted_tokens{{model="{MODEL}"}} 7.0' in text
+    assert f'moestream_spec_decode_acceptance_rate_per_position{{model="{MODEL}",position="1"}} 0.6' in text
+
+
 def test_web_page_and_stats_stream(demo_tokenizer):
     engine, http, oai, _ = make(demo_tokenizer, "ok", api_key="sekret")
     page = http.get("/")  # the page itself is public: it holds no data

@@ -50,6 +50,7 @@ __all__ = [
     "read_state_dict",
     "tensor_names",
     "rewrite_expert_layout",
+    "add_mtp_block",
 ]
 
 # Designed range of the std of the final logits (measured over a few prompts).
@@ -421,6 +422,61 @@ def make_qwen3_5_moe(
     if drop_vision and layout == "conditional":
         _drop_prefix(out, "model.visual.")
     return out
+
+
+def add_mtp_block(path, *, seed: int = 0, layers: int = 1) -> Path:
+    """Give the Qwen3.5 checkpoint in ``path`` a multi-token-prediction block as Qwen3.5/3.6 ship it:
+    ``mtp.fc`` [H, 2H], ``mtp.pre_fc_norm_embedding`` / ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` and
+    ``mtp.layers.{i}.*`` shaped like the checkpoint's full-attention layers (random weights, drawn as
+    the builders draw theirs; per-expert experts), and ``mtp_num_hidden_layers`` in config.json.
+    transformers ignores these tensors, so its reference model is unchanged. The tensors go into the
+    single file, or into a shard of their own listed in the index."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    tc = cfg.get("text_config", cfg)
+    sd = read_state_dict(path)
+    full = tc["layer_types"].index("full_attention")
+    src = next(k for k in sd if f"layers.{full}.self_attn.q_proj.weight" in k).split(f"layers.{full}.")[0]
+    donor = f"{src}layers.{full}."
+    H = tc["hidden_size"]
+    new: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    shapes = {"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
+              "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)}
+    for i in range(layers):
+        for k, t in sd.items():
+            if k.startswith(donor):
+                shapes[f"mtp.layers.{i}." + k[len(donor):]] = tuple(t.shape)
+    dtype = next(iter(sd.values())).dtype
+    for name, shape in shapes.items():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if len(shape) == 1 and "norm" in name:
+            val = torch.randn(shape, generator=gen) * _NORM_JITTER  # zero-centred norms
+        elif name.endswith("mlp.gate.weight"):
+            val = torch.randn(shape, generator=gen) * _ROUTER_STD
+        else:
+            val = torch.randn(shape, generator=gen) * _W_STD
+        new[name] = val.to(dtype)
+    tc["mtp_num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    idx = path / "model.safetensors.index.json"
+    if idx.exists():
+        save_file(dict(new), str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+        data = json.loads(idx.read_text())
+        data["weight_map"].update({k: "model-mtp.safetensors" for k in new})
+        data["weight_map"] = dict(sorted(data["weight_map"].items()))
+        idx.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        save_file({**sd, **new}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def make_qwen3_5_moe_mtp(out_dir, *, mtp_seed: int = 0, mtp_expert_layout: str = "per_expert", **kw) -> Path:
+    """``make_qwen3_5_moe`` plus an MTP block (``add_mtp_block``); ``mtp_expert_layout="stacked"`` then
+    rewrites every layer's experts, the block's included, stacked."""
+    path = add_mtp_block(make_qwen3_5_moe(out_dir, **kw), seed=mtp_seed)
+    if mtp_expert_layout != "per_expert":
+        rewrite_expert_layout(path, mtp_expert_layout)
+    return path
 
 
 def _drop_prefix(path: Path, prefix: str) -> None:

@@ -18,6 +18,9 @@ class SeqMeta:
     cached: int  # tokens of this sequence already in KV / linear state before this step
     state_slot: int  # linear-attention state slot (-1 for models without linear attention)
     kv_index: torch.Tensor  # [cached + length] flat KV-pool index of each position (long, on device)
+    # speculative verify: linear-state slots that receive the state after each of the first tokens
+    # (checkpoints[i]: after token i), so a rejected draft rolls back by one slot copy
+    checkpoints: list[int] | None = None
 
     @property
     def total(self) -> int:

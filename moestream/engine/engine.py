@@ -7,6 +7,7 @@ Recipe (Engine.__init__):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,11 @@ class Engine:
             raise ConfigError(f"--tp-size {ecfg.tp_size} runs one process per rank: use LLM(..., tp_size=N) or "
                               "the CLI's --tp-size, not Engine directly")
         self.tp = tp
+        self.use_mtp = ecfg.speculative == "mtp"
+        if self.use_mtp and not cfg.mtp_num_layers:
+            raise ConfigError("--speculative mtp needs a checkpoint with a multi-token-prediction block (Qwen3.5/"
+                              "3.6: mtp_num_hidden_layers in config.json, or a GGUF with nextn_predict_layers); "
+                              "this one has none")
         self.local_cfg = tp.local_config(cfg) if tp else cfg  # this rank's heads, widths and vocab rows
         self.device = resolve_device(ecfg.device)
         self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device)
@@ -121,6 +127,25 @@ class Engine:
                 f"~{g(m['context'])} GiB (plan budget {g(m['budget'])} GiB + context); device used {g(m['device_used'])} GiB")
 
     @property
+    def rows_per_request(self) -> int:
+        """Rows a decoding request brings to a decode-like step: its newest token, plus its drafts when
+        speculating (the experts' decode buffers are sized by it)."""
+        return 1 + (self.ecfg.num_speculative_tokens if self.use_mtp else 0)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Full-attention layers with K/V in the pool: the main model's, then the MTP block's when loaded."""
+        return len(self.local_cfg.full_attention_layers) + (self.cfg.mtp_num_layers if self.use_mtp else 0)
+
+    @property
+    def num_state_checkpoints(self) -> int:
+        """Linear-state slots holding each speculative verify step's state after every draft position but
+        the last (--speculative mtp on models with linear layers): K per running request."""
+        if not self.use_mtp or not self.cfg.linear_attention_layers:
+            return 0
+        return self.ecfg.max_running_requests * self.ecfg.num_speculative_tokens
+
+    @property
     def num_state_snapshots(self) -> int:
         """Linear-state slots kept for prefix-cache snapshots (0 without the cache or linear layers)."""
         e = self.ecfg
@@ -139,17 +164,18 @@ class Engine:
 
     def _build_model(self, folder: Path) -> QwenMoeModel:
         with torch.device("meta"):
-            model = QwenMoeModel(self.cfg)
+            model = QwenMoeModel(self.cfg, mtp=self.use_mtp)
         # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
         # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
         # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
         # slices)
         model = model.to_empty(device="cpu").to(self.dtype)
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
+        moe_layers += self.cfg.mtp_layer_ids if self.use_mtp else []
         fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
         fmt = fmt or dense_format(self.dtype)
         with torch.device("meta"):  # the planner counts this rank's dense bytes
-            local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
+            local = QwenMoeModel(self.local_cfg, mtp=self.use_mtp).to(self.dtype) if self.tp else model
         mode = self._dense_mode()
         self.dense_bytes = None
         if mode == "gpu" and self._dense_policy() == "auto":
@@ -255,7 +281,7 @@ class Engine:
         import dataclasses
 
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
-                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k,
+                                   max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 
     def _plan_memory(self, model, fmt, log_it: bool = True) -> MoePlan:
@@ -265,13 +291,16 @@ class Engine:
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = sum(p.numel() * p.element_size() for p in model.parameters())
             dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
-        kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        state = (e.max_running_requests + self.num_state_snapshots) * StatePool.bytes_per_slot(
+        kv = KVPool.bytes_per_token(self.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        slots = e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
+        state = slots * StatePool.bytes_per_slot(
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
             DTYPES[e.linear_state_dtype]) if cfg.linear_attention_layers else 0
         sizes = model_sizes(cfg, e, dense, self.max_seq_len, kv, state,
                             fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size))
+        if self.use_mtp:  # the MTP layers' experts are placed like any layer's
+            sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
         bw = Bandwidths.from_profile(load_profile(self.device))
         plan = plan_memory(sizes, self.hardware, e, bw)
         for line in plan.describe().splitlines() if log_it else ():
@@ -281,12 +310,12 @@ class Engine:
     def _build_caches(self) -> Caches:
         cfg, e = self.local_cfg, self.ecfg
         num_tokens = max(self.plan.kv_tokens, e.page_size)
-        kv = KVPool(len(cfg.full_attention_layers), -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
+        kv = KVPool(self.num_kv_layers, -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
                     cfg.head_dim, self.dtype, self.device)
         state = StatePool(len(cfg.linear_attention_layers), e.max_running_requests, cfg.linear_conv_dim,
                           max(cfg.linear_conv_kernel, 1), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim, self.dtype, DTYPES[e.linear_state_dtype], self.device,
-                          num_snapshots=self.num_state_snapshots)
+                          num_snapshots=self.num_state_snapshots, num_checkpoints=self.num_state_checkpoints)
         return Caches(kv, state)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -295,12 +324,18 @@ class Engine:
         # tensor parallel ranks run eagerly: recording NCCL all-reduces in graphs is untested here
         if graphs is None and self.device.type == "cuda" and self.ecfg.cuda_graphs and not self.tp:
             graphs = self.graphs = DecodeGraphs(self)
-        use_graph = graphs is not None and decode and graphs.usable(batch)
+        # --speculative mtp runs eagerly: the drafter reads every row's final hidden state (batch.extra
+        # "keep_hidden"), which recorded steps do not keep, and verify steps are not decode steps
+        use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
         state = self.caches.state
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
+        # a speculative verify step without prompt rows is a decode step for the experts (the slot cache and
+        # its LRU, the pair kernels; not prefill streaming) and on a CPU computes with decode's int8-activation
+        # kernels, so its tokens are those plain decoding would give
+        decode_like = decode or bool(batch.extra.get("decode_like"))
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph})
         if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode)
+            cpu_quant.prefill_step(not decode_like)
         try:
             if use_graph:
                 out = graphs.run(batch)
@@ -310,6 +345,19 @@ class Engine:
                 out = self.model(batch)
             state.copy(batch.state_saves)  # snapshots at page boundaries, after the step reached them
             return out
+        finally:
+            if self.device.type == "cpu":
+                cpu_quant.prefill_step(False)
+            self.runtime.end_step()
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
+        decode = batch.is_decode
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False})
+        if self.device.type == "cpu":
+            cpu_quant.prefill_step(not decode)
+        try:
+            return self.model.draft(batch, hidden, step)
         finally:
             if self.device.type == "cpu":
                 cpu_quant.prefill_step(False)

@@ -108,3 +108,38 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> lis
         alts = list(zip(ids[i][:top], vals[i][:top])) if top else []
         out.append((chosen[i], alts))
     return out
+
+
+# ---- speculative decoding ---------------------------------------------------------------------
+def verify_drafts(logits: torch.Tensor, drafts: list[int], p: SamplingParams,
+                  generator: torch.Generator | None) -> list[int]:
+    """Speculative decoding's acceptance rule for drafts proposed greedily (a one-hot draft distribution q).
+
+    logits [k + 1, V]: the target's logits at the position before each draft and after the last one.
+    Returns the accepted drafts followed by one token of the target's own (len 1..k+1). Greedy requests
+    accept a draft while it is the target's argmax. Sampled requests accept draft d with probability
+    min(1, p(d) / q(d)) = p(d) and, on rejection, draw from the residual max(p - q, 0) (p without d,
+    renormalised); after k acceptances the extra token is drawn from p itself: every emitted token then
+    has the distribution plain sampling gives it (the standard rule; q one-hot is a special case)."""
+    out: list[int] = []
+    if p.greedy:
+        best = torch.argmax(logits, dim=-1).tolist()
+        for i, d in enumerate(drafts):
+            if best[i] != d:
+                break
+            out.append(d)
+        return out + [best[len(out)]]
+    for i, d in enumerate(drafts):
+        probs = torch.softmax(filter_logits(logits[i], p), -1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return out + [sample_row(logits[i], p, generator)]  # nothing finite to draw: as plain sampling
+        u = float(torch.rand((), generator=generator, device=probs.device))
+        if u < float(probs[d]):
+            out.append(d)
+            continue
+        residual = probs.clone()
+        residual[d] = 0.0
+        if float(residual.sum()) <= 0.0:  # p was all on d (u >= 1 cannot happen): keep d
+            return out + [d]
+        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0])]
+    return out + [sample_row(logits[len(drafts)], p, generator)]

@@ -5,7 +5,8 @@ A request owns a list of pages; position p of a request lives at flat index
 page_table[p // page_size] * page_size + p % page_size.
 
 StatePool: the Gated DeltaNet conv window and recurrent state of each running request, one slot each,
-then `num_snapshots` more slots that the prefix cache keeps state snapshots in (kvcache/prefix.py).
+then `num_snapshots` more slots that the prefix cache keeps state snapshots in (kvcache/prefix.py), then
+`num_checkpoints` slots for speculative decoding (the state after each draft position of a verify step).
 """
 from __future__ import annotations
 
@@ -75,10 +76,12 @@ class KVPool:
 class StatePool:
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int,
                  num_v_heads: int, k_head_dim: int, v_head_dim: int,
-                 conv_dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, num_snapshots: int = 0):
+                 conv_dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, num_snapshots: int = 0,
+                 num_checkpoints: int = 0):
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots if num_layers else 0
-        n = num_slots + self.num_snapshots
+        self.num_checkpoints = num_checkpoints if num_layers else 0
+        n = num_slots + self.num_snapshots + self.num_checkpoints
         self.conv = (torch.zeros((num_layers, n, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
                      if num_layers else None)
         self.rec = (torch.zeros((num_layers, n, num_v_heads, k_head_dim, v_head_dim), dtype=state_dtype,
@@ -88,6 +91,12 @@ class StatePool:
     @property
     def snapshot_slots(self) -> list[int]:
         return list(range(self.num_slots, self.num_slots + self.num_snapshots))
+
+    @property
+    def checkpoint_slots(self) -> list[int]:
+        """Slots for speculative decoding's per-draft-position states (after the snapshot slots)."""
+        start = self.num_slots + self.num_snapshots
+        return list(range(start, start + self.num_checkpoints))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the whole state (every layer's conv window and recurrent state) of slot src into dst."""

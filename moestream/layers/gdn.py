@@ -121,7 +121,8 @@ class GatedDeltaNet(nn.Module):
             g, beta = self._gates(b, a)
             for s in batch.seqs:
                 sl = slice(s.start, s.start + s.length)
-                core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state)
+                core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state,
+                                             s.checkpoints)
         # z stays a (strided) view: [T, Hv, Dv] rows of the fused product, normed with core [T, Hv, Dv]
         out = self.norm(core, z.unflatten(-1, (self.hv, self.dv))).reshape(x.shape[0], -1)
         return self.out_proj(out)
@@ -137,17 +138,34 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=-2)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
-    def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state):
+    def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state, checkpoints=None):
         w = self.conv1d.weight  # [conv_dim, 1, K]
         window = torch.cat([conv_state[slot].to(mixed.dtype), mixed.t()], dim=-1)  # [conv_dim, K-1+L]
         conv_state[slot] = window[:, -(self.kernel - 1):].to(conv_state.dtype)
         conv_out = F.silu(F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim))[0].t()  # [L, conv]
         conv_out = conv_out.to(mixed.dtype)
         q, k, v = self._split(conv_out)  # [L, Hv, D]
+        if checkpoints:  # a speculative verify (a few tokens): the step recurrence, keeping each state
+            return self._steps(q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints).to(mixed.dtype)
         o, S = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                       g.t(), beta.t(), rec_state[slot].float())
         rec_state[slot] = S.to(rec_state.dtype)
         return o.transpose(0, 1).to(mixed.dtype)
+
+    def _steps(self, q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints):
+        """Token by token (the decode recurrence): the conv window and state after token i also go to
+        slot checkpoints[i]. q, k, v [L, Hv, D]; returns o [L, Hv, Dv]."""
+        S = rec_state[slot].float()
+        out = torch.empty_like(v)
+        for i in range(q.shape[0]):
+            o, S = recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+                                              S.unsqueeze(0))
+            S, out[i] = S[0], o[0]
+            if i < len(checkpoints):
+                rec_state[checkpoints[i]] = S.to(rec_state.dtype)
+                conv_state[checkpoints[i]] = window[:, i + 1:i + self.kernel].to(conv_state.dtype)
+        rec_state[slot] = S.to(rec_state.dtype)
+        return out
 
     def _decode(self, mixed, g, beta, batch, conv_state, rec_state, core):
         slots = batch.state_slots

@@ -58,13 +58,18 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
              "output.weight": "lm_head.weight"}
+# the MTP block llama.cpp's converter writes as blocks num_layers.. (`nextn_predict_layers` of them, counted in
+# block_count): these four, then the layer's usual tensors under its block number (-> mtp.layers.i.*)
+NEXTN_NAMES = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+               "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Norms llama.cpp stores as (1 + w) for Qwen3.5 (its norm multiplies by the weight directly).
 # kept dense on a GPU: fused with the (dense) router and 1-row gate into one GEMM (models/fuse.py)
 GPU_DENSE_PARTS = ("shared_expert.gate_proj", "shared_expert.up_proj")
 QWEN35_OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
-                       "attn_k_norm.weight", "output_norm.weight")
+                       "attn_k_norm.weight", "output_norm.weight", "nextn.enorm.weight", "nextn.hnorm.weight",
+                       "nextn.shared_head_norm.weight")
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -103,6 +108,9 @@ class GGUFCheckpoint:
         if self.arch not in ARCHS:
             raise ConfigError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; "
                               f"supported: {', '.join(sorted(ARCHS))}")
+        # MTP blocks at the end of block_count (llama.cpp's convention): the main model has the others
+        self.nextn = int(self._a("nextn_predict_layers", 0) or 0)
+        self.num_layers = int(self._a("block_count", 0) or 0) - self.nextn
 
     # ---- metadata ----------------------------------------------------------------------------
     def field(self, key: str, default=None):
@@ -119,7 +127,8 @@ class GGUFCheckpoint:
         vocab = a("vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
         cfg = {
             "architectures": [ARCHS[self.arch]],
-            "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": a("block_count"),
+            "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": self.num_layers,
+            "mtp_num_hidden_layers": self.nextn,
             "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
             "head_dim": head_dim, "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": a("rope.freq_base", 10000.0),
@@ -136,11 +145,12 @@ class GGUFCheckpoint:
             cfg.update(num_experts=a("expert_count"), num_experts_per_tok=a("expert_used_count"),
                        moe_intermediate_size=a("expert_feed_forward_length"), norm_topk_prob=True,
                        # layers without a router are dense MLP layers
-                       mlp_only_layers=[i for i in range(a("block_count")) if i not in routed])
+                       mlp_only_layers=[i for i in range(self.num_layers) if i not in routed])
         if self.arch == "qwen35moe":
-            recurrent = a("attention.recurrent_layers")
-            interval = a("full_attention_interval", 4)
             n = cfg["num_hidden_layers"]
+            recurrent = a("attention.recurrent_layers")
+            recurrent = list(recurrent)[:n] if recurrent else recurrent
+            interval = a("full_attention_interval", 4)
             cfg.update(
                 layer_types=[("linear_attention" if r else "full_attention") for r in recurrent] if recurrent
                 else ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)],
@@ -179,6 +189,8 @@ class GGUFCheckpoint:
             mode = None
         self.compressed_bytes = 0
         for t in self.reader.tensors:
+            if self._skipped(t.name, model):
+                continue
             if raw_experts and (m := EXPERTS.match(t.name)):
                 self._put_raw_experts(store, int(m[1]), m[2], t)
                 continue
@@ -207,7 +219,7 @@ class GGUFCheckpoint:
         if mode == "cpu" and self.arch not in ("llama", "qwen3moe"):
             return total
         for t in self.reader.tensors:
-            if EXPERTS.match(t.name):
+            if EXPERTS.match(t.name) or self._skipped(t.name, model):
                 continue
             total += self._keep_compressed(model, t, cfg, set(), mode, dry=True) or 0
         return total
@@ -302,10 +314,25 @@ class GGUFCheckpoint:
         blocks = raw.reshape(raw.shape[0], k // bs, tb)
         return _untile(blocks, 1, hk, rep).reshape(raw.shape[0], -1)
 
+    def _is_mtp(self, name: str) -> bool:
+        m = LAYER.match(name)
+        return bool(self.nextn) and m is not None and int(m[1]) >= self.num_layers
+
+    def _skipped(self, name: str, model) -> bool:
+        """An MTP block tensor while the model has no MTP block (--speculative none): not read."""
+        return self._is_mtp(name) and getattr(model, "mtp", None) is None
+
     def _hf_name(self, name: str) -> str | None:
         if name in TOP_NAMES:
             return TOP_NAMES[name]
-        if (m := LAYER.match(name)) and m[2] in LAYER_NAMES:
+        m = LAYER.match(name)
+        if m and self._is_mtp(name):
+            if m[2] in NEXTN_NAMES:
+                return "mtp." + NEXTN_NAMES[m[2]]
+            if m[2] in LAYER_NAMES:
+                return f"mtp.layers.{int(m[1]) - self.num_layers}.{LAYER_NAMES[m[2]]}"
+            return None
+        if m and m[2] in LAYER_NAMES:
             return f"layers.{m[1]}.{LAYER_NAMES[m[2]]}"
         return None
 

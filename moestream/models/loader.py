@@ -34,8 +34,10 @@ from ..moe.store import ExpertStore
 log = logging.getLogger("moestream.loader")
 
 # Tensors real checkpoints carry that a text-only engine does not use.
-IGNORED = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."),
-           re.compile(r"rotary_emb\.inv_freq$"))
+IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^visual\."), re.compile(r"rotary_emb\.inv_freq$"))
+# the multi-token-prediction block: loaded into the model's `mtp` module when it has one (--speculative mtp)
+MTP = re.compile(r"^(?:model\.(?:language_model\.)?)?mtp\.")
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # quantized checkpoints: any part of an expert projection, one expert's or stacked
@@ -178,23 +180,35 @@ def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, f
 def _local_name(key: str, cfg: ModelConfig) -> str | None:
     if key == "lm_head.weight":
         return key
+    if m := MTP.match(key):
+        return key[m.end() - len("mtp."):]
     if key.startswith(cfg.weight_prefix):
         return key[len(cfg.weight_prefix):]
     return None
 
 
+def _expert_name(name: str, cfg: ModelConfig) -> str:
+    """An MTP layer's name as its layer id names it in the expert store (mtp.layers.i. -> layers.{L + i}.)."""
+    if m := MTP_LAYER.match(name):
+        return f"layers.{cfg.num_layers + int(m[1])}." + name[m.end():]
+    return name
+
+
 def _load_one(key, handle, cfg: ModelConfig, params, store: ExpertStore, seen: set[str], quant=None) -> None:
     if any(p.search(key) for p in IGNORED):
         return
+    if MTP.match(key) and not any(n.startswith("mtp.") for n in params):
+        return  # no MTP block in the model (--speculative none): nothing of it is read
     name = _local_name(key, cfg)
     if name is None:
         raise CheckpointError(f"unexpected tensor {key} (expected names under {cfg.weight_prefix!r})")
     if quant is not None and quant.load(key, name, params, store, seen):
         return
-    if m := PER_EXPERT.match(name):
+    ename = _expert_name(name, cfg)
+    if m := PER_EXPERT.match(ename):
         store.put_expert(int(m[1]), int(m[2]), m[3], handle.get_tensor(key), key)
         return
-    if m := STACKED.match(name):
+    if m := STACKED.match(ename):
         store.put_stacked(int(m[1]), "gate_up" if m[2] == "gate_up_proj" else "down", handle.get_tensor(key), key)
         return
     param = params.get(name)
@@ -214,7 +228,8 @@ def _check_complete(cfg: ModelConfig, params, store: ExpertStore, seen: set[str]
             params["lm_head.weight"].copy_(params["embed_tokens.weight"])
         seen.add("lm_head.weight")
     missing = [(n if n == "lm_head.weight" else cfg.weight_prefix + n) for n in params if n not in seen]
-    missing += store.missing(lambda layer: f"{cfg.weight_prefix}layers.{layer}.")
+    missing += store.missing(lambda layer: f"mtp.layers.{layer - cfg.num_layers}." if layer >= cfg.num_layers
+                             else f"{cfg.weight_prefix}layers.{layer}.")
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
@@ -347,12 +362,18 @@ class _Quantized:
         if name.rpartition(".")[2] in UNUSED_SCALES:
             return True
         prefix = key[:len(key) - len(name)]
-        if m := Q_PER_EXPERT.match(name):
+        ename = _expert_name(name, self.cfg)  # an MTP layer's experts by their store layer id
+
+        def layer_head(m):  # "layers.N." of the checkpoint's own name ("mtp.layers.i." for the MTP block)
+            rest = len(ename) - len(f"layers.{m[1]}.")
+            return prefix + name[:len(name) - rest]
+
+        if m := Q_PER_EXPERT.match(ename):
             part, stacked = self.part_of(m[4], False), False
-            base = f"{prefix}layers.{m[1]}.mlp.experts.{m[2]}.{m[3]}_proj"
-        elif m := Q_STACKED.match(name):
+            base = f"{layer_head(m)}mlp.experts.{m[2]}.{m[3]}_proj"
+        elif m := Q_STACKED.match(ename):
             part, stacked = self.part_of("_" + m[3] if m[3] else "", True), True
-            base = f"{prefix}layers.{m[1]}.mlp.experts.{m[2]}_proj"
+            base = f"{layer_head(m)}mlp.experts.{m[2]}_proj"
         else:
             module, _, suffix = name.rpartition(".")
             part, stacked, base = self.part_of(suffix, False), False, prefix + module

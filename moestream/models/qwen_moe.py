@@ -102,7 +102,8 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.kind = cfg.layer_types[layer]
+        mtp = layer >= cfg.num_layers  # an MTP block's layer: full attention with the MoE
+        self.kind = "full_attention" if mtp else cfg.layer_types[layer]
         eps, zc = cfg.rms_norm_eps, cfg.norm_zero_centered
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
@@ -111,15 +112,33 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps,
                                        cfg.attn_output_gate, zc, cfg.qk_norm)
-        self.mlp = SparseMoeBlock(cfg, layer) if cfg.moe_layers[layer] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        moe = mtp or cfg.moe_layers[layer]
+        self.mlp = SparseMoeBlock(cfg, layer) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
 
 
-class QwenMoeModel(nn.Module):
-    """Embedding, decoder layers, final norm and lm_head; forward returns logits of selected rows."""
+class MTPBlock(nn.Module):
+    """Qwen3.5/3.6 multi-token prediction (checkpoint names `mtp.*`): fc over [norm(embedding of token
+    t+1); norm(the main model's final hidden state at t)], one full-attention decoder layer with its MoE
+    (layer id num_layers + i), a final norm; the main model's embedding and lm_head are shared. Its row at
+    position t predicts token t+2."""
 
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, eps, zc = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered
+        self.fc = Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(H, eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(H, eps, zc)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in cfg.mtp_layer_ids)
+        self.norm = RMSNorm(H, eps, zc)
+
+
+class QwenMoeModel(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head; forward returns logits of selected rows.
+    mtp: also the checkpoint's MTP block (speculative decoding's drafter, `draft`)."""
+
+    def __init__(self, cfg: ModelConfig, mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -131,9 +150,17 @@ class QwenMoeModel(nn.Module):
         # model layer index -> index into the KV pool / the state pool
         self.kv_layer = {l: i for i, l in enumerate(cfg.full_attention_layers)}
         self.state_layer = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
+        self.mtp = MTPBlock(cfg) if mtp and cfg.mtp_num_layers else None
+        if self.mtp is not None:  # the MTP layers' K/V follow the main model's layers in the KV pool
+            n = len(self.kv_layer)
+            self.kv_layer.update({l: n + i for i, l in enumerate(cfg.mtp_layer_ids)})
+        self.hidden: torch.Tensor | None = None  # batch.extra["keep_hidden"]: the last forward's final hidden
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
 
     def moe_blocks(self):
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, SparseMoeBlock)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -141,8 +168,28 @@ class QwenMoeModel(nn.Module):
         normed = None
         for i in range(len(self.layers)):
             h, normed = self._layer(i, h, normed, batch)
+        if batch.extra.get("keep_hidden"):  # the MTP drafter reads every row's final hidden state
+            self.hidden = self.norm(h)
+            return self.lm_head(self.hidden[batch.logits_index]).float()
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """The MTP block on a flat batch: batch.input_ids [T] are the tokens at position + 1, hidden [T, H]
+        the final hidden states at the positions (the main model's, or the block's own for a further draft);
+        writes the block's K/V at batch.positions. Returns logits of batch.logits_index rows; self.hidden
+        becomes the block's normed output (every row). step picks the layer (step % number of layers)."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.embed_tokens(batch.input_ids))
+        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        layer = m.layers[step % len(m.layers)]
+        j = self.kv_layer[self.cfg.num_layers + step % len(m.layers)]
+        a = layer.self_attn(layer.input_layernorm(x), batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
+        a, x = layer.post_attention_layernorm.add_forward(a, x)
+        x = x + layer.mlp(a)
+        self.hidden = m.norm(x)
+        return self.lm_head(self.hidden[batch.logits_index]).float()
 
     def _layer(self, i: int, h: torch.Tensor, normed, batch: ForwardBatch):
         """Decoder layer i: h [T, H] -> (h, this layer's output already normed by layer i+1's input norm, or

@@ -47,6 +47,7 @@ class Request:
     prompt_lps: list = field(default_factory=list)
     output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
     parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
+    drafts: list[int] = field(default_factory=list)  # --speculative: tokens proposed after the newest one
 
     @property
     def all_ids(self) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 
 from ..core import FinishReason, RequestError
 from ..engine.batch import ForwardBatch, SeqMeta
-from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample
+from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample, verify_drafts
 from ..kvcache.prefix import PrefixCache
 from .request import Request, Status, StepOutput
 
@@ -63,6 +63,11 @@ class Scheduler:
         self.think_end = tok.token_to_id("</think>") if tok is not None else None
         # what a spent thinking budget forces: the end of the block, as the chat templates write it
         self.think_close = tok.encode("\n</think>\n\n") if tok is not None and self.think_end is not None else []
+        # --speculative mtp: K drafts per decoding request and step, verified in the next forward pass
+        self.spec_k = engine.ecfg.num_speculative_tokens if getattr(engine, "use_mtp", False) else 0
+        self.spec_totals = {"verify_steps": 0, "drafted": 0, "accepted": 0, "emitted": 0,
+                            "drafted_at": [0] * self.spec_k, "accepted_at": [0] * self.spec_k}
+        self._spec: list[tuple[Request, int, int, list[int]]] = []  # (req, first logits row, n, checkpoints)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -124,11 +129,24 @@ class Scheduler:
                       "usage": kv.num_used / kv.n if kv.n else 0.0},
                "state": {"used_slots": slots.num_used, "total_slots": slots.n,
                          "usage": slots.num_used / slots.n if slots.n else 0.0}}
+        if self.spec_k:
+            out["speculative"] = self.spec_stats()
         if self.prefix is not None:
             t = self.prefix_totals
             out["prefix_cache"] = {**self.prefix.stats(), **t,
                                    "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0}
         return out
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counters: drafts proposed and accepted (in all and per draft position),
+        verify steps, tokens emitted by them (accepted drafts + the target's own token)."""
+        t = self.spec_totals
+        rate = [a / d if d else 0.0 for a, d in zip(t["accepted_at"], t["drafted_at"])]
+        return {"method": "mtp", "num_speculative_tokens": self.spec_k, **{k: v for k, v in t.items()
+                if not isinstance(v, list)}, "drafted_per_position": list(t["drafted_at"]),
+                "accepted_per_position": list(t["accepted_at"]), "acceptance_rate_per_position": rate,
+                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+                "tokens_per_verify_step": t["emitted"] / t["verify_steps"] if t["verify_steps"] else 0.0}
 
     def abort_all(self, reason: str = FinishReason.ABORT.value) -> list[Request]:
         """Finish every running request (after a failed step their caches may be half-written)."""
@@ -157,6 +175,9 @@ class Scheduler:
         batch, sample_reqs = self._build_batch(plan)
         decode = sum(1 for r, _ in plan if not r.in_prefill)
         prefill_seqs = len(plan) - decode
+        prefill_tokens = sum(n for r, n in plan if r.in_prefill)
+        before = [(r, r.num_computed) for r, _ in plan]
+        decoding = {r.id for r, _ in plan if not r.in_prefill}
         t0 = time.perf_counter()
         try:
             logits = self.engine.forward(batch)
@@ -164,10 +185,20 @@ class Scheduler:
             for _, _, slot, _ in self._pending_snaps:  # never written: the step did not finish
                 self.prefix.free_snapshot(slot)
             self._pending_snaps = []
+            self._spec = []
             raise
         outputs = self._apply(plan, sample_reqs, logits)
+        if self.spec_k:
+            try:
+                self._draft(before, batch)
+            except Exception:  # drafts only save time: this step's tokens are already out, keep them
+                log.exception("the MTP drafter failed; these requests decode without drafts this step")
+                for req, _ in before:
+                    req.drafts = []
+            # decode requests' tokens this step (a verify step emits up to K + 1 per request)
+            decode = sum(1 for o in outputs if o.request.id in decoding)
         self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
-                          "prefill_tokens": batch.num_tokens - decode, "prefill_seqs": prefill_seqs,
+                          "prefill_tokens": prefill_tokens, "prefill_seqs": prefill_seqs,
                           "running": len(self.running), "waiting": len(self.waiting)}
         return outputs
 
@@ -178,9 +209,10 @@ class Scheduler:
         for req in list(self.running):
             if req.status != Status.RUNNING or req.in_prefill:
                 continue
-            if self._reserve(req, req.num_computed + 1):
-                plan.append((req, 1))
-                budget -= 1
+            n = 1 + len(self._trim_drafts(req))
+            if self._reserve(req, req.num_computed + n):
+                plan.append((req, n))
+                budget -= n
         for req in list(self.running):
             if req.status == Status.RUNNING and req.in_prefill and budget > 0:
                 n = self._chunk(req, req.num_computed, min(budget, req.num_tokens - req.num_computed))
@@ -276,6 +308,7 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def _release(self, req: Request) -> None:
+        req.drafts = []
         if self.prefix is not None:
             # pages in the tree stay cached (unreferenced ones are evicted when pages run short)
             own = [p for p in req.pages if p not in self.prefix.owned]
@@ -299,11 +332,23 @@ class Scheduler:
         prompt_rows: list[tuple[Request, int, int]] = []
         sample_rows: list[int] = []
         start = 0
+        ckpt = self.state.checkpoint_slots if self.spec_k else []
+        self._spec = []
         for req, n in plan:
             c = req.num_computed
-            ids += req.all_ids[c:c + n]
-            pos += range(c, c + n)
             kv_index = self.kv.flat_index(req.pages, 0, c + n, dev)
+            pos += range(c, c + n)
+            if n > 1 and not req.in_prefill:  # verify: the newest token and its drafts, every row's logits
+                j = len(self._spec) * self.spec_k
+                slots = ckpt[j:j + n - 1] if ckpt else None  # the state after each position but the last
+                ids += req.all_ids[c:c + 1] + req.drafts[:n - 1]
+                seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index,
+                                    checkpoints=slots))
+                self._spec.append((req, len(logit_rows), n, slots or []))
+                logit_rows += range(start, start + n)
+                start += n
+                continue
+            ids += req.all_ids[c:c + n]
             seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index))
             if req.prompt_lps:  # the row at position j predicts prompt token j + 1
                 for j in range(max(c, len(req.prompt_lps) - 1), min(c + n, len(req.prompt_ids) - 1)):
@@ -315,7 +360,7 @@ class Scheduler:
                 sample_rows.append(len(logit_rows) - 1)
                 sample_reqs.append(req)
             start += n
-        self._rows = (prompt_rows, sample_rows) if prompt_rows else None
+        self._rows = (prompt_rows, sample_rows) if prompt_rows or self._spec else None
         write = torch.cat([s.kv_index[s.cached:] for s in seqs])
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -324,6 +369,10 @@ class Scheduler:
             logits_index=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=dev),
         )
+        if self.spec_k:
+            batch.extra["keep_hidden"] = True  # the drafter reads every row's final hidden state
+            if self._spec and len(self._spec) + sum(1 for s in seqs if s.length == 1) == len(seqs):
+                batch.extra["decode_like"] = True  # decode and verify rows only: decode's kernels (engine)
         if self.prefix is not None and self.prefix.needs_snapshot:
             self._plan_state_copies(plan, batch)
         return batch, sample_reqs
@@ -342,6 +391,8 @@ class Scheduler:
             end = req.num_computed + n
             if end % P or not (end == (req.num_tokens - 1) // P * P or end == req.num_tokens):
                 continue
+            if n > 1 and not req.in_prefill:
+                continue  # a verify step: its snapshot is taken once it knows what it kept (_roll_snapshot)
             rolling = not req.in_prefill  # a decode step: replaces this request's previous decode snapshot
             if rolling and req.roll_node is not None:
                 self.prefix.drop_snapshot(req.roll_node)
@@ -374,17 +425,27 @@ class Scheduler:
         self._pending_snaps = []
 
     def _apply(self, plan, sample_reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        verified = {id(r) for r, *_ in self._spec}
         for req, n in plan:
+            if id(req) in verified:
+                continue  # advanced by what it accepts (_verify)
             req.num_computed += n
             if self.prefix is not None:
                 self._cache_pages(req)
         if self._pending_snaps:
             self._attach_snapshots()
         rows, self._rows = self._rows, None
-        if rows is not None:  # prompt_logprobs asked for extra rows: split them off
+        spec_outs = []
+        if rows is not None:  # prompt_logprobs or verify steps asked for extra rows: split them off
             prompt_rows, sample_rows = rows
-            self._prompt_logprobs(logits, prompt_rows)
+            if prompt_rows:
+                self._prompt_logprobs(logits, prompt_rows)
+            spec_outs = self._verify(logits)
             logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        return spec_outs + self._sample(sample_reqs, logits)
+
+    def _sample(self, sample_reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        """One token for each request that reached its newest token (logits: one row each)."""
         if self.held:
             sample_reqs, logits = self._adopt_children(sample_reqs, logits)
         if not sample_reqs:
@@ -411,24 +472,153 @@ class Scheduler:
                 tokens[i] = req.forced.pop(0)
         lps = self._logprobs(raw, sample_reqs, tokens)
         now = time.perf_counter()
-        outs = []
-        for i, (req, tok) in enumerate(zip(sample_reqs, tokens)):
-            first = req.first_token_at is None
-            if first:
-                req.first_token_at = now
-            req.output_ids.append(tok)
-            if i in lps:
-                req.output_lps.append(lps[i])
-            self._track(req, tok)
-            delta = req.detok.add(tok) if req.detok is not None else ""
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                if req.detok is not None and not req.detok.stopped:
-                    delta += req.detok.flush()
-                self._finish(req, reason)
-            outs.append(StepOutput(req, tok, delta, reason is not None, lps.get(i),
-                                   req.prompt_lps if first and req.prompt_lps else None))
+        return [self._emit(req, tok, lps.get(i), now) for i, (req, tok) in enumerate(zip(sample_reqs, tokens))]
+
+    def _emit(self, req: Request, tok: int, lp, now: float) -> StepOutput:
+        """Append one generated token to req: reasoning and grammar bookkeeping, text, finishing."""
+        first = req.first_token_at is None
+        if first:
+            req.first_token_at = now
+        req.output_ids.append(tok)
+        if lp is not None:
+            req.output_lps.append(lp)
+        self._track(req, tok)
+        delta = req.detok.add(tok) if req.detok is not None else ""
+        reason = self._finish_reason(req, tok)
+        if reason is not None:
+            if req.detok is not None and not req.detok.stopped:
+                delta += req.detok.flush()
+            self._finish(req, reason)
+        return StepOutput(req, tok, delta, reason is not None, lp, req.prompt_lps if first and req.prompt_lps else None)
+
+    # ---- speculative decoding (--speculative mtp) -------------------------------------------
+    def _can_draft(self, req: Request) -> bool:
+        """Drafts for requests sampled from the plain (tempered, top-k/p, min-p) distribution; logits
+        processing, grammars, logprobs and forced tokens decode one token a step."""
+        p = req.params
+        return not (p.needs_processing or req.matcher is not None or p.logprobs is not None or req.forced
+                    or (req.thinking and p.max_thinking_tokens is not None))
+
+    def _trim_drafts(self, req: Request) -> list[int]:
+        """The drafts req may verify: none for requests that decode one token a step (_can_draft), and no more
+        than what it may still generate after the target's own token (max_tokens, the context)."""
+        room = min(req.params.max_tokens - len(req.output_ids), self.max_seq_len - req.num_tokens) - 1
+        req.drafts = req.drafts[:max(0, room)] if self._can_draft(req) else []
+        return req.drafts
+
+    def _verify(self, logits: torch.Tensor) -> list[StepOutput]:
+        """Each verified request keeps its longest agreeing prefix of drafts plus one token of the target
+        (sampler.verify_drafts); the linear state rolls back to the last kept position (one slot copy), and
+        the pages past the kept tokens go back to the pool."""
+        outs, now, t = [], time.perf_counter(), self.spec_totals
+        spec, self._spec = self._spec, []
+        for req, row, n, slots in spec:
+            drafts, req.drafts = req.drafts[:n - 1], []
+            toks = verify_drafts(logits[row:row + n], drafts, req.params, req.generator)
+            a = len(toks) - 1
+            t["verify_steps"] += 1
+            t["drafted"] += len(drafts)
+            t["accepted"] += a
+            t["emitted"] += len(toks)
+            for i in range(len(drafts)):
+                t["drafted_at"][i] += 1
+                t["accepted_at"][i] += i < a
+            req.num_computed += a + 1
+            if a < len(drafts) and slots:
+                self.state.copy([(slots[a], req.state_slot)])
+            for tok in toks:
+                outs.append(self._emit(req, tok, None, now))
+                if req.status == Status.FINISHED:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            if self.prefix is not None:  # the kept tokens are in all_ids now: full pages enter the tree
+                self._cache_pages(req)
+                if slots and self.prefix.num_snap_slots and req.num_computed % self.kv.page_size == 0:
+                    self._roll_snapshot(req)
+            self._trim_pages(req, req.num_tokens)
         return outs
+
+    def _roll_snapshot(self, req: Request) -> None:
+        """A verify step that kept req's state at a page boundary: the rolling decode snapshot there (as a
+        decode step's would be, copied now that the state is rolled back)."""
+        k = req.num_computed // self.kv.page_size
+        if len(req.nodes) < k:
+            return
+        if req.roll_node is not None:
+            self.prefix.drop_snapshot(req.roll_node)
+            req.roll_node = None
+        slot = self.prefix.alloc_snapshot()
+        self.state.copy([(req.state_slot, slot)])
+        if self.prefix.attach_snapshot(req.nodes[k - 1], slot):
+            req.roll_node = req.nodes[k - 1]
+
+    def _trim_pages(self, req: Request, tokens: int) -> None:
+        keep = self.kv.pages_for(tokens)
+        if len(req.pages) > keep:  # pages past the kept tokens are the request's own (never in the tree)
+            self.kv.pages.free(req.pages[keep:])
+            del req.pages[keep:]
+
+    def _draft(self, before: list[tuple[Request, int]], batch: ForwardBatch) -> None:
+        """The MTP block after a step: over every position the step computed (its K/V, so later drafts attend
+        to the whole sequence), then K drafts for each decoding request, one MTP pass per draft position."""
+        dev, model = self.engine.device, self.engine.model
+        hidden = model.hidden
+        ids, pos, seqs, src, rows, drafters = [], [], [], [], [], []
+        start = 0
+        for (req, c0), s in zip(before, batch.seqs):
+            c1 = req.num_computed
+            if req.status != Status.RUNNING or c1 <= c0:
+                continue
+            L = c1 - c0
+            ids += req.all_ids[c0 + 1:c1 + 1]  # the token after each position
+            pos += range(c0, c1)
+            src += range(s.start, s.start + L)
+            seqs.append(SeqMeta(start=start, length=L, cached=c0, state_slot=req.state_slot,
+                                kv_index=self.kv.flat_index(req.pages, 0, c1, dev)))
+            if not req.in_prefill and self._can_draft(req):
+                rows.append(start + L - 1)
+                drafters.append(req)
+            start += L
+        if not seqs:
+            return
+        fill = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                            positions=torch.tensor(pos, dtype=torch.long, device=dev), seqs=seqs,
+                            kv_write_index=torch.cat([q.kv_index[q.cached:] for q in seqs]),
+                            logits_index=torch.tensor(rows, dtype=torch.long, device=dev))
+        logits = self.engine.draft(fill, hidden[torch.tensor(src, dtype=torch.long, device=dev)], 0)
+        for req, tok in zip(drafters, torch.argmax(logits, dim=-1).tolist()):
+            req.drafts = [tok]
+        for step in range(1, self.spec_k):
+            live = [(r, row) for r, row in zip(drafters, rows) if self._page_for(r, r.num_computed - 1 + step)]
+            if not live:
+                return
+            prev = model.hidden  # the block's own output at each request's last row: its next input
+            ps = [r.num_computed - 1 + step for r, _ in live]
+            seqs = [SeqMeta(start=i, length=1, cached=p, state_slot=r.state_slot,
+                            kv_index=self.kv.flat_index(r.pages, 0, p + 1, dev))
+                    for i, ((r, _), p) in enumerate(zip(live, ps))]
+            ids = torch.tensor([r.drafts[-1] for r, _ in live], dtype=torch.long, device=dev)
+            nxt = ForwardBatch(input_ids=ids, positions=torch.tensor(ps, dtype=torch.long, device=dev), seqs=seqs,
+                               kv_write_index=torch.cat([q.kv_index[-1:] for q in seqs]),
+                               logits_index=torch.arange(len(live), dtype=torch.long, device=dev))
+            src = torch.tensor([row for _, row in live], dtype=torch.long, device=dev)
+            logits = self.engine.draft(nxt, prev[src], step)
+            for (r, _), tok in zip(live, torch.argmax(logits, dim=-1).tolist()):
+                r.drafts.append(tok)
+            drafters, rows = [r for r, _ in live], list(range(len(live)))
+
+    def _page_for(self, req: Request, position: int) -> bool:
+        """req owns the page of `position`, taking a free one if needed (never evicting or preempting: a
+        draft is not worth it)."""
+        need = position // self.kv.page_size + 1 - len(req.pages)
+        if need <= 0:
+            return True
+        got = self.kv.pages.alloc(need)
+        if got is None:
+            return False
+        req.pages += got
+        return True
 
     def _adopt_children(self, sample_reqs: list[Request], logits: torch.Tensor):
         """Parents that just finished their prefill hand it to their held children: each child gets its own

@@ -272,7 +272,8 @@ def stats_body(state: ServerState) -> dict:
             "kv": engine.get("kv"), "state": engine.get("state"), "throughput": engine.get("throughput"),
             "requests": requests, "experts": engine.get("experts"),
             "experts_hit_rate": engine.get("experts_hit_rate"), "memory_plan": engine.get("memory_plan"),
-            "prefix_cache": engine.get("prefix_cache"), "engine_totals": engine.get("totals")}
+            "prefix_cache": engine.get("prefix_cache"), "speculative": engine.get("speculative"),
+            "engine_totals": engine.get("totals")}
 
 
 async def _stats_events(state: ServerState, request: Request, poll: float = 0.1, heartbeat: float = 15.0):

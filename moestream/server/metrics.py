@@ -36,6 +36,16 @@ class Metrics:
             ("saved_prefill_tokens", "Prefill tokens not computed thanks to the prefix cache, re-admissions included"),
             ("pages", "KV pages held by the prefix cache"),
             ("snapshots", "Linear-state snapshots held by the prefix cache"))}
+        # speculative decoding (--speculative mtp): the engine's running totals, as gauges of its snapshot
+        self.spec = {k: Gauge(f"moestream_spec_decode_{k}", doc, lbl, registry=r) for k, doc in (
+            ("drafted_tokens", "Draft tokens proposed by the MTP block (total)"),
+            ("accepted_tokens", "Draft tokens the main model accepted (total)"),
+            ("verify_steps", "Requests' verify steps (one per decoding request and step with drafts, total)"),
+            ("acceptance_rate", "Accepted / drafted tokens"))}
+        self.spec_pos = {k: Gauge(f"moestream_spec_decode_{k}_per_position", doc, lbl + ["position"], registry=r)
+                         for k, doc in (("drafted_tokens", "Drafts proposed at draft position (0: the first)"),
+                                        ("accepted_tokens", "Drafts accepted at draft position"),
+                                        ("acceptance_rate", "Accepted / drafted at draft position"))}
         # Recent requests, for TTFT mean/p95 in /v1/stats.
         self.recent_ttft: collections.deque = collections.deque(maxlen=window)
         self.recent_latency: collections.deque = collections.deque(maxlen=window)
@@ -75,6 +85,16 @@ class Metrics:
         for k, g in self.prefix.items():
             if isinstance(stats.get("prefix_cache"), dict) and k in stats["prefix_cache"]:
                 g.labels(m).set(stats["prefix_cache"][k])
+
+        spec = stats.get("speculative")
+        if isinstance(spec, dict):
+            for k, src in (("drafted_tokens", "drafted"), ("accepted_tokens", "accepted"),
+                           ("verify_steps", "verify_steps"), ("acceptance_rate", "acceptance_rate")):
+                self.spec[k].labels(m).set(spec.get(src, 0))
+            for k, src in (("drafted_tokens", "drafted_per_position"), ("accepted_tokens", "accepted_per_position"),
+                           ("acceptance_rate", "acceptance_rate_per_position")):
+                for i, v in enumerate(spec.get(src) or []):
+                    self.spec_pos[k].labels(m, str(i)).set(v)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

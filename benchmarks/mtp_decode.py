@@ -1,0 +1,155 @@
+"""Decode with and without MTP speculative decoding (issue 22) at full Qwen3.6-35B-A3B shape on capped VRAM.
+
+Run on the GPU machine, from the repo root:
+    PYTHONPATH=$PWD python3 benchmarks/mtp_decode.py --out $OUT/mtp.json
+Local smoke test of the same code path on CPU with a tiny shape:
+    PYTHONPATH=$PWD python benchmarks/mtp_decode.py --tiny --device cpu --backends cpu --caps 0 --k 0,2 --accept 0.8
+
+The model (with a one-layer MTP block, `mtp_num_hidden_layers: 1`) is built in memory with random bf16 weights,
+as benchmarks/decode_sweep.py does. Random weights make a random drafter, which the main model never agrees
+with, so the drafts are scripted: the block runs in full (its K/V, its router, its experts through the
+expert runtime and cache: the traffic a real block causes) and only its logits are replaced by a proposal
+that is the main model's own next token with probability --accept (else a wrong token), per draft. The
+main model's tokens are recorded first by a plain greedy run of the same prompts (k = 0), which is also the
+baseline row. Every speculative run is checked to give those tokens.
+
+k = 0 runs on the engine built for the largest k (its decode buffers and pair scratch rows sized for k + 1
+rows a request, which takes a few expert slots from the cache); for the exact baseline run with --k 0
+--max-k 0 (a separate process, no MTP block loaded).
+
+Per (backend, cap, bs, k, accept): decode tok/s (aggregate, per request), bytes over PCIe per generated
+token, expert hit rate, drafted / accepted per draft position, tokens per verify step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+from decode_sweep import QWEN36, TINY, delta, measure_bandwidths, totals
+
+
+def scripted_drafter(llm, seqs: list[list[int]], accept: float, seed: int = 0):
+    """Replace the MTP block's logits by proposals that are right with probability `accept` (see above)."""
+    table = {}
+    for s in seqs:
+        for j in range(len(s) - 2):
+            table[(j, s[j + 1])] = s[j + 2]
+    engine, V = llm.engine, llm.model_config.vocab_size
+    real = type(engine).draft
+    g = torch.Generator().manual_seed(seed)
+
+    def draft(batch, hidden, step=0):
+        logits = real(engine, batch, hidden, step)
+        pos, ids = batch.positions.tolist(), batch.input_ids.tolist()
+        out = torch.full_like(logits, -1e4)
+        for i, r in enumerate(batch.logits_index.tolist()):
+            nxt = table.get((pos[r], ids[r]), 0)
+            right = float(torch.rand((), generator=g)) < accept
+            out[i, nxt if right else (nxt + 1) % V] = 0.0
+        return out
+
+    engine.draft = draft
+
+
+def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -> dict:
+    from moestream import SamplingParams
+
+    sched = llm.scheduler
+    sched.spec_k = k
+    if k:
+        scripted_drafter(llm, [p + w for p, w in zip(prompts, want)], accept)
+    else:
+        llm.engine.__dict__.pop("draft", None)
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm the cache
+    before, spec_before = totals(llm), json.loads(json.dumps(sched.spec_totals))
+    outs = [o.token_ids for o in llm.generate(prompts, sp)]
+    d = delta(totals(llm), before)
+    t = llm.last_timing
+    spec = {key: ([a - b for a, b in zip(v, spec_before[key])] if isinstance(v, list) else v - spec_before[key])
+            for key, v in sched.spec_totals.items()}
+    toks = max(t["decode_tokens"], 1)
+    hits, misses = d.get("hits", 0), d.get("misses", 0)
+    agg = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+    return {"k": k, "accept": accept if k else None, "bs": len(prompts), "decode_tok_s_agg": agg,
+            "decode_tok_s_per_req": agg / len(prompts), "decode_tokens": t["decode_tokens"],
+            "decode_s": t["decode_s"], "hit_rate": hits / (hits + misses) if hits + misses else None,
+            # prefill traffic of the measured run is included (32-token prompts: small next to the decode)
+            "pcie_bytes_per_token": d.get("bytes_h2d", 0) / toks,
+            "drafted_per_position": spec["drafted_at"][:k], "accepted_per_position": spec["accepted_at"][:k],
+            "tokens_per_verify_step": spec["emitted"] / spec["verify_steps"] if spec["verify_steps"] else None,
+            "tokens_equal": None if want is None else outs == want, "outputs": outs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--caps", default="24,12,8")
+    ap.add_argument("--backends", default="offload,hybrid")
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--k", default="0,1,2,3", help="drafts per step to measure (0: no speculation)")
+    ap.add_argument("--max-k", type=int, default=None, help="--num-speculative-tokens of the engine (default: max --k)")
+    ap.add_argument("--accept", default="0.6,0.8,0.9", help="probability that a scripted draft is right")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="mtp.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from moestream import LLM
+
+    ks = [int(x) for x in args.k.split(",")]
+    max_k = max(ks) if args.max_k is None else args.max_k
+    cfg = {**(TINY if args.tiny else QWEN36), "mtp_num_hidden_layers": 1}
+    dev = torch.device(args.device)
+    backends = args.backends.split(",")
+    caps = [float(c) for c in args.caps.split(",")]
+    t0 = time.perf_counter()
+    llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=backends[0],
+              gpu_memory_gb=caps[0] if dev.type == "cuda" else None, max_running_requests=max(
+                  int(b) for b in args.batch.split(",")), num_tokens=16384, max_seq_len_override=4096,
+              speculative="mtp" if max_k else "none", num_speculative_tokens=max(max_k, 1))
+    print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": measure_bandwidths(dev), "max_k": max_k,
+               "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
+    V = llm.model_config.vocab_size
+    for backend in backends:
+        for cap in caps:
+            try:
+                llm.engine.reconfigure_experts(moe_backend=backend, moe_cache_size=None,
+                                               gpu_memory_gb=cap if dev.type == "cuda" else None)
+            except Exception as e:  # a plan that does not fit is a result too
+                results["runs"].append({"backend": backend, "cap_gb": cap, "error": str(e)})
+                continue
+            for bs in (int(x) for x in args.batch.split(",")):
+                g = torch.Generator().manual_seed(bs)
+                prompts = [torch.randint(0, V, (32,), generator=g).tolist() for _ in range(bs)]
+                base = run(llm, prompts, args.new_tokens, 0)
+                want = base["outputs"]
+                rows = [base] + [run(llm, prompts, args.new_tokens, k, want, float(a))
+                                 for k in ks if k for a in args.accept.split(",")]
+                for r in rows:
+                    r.pop("outputs")
+                    r.update(backend=backend, cap_gb=cap, speedup=r["decode_tok_s_agg"] / base["decode_tok_s_agg"]
+                             if base["decode_tok_s_agg"] else None)
+                    results["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(f"\n{'backend':8} {'cap':>5} {'bs':>3} {'k':>2} {'accept':>6} {'tok/s':>8} {'x base':>6} {'MB/tok':>7} "
+          f"{'hit':>5} {'tok/verify':>10} same")
+    for r in results["runs"]:
+        if "error" in r:
+            print(f"{r['backend']:8} {r['cap_gb']:5.0f} error: {r['error'][:80]}")
+            continue
+        f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
+        print(f"{r['backend']:8} {r['cap_gb']:5.0f} {r['bs']:3d} {r['k']:2d} {f(r['accept'], '6.2f')} "
+              f"{r['decode_tok_s_agg']:8.1f} {f(r['speedup'], '6.2f')} {r['pcie_bytes_per_token'] / 1e6:7.2f} "
+              f"{f(r['hit_rate'], '5.2f')} {f(r['tokens_per_verify_step'], '10.2f')} {r['tokens_equal']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""Multi-token prediction (issue 22): the MTP block of Qwen3.5/3.6 checkpoints, from HF safetensors and from
+GGUF files laid out as llama.cpp's converter writes them, and speculative decoding with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.core import ConfigError
+
+SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def prompts(vocab, sizes=(4, 17, 30, 9)):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes]
+
+
+def tokens(llm, ps, sp=SP):
+    return [o.token_ids for o in llm.generate(ps, sp)]
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen35_mtp")
+
+
+@pytest.fixture(scope="module")
+def mtp_gguf(tiny_checkpoint, tmp_path_factory):
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen35_mtp", layout="causal"),
+                                     tmp_path_factory.mktemp("mtp_gguf") / "m.gguf", Q.Q8_0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_checkpoint):
+    """Greedy tokens of the same model without its MTP block (the checkpoint the block was added to)."""
+    llm = LLM(tiny_checkpoint("qwen35"), moe_backend="fused", **COMMON)
+    ps = prompts(llm.model_config.vocab_size)
+    return ps, tokens(llm, ps)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def test_hf_checkpoint_with_mtp_loads_without_it_by_default(mtp_dir, plain_tokens):
+    llm = LLM(mtp_dir, moe_backend="fused", **COMMON)
+    assert llm.model_config.mtp_num_layers == 1
+    assert llm.engine.model.mtp is None  # --speculative none: the block is not read, no memory spent
+    assert not any(n.startswith("mtp.") for n, _ in llm.engine.model.named_parameters())
+    assert llm.engine.runtime.store.moe_layers == [0, 1, 2, 3]
+    assert llm.engine.caches.kv.k.shape[0] == 1  # one full-attention layer
+    ps, want = plain_tokens
+    assert tokens(llm, ps) == want
+
+
+def test_hf_mtp_block_loads_with_speculative_mtp(mtp_dir):
+    from safetensors import safe_open
+
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", **COMMON)
+    model = llm.engine.model
+    assert model.mtp is not None and len(model.mtp.layers) == 1
+    assert llm.engine.runtime.store.moe_layers == [0, 1, 2, 3, 4]  # the MTP layer's experts: layer id 4
+    assert llm.engine.caches.kv.k.shape[0] == 2  # its K/V after the main model's full-attention layer
+    files = sorted(mtp_dir.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                if k.startswith("mtp.") and ".experts." not in k:
+                    got = dict(model.named_parameters())[k]
+                    assert torch.equal(got, sf.get_tensor(k).to(got.dtype)), k
+    fc = dict(model.named_parameters())["mtp.fc.weight"]
+    assert fc.shape == (64, 128)
+
+
+def test_speculative_mtp_needs_a_block(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="multi-token-prediction block"):
+        LLM(tiny_checkpoint("qwen35"), speculative="mtp", **COMMON)
+    with pytest.raises(ConfigError, match="--speculative must be none or mtp"):
+        LLM(tiny_checkpoint("qwen35"), speculative="eagle", **COMMON)
+    with pytest.raises(ConfigError, match="--num-speculative-tokens"):
+        LLM(tiny_checkpoint("qwen35"), speculative="mtp", num_speculative_tokens=0, **COMMON)
+
+
+def test_gguf_with_nextn_block_loads(mtp_gguf, tiny_checkpoint, monkeypatch):
+    """A GGUF whose block_count counts the MTP block (blk.4.nextn.*): loads as the 4-layer model, and with
+    --speculative mtp its block holds the HF block's weights (Q8_0 rounding aside) and greedy tokens are the
+    same. The CPU int8-activation kernels are off: with them a prompt's tokens depend on which requests share
+    its decode steps even without speculation (mixed steps compute in float), as on this tiny model."""
+    from moestream.models.gguf_loader import open_gguf
+
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+
+    ck = open_gguf(mtp_gguf)
+    assert any(t.name == "blk.4.nextn.eh_proj.weight" for t in ck.reader.tensors)
+    llm = LLM(mtp_gguf, moe_backend="fused", **COMMON)
+    cfg = llm.model_config
+    assert (cfg.num_layers, cfg.mtp_num_layers) == (4, 1)
+    assert llm.engine.model.mtp is None
+    ps = prompts(cfg.vocab_size)
+    want = tokens(llm, ps)
+    spec = LLM(mtp_gguf, moe_backend="fused", speculative="mtp", **COMMON)
+    hf = LLM(tiny_checkpoint("qwen35_mtp", layout="causal"), moe_backend="fused", speculative="mtp", **COMMON)
+    a, b = dict(spec.engine.model.named_parameters()), dict(hf.engine.model.named_parameters())
+    for k in b:
+        if k.startswith("mtp."):
+            tol = 1e-6 if "norm" in k else 0.02  # norms are F32 (stored as 1 + w), matrices Q8_0
+            assert torch.allclose(a[k], b[k], atol=tol), k
+    ga, gb = spec.engine.runtime.store, hf.engine.runtime.store
+    assert ga.moe_layers == gb.moe_layers == [0, 1, 2, 3, 4]
+    assert tokens(spec, ps) == want
+
+
+# ---- speculative decoding -----------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_tokens_equal_without_speculation(mtp_dir, plain_tokens, k):
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=k, **COMMON)
+    assert tokens(llm, ps) == want  # batch 4
+    assert [tokens(llm, [p])[0] for p in ps[:2]] == want[:2]  # batch 1
+    st = llm.stats()["speculative"]
+    assert st["verify_steps"] > 0 and st["drafted"] > 0
+    assert len(st["drafted_per_position"]) == k
+    llm.scheduler.check_integrity()
+
+
+BACKENDS = [("offload", {"moe_cache_size": 3}), ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+            ("cpu", {}), ("hybrid", {"moe_cache_size": 3}), ("fused", {"moe_decode_kernel": "pairs"})]
+
+
+@pytest.mark.parametrize("backend,kw", BACKENDS)
+def test_every_backend_gives_the_same_greedy_tokens(mtp_dir, plain_tokens, backend, kw):
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend=backend, speculative="mtp", num_speculative_tokens=2, **COMMON, **kw)
+    assert tokens(llm, ps) == want  # batch 4
+    assert tokens(llm, [ps[1]]) == [want[1]]  # batch 1
+    assert llm.stats()["speculative"]["drafted"] > 0
+    llm.scheduler.check_integrity()
+
+
+def script_drafter(llm, seqs, wrong_from: int | None = None):
+    """Make the MTP block's drafts scripted: at position j with input token x[j+1] it proposes x[j+2] of the
+    known greedy continuation (a drafter that agrees with the model); from draft step `wrong_from` on it
+    proposes a different token. The block still runs (its K/V, its experts): only its logits are replaced."""
+    table = {}
+    for s in seqs:
+        for j in range(len(s) - 2):
+            assert table.setdefault((j, s[j + 1]), s[j + 2]) == s[j + 2]  # no ambiguity between prompts
+    real, V = llm.engine.draft, llm.model_config.vocab_size
+
+    def draft(batch, hidden, step=0):
+        logits = real(batch, hidden, step)
+        pos, ids = batch.positions.tolist(), batch.input_ids.tolist()
+        out = torch.full_like(logits, -1e4)
+        for i, r in enumerate(batch.logits_index.tolist()):
+            nxt = table.get((pos[r], ids[r]), 0)
+            out[i, (nxt + 1) % V if wrong_from is not None and step >= wrong_from else nxt] = 0.0
+        return out
+
+    llm.engine.draft = draft
+
+
+def expected_counters(max_tokens: int, k: int, right: int) -> tuple[list[int], list[int], int]:
+    """Per-position drafted / accepted counts and verify steps of one request whose drafter is right for
+    its first `right` drafts of every step (trimmed to what max_tokens leaves)."""
+    drafted, accepted, steps, emitted, out = [0] * k, [0] * k, 0, 0, 1
+    while out < max_tokens:
+        n = min(k, max_tokens - out - 1)
+        a = min(n, right)
+        if n:  # with no room for a draft the step is a plain decode step
+            steps += 1
+            emitted += a + 1
+        for i in range(n):
+            drafted[i] += 1
+            accepted[i] += i < a
+        out += a + 1
+    return drafted, accepted, steps, emitted
+
+
+@pytest.mark.parametrize("k,right", [(3, 3), (2, 1), (3, 0)])
+def test_acceptance_counters_exact_with_a_scripted_drafter(mtp_dir, plain_tokens, k, right):
+    ps, want = plain_tokens
+    # prompts in one chunk: each request's first token comes from its prefill, every later one from decode
+    # steps (a prompt cut at a page boundary would end its prefill with a one-token step that verifies a draft)
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=k,
+              **{**COMMON, "chunked_prefill_size": 64})
+    script_drafter(llm, [p + w for p, w in zip(ps, want)], wrong_from=right)
+    assert tokens(llm, ps) == want
+    st = llm.stats()["speculative"]
+    d, a, steps, emitted = expected_counters(SP.max_tokens, k, right)
+    assert st["drafted_per_position"] == [x * len(ps) for x in d]
+    assert st["accepted_per_position"] == [x * len(ps) for x in a]
+    assert st["verify_steps"] == steps * len(ps)
+    assert st["acceptance_rate"] == pytest.approx(sum(a) / sum(d))
+    assert st["emitted"] == emitted * len(ps)
+    llm.scheduler.check_integrity()
+
+
+def assert_full_pages(llm):
+    """Every node of the prefix tree holds a full page of tokens."""
+    stack = [llm.scheduler.prefix.root]
+    while stack:
+        node = stack.pop()
+        for key, child in node.children.items():
+            assert len(key) == llm.engine.caches.kv.page_size, key
+            stack.append(child)
+
+
+def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(mtp_dir, tiny_checkpoint):
+    """Shared prefixes (hits resume from a state snapshot) and a KV pool so small that requests are preempted
+    and recomputed: with drafts verified every step the tokens are those of the plain model."""
+    plain = LLM(tiny_checkpoint("qwen35"), moe_backend="fused", **COMMON, page_size=4)
+    V = plain.model_config.vocab_size
+    base = prompts(V, (21,))[0]
+    ps = [base + [1, 2], base + [3], base[:13] + [4, 5, 6]]
+    want = tokens(plain, ps)
+    for kw in ({"prefix_cache_prompt_snapshot": "always"}, {"num_tokens": 48}):
+        llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
+                  **{**COMMON, **kw})
+        got = [tokens(llm, [p])[0] for p in ps] if "num_tokens" not in kw else tokens(llm, ps)
+        assert got == want, kw
+        llm.scheduler.check_integrity()
+        if "num_tokens" not in kw:
+            assert llm.scheduler.stats()["prefix_cache"]["cached_tokens"] > 0
+        assert llm.engine.caches.kv.pages.num_used == llm.scheduler.prefix.num_pages  # nothing leaked
+        assert_full_pages(llm)
+
+
+def test_rejected_pages_are_released(mtp_dir):
+    """After each verify step a request holds pages for its tokens only (not for its rejected drafts)."""
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=3, page_size=2,
+              **{**COMMON, "prefix_cache": False})
+    V = llm.model_config.vocab_size
+    from moestream.scheduler.request import Request
+
+    req = Request("r", prompts(V, (5,))[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    llm.scheduler.add(req)
+    seen = 0
+    while req.finish_reason is None:
+        llm.scheduler.step()
+        if req.finish_reason is None and llm.scheduler.spec_totals["verify_steps"] > seen:
+            seen = llm.scheduler.spec_totals["verify_steps"]
+            # the drafter's own K/V may reach ahead by K - 1 positions (pages it took for its drafts)
+            assert len(req.pages) <= llm.engine.caches.kv.pages_for(req.num_tokens + 2)
+    assert seen > 0 and llm.engine.caches.kv.pages.num_used == 0
+
+
+def test_gdn_checkpoints_hold_the_state_after_each_token():
+    """A verify step's per-position states equal the states after each prefix computed on its own."""
+    from moestream.engine.batch import ForwardBatch, SeqMeta
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    gdn = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
+    with torch.no_grad():
+        for n, p in gdn.named_parameters():
+            p.copy_(torch.rand_like(p) if n in ("A_log", "dt_bias") else torch.randn_like(p) * 0.3)
+        gdn.norm.weight.fill_(1.0)
+    x = torch.randn(5, 32)
+    conv, rec = torch.zeros(6, gdn.conv_dim, 3), torch.zeros(6, 4, 8, 8)
+    conv[0], rec[0] = torch.randn(gdn.conv_dim, 3), torch.randn(4, 8, 8) * 0.1
+    start = conv.clone(), rec.clone()
+
+    def batch(n, ckpt=None):
+        return ForwardBatch(torch.zeros(n, dtype=torch.long), torch.arange(n),
+                            [SeqMeta(0, n, 0, 0, torch.arange(n), checkpoints=ckpt)], torch.arange(n), torch.arange(1),
+                            state_slots=torch.zeros(1, dtype=torch.long))
+
+    with torch.no_grad():
+        out = gdn(x, batch(5, [1, 2, 3, 4]), conv, rec)  # the state after tokens 0..3 -> slots 1..4
+        for i in range(5):
+            c, r = start[0].clone(), start[1].clone()
+            ref = gdn(x[:i + 1], batch(i + 1), c, r)  # the chunked prefill over the first i + 1 tokens
+            got = (conv[0], rec[0]) if i == 4 else (conv[1 + i], rec[1 + i])
+            assert torch.allclose(r[0], got[1], atol=1e-5), i
+            assert torch.allclose(c[0], got[0], atol=1e-6), i  # the projections of 2 vs 5 rows may round apart
+            assert torch.allclose(ref, out[:i + 1], atol=1e-5), i
+
+
+# ---- the acceptance rule -------------------------------------------------------------------------
+def test_verify_drafts_greedy():
+    from moestream.engine.sampler import verify_drafts
+
+    logits = torch.tensor([[0., 3., 1.], [2., 0., 1.], [0., 0., 5.]])
+    greedy = SamplingParams(temperature=0.0)
+    assert verify_drafts(logits, [1, 0], greedy, None) == [1, 0, 2]  # both accepted + the target's token
+    assert verify_drafts(logits, [1, 2], greedy, None) == [1, 0]  # the second rejected: the target's instead
+    assert verify_drafts(logits, [0, 0], greedy, None) == [1]
+    assert verify_drafts(logits[:1], [], greedy, None) == [1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_verify_drafts_keeps_the_sampling_distribution(params):
+    """Whatever the (one-hot) drafts, each emitted token has the distribution plain sampling gives it: the
+    first token's and, given the first draft was kept, the second's (5000 draws, 4-token vocabulary; a draft
+    outside top-k / top-p is never kept)."""
+    from moestream.engine.sampler import filter_logits, verify_drafts
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.6], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0]])
+    p = [torch.softmax(filter_logits(row, params), -1) for row in logits]
+    g = torch.Generator().manual_seed(1)
+    n = 5000
+    for drafts in ([0, 1], [2, 3]):
+        first = torch.zeros(4)
+        second, kept = torch.zeros(4), 0
+        for _ in range(n):
+            out = verify_drafts(logits, drafts, params, g)
+            assert 1 <= len(out) <= 3
+            first[out[0]] += 1
+            if out[0] == drafts[0]:  # the first draft was accepted: the next token is from p[1]
+                second[out[1]] += 1
+                kept += 1
+        # 4.5 standard errors of a binomial proportion
+        tol = 4.5 * (p[0] * (1 - p[0]) / n).sqrt() + 1e-9
+        assert ((first / n - p[0]).abs() <= tol).all(), (drafts, first / n, p[0])
+        assert kept == 0 if p[0][drafts[0]] == 0 else kept > 200
+        if kept:
+            tol = 4.5 * (p[1] * (1 - p[1]) / kept).sqrt() + 1e-9
+            assert ((second / kept - p[1]).abs() <= tol).all(), (drafts, second / kept, p[1])
+
+
+def test_sampled_requests_speculate_and_finish(mtp_dir):
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    V = llm.model_config.vocab_size
+    script = [p + [0] * 40 for p in prompts(V)]
+    script_drafter(llm, script)  # drafts that are often wrong and sometimes right
+    out = llm.generate(prompts(V), SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=3,
+                                                  ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [16] * 4
+    assert all(0 <= t < V for o in out for t in o.token_ids)
+    st = llm.stats()["speculative"]
+    assert st["verify_steps"] > 0 and st["emitted"] == st["accepted"] + st["verify_steps"]
+    llm.scheduler.check_integrity()
+
+
+def test_processed_requests_decode_without_drafts(mtp_dir, plain_tokens):
+    """Logit processing (penalties here), grammars and logprobs decode one token a step: no drafts."""
+    ps, _ = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    llm.generate(ps[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
+    llm.generate(ps[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    assert llm.stats()["speculative"]["drafted"] == 0
+
+
+def test_engine_loop_stats_and_metrics(mtp_dir):
+    from moestream.server.engine_proc import EngineArgs, EngineLoop
+    from moestream.server.metrics import Metrics
+
+    class Outbox:
+        def __init__(self):
+            self.msgs = []
+
+        def send(self, msg):
+            self.msgs.append(msg)
+
+    loop = EngineLoop(EngineArgs(str(mtp_dir), {"device": "cpu", "dtype": "float32", "speculative": "mtp",
+                                                "num_speculative_tokens": 2}), Outbox())
+    script_drafter(loop.llm, [list(range(3, 13)) + [0] * 20])
+    loop._add({"rid": "a", "prompt_ids": list(range(3, 13)), "params": {"max_tokens": 8, "temperature": 0,
+                                                                        "ignore_eos": True}})
+    for _ in range(20):
+        loop._step()
+    items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"]]
+    assert len(items) == 8 and items[-1][3] == "length"
+    spec = loop.stats()["speculative"]
+    assert spec["verify_steps"] > 0 and len(spec["acceptance_rate_per_position"]) == 2
+    m = Metrics("x")
+    m.update_engine(loop.stats())
+    text = m.exposition().decode()
+    assert f'moestream_spec_decode_drafted_tokens{{model="x"}} {float(spec["drafted"])}' in text
+    assert 'moestream_spec_decode_acceptance_rate_per_position{model="x",position="1"}' in text
+
+
+def test_conversation_resumes_from_a_snapshot_taken_by_a_verify_step(mtp_dir, tiny_checkpoint):
+    """A turn decoded with drafts leaves a rolling state snapshot at a page boundary its verify steps reached,
+    so the next turn (the conversation so far + new tokens) hits past the first turn's prompt."""
+    plain = LLM(tiny_checkpoint("qwen35"), moe_backend="fused", **COMMON, page_size=4)
+    V = plain.model_config.vocab_size
+    first = prompts(V, (9,))[0]
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    reply = tokens(plain, [first], sp)[0]
+    second = first + reply + [5, 6, 7]
+    want = tokens(plain, [second], sp)[0]
+    # every draft right, 3 tokens a step from position 9: the state lands on the page boundary 12
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
+              **{**COMMON, "prefix_cache_prompt_snapshot": "never"})
+    script_drafter(llm, [first + reply, second + want])
+    assert tokens(llm, [first], sp)[0] == reply
+    assert llm.scheduler.spec_totals["accepted"] > 0
+    out = llm.generate([second], sp)[0]
+    assert out.token_ids == want
+    assert out.cached_tokens > len(first)  # a snapshot inside the first turn's reply
+    assert out.cached_tokens % 4 == 0
+    llm.scheduler.check_integrity()
+    assert_full_pages(llm)
+
+
+def test_stacked_and_quantized_mtp_experts_load(mtp_dir, tiny_checkpoint, tmp_path, plain_tokens):
+    """The block's experts stacked (mtp.layers.0.mlp.experts.gate_up_proj) load to the same store rows as
+    per-expert ones; NVFP4 / MXFP4 checkpoints keep the block's experts compressed, like every layer's."""
+    import tiny_models
+    from test_hf_quant import QUANT_CONFIGS, _quantize, _stack, _write
+
+    stacked = tiny_checkpoint("qwen35_mtp", mtp_expert_layout="stacked")
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in tiny_models.tensor_names(stacked)
+    a = LLM(mtp_dir, moe_backend="fused", speculative="mtp", **COMMON).engine.runtime.store
+    b = LLM(stacked, moe_backend="fused", speculative="mtp", **COMMON).engine.runtime.store
+    for name in a.banks:
+        assert torch.equal(a.bank(4)[name], b.bank(4)[name]), name
+    ps, want = plain_tokens
+    sd = tiny_models.read_state_dict(mtp_dir)
+    for scheme, stack in (("nvfp4", False), ("mxfp4", True)):
+        qsd, _ = _quantize(_stack(sd) if stack else sd, scheme)
+        assert any(k.startswith("mtp.layers.0.mlp.experts.") and t.dtype == torch.uint8 for k, t in qsd.items())
+        qdir = _write(mtp_dir, tmp_path / scheme, qsd, QUANT_CONFIGS[scheme])
+        plain_q = LLM(qdir, moe_backend="fused", **COMMON)
+        spec_q = LLM(qdir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+        store = spec_q.engine.runtime.store
+        assert store.fmt.quantized and 4 in store.moe_layers
+        assert store.bytes_per_expert(4) == store.bytes_per_expert(0)
+        assert tokens(spec_q, ps) == tokens(plain_q, ps), scheme
+
+
+def test_a_failing_drafter_loses_no_tokens(mtp_dir, plain_tokens):
+    """The drafter runs after the step's tokens are taken: if it fails they still come out, undrafted."""
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    real, calls = llm.engine.draft, []
+
+    def flaky(batch, hidden, step=0):
+        calls.append(step)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("simulated drafter failure")
+        return real(batch, hidden, step)
+
+    llm.engine.draft = flaky
+    assert tokens(llm, ps) == want
+    assert len(calls) >= 3
+    llm.scheduler.check_integrity()
