@@ -361,12 +361,13 @@ def test_engine_loop_stats_and_metrics(mtp_dir):
     loop = EngineLoop(EngineArgs(str(mtp_dir), {"device": "cpu", "dtype": "float32", "speculative": "mtp",
                                                 "num_speculative_tokens": 2}), Outbox())
     script_drafter(loop.llm, [list(range(3, 13)) + [0] * 20])
-    loop._add({"rid": "a", "prompt_ids": list(range(3, 13)), "params": {"max_tokens": 8, "temperature": 0,
-                                                                        "ignore_eos": True}})
+    from moestream.server.messages import Add, Outputs
+
+    loop._add(Add("a", list(range(3, 13)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
     for _ in range(20):
         loop._step()
-    items = [i for m in loop.outbox.msgs if m["type"] == "out" for i in m["items"]]
-    assert len(items) == 8 and items[-1][3] == "length"
+    deltas = [d for m in loop.outbox.msgs if isinstance(m, Outputs) for _, d in m.items]
+    assert sum(d.tokens for d in deltas) == 8 and deltas[-1].finish_reason == "length"
     spec = loop.stats()["speculative"]
     assert spec["verify_steps"] > 0 and len(spec["acceptance_rate_per_position"]) == 2
     m = Metrics("x")
