@@ -7,6 +7,7 @@ Recipe (Engine.__init__):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..core import ConfigError
+from ..core import ConfigError, RequestError
 from ..env import fuse_projections_enabled
 from ..kvcache import KVPool, StatePool
 from ..layers.rotary import Rotary
@@ -180,10 +181,7 @@ class Engine:
                     block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
-        self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
-        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
-        for block in model.moe_blocks():
-            block.runtime = self.runtime
+        self._start_runtime(store, model)
         return model.eval()
 
     def _planned_dense_bytes(self, model, folder, mode) -> int | None:
@@ -223,15 +221,7 @@ class Engine:
         """Re-plan expert placement on the loaded weights (backend, --gpu-memory-gb, cache size...):
         a new runtime over the same master copies, moved between host and device as the backend needs.
         The KV and state pools are kept as they are. Used by benchmarks to sweep without reloading."""
-        old = self.runtime
-        store = old.store
-        old.close()
-        if getattr(self, "graphs", None) is not None:
-            self.graphs.reset()  # recorded steps point into the old runtime's pools
-        # nothing may keep the old runtime's device cache alive while the new one allocates its own
-        self.runtime = None
-        for block in self.model.moe_blocks():
-            block.runtime = None
+        store = self._release_runtime()
         self.ecfg = self.ecfg.replace(**changes)
         self.plan = self._plan_memory(self.model, store.fmt)
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
@@ -239,28 +229,88 @@ class Engine:
             store = store.moved_to(home)
             if home.type == "cpu" and self.device.type == "cuda":
                 self.pinning = store.pin_host(self.plan.bytes.pin_budget)
+        self._start_runtime(store, self.model)
+        return self.plan
+
+    # ---- live cache rebuild ----------------------------------------------------------------
+    def plan_caches(self, kv_tokens: int, moe_slots: int | None) -> tuple[MoePlan, EngineConfig]:
+        """The plan (and options) for a KV pool of kv_tokens tokens and moe_slots expert slots (None: the
+        slots that fit), on the budget and expert backend this engine started with. Raises ConfigError with
+        the reason when it does not fit, RequestError for slots this backend or model cannot have; changes
+        nothing."""
+        if self.tp:
+            raise ConfigError("a live cache rebuild is not supported with --tp-size > 1 yet; restart the server "
+                              "with the new --num-tokens / --moe-cache-size")
+        old = self.plan
+        if moe_slots is not None and not old.cache_slots:
+            raise RequestError(f"the {old.backend} expert backend keeps no expert slot cache to resize; "
+                              "leave the expert slots out or ask for auto")
+        if moe_slots is not None and moe_slots > old.total_experts:
+            raise RequestError(f"{moe_slots} expert slots asked for but the model has {old.total_experts} routed "
+                              "experts in all")
+        e = self.ecfg.replace(num_tokens=kv_tokens, moe_cache_size=moe_slots, moe_cache_rate=None,
+                              moe_backend=old.backend)
+        plan = self._plan_memory(self.model, self.runtime.store.fmt, log_it=False, e=e)
+        return dataclasses.replace(plan, reason=old.reason), e
+
+    def resize_caches(self, plan: MoePlan, ecfg: EngineConfig, keep: dict[int, int]) -> None:
+        """Apply a plan of plan_caches between steps: the KV pool gets plan.kv_tokens tokens holding the pages
+        of `keep` (old page id -> new, from the scheduler, which owns the pages), and the expert runtime is
+        rebuilt when its options change (the slot cache starts cold; tokens do not depend on placement). The
+        linear-state pool is kept. What shrinks goes first, so the old and new sizes never add up."""
+        kv = self.caches.kv
+        pages = -(-plan.kv_tokens // ecfg.page_size)
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # recorded steps point into the old pools
+        kv_first = pages < kv.num_pages
+        if kv_first:
+            kv.resize(pages, keep)
+        if plan.runtime_options() != self.plan.runtime_options():
+            store = self._release_runtime()
+            self.plan = plan
+            self._start_runtime(store, self.model)
+        if pages != kv.num_pages:
+            kv.resize(pages, keep)
+        self.ecfg, self.plan = ecfg, plan
+        for line in plan.describe().splitlines():
+            log.info("%s", line)
+        if self.device.type == "cuda":
+            log.info("%s", self.memory_line())
+
+    def _release_runtime(self):
+        """Close the expert runtime and drop every reference to it, so its device cache is freed before a new
+        one is allocated; returns its store."""
+        old = self.runtime
+        store = old.store
+        old.close()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # recorded steps point into the old runtime's pools
+        self.runtime = None
+        for block in self.model.moe_blocks():
+            block.runtime = None
         del old
         if self.device.type == "cuda":
             import gc
 
             gc.collect()  # runtimes hold reference cycles (routers <-> runtime)
             torch.cuda.empty_cache()
+        return store
+
+    def _start_runtime(self, store, model) -> None:
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
-        self.runtime.attach_routers({b.layer: b.gate for b in self.model.moe_blocks()})
-        for block in self.model.moe_blocks():
+        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
+        for block in model.moe_blocks():
             block.runtime = self.runtime
-        return self.plan
 
     def _runtime_options(self):
-        import dataclasses
-
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k,
                                    act_dtype=self.dtype)
 
-    def _plan_memory(self, model, fmt, log_it: bool = True) -> MoePlan:
-        """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
-        cfg, e = self.local_cfg, self.ecfg
+    def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None) -> MoePlan:
+        """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged.
+        e: the options to plan for (default: this engine's)."""
+        cfg, e = self.local_cfg, e or self.ecfg
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = sum(p.numel() * p.element_size() for p in model.parameters())
