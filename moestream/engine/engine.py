@@ -99,11 +99,27 @@ class Engine:
                  cfg.architecture, self.device, str(self.dtype).replace("torch.", ""), self.max_seq_len,
                  self.caches.kv.num_pages * self.caches.kv.page_size, self.caches.state.num_slots,
                  self.runtime.name)
+        self.host_memory = self._host_memory_at_load()
         if self.device.type == "cuda":
             # load-time temporaries (dequantized tensors, the unfused projections) are free but still held
             # by torch's cache: give them back so the process holds what the plan says
             torch.cuda.empty_cache()
             log.info("%s", self.memory_line())
+
+    def _host_memory_at_load(self) -> dict:
+        """Host RSS once loaded (moe/hardware.process_memory) next to the expert banks held in host memory and
+        how much of them is the checkpoint file's mapped pages; logged, and served in /v1/stats."""
+        from ..moe.hardware import process_memory
+
+        store = self.runtime.store
+        banks = store.total_bytes() if store.device.type == "cpu" else 0
+        out = {**process_memory(), "bank_bytes": banks, "mapped_bank_bytes": store.mapped_bytes,
+               "available_at_start": self.hardware.host_available_bytes}
+        g = (lambda n: f"{n / 2**30:.2f} GiB")
+        log.info("host memory at load: RSS %s (anonymous %s, file-backed %s), peak %s; expert banks %s in host "
+                 "memory, %s of them mapped from the checkpoint file", g(out.get("rss", 0)), g(out.get("rss_anon", 0)),
+                 g(out.get("rss_file", 0)), g(out.get("peak_rss", 0)), g(banks), g(store.mapped_bytes))
+        return out
 
     def memory_report(self) -> dict:
         """GPU memory now, in bytes: the plan's budget and context, torch's allocated and reserved bytes,
@@ -139,18 +155,14 @@ class Engine:
         return limit
 
     def _build_model(self, folder: Path) -> QwenMoeModel:
+        # planned on the meta tree (this rank's dense bytes), so a plan that device or host memory cannot hold
+        # is refused before anything is allocated
         with torch.device("meta"):
-            model = QwenMoeModel(self.cfg)
-        # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
-        # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
-        # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
-        # slices)
-        model = model.to_empty(device="cpu").to(self.dtype)
+            model = QwenMoeModel(self.cfg).to(self.dtype)
+            local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
         fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
         fmt = fmt or dense_format(self.dtype)
-        with torch.device("meta"):  # the planner counts this rank's dense bytes
-            local = QwenMoeModel(self.local_cfg).to(self.dtype) if self.tp else model
         mode = self._dense_mode()
         self.dense_bytes = None
         if mode == "gpu" and self._dense_policy() == "auto":
@@ -163,6 +175,11 @@ class Engine:
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
         self.plan = self._plan_memory(local, fmt)
+        # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
+        # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
+        # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
+        # slices)
+        model = model.to_empty(device="cpu")
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         store = (self.tp.expert_store if self.tp else ExpertStore)(

@@ -378,7 +378,7 @@ class GGUFCheckpoint:
         with warnings.catch_warnings():  # the mmap is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(t.data)
-        store.put_raw(layer, proj, raw, t.name)
+        store.put_raw(layer, proj, raw, t.name, mapped=True)  # a host bank is the file's pages, not a copy
 
     def _put_experts(self, store, layer: int, parts: dict, tensor_name: str) -> None:
         if "down" in parts:

@@ -23,6 +23,26 @@ def host_memory() -> tuple[int, int]:
         return total, total // 2
 
 
+def process_memory() -> dict[str, int]:
+    """This process's host memory in bytes: resident set now (`rss`; `rss_anon`: its own memory, `rss_file`:
+    pages of mapped files, e.g. expert banks mapped from the checkpoint, which the kernel can drop and
+    re-read) and its peak (`peak_rss`), from /proc/self/status; getrusage's peak elsewhere."""
+    keys = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    out[keys[key]] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        out = {"rss": peak, "peak_rss": peak}
+    return out
+
+
 CONTEXT_MAX = 2 << 30  # a larger figure means other processes share the GPU: theirs is not ours to count
 
 
