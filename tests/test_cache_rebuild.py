@@ -67,7 +67,7 @@ def test_rebuild_mid_flight_keeps_every_token(model_dir, reference):
     rep = sched.resize_caches(kv_tokens=at_end * 16, moe_slots=5)
     assert rep["kv_tokens"] == {"before": 2048, "after": at_end * 16}
     assert rep["moe_slots"] == {"before": 12, "after": 5} and rep["running"] == 4
-    assert rep["moved_pages"] > 0 and rep["evicted_prefix_pages"] > 0 and rep["seconds"] > 0
+    assert rep["moved_pages"] > 0 and rep["evicted_prefix_pages"] > 0 and rep["rebuild_s"] > 0
     assert torch.equal(sched.state.rec, state_before)  # linear states stay in their slots
     assert sched.kv.num_pages == at_end and sched.kv.k.shape[1] == at_end * 16
     assert llm.engine.plan.cache_slots == 5 and llm.engine.plan.kv_tokens == at_end * 16
@@ -133,3 +133,24 @@ def test_refusals_change_nothing(model_dir):
     with pytest.raises(RequestError, match="no expert slot cache"):
         fused.scheduler.resize_caches(kv_tokens=512, moe_slots=4)
     assert fused.scheduler.resize_caches(kv_tokens=512, moe_slots="auto")["moe_slots"]["after"] == 0
+
+
+def test_kv_pool_resize_moves_pages_a_few_at_a_time(monkeypatch):
+    from moestream.kvcache import KVPool
+
+    monkeypatch.setattr(KVPool, "RESIZE_CHUNK", 2)
+    pool = KVPool(2, 10, 4, 2, 3, torch.float32, torch.device("cpu"))
+    pool.k.normal_()
+    pool.v.normal_()
+    pool.pages.alloc(10)
+    pool.pages.free([1, 3, 4, 6, 8])
+    k, v = pool.k.clone(), pool.v.clone()
+    keep = {0: 0, 2: 2, 5: 1, 7: 3, 9: 4}
+    pool.resize(6, keep)
+    assert pool.num_pages == 6 and pool.k.shape == (2, 24, 2, 3)
+    for old, new in keep.items():
+        assert torch.equal(pool.k[:, new * 4:(new + 1) * 4], k[:, old * 4:(old + 1) * 4])
+        assert torch.equal(pool.v[:, new * 4:(new + 1) * 4], v[:, old * 4:(old + 1) * 4])
+    assert not pool.k[:, 20:].any()
+    assert pool.pages.used_ids() == [0, 1, 2, 3, 4] and pool.pages.alloc(1) == [5] and pool.pages.alloc(1) is None
+    pool.pages.check_integrity()

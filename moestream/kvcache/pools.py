@@ -60,6 +60,8 @@ class PagePool:
 
 
 class KVPool:
+    RESIZE_CHUNK = 64  # pages copied at once when the pool is resized (a device temporary of that size)
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
@@ -75,22 +77,29 @@ class KVPool:
 
     def resize(self, num_pages: int, keep: dict[int, int]) -> None:
         """Replace the pool by one of num_pages pages holding the pages of `keep` (old id -> new id); the
-        allocator then has exactly the new ids in use. On a GPU the kept pages wait in host memory while the
-        old tensors are freed and the new ones allocated, so the two pools are never on the device together."""
+        allocator then has exactly the new ids in use. The kept pages wait in host memory (copied a few pages at
+        a time) while the old tensors are freed and the new ones allocated, so on a GPU the two pools are never
+        there together."""
         if self.k is not None:
             P, dev = self.page_size, self.k.device
-            old = torch.tensor(sorted(keep), dtype=torch.long)
-            new = torch.tensor([keep[p] for p in sorted(keep)], dtype=torch.long)
-            rows = lambda pages: (pages[:, None] * P + torch.arange(P)).flatten().to(dev)  # noqa: E731
-            saved = [t[:, rows(old)].to("cpu") for t in (self.k, self.v)]
+            old = sorted(keep)
+            new = [keep[p] for p in old]
+            rows = lambda pages: (torch.tensor(pages)[:, None] * P + torch.arange(P)).flatten().to(dev)  # noqa: E731
+            chunks = [slice(i, i + self.RESIZE_CHUNK) for i in range(0, len(old), self.RESIZE_CHUNK)]
+            saved = []
+            for t in (self.k, self.v):
+                host = torch.empty((t.shape[0], len(old) * P, *t.shape[2:]), dtype=t.dtype)
+                for c in chunks:
+                    host[:, c.start * P:(c.start + len(old[c])) * P] = t[:, rows(old[c])].to("cpu")
+                saved.append(host)
             shape, dtype = (self.k.shape[0], num_pages * P, *self.k.shape[2:]), self.k.dtype
             self.k = self.v = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             self.k, self.v = (torch.zeros(shape, dtype=dtype, device=dev) for _ in range(2))
-            at = rows(new)
-            for t, s in zip((self.k, self.v), saved):
-                t[:, at] = s.to(dev)
+            for t, host in zip((self.k, self.v), saved):
+                for c in chunks:
+                    t[:, rows(new[c])] = host[:, c.start * P:(c.start + len(new[c])) * P].to(dev)
         self.num_pages = num_pages
         self.pages.renumber(num_pages, list(keep.values()))
 

@@ -179,9 +179,9 @@ class Scheduler:
                   "moe_slots": {"before": old.cache_slots, "after": plan.cache_slots},
                   "total_experts": plan.total_experts, "backend": plan.backend, "running": len(self.running),
                   "queued": len(self.waiting), "moved_pages": sum(a != b for a, b in keep.items()),
-                  "evicted_prefix_pages": evicted, "seconds": time.perf_counter() - t0}
+                  "evicted_prefix_pages": evicted, "rebuild_s": time.perf_counter() - t0}
         log.info("cache rebuild in %.3f s: KV %d -> %d tokens, expert slots %d -> %d of %d; %d requests in flight "
-                 "(%d pages moved), %d queued, %d prefix-cache pages evicted", report["seconds"], before, pages * P,
+                 "(%d pages moved), %d queued, %d prefix-cache pages evicted", report["rebuild_s"], before, pages * P,
                  old.cache_slots, plan.cache_slots, plan.total_experts, report["running"], report["moved_pages"],
                  report["queued"], evicted)
         return report
