@@ -50,7 +50,7 @@ class EngineClient:
         self.info: dict = {}
         self.alive = False
         self._queues: dict[str, asyncio.Queue] = {}
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # stats and admin calls waiting for their reply
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,16 +165,27 @@ class EngineClient:
             q.put_nowait(_GONE)
 
     async def stats(self, timeout: float = 5.0) -> dict:
+        return await self._call({"op": "stats"}, timeout)
+
+    async def rebuild_caches(self, kv_tokens: int | None, moe_slots: int | str | None,
+                             timeout: float = 600.0) -> dict:
+        """Resize the engine's KV pool and expert slot cache between two steps; the report, or EngineError with
+        the engine's reason and status (400 / 409: refused, nothing changed)."""
+        data = await self._call({"op": "rebuild", "kv_tokens": kv_tokens, "moe_slots": moe_slots}, timeout)
+        self.info = {**self.info, **data.get("info", {})}  # the front end checks prompts against the new pool
+        return data
+
+    async def _call(self, msg: dict, timeout: float) -> dict:
         if not self.alive:
             raise EngineError("the engine is not running", 503)
         sid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters[sid] = fut
-        self._send({"op": "stats", "sid": sid})
+        self._waiters[sid] = fut
+        self._send({**msg, "sid": sid})
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._stats_waiters.pop(sid, None)
+            self._waiters.pop(sid, None)
 
     # ---- plumbing --------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -212,9 +223,13 @@ class EngineClient:
             q = self._queues.get(msg["rid"])
             if q is not None:
                 q.put_nowait(EngineError(msg["message"], msg.get("status", 500)))
-        elif kind == "stats":
-            fut = self._stats_waiters.get(msg["sid"])
-            if fut is not None and not fut.done():
+        elif kind in ("stats", "reply"):
+            fut = self._waiters.get(msg["sid"])
+            if fut is None or fut.done():
+                return
+            if "error" in msg:
+                fut.set_exception(EngineError(msg["error"], msg.get("status", 500)))
+            else:
                 fut.set_result(msg["data"])
 
     def _engine_died(self) -> None:
@@ -222,7 +237,7 @@ class EngineClient:
         if not was_alive:
             return
         self.fail_all("the engine process stopped", 503)
-        for fut in self._stats_waiters.values():
+        for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(EngineError("the engine process stopped", 503))
         if self.on_death is not None:
