@@ -90,3 +90,18 @@ def test_host_need_follows_where_the_banks_live():
                                           r"but 40.00 GiB of 64.00 GiB is available"):
         plan_memory(BIG, small_host, EngineConfig(moe_backend="offload"))
     assert plan_memory(BIG, gpu(8), EngineConfig()).backend == "offload"  # 126 GiB available: fine
+
+
+def test_release_pages_drops_a_file_mapping_from_rss(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "blob"
+    path.write_bytes(np.arange(32 << 20, dtype=np.uint64).astype(np.uint8).tobytes())  # 32 MiB, not all zero
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    total = int(buf[::4096].astype(np.int64).sum())  # one byte a page: every page resident
+    touched = hardware.process_memory()["rss_file"]
+    released = hardware.release_pages(buf.ctypes.data, len(buf))
+    after = hardware.process_memory()["rss_file"]
+    assert released >= (32 << 20) - 8192
+    assert touched - after > 24 << 20  # most of the 32 MiB left RSS
+    assert int(buf[::4096].astype(np.int64).sum()) == total  # and reads still see the file

@@ -43,6 +43,26 @@ def process_memory() -> dict[str, int]:
     return out
 
 
+def release_pages(addr: int, nbytes: int) -> int:
+    """Drop this process's resident pages of a READ-ONLY SHARED FILE MAPPING within [addr, addr + nbytes) (the
+    whole pages inside it): RSS falls, the bytes stay in the file and are read again if touched. Never call it
+    on other memory (madvise(MADV_DONTNEED) zeroes anonymous and private pages). Returns the bytes released
+    (0 where madvise is unavailable)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
+    except (OSError, AttributeError):
+        return 0
+
+
 CONTEXT_MAX = 2 << 30  # a larger figure means other processes share the GPU: theirs is not ours to count
 
 

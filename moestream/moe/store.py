@@ -107,6 +107,10 @@ class ExpertStore:
             self.banks[name][layer] = self.banks[name][layer].clone()
         return self.banks[name][layer]
 
+    def mapped_ptrs(self) -> set[int]:
+        """Addresses of the banks that are views of the checkpoint file's mapping."""
+        return {self.banks[name][layer].data_ptr() for name, layer in self._mapped}
+
     @property
     def mapped_bytes(self) -> int:
         """Bytes of the banks that are the checkpoint file's mapped pages (not copied)."""
@@ -149,6 +153,8 @@ class ExpertStore:
         speed; the rest stay pageable. Returns {"pinned_bytes", "pageable_bytes", "pinned_layers"}."""
         if self.device.type != "cpu" or not torch.cuda.is_available():
             return {"pinned_bytes": 0, "pageable_bytes": self.total_bytes(), "pinned_layers": 0}
+        from .hardware import release_pages  # (hardware -> planner -> runtime -> store)
+
         pinned, layers, ptrs = 0, 0, []
         for layer in self.moe_layers:
             if pinned + self.layer_bytes(layer) > budget_bytes:
@@ -156,7 +162,10 @@ class ExpertStore:
             for name, per_layer in self.banks.items():
                 # a mapped bank is read-only file memory: page-locked as a copy (cudaHostRegister writes)
                 in_place = self._mapped.pop((name, layer), None) is None
-                per_layer[layer] = _page_lock(per_layer[layer], ptrs, in_place)
+                src = per_layer[layer]
+                per_layer[layer] = _page_lock(src, ptrs, in_place)
+                if not in_place:  # the file's pages no longer count in this process's RSS
+                    release_pages(src.data_ptr(), src.numel())
             pinned += self.layer_bytes(layer)
             layers += 1
         if ptrs:
