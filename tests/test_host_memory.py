@@ -37,7 +37,7 @@ def test_gguf_banks_are_the_file_mapping(gguf_path, monkeypatch):
     for per_layer in store.banks.values():
         for bank in per_layer.values():  # inside the file's mapping: no second copy of the bytes
             assert lo <= bank.data_ptr() and bank.data_ptr() + bank.numel() <= hi
-    mem = llm.engine.host_memory
+    mem = llm.stats()["host_memory"]
     assert mem["bank_bytes"] == mem["mapped_bank_bytes"] == store.total_bytes()
     assert mem["rss"] > 0 and mem["peak_rss"] >= mem["rss"]
     prompts = [[5, 6, 7, 8], list(range(20, 45))]
