@@ -58,8 +58,9 @@ def format_stats(s: dict) -> str:
                      + (f", hit rate {hit:.2f}" if isinstance(hit, (int, float)) else ""))
         b = plan.get("bytes") or {}
         lines.append(f"memory plan: {plan.get('device')} budget {g(b.get('budget'))}: dense {g(b.get('dense'))} + "
-                     f"experts {g(b.get('experts_device'))} + prefill {g(b.get('prefill_buffer'))} + KV {g(b.get('kv'))} "
-                     f"({plan.get('kv_tokens')} tokens) + state {g(b.get('state'))} + workspace {g(b.get('workspace'))}")
+                     f"experts {g(b.get('experts_device'))} + prefill {g(b.get('prefill_buffer'))} + "
+                     f"KV {g(b.get('kv'))} ({plan.get('kv_tokens')} tokens) + state {g(b.get('state'))} + "
+                     f"workspace {g(b.get('workspace'))}")
     if host := s.get("host_memory"):
         load, now = host.get("at_load") or {}, host.get("now") or {}
         lines.append(f"host memory: RSS {g(now.get('rss'))} now, {g(load.get('rss'))} at load (peak "
