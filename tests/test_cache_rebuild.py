@@ -32,9 +32,16 @@ def model_dir(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    llm = LLM(model_dir, num_tokens=2048, **OPTS)
-    ps = prompts(llm.model_config.vocab_size, seed=1)
-    return ps, [o.token_ids for o in llm.generate(ps, SP)]
+    cache = {}
+
+    def get(device: str = "cpu"):
+        if device not in cache:
+            llm = LLM(model_dir, num_tokens=2048, **{**OPTS, "device": device})
+            ps = prompts(llm.model_config.vocab_size, seed=1)
+            cache[device] = ps, [o.token_ids for o in llm.generate(ps, SP)]
+        return cache[device]
+
+    return get
 
 
 def start(llm, ps) -> list[Request]:
@@ -49,9 +56,11 @@ def step_until(llm, cond) -> None:
         llm.scheduler.step()
 
 
-def test_rebuild_mid_flight_keeps_every_token(model_dir, reference):
-    ps, want = reference
-    llm = LLM(model_dir, num_tokens=2048, **OPTS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rebuild_mid_flight_keeps_every_token(model_dir, reference, device):
+    """On CUDA: the decode steps replay recorded graphs, which the rebuild drops with the old pools."""
+    ps, want = reference(device)
+    llm = LLM(model_dir, num_tokens=2048, **{**OPTS, "device": device})
     sched = llm.scheduler
     # other conversations first: their pages stay in the prefix cache at the low page ids
     llm.generate(prompts(llm.model_config.vocab_size, seed=2), SP)
@@ -86,7 +95,7 @@ def test_rebuild_mid_flight_keeps_every_token(model_dir, reference):
 
 
 def test_rebuild_without_prefix_cache_and_only_one_size(model_dir, reference):
-    ps, want = reference
+    ps, want = reference()
     llm = LLM(model_dir, num_tokens=2048, prefix_cache=False, **OPTS)
     reqs = start(llm, ps)
     step_until(llm, lambda: all(len(r.output_ids) >= 5 for r in reqs))

@@ -51,6 +51,20 @@ def test_gguf_banks_are_the_file_mapping(gguf_path, monkeypatch):
     assert [o.token_ids for o in copied.generate(prompts, SP)] == mapped
 
 
+@pytest.mark.cuda
+def test_mapped_banks_pinned_for_a_gpu_are_copies_with_the_same_tokens(gguf_path, monkeypatch):
+    llm = LLM(gguf_path, device="cuda", moe_backend="offload", moe_cache_size=6)
+    store = llm.engine.runtime.store
+    assert llm.engine.pinning["pinned_bytes"] == store.total_bytes()  # every layer page-locked...
+    assert store.mapped_bytes == 0  # ...as a copy: cudaHostRegister needs writable pages
+    prompts = [[5, 6, 7, 8], list(range(20, 45))]
+    mapped = [o.token_ids for o in llm.generate(prompts, SP)]
+    put_raw = ExpertStore.put_raw
+    monkeypatch.setattr(ExpertStore, "put_raw", lambda self, *a, mapped=False, **k: put_raw(self, *a, **k))
+    copied = LLM(gguf_path, device="cuda", moe_backend="offload", moe_cache_size=6)
+    assert [o.token_ids for o in copied.generate(prompts, SP)] == mapped
+
+
 def test_writing_a_mapped_bank_gives_it_its_own_memory(gguf_path):
     llm = LLM(gguf_path, device="cpu", dtype="float32")
     store = llm.engine.runtime.store
