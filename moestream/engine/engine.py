@@ -252,12 +252,9 @@ class Engine:
     # ---- live cache rebuild ----------------------------------------------------------------
     def plan_caches(self, kv_tokens: int, moe_slots: int | None) -> tuple[MoePlan, EngineConfig]:
         """The plan (and options) for a KV pool of kv_tokens tokens and moe_slots expert slots (None: the
-        slots that fit), on the budget and expert backend this engine started with. Raises ConfigError with
-        the reason when it does not fit, RequestError for slots this backend or model cannot have; changes
-        nothing."""
-        if self.tp:
-            raise ConfigError("a live cache rebuild is not supported with --tp-size > 1 yet; restart the server "
-                              "with the new --num-tokens / --moe-cache-size")
+        slots that fit), on the budget and expert backend this engine started with (tensor parallel: this
+        rank's). Raises ConfigError with the reason when it does not fit, RequestError for slots this backend
+        or model cannot have; changes nothing."""
         old = self.plan
         if moe_slots is not None and not old.cache_slots:
             raise RequestError(f"the {old.backend} expert backend keeps no expert slot cache to resize; "
