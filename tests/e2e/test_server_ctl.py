@@ -128,6 +128,13 @@ def test_ctl_cache_and_stats(server, http, tmp_path):
     assert "KV cache: 2048 tokens (128 pages of 16)" in p.stdout
     assert "experts: backend offload, 32 of 32 expert slots (100.0%)" in p.stdout
     assert "cache rebuilds: 4 done, 0 refused" in p.stdout and "host memory: RSS" in p.stdout
+    metrics = http.get("/metrics").text
+    for line in (f'moestream_kv_cache_tokens{{model="{MODEL}"}} 2048.0',
+                 f'moestream_expert_cache_slots{{model="{MODEL}"}} 32.0',
+                 f'moestream_cache_rebuilds{{model="{MODEL}"}} 4.0'):
+        assert line in metrics
+    rss, = [line.split()[-1] for line in metrics.splitlines() if line.startswith("moestream_host_rss_bytes{")]
+    assert float(rss) > 1 << 20
 
 
 def test_refusals_change_nothing_and_serving_goes_on(server, http):
