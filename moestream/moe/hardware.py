@@ -44,10 +44,10 @@ def process_memory() -> dict[str, int]:
 
 
 def release_pages(addr: int, nbytes: int) -> int:
-    """Drop this process's resident pages of a READ-ONLY SHARED FILE MAPPING within [addr, addr + nbytes) (the
-    whole pages inside it): RSS falls, the bytes stay in the file and are read again if touched. Never call it
-    on other memory (madvise(MADV_DONTNEED) zeroes anonymous and private pages). Returns the bytes released
-    (0 where madvise is unavailable)."""
+    """Drop this process's resident pages of a FILE MAPPING within [addr, addr + nbytes) (the whole pages inside
+    it), read-only shared or private with pages never written: RSS falls, the bytes stay in the file and are
+    read again if touched. Never call it on other memory (madvise(MADV_DONTNEED) zeroes anonymous pages and
+    the written pages of a private mapping). Returns the bytes released (0 where madvise is unavailable)."""
     import ctypes
     import mmap
 
