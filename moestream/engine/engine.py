@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..core import ConfigError
+from ..core import ConfigError, RequestError
 from ..env import fuse_projections_enabled
 from ..kvcache import KVPool, StatePool
 from ..layers.rotary import Rotary
@@ -104,11 +104,27 @@ class Engine:
                  cfg.architecture, self.device, str(self.dtype).replace("torch.", ""), self.max_seq_len,
                  self.caches.kv.num_pages * self.caches.kv.page_size, self.caches.state.num_slots,
                  self.runtime.name)
+        self.host_memory = self._host_memory_at_load()
         if self.device.type == "cuda":
             # load-time temporaries (dequantized tensors, the unfused projections) are free but still held
             # by torch's cache: give them back so the process holds what the plan says
             torch.cuda.empty_cache()
             log.info("%s", self.memory_line())
+
+    def _host_memory_at_load(self) -> dict:
+        """Host RSS once loaded (moe/hardware.process_memory) next to the expert banks held in host memory and
+        how much of them is the checkpoint file's mapped pages; logged, and served in /v1/stats."""
+        from ..moe.hardware import process_memory
+
+        store = self.runtime.store
+        banks = store.total_bytes() if store.device.type == "cpu" else 0
+        out = {**process_memory(), "bank_bytes": banks, "mapped_bank_bytes": store.mapped_bytes,
+               "available_at_start": self.hardware.host_available_bytes}
+        g = (lambda n: f"{n / 2**30:.2f} GiB")
+        log.info("host memory at load: RSS %s (anonymous %s, file-backed %s), peak %s; expert banks %s in host "
+                 "memory, %s of them mapped from the checkpoint file", g(out.get("rss", 0)), g(out.get("rss_anon", 0)),
+                 g(out.get("rss_file", 0)), g(out.get("peak_rss", 0)), g(banks), g(store.mapped_bytes))
+        return out
 
     def memory_report(self) -> dict:
         """GPU memory now, in bytes: the plan's budget and context, torch's allocated and reserved bytes,
@@ -163,19 +179,15 @@ class Engine:
         return limit
 
     def _build_model(self, folder: Path) -> QwenMoeModel:
+        # planned on the meta tree (this rank's dense bytes), so a plan that device or host memory cannot hold
+        # is refused before anything is allocated
         with torch.device("meta"):
-            model = QwenMoeModel(self.cfg, mtp=self.use_mtp)
-        # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
-        # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
-        # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
-        # slices)
-        model = model.to_empty(device="cpu").to(self.dtype)
+            model = QwenMoeModel(self.cfg, mtp=self.use_mtp).to(self.dtype)
+            local = QwenMoeModel(self.local_cfg, mtp=self.use_mtp).to(self.dtype) if self.tp else model
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
         moe_layers += self.cfg.mtp_layer_ids if self.use_mtp else []
         fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
         fmt = fmt or dense_format(self.dtype)
-        with torch.device("meta"):  # the planner counts this rank's dense bytes
-            local = QwenMoeModel(self.local_cfg, mtp=self.use_mtp).to(self.dtype) if self.tp else model
         mode = self._dense_mode()
         self.dense_bytes = None
         if mode == "gpu" and self._dense_policy() == "auto":
@@ -188,6 +200,11 @@ class Engine:
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
         self.plan = self._plan_memory(local, fmt)
+        # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
+        # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
+        # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
+        # slices)
+        model = model.to_empty(device="cpu")
         # fused keeps the master copies on the device; every other backend in host banks
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         store = (self.tp.expert_store if self.tp else ExpertStore)(
@@ -206,10 +223,7 @@ class Engine:
                     block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
-        self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
-        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
-        for block in model.moe_blocks():
-            block.runtime = self.runtime
+        self._start_runtime(store, model)
         return model.eval()
 
     def _planned_dense_bytes(self, model, folder, mode) -> int | None:
@@ -249,15 +263,7 @@ class Engine:
         """Re-plan expert placement on the loaded weights (backend, --gpu-memory-gb, cache size...):
         a new runtime over the same master copies, moved between host and device as the backend needs.
         The KV and state pools are kept as they are. Used by benchmarks to sweep without reloading."""
-        old = self.runtime
-        store = old.store
-        old.close()
-        if getattr(self, "graphs", None) is not None:
-            self.graphs.reset()  # recorded steps point into the old runtime's pools
-        # nothing may keep the old runtime's device cache alive while the new one allocates its own
-        self.runtime = None
-        for block in self.model.moe_blocks():
-            block.runtime = None
+        store = self._release_runtime()
         self.ecfg = self.ecfg.replace(**changes)
         self.plan = self._plan_memory(self.model, store.fmt)
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
@@ -265,28 +271,85 @@ class Engine:
             store = store.moved_to(home)
             if home.type == "cpu" and self.device.type == "cuda":
                 self.pinning = store.pin_host(self.plan.bytes.pin_budget)
+        self._start_runtime(store, self.model)
+        return self.plan
+
+    # ---- live cache rebuild ----------------------------------------------------------------
+    def plan_caches(self, kv_tokens: int, moe_slots: int | None) -> tuple[MoePlan, EngineConfig]:
+        """The plan (and options) for a KV pool of kv_tokens tokens and moe_slots expert slots (None: the
+        slots that fit), on the budget and expert backend this engine started with (tensor parallel: this
+        rank's). Raises ConfigError with the reason when it does not fit, RequestError for slots this backend
+        or model cannot have; changes nothing."""
+        old = self.plan
+        if moe_slots is not None and not old.cache_slots:
+            raise RequestError(f"the {old.backend} expert backend keeps no expert slot cache to resize; "
+                              "leave the expert slots out or ask for auto")
+        if moe_slots is not None and moe_slots > old.total_experts:
+            raise RequestError(f"{moe_slots} expert slots asked for but the model has {old.total_experts} routed "
+                              "experts in all")
+        e = self.ecfg.replace(num_tokens=kv_tokens, moe_cache_size=moe_slots, moe_cache_rate=None,
+                              moe_backend=old.backend)
+        plan = self._plan_memory(self.model, self.runtime.store.fmt, log_it=False, e=e)
+        return dataclasses.replace(plan, reason=old.reason), e
+
+    def resize_caches(self, plan: MoePlan, ecfg: EngineConfig, keep: dict[int, int]) -> None:
+        """Apply a plan of plan_caches between steps: the KV pool gets plan.kv_tokens tokens holding the pages
+        of `keep` (old page id -> new, from the scheduler, which owns the pages), and the expert runtime is
+        rebuilt when its options change (the slot cache starts cold; tokens do not depend on placement). The
+        linear-state pool is kept. What shrinks goes first, so the old and new sizes never add up."""
+        kv = self.caches.kv
+        pages = -(-plan.kv_tokens // ecfg.page_size)
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # recorded steps point into the old pools
+        kv_first = pages < kv.num_pages
+        if kv_first:
+            kv.resize(pages, keep)
+        if plan.runtime_options() != self.plan.runtime_options():
+            store = self._release_runtime()
+            self.plan = plan
+            self._start_runtime(store, self.model)
+        if pages != kv.num_pages:
+            kv.resize(pages, keep)
+        self.ecfg, self.plan = ecfg, plan
+        for line in plan.describe().splitlines():
+            log.info("%s", line)
+        if self.device.type == "cuda":
+            log.info("%s", self.memory_line())
+
+    def _release_runtime(self):
+        """Close the expert runtime and drop every reference to it, so its device cache is freed before a new
+        one is allocated; returns its store."""
+        old = self.runtime
+        store = old.store
+        old.close()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # recorded steps point into the old runtime's pools
+        self.runtime = None
+        for block in self.model.moe_blocks():
+            block.runtime = None
         del old
         if self.device.type == "cuda":
             import gc
 
             gc.collect()  # runtimes hold reference cycles (routers <-> runtime)
             torch.cuda.empty_cache()
+        return store
+
+    def _start_runtime(self, store, model) -> None:
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
-        self.runtime.attach_routers({b.layer: b.gate for b in self.model.moe_blocks()})
-        for block in self.model.moe_blocks():
+        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
+        for block in model.moe_blocks():
             block.runtime = self.runtime
-        return self.plan
 
     def _runtime_options(self):
-        import dataclasses
-
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 
-    def _plan_memory(self, model, fmt, log_it: bool = True) -> MoePlan:
-        """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged."""
-        cfg, e = self.local_cfg, self.ecfg
+    def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None) -> MoePlan:
+        """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged.
+        e: the options to plan for (default: this engine's)."""
+        cfg, e = self.local_cfg, e or self.ecfg
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -45,12 +45,24 @@ class PagePool:
             self._used.remove(i)
             self._free.append(i)
 
+    def used_ids(self) -> list[int]:
+        return sorted(self._used)
+
+    def renumber(self, n: int, used: list[int]) -> None:
+        """Now n ids, of which exactly `used` are in use (a pool resized with its pages moved)."""
+        if len(set(used)) != len(used) or any(not 0 <= i < n for i in used):
+            raise MoestreamError(f"internal error: pages {used} do not fit a pool of {n}")
+        self.n, self._used = n, set(used)
+        self._free = [i for i in range(n - 1, -1, -1) if i not in self._used]
+
     def check_integrity(self) -> None:
         assert len(self._free) + len(self._used) == self.n
         assert not (set(self._free) & self._used)
 
 
 class KVPool:
+    RESIZE_CHUNK = 64  # pages copied at once when the pool is resized (a device temporary of that size)
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
@@ -63,6 +75,34 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def resize(self, num_pages: int, keep: dict[int, int]) -> None:
+        """Replace the pool by one of num_pages pages holding the pages of `keep` (old id -> new id); the
+        allocator then has exactly the new ids in use. The kept pages wait in host memory (copied a few pages at
+        a time) while the old tensors are freed and the new ones allocated, so on a GPU the two pools are never
+        there together."""
+        if self.k is not None:
+            P, dev = self.page_size, self.k.device
+            old = sorted(keep)
+            new = [keep[p] for p in old]
+            rows = lambda pages: (torch.tensor(pages)[:, None] * P + torch.arange(P)).flatten().to(dev)  # noqa: E731
+            chunks = [slice(i, i + self.RESIZE_CHUNK) for i in range(0, len(old), self.RESIZE_CHUNK)]
+            saved = []
+            for t in (self.k, self.v):
+                host = torch.empty((t.shape[0], len(old) * P, *t.shape[2:]), dtype=t.dtype)
+                for c in chunks:
+                    host[:, c.start * P:(c.start + len(old[c])) * P] = t[:, rows(old[c])].to("cpu")
+                saved.append(host)
+            shape, dtype = (self.k.shape[0], num_pages * P, *self.k.shape[2:]), self.k.dtype
+            self.k = self.v = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            self.k, self.v = (torch.zeros(shape, dtype=dtype, device=dev) for _ in range(2))
+            for t, host in zip((self.k, self.v), saved):
+                for c in chunks:
+                    t[:, rows(new[c])] = host[:, c.start * P:(c.start + len(new[c])) * P].to(dev)
+        self.num_pages = num_pages
+        self.pages.renumber(num_pages, list(keep.values()))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

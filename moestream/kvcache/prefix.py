@@ -135,6 +135,12 @@ class PrefixCache:
         if n.snap >= 0:
             self.drop_snapshot(n)
 
+    def renumber(self, page_map: dict[int, int]) -> None:
+        """The KV pool was resized: every page this tree owns now has the id page_map gives it."""
+        self.owned = {page_map[p]: n for p, n in self.owned.items()}
+        for p, n in self.owned.items():
+            n.page = p
+
     def clear(self) -> None:
         """Drop every unreferenced node (and its snapshot)."""
         self.evict(len(self.owned))

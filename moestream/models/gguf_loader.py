@@ -16,6 +16,7 @@ llama.cpp conventions undone here:
 """
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from ..config import ModelConfig
 from ..core import CheckpointError, ConfigError
 
+log = logging.getLogger("moestream.loader")
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "layers.N.")
@@ -210,7 +212,18 @@ class GGUFCheckpoint:
             with torch.no_grad():
                 param.copy_(w)
             seen.add(name)
+        self._release_copied(store)
         return seen
+
+    def _release_copied(self, store) -> None:
+        """Every tensor now copied out of the read-only mapping (all but the host banks that are views of it)
+        leaves this process's RSS; the mapping stays, so nothing is lost (moe/hardware.release_pages)."""
+        from ..moe.hardware import release_pages
+
+        keep = store.mapped_ptrs() if hasattr(store, "mapped_ptrs") else set()
+        released = sum(release_pages(t.data.ctypes.data, t.data.nbytes) for t in self.reader.tensors
+                       if t.data.ctypes.data not in keep)
+        log.debug("released %.2f GiB of %s's copied tensors from RSS", released / 2**30, self.path.name)
 
     def dense_bytes(self, model: torch.nn.Module, cfg: ModelConfig, mode: str) -> int:
         """The bytes the model's dense parameters will take once `load(..., compressed_dense=mode)` keeps
@@ -405,7 +418,7 @@ class GGUFCheckpoint:
         with warnings.catch_warnings():  # the mmap is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(t.data)
-        store.put_raw(layer, proj, raw, t.name)
+        store.put_raw(layer, proj, raw, t.name, mapped=True)  # a host bank is the file's pages, not a copy
 
     def _put_experts(self, store, layer: int, parts: dict, tensor_name: str) -> None:
         if "down" in parts:

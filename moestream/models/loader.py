@@ -173,6 +173,7 @@ def load_weights(model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig, f
         for f, keys in tensors.files:
             for key in keys:
                 _load_one(key, tensors, cfg, params, store, seen, quant)
+                tensors.release(key)  # copied: its file pages leave RSS (a scale read later is read again)
             bar.update(f.stat().st_size)
     _check_complete(cfg, params, store, seen)
 
@@ -251,6 +252,8 @@ class _Tensors:
         self._stack = ExitStack()
         self.files: list[tuple[Path, list[str]]] = []
         self._where: dict = {}
+        self._file_of: dict[str, Path] = {}
+        self._maps: dict[Path, list[tuple[int, int]]] = {}  # each file's mapped address ranges (release)
         for f in files:
             try:
                 handle = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
@@ -260,6 +263,7 @@ class _Tensors:
             keys = list(handle.keys())
             self.files.append((f, keys))
             self._where.update(dict.fromkeys(keys, handle))
+            self._file_of.update(dict.fromkeys(keys, f))
 
     def __enter__(self) -> "_Tensors":
         return self
@@ -273,12 +277,41 @@ class _Tensors:
     def get_tensor(self, key: str) -> torch.Tensor:
         return self._where[key].get_tensor(key)
 
+    def release(self, key: str) -> int:
+        """Drop tensor `key`'s pages from this process's RSS once it has been copied, so loading does not hold
+        the file's pages beside their copies. safetensors maps each file privately (copy-on-write) and the
+        loader only reads, so the pages are clean and are read from the file again if touched; only addresses
+        inside the file's own mapping are released. Returns the bytes released."""
+        from ..moe.hardware import release_pages
+
+        t = self.get_tensor(key)
+        lo, n = t.data_ptr(), t.numel() * t.element_size()
+        f = self._file_of[key]
+        if f not in self._maps:  # once per file: the mapping exists since its first get_tensor
+            self._maps[f] = _mapped_ranges(f)
+        return release_pages(lo, n) if any(a <= lo and lo + n <= b for a, b in self._maps[f]) else 0
+
     def dtype(self, key: str) -> torch.dtype:
         """The stored dtype, from the header (the tensor is not read)."""
         code = self._where[key].get_slice(key).get_dtype()
         if code not in _ST_DTYPES:
             raise CheckpointError(f"tensor {key} has dtype {code}, which moestream does not read")
         return _ST_DTYPES[code]
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (/proc/self/maps; [] elsewhere)."""
+    target, out = str(path.resolve()), []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    a, b = fields[0].split("-")
+                    out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
 
 
 def _is_quantized(dtype: torch.dtype) -> bool:

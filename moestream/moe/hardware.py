@@ -23,6 +23,46 @@ def host_memory() -> tuple[int, int]:
         return total, total // 2
 
 
+def process_memory() -> dict[str, int]:
+    """This process's host memory in bytes: resident set now (`rss`; `rss_anon`: its own memory, `rss_file`:
+    pages of mapped files, e.g. expert banks mapped from the checkpoint, which the kernel can drop and
+    re-read) and its peak (`peak_rss`), from /proc/self/status; getrusage's peak elsewhere."""
+    keys = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    out[keys[key]] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        out = {"rss": peak, "peak_rss": peak}
+    return out
+
+
+def release_pages(addr: int, nbytes: int) -> int:
+    """Drop this process's resident pages of a FILE MAPPING within [addr, addr + nbytes) (the whole pages inside
+    it), read-only shared or private with pages never written: RSS falls, the bytes stay in the file and are
+    read again if touched. Never call it on other memory (madvise(MADV_DONTNEED) zeroes anonymous pages and
+    the written pages of a private mapping). Returns the bytes released (0 where madvise is unavailable)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
+    except (OSError, AttributeError):
+        return 0
+
+
 CONTEXT_MAX = 2 << 30  # a larger figure means other processes share the GPU: theirs is not ours to count
 
 

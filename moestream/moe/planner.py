@@ -139,6 +139,8 @@ class MoePlan:
 def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) -> MoePlan:
     """e: an EngineConfig (moe_backend, moe_cache_size/rate, memory_ratio, gpu_memory_gb, num_tokens,
     moe_cpu_threads, moe_prefetch, pin_budget_gb)."""
+    if hw.device == "cpu":  # the budget is host RAM too: say so before splitting it
+        check_host_memory(m, hw, e.moe_backend)
     budget = _budget(hw, e)
     free = budget - m.dense_bytes - m.state_bytes - m.workspace_bytes
     if free <= 0:
@@ -149,6 +151,8 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
     if hw.device == "cpu":
         free -= m.total_experts * m.expert_bytes  # host banks live in the same memory
     backend, reason = choose_backend(m, hw, e, bw, free)
+    if hw.device != "cpu":
+        check_host_memory(m, hw, backend)
     slots, prefill = _expert_rows(m, hw, e, backend, free)
     expert_dev = m.total_experts * m.expert_bytes if backend == "fused" and hw.device == "cuda" else 0
     expert_dev += slots * m.expert_bytes
@@ -166,6 +170,29 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         context=hw.context_bytes + CAP_HEADROOM
                         if e.gpu_memory_gb is not None and hw.device != "cpu" else 0),
         pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0)
+
+
+def host_need(m: ModelSizes, hw: Hardware, backend: str) -> dict[str, int]:
+    """Host RAM a plan needs, by item: the dense weights (built in host memory, then moved to a GPU) and the
+    expert banks wherever they live in host memory (every backend on a CPU; all but fused on a GPU). A bank
+    mapped from the checkpoint file counts too: one that does not stay resident is read from disk at each use."""
+    need = {"dense weights": m.dense_bytes}
+    if hw.device == "cpu" or backend != "fused":
+        need["expert banks"] = m.total_experts * m.expert_bytes
+    return need
+
+
+def check_host_memory(m: ModelSizes, hw: Hardware, backend: str) -> None:
+    """One readable line, before anything is allocated, when host RAM cannot hold what the plan needs."""
+    need = host_need(m, hw, backend)
+    total = sum(need.values())
+    if total > hw.host_available_bytes:
+        g = (lambda n: f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB")
+        parts = " + ".join(f"{k} {g(v)}" for k, v in need.items())
+        raise ConfigError(
+            f"host RAM cannot hold this model: it needs {g(total)} ({parts}) but {g(hw.host_available_bytes)} "
+            f"of {g(hw.host_total_bytes)} is available; free host memory, use a smaller quantization"
+            + (", or --moe-backend fused on a GPU that holds every expert" if hw.device != "cpu" else ""))
 
 
 def _budget(hw: Hardware, e) -> int:

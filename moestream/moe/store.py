@@ -38,6 +38,8 @@ class ExpertStore:
         # filled[name][layer] is a bool per expert (and per half of gate_up) so missing tensors are found.
         self._filled = {(name, layer): torch.zeros(num_experts, 2 if name == "gate_up" else 1, dtype=torch.bool)
                         for name in specs for layer in self.moe_layers}
+        # banks that are views of the checkpoint file's read-only mapping (put_raw(mapped=True)) -> bytes
+        self._mapped: dict[tuple[str, int], int] = {}
 
     # ---- filling -------------------------------------------------------------------------
     def put_stacked(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str) -> None:
@@ -50,8 +52,11 @@ class ExpertStore:
         bank.copy_(tensor)
         self._filled[(name, layer)][:] = True
 
-    def put_raw(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str, expert: int | None = None) -> None:
-        """Compressed bytes (uint8, any shape) of one array: of all experts (E * nbytes), or of `expert` (nbytes)."""
+    def put_raw(self, layer: int, name: str, tensor: torch.Tensor, tensor_name: str, expert: int | None = None,
+                mapped: bool = False) -> None:
+        """Compressed bytes (uint8, any shape) of one array: of all experts (E * nbytes), or of `expert` (nbytes).
+        mapped: `tensor` is a contiguous view of a read-only file mapping that lives as long as it does (a GGUF
+        expert tensor): a host store keeps the view as the bank instead of copying the bytes."""
         bank = self._bank(layer, name, tensor_name)
         if expert is not None:
             self._check_expert(expert, tensor_name)
@@ -60,6 +65,11 @@ class ExpertStore:
             of = f"expert {expert}" if expert is not None else f"{self.num_experts} experts x {bank.shape[1]}"
             raise CheckpointError(f"tensor {tensor_name} holds {tensor.numel()} {tensor.dtype} elements; the "
                                   f"{self.fmt.name} bank {name} expects {want} bytes ({of})")
+        if expert is None and mapped and self.device.type == "cpu" and tensor.is_contiguous():
+            self.banks[name][layer] = tensor.view(bank.shape)  # the empty bank was never touched: nothing resident
+            self._mapped[(name, layer)] = tensor.numel()
+            self._filled[(name, layer)][:] = True
+            return
         if expert is None:
             self.put_stacked(layer, name, tensor.reshape(bank.shape), tensor_name)
             return
@@ -95,7 +105,18 @@ class ExpertStore:
                                   f"(arrays: {', '.join(self.banks)})")
         if layer not in self.banks[name]:
             raise CheckpointError(f"unexpected tensor {tensor_name}: layer {layer} has no routed experts")
+        if self._mapped.pop((name, layer), None) is not None:  # written to: a copy of its own, not the file's pages
+            self.banks[name][layer] = self.banks[name][layer].clone()
         return self.banks[name][layer]
+
+    def mapped_ptrs(self) -> set[int]:
+        """Addresses of the banks that are views of the checkpoint file's mapping."""
+        return {self.banks[name][layer].data_ptr() for name, layer in self._mapped}
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the banks that are the checkpoint file's mapped pages (not copied)."""
+        return sum(self._mapped.values())
 
     def missing(self, prefix_of) -> list[str]:
         """Names of expert tensors never filled; prefix_of(layer) gives the checkpoint's layer prefix."""
@@ -134,12 +155,19 @@ class ExpertStore:
         speed; the rest stay pageable. Returns {"pinned_bytes", "pageable_bytes", "pinned_layers"}."""
         if self.device.type != "cpu" or not torch.cuda.is_available():
             return {"pinned_bytes": 0, "pageable_bytes": self.total_bytes(), "pinned_layers": 0}
+        from .hardware import release_pages  # (hardware -> planner -> runtime -> store)
+
         pinned, layers, ptrs = 0, 0, []
         for layer in self.moe_layers:
             if pinned + self.layer_bytes(layer) > budget_bytes:
                 break
-            for per_layer in self.banks.values():
-                per_layer[layer] = _page_lock(per_layer[layer], ptrs)
+            for name, per_layer in self.banks.items():
+                # a mapped bank is read-only file memory: page-locked as a copy (cudaHostRegister writes)
+                in_place = self._mapped.pop((name, layer), None) is None
+                src = per_layer[layer]
+                per_layer[layer] = _page_lock(src, ptrs, in_place)
+                if not in_place:  # the file's pages no longer count in this process's RSS
+                    release_pages(src.data_ptr(), src.numel())
             pinned += self.layer_bytes(layer)
             layers += 1
         if ptrs:
@@ -161,6 +189,7 @@ class ExpertStore:
         out.device = torch.device(device)
         out.banks = {name: {} for name in self.banks}
         out._registered = []
+        out._mapped = {}
         registered = getattr(self, "_registered", [])
         for name, layers in self.banks.items():
             for layer in list(layers):
@@ -219,9 +248,11 @@ def _libc():
     return _LIBC[0] if _LIBC[0] is not None and hasattr(_LIBC[0], "madvise") else None
 
 
-def _page_lock(t: torch.Tensor, registered: list[int]) -> torch.Tensor:
-    """cudaHostRegister the tensor's memory in place; fall back to a pinned copy."""
+def _page_lock(t: torch.Tensor, registered: list[int], in_place: bool = True) -> torch.Tensor:
+    """cudaHostRegister the tensor's memory in place; fall back to a pinned copy (in_place False: a copy)."""
     t = t.contiguous()
+    if not in_place:
+        return t.pin_memory()
     try:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(err) == 0:

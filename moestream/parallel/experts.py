@@ -82,7 +82,8 @@ class ShardedExpertStore(ExpertStore):
             tensor = tensor[:, :, self._part]
         super().put_stacked(layer, name, tensor, tensor_name)
 
-    def put_raw(self, layer, name, tensor, tensor_name, expert=None):
+    def put_raw(self, layer, name, tensor, tensor_name, expert=None, mapped=False):
+        """mapped is ignored: a rank keeps a copy of its slice (the file's rows are not contiguous per rank)."""
         full = self.full_fmt.shapes(self.hidden, self.full_inter).get(name)
         count = 1 if expert is not None else self.num_experts
         if full is not None and tensor.dtype == torch.uint8 and tensor.numel() == count * full[0]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ..config import EngineConfig, ModelConfig
-from ..core import ConfigError, MoestreamError
+from ..core import ConfigError, MoestreamError, RequestError
 from ..engine.engine import Engine, resolve_device
 from ..kvcache.pools import PagePool
 from .cores import CoreSet, pin_process, rank_core_sets, unpin
@@ -268,6 +268,22 @@ class TPEngine:
     def reconfigure_experts(self, **changes):
         raise ConfigError("reconfigure_experts is not supported with --tp-size > 1; build a new LLM")
 
+    def plan_caches(self, kv_tokens: int, moe_slots: int | None):
+        """Every rank plans the new sizes on its own budget (Engine.plan_caches); rank 0's plan is returned when
+        all fit, else the first refusal is raised on rank 0 and no rank changes anything."""
+        w = self.workers
+        w._check_usable()
+        w.tp.broadcast({"op": "plan_caches", "kv_tokens": kv_tokens, "moe_slots": moe_slots})
+        return agree_on_plan(w.tp, self._engine, kv_tokens, moe_slots)
+
+    def resize_caches(self, plan, ecfg, keep: dict[int, int]) -> None:
+        """Every rank applies the plan it made in plan_caches with rank 0's page map (the ranks' pools mirror
+        rank 0's pages)."""
+        w = self.workers
+        w._check_usable()
+        w.tp.broadcast({"op": "resize_caches", "keep": keep})
+        self._engine.resize_caches(plan, ecfg, keep)
+
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
@@ -305,6 +321,25 @@ def build_engine(tp: TPRank, folder, cfg: ModelConfig, ecfg: EngineConfig) -> En
         raise (ConfigError if rep["user"] else MoestreamError)(f"TP rank {r} failed to start: {rep['error']}")
     shrink_kv(engine.caches.kv, min(rep["kv_pages"] for rep in reports))
     return engine
+
+
+def agree_on_plan(tp: TPRank, engine: Engine, kv_tokens: int, moe_slots: int | None):
+    """Every rank: plan_caches, then agree (all fit, or all refuse with the first rank's reason). A rank keeps
+    its (plan, options) for the resize_caches that follows; returns them on rank 0."""
+    engine.pending_caches, error = None, None
+    try:
+        engine.pending_caches = engine.plan_caches(kv_tokens, moe_slots)
+    except MoestreamError as e:  # a refusal: every rank hears it below
+        error = e
+    reports = tp.all_gather_object(None if error is None else (type(error).__name__, str(error)))
+    failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    if not failed:
+        return engine.pending_caches
+    engine.pending_caches = None
+    if error is not None:
+        raise error
+    r, (kind, message) = failed[0]
+    raise (RequestError if kind == "RequestError" else ConfigError)(f"TP rank {r}: {message}")
 
 
 def shrink_kv(kv, pages: int) -> None:
@@ -368,6 +403,14 @@ def _serve(tp: TPRank, a: WorkerArgs) -> None:
                 engine = build_engine(tp, folder, msg["cfg"], rank_config(msg["ecfg"], a.rank, a.cores, device_type))
             except Exception as e:  # every rank failed the build with it; rank 0 reports it
                 log.warning("engine not built: %s: %s", type(e).__name__, e)
+        elif op == "plan_caches":
+            try:
+                agree_on_plan(tp, engine, msg["kv_tokens"], msg["moe_slots"])
+            except MoestreamError as e:  # every rank refused with it; rank 0 answers
+                log.info("cache rebuild refused: %s", e)
+        elif op == "resize_caches":
+            plan, ecfg = engine.pending_caches
+            engine.resize_caches(plan, ecfg, msg["keep"])
         elif op == "release":
             if engine is not None:
                 engine.runtime.close()

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..core import FinishReason, RequestError
+from ..core import ConfigError, FinishReason, RequestError
 from ..engine.batch import ForwardBatch, SeqMeta
 from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample, verify_drafts
 from ..kvcache.prefix import PrefixCache
@@ -166,6 +166,66 @@ class Scheduler:
             self.waiting.insert(0, req)
         self.suspects.update(r.id for r in victims)
         return victims
+
+    # ---- live cache rebuild ----------------------------------------------------------------
+    def resize_caches(self, kv_tokens: int | None = None, moe_slots: int | str | None = None) -> dict:
+        """Between steps: a KV pool of kv_tokens tokens (rounded up to whole pages; None: as now) and moe_slots
+        expert slots ("auto": the slots that fit; None: as now). Requests in flight keep their pages (moved
+        below the new size when they sit above it) and their linear state; unreferenced prefix-cache pages are
+        evicted, least recently used first, until the rest fits. Refused, nothing changed: RequestError for a
+        value this server cannot take, ConfigError (with the reason) when the plan does not fit the memory
+        budget or the requests in flight could not go on."""
+        t0 = time.perf_counter()
+        kv, P, old = self.kv, self.kv.page_size, self.engine.plan
+        for name, v in (("KV tokens", kv_tokens), ("expert slots", None if moe_slots == "auto" else moe_slots)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise RequestError(f"{name} must be a positive integer, got {v!r}")
+        pages = kv.pages_for(kv_tokens) if kv_tokens is not None else kv.num_pages
+        slots = None if moe_slots == "auto" else moe_slots if moe_slots is not None else (old.cache_slots or None)
+        self._check_room(pages)
+        plan, ecfg = self.engine.plan_caches(pages * P, slots)
+        # nothing has changed up to here
+        evicted = self.prefix.evict(kv.pages.num_used - pages) if self.prefix is not None else 0
+        keep = self._page_map(pages)
+        before = kv.num_pages * P
+        self.engine.resize_caches(plan, ecfg, keep)
+        for req in self.running:
+            req.pages = [keep[p] for p in req.pages]
+        if self.prefix is not None:
+            self.prefix.renumber(keep)
+        report = {"kv_tokens": {"before": before, "after": pages * P},
+                  "moe_slots": {"before": old.cache_slots, "after": plan.cache_slots},
+                  "total_experts": plan.total_experts, "backend": plan.backend, "running": len(self.running),
+                  "queued": len(self.waiting), "moved_pages": sum(a != b for a, b in keep.items()),
+                  "evicted_prefix_pages": evicted, "rebuild_s": time.perf_counter() - t0}
+        log.info("cache rebuild in %.3f s: KV %d -> %d tokens, expert slots %d -> %d of %d; %d requests in flight "
+                 "(%d pages moved), %d queued, %d prefix-cache pages evicted", report["rebuild_s"], before, pages * P,
+                 old.cache_slots, plan.cache_slots, plan.total_experts, report["running"], report["moved_pages"],
+                 report["queued"], evicted)
+        return report
+
+    def _check_room(self, pages: int) -> None:
+        """The requests in flight can go on in a pool of `pages` pages (after evicting the prefix cache)."""
+        P = self.kv.page_size
+        held = self.kv.pages.num_used - (self.prefix.num_evictable if self.prefix is not None else 0)
+        if held > pages:
+            raise ConfigError(f"the {len(self.running)} requests in flight hold {held * P} tokens of KV, more than "
+                              f"a pool of {pages * P} tokens; ask for more or wait until they finish")
+        reqs = self.running + self.waiting + [k for kids in self.held.values() for k in kids]
+        longest = max((r.num_tokens + 1 for r in reqs), default=0)
+        if self.kv.pages_for(longest) > pages:
+            raise ConfigError(f"a request in flight needs {longest} tokens of KV, more than a pool of {pages * P} "
+                              "tokens; ask for more or wait until it finishes")
+
+    def _page_map(self, pages: int) -> dict[int, int]:
+        """Old page id -> new for every page in use: ids below `pages` stay, the others take free low ids."""
+        used = self.kv.pages.used_ids()
+        keep = {p: p for p in used if p < pages}
+        spare = (i for i in range(pages) if i not in keep)
+        for p in used:
+            if p >= pages:
+                keep[p] = next(spare)
+        return keep
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

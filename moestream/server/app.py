@@ -39,6 +39,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     _install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    _add_admin_routes(app, state)
     web.add_routes(app)
     return app
 
@@ -261,6 +262,37 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/admin/cache")
+    async def rebuild_cache(request: Request):
+        """Resize the KV pool (tokens) and the expert slot cache while serving (`moestream ctl cache`):
+        {"kv_tokens": N, "moe_slots": M | "auto"}, either may be left out (kept as it is)."""
+        _check_auth(state, request)
+        if not state.engine.alive:
+            raise ApiError(503, "the engine is not running", type="server_error")
+        kv, moe = _cache_sizes(await _json_body(state, request))
+        try:
+            return {"object": "cache_rebuild", **await state.engine.rebuild_caches(kv, moe)}
+        except asyncio.TimeoutError:
+            raise ApiError(504, "the engine did not answer in time; the rebuild may still complete (see /v1/stats)",
+                           type="server_error") from None
+
+
+def _cache_sizes(body: dict) -> tuple[int | None, int | str | None]:
+    """(kv_tokens, moe_slots) of an /v1/admin/cache body; every mistake a 400 naming its field."""
+    unknown = sorted(set(body) - {"kv_tokens", "moe_slots"})
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}: this route takes kv_tokens and moe_slots", param=unknown[0])
+    kv, moe = body.get("kv_tokens"), body.get("moe_slots")
+    if kv is None and moe is None:
+        raise ApiError(400, "give kv_tokens (KV pool tokens) and/or moe_slots (expert slots, or \"auto\")")
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1):
+        raise ApiError(400, f"kv_tokens must be a positive integer, got {kv!r}", param="kv_tokens")
+    if moe is not None and moe != "auto" and (not isinstance(moe, int) or isinstance(moe, bool) or moe < 1):
+        raise ApiError(400, f"moe_slots must be a positive integer or \"auto\", got {moe!r}", param="moe_slots")
+    return kv, moe
+
+
 def stats_body(state: ServerState) -> dict:
     engine = state.snapshot  # never wait on the engine: a long prefill would stall scrapers
     requests = state.metrics.summary() if state.metrics is not None else {}
@@ -273,7 +305,8 @@ def stats_body(state: ServerState) -> dict:
             "requests": requests, "experts": engine.get("experts"),
             "experts_hit_rate": engine.get("experts_hit_rate"), "memory_plan": engine.get("memory_plan"),
             "prefix_cache": engine.get("prefix_cache"), "speculative": engine.get("speculative"),
-            "engine_totals": engine.get("totals")}
+            "engine_totals": engine.get("totals"), "host_memory": engine.get("host_memory"),
+            "cache_rebuilds": engine.get("cache_rebuilds")}
 
 
 async def _stats_events(state: ServerState, request: Request, poll: float = 0.1, heartbeat: float = 15.0):

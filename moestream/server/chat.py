@@ -65,13 +65,13 @@ def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512,
     if not base.endswith("/v1"):
         base += "/v1"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with _open(f"{base}/models", headers, None, timeout=10.0) as r:
+    with open_url(f"{base}/models", headers, None, timeout=10.0) as r:
         model = json.load(r)["data"][0]["id"]
 
     def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
         body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
                 "temperature": temperature}
-        with _open(f"{base}/chat/completions", headers, body, timeout=None) as r:
+        with open_url(f"{base}/chat/completions", headers, body, timeout=None) as r:
             for raw in r:
                 line = raw.decode("utf-8").rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -89,7 +89,7 @@ def remote_reply(server: str, api_key: str | None = None, max_tokens: int = 512,
     return reply
 
 
-def _open(url: str, headers: dict, body: dict | None, timeout: float | None):
+def open_url(url: str, headers: dict, body: dict | None, timeout: float | None):
     import urllib.error
     import urllib.request
 

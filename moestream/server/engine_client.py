@@ -16,7 +16,8 @@ from typing import AsyncIterator
 
 from ..core import MoestreamError
 from .engine_proc import EngineArgs, engine_main
-from .messages import Abort, Add, Delta, Failed, Outputs, Ready, Shutdown, StartupError, Stats, StatsQuery
+from .messages import (Abort, Add, Delta, Failed, Outputs, Ready, Rebuild, Reply, Shutdown, StartupError, Stats,
+                       StatsQuery)
 
 log = logging.getLogger("moestream.server")
 
@@ -38,7 +39,7 @@ class EngineClient:
         self.info: dict = {}
         self.alive = False
         self._queues: dict[str, asyncio.Queue] = {}
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # stats and admin calls waiting for their reply
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,19 +153,31 @@ class EngineClient:
             q.put_nowait(_GONE)
 
     async def stats(self, timeout: float = 5.0) -> dict:
+        return await self._call(StatsQuery, timeout)
+
+    async def rebuild_caches(self, kv_tokens: int | None, moe_slots: int | str | None,
+                             timeout: float = 600.0) -> dict:
+        """Resize the engine's KV pool and expert slot cache between two steps; the report, or EngineError with
+        the engine's reason and status (400 / 409: refused, nothing changed)."""
+        data = await self._call(lambda sid: Rebuild(sid, kv_tokens, moe_slots), timeout)
+        self.info = {**self.info, **data.get("info", {})}  # the front end checks prompts against the new pool
+        return data
+
+    async def _call(self, make, timeout: float) -> dict:
+        """make(sid) -> the message; its Stats / Reply answer's data (a refusal raises EngineError)."""
         if not self.alive:
             raise EngineError("the engine is not running", 503)
         sid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters[sid] = fut
-        self._send(StatsQuery(sid))
+        self._waiters[sid] = fut
+        self._send(make(sid))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._stats_waiters.pop(sid, None)
+            self._waiters.pop(sid, None)
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _send(self, msg: Add | Abort | StatsQuery | Shutdown) -> None:
+    def _send(self, msg: Add | Abort | StatsQuery | Rebuild | Shutdown) -> None:
         with self._lock:
             self._to_engine.send(msg)
 
@@ -188,7 +201,7 @@ class EngineClient:
         except RuntimeError:  # the loop closed: the server is shutting down
             return False
 
-    def _dispatch(self, msg: Outputs | Failed | Stats) -> None:
+    def _dispatch(self, msg: Outputs | Failed | Stats | Reply) -> None:
         if isinstance(msg, Outputs):
             for rid, delta in msg.items:
                 q = self._queues.get(rid)
@@ -198,9 +211,13 @@ class EngineClient:
             q = self._queues.get(msg.rid)
             if q is not None:
                 q.put_nowait(EngineError(msg.message, msg.status))
-        elif isinstance(msg, Stats):
-            fut = self._stats_waiters.get(msg.sid)
-            if fut is not None and not fut.done():
+        elif isinstance(msg, (Stats, Reply)):
+            fut = self._waiters.get(msg.sid)
+            if fut is None or fut.done():
+                return
+            if isinstance(msg, Reply) and msg.error is not None:
+                fut.set_exception(EngineError(msg.error, msg.status))
+            else:
                 fut.set_result(msg.data)
         else:
             log.error("unexpected message from the engine: %r", msg)
@@ -210,7 +227,7 @@ class EngineClient:
         if not was_alive:
             return
         self.fail_all("the engine process stopped", 503)
-        for fut in self._stats_waiters.values():
+        for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(EngineError("the engine process stopped", 503))
         if self.on_death is not None:

@@ -1,8 +1,10 @@
 """The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
 through two one-way pipes carrying the dataclasses of `server/messages.py` (Add / Abort / StatsQuery /
-Shutdown in; Ready or StartupError, then Outputs / Failed / Stats out).
+Rebuild / Shutdown in; Ready or StartupError, then Outputs / Failed / Stats / Reply out).
 
-Loop: pull every pending message, run one scheduler step, push the step's deltas as one message.
+Loop: pull every pending message, run one scheduler step, push the step's deltas as one message. A
+rebuild (live resize of the KV pool and expert slot cache) runs between two steps, so nothing is admitted
+while it runs.
 The process ends with its parent: it polls the parent pid and the pipe (EOF), and on Linux asks the
 kernel for SIGTERM when the parent dies, so no orphan keeps VRAM or a port. With --tp-size N this
 process is rank 0 and starts ranks 1..N-1 (moestream.parallel); they end when it does, and it exits
@@ -18,7 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .messages import Abort, Add, Delta, Failed, Outputs, Ready, Shutdown, StartupError, Stats, StatsQuery
+from .messages import (Abort, Add, Delta, Failed, Outputs, Ready, Rebuild, Reply, Shutdown, StartupError, Stats,
+                       StatsQuery)
 
 log = logging.getLogger("moestream.engine")
 
@@ -121,6 +124,7 @@ class EngineLoop:
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.decode_steps = 0
         self.interval = {"tokens": 0, "seconds": 0.0}
+        self.rebuilds = {"count": 0, "refused": 0, "last": None}
 
     def info(self) -> dict:
         eng = self.llm.engine
@@ -161,9 +165,31 @@ class EngineLoop:
                     self.totals["aborted"] += 1
             elif isinstance(msg, StatsQuery):
                 self.outbox.send(Stats(msg.sid, self.stats()))
+            elif isinstance(msg, Rebuild):
+                self.outbox.send(Reply(msg.sid, **self._rebuild(msg)))
             else:
                 log.error("unexpected message from the front end: %r", msg)
         return True
+
+    def _rebuild(self, msg: Rebuild) -> dict:
+        """Resize the KV pool and the expert slot cache now, between steps: {"data": report} or
+        {"error", "status"} (400: a value this server cannot take, 409: it does not fit; nothing changed)."""
+        from ..core import MoestreamError, RequestError
+
+        try:
+            report = self.scheduler.resize_caches(msg.kv_tokens, msg.moe_slots)
+        except MoestreamError as e:
+            self.rebuilds["refused"] += 1
+            log.warning("cache rebuild refused: %s", e)
+            return {"error": str(e), "status": 400 if isinstance(e, RequestError) else 409}
+        except Exception as e:  # a bug mid-way: the caches may be half-resized, say so loudly
+            log.exception("cache rebuild failed")
+            return {"error": f"internal error: {type(e).__name__}: {e}", "status": 500}
+        plan = self.llm.engine.plan
+        data = {**report, "plan": plan.as_dict(), "plan_text": plan.describe(), "info": self.info()}
+        self.rebuilds["count"] += 1
+        self.rebuilds["last"] = {k: v for k, v in data.items() if k not in ("plan", "plan_text", "info")}
+        return {"data": data}
 
     def _add(self, msg: Add) -> None:
         from ..core import MoestreamError
@@ -297,6 +323,12 @@ class EngineLoop:
         plan = getattr(self.llm.engine, "plan", None)
         if plan is not None:
             s["memory_plan"] = plan if isinstance(plan, dict) else _plain(plan)
+        s["cache_rebuilds"] = dict(self.rebuilds)
+        host = getattr(self.llm.engine, "host_memory", None)
+        if host:
+            from ..moe.hardware import process_memory
+
+            s["host_memory"] = {"at_load": host, "now": process_memory()}
         s["uptime_s"] = time.time() - self.started
         return s
 

@@ -37,6 +37,15 @@ class StatsQuery:
 
 
 @dataclass(frozen=True)
+class Rebuild:
+    """Resize the KV pool (tokens) and the expert slot cache (slots, or "auto") between two steps; None keeps
+    a size (POST /v1/admin/cache). Answered by `Reply(sid)`."""
+    sid: int
+    kv_tokens: int | None = None
+    moe_slots: int | str | None = None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the loop and exit."""
 
@@ -85,3 +94,12 @@ class Stats:
     """The answer to `StatsQuery(sid)`: `EngineLoop.stats()`."""
     sid: int
     data: dict
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to `Rebuild(sid)`: the report (data), or the reason it was refused (error, HTTP status)."""
+    sid: int
+    data: dict | None = None
+    error: str | None = None
+    status: int = 200

@@ -46,6 +46,12 @@ class Metrics:
                          for k, doc in (("drafted_tokens", "Drafts proposed at draft position (0: the first)"),
                                         ("accepted_tokens", "Drafts accepted at draft position"),
                                         ("acceptance_rate", "Accepted / drafted at draft position"))}
+        # sizes a live cache rebuild changes, host memory
+        self.kv_tokens = Gauge("moestream_kv_cache_tokens", "KV pool size in tokens", lbl, registry=r)
+        self.expert_slots = Gauge("moestream_expert_cache_slots", "Expert slots of the device cache", lbl, registry=r)
+        self.rebuilds = Gauge("moestream_cache_rebuilds", "Live cache rebuilds done", lbl, registry=r)
+        self.host_rss = Gauge("moestream_host_rss_bytes", "Resident host memory of the engine process", lbl,
+                              registry=r)
         # Recent requests, for TTFT mean/p95 in /v1/stats.
         self.recent_ttft: collections.deque = collections.deque(maxlen=window)
         self.recent_latency: collections.deque = collections.deque(maxlen=window)
@@ -82,6 +88,11 @@ class Metrics:
         self.decode_tps.labels(m).set(stats.get("throughput", {}).get("decode_tps", 0.0))
         if stats.get("experts_hit_rate") is not None:
             self.hit_rate.labels(m).set(stats["experts_hit_rate"])
+        kv = stats.get("kv") or {}
+        self.kv_tokens.labels(m).set(kv.get("total_pages", 0) * kv.get("page_size", 0))
+        self.expert_slots.labels(m).set((stats.get("memory_plan") or {}).get("cache_slots", 0))
+        self.rebuilds.labels(m).set((stats.get("cache_rebuilds") or {}).get("count", 0))
+        self.host_rss.labels(m).set(((stats.get("host_memory") or {}).get("now") or {}).get("rss", 0))
         for k, g in self.prefix.items():
             if isinstance(stats.get("prefix_cache"), dict) and k in stats["prefix_cache"]:
                 g.labels(m).set(stats["prefix_cache"][k])
