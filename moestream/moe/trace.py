@@ -1,0 +1,227 @@
+"""Routing traces: the expert ids of every (token, MoE layer) of a run, written as the engine runs.
+
+File format (little-endian, docs/routing-traces.md):
+
+    b"MSROUTE1"                     8 bytes, magic + format version 1
+    header_len  uint32              then header_len bytes of UTF-8 JSON (TraceHeader)
+    records, one per forward step, appended as the steps finish:
+        flags   uint8               bit 0: a decode step (every row decodes one token)
+        rows    uint32              T, the tokens of the step
+        ids     uint16[L][T][k]     L = len(moe_layers), layer-major, each row's top-k in router order
+
+A file cut short (the process was killed while writing) reads up to its last whole record.
+
+`RoutingRecorder` is an `ExpertRuntime.tap` that writes the file; `RouteForcer` is a tap that replaces
+the router's top-k with a trace's ids, step by step (benchmarks under locality); both see every layer
+call through `ExpertRuntime.routed`.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..core import ConfigError
+
+MAGIC = b"MSROUTE1"
+_REC = struct.Struct("<BI")
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    model: str
+    num_layers: int  # all decoder layers of the model
+    moe_layers: list[int]  # the layers whose ids are recorded, in file order
+    num_experts: int
+    top_k: int
+    bytes_per_expert: int = 0  # one expert's weights as stored (what a miss moves over PCIe); 0: unknown
+    source: str = "engine"  # engine | synthetic
+    params: dict = field(default_factory=dict)  # the synthetic generator's parameters
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+@dataclass
+class Trace:
+    """A whole trace in memory: ids [N, L, k] uint16 of all rows of all steps, the rows and the decode
+    flag of each step."""
+
+    header: TraceHeader
+    ids: np.ndarray
+    step_rows: np.ndarray  # int64 [steps]
+    step_decode: np.ndarray  # bool [steps]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.step_rows)])
+
+    def steps(self, decode_only: bool = False):
+        """(decode, ids [T, L, k]) per step, in order."""
+        s = self.starts
+        for i, dec in enumerate(self.step_decode):
+            if dec or not decode_only:
+                yield bool(dec), self.ids[s[i]:s[i + 1]]
+
+    @property
+    def decode_tokens(self) -> int:
+        return int(self.step_rows[self.step_decode].sum())
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path, header: TraceHeader):
+        self.header = header
+        self.f = open(path, "wb")
+        blob = header.to_json()
+        self.f.write(MAGIC + struct.pack("<I", len(blob)) + blob)
+        self.f.flush()
+
+    def write_step(self, decode: bool, ids: np.ndarray) -> None:
+        """ids [L, T, k] of one step."""
+        L, T, k = ids.shape
+        if L != len(self.header.moe_layers) or k != self.header.top_k:
+            raise ValueError(f"step ids of shape {ids.shape} do not match the header ({len(self.header.moe_layers)} "
+                             f"layers, top-{self.header.top_k})")
+        self.f.write(_REC.pack(1 if decode else 0, T) + np.ascontiguousarray(ids, dtype="<u2").tobytes())
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def write_trace(path: str | Path, trace: Trace) -> None:
+    w = TraceWriter(path, trace.header)
+    for decode, ids in trace.steps():
+        w.write_step(decode, ids.transpose(1, 0, 2))
+    w.close()
+
+
+def read_trace(path: str | Path) -> Trace:
+    """The trace at path; ConfigError (one line) for a file that is not one."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read routing trace {path}: {e.strerror}") from None
+    if data[:8] != MAGIC or len(data) < 12:
+        raise ConfigError(f"{path} is not a moestream routing trace (no {MAGIC.decode()} header)")
+    (n,) = struct.unpack_from("<I", data, 8)
+    try:
+        header = TraceHeader(**json.loads(data[12:12 + n]))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable trace header: {e}") from None
+    L, k, pos = len(header.moe_layers), header.top_k, 12 + n
+    chunks, rows, decode = [], [], []
+    while pos + _REC.size <= len(data):
+        flags, T = _REC.unpack_from(data, pos)
+        end = pos + _REC.size + 2 * L * T * k
+        if end > len(data):
+            break  # a record cut short by a killed writer
+        chunks.append(np.frombuffer(data, dtype="<u2", count=L * T * k, offset=pos + _REC.size)
+                      .reshape(L, T, k).transpose(1, 0, 2))
+        rows.append(T)
+        decode.append(bool(flags & 1))
+        pos = end
+    ids = np.concatenate(chunks) if chunks else np.zeros((0, L, k), dtype=np.uint16)
+    if ids.size and int(ids.max()) >= header.num_experts:
+        raise ConfigError(f"{path}: expert id {int(ids.max())} >= num_experts {header.num_experts}")
+    return Trace(header, ids.astype(np.uint16), np.array(rows, dtype=np.int64), np.array(decode, dtype=bool))
+
+
+class RoutingRecorder:
+    """ExpertRuntime tap: keeps each layer call's ids on their device during a step, writes the step at
+    its end (one device read per step). Recording turns CUDA graphs off (`capturable`), so every layer
+    call passes through `routed`."""
+
+    capturable = False
+
+    def __init__(self, path: str | Path, model: str, num_layers: int, top_k: int):
+        self.path, self.model, self.num_layers, self.top_k = Path(path), model, num_layers, top_k
+        self.writer: TraceWriter | None = None
+        self.step: list[torch.Tensor] = []
+        self.decode = False
+
+    def bind(self, runtime) -> None:
+        """Called for each runtime the engine builds: the header is written for the first one."""
+        if self.writer is not None:
+            return
+        store = runtime.store
+        layers = list(store.moe_layers)
+        self.header = TraceHeader(model=self.model, num_layers=self.num_layers, moe_layers=layers,
+                                  num_experts=store.num_experts, top_k=self.top_k,
+                                  bytes_per_expert=store.bytes_per_expert(layers[0]) if layers else 0)
+        try:
+            self.writer = TraceWriter(self.path, self.header)
+        except OSError as e:
+            raise ConfigError(f"cannot write --record-routing {self.path}: {e.strerror}") from None
+
+    def begin_step(self, info: dict) -> None:
+        self.step = []
+        self.decode = bool(info.get("decode", True))
+
+    def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        self.step.append(ids.detach().to(torch.int32).clone())
+        return ids
+
+    def end_step(self) -> None:
+        if not self.step:
+            return
+        ids = torch.stack(self.step).cpu().numpy()  # [L, T, k]
+        self.step = []
+        self.writer.write_step(self.decode, ids)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class RouteForcer:
+    """ExpertRuntime tap that replaces each layer call's top-k ids with the next trace rows: decode step i
+    of the engine gets the trace's next T rows (T the step's tokens, wrapping around at the end). The ids
+    live in one device buffer filled before each step, so recorded CUDA graphs read the new rows."""
+
+    capturable = True
+
+    def __init__(self, trace: Trace, device: torch.device, max_rows: int):
+        self.trace = trace
+        rows = np.concatenate([ids for _, ids in trace.steps(decode_only=True)]) if trace.decode_tokens else None
+        if rows is None:
+            raise ConfigError("the routing trace has no decode steps to force")
+        self.rows = rows  # [N, L, k]
+        self.layer_index = {layer: i for i, layer in enumerate(trace.header.moe_layers)}
+        L, k = len(self.layer_index), trace.header.top_k
+        self.buf = torch.zeros(L, max_rows, k, dtype=torch.long, device=device)
+        self.pos = 0
+        self.T = 0
+
+    def bind(self, runtime) -> None:
+        store = runtime.store
+        h = self.trace.header
+        if list(store.moe_layers) != list(h.moe_layers) or store.num_experts != h.num_experts:
+            raise ConfigError(f"the routing trace is for {len(h.moe_layers)} MoE layers x {h.num_experts} experts, the "
+                              f"model has {len(store.moe_layers)} x {store.num_experts}")
+
+    def begin_step(self, info: dict) -> None:
+        self.T = int(info.get("num_tokens", 0))
+        if not info.get("decode", True) or self.T > self.buf.shape[1]:
+            self.T = 0  # prefill: the router's own choice
+            return
+        n = len(self.rows)
+        idx = (self.pos + np.arange(self.T)) % n
+        self.pos = (self.pos + self.T) % n
+        step = torch.from_numpy(self.rows[idx].transpose(1, 0, 2).astype(np.int64))
+        self.buf[:, :self.T].copy_(step, non_blocking=False)
+
+    def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        if not self.T or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
+            return ids
+        return self.buf[self.layer_index[layer], :self.T].to(ids.dtype)
+
+    def end_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
