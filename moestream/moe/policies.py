@@ -105,7 +105,7 @@ class CachedRuntime(ExpertRuntime):
 
     def _build_cache(self, slots: int, pool_rows: int | None = None) -> None:
         old = getattr(self, "residency", None)
-        self.residency = Residency(slots, self.store.moe_layers)
+        self.residency = Residency(slots, self.store.moe_layers, self.options.cache_policy)
         if old is not None:
             self.residency.counts = old.counts  # statistics survive a resize
         self.pool = None  # the old pool is freed before the new one is made
@@ -129,26 +129,14 @@ class CachedRuntime(ExpertRuntime):
     def _device_rounds(self, layer, x, topk_w, groups, experts: list[int], after_first_copy=None) -> dict:
         """Compute `experts` from the slot cache: resident ones first (so admitting the others
         cannot evict them), at most capacity() experts pinned at a time."""
-        res = self.residency
-        todo = sorted(experts, key=lambda e: res.lookup((layer, e)) is None)
         out: dict[int, torch.Tensor] = {}
         first = True
-        while todo:
-            batch, todo = todo[:res.capacity()], todo[res.capacity():]
-            rows, fetch = {}, []
-            for e in batch:
-                slot, hit = res.access((layer, e))
-                res.pin((layer, e))
-                rows[e] = slot
-                if not hit:
-                    fetch.append((layer, e, slot))
+        for rows, fetch in self.residency.rounds(layer, experts):
             self.copier.copy(self.pool, fetch)
             if first and after_first_copy is not None:
                 after_first_copy()  # prefetch copies queue behind the demand copies
             first = False
             out.update(self._compute_rows(layer, self.pool, rows, x, topk_w, groups))
-            for e in batch:
-                res.unpin((layer, e))
         self.book[layer].gpu_experts += len(experts)
         return out
 
@@ -291,8 +279,9 @@ class DeviceCachedRuntime(CachedRuntime):
 
     def __init__(self, store, device, options):
         pinned = device.type != "cuda" or all(t.is_pinned() for per in store.banks.values() for t in per.values())
+        # the device-side cache is an LRU: other policies keep the host cache (grouped path)
         self.pairs = (pairs_wanted(options, store, device) and pinned and options.prefill_slots > 0
-                      and options.cache_slots > 0)
+                      and options.cache_slots > 0 and options.cache_policy == "lru")
         self.dcache = None
         super().__init__(store, device, options)
 
