@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dense: dequantize them to the model dtype at load")
     m.add_argument("--moe-decode-kernel", default="auto", choices=["auto", "pairs", "grouped"],
                    help="decode expert kernel: pairs (device-side routing, CUDA graphs), grouped (host routing)")
-    m.add_argument("--moe-cache-policy", default="lru", choices=["lru", "lfu", "lrfu"],
-                   help="expert cache victim choice (benchmarks/RESULTS.md: `bench cache` per policy); lfu and lrfu "
+    m.add_argument("--moe-cache-policy", default="lru", choices=["lru", "lfu", "lrfu", "wlfu"],
+                   help="expert cache victim choice (benchmarks/RESULTS.md: `bench cache` per policy); lfu, lrfu and wlfu "
                         "decode on the grouped path (host routing, no CUDA graphs)")
     m.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the expert ids of every (token, MoE layer) to FILE (docs/routing-traces.md; "
@@ -152,7 +152,7 @@ def add_bench_parser(sub) -> None:
     size.add_argument("--slots", default=None, help="cache sizes in expert slots, comma-separated "
                                                     "(default: 5..90%% of all experts)")
     size.add_argument("--vram-gb", type=float, default=None, help="one cache size: this many GB of expert slots")
-    c.add_argument("--policies", default="lru,lfu,lrfu", help="comma-separated cache policies (grouped path)")
+    c.add_argument("--policies", default="lru,lfu,lrfu,wlfu", help="comma-separated cache policies (grouped path)")
     c.add_argument("--device-lru", action="store_true",
                    help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
     c.add_argument("--max-pairs", type=int, default=None,

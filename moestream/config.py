@@ -337,7 +337,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
 # Engine configuration: every field is a CLI flag (underscored). "auto" is resolved by the engine.
 # ---------------------------------------------------------------------------------------------
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
-MOE_CACHE_POLICIES = ("lru", "lfu", "lrfu")  # moe/residency.py POLICIES
+MOE_CACHE_POLICIES = ("lru", "lfu", "lrfu", "wlfu")  # moe/residency.py POLICIES
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ class EngineConfig:
     prefix_cache_prompt_snapshot: str = "long"
     # write every step's routed expert ids to this file (moe/trace.py; docs/routing-traces.md)
     record_routing: str | None = None
-    # victim choice of the expert slot cache (moe/residency.py); lfu/lrfu run decode on the grouped path
+    # victim choice of the expert slot cache (moe/residency.py); lfu/lrfu/wlfu decode on the grouped path
     moe_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:

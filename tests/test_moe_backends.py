@@ -57,6 +57,10 @@ def run(tiny_checkpoint, arch, backend, **kw):
     ("hybrid", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
     ("cpu", {}),
     ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    # frequency-aware victim choice (moe/residency.py): the grouped path's host cache
+    ("offload", {"moe_cache_size": 6, "moe_cache_policy": "wlfu"}),
+    ("offload", {"moe_cache_size": 5, "moe_cache_policy": "lfu", "moe_prefetch": "on"}),
+    ("hybrid", {"moe_cache_size": 6, "moe_cache_policy": "lrfu"}),
 ])
 def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens):
     ps, want = fused_tokens(arch)

@@ -30,6 +30,7 @@ def prompts(vocab):
     ("lru", {"moe_cache_size": 7}),
     ("lfu", {"moe_cache_size": 5}),
     ("lrfu", {"moe_cache_size": 7}),
+    ("wlfu", {"moe_cache_size": 7}),
     ("lru", {"moe_cache_size": 11, "moe_decode_kernel": "pairs"}),  # the device-side cache (CUDA decode path)
 ])
 def test_replay_of_a_recorded_run_gives_the_engines_counts(tiny_checkpoint, tmp_path, policy, kw):

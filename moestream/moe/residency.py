@@ -11,6 +11,10 @@ The victim is chosen by a policy (`POLICIES`, `--moe-cache-policy`):
     lfu   the unpinned key with the fewest accesses (hits and misses, remembered for keys that left the
           cache too), least recently used among equals; every `age_every` accesses all counts are halved
           (ageing), so an expert that stops being routed loses its place within a few halvings
+    lrfu  the unpinned key with the lowest sum over its accesses of 2^-(accesses since / half-life)
+    wlfu  keys among the last half-cache of recently used ones are kept; the others go lfu's way
+Measured on synthetic traces (benchmarks/RESULTS.md): none beats lru by much; lfu loses (a new expert
+is the next victim before the next token can reuse it).
 
 Invariants (`check_integrity`): slot_of and key_of are inverse maps; every slot is either free or
 holds exactly one key; pinned keys are resident.
@@ -168,7 +172,64 @@ class LrfuPolicy(LfuPolicy):
         return key in self.resident and f == self.score.get(key, -math.inf) and t == self.tick.get(key, 0)
 
 
-POLICIES = {p.name: p for p in (LruPolicy, LfuPolicy, LrfuPolicy)}
+class WindowLfuPolicy(LfuPolicy):
+    """A window of the most recently used keys (an LRU of WINDOW x slots keys) is never the victim; the
+    rest are evicted least frequently used first (LfuPolicy's aged counts). A key enters the window on
+    every use and falls into the frequency part when WINDOW x slots more recent keys push it out."""
+
+    name = "wlfu"
+    WINDOW = 0.5
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)
+        self.window_size = max(int(self.WINDOW * num_slots), 1)
+        self.window: OrderedDict[Key, None] = OrderedDict()
+        self.main: set[Key] = set()
+
+    def used(self, key: Key, count: bool = True) -> None:
+        self.clock += 1
+        if count:
+            self.freq[key] += 1
+            self.since_age += 1
+        self.tick[key] = self.clock
+        if key in self.resident:
+            self._to_window(key)
+        if self.since_age >= self.age_every:
+            self._age()
+
+    def admitted(self, key: Key) -> None:
+        self.resident.add(key)
+        self._to_window(key)
+
+    def removed(self, key: Key) -> None:
+        self.resident.discard(key)
+        self.window.pop(key, None)
+        self.main.discard(key)
+
+    def _to_window(self, key: Key) -> None:
+        self.main.discard(key)
+        self.window[key] = None
+        self.window.move_to_end(key)
+        while len(self.window) > self.window_size:
+            old, _ = self.window.popitem(last=False)
+            self.main.add(old)
+            heapq.heappush(self.heap, (self.freq[old], self.tick.get(old, 0), old))
+
+    def _rebuild(self) -> None:
+        self.heap = [(self.freq[k], self.tick.get(k, 0), k) for k in self.main]
+        heapq.heapify(self.heap)
+
+    def _current(self, entry) -> bool:
+        return entry[2] in self.main and super()._current(entry)
+
+    def victim(self, res: "Residency") -> Key | None:
+        key = super().victim(res)
+        if key is None:  # nothing outside the window (or all of it pinned): the window's LRU
+            key = next((k for k in self.window if k not in res.pins), None)
+        return key
+
+
+POLICIES = {p.name: p for p in (LruPolicy, LfuPolicy, LrfuPolicy, WindowLfuPolicy)}
 
 
 class Residency:
