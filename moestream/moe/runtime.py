@@ -92,9 +92,15 @@ class ExpertRuntime:
         options = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                    for k, v in self.options.__dict__.items()}  # JSON-safe: served at /v1/stats
         store = self.store
-        return {"backend": self.name, **self.book.as_dict(), "options": options,
+        hits = self.expert_hits()
+        extra = {"expert_hits": {str(k): v for k, v in hits.items()}} if hits is not None else {}
+        return {"backend": self.name, **self.book.as_dict(), "options": options, **extra,
                 "num_experts": store.num_experts,
                 "bytes_per_expert": {str(layer): store.bytes_per_expert(layer) for layer in store.moe_layers}}
+
+    def expert_hits(self) -> dict[int, list[int]] | None:
+        """layer -> hits of each expert (decode-path lookups that found it resident); None: not counted."""
+        return None
 
     def step_hit_rate(self) -> float | None:
         """Hit rate of the last decode step (None before the first one)."""
