@@ -121,3 +121,15 @@ def test_synthetic_locality_parameters():
     assert len({a for a, _ in pairs}) == len(pairs)  # each layer-0 expert maps to exactly one layer-1 expert
     with pytest.raises(ConfigError):
         synth.preset("uniform", reuse=0.7, follow=0.5)
+
+
+def test_forcer_spreads_a_batch_over_streams():
+    """A trace of R streams: a step of T <= R rows reads streams 0..T-1 of one trace step; more rows than
+    streams read trace steps far apart."""
+    tr = synth.generate(synth.preset("uniform", tokens=8, batch=2, num_layers=2, num_experts=16, top_k=2))
+    grid = tr.ids.reshape(8, 2, 2, 2)
+    f = RouteForcer(tr, __import__("torch").device("cpu"), max_rows=4)
+    assert np.array_equal(f.rows_for(2), grid[0])
+    assert np.array_equal(f.rows_for(1), grid[1, :1])
+    four = f.rows_for(4)  # trace step 2 for rows 0-1, step 2 + 8 // 2 = 6 for rows 2-3
+    assert np.array_equal(four[:2], grid[2]) and np.array_equal(four[2:], grid[6])

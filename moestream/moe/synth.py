@@ -80,8 +80,9 @@ def _zipf_cdf(n: int, s: float) -> np.ndarray:
     return np.cumsum(w) / w.sum()
 
 
-def generate(p: SynthParams, name: str = "synthetic") -> Trace:
-    """A decode-only trace of p.tokens steps of p.batch rows each."""
+def generate(p: SynthParams, name: str = "synthetic", moe_layers: list[int] | None = None) -> Trace:
+    """A decode-only trace of p.tokens steps of p.batch rows each; moe_layers: the model's layer numbers
+    (default 0..num_layers-1)."""
     p.validate()
     rng = np.random.default_rng(p.seed)
     L, E, k, B, N = p.num_layers, p.num_experts, p.top_k, p.batch, p.tokens
@@ -120,7 +121,10 @@ def generate(p: SynthParams, name: str = "synthetic") -> Trace:
                     taken.append(e)
                 ids[t, b, layer] = taken
                 prev[b, layer] = taken
-    header = TraceHeader(model=name, num_layers=L, moe_layers=list(range(L)), num_experts=E, top_k=k,
+    layers = list(moe_layers) if moe_layers is not None else list(range(L))
+    if len(layers) != L:
+        raise ValueError(f"{len(layers)} moe_layers for num_layers={L}")
+    header = TraceHeader(model=name, num_layers=max(layers) + 1, moe_layers=layers, num_experts=E, top_k=k,
                          bytes_per_expert=p.bytes_per_expert, source="synthetic", params=asdict(p))
     flat = ids.reshape(N * B, L, k)
     return Trace(header, flat, np.full(N, B, dtype=np.int64), np.ones(N, dtype=bool))

@@ -179,18 +179,24 @@ class RoutingRecorder:
 
 
 class RouteForcer:
-    """ExpertRuntime tap that replaces each layer call's top-k ids with the next trace rows: decode step i
-    of the engine gets the trace's next T rows (T the step's tokens, wrapping around at the end). The ids
-    live in one device buffer filled before each step, so recorded CUDA graphs read the new rows."""
+    """ExpertRuntime tap that replaces each decode layer call's top-k ids with trace rows (prefill keeps the
+    router's). The trace's decode steps are R streams when they all have R rows (a synthetic trace of
+    --batch R), else one stream of all rows. Engine decode step i with T rows gives row j the trace's
+    stream j % R at trace step i + (j // R) * stride (stride = steps / ceil(T / R): rows beyond R read far
+    apart, as independent requests would), wrapping at the end. The ids live in one device buffer filled
+    before each step, so recorded CUDA graphs read the new rows."""
 
     capturable = True
 
     def __init__(self, trace: Trace, device: torch.device, max_rows: int):
-        self.trace = trace
-        rows = np.concatenate([ids for _, ids in trace.steps(decode_only=True)]) if trace.decode_tokens else None
-        if rows is None:
+        if not trace.decode_tokens:
             raise ConfigError("the routing trace has no decode steps to force")
-        self.rows = rows  # [N, L, k]
+        self.trace = trace
+        steps = [ids for _, ids in trace.steps(decode_only=True)]
+        if len({len(x) for x in steps}) == 1:
+            self.grid = np.stack(steps)  # [steps, R, L, k]
+        else:
+            self.grid = np.concatenate(steps)[:, None]  # one stream
         self.layer_index = {layer: i for i, layer in enumerate(trace.header.moe_layers)}
         L, k = len(self.layer_index), trace.header.top_k
         self.buf = torch.zeros(L, max_rows, k, dtype=torch.long, device=device)
@@ -204,16 +210,22 @@ class RouteForcer:
             raise ConfigError(f"the routing trace is for {len(h.moe_layers)} MoE layers x {h.num_experts} experts, the "
                               f"model has {len(store.moe_layers)} x {store.num_experts}")
 
+    def rows_for(self, T: int) -> np.ndarray:
+        """The [T, L, k] ids of the next step of T rows (advances the trace by one step)."""
+        steps, R = self.grid.shape[:2]
+        stride = max(steps // -(-T // R), 1)
+        j = np.arange(T)
+        out = self.grid[(self.pos + (j // R) * stride) % steps, j % R]
+        self.pos = (self.pos + 1) % steps
+        return out
+
     def begin_step(self, info: dict) -> None:
         self.T = int(info.get("num_tokens", 0))
         if not info.get("decode", True) or self.T > self.buf.shape[1]:
             self.T = 0  # prefill: the router's own choice
             return
-        n = len(self.rows)
-        idx = (self.pos + np.arange(self.T)) % n
-        self.pos = (self.pos + self.T) % n
-        step = torch.from_numpy(self.rows[idx].transpose(1, 0, 2).astype(np.int64))
-        self.buf[:, :self.T].copy_(step, non_blocking=False)
+        step = torch.from_numpy(self.rows_for(self.T).transpose(1, 0, 2).astype(np.int64))
+        self.buf[:, :self.T].copy_(step)
 
     def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if not self.T or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
