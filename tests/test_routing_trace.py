@@ -133,3 +133,16 @@ def test_forcer_spreads_a_batch_over_streams():
     assert np.array_equal(f.rows_for(1), grid[1, :1])
     four = f.rows_for(4)  # trace step 2 for rows 0-1, step 2 + 8 // 2 = 6 for rows 2-3
     assert np.array_equal(four[:2], grid[2]) and np.array_equal(four[2:], grid[6])
+
+
+def test_opt_bound_is_above_every_policy_and_exact_when_all_fit():
+    from moestream.moe.replay import opt_hit_rate
+
+    tr = synth.generate(synth.preset("qwen36", tokens=60, num_layers=3, num_experts=32, top_k=4))
+    for slots in (8, 24, 48):
+        bound = opt_hit_rate(tr, slots)
+        assert all(replay(tr, slots, p).hit_rate <= bound + 1e-9 for p in POLICIES)
+    # every expert fits: only the first use of each misses, for OPT and LRU alike
+    distinct = len({(layer, int(e)) for layer in range(3) for e in np.unique(tr.ids[:, layer])})
+    assert replay(tr, 96, "lru").misses == distinct
+    assert opt_hit_rate(tr, 96) == replay(tr, 96, "lru").hit_rate

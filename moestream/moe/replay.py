@@ -13,6 +13,7 @@ which is what the offload decode path does today (misses are staged before the l
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,33 @@ def _replay_pairs(trace: Trace, slots: int, scratch: int) -> tuple[int, int]:
     return int(c[HITS].sum()), int(c[MISSES].sum())
 
 
+def opt_hit_rate(trace: Trace, slots: int) -> float:
+    """Belady's bound: the hit rate of evicting the resident expert whose next use is furthest away (it knows
+    the future; not an online policy). The layer calls' distinct experts in engine order, no pins: the
+    headroom any policy has over LRU on this trace."""
+    seq = [(layer, e) for layer, experts in layer_calls(trace) for e in experts]
+    n = len(seq)
+    nxt, last = [0] * n, {}
+    for i in range(n - 1, -1, -1):
+        nxt[i] = last.get(seq[i], n + i)  # never again: beyond the end, later ones first
+        last[seq[i]] = i
+    held: dict = {}
+    heap: list = []
+    hits = 0
+    for i, key in enumerate(seq):
+        if key in held:
+            hits += 1
+        elif len(held) >= slots:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if held.get(victim) == -neg:
+                    del held[victim]
+                    break
+        held[key] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], key))
+    return hits / n if n else 1.0
+
+
 def default_sizes(total: int, top_k: int, num_layers: int) -> list[int]:
     """Cache sizes at 5..90 % residency, at least one layer's top-k."""
     fracs = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)
@@ -164,6 +192,10 @@ def cache_report(args) -> str:
              f"prediction: PCIe {pcie or 0:.1f} GB/s" + (f", {args.full_tok_s:.1f} tok/s all-hit" if args.full_tok_s else
                                                            ", all-hit step time not given (--full-tok-s): PCIe-bound ceiling"),
              f"{'policy':<11}{'slots':>7}{'resident':>10}{'hit rate':>10}{'misses/tok':>12}{'MB/tok':>9}{'tok/s':>9}"]
+    if args.opt:
+        for slots in sizes:
+            lines.append(f"{'opt-bound':<11}{slots:>7}{100 * slots / total:>9.1f}%{100 * opt_hit_rate(trace, slots):>9.1f}%"
+                         "   (Belady: knows the future)")
     runs = [(p, "grouped") for p in policies] + ([("lru", "pairs")] if args.device_lru else [])
     for policy, path in runs:
         for slots in sizes:
