@@ -1,8 +1,8 @@
 """Placement policies: compose residency, transfer and compute behind the ExpertRuntime interface.
 
 fused    every expert resident on the compute device (store banks live there)
-offload  device slot cache (one LRU over all layers); misses copied from host banks on the copy stream;
-         decode prefetches layer l+1's predicted experts; prefill streams through a double buffer
+offload  device slot cache (one cache over all layers, victims by --moe-cache-policy; the pair path's device
+         cache: LRU); misses copied from host banks on the copy stream; decode prefetches layer l+1's predicted experts; prefill streams through a double buffer
 cpu      routed experts computed by CPU threads from host banks; on a GPU, prefill chunks still
          stream through the device double buffer (a prefill chunk is compute-bound)
 hybrid   hits on the device; misses split between PCIe fetch and CPU compute in proportion to the
