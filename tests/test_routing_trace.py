@@ -146,3 +146,29 @@ def test_opt_bound_is_above_every_policy_and_exact_when_all_fit():
     distinct = len({(layer, int(e)) for layer in range(3) for e in np.unique(tr.ids[:, layer])})
     assert replay(tr, 96, "lru").misses == distinct
     assert opt_hit_rate(tr, 96) == replay(tr, 96, "lru").hit_rate
+
+
+def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
+    from moestream.cli import main
+
+    path = tmp_path / "gen.trace"
+    assert main(["generate", "--model-path", str(tiny_checkpoint("qwen35")), "--prompt", "hello there",
+                 "--max-tokens", "6", "--device", "cpu", "--no-chat", "--record-routing", str(path)]) == 0
+    trace = read_trace(path)
+    assert trace.decode_tokens == 5
+    capsys.readouterr()
+    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--opt"]) == 0
+    out = capsys.readouterr().out
+    for policy in POLICIES:
+        assert sum(line.startswith(policy + " ") for line in out.splitlines()) == 2, out
+    assert "opt-bound" in out
+    # bad input: one line, exit status 2
+    assert main(["bench", "cache", "--trace", str(tmp_path / "missing.trace")]) == 2
+    assert main(["bench", "cache", "--trace", str(path), "--policies", "lru,nope"]) == 2
+    assert main(["generate", "--prompt", "x", "--record-routing", str(tmp_path / "no" / "dir" / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read routing trace" in err and "unknown --policies nope" in err and "no directory" in err
+    synth_path = tmp_path / "s.trace"
+    assert main(["bench", "trace", "--preset", "qwen36", "--tokens", "4", "--batch", "2", "-o", str(synth_path)]) == 0
+    assert read_trace(synth_path).ids.shape == (8, 40, 8)
+    assert main(["bench", "trace", "--preset", "nope", "-o", str(synth_path)]) == 2
