@@ -162,7 +162,7 @@ def add_bench_parser(sub) -> None:
     c.add_argument("--pcie-gbs", type=float, default=None,
                    help="pinned host-to-device GB/s (default: the `bench bw` profile of this machine's GPU)")
     c.add_argument("--full-tok-s", type=float, default=None,
-                   help="batch-1 decode tok/s with every expert resident (adds the all-hit step time to the prediction)")
+                   help="decode tok/s per request with every expert resident, at the trace's batch (the all-hit step time)")
     t = bsub.add_parser("trace", help="write a synthetic routing trace with tunable locality",
                         description="Synthetic routing trace (docs/routing-traces.md#synthetic-traces); the preset's "
                                     "parameters, each overridable.")
@@ -173,7 +173,9 @@ def add_bench_parser(sub) -> None:
                              ("reuse", float, "probability a slot reuses an expert of the previous token"),
                              ("follow", float, "probability a slot follows the previous layer's expert"),
                              ("topics", int, "popularity orders per layer"),
-                             ("topic-len", float, "mean tokens between topic shifts"), ("seed", int, "random seed"),
+                             ("topic-len", float, "mean tokens between topic shifts"),
+                             ("share", float, "batch > 1: probability a stream copies stream 0's expert"),
+                             ("seed", int, "random seed"),
                              ("num-layers", int, "MoE layers"), ("num-experts", int, "experts per layer"),
                              ("top-k", int, "experts per token"), ("bytes-per-expert", int, "bytes one miss moves")):
         t.add_argument(f"--{name}", type=kind, default=None, help=what)
@@ -308,7 +310,7 @@ def cmd_bench(args) -> int:
         from .moe import synth
         from .moe.trace import write_trace
 
-        keys = ("tokens", "batch", "zipf", "reuse", "follow", "topics", "topic_len", "seed", "num_layers",
+        keys = ("tokens", "batch", "zipf", "reuse", "follow", "topics", "topic_len", "share", "seed", "num_layers",
                 "num_experts", "top_k", "bytes_per_expert")
         p = synth.preset(args.preset, **{k: getattr(args, k) for k in keys})
         trace = synth.generate(p, name=f"synthetic:{args.preset}")

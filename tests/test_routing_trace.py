@@ -172,3 +172,11 @@ def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
     assert main(["bench", "trace", "--preset", "qwen36", "--tokens", "4", "--batch", "2", "-o", str(synth_path)]) == 0
     assert read_trace(synth_path).ids.shape == (8, 40, 8)
     assert main(["bench", "trace", "--preset", "nope", "-o", str(synth_path)]) == 2
+
+
+def test_synthetic_share_makes_streams_route_alike():
+    base = dict(tokens=50, batch=3, num_layers=2, num_experts=64, top_k=4)
+    same = synth.generate(synth.preset("qwen36", share=1.0, **base)).ids.reshape(50, 3, 2, 4)
+    assert np.array_equal(same[:, 1], same[:, 0]) and np.array_equal(same[:, 2], same[:, 0])
+    apart = synth.generate(synth.preset("qwen36", share=0.0, **base)).ids.reshape(50, 3, 2, 4)
+    assert (apart[:, 1] != apart[:, 0]).mean() > 0.5

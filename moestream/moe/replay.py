@@ -7,9 +7,10 @@ The replay drives the engine's own bookkeeping, so its counts are the engine's:
 Prefill steps are skipped: with a prefill buffer (every offload plan) they stream their experts and leave
 the cache alone. A layer call counts each distinct routed expert once, as the engine does.
 
-Predicted decode speed (`predict_tok_s`): a step takes the all-hit step time (1 / `full_tok_s`, or 0 when
-unknown) plus its missed experts' bytes over PCIe at `pcie_gbs` — no overlap of copies with compute,
-which is what the offload decode path does today (misses are staged before the layer's GEMVs).
+Predicted decode speed (`predict_tok_s`): a step takes the all-hit step time (1 / `full_tok_s`, the tok/s
+per request with every expert resident at the trace's batch; 0 when unknown) plus its missed experts'
+bytes over PCIe at `pcie_gbs` — no overlap of copies with compute, which is what the offload decode path
+does today (misses are staged before the layer's GEMVs).
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ class ReplayResult:
         return self.misses * self.bytes_per_expert / max(self.decode_tokens, 1)
 
     def predict_tok_s(self, pcie_gbs: float, full_tok_s: float | None = None) -> float | None:
-        """Aggregate decode tok/s: tokens / (steps x all-hit step time + miss bytes / PCIe rate)."""
+        """Aggregate decode tok/s: tokens per step / (all-hit step time + a step's miss bytes / PCIe rate);
+        full_tok_s: tok/s per request with every expert resident at the trace's batch (1 / step time)."""
         if not pcie_gbs:
             return None
         tokens_per_step = self.decode_tokens / max(self.decode_steps, 1)
-        base = (1.0 / full_tok_s) * tokens_per_step if full_tok_s else 0.0  # full_tok_s: batch-1 all-hit speed
+        base = 1.0 / full_tok_s if full_tok_s else 0.0
         step_s = base + self.bytes_per_token * tokens_per_step / (pcie_gbs * 1e9)
         return tokens_per_step / step_s if step_s > 0 else None
 

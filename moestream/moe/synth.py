@@ -1,6 +1,6 @@
 """Synthetic routing traces with tunable locality (docs/routing-traces.md#synthetic-traces).
 
-Each of `batch` independent streams decodes `tokens` tokens; each token picks `top_k` distinct experts in
+Each of `batch` streams decodes `tokens` tokens; each token picks `top_k` distinct experts in
 each MoE layer. Slot j of a token at layer l is drawn, in this order of tries:
 
     reuse    with probability `reuse`: an expert of the stream's previous token at layer l (one not
@@ -10,7 +10,9 @@ each MoE layer. Slot j of a token at layer l is drawn, in this order of tries:
     popular  otherwise: from layer l's popularity, Zipf with exponent `zipf` over the ranks of the
              stream's current topic (a random order of the experts per layer and topic; 0: uniform)
 
-A try whose expert is already taken by this token falls through to a popularity draw. A stream
+Before these, with probability `share`, a stream b > 0 copies stream 0's slot-j expert of this token
+(requests that route alike: 1 = identical requests, as a benchmark sending one prompt B times at
+temperature 0). A try whose expert is already taken by this token falls through to a popularity draw. A stream
 switches topic with probability 1/`topic_len` per token (to one of `topics` per-layer orders; a
 new stream starts on a random one), so the popular set moves, as it does between a chat, code and a
 summary. Presets (`PRESETS`) fix the parameters; `qwen36` is the Qwen3.6-35B-A3B shape (40 MoE layers,
@@ -38,6 +40,7 @@ class SynthParams:
     follow: float = 0.0
     topics: int = 4
     topic_len: float = 256.0
+    share: float = 0.0  # batch > 1: probability a stream's slot copies stream 0's (1: identical requests)
     seed: int = 0
 
     def validate(self) -> None:
@@ -45,7 +48,7 @@ class SynthParams:
 
         if not (1 <= self.top_k <= self.num_experts and self.num_layers >= 1 and self.tokens >= 1 and self.batch >= 1):
             raise ConfigError("synthetic trace: need 1 <= top_k <= num_experts, num_layers >= 1, tokens >= 1, batch >= 1")
-        for name in ("reuse", "follow"):
+        for name in ("reuse", "follow", "share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"synthetic trace: {name} must be in [0, 1], got {getattr(self, name)}")
         if self.reuse + self.follow > 1.0:
@@ -96,6 +99,7 @@ def generate(p: SynthParams, name: str = "synthetic", moe_layers: list[int] | No
     u_try = rng.random((N, B, L, k))
     u_pick = rng.random((N, B, L, k))
     u_pop = rng.random((N, B, L, k, 4))  # up to 4 popularity draws per slot before a uniform fallback
+    u_share = rng.random((N, B, L, k))
     u_topic = rng.random((N, B))
     new_topic = rng.integers(0, p.topics, size=(N, B))
     for t in range(N):
@@ -109,7 +113,10 @@ def generate(p: SynthParams, name: str = "synthetic", moe_layers: list[int] | No
                 for j in range(k):
                     u = u_try[t, b, layer, j]
                     e = -1
-                    if u < p.reuse and prev_l[0] >= 0:
+                    if b and u_share[t, b, layer, j] < p.share:
+                        lead = int(ids[t, 0, layer, j])
+                        e = lead if lead not in taken else -1
+                    elif u < p.reuse and prev_l[0] >= 0:
                         free = [x for x in prev_l if x not in taken]
                         if free:
                             e = int(free[int(u_pick[t, b, layer, j] * len(free))])
