@@ -92,13 +92,13 @@ class LfuPolicy:
             self.since_age += 1
         self.tick[key] = self.clock
         if key in self.resident:
-            heapq.heappush(self.heap, (self.freq[key], self.clock, key))
+            self._push((self.freq[key], self.clock, key))
         if self.since_age >= self.age_every:
             self._age()
 
     def admitted(self, key: Key) -> None:
         self.resident.add(key)
-        heapq.heappush(self.heap, (self.freq[key], self.tick.get(key, 0), key))
+        self._push((self.freq[key], self.tick.get(key, 0), key))
 
     def removed(self, key: Key) -> None:
         self.resident.discard(key)
@@ -116,9 +116,12 @@ class LfuPolicy:
         f, t, key = entry
         return key in self.resident and f == self.freq[key] and t == self.tick.get(key, 0)
 
-    def victim(self, res: "Residency") -> Key | None:
+    def _push(self, entry) -> None:
+        heapq.heappush(self.heap, entry)
         if len(self.heap) > 4 * len(self.resident) + 64:
-            self._rebuild()  # drop the stale entries
+            self._rebuild()  # drop the stale entries (a cache that rarely evicts would grow it without end)
+
+    def victim(self, res: "Residency") -> Key | None:
         held = []
         found = None
         while self.heap:
@@ -157,11 +160,11 @@ class LrfuPolicy(LfuPolicy):
             self.score[key] = now if old is None else max(old, now) + math.log2(1 + 2.0 ** -abs(old - now))
         self.tick[key] = self.clock
         if key in self.resident:
-            heapq.heappush(self.heap, (self.score.get(key, -math.inf), self.clock, key))
+            self._push((self.score.get(key, -math.inf), self.clock, key))
 
     def admitted(self, key: Key) -> None:
         self.resident.add(key)
-        heapq.heappush(self.heap, (self.score.get(key, -math.inf), self.tick.get(key, 0), key))
+        self._push((self.score.get(key, -math.inf), self.tick.get(key, 0), key))
 
     def _rebuild(self) -> None:
         self.heap = [(self.score.get(k, -math.inf), self.tick.get(k, 0), k) for k in self.resident]
@@ -213,7 +216,7 @@ class WindowLfuPolicy(LfuPolicy):
         while len(self.window) > self.window_size:
             old, _ = self.window.popitem(last=False)
             self.main.add(old)
-            heapq.heappush(self.heap, (self.freq[old], self.tick.get(old, 0), old))
+            self._push((self.freq[old], self.tick.get(old, 0), old))
 
     def _rebuild(self) -> None:
         self.heap = [(self.freq[k], self.tick.get(k, 0), k) for k in self.main]
