@@ -59,7 +59,7 @@ class SynthParams:
 
 PRESETS: dict[str, SynthParams] = {
     # calibrated (benchmarks/RESULTS.md) so that LRU's replay hit rates give seed 001's bs1 tok/s curve at a
-    # 3090's PCIe (25 GB/s, 60 tok/s all-hit): within 6 points of the hit rate it implies at 5..83 % residency
+    # 3090's PCIe (25 GB/s assumed, 60 tok/s all-hit): within 3.7 tok/s of it from 5 to 89 % residency
     "qwen36": SynthParams(zipf=1.0, reuse=0.3, follow=0.1, topics=8, topic_len=64.0),
     # long topics with a sharper popularity skew and less token-to-token reuse: where frequency matters most
     "qwen36-skewed": SynthParams(zipf=1.3, reuse=0.2, follow=0.1, topics=4, topic_len=512.0),

@@ -200,6 +200,9 @@ class RouteForcer:
         self.layer_index = {layer: i for i, layer in enumerate(trace.header.moe_layers)}
         L, k = len(self.layer_index), trace.header.top_k
         self.buf = torch.zeros(L, max_rows, k, dtype=torch.long, device=device)
+        # staged in pinned memory on CUDA, copied without a host wait: the next step writes it only after
+        # sampling waited for this step's GPU work, which the copy precedes
+        self.host = torch.zeros(L, max_rows, k, dtype=torch.long, pin_memory=device.type == "cuda")
         self.pos = 0
         self.T = 0
 
@@ -224,8 +227,8 @@ class RouteForcer:
         if not info.get("decode", True) or self.T > self.buf.shape[1]:
             self.T = 0  # prefill: the router's own choice
             return
-        step = torch.from_numpy(self.rows_for(self.T).transpose(1, 0, 2).astype(np.int64))
-        self.buf[:, :self.T].copy_(step)
+        self.host[:, :self.T].copy_(torch.from_numpy(self.rows_for(self.T).transpose(1, 0, 2).astype(np.int64)))
+        self.buf[:, :self.T].copy_(self.host[:, :self.T], non_blocking=True)
 
     def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if not self.T or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
