@@ -155,6 +155,8 @@ def add_bench_parser(sub) -> None:
     c.add_argument("--policies", default="lru,lfu,lrfu,wlfu", help="comma-separated cache policies (grouped path)")
     c.add_argument("--device-lru", action="store_true",
                    help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
+    c.add_argument("--prefetch", action="store_true",
+                   help="also replay with the decode prefetcher (--moe-prefetch on; recorded traces hold its predictions)")
     c.add_argument("--opt", action="store_true",
                    help="also print Belady's bound (evict the expert used furthest in the future): the headroom over lru")
     c.add_argument("--max-pairs", type=int, default=None,

@@ -32,10 +32,13 @@ def prompts(vocab):
     ("lrfu", {"moe_cache_size": 7}),
     ("wlfu", {"moe_cache_size": 7}),
     ("lru", {"moe_cache_size": 11, "moe_decode_kernel": "pairs"}),  # the device-side cache (CUDA decode path)
+    # the decode prefetcher, replayed from the recorded predictions
+    ("lru", {"moe_cache_size": 5, "moe_prefetch": "on"}),
+    ("wlfu", {"moe_cache_size": 9, "moe_prefetch": "on"}),
 ])
 def test_replay_of_a_recorded_run_gives_the_engines_counts(tiny_checkpoint, tmp_path, policy, kw):
     path = tmp_path / "run.trace"
-    llm = LLM(tiny_checkpoint("qwen35"), record_routing=str(path), moe_cache_policy=policy, **COMMON, **kw)
+    llm = LLM(tiny_checkpoint("qwen35"), record_routing=str(path), moe_cache_policy=policy, **{**COMMON, **kw})
     ps = prompts(llm.model_config.vocab_size)
     outs = llm.generate(ps, SP)
     total = llm.stats()["total"]
@@ -49,9 +52,15 @@ def test_replay_of_a_recorded_run_gives_the_engines_counts(tiny_checkpoint, tmp_
     assert int(trace.step_rows.sum()) == sum(map(len, ps)) + sum(len(o.token_ids) - 1 for o in outs)
     assert (~trace.step_decode).any() and trace.decode_tokens > 0
     pairs = kw.get("moe_decode_kernel") == "pairs"
+    prefetch = kw.get("moe_prefetch") == "on"
     r = replay(trace, kw["moe_cache_size"], policy, "pairs" if pairs else "grouped",
-               scratch=COMMON["max_running_requests"] * h.top_k)
+               scratch=COMMON["max_running_requests"] * h.top_k, prefetch=prefetch)
     assert (r.hits, r.misses) == (total["hits"], total["misses"])
+    assert (r.prefetch_issued, r.prefetch_hits) == (total["prefetch_issued"], total["prefetch_hits"])
+    assert trace.pred is not None and trace.pred.shape == trace.ids.shape
+    if prefetch:
+        assert r.prefetch_issued > 0 and r.prefetch_hits > 0
+        assert replay(trace, kw["moe_cache_size"], policy).misses != r.misses  # prefetch changed the counts
     assert r.misses > 0 and (r.hits > 0 or kw["moe_cache_size"] < 5)
 
 
@@ -157,10 +166,11 @@ def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
     trace = read_trace(path)
     assert trace.decode_tokens == 5
     capsys.readouterr()
-    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--opt"]) == 0
+    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--opt", "--prefetch"]) == 0
     out = capsys.readouterr().out
     for policy in POLICIES:
         assert sum(line.startswith(policy + " ") for line in out.splitlines()) == 2, out
+        assert sum(line.startswith(policy + "+pf ") for line in out.splitlines()) == 2, out
     assert "opt-bound" in out
     # bad input: one line, exit status 2
     assert main(["bench", "cache", "--trace", str(tmp_path / "missing.trace")]) == 2
@@ -172,6 +182,8 @@ def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
     assert main(["bench", "trace", "--preset", "qwen36", "--tokens", "4", "--batch", "2", "-o", str(synth_path)]) == 0
     assert read_trace(synth_path).ids.shape == (8, 40, 8)
     assert main(["bench", "trace", "--preset", "nope", "-o", str(synth_path)]) == 2
+    assert main(["bench", "cache", "--trace", str(synth_path), "--prefetch"]) == 2  # no predictions to replay
+    assert "--prefetch needs a recorded trace" in capsys.readouterr().err
 
 
 def test_synthetic_share_makes_streams_route_alike():

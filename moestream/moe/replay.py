@@ -4,13 +4,15 @@ The replay drives the engine's own bookkeeping, so its counts are the engine's:
     grouped   `Residency.rounds` per decode layer call (the grouped decode path: host cache, any policy)
     pairs     `DeviceSlotCache._route_torch` on CPU tensors (the CUDA decode path: step-granular LRU
               victims, misses without a victim staged through scratch rows)
-Prefill steps are skipped: with a prefill buffer (every offload plan) they stream their experts and leave
+With `prefetch` (a recorded trace: it holds the next layer's router top-k on each layer's input) the
+replay runs the decode prefetcher of `--moe-prefetch on` too. Prefill steps are skipped: with a prefill buffer (every offload plan) they stream their experts and leave
 the cache alone. A layer call counts each distinct routed expert once, as the engine does.
 
 Predicted decode speed (`predict_tok_s`): a step takes the all-hit step time (1 / `full_tok_s`, the tok/s
 per request with every expert resident at the trace's batch; 0 when unknown) plus its missed experts'
 bytes over PCIe at `pcie_gbs` — no overlap of copies with compute, which is what the offload decode path
-does today (misses are staged before the layer's GEMVs).
+does today (misses are staged before the layer's GEMVs); prefetch copies are assumed hidden behind compute
+(they count in the PCIe bytes, not in the step time: an upper bound on what prefetch buys).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ class ReplayResult:
     decode_tokens: int
     decode_steps: int
     bytes_per_expert: int
+    prefetch_issued: int = 0  # experts copied ahead by the prefetcher (replays with prefetch)
+    prefetch_hits: int = 0  # of them, routed by the layer they were predicted for
 
     @property
     def hit_rate(self) -> float:
@@ -42,7 +46,13 @@ class ReplayResult:
 
     @property
     def bytes_per_token(self) -> float:
+        """Demand misses' bytes per token (what a step waits for)."""
         return self.misses * self.bytes_per_expert / max(self.decode_tokens, 1)
+
+    @property
+    def pcie_bytes_per_token(self) -> float:
+        """All bytes over PCIe per token: demand misses and prefetch copies."""
+        return (self.misses + self.prefetch_issued) * self.bytes_per_expert / max(self.decode_tokens, 1)
 
     def predict_tok_s(self, pcie_gbs: float, full_tok_s: float | None = None) -> float | None:
         """Aggregate decode tok/s: tokens per step / (all-hit step time + a step's miss bytes / PCIe rate);
@@ -63,29 +73,57 @@ def layer_calls(trace: Trace):
             yield layer, np.unique(ids[:, i]).tolist()
 
 
-def replay(trace: Trace, slots: int, policy: str = "lru", path: str = "grouped", scratch: int = 0) -> ReplayResult:
+def replay(trace: Trace, slots: int, policy: str = "lru", path: str = "grouped", scratch: int = 0,
+           prefetch: bool = False) -> ReplayResult:
     """Counts of one replay; `scratch` (pairs path): the pool rows that stage misses without a slot, taken from
-    `slots` as the engine does (policies.DeviceCachedRuntime: max_pairs = max running requests x top-k)."""
+    `slots` as the engine does (policies.DeviceCachedRuntime: max_pairs = max running requests x top-k).
+    prefetch (grouped path, a trace with predictions): the decode prefetcher of `--moe-prefetch on`."""
+    issued = used = 0
     if path == "pairs":
         hits, misses = _replay_pairs(trace, slots, scratch)
     elif path == "grouped":
-        hits, misses = _replay_grouped(trace, slots, policy)
+        hits, misses, issued, used = _replay_grouped(trace, slots, policy, prefetch)
     else:
         raise ValueError(f"unknown replay path {path!r}; available: {', '.join(PATHS)}")
     return ReplayResult(policy if path == "grouped" else "lru-device", slots, hits, misses, trace.decode_tokens,
-                        int(trace.step_decode.sum()), trace.header.bytes_per_expert)
+                        int(trace.step_decode.sum()), trace.header.bytes_per_expert, issued, used)
 
 
-def _replay_grouped(trace: Trace, slots: int, policy: str) -> tuple[int, int]:
+def predicted_experts(pred: np.ndarray, limit: int) -> list[int]:
+    """The prefetcher's list from a layer call's predicted top-k [T, k]: most-predicted first, ties by id,
+    at most `limit` (ExpertRuntime._predict)."""
+    experts, counts = np.unique(pred, return_counts=True)
+    return experts[np.argsort(-counts, kind="stable")][:limit].tolist()
+
+
+def _replay_grouped(trace: Trace, slots: int, policy: str, prefetch: bool) -> tuple[int, int, int, int]:
+    """The grouped decode path (policies.CachedRuntime forward / _device_rounds / _prefetch_next /
+    _settle_prefetch): the prefetch of layer l+1 runs after the first round of layer l's accesses."""
     if policy not in POLICIES:
         raise ValueError(f"unknown cache policy {policy!r}; available: {', '.join(POLICIES)}")
+    if prefetch and trace.pred is None:
+        raise ValueError("this trace holds no predictions to prefetch with (synthetic traces have none)")
     res = Residency(slots, trace.header.moe_layers, policy)
-    for layer, experts in layer_calls(trace):
-        for _ in res.rounds(layer, experts):
-            pass
+    layers = trace.header.moe_layers
+    nxt = dict(zip(layers, layers[1:]))
+    issued = used = 0
+    for _, ids, pred in trace.steps(decode_only=True, with_pred=True):
+        pending: dict[int, set[int]] = {}  # dropped at each step's end, as the engine does
+        for i, layer in enumerate(layers):
+            experts = np.unique(ids[:, i]).tolist()
+            done = pending.pop(layer, set())
+            used += sum(1 for e in done.intersection(experts) if res.lookup((layer, e)) is not None)
+            for r, _ in enumerate(res.rounds(layer, experts)):
+                if r == 0 and prefetch and layer in nxt and slots:
+                    ahead = predicted_experts(pred[:, i], slots)
+                    for e in ahead:
+                        res.touch((nxt[layer], e))
+                    got = {e for e in ahead if res.try_prefetch((nxt[layer], e)) is not None}
+                    issued += len(got)
+                    pending[nxt[layer]] = got
     hits = sum(c.hits for c in res.counts.values())
     misses = sum(c.misses for c in res.counts.values())
-    return hits, misses
+    return hits, misses, issued, used
 
 
 def _replay_pairs(trace: Trace, slots: int, scratch: int) -> tuple[int, int]:
@@ -198,12 +236,16 @@ def cache_report(args) -> str:
         for slots in sizes:
             lines.append(f"{'opt-bound':<11}{slots:>7}{100 * slots / total:>9.1f}%{100 * opt_hit_rate(trace, slots):>9.1f}%"
                          "   (Belady: knows the future)")
-    runs = [(p, "grouped") for p in policies] + ([("lru", "pairs")] if args.device_lru else [])
-    for policy, path in runs:
+    if args.prefetch and trace.pred is None:
+        raise ConfigError(f"--prefetch needs a recorded trace (with the prefetcher's predictions); {args.trace} has none")
+    runs = [(p, "grouped", False) for p in policies] + ([("lru", "pairs", False)] if args.device_lru else [])
+    runs += [(p, "grouped", True) for p in policies] if args.prefetch else []
+    for policy, path, pf in runs:
         for slots in sizes:
-            r = replay(trace, slots, policy, path, scratch=args.max_pairs or widest * h.top_k)
+            r = replay(trace, slots, policy, path, scratch=args.max_pairs or widest * h.top_k, prefetch=pf)
             tok_s = r.predict_tok_s(pcie or 0.0, args.full_tok_s)
-            lines.append(f"{r.policy:<11}{slots:>7}{100 * slots / total:>9.1f}%{100 * r.hit_rate:>9.1f}%"
-                         f"{r.misses / r.decode_tokens:>12.1f}{r.bytes_per_token / 1e6:>9.1f}"
-                         f"{(f'{tok_s:.1f}' if tok_s else '-'):>9}")
+            extra = f"   prefetched {r.prefetch_issued}, used {r.prefetch_hits}" if pf else ""
+            lines.append(f"{r.policy + ('+pf' if pf else ''):<11}{slots:>7}{100 * slots / total:>9.1f}%"
+                         f"{100 * r.hit_rate:>9.1f}%{r.misses / r.decode_tokens:>12.1f}{r.pcie_bytes_per_token / 1e6:>9.1f}"
+                         f"{(f'{tok_s:.1f}' if tok_s else '-'):>9}{extra}")
     return "\n".join(lines)

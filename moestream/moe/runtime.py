@@ -2,7 +2,7 @@
 
     forward(layer, x, topk_ids, topk_w) -> y      begin_step(info) / end_step()      capturable(info)
     stats() -> dict                               step_hit_rate()                    resize(cache_slots)
-    routed(layer, topk_ids) -> topk_ids           (the model passes each route through it: `tap`)
+    routed(layer, x, topk_ids) -> topk_ids        (the model passes each route through it: `tap`)
 
 Adding a policy is one class (moe/policies.py) and one `register` call; models, scheduler and the
 engine do not change.
@@ -52,10 +52,11 @@ class ExpertRuntime:
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # every registered policy implements it
 
-    def routed(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The route the layer call computes with: the router's, or the tap's (moe/trace.py)."""
+    def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The route the layer call computes with: the router's, or the tap's (moe/trace.py); x is the
+        layer's input (a recorder applies the next layer's router to it: the prefetcher's prediction)."""
         tap = self.tap
-        return topk_ids if tap is None else tap(layer, topk_ids)
+        return topk_ids if tap is None else tap(layer, x, topk_ids)
 
     def attach_tap(self, tap) -> None:
         self.tap = tap

@@ -5,13 +5,16 @@ File format (little-endian, docs/routing-traces.md):
     b"MSROUTE1"                     8 bytes, magic + format version 1
     header_len  uint32              then header_len bytes of UTF-8 JSON (TraceHeader)
     records, one per forward step, appended as the steps finish:
-        flags   uint8               bit 0: a decode step (every row decodes one token)
+        flags   uint8               bit 0: a decode step (every row decodes one token);
+                                    bit 1: predictions follow the ids
         rows    uint32              T, the tokens of the step
         ids     uint16[L][T][k]     L = len(moe_layers), layer-major, each row's top-k in router order
+        pred    uint16[L][T][k]     (bit 1) at layer i, the top-k of MoE layer i+1's router applied to layer
+                                    i's input: what the decode prefetcher predicts (last layer: zeros)
 
 A file cut short (the process was killed while writing) reads up to its last whole record.
 
-`RoutingRecorder` is an `ExpertRuntime.tap` that writes the file; `RouteForcer` is a tap that replaces
+`RoutingRecorder` is an `ExpertRuntime.tap` that writes the file (with predictions); `RouteForcer` is a tap that replaces
 the router's top-k with a trace's ids, step by step (benchmarks under locality); both see every layer
 call through `ExpertRuntime.routed`.
 """
@@ -55,17 +58,22 @@ class Trace:
     ids: np.ndarray
     step_rows: np.ndarray  # int64 [steps]
     step_decode: np.ndarray  # bool [steps]
+    pred: np.ndarray | None = None  # [N, L, k] the prefetcher's predictions (recorded traces), or None
 
     @property
     def starts(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.step_rows)])
 
-    def steps(self, decode_only: bool = False):
-        """(decode, ids [T, L, k]) per step, in order."""
+    def steps(self, decode_only: bool = False, with_pred: bool = False):
+        """(decode, ids [T, L, k]) per step, in order; with_pred: (decode, ids, pred [T, L, k] or None)."""
         s = self.starts
         for i, dec in enumerate(self.step_decode):
             if dec or not decode_only:
-                yield bool(dec), self.ids[s[i]:s[i + 1]]
+                ids = self.ids[s[i]:s[i + 1]]
+                if with_pred:
+                    yield bool(dec), ids, None if self.pred is None else self.pred[s[i]:s[i + 1]]
+                else:
+                    yield bool(dec), ids
 
     @property
     def decode_tokens(self) -> int:
@@ -80,13 +88,16 @@ class TraceWriter:
         self.f.write(MAGIC + struct.pack("<I", len(blob)) + blob)
         self.f.flush()
 
-    def write_step(self, decode: bool, ids: np.ndarray) -> None:
-        """ids [L, T, k] of one step."""
+    def write_step(self, decode: bool, ids: np.ndarray, pred: np.ndarray | None = None) -> None:
+        """ids [L, T, k] of one step (and the predictions, the same shape)."""
         L, T, k = ids.shape
-        if L != len(self.header.moe_layers) or k != self.header.top_k:
+        if L != len(self.header.moe_layers) or k != self.header.top_k or (pred is not None and pred.shape != ids.shape):
             raise ValueError(f"step ids of shape {ids.shape} do not match the header ({len(self.header.moe_layers)} "
                              f"layers, top-{self.header.top_k})")
-        self.f.write(_REC.pack(1 if decode else 0, T) + np.ascontiguousarray(ids, dtype="<u2").tobytes())
+        blob = np.ascontiguousarray(ids, dtype="<u2").tobytes()
+        if pred is not None:
+            blob += np.ascontiguousarray(pred, dtype="<u2").tobytes()
+        self.f.write(_REC.pack((1 if decode else 0) | (2 if pred is not None else 0), T) + blob)
         self.f.flush()
 
     def close(self) -> None:
@@ -95,8 +106,8 @@ class TraceWriter:
 
 def write_trace(path: str | Path, trace: Trace) -> None:
     w = TraceWriter(path, trace.header)
-    for decode, ids in trace.steps():
-        w.write_step(decode, ids.transpose(1, 0, 2))
+    for decode, ids, pred in trace.steps(with_pred=True):
+        w.write_step(decode, ids.transpose(1, 0, 2), None if pred is None else pred.transpose(1, 0, 2))
     w.close()
 
 
@@ -114,27 +125,31 @@ def read_trace(path: str | Path) -> Trace:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path}: unreadable trace header: {e}") from None
     L, k, pos = len(header.moe_layers), header.top_k, 12 + n
-    chunks, rows, decode = [], [], []
+    chunks, preds, rows, decode = [], [], [], []
+    block = lambda at, T: np.frombuffer(data, dtype="<u2", count=L * T * k, offset=at).reshape(L, T, k).transpose(1, 0, 2)  # noqa: E731
     while pos + _REC.size <= len(data):
         flags, T = _REC.unpack_from(data, pos)
-        end = pos + _REC.size + 2 * L * T * k
+        size = 2 * L * T * k
+        end = pos + _REC.size + size * (2 if flags & 2 else 1)
         if end > len(data):
             break  # a record cut short by a killed writer
-        chunks.append(np.frombuffer(data, dtype="<u2", count=L * T * k, offset=pos + _REC.size)
-                      .reshape(L, T, k).transpose(1, 0, 2))
+        chunks.append(block(pos + _REC.size, T))
+        preds.append(block(pos + _REC.size + size, T) if flags & 2 else None)
         rows.append(T)
         decode.append(bool(flags & 1))
         pos = end
     ids = np.concatenate(chunks) if chunks else np.zeros((0, L, k), dtype=np.uint16)
     if ids.size and int(ids.max()) >= header.num_experts:
         raise ConfigError(f"{path}: expert id {int(ids.max())} >= num_experts {header.num_experts}")
-    return Trace(header, ids.astype(np.uint16), np.array(rows, dtype=np.int64), np.array(decode, dtype=bool))
+    pred = np.concatenate(preds).astype(np.uint16) if preds and all(p is not None for p in preds) else None
+    return Trace(header, ids.astype(np.uint16), np.array(rows, dtype=np.int64), np.array(decode, dtype=bool), pred)
 
 
 class RoutingRecorder:
-    """ExpertRuntime tap: keeps each layer call's ids on their device during a step, writes the step at
-    its end (one device read per step). Recording turns CUDA graphs off (`capturable`), so every layer
-    call passes through `routed`."""
+    """ExpertRuntime tap: keeps each layer call's ids, and the next MoE layer's router top-k on this layer's
+    input (the decode prefetcher's prediction), on their device during a step, and writes the step at its
+    end (one device read per step). Recording turns CUDA graphs off (`capturable`), so every layer call
+    passes through `routed`."""
 
     capturable = False
 
@@ -142,10 +157,13 @@ class RoutingRecorder:
         self.path, self.model, self.num_layers, self.top_k = Path(path), model, num_layers, top_k
         self.writer: TraceWriter | None = None
         self.step: list[torch.Tensor] = []
+        self.pred: list[torch.Tensor] = []
         self.decode = False
+        self.runtime = None
 
     def bind(self, runtime) -> None:
         """Called for each runtime the engine builds: the header is written for the first one."""
+        self.runtime = runtime
         if self.writer is not None:
             return
         store = runtime.store
@@ -159,19 +177,24 @@ class RoutingRecorder:
             raise ConfigError(f"cannot write --record-routing {self.path}: {e.strerror}") from None
 
     def begin_step(self, info: dict) -> None:
-        self.step = []
+        self.step, self.pred = [], []
         self.decode = bool(info.get("decode", True))
 
-    def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.step.append(ids.detach().to(torch.int32).clone())
+        rt = self.runtime
+        nxt = rt.next_layer.get(layer)
+        router = rt.routers.get(nxt) if nxt is not None else None
+        self.pred.append(router(x)[0].detach().to(torch.int32) if router is not None else torch.zeros_like(self.step[-1]))
         return ids
 
     def end_step(self) -> None:
         if not self.step:
             return
         ids = torch.stack(self.step).cpu().numpy()  # [L, T, k]
-        self.step = []
-        self.writer.write_step(self.decode, ids)
+        pred = torch.stack(self.pred).cpu().numpy()
+        self.step, self.pred = [], []
+        self.writer.write_step(self.decode, ids, pred)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -230,7 +253,7 @@ class RouteForcer:
         self.host[:, :self.T].copy_(torch.from_numpy(self.rows_for(self.T).transpose(1, 0, 2).astype(np.int64)))
         self.buf[:, :self.T].copy_(self.host[:, :self.T], non_blocking=True)
 
-    def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not self.T or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
             return ids
         return self.buf[self.layer_index[layer], :self.T].to(ids.dtype)
