@@ -4,6 +4,9 @@ Run on the GPU machine (device tool), from the repo root:
     PYTHONPATH=$PWD python3 benchmarks/decode_sweep.py --out $OUT/sweep.json
 Local smoke test of the same code path on CPU with a tiny shape:
     python benchmarks/decode_sweep.py --tiny --device cpu
+Under routing locality (random weights route uniformly): `--trace synthetic:qwen36` (a preset of
+moe/synth.py made for this model's shape, one stream per request) or `--trace FILE` (a recorded trace of a
+model of this shape): every decode step's top-k ids are forced from the trace (moe/trace.py RouteForcer).
 
 The model is built in memory with random bf16 weights (LLM(config_dict)); routed experts live in host
 banks and the expert plan is re-made for every (backend, VRAM cap) on the same weights
@@ -195,6 +198,22 @@ def profile_decode(llm, vocab: int, steps: int = 6) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
+def force_routes(llm, spec: str, streams: int) -> None:
+    """Drive decode routing from a trace file or a synthetic preset made for this model's shape."""
+    from moestream.moe import synth
+    from moestream.moe.trace import RouteForcer, read_trace
+
+    mc, store = llm.model_config, llm.engine.runtime.store
+    if spec.startswith("synthetic:"):
+        p = synth.preset(spec.split(":", 1)[1], num_layers=len(store.moe_layers), num_experts=mc.num_experts,
+                         top_k=mc.top_k, bytes_per_expert=store.bytes_per_expert(), batch=streams, tokens=1024)
+        trace = synth.generate(p, moe_layers=store.moe_layers)
+    else:
+        trace = read_trace(spec)
+    llm.engine.set_route_tap(RouteForcer(trace, llm.engine.device, max_rows=llm.engine_config.max_running_requests))
+    print(f"decode routing forced from {spec}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
@@ -211,6 +230,9 @@ def main() -> None:
     ap.add_argument("--cpu-threads", default="0", help="--moe-cpu-threads values, e.g. 0,15 (cpu/hybrid runs with each)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (--disable-cuda-graph)")
     ap.add_argument("--decode-kernel", default="auto", help="auto, pairs or grouped (--moe-decode-kernel)")
+    ap.add_argument("--trace", default=None,
+                    help="force decode routing from a trace: FILE, or synthetic:PRESET (qwen36, qwen36-skewed, uniform)")
+    ap.add_argument("--cache-policy", default="lru", help="--moe-cache-policy (lru keeps the device-side cache)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from moestream import LLM
@@ -222,8 +244,10 @@ def main() -> None:
     first_cap = float(args.caps.split(",")[0]) if dev.type == "cuda" and first_backend != "fused" else None
     llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=first_backend, gpu_memory_gb=first_cap,
               max_running_requests=6, num_tokens=32768, chunked_prefill_size=2048, max_seq_len_override=8192,
-              cuda_graphs=not args.eager, moe_decode_kernel=args.decode_kernel)
+              cuda_graphs=not args.eager, moe_decode_kernel=args.decode_kernel, moe_cache_policy=args.cache_policy)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.trace:
+        force_routes(llm, args.trace, max(int(x) for x in args.batch.split(",")))
     bw = measure_bandwidths(dev)
     print("bandwidths", json.dumps(bw), flush=True)
     mc = llm.model_config
@@ -232,6 +256,7 @@ def main() -> None:
     embed = mc.vocab_size * mc.hidden_size * 2
     D = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) - embed
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bw, "A_bytes": A, "D_bytes": D,
+               "trace": args.trace, "cache_policy": args.cache_policy,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
     threads = [int(x) for x in args.cpu_threads.split(",")]
     plan = [(b, None if b == "fused" else float(c), pf, th) for b in args.backends.split(",")

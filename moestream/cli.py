@@ -50,6 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dense: dequantize them to the model dtype at load")
     m.add_argument("--moe-decode-kernel", default="auto", choices=["auto", "pairs", "grouped"],
                    help="decode expert kernel: pairs (device-side routing, CUDA graphs), grouped (host routing)")
+    m.add_argument("--moe-cache-policy", default="lru", choices=["lru", "lfu", "lrfu", "wlfu"],
+                   help="expert cache victim choice (benchmarks/RESULTS.md: `bench cache` per policy); lfu, lrfu and wlfu "
+                        "decode on the grouped path (host routing, no CUDA graphs)")
+    m.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the expert ids of every (token, MoE layer) to FILE (docs/routing-traces.md; "
+                        "replay it with `moestream bench cache --trace FILE`); turns CUDA graphs off")
     g.add_argument("--disable-cuda-graph", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     m.add_argument("--tp-size", type=int, default=1,
@@ -60,7 +66,8 @@ ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override"
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
                "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
-               "prefix_cache_prompt_snapshot", "speculative", "num_speculative_tokens")
+               "prefix_cache_prompt_snapshot", "speculative", "num_speculative_tokens", "record_routing",
+               "moe_cache_policy")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -166,6 +173,45 @@ def add_bench_parser(sub) -> None:
     bw.add_argument("--expert-format", default="bf16",
                     help="how experts are stored: bf16 (dense, in --dtype), fp8 (128x128 blocks), fp8_channel, "
                          "fp8_tensor, nvfp4, mxfp4 or a GGUF type (q4_k, q8_0, q6_k, ...); GB/s count the stored bytes")
+
+
+    c = bsub.add_parser("cache", help="replay a routing trace through the expert cache policies",
+                        description="Hit rate, PCIe bytes per token and predicted decode tok/s of each cache policy "
+                                    "over a range of cache sizes, from a trace of --record-routing or `bench trace`.")
+    c.add_argument("--trace", required=True, help="routing trace file (docs/routing-traces.md)")
+    size = c.add_mutually_exclusive_group()
+    size.add_argument("--slots", default=None, help="cache sizes in expert slots, comma-separated "
+                                                    "(default: 5..90%% of all experts)")
+    size.add_argument("--vram-gb", type=float, default=None, help="one cache size: this many GB of expert slots")
+    c.add_argument("--policies", default="lru,lfu,lrfu,wlfu", help="comma-separated cache policies (grouped path)")
+    c.add_argument("--device-lru", action="store_true",
+                   help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
+    c.add_argument("--prefetch", action="store_true",
+                   help="also replay with the decode prefetcher (--moe-prefetch on; recorded traces hold its predictions)")
+    c.add_argument("--opt", action="store_true",
+                   help="also print Belady's bound (evict the expert used furthest in the future): the headroom over lru")
+    c.add_argument("--max-pairs", type=int, default=None,
+                   help="device LRU's scratch rows (max running requests x top-k; default: the trace's widest step)")
+    c.add_argument("--pcie-gbs", type=float, default=None,
+                   help="pinned host-to-device GB/s (default: the `bench bw` profile of this machine's GPU)")
+    c.add_argument("--full-tok-s", type=float, default=None,
+                   help="decode tok/s per request with every expert resident, at the trace's batch (the all-hit step time)")
+    t = bsub.add_parser("trace", help="write a synthetic routing trace with tunable locality",
+                        description="Synthetic routing trace (docs/routing-traces.md#synthetic-traces); the preset's "
+                                    "parameters, each overridable.")
+    t.add_argument("--preset", default="qwen36", help="qwen36 (calibrated to seed 001), qwen36-skewed, uniform")
+    t.add_argument("--output", "-o", required=True)
+    for name, kind, what in (("tokens", int, "decode tokens per stream"), ("batch", int, "streams decoded together"),
+                             ("zipf", float, "per-layer popularity skew (Zipf exponent)"),
+                             ("reuse", float, "probability a slot reuses an expert of the previous token"),
+                             ("follow", float, "probability a slot follows the previous layer's expert"),
+                             ("topics", int, "popularity orders per layer"),
+                             ("topic-len", float, "mean tokens between topic shifts"),
+                             ("share", float, "batch > 1: probability a stream copies stream 0's expert"),
+                             ("seed", int, "random seed"),
+                             ("num-layers", int, "MoE layers"), ("num-experts", int, "experts per layer"),
+                             ("top-k", int, "experts per token"), ("bytes-per-expert", int, "bytes one miss moves")):
+        t.add_argument(f"--{name}", type=kind, default=None, help=what)
 
 
 def add_serve_parser(sub) -> None:
@@ -308,6 +354,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench_command == "cache":
+        from .moe.replay import cache_report
+
+        print(cache_report(args))
+        return 0
+    if args.bench_command == "trace":
+        from .moe import synth
+        from .moe.trace import write_trace
+
+        keys = ("tokens", "batch", "zipf", "reuse", "follow", "topics", "topic_len", "share", "seed", "num_layers",
+                "num_experts", "top_k", "bytes_per_expert")
+        p = synth.preset(args.preset, **{k: getattr(args, k) for k in keys})
+        trace = synth.generate(p, name=f"synthetic:{args.preset}")
+        try:
+            write_trace(args.output, trace)
+        except OSError as e:
+            raise MoestreamError(f"cannot write {args.output}: {e.strerror}") from None
+        print(f"{args.output}: {p.tokens} steps x {p.batch} rows, {p.num_layers} layers x {p.num_experts} experts, "
+              f"top-{p.top_k}")
+        return 0
     from .engine.engine import resolve_device
     from .moe import bench
 

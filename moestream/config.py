@@ -356,6 +356,7 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 SPECULATIVE = ("none", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
+MOE_CACHE_POLICIES = ("lru", "lfu", "lrfu", "wlfu")  # moe/residency.py POLICIES
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,10 @@ class EngineConfig:
     # then), num_speculative_tokens drafts per step verified in one forward pass of the main model
     speculative: str = "none"
     num_speculative_tokens: int = 1
+    # write every step's routed expert ids to this file (moe/trace.py; docs/routing-traces.md)
+    record_routing: str | None = None
+    # victim choice of the expert slot cache (moe/residency.py); lfu/lrfu/wlfu decode on the grouped path
+    moe_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -422,6 +427,15 @@ class EngineConfig:
             raise ConfigError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        if self.moe_cache_policy not in MOE_CACHE_POLICIES:
+            raise ConfigError(f"--moe-cache-policy must be one of {', '.join(MOE_CACHE_POLICIES)}, "
+                              f"got {self.moe_cache_policy!r}")
+        if self.record_routing is not None:
+            import os
+
+            parent = os.path.dirname(os.path.abspath(self.record_routing))
+            if not os.path.isdir(parent):
+                raise ConfigError(f"--record-routing {self.record_routing}: no directory {parent}")
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
         if self.moe_expert_format not in ("auto", "dense"):

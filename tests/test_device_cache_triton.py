@@ -38,7 +38,7 @@ CASES = {
     "hybrid-live": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live"),
     "hybrid-live-third": (4, 16, 2, 4, [0, 2], 8, 20, 1 / 3, "live"),
 }
-STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters")
+STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits")
 
 
 def make_ids(case: str, E: int, T: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -137,7 +137,7 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
     """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts the kernel; no GPU needed."""
     from moestream.moe import device_cache as dc
 
-    ptrs = ("ids table slot_key last_use victims vptr stamp counters routed_buf rows_buf src_out order_out "
+    ptrs = ("ids table slot_key last_use victims vptr stamp counters expert_hits routed_buf rows_buf src_out order_out "
             "rows_out count_out").split()
     consts = {"HAS_V": has_v, "PARTIAL": not has_v, "FRAC_PTR": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",

@@ -57,6 +57,10 @@ def run(tiny_checkpoint, arch, backend, **kw):
     ("hybrid", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
     ("cpu", {}),
     ("hybrid", {"moe_cache_size": 3, "moe_prefetch": "on"}),
+    # frequency-aware victim choice (moe/residency.py): the grouped path's host cache
+    ("offload", {"moe_cache_size": 6, "moe_cache_policy": "wlfu"}),
+    ("offload", {"moe_cache_size": 5, "moe_cache_policy": "lfu", "moe_prefetch": "on"}),
+    ("hybrid", {"moe_cache_size": 6, "moe_cache_policy": "lrfu"}),
 ])
 def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens):
     ps, want = fused_tokens(arch)
@@ -72,6 +76,10 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
     assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"] > 0
     for layer in st["layers"].values():
         assert layer["gpu_experts"] + layer["cpu_experts"] == layer["expert_calls"]
+    # per-expert hits (the web page's heat map) add up to each layer's hits; cpu caches nothing
+    assert ("expert_hits" in st) == (backend != "cpu")
+    for layer, hits in st.get("expert_hits", {}).items():
+        assert len(hits) == st["num_experts"] and sum(hits) == st["layers"][layer]["hits"]
     if backend in ("offload", "hybrid"):
         assert t["misses"] > 0 and t["evictions"] > 0 and t["hits"] > 0
         nbytes = llm.engine.runtime.store.bytes_per_expert()

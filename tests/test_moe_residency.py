@@ -162,3 +162,30 @@ def test_resident_map_marks_residents_by_recency():
     resident = {(int(layer), e) for layer, row in got.items() for e, c in enumerate(row) if c != "0"}
     assert resident == set(res.slot_of)
     assert got["0"][2] == "1" and got["1"][0] == "5" and got["1"][3] == "9"  # LRU order: (0,2), (1,0), (1,3)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lrfu", "wlfu"])
+def test_policy_heaps_stay_bounded_when_nothing_is_evicted(policy):
+    """Hits push heap entries; a cache that never evicts must still drop the stale ones."""
+    res = Residency(16, [0], policy)
+    for e in range(16):
+        res.access((0, e))
+    for i in range(20000):
+        assert res.access((0, i % 16))[1]
+    assert len(res.policy.heap) <= 4 * 16 + 64
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lrfu", "wlfu"])
+def test_policies_keep_invariants_with_pins(policy):
+    rng = random.Random(1)
+    res = Residency(6, [0, 1], policy)
+    for _ in range(3000):
+        layer = rng.choice([0, 1])
+        experts = rng.sample(range(10), rng.randint(1, 8))
+        for rows, fetch in res.rounds(layer, experts):
+            assert all(res.key_of[slot] == (layer, e) for e, slot in rows.items())
+            assert len(rows) <= 6
+        res.check_integrity()
+        assert not res.pins
+    c = res.counts
+    assert sum(v.hits for v in c.values()) > 0 and sum(v.evictions for v in c.values()) > 0

@@ -223,8 +223,27 @@ class Engine:
                     block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
+        self.route_tap = self._routing_recorder(folder)
         self._start_runtime(store, model)
         return model.eval()
+
+    def _routing_recorder(self, folder):
+        """--record-routing FILE: a tap writing every step's expert ids (moe/trace.py); rank 0 only."""
+        path = self.ecfg.record_routing
+        if not path or (self.tp and self.tp.rank != 0):
+            return None
+        from ..moe.trace import RoutingRecorder
+
+        name = Path(folder).name if folder is not None else self.cfg.architecture
+        return RoutingRecorder(path, name, self.cfg.num_layers, self.cfg.top_k)
+
+    def set_route_tap(self, tap) -> None:
+        """Replace the runtime's route tap (moe/trace.py: a recorder, or a forcer that drives routing from a
+        trace in benchmarks); recorded decode graphs are dropped (they hold the old tap's ops)."""
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()
+        self.route_tap = tap
+        self.runtime.attach_tap(tap)
 
     def _planned_dense_bytes(self, model, folder, mode) -> int | None:
         """Dense bytes of a GGUF whose linears stay compressed (what they will hold); None: the parameters'."""
@@ -338,11 +357,13 @@ class Engine:
     def _start_runtime(self, store, model) -> None:
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
         self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
+        self.runtime.attach_tap(self.route_tap)
         for block in model.moe_blocks():
             block.runtime = self.runtime
 
     def _runtime_options(self):
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
+                                   cache_policy=self.ecfg.moe_cache_policy,
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 

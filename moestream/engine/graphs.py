@@ -96,7 +96,8 @@ class DecodeGraphs:
 
     def usable(self, batch: ForwardBatch) -> bool:
         rt = self.engine.runtime
-        return self.enabled and batch.is_decode and rt.capturable()
+        tap = rt.tap  # a routing recorder reads every layer call's ids on the host: no graphs
+        return self.enabled and batch.is_decode and rt.capturable() and (tap is None or tap.capturable)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         rt = self.engine.runtime

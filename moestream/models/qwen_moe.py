@@ -74,6 +74,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_in is not None:
             return self._fused_forward(x, residual)
         ids, w, _ = self.gate(x)
+        ids = self.runtime.routed(self.layer, x, ids)
         y = self.runtime.forward(self.layer, x, ids, w)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -85,6 +86,7 @@ class SparseMoeBlock(nn.Module):
         out = self.shared_in(x)
         e = self.router_rows
         ids, w, _ = self.gate.route(out[:, :e]) if e else self.gate(x)
+        ids = self.runtime.routed(self.layer, x, ids)
         y = self.runtime.forward(self.layer, x, ids, w)
         gu = out[:, e:]  # [T, 2I + 1]
         inter = self.shared_in.sizes[-2]

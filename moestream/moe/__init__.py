@@ -2,7 +2,9 @@
 
 formats   which arrays one expert has in a format, shapes, bytes
 store     master copies: host banks (pinned up to a budget) or the device
-residency which (layer, expert) sits in which slot; one LRU; hits, misses, evictions (pure bookkeeping)
+residency which (layer, expert) sits in which slot; one cache, victims by policy; hits, misses, evictions
+trace     routing traces: file format, recorder (--record-routing), forcer (benchmarks under locality)
+replay    a trace through the cache policies (`moestream bench cache`); synth: synthetic traces (`bench trace`)
 transfer  slot pools, copy stream + events, prefill double buffer
 compute   (x, route, weights) -> y on the device (grouped) and on CPU threads over host banks
 policies  fused, offload, cpu, hybrid behind the ExpertRuntime interface (runtime.py: base + registry)

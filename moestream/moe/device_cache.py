@@ -15,7 +15,8 @@ call (it is being read); a miss that gets no victim goes to one of `scratch` row
 (rows S .. S+scratch-1 of the pool), used for this call only. `route` returns every pair's pool row and
 the compact list of (expert, row) the caller stages from the host bank before computing. The trailing (+1) element of table, slot_key and last_use is a scratch
 target for masked scatters. Counters per layer: hits, misses (distinct experts per call), admitted,
-evictions (counted against the admitting layer) and host pairs (pairs read over PCIe).
+evictions (counted against the admitting layer) and host pairs (pairs read over PCIe); hits per key
+(`expert_hits`).
 
 On CUDA (Triton installed, MOESTREAM_TRITON not 0) `route` is one Triton kernel with one program
 (`route_triton`), instead of ~60 small torch ops per layer call; `_route_torch` is the reference and
@@ -57,6 +58,7 @@ class DeviceSlotCache:
         self.vptr = torch.zeros((), dtype=torch.long, device=device)
         self.stamp = torch.zeros((), dtype=torch.long, device=device)
         self.counters = torch.zeros((5, L), dtype=torch.long, device=device)
+        self.expert_hits = torch.zeros(L * num_experts, dtype=torch.long, device=device)  # hits of key i*E + e
         self._arange = torch.arange(num_experts, device=device)
         self._work = torch.zeros(2 * num_experts, dtype=torch.long, device=device)  # route_triton's scratch
 
@@ -101,6 +103,7 @@ class DeviceSlotCache:
         else:
             n_fetch, cpu_e = n_miss, None
         self.counters[HITS, i] += (routed & resident).sum()
+        self.expert_hits[i * E:(i + 1) * E] += routed & resident
         self.counters[MISSES, i] += n_miss
         self.counters[HOST_PAIRS, i] += n_fetch
         self.last_use.scatter_(0, torch.where(hit, slot, S), self.stamp.expand(flat.shape[0]))
@@ -144,6 +147,11 @@ class DeviceSlotCache:
         """layer -> [hits, misses, admitted, evictions, host_pairs]."""
         c = self.counters.t().tolist()
         return {layer: c[i] for layer, i in self.layer_index.items()}
+
+    def hits_by_expert(self) -> dict[int, list[int]]:
+        """layer -> hits of each expert (one read of the device counters)."""
+        h = self.expert_hits.view(len(self.layer_index), self.E).tolist()
+        return {layer: h[i] for layer, i in self.layer_index.items()}
 
     def num_resident(self) -> int:
         return int((self.slot_key[:self.num_slots] >= 0).sum())
@@ -207,7 +215,7 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
     live = isinstance(fetch_fraction, torch.Tensor)
     frac_ptr = fetch_fraction if live else count  # any tensor: unused unless FRAC_PTR
     _route_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims if V else cache.slot_key,
-                        cache.vptr, cache.stamp, cache.counters, cache._work, cache._work[E:],
+                        cache.vptr, cache.stamp, cache.counters, cache.expert_hits, cache._work, cache._work[E:],
                         src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i,
                         0.0 if live else _f32(fetch_fraction), frac_ptr,
                         HAS_V=V > 0, PARTIAL=_partial(fetch_fraction), FRAC_PTR=live,
@@ -218,7 +226,7 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
 
 if triton is not None:
     @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
-    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, routed_buf, rows_buf,
+    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, routed_buf, rows_buf,
                       src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
                       HAS_V: tl.constexpr, PARTIAL: tl.constexpr, FRAC_PTR: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_E: tl.constexpr):
@@ -251,6 +259,8 @@ if triton is not None:
         cm = tl.cumsum(miss.to(tl.int64), 0)  # inclusive: a miss's rank among misses is cm - 1
         n_miss = tl.sum(miss.to(tl.int64), 0)
         tl.atomic_add(counters + 0 * L + li, tl.sum((routed & resident).to(tl.int64), 0))  # HITS
+        eh = tl.load(expert_hits + base + e, mask=em, other=0)  # one program: no other writer
+        tl.store(expert_hits + base + e, eh + (routed & resident).to(tl.int64), mask=em)
         tl.atomic_add(counters + 1 * L + li, n_miss)  # MISSES
         n_fetch = n_miss
         fetch = miss

@@ -1,8 +1,8 @@
 """Placement policies: compose residency, transfer and compute behind the ExpertRuntime interface.
 
 fused    every expert resident on the compute device (store banks live there)
-offload  device slot cache (one LRU over all layers); misses copied from host banks on the copy stream;
-         decode prefetches layer l+1's predicted experts; prefill streams through a double buffer
+offload  device slot cache (one cache over all layers, victims by --moe-cache-policy; the pair path's device
+         cache: LRU); misses copied from host banks on the copy stream; decode prefetches layer l+1's predicted experts; prefill streams through a double buffer
 cpu      routed experts computed by CPU threads from host banks; on a GPU, prefill chunks still
          stream through the device double buffer (a prefill chunk is compute-bound)
 hybrid   hits on the device; misses split between PCIe fetch and CPU compute in proportion to the
@@ -51,6 +51,16 @@ class FusedRuntime(ExpertRuntime):
             # one token's top-k experts are distinct: a batch-1 step's count needs no kernel (counted here)
             self.single = [0] * len(store.moe_layers)
             self.book.device_counts = self._device_counts
+            self.hits_e = torch.zeros(len(store.moe_layers), store.num_experts, dtype=torch.long, device=device)
+            self._ones = torch.ones(store.num_experts, dtype=torch.long, device=device)
+        else:
+            self.host_hits = {layer: [0] * store.num_experts for layer in store.moe_layers}
+
+    def expert_hits(self):
+        if self.pairs:
+            h = self.hits_e.tolist()
+            return {layer: h[i] for layer, i in self.layer_index.items()}
+        return self.host_hits
 
     def capturable(self, info=None):
         return self.pairs
@@ -68,12 +78,16 @@ class FusedRuntime(ExpertRuntime):
     def forward(self, layer, x, topk_ids, topk_w):
         if self.pairs and not self.prefill_mode:
             self._count_pairs(layer, topk_ids)
+            li = self.layer_index[layer]
             if topk_ids.shape[0] == 1:  # distinct by construction (a replay adds them in count_replay)
                 if not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    self.single[self.layer_index[layer]] += topk_ids.shape[1]
+                    self.single[li] += topk_ids.shape[1]
+                self.hits_e[li].index_add_(0, topk_ids.reshape(-1).long(), self._ones[:topk_ids.shape[1]])
             else:
                 routed = torch.zeros(self.store.num_experts, dtype=torch.bool, device=x.device)
-                self.distinct[self.layer_index[layer]] += routed.index_fill_(0, topk_ids.reshape(-1), True).sum()
+                routed.index_fill_(0, topk_ids.reshape(-1), True)
+                self.distinct[li] += routed.sum()
+                self.hits_e[li] += routed
             return pair_moe(x, topk_w, topk_ids.reshape(-1).long(), self.store.bank(layer),
                             self.store.fmt.for_layer(layer))
         groups = RouteGroups.of(topk_ids)
@@ -81,6 +95,13 @@ class FusedRuntime(ExpertRuntime):
         s = self.book[layer]
         s.hits += len(groups.experts)
         s.gpu_experts += len(groups.experts)
+        if self.pairs:  # prefill chunks of a pair-path runtime
+            ids = torch.tensor(groups.experts, dtype=torch.long, device=self.hits_e.device)
+            self.hits_e[self.layer_index[layer]].index_add_(0, ids, self._ones[:len(groups.experts)])
+        else:
+            row = self.host_hits[layer]
+            for e in groups.experts:
+                row[e] += 1
         bank = self.store.bank(layer)
         fmt = self.store.fmt.for_layer(layer)
         refs = {e: WeightRef(bank, e, fmt) for e in groups.experts}
@@ -105,9 +126,9 @@ class CachedRuntime(ExpertRuntime):
 
     def _build_cache(self, slots: int, pool_rows: int | None = None) -> None:
         old = getattr(self, "residency", None)
-        self.residency = Residency(slots, self.store.moe_layers)
-        if old is not None:
-            self.residency.counts = old.counts  # statistics survive a resize
+        self.residency = Residency(slots, self.store.moe_layers, self.options.cache_policy)
+        if old is not None:  # statistics survive a resize
+            self.residency.counts, self.residency.expert_hits = old.counts, old.expert_hits
         self.pool = None  # the old pool is freed before the new one is made
         self.pool = Pool(self.store, slots if pool_rows is None else pool_rows, self.device)
         self.book.residency = self.residency
@@ -129,26 +150,14 @@ class CachedRuntime(ExpertRuntime):
     def _device_rounds(self, layer, x, topk_w, groups, experts: list[int], after_first_copy=None) -> dict:
         """Compute `experts` from the slot cache: resident ones first (so admitting the others
         cannot evict them), at most capacity() experts pinned at a time."""
-        res = self.residency
-        todo = sorted(experts, key=lambda e: res.lookup((layer, e)) is None)
         out: dict[int, torch.Tensor] = {}
         first = True
-        while todo:
-            batch, todo = todo[:res.capacity()], todo[res.capacity():]
-            rows, fetch = {}, []
-            for e in batch:
-                slot, hit = res.access((layer, e))
-                res.pin((layer, e))
-                rows[e] = slot
-                if not hit:
-                    fetch.append((layer, e, slot))
+        for rows, fetch in self.residency.rounds(layer, experts):
             self.copier.copy(self.pool, fetch)
             if first and after_first_copy is not None:
                 after_first_copy()  # prefetch copies queue behind the demand copies
             first = False
             out.update(self._compute_rows(layer, self.pool, rows, x, topk_w, groups))
-            for e in batch:
-                res.unpin((layer, e))
         self.book[layer].gpu_experts += len(experts)
         return out
 
@@ -268,6 +277,14 @@ class CachedRuntime(ExpertRuntime):
     def check_integrity(self) -> None:
         self.residency.check_integrity()
 
+    def expert_hits(self):
+        if not self.residency.num_slots:
+            return None  # cpu: nothing is cached on the device
+        rows = {layer: [0] * self.store.num_experts for layer in self.store.moe_layers}
+        for (layer, e), n in self.residency.expert_hits.items():
+            rows[layer][e] = n
+        return rows
+
     def close(self):
         if self.cpu is not None:
             self.cpu.close()
@@ -291,8 +308,9 @@ class DeviceCachedRuntime(CachedRuntime):
 
     def __init__(self, store, device, options):
         pinned = device.type != "cuda" or all(t.is_pinned() for per in store.banks.values() for t in per.values())
+        # the device-side cache is an LRU: other policies keep the host cache (grouped path)
         self.pairs = (pairs_wanted(options, store, device) and pinned and options.prefill_slots > 0
-                      and options.cache_slots > 0)
+                      and options.cache_slots > 0 and options.cache_policy == "lru")
         self.dcache = None
         super().__init__(store, device, options)
 
@@ -324,6 +342,9 @@ class DeviceCachedRuntime(CachedRuntime):
 
     def capturable(self, info=None):
         return self.pairs
+
+    def expert_hits(self):
+        return self.dcache.hits_by_expert() if self.pairs else super().expert_hits()
 
     def begin_graph_step(self):
         if self.pairs:

@@ -2,6 +2,7 @@
 
     forward(layer, x, topk_ids, topk_w) -> y      begin_step(info) / end_step()      capturable(info)
     stats() -> dict                               step_hit_rate()                    resize(cache_slots)
+    routed(layer, x, topk_ids) -> topk_ids        (the model passes each route through it: `tap`)
 
 Adding a policy is one class (moe/policies.py) and one `register` call; models, scheduler and the
 engine do not change.
@@ -31,6 +32,7 @@ class RuntimeOptions:
     max_pairs: int = 0  # most (token, expert) pairs of one decode layer call (max batch * top_k)
     act_dtype: torch.dtype | None = None  # the model's activations (None: the dense experts' dtype)
     pcie_gbs: float = 0.0  # pinned host-to-device GB/s from `bench bw` (0: hybrid measures it)
+    cache_policy: str = "lru"  # victim choice of the slot cache (moe/residency.py POLICIES)
 
 
 class ExpertRuntime:
@@ -43,10 +45,23 @@ class ExpertRuntime:
         self.routers: dict[int, Callable] = {}
         moe = store.moe_layers
         self.next_layer = {a: b for a, b in zip(moe, moe[1:])}
+        # sees (and may replace) every layer call's top-k ids: moe/trace.py's recorder or forcer; None: no tap
+        self.tap = None
 
     # ---- the interface -----------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # every registered policy implements it
+
+    def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The route the layer call computes with: the router's, or the tap's (moe/trace.py); x is the
+        layer's input (a recorder applies the next layer's router to it: the prefetcher's prediction)."""
+        tap = self.tap
+        return topk_ids if tap is None else tap(layer, x, topk_ids)
+
+    def attach_tap(self, tap) -> None:
+        self.tap = tap
+        if tap is not None:
+            tap.bind(self)
 
     def attach_routers(self, routers: dict[int, Callable]) -> None:
         """layer -> callable(x [T, H]) returning (topk ids, weights, ...): used to predict experts."""
@@ -55,9 +70,13 @@ class ExpertRuntime:
     def begin_step(self, info: dict | None = None) -> None:
         self.prefill_mode = not (info or {}).get("decode", True)
         self.book.begin_step()
+        if self.tap is not None:
+            self.tap.begin_step(info or {})
 
     def end_step(self) -> None:
         self.book.end_step(decode=not self.prefill_mode)
+        if self.tap is not None:
+            self.tap.end_step()
 
     def capturable(self, info: dict | None = None) -> bool:
         """True when a decode step touches no host state that depends on the route (no host sync), so
@@ -74,9 +93,15 @@ class ExpertRuntime:
         options = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                    for k, v in self.options.__dict__.items()}  # JSON-safe: served at /v1/stats
         store = self.store
-        return {"backend": self.name, **self.book.as_dict(), "options": options,
+        hits = self.expert_hits()
+        extra = {"expert_hits": {str(k): v for k, v in hits.items()}} if hits is not None else {}
+        return {"backend": self.name, **self.book.as_dict(), "options": options, **extra,
                 "num_experts": store.num_experts,
                 "bytes_per_expert": {str(layer): store.bytes_per_expert(layer) for layer in store.moe_layers}}
+
+    def expert_hits(self) -> dict[int, list[int]] | None:
+        """layer -> hits of each expert (decode-path lookups that found it resident); None: not counted."""
+        return None
 
     def step_hit_rate(self) -> float | None:
         """Hit rate of the last decode step (None before the first one)."""

@@ -289,6 +289,10 @@ def test_api_key_and_dashboard_move_while_a_request_runs(browser, moe_server, sh
                      "pcie: s.pcie.filter(v => v !== null).length}; })()")
         assert moved["decode"] >= 1 and moved["pcie"] >= 1, moved
         assert p.js("!document.getElementById('heatmap').hidden") and "MoE layers" in p.text("#heat-note")
+        # cells are shaded by per-expert hits: the counts add up to each layer's hits, the page saw some
+        s = _totals(url, auth)["experts"]
+        assert all(sum(h) == s["layers"][l]["hits"] for l, h in s["expert_hits"].items())
+        p.wait("window.moestreamPage.heatMaxHits > 0", 30, "the heat map to shade experts by hits")
         assert "expert slots" in p.text("#plan-legend")
         screenshot(p.page, shots, "4-dashboard-running", capsys)
         p.page.click("#stop")

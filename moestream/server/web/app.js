@@ -19,6 +19,7 @@
     prev: null, // the body before it (rates are differences of counters)
     series: { decode: [], prefill: [], hit: [], pcie: [], cpu: [] },
     statsEvents: 0,
+    heatMaxHits: 0, // the most hits of one expert in the heat map (its brightest cell)
   };
   window.moestreamPage = app; // for tests and for curious people in the console
 
@@ -522,12 +523,24 @@
     const hitW = 18, gridW = w - hitW - 6;
     const cw = gridW / E;
     const cold = "#1f262f";
+    const hits = ex.expert_hits || null; // per layer, hits of each expert: the cells' brightness
+    let top = 0;
+    if (hits) for (const l of layers) for (const v of hits[l] || []) top = Math.max(top, v);
+    app.heatMaxHits = top;
+    const shade = (v) => top > 0 ? Math.log1p(v) / Math.log1p(top) : 0;
     layers.forEach((layer, r) => {
       const y = 1 + r * rowH;
       const row = map ? map[layer] || "" : null;
+      const hrow = hits ? hits[layer] || [] : null;
       for (let e = 0; e < E; e++) {
         const c = row ? row.charCodeAt(e) - 48 : ex.backend === "fused" ? 5 : 0;
-        ctx.fillStyle = c > 0 && c <= 9 ? heat(c / 9) : cold;
+        const resident = c > 0 && c <= 9;
+        if (hrow && top > 0) { // hits known: brightness by hits, hue by residency
+          const f = shade(hrow[e] || 0);
+          ctx.fillStyle = resident ? heat(0.1 + 0.9 * f) : gray(f);
+        } else {
+          ctx.fillStyle = resident ? heat(c / 9) : cold;
+        }
         ctx.fillRect(e * cw, y, Math.max(cw - (cw > 3 ? 0.5 : 0), 0.5), rowH - (rowH > 4 ? 1 : 0));
       }
       const st = ex.layers[layer];
@@ -538,6 +551,10 @@
   }
   function heat(f) { // dim teal to bright yellow-green
     const a = [24, 90, 80], b = [220, 250, 110];
+    return "rgb(" + a.map((v, i) => Math.round(v + (b[i] - v) * f)).join(",") + ")";
+  }
+  function gray(f) { // not resident: dark slate, lighter the more it was hit
+    const a = [31, 38, 47], b = [120, 132, 150];
     return "rgb(" + a.map((v, i) => Math.round(v + (b[i] - v) * f)).join(",") + ")";
   }
   function hitColor(f) {

@@ -1,0 +1,194 @@
+"""Routing traces: recorded from real runs, replayed to the engine's exact cache counts, forced back into
+the router; the synthetic generator's parameters do what they say."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moestream import LLM, SamplingParams
+from moestream.core import ConfigError
+from moestream.moe import synth
+from moestream.moe.replay import replay
+from moestream.moe.residency import POLICIES
+from moestream.moe.trace import RouteForcer, Trace, TraceHeader, read_trace, write_trace
+from moestream.config import MOE_CACHE_POLICIES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+COMMON = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1,
+              moe_backend="offload", moe_prefetch="off")
+
+
+def prompts(vocab):
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, vocab, n).tolist() for n in (5, 16, 23)]
+
+
+@pytest.mark.parametrize("policy,kw", [
+    ("lru", {"moe_cache_size": 3}),
+    ("lru", {"moe_cache_size": 7}),
+    ("lfu", {"moe_cache_size": 5}),
+    ("lrfu", {"moe_cache_size": 7}),
+    ("wlfu", {"moe_cache_size": 7}),
+    ("lru", {"moe_cache_size": 11, "moe_decode_kernel": "pairs"}),  # the device-side cache (CUDA decode path)
+    # the decode prefetcher, replayed from the recorded predictions
+    ("lru", {"moe_cache_size": 5, "moe_prefetch": "on"}),
+    ("wlfu", {"moe_cache_size": 9, "moe_prefetch": "on"}),
+])
+def test_replay_of_a_recorded_run_gives_the_engines_counts(tiny_checkpoint, tmp_path, policy, kw):
+    path = tmp_path / "run.trace"
+    llm = LLM(tiny_checkpoint("qwen35"), record_routing=str(path), moe_cache_policy=policy, **{**COMMON, **kw})
+    ps = prompts(llm.model_config.vocab_size)
+    outs = llm.generate(ps, SP)
+    total = llm.stats()["total"]
+    llm.close()
+    trace = read_trace(path)
+    h = trace.header
+    cfg = llm.model_config
+    assert (h.num_experts, h.top_k, h.num_layers) == (cfg.num_experts, cfg.top_k, cfg.num_layers)
+    assert h.moe_layers == [i for i, m in enumerate(cfg.moe_layers) if m]
+    # every token computed is a row: the prompts, then each generated token but the last
+    assert int(trace.step_rows.sum()) == sum(map(len, ps)) + sum(len(o.token_ids) - 1 for o in outs)
+    assert (~trace.step_decode).any() and trace.decode_tokens > 0
+    pairs = kw.get("moe_decode_kernel") == "pairs"
+    prefetch = kw.get("moe_prefetch") == "on"
+    r = replay(trace, kw["moe_cache_size"], policy, "pairs" if pairs else "grouped",
+               scratch=COMMON["max_running_requests"] * h.top_k, prefetch=prefetch)
+    assert (r.hits, r.misses) == (total["hits"], total["misses"])
+    assert (r.prefetch_issued, r.prefetch_hits) == (total["prefetch_issued"], total["prefetch_hits"])
+    assert trace.pred is not None and trace.pred.shape == trace.ids.shape
+    if prefetch:
+        assert r.prefetch_issued > 0 and r.prefetch_hits > 0
+        assert replay(trace, kw["moe_cache_size"], policy).misses != r.misses  # prefetch changed the counts
+    assert r.misses > 0 and (r.hits > 0 or kw["moe_cache_size"] < 5)
+
+
+def test_forced_routes_drive_the_cache(tiny_checkpoint):
+    """A RouteForcer replaces the router's top-k in decode steps: the engine's counts are the replay's."""
+    llm = LLM(tiny_checkpoint("qwen35"), moe_cache_size=4, **COMMON)
+    cfg = llm.model_config
+    layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    rng = np.random.default_rng(0)
+    rows = np.stack([np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in layers])
+                     for _ in range(40)]).astype(np.uint16)
+    header = TraceHeader("forced", cfg.num_layers, layers, cfg.num_experts, cfg.top_k)
+    trace = Trace(header, rows, np.ones(40, dtype=np.int64), np.ones(40, dtype=bool))
+    engine = llm.engine
+    engine.set_route_tap(RouteForcer(trace, engine.device, max_rows=4))
+    before = llm.stats()["total"]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
+    after = llm.stats()["total"]
+    # 12 decode steps of one row each read the trace's first 12 rows; the prefill does not touch the cache
+    r = replay(Trace(header, rows[:12], np.ones(12, dtype=np.int64), np.ones(12, dtype=bool)), 4, "lru")
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (r.hits, r.misses)
+
+
+def test_trace_file_round_trip_and_cut_records(tmp_path):
+    tr = synth.generate(synth.preset("qwen36", tokens=20, batch=3, num_layers=4, num_experts=32, top_k=4))
+    path = tmp_path / "t.trace"
+    write_trace(path, tr)
+    back = read_trace(path)
+    assert back.header == tr.header
+    assert np.array_equal(back.ids, tr.ids) and np.array_equal(back.step_rows, tr.step_rows)
+    # a writer killed mid-record leaves a file that reads up to its last whole step
+    data = path.read_bytes()
+    (tmp_path / "cut.trace").write_bytes(data[:-5])
+    cut = read_trace(tmp_path / "cut.trace")
+    assert len(cut.step_rows) == 19 and np.array_equal(cut.ids, tr.ids[:-3])
+    (tmp_path / "bad").write_bytes(b"hello")
+    with pytest.raises(ConfigError, match="not a moestream routing trace"):
+        read_trace(tmp_path / "bad")
+
+
+def test_config_names_every_policy():
+    assert set(MOE_CACHE_POLICIES) == set(POLICIES)
+
+
+def _hit_rate(params, slots, policy="lru"):
+    return replay(synth.generate(params), slots, policy).hit_rate
+
+
+def test_synthetic_locality_parameters():
+    base = dict(tokens=300, num_layers=4, num_experts=64, top_k=4)
+    uniform = synth.preset("uniform", **base)
+    tr = synth.generate(uniform)
+    assert all(len(set(row)) == 4 for row in tr.ids.reshape(-1, 4).tolist())  # top-k distinct
+    assert synth.generate(uniform).ids.tobytes() == tr.ids.tobytes()  # deterministic per seed
+    slots = 64  # a quarter of the 256 experts
+    # no locality: a cache hits about its residency fraction
+    assert abs(_hit_rate(uniform, slots) - 0.25) < 0.05
+    # reusing the previous token's experts makes a small cache hit far more often
+    sticky = synth.preset("uniform", reuse=0.8, **base)
+    assert _hit_rate(sticky, slots) > 0.7
+    # popularity skew alone too
+    skewed = synth.preset("uniform", zipf=1.2, **base)
+    assert _hit_rate(skewed, slots) > 0.45
+    # follow = 1: layer l's slot j is a fixed function of layer l-1's slot j
+    chain = synth.generate(synth.preset("uniform", follow=1.0, **base))
+    pairs = {(a, b) for a, b in zip(chain.ids[:, 0].ravel().tolist(), chain.ids[:, 1].ravel().tolist())}
+    assert len({a for a, _ in pairs}) == len(pairs)  # each layer-0 expert maps to exactly one layer-1 expert
+    with pytest.raises(ConfigError):
+        synth.preset("uniform", reuse=0.7, follow=0.5)
+
+
+def test_forcer_spreads_a_batch_over_streams():
+    """A trace of R streams: a step of T <= R rows reads streams 0..T-1 of one trace step; more rows than
+    streams read trace steps far apart."""
+    tr = synth.generate(synth.preset("uniform", tokens=8, batch=2, num_layers=2, num_experts=16, top_k=2))
+    grid = tr.ids.reshape(8, 2, 2, 2)
+    f = RouteForcer(tr, __import__("torch").device("cpu"), max_rows=4)
+    assert np.array_equal(f.rows_for(2), grid[0])
+    assert np.array_equal(f.rows_for(1), grid[1, :1])
+    four = f.rows_for(4)  # trace step 2 for rows 0-1, step 2 + 8 // 2 = 6 for rows 2-3
+    assert np.array_equal(four[:2], grid[2]) and np.array_equal(four[2:], grid[6])
+
+
+def test_opt_bound_is_above_every_policy_and_exact_when_all_fit():
+    from moestream.moe.replay import opt_hit_rate
+
+    tr = synth.generate(synth.preset("qwen36", tokens=60, num_layers=3, num_experts=32, top_k=4))
+    for slots in (8, 24, 48):
+        bound = opt_hit_rate(tr, slots)
+        assert all(replay(tr, slots, p).hit_rate <= bound + 1e-9 for p in POLICIES)
+    # every expert fits: only the first use of each misses, for OPT and LRU alike
+    distinct = len({(layer, int(e)) for layer in range(3) for e in np.unique(tr.ids[:, layer])})
+    assert replay(tr, 96, "lru").misses == distinct
+    assert opt_hit_rate(tr, 96) == replay(tr, 96, "lru").hit_rate
+
+
+def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
+    from moestream.cli import main
+
+    path = tmp_path / "gen.trace"
+    assert main(["generate", "--model-path", str(tiny_checkpoint("qwen35")), "--prompt", "hello there",
+                 "--max-tokens", "6", "--device", "cpu", "--no-chat", "--record-routing", str(path)]) == 0
+    trace = read_trace(path)
+    assert trace.decode_tokens == 5
+    capsys.readouterr()
+    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--opt", "--prefetch"]) == 0
+    out = capsys.readouterr().out
+    for policy in POLICIES:
+        assert sum(line.startswith(policy + " ") for line in out.splitlines()) == 2, out
+        assert sum(line.startswith(policy + "+pf ") for line in out.splitlines()) == 2, out
+    assert "opt-bound" in out
+    # bad input: one line, exit status 2
+    assert main(["bench", "cache", "--trace", str(tmp_path / "missing.trace")]) == 2
+    assert main(["bench", "cache", "--trace", str(path), "--policies", "lru,nope"]) == 2
+    assert main(["generate", "--prompt", "x", "--record-routing", str(tmp_path / "no" / "dir" / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read routing trace" in err and "unknown --policies nope" in err and "no directory" in err
+    synth_path = tmp_path / "s.trace"
+    assert main(["bench", "trace", "--preset", "qwen36", "--tokens", "4", "--batch", "2", "-o", str(synth_path)]) == 0
+    assert read_trace(synth_path).ids.shape == (8, 40, 8)
+    assert main(["bench", "trace", "--preset", "nope", "-o", str(synth_path)]) == 2
+    assert main(["bench", "cache", "--trace", str(synth_path), "--prefetch"]) == 2  # no predictions to replay
+    assert "--prefetch needs a recorded trace" in capsys.readouterr().err
+
+
+def test_synthetic_share_makes_streams_route_alike():
+    base = dict(tokens=50, batch=3, num_layers=2, num_experts=64, top_k=4)
+    same = synth.generate(synth.preset("qwen36", share=1.0, **base)).ids.reshape(50, 3, 2, 4)
+    assert np.array_equal(same[:, 1], same[:, 0]) and np.array_equal(same[:, 2], same[:, 0])
+    apart = synth.generate(synth.preset("qwen36", share=0.0, **base)).ids.reshape(50, 3, 2, 4)
+    assert (apart[:, 1] != apart[:, 0]).mean() > 0.5
