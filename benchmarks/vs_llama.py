@@ -18,7 +18,7 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` (the CPU kernels on OpenMP threads
-instead of their own pool).
+instead of their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
 moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
-SET_ENV_KEYS = ("MOESTREAM_CPU_POOL",)  # settings a configuration may change inside the shared child
+SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -218,7 +218,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
         for b in backends.split(","):
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
-            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp") and threads is None):
+            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pyloop") and threads is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
             env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
@@ -241,6 +241,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["threads"] = threads
                 if variant == "omp":  # read by the CPU kernels at each call: set inside the shared child
                     cfg["set_env"] = {"MOESTREAM_CPU_POOL": "omp"}
+                if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
+                    cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
                 out.append(cfg)
     return out
 

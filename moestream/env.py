@@ -30,6 +30,12 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("MOESTREAM_CPU_KERNELS", "1") != "0"
 
 
+def bridge_worker_in_c() -> bool:
+    """MOESTREAM_BRIDGE_C=0 runs the cpu/hybrid bridge's worker loop in Python, layer by layer, instead of one
+    compiled call per decode step (moe/bridge.py; read at each step)."""
+    return os.environ.get("MOESTREAM_BRIDGE_C", "1") != "0"
+
+
 def cpu_threading() -> tuple[bool, int]:
     """(own pool, spin microseconds) for the compiled CPU kernels' threads (kernels/cpu/qmatmul.cpp):
     MOESTREAM_CPU_POOL=omp runs them on OpenMP instead of the kernels' own pool (default `pool`);

@@ -200,7 +200,8 @@ def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint,
 
     path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1, expert_qtype=mix)
     calls = []
-    for name in ("moe_layer", "moe_layer_unchecked"):  # checked calls, and the bridge's per-layer LayerCall
+    # checked calls, the bridge's per-layer LayerCall, and its compiled worker (all layers of a step in one call)
+    for name in ("moe_layer", "moe_layer_unchecked", "bridge_step"):
         real = getattr(cpu_quant, name)
         monkeypatch.setattr(cpu_quant, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     sp = SamplingParams(**SP_KW)
@@ -258,7 +259,8 @@ def test_bridge_worker_takes_the_layer_call(monkeypatch):
     from moestream.moe.pairs import _pair_outputs_torch
 
     calls = []
-    for name in ("moe_layer", "moe_layer_unchecked"):  # checked calls, and the bridge's per-layer LayerCall
+    # checked calls, the bridge's per-layer LayerCall, and its compiled worker (all layers of a step in one call)
+    for name in ("moe_layer", "moe_layer_unchecked", "bridge_step"):
         real = getattr(cpu_quant, name)
         monkeypatch.setattr(cpu_quant, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     h, i, e, k, T = 64, 32, 6, 3, 2
@@ -403,3 +405,34 @@ def test_layer_call_object_equals_run(types):
     with pytest.raises(IndexError):
         call(x, np.array([0, 1, E], dtype=np.int64), starts, ROWS.astype(np.int64), w, DST.astype(np.int64),
              torch.zeros(5, H))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bridge_worker_in_c_equals_the_python_loop(tiny_checkpoint, tmp_path, monkeypatch):
+    """The cpu backend's decode pairs through the bridge: the compiled worker (one call per step, default) and
+    the Python loop (MOESTREAM_BRIDGE_C=0) give the same tokens and count the same experts; the compiled one
+    ran (its tables built, the layer seconds counted)."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1,
+                                   expert_qtype=lambda layer, proj: Q.Q8_0)
+    sp = SamplingParams(**SP_KW)
+
+    def run(flag):
+        monkeypatch.setenv("MOESTREAM_BRIDGE_C", flag)
+        llm = LLM(path, moe_backend="cpu", moe_decode_kernel="pairs", **COMMON)
+        g = torch.Generator().manual_seed(11)
+        ps = [torch.randint(0, llm.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 21)]
+        out = [o.token_ids for o in llm.generate(ps, sp)]
+        bridge = llm.engine.runtime.bridge
+        res = out, list(bridge.cpu_experts), bool(bridge._tables), sum(bridge.kernel_seconds)
+        llm.engine.runtime.close()
+        return res
+
+    c_tokens, c_experts, c_tables, c_secs = run("1")
+    py_tokens, py_experts, py_tables, _ = run("0")
+    assert c_tables and not py_tables and c_secs > 0
+    assert c_tokens == py_tokens and c_experts == py_experts and sum(c_experts) > 0

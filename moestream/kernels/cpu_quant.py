@@ -125,6 +125,9 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_moe_layer.restype = ctypes.c_int
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
+    lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                   ptr, ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_int]
+    lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
     return lib
@@ -249,6 +252,20 @@ def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, sta
     if rc:
         raise ValueError(f"CPU MoE layer kernel (type ids {tids.tolist()}, H={x.shape[1]}, I={inter}): "
                          f"{_LAYER_ERRORS.get(rc, rc)}")
+
+
+def bridge_step(seq: int, arrays: dict, timeout_s: float) -> int:
+    """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request waited for,
+    computed and answered without the interpreter (the GIL is released for the whole step). ``arrays``:
+    moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see CpuBridge._cstep).
+    Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
+    mod = _STATE["mod"]
+    a = arrays
+    return mod.ms_bridge_step(a["L"], seq, a["req"], a["done"], a["meta"], a["ids"], a["hw"], a["hx"], a["xdtype"],
+                              a["hy"], a["P"], a["H"], a["I"], a["wbase"].ctypes.data, a["wstep"].ctypes.data,
+                              a["wtype"].ctypes.data, a["lflags"].ctypes.data, a["experts"].ctypes.data,
+                              a["secs"].ctypes.data, a["single"].ctypes.data, a["single_secs"].ctypes.data,
+                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod))
 
 
 def has_avx2() -> bool:

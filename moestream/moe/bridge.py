@@ -77,6 +77,8 @@ class CpuBridge:
         # (moe/share.py weighs it against fetching that expert over PCIe)
         self.single_calls, self.single_seconds = 0, 0.0
         self._hw = self.hw.numpy()
+        self._cancel_flag = np.zeros(1, dtype=np.int32)  # _cancel for the compiled worker
+        self._tables: dict | bool | None = None  # the compiled worker's arguments (False: not for this store)
         self._calls: dict = {}
         self._calls_enabled = None
         self.mlp = PairMlp(P)
@@ -96,6 +98,7 @@ class CpuBridge:
         self.seq += 1
         self.seq_h[0] = self.seq
         self._cancel = False
+        self._cancel_flag[0] = 0
         self._idle.clear()
         self._jobs.put(self.seq)
 
@@ -107,6 +110,7 @@ class CpuBridge:
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()
         self._cancel = True  # every request of a finished step was posted; a worker still waiting
+        self._cancel_flag[0] = 1
         if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
             raise RuntimeError("the CPU expert worker is stuck")
         if self._err[0] or self.failure is not None:
@@ -117,6 +121,7 @@ class CpuBridge:
 
     def close(self) -> None:
         self._cancel = True
+        self._cancel_flag[0] = 1
         self._jobs.put(None)
         self._thread.join(timeout=5)
 
@@ -168,6 +173,10 @@ class CpuBridge:
             if seq is None:
                 return
             try:
+                tables = self._c_tables()
+                if tables is not None:
+                    self._c_step(seq, tables)
+                    continue
                 for i, layer in enumerate(self.layers):
                     if not self._wait_request(i, seq):
                         break
@@ -186,6 +195,54 @@ class CpuBridge:
                     self._done[i] = seq
             finally:
                 self._idle.set()
+
+    def _c_tables(self) -> dict | None:
+        """The compiled worker's arguments (kernels/cpu_quant.bridge_step) when every layer's experts are
+        computed by the compiled layer call and MOESTREAM_BRIDGE_C is not 0; else None (the Python loop)."""
+        from ..env import bridge_worker_in_c
+        from ..kernels.cpu_quant import ACT_DTYPES
+
+        if not bridge_worker_in_c() or not cpu_moe.kernels_on():
+            return None
+        if self._tables is None:
+            calls = [self._layer_call(i, layer, self.store.fmt.for_layer(layer), self.store.bank(layer))
+                     for i, layer in enumerate(self.layers)]
+            if any(c is None for c in calls):
+                self._tables = False
+            else:
+                L, P, H = self.hids.shape[0], self.hids.shape[1], self.store.hidden
+                self._tables = {
+                    "L": L, "P": P, "H": H, "I": calls[0].inter, "xdtype": ACT_DTYPES[self.hx.dtype],
+                    "req": self.req.data_ptr(), "done": self.done.data_ptr(), "meta": self.hmeta.data_ptr(),
+                    "ids": self.hids.data_ptr(), "hw": self.hw.data_ptr(), "hx": self.hx.data_ptr(),
+                    "hy": self.hy.data_ptr(),
+                    "wbase": np.ascontiguousarray(np.stack([c.base for c in calls]), dtype=np.int64),
+                    "wstep": np.ascontiguousarray(np.stack([c.step for c in calls]), dtype=np.int64),
+                    "wtype": np.ascontiguousarray(np.stack([c.tids for c in calls]), dtype=np.int64),
+                    "lflags": np.array([int(c.round_mm) for c in calls], dtype=np.int64),
+                    "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "single": np.zeros(1, dtype=np.int64),
+                    "single_secs": np.zeros(1), "cancel": self._cancel_flag}
+        return self._tables or None
+
+    def _c_step(self, seq: int, t: dict) -> None:
+        """One decode step's layers in one compiled call (the interpreter released throughout), then its
+        counters into the per-layer statistics."""
+        from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
+
+        for k in ("experts", "secs", "single", "single_secs"):
+            t[k][:] = 0
+        rc = bridge_step(seq, t, WORKER_TIMEOUT_S)
+        for i in range(t["L"]):
+            self.cpu_experts[i] += int(t["experts"][i])
+            self.cpu_seconds[i] += float(t["secs"][i])
+            self.kernel_seconds[i] += float(t["secs"][i])
+        self.single_calls += int(t["single"][0])
+        self.single_seconds += float(t["single_secs"][0])
+        if rc in (0, -4):  # -4: the step ended before posting every layer (it raised); nothing to report
+            return
+        why = "no request from the GPU in time" if rc == -5 else _LAYER_ERRORS.get(rc, f"error {rc}")
+        self.failure = RuntimeError(f"the compiled CPU expert worker failed: {why}")
+        self._err[0] = 1
 
     def _wait_request(self, i: int, seq: int) -> bool:
         while self._req[i] != seq:

@@ -997,6 +997,10 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   return 0;
 }
 
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 extern "C" {
@@ -1049,6 +1053,75 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
                  int nthreads, int force_scalar) {
   return ms_moe_layer_impl(x, xdtype, nx, H, I, G, wptr, wtype, gstart, prow, pw, pdst, out, nout, os, hmode, flags,
                            nthreads, force_scalar);
+}
+
+// The CPU bridge's worker for one decode step (moe/bridge.py), every MoE layer in order, without Python:
+// for layer i, wait until req[i] == seq (the GPU's post; *cancel set: return -4, timeout_s: -5), group
+// layer i's CPU pairs (ids[i, p] >= 0 of its meta[i] = (T, P') pairs) by expert, compute them with
+// ms_moe_layer (x rows hx[i] of dtype xdtype, h rounded to it; out rows hy[i, p], float32) from expert e's
+// matrices at wbase[i, j] + e * wstep[i, j] (ggml types wtype[i, j], j = gate / up / down; lflags[i] & 1:
+// PairMlp's dense rounding), then done[i] = seq (release). Per layer: experts_out[i] = distinct experts,
+// secs_out[i] = seconds in the layer call; single[0] / single_secs[0]: calls of exactly one expert and their
+// seconds. A layer call error (negative) is returned after every layer was answered.
+int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, const int64_t* meta,
+                   const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
+                   int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
+                   const int64_t* lflags, int64_t* experts_out, double* secs_out, int64_t* single,
+                   double* single_secs, const int32_t* cancel, double timeout_s, int nthreads) {
+  const int64_t esize = xdtype == 0 ? 4 : 2;
+  std::vector<int64_t> pairs, gstart, prow, pdst, wptr;
+  std::vector<float> pw;
+  int rc_all = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const double t_wait = now_s();
+    int64_t spins = 0;
+    while (__atomic_load_n(&req[i], __ATOMIC_ACQUIRE) != seq) {
+      if (__atomic_load_n(cancel, __ATOMIC_ACQUIRE)) return -4;
+      if (++spins < 20000) {
+        Pool::relax();
+      } else {
+        std::this_thread::yield();
+        if (spins % 1024 == 0 && now_s() - t_wait > timeout_s) return -5;
+      }
+    }
+    const int64_t T = meta[2 * i], Pn = meta[2 * i + 1];
+    const int64_t* id = ids + i * P;
+    pairs.clear();
+    for (int64_t p = 0; p < Pn && p < P; ++p)
+      if (id[p] >= 0) pairs.push_back(p);
+    experts_out[i] = 0;
+    secs_out[i] = 0.0;
+    if (!pairs.empty() && T > 0) {
+      std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+      gstart.assign(1, 0);
+      wptr.clear();
+      prow.resize(pairs.size());
+      pdst.resize(pairs.size());
+      pw.resize(pairs.size());
+      const int64_t k = std::max<int64_t>(1, Pn / T);
+      for (size_t q = 0; q < pairs.size(); ++q) {
+        const int64_t p = pairs[q];
+        if (q == 0 || id[p] != id[pairs[q - 1]]) {
+          if (q) gstart.push_back((int64_t)q);
+          for (int j = 0; j < 3; ++j) wptr.push_back(wbase[3 * i + j] + id[p] * wstep[3 * i + j]);
+        }
+        prow[q] = p / k, pdst[q] = p, pw[q] = hw[i * P + p];
+      }
+      gstart.push_back((int64_t)pairs.size());
+      const int64_t G = (int64_t)gstart.size() - 1;
+      const double t0 = now_s();
+      const int rc = ms_moe_layer_impl((const char*)hx + i * P * H * esize, xdtype, T, H, I, G, wptr.data(),
+                                       wtype + 3 * i, gstart.data(), prow.data(), pw.data(), pdst.data(),
+                                       hy + i * P * H, P, H, xdtype, lflags[i] & 1, nthreads, 0);
+      const double dt = now_s() - t0;
+      if (rc && !rc_all) rc_all = rc;
+      experts_out[i] = G;
+      secs_out[i] = dt;
+      if (G == 1) single[0] += 1, single_secs[0] += dt;
+    }
+    __atomic_store_n(&done[i], seq, __ATOMIC_RELEASE);
+  }
+  return rc_all;
 }
 
 // Threads of the kernels: use_pool 1 (default) the library's own pool, whose idle workers spin spin_us
