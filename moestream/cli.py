@@ -26,9 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV pages and linear-state snapshots of earlier requests' prefixes")
     g.add_argument("--prefix-cache-snapshots", type=int, default=None,
                    help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
-    g.add_argument("--prefix-cache-prompt-snapshot", default="long", choices=("long", "always", "never"),
-                   help="cut a Gated DeltaNet model's prompt at its last page boundary to snapshot it there (one "
-                        "extra prefill chunk): for prompts longer than one chunk (long), always, or never")
+    g.add_argument("--prefix-cache-prompt-snapshot", default="on", choices=("on", "off"),
+                   help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary (taken inside "
+                        "the prefill chunk, no extra step), so a repeat or extension of the prompt resumes there")
     m = p.add_argument_group("experts")
     m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")

@@ -83,7 +83,6 @@ VARIANTS = ["qwen3", "qwen35"]
 
 
 def _llm(path, **kw):
-    kw.setdefault("prefix_cache_prompt_snapshot", "always")  # the mechanism, on the short prompts here
     return LLM(path, device="cpu", dtype="float32", page_size=kw.pop("page_size", 4), **kw)
 
 
@@ -302,23 +301,30 @@ def test_tensor_parallel_ranks_load_and_save_snapshots(tiny_checkpoint, referenc
         w.close()
 
 
-@pytest.mark.parametrize("when,chunk,chunks", [("long", 64, [30]), ("long", 8, [8, 8, 8, 4, 2]),
-                                               ("never", 8, [8, 8, 8, 6]), ("always", 64, [28, 2])])
-def test_prompt_snapshot_policy(tiny_checkpoint, reference, when, chunk, chunks):
-    """A hybrid model's prompt is cut at its last page boundary (one extra prefill chunk, for a snapshot
-    there) only as --prefix-cache-prompt-snapshot says: "long" for prompts longer than one chunk; a repeat
-    of the prompt then resumes from that snapshot. Tokens equal the cache-free run either way."""
-    prompt = list(range(3, 33))  # 30 tokens, pages of 4: the last boundary before the last token is 28
+@pytest.mark.parametrize("when,chunk,chunks,inside", [("on", 64, [30], [(0, 28)]), ("on", 8, [8, 8, 8, 6], [(24, 4)]),
+                                                      ("off", 8, [8, 8, 8, 6], []), ("on", 7, [7, 7, 7, 7, 2], [])])
+def test_prompt_snapshot_inside_the_chunk(tiny_checkpoint, reference, when, chunk, chunks, inside):
+    """A hybrid model's state at a prompt's last page boundary (28 of 30 tokens, pages of 4) is taken inside
+    the prefill chunk that crosses it (no cut, no extra chunk), or copied after a chunk that ends there (chunks
+    of 7); a repeat of the prompt resumes from it. --prefix-cache-prompt-snapshot off takes none. Tokens equal
+    the cache-free run either way."""
+    prompt = list(range(3, 33))
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm = _llm(tiny_checkpoint("qwen35"), prefix_cache_prompt_snapshot=when, chunked_prefill_size=chunk)
-    seen = []
+    seen, snaps = [], []
     orig = llm.engine.forward
-    llm.engine.forward = lambda batch: seen.append(batch.num_tokens) or orig(batch)
+
+    def spy(batch):
+        seen.append(batch.num_tokens)
+        snaps.extend((s.cached, e) for s in batch.seqs for e, _ in s.snapshots)
+        return orig(batch)
+
+    llm.engine.forward = spy
     first = llm.generate([prompt], sp)[0]
-    assert seen == chunks
+    assert seen == chunks and snaps == inside
     again = llm.generate([prompt], sp)[0]
     assert again.token_ids == first.token_ids == reference("qwen35", prompt, 1)
-    assert again.cached_tokens == (28 if 28 in [sum(chunks[:i + 1]) for i in range(len(chunks))] else 0)
+    assert again.cached_tokens == (28 if when == "on" else 0)
 
 
 def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_checkpoint, tmp_path):

@@ -18,6 +18,10 @@ class SeqMeta:
     cached: int  # tokens of this sequence already in KV / linear state before this step
     state_slot: int  # linear-attention state slot (-1 for models without linear attention)
     kv_index: torch.Tensor  # [cached + length] flat KV-pool index of each position (long, on device)
+    # prefix-cache snapshots inside a prefill chunk: (e, slot) = the linear state after the first e
+    # (< length) new tokens is written to state slot `slot` during the pass (one at the chunk's end is a
+    # ForwardBatch.state_saves copy)
+    snapshots: tuple = ()
 
     @property
     def total(self) -> int:

@@ -142,8 +142,8 @@ class PrefixCache:
     # ---- snapshots -------------------------------------------------------------------------------
     def alloc_snapshot(self) -> int:
         """A free snapshot slot, dropping the least recently used snapshot if none is free; -1 if the
-        model keeps no snapshots."""
-        if not self.num_snap_slots:
+        model keeps no snapshots or every slot is taken by a snapshot not yet attached (being written)."""
+        if not self.free_snaps and not self.snap_nodes:
             return -1
         if not self.free_snaps:
             victim = min(self.snap_nodes, key=lambda n: n.last)

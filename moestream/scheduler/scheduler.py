@@ -10,8 +10,9 @@ Prefix cache (kvcache/prefix.py, on unless --disable-prefix-cache): a request ad
 starts after the longest cached run of full pages of its tokens (at most all but the last token), and
 its pages enter the tree as they fill. For models with Gated DeltaNet layers the run must end at a state
 snapshot: the request's slot is loaded from it before its first step (ForwardBatch.state_loads); a prompt's
-prefill stops at its last page boundary to save one there, and decoding saves one at each page boundary,
-replacing that request's previous one (ForwardBatch.state_saves, copied after the step).
+prefill saves one at its last page boundary (taken inside the chunk that crosses it, SeqMeta.snapshots), and
+decoding saves one at each page boundary, replacing that request's previous one (ForwardBatch.state_saves,
+copied after the step).
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ class Scheduler:
                 budget -= 1
         for req in list(self.running):
             if req.status == Status.RUNNING and req.in_prefill and budget > 0:
-                n = self._chunk(req, req.num_computed, min(budget, req.num_tokens - req.num_computed))
+                n = min(budget, req.num_tokens - req.num_computed)
                 if self._reserve(req, req.num_computed + n):
                     plan.append((req, n))
                     budget -= n
@@ -192,7 +193,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self._lookup(req)
             m = len(hit) * self.kv.page_size
-            n = self._chunk(req, m, min(budget, req.num_tokens - m))
+            n = min(budget, req.num_tokens - m)
             if self.kv.pages_for(m + n) - len(hit) > self._free_pages() or self.state.slots.num_free == 0:
                 if hit:
                     self.prefix.release(hit)
@@ -214,20 +215,6 @@ class Scheduler:
         hit = self.prefix.match(req.all_ids, req.num_tokens - 1)  # the last token is computed for its logits
         self.prefix.acquire(hit)
         return hit
-
-    def _chunk(self, req: Request, start: int, n: int) -> int:
-        """A linear-state model's prefill chunk stops at the last page boundary before the request's last
-        token, to save a snapshot there (the state after its whole prompt cannot be cut later)."""
-        if self.prefix is not None and self.prefix.num_snap_slots:
-            e = self.engine.ecfg
-            when = e.prefix_cache_prompt_snapshot
-            if when == "never" or (when == "long" and req.num_tokens <= e.chunked_prefill_size):
-                return n
-            P = self.kv.page_size
-            b = (req.num_tokens - 1) // P * P
-            if start < b < start + n:
-                return b - start
-        return n
 
     def _admit(self, req: Request, hit: list | None = None) -> None:
         hit = hit or []
@@ -329,8 +316,10 @@ class Scheduler:
         return batch, sample_reqs
 
     def _plan_state_copies(self, plan, batch: ForwardBatch) -> None:
-        """Snapshot loads (hits, before the step) and saves (page boundaries, after it). Every load is
-        done before any save, so a save may reuse the slot of a snapshot loaded in the same step."""
+        """Snapshot loads (hits, before the step) and saves: the state at the last page boundary before a
+        prompt's last token (taken inside the prefill chunk that crosses it: SeqMeta.snapshots, or copied
+        after the step when the chunk ends there) and at the page boundaries decoding reaches. Every load
+        is done before any save, so a save may reuse the slot of a snapshot loaded in the same step."""
         P = self.kv.page_size
         for req, _ in plan:
             if req.pending_load >= 0:
@@ -338,17 +327,30 @@ class Scheduler:
                 req.pending_load = -1
         if not self.prefix.num_snap_slots:
             return
-        for req, n in plan:
-            end = req.num_computed + n
-            if end % P or not (end == (req.num_tokens - 1) // P * P or end == req.num_tokens):
+        prompt_snaps = self.engine.ecfg.prefix_cache_prompt_snapshot == "on"
+        for (req, n), seq in zip(plan, batch.seqs):
+            c, end = req.num_computed, req.num_computed + n
+            b = (req.num_tokens - 1) // P * P  # the last boundary a later request can resume from
+            if prompt_snaps and req.in_prefill and c < b < end:
+                slot = self._alloc_snapshot(req, b, rolling=False)
+                seq.snapshots += ((b - c, slot),) if slot >= 0 else ()
+            if end % P or not ((prompt_snaps and end == b) or end == req.num_tokens):
                 continue
             rolling = not req.in_prefill  # a decode step: replaces this request's previous decode snapshot
             if rolling and req.roll_node is not None:
                 self.prefix.drop_snapshot(req.roll_node)
                 req.roll_node = None
-            slot = self.prefix.alloc_snapshot()
-            batch.state_saves.append((req.state_slot, slot))
-            self._pending_snaps.append((req, end, slot, rolling))
+            slot = self._alloc_snapshot(req, end, rolling)
+            if slot >= 0:
+                batch.state_saves.append((req.state_slot, slot))
+
+    def _alloc_snapshot(self, req: Request, tokens: int, rolling: bool) -> int:
+        """A snapshot slot for req's state after `tokens` tokens, attached to its node after the step; -1
+        when every slot holds a snapshot this step is writing."""
+        slot = self.prefix.alloc_snapshot()
+        if slot >= 0:
+            self._pending_snaps.append((req, tokens, slot, rolling))
+        return slot
 
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""
