@@ -135,9 +135,10 @@ def test_repeated_and_branching_prompts(variant, tiny_checkpoint, reference):
     for p, o in zip(prompts, outs):
         assert o.token_ids == reference(variant, p)
     # base + [5,6,7]: nothing cached; base + [8,9]: the first's 36 tokens (its prompt-end snapshot for
-    # the hybrid model); the same prompt again: its 36 tokens still; base[:20]: 16 (attention) or none
-    # (no snapshot at 16 for the hybrid model)
-    want = [0, 36, 36, 16 if variant == "qwen3" else 0]
+    # the hybrid model), + 1 copied from the page [b36, 5, 6, 7] (attention: copy-on-write); the same
+    # prompt again: 36 + 3 of that page (all but its last token) or 36; base[:20]: 16 + 3 copied
+    # (attention) or none (no snapshot at 16 for the hybrid model)
+    want = [0, 37, 39, 19] if variant == "qwen3" else [0, 36, 36, 0]
     assert [o.cached_tokens for o in outs] == want
     st = llm.scheduler.stats()["prefix_cache"]
     assert st["requests"] == 4 and st["cached_tokens"] == sum(want)
@@ -209,6 +210,44 @@ def test_preemption_and_eviction_keep_tokens(variant, tiny_checkpoint, reference
     assert hits[0][0] == hits[0][1], hits
 
 
+def test_tree_match_partial_takes_the_longest_shared_head():
+    pool = PagePool(8)
+    tree = PrefixCache(pool, 4)
+    a = _grow(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = _grow(tree, [1, 2, 3, 4, 5, 6, 9, 9])
+    c = _grow(tree, [1, 2, 3, 4, 5, 9, 9, 9])
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 6, 9, 0, 0], 4, 9) == (b[1], 3)
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 6, 7, 8, 0], 4, 7) == (a[1], 3)  # at most max_tokens
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 7], 4, 6) in ((a[1], 1), (b[1], 1), (c[1], 1))
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 0, 6], 4, 6) == (None, 0)
+    assert tree.match_partial(tree.root, [1, 2, 0], 0, 3) == (a[0], 2)
+
+
+def test_copy_on_write_of_a_partly_shared_page(tiny_checkpoint, monkeypatch):
+    """Attention-only model, pages of 4: a prompt that leaves a cached path 2 tokens into a page reuses the
+    full pages and copies those 2 positions' K/V from the cached page into its own (while the request that
+    computed it still runs, and after it ended); logprobs equal the cache-free run's. Skipping the copy
+    changes them, so the test can fail."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm, ref = _llm(tiny_checkpoint("qwen3")), _llm(tiny_checkpoint("qwen3"), prefix_cache=False)
+    V = llm.model_config.vocab_size
+    base = _rand(38, 8, V)  # 9 full pages and 2 tokens
+    a, b = Request("a", base + [1, 2], sp), Request("b", base + [3, 4, 5], sp)
+    _run(llm, [a], {2: [b]})
+    c = llm.generate([base + [6, 7]], sp)[0]
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 38, 38)
+    for ids, got_ids, got_lps in ((b.prompt_ids, b.output_ids, b.output_lps),
+                                  (base + [6, 7], c.token_ids, c.logprobs)):
+        want = ref.generate([ids], sp)[0]
+        assert got_ids == want.token_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(got_lps, want.logprobs)) < 1e-4
+    monkeypatch.setattr(llm.engine.caches.kv, "copy_heads", lambda copies: None)
+    d = llm.generate([base + [8, 9]], sp)[0]
+    want = ref.generate([base + [8, 9]], sp)[0]
+    assert d.cached_tokens == 38
+    assert max(abs(x[0] - y[0]) for x, y in zip(d.logprobs, want.logprobs)) > 1e-3
+
+
 def test_a_hit_without_its_snapshot_would_differ(tiny_checkpoint, reference, monkeypatch):
     """The hybrid tests can fail: dropping the snapshot load (resuming from a zero state) changes tokens."""
     llm = _llm(tiny_checkpoint("qwen35"))
@@ -273,14 +312,14 @@ def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
             if items:
                 finals.append(items[0])
                 break
-    assert [f[7] for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    assert [f[7] for f in finals] == [0, 29]  # all but the last token: 7 pages of 4 and 1 copied from the 8th
     stats = loop.stats()
-    assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
+    assert stats["prefix_cache"]["cached_tokens"] == 29 and stats["prefix_cache"]["hit_rate"] == 29 / 60
     m = Metrics("x")
     m.update_engine(stats)
     text = m.exposition().decode()
-    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.466' in text
-    assert 'moestream_prefix_cache_cached_tokens{model="x"} 28.0' in text
+    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.483' in text
+    assert 'moestream_prefix_cache_cached_tokens{model="x"} 29.0' in text
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
@@ -328,9 +367,10 @@ def test_prompt_snapshot_inside_the_chunk(tiny_checkpoint, reference, when, chun
 
 
 def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_checkpoint, tmp_path):
-    """A GGUF on the CPU kernels: a prompt's tail after a prefix-cache hit is a short chunk, computed with float
-    activations like the whole prompt (int8 activations are for decode steps only), so the repeat's logits
-    equal the first run's bit for bit."""
+    """A GGUF on the CPU kernels: a prompt's tail after a prefix-cache hit is a short chunk, here one token (the
+    rest is in 7 cached pages and the head of the 8th, copied), computed with float activations like the whole
+    prompt (int8 activations are for decode steps only, though a one-token step looks like one), so the
+    repeat's logits equal the first run's."""
     import gguf_writer
     from gguf import GGMLQuantizationType as Q
 
@@ -344,16 +384,16 @@ def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_c
     orig = llm.engine.model.forward
 
     def spy(batch):
-        seen.append((batch.is_decode, cpu_quant.available()))
+        seen.append((batch.prompt, cpu_quant.available()))
         return orig(batch)
 
     llm.engine.model.forward = spy
     prompt = list(range(5, 35))
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     first, again = (llm.generate([prompt], sp)[0] for _ in range(2))
-    assert again.cached_tokens == 28 and first.cached_tokens == 0
+    assert again.cached_tokens == 29 and first.cached_tokens == 0
     assert again.token_ids == first.token_ids
     # float GEMMs of 30 rows and of 2 round alike to ~1e-6; int8 activations in the tail would move ~1e-2
     assert max(abs(a[0] - b[0]) for a, b in zip(again.logprobs, first.logprobs)) < 1e-4
-    assert {d: a for d, a in seen} == {False: False, True: True}  # kernels off in prefill, on in decode
+    assert set(seen) == {(True, False), (False, True)}  # kernels off for prompt tokens, on in decode
     assert cpu_quant.available()

@@ -40,6 +40,12 @@ class ForwardBatch:
     # resumes from a snapshot; a snapshot is saved after the step that reached its page boundary
     state_loads: list = field(default_factory=list)
     state_saves: list = field(default_factory=list)
+    # prefix-cache copy-on-write, done before the pass: (src page, dst page, n) copies the K/V of a cached
+    # page's first n positions into the request's own page
+    kv_copies: list = field(default_factory=list)
+    # some sequence computes prompt tokens (a 1-token prompt tail after a cache hit looks like a decode
+    # step): CPU steps then use prefill numerics (float activations)
+    prompt: bool = False
     extra: dict = field(default_factory=dict)
 
     @property

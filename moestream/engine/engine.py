@@ -297,10 +297,11 @@ class Engine:
             graphs = self.graphs = DecodeGraphs(self)
         use_graph = graphs is not None and decode and graphs.usable(batch)
         state = self.caches.state
+        self.caches.kv.copy_heads(batch.kv_copies)  # prefix-cache copy-on-write of partly shared pages
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": use_graph})
         if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode)
+            cpu_quant.prefill_step(not decode or batch.prompt)
         try:
             if use_graph:
                 out = graphs.run(batch)

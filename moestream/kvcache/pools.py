@@ -66,6 +66,15 @@ class KVPool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def copy_heads(self, copies: list[tuple[int, int, int]]) -> None:
+        """(src page, dst page, n): the K/V of the first n positions of page src, in every layer, into dst."""
+        if self.k is None:
+            return
+        P = self.page_size
+        for src, dst, n in copies:
+            self.k[:, dst * P:dst * P + n].copy_(self.k[:, src * P:src * P + n])
+            self.v[:, dst * P:dst * P + n].copy_(self.v[:, src * P:src * P + n])
+
     def flat_index(self, page_table: list[int], start: int, end: int, device) -> torch.Tensor:
         pos = torch.arange(start, end)
         pages = torch.tensor(page_table, dtype=torch.long)[pos // self.page_size]

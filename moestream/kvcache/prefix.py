@@ -16,7 +16,11 @@ carry a snapshot (a slot of the state pool holding the conv and recurrent state 
 token), and for those models only nodes with a snapshot can be resumed from. Snapshots have their own
 LRU over a fixed number of slots; dropping one never touches pages.
 
-Bookkeeping only (no tensors): the scheduler copies state between slots through the ForwardBatch.
+A request whose tokens leave the cached path inside a page (a branch, or the limit of all but its last
+token) copies the shared head of that page into a page of its own (copy-on-write, attention-only models).
+
+Bookkeeping only (no tensors): the scheduler copies KV heads and state between slots through the
+ForwardBatch.
 """
 from __future__ import annotations
 
@@ -76,6 +80,20 @@ class PrefixCache:
             while path and path[-1].snap < 0:
                 path.pop()
         return path
+
+    def match_partial(self, parent: Node, ids: list[int], start: int, max_tokens: int) -> tuple[Node | None, int]:
+        """The child of `parent` whose page shares the longest run of ids[start:max_tokens] (a prefix that
+        ends inside that page), and the run's length; (None, 0) when none shares a token. Attention KV
+        only: a linear-state model cannot resume inside a page (its snapshots sit at page ends)."""
+        want = ids[start:max_tokens][:self.page_size]
+        best, best_k = None, 0
+        for key, child in parent.children.items():
+            k = 0
+            while k < len(want) and key[k] == want[k]:
+                k += 1
+            if k > best_k:
+                best, best_k = child, k
+        return best, best_k
 
     def acquire(self, nodes: list[Node]) -> None:
         t = next(self._clock)

@@ -191,15 +191,15 @@ class Scheduler:
         limit = 1 if self.suspects else self.max_running
         while self.waiting and budget > 0 and len(self.running) < limit:
             req = self.waiting[0]
-            hit = self._lookup(req)
-            m = len(hit) * self.kv.page_size
+            hit, part = self._lookup(req)
+            m = len(hit) * self.kv.page_size + (part[1] if part else 0)
             n = min(budget, req.num_tokens - m)
             if self.kv.pages_for(m + n) - len(hit) > self._free_pages() or self.state.slots.num_free == 0:
-                if hit:
-                    self.prefix.release(hit)
+                if hit or part:
+                    self.prefix.release(hit + ([part[0]] if part else []))
                 break
             self.waiting.pop(0)
-            self._admit(req, hit)
+            self._admit(req, hit, part)
             self._reserve(req, m + n)
             plan.append((req, n))
             budget -= n
@@ -208,23 +208,32 @@ class Scheduler:
     def _free_pages(self) -> int:
         return self.kv.pages.num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
 
-    def _lookup(self, req: Request) -> list:
-        """The cached path req can start after (references taken), or [] without the cache."""
+    def _lookup(self, req: Request) -> tuple[list, tuple | None]:
+        """The cached path req can start after, and (node, n) when its tokens go on through the first n
+        positions of a cached page (copied, not recomputed; attention-only models); references taken.
+        ([], None) without the cache."""
         if self.prefix is None or getattr(req.params, "prompt_logprobs", None):
-            return []  # prompt logprobs need the logits of every prompt position: computed, not reused
-        hit = self.prefix.match(req.all_ids, req.num_tokens - 1)  # the last token is computed for its logits
-        self.prefix.acquire(hit)
-        return hit
+            return [], None  # prompt logprobs need the logits of every prompt position: computed, not reused
+        limit = req.num_tokens - 1  # the last token is computed for its logits
+        hit = self.prefix.match(req.all_ids, limit)
+        part = None
+        if not self.prefix.needs_snapshot:
+            node, n = self.prefix.match_partial(hit[-1] if hit else self.prefix.root, req.all_ids,
+                                                len(hit) * self.kv.page_size, limit)
+            part = (node, n) if node is not None else None
+        self.prefix.acquire(hit + ([part[0]] if part else []))
+        return hit, part
 
-    def _admit(self, req: Request, hit: list | None = None) -> None:
+    def _admit(self, req: Request, hit: list | None = None, part: tuple | None = None) -> None:
         hit = hit or []
         req.state_slot = self.state.slots.alloc(1)[0]
         self.state.reset(req.state_slot)
         req.status = Status.RUNNING
-        m = len(hit) * self.kv.page_size
+        m = len(hit) * self.kv.page_size + (part[1] if part else 0)
         req.num_computed = m
         if self.prefix is not None:
             req.nodes, req.pages = list(hit), [node.page for node in hit]
+            req.pending_copy = part  # copied into its next page when the batch is built
             if hit and self.prefix.needs_snapshot:
                 req.pending_load = hit[-1].snap
             t = self.prefix_totals
@@ -268,8 +277,8 @@ class Scheduler:
             own = [p for p in req.pages if p not in self.prefix.owned]
             if own:
                 self.kv.pages.free(own)
-            self.prefix.release(req.nodes)
-            req.nodes, req.pages, req.pending_load, req.roll_node = [], [], -1, None
+            self.prefix.release(req.nodes + ([req.pending_copy[0]] if req.pending_copy else []))
+            req.nodes, req.pages, req.pending_load, req.roll_node, req.pending_copy = [], [], -1, None, None
         elif req.pages:
             self.kv.pages.free(req.pages)
             req.pages = []
@@ -310,10 +319,24 @@ class Scheduler:
             seqs=seqs, kv_write_index=write,
             logits_index=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=dev),
+            prompt=any(req.num_computed < len(req.prompt_ids) for req, _ in plan),
         )
+        if self.prefix is not None:
+            self._plan_kv_copies(plan, batch)
         if self.prefix is not None and self.prefix.needs_snapshot:
             self._plan_state_copies(plan, batch)
         return batch, sample_reqs
+
+    def _plan_kv_copies(self, plan, batch: ForwardBatch) -> None:
+        """Copy-on-write of the cached page a newly admitted request shares only the head of: its K/V
+        head goes into the request's own page before the pass (nothing evicts it before then), and the
+        reference taken at lookup is given back."""
+        for req, _ in plan:
+            if req.pending_copy is not None:
+                node, n = req.pending_copy
+                batch.kv_copies.append((node.page, req.pages[len(req.nodes)], n))
+                self.prefix.release([node])
+                req.pending_copy = None
 
     def _plan_state_copies(self, plan, batch: ForwardBatch) -> None:
         """Snapshot loads (hits, before the step) and saves: the state at the last page boundary before a
