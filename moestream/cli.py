@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-prompt-snapshot", default="on", choices=("on", "off"),
                    help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary (taken inside "
                         "the prefill chunk, no extra step), so a repeat or extension of the prompt resumes there")
+    g.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+                   help="host RAM (pinned on a GPU) that evicted prefix-cache pages and snapshots move to, and come "
+                        "back from on a hit, instead of being recomputed (0: off)")
     m = p.add_argument_group("experts")
     m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
     m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
@@ -53,7 +56,7 @@ ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override"
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
                "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
-               "prefix_cache_prompt_snapshot")
+               "prefix_cache_prompt_snapshot", "prefix_cache_host_gb")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

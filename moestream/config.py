@@ -379,6 +379,9 @@ class EngineConfig:
     # snapshot (taken inside the prefill chunk that crosses it, no extra chunk): "on", or "off" (snapshots
     # only where decoding reaches a page boundary, and where a prompt's prefill ends on one)
     prefix_cache_prompt_snapshot: str = "on"
+    # host memory (GiB, all ranks together) that evicted prefix-cache pages and snapshots move to instead of
+    # being dropped, and come back from on a hit; 0: off
+    prefix_cache_host_gb: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -423,6 +426,8 @@ class EngineConfig:
         if self.prefix_cache_prompt_snapshot not in ("on", "off"):
             raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
                               f"{self.prefix_cache_prompt_snapshot!r}")
+        if self.prefix_cache_host_gb < 0:
+            raise ConfigError(f"--prefix-cache-host-gb must be >= 0, got {self.prefix_cache_host_gb}")
         if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
             raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):

@@ -78,6 +78,59 @@ def test_tree_snapshots_gate_hits_and_are_lru():
     tree.check_integrity()
 
 
+def test_tree_spills_to_the_host_tier_and_fetches_back():
+    """Evicted pages move to host pages (queued copies, in decision order) and stay matchable; a hit fetches
+    them back into fresh device pages; when the host tier is full its least recently used leaf is dropped."""
+    pool = PagePool(4)
+    tree = PrefixCache(pool, 2, host_pages=2)
+    a = _grow(tree, [1, 2, 3, 4, 5, 6])  # pages 0, 1, 2
+    tree.release(a)
+    assert tree.evict(2) == 2  # leaves first: a[2] to host page 0, then a[1] to host page 1
+    assert tree.host_ops == [("kv_out", 2, 0), ("kv_out", 1, 1)]
+    assert [(n.page, n.host) for n in a] == [(0, -1), (-1, 1), (-1, 0)] and pool.num_used == 1
+    assert tree.num_evictable == 1 and tree.match([1, 2, 3, 4, 5, 6, 0], 7) == a  # still a hit
+    tree.check_integrity()
+    tree.host_ops.clear()
+    b = _grow(tree, [7, 8, 9, 9])  # pages 1, 2
+    tree.release(b)
+    # a[0] is the least recently used page with no child on the device: it spills, and the full host tier
+    # drops its least recently used unreferenced leaf (a[2]) to make room
+    assert tree.evict(1) == 1
+    assert tree.host_ops == [("kv_out", 0, 0)] and (a[0].page, a[0].host) == (-1, 0) and not a[1].children
+    assert b[1].page >= 0 and pool.num_used == 2 and tree.spilled_pages == 3
+    tree.check_integrity()
+    tree.host_ops.clear()
+    hit = tree.match([1, 2, 3, 4, 0], 5)
+    assert hit == a[:2]
+    tree.acquire(hit)
+    for n in hit:  # from the top, as the scheduler does
+        tree.fetch(n, pool.alloc(1)[0])
+    assert tree.host_ops == [("kv_in", 0, hit[0].page), ("kv_in", 1, hit[1].page)]
+    assert sorted(n.page for n in hit) == [0, 3] and tree.fetched_pages == 2 and not tree.spilled
+    tree.release(hit)
+    tree.check_integrity()
+    tree.evict(1)  # LRU: b's leaf spills to a free host page, nothing dropped
+    tree.clear()
+    assert tree.num_pages == 0 and not tree.spilled and pool.num_used == 0 and len(tree.host_free) == 2
+    tree.check_integrity()
+
+
+def test_tree_snapshots_spill_to_the_host_tier():
+    pool = PagePool(4)
+    tree = PrefixCache(pool, 2, needs_snapshot=True, snap_slots=[10], host_snaps=1)
+    n = _grow(tree, [1, 2, 3, 4])
+    assert tree.attach_snapshot(n[1], tree.alloc_snapshot())
+    slot = tree.alloc_snapshot()  # none free: n[1]'s snapshot moves to the host tier
+    assert slot == 10 and n[1].snap == -1 and n[1].hsnap == 0 and tree.host_ops == [("state_out", 10, 0)]
+    assert tree.match([1, 2, 3, 4, 0], 5) == n  # resumable from the host copy
+    tree.load_host_snapshot(n[1], 3)
+    assert tree.host_ops[-1] == ("state_in", 0, 3) and tree.fetched_snaps == 1
+    assert tree.attach_snapshot(n[0], slot)
+    tree.free_snapshot(tree.alloc_snapshot())  # n[0]'s goes out; the full host tier drops its LRU one (n[1]'s)
+    assert n[1].hsnap == -1 and n[0].hsnap == 0 and tree.match([1, 2, 3, 4, 0], 5) == n[:1]
+    tree.check_integrity()
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 VARIANTS = ["qwen3", "qwen35"]
 
@@ -246,6 +299,55 @@ def test_copy_on_write_of_a_partly_shared_page(tiny_checkpoint, monkeypatch):
     want = ref.generate([base + [8, 9]], sp)[0]
     assert d.cached_tokens == 38
     assert max(abs(x[0] - y[0]) for x, y in zip(d.logprobs, want.logprobs)) > 1e-3
+
+
+def _evicting_turns(llm, sp):
+    """Three 30-token conversations in a 16-page pool (pages of 4) evict each other's pages; then the first
+    goes on for a turn. Returns (outputs of the 4 requests, their prompts)."""
+    V = llm.model_config.vocab_size
+    convs = [_rand(30, 30 + i, V) for i in range(3)]
+    outs = [llm.generate([c], sp)[0] for c in convs]
+    nxt = convs[0] + outs[0].token_ids + _rand(3, 40, V)
+    return outs + [llm.generate([nxt], sp)[0]], convs + [nxt]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_host_tier_brings_evicted_pages_back(variant, tiny_checkpoint, monkeypatch):
+    """With --prefix-cache-host-gb the evicted pages (and, on the hybrid model, snapshots: 2 slots for three
+    conversations) move to host memory, and the first conversation's next turn fetches its 9 pages back
+    instead of recomputing them (without the host tier: nothing cached), with the cache-free logprobs.
+    Dropping the fetch copies changes them, so the test can fail."""
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    kw = dict(num_tokens=64, prefix_cache_snapshots=2)
+    ref = _llm(tiny_checkpoint(variant), prefix_cache=False, num_tokens=64)
+    outs, prompts = _evicting_turns(_llm(tiny_checkpoint(variant), **kw), sp)
+    assert outs[-1].cached_tokens == 0
+    llm = _llm(tiny_checkpoint(variant), prefix_cache_host_gb=0.001, **kw)
+    outs, prompts = _evicting_turns(llm, sp)
+    for o, p in zip(outs, prompts):
+        want = ref.generate([p], sp)[0]
+        assert o.token_ids == want.token_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(o.logprobs, want.logprobs)) < 1e-4
+    assert outs[-1].cached_tokens == 36  # 30 + 9 computed tokens of the first turn: 9 full pages
+    st = llm.scheduler.stats()["prefix_cache"]
+    assert st["spilled_pages"] > 0 and st["fetched_pages"] > 0 and st["host_spill_bytes"] > 0
+    if variant == "qwen35":
+        assert st["spilled_snapshots"] > 0 and st["fetched_snapshots"] == 1
+    llm.scheduler.check_integrity()
+    from moestream.server.metrics import Metrics
+
+    m = Metrics("x")
+    m.update_engine(llm.scheduler.stats())
+    assert f'moestream_prefix_cache_host_spill_bytes{{model="x"}} {float(st["host_spill_bytes"])}' in \
+        m.exposition().decode()
+    bad = _llm(tiny_checkpoint(variant), prefix_cache_host_gb=0.001, **kw)
+    host = bad.engine.caches.host
+    run = host.run
+    monkeypatch.setattr(host, "run", lambda ops, kv, st: run([o for o in ops if not o[0].endswith("_in")], kv, st))
+    outs, prompts = _evicting_turns(bad, sp)
+    want = ref.generate([prompts[-1]], sp)[0]
+    assert outs[-1].cached_tokens == 36
+    assert max(abs(x[0] - y[0]) for x, y in zip(outs[-1].logprobs, want.logprobs)) > 1e-3
 
 
 def test_a_hit_without_its_snapshot_would_differ(tiny_checkpoint, reference, monkeypatch):

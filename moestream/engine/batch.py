@@ -43,6 +43,8 @@ class ForwardBatch:
     # prefix-cache copy-on-write, done before the pass: (src page, dst page, n) copies the K/V of a cached
     # page's first n positions into the request's own page
     kv_copies: list = field(default_factory=list)
+    # prefix-cache host tier, done first and in order: (op, src, dst), see kvcache/prefix.py host_ops
+    host_copies: list = field(default_factory=list)
     # some sequence computes prompt tokens (a 1-token prompt tail after a cache hit looks like a decode
     # step): CPU steps then use prefill numerics (float activations)
     prompt: bool = False

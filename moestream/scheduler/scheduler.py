@@ -49,9 +49,11 @@ class Scheduler:
         self.suspects: set[str] = set()
         self.prefix: PrefixCache | None = None
         if engine.ecfg.prefix_cache:
-            linear = self.state.conv is not None
+            linear, host = self.state.conv is not None, engine.caches.host
             self.prefix = PrefixCache(self.kv.pages, self.kv.page_size, needs_snapshot=linear,
-                                      snap_slots=self.state.snapshot_slots if linear else None)
+                                      snap_slots=self.state.snapshot_slots if linear else None,
+                                      host_pages=host.num_pages if host else 0, host_snaps=host.num_snaps if host else 0)
+        self._host_unsure = False  # a failed step carried host-tier copies: drop the cache once it is released
         self._pending_snaps: list[tuple[Request, int, int, bool]] = []  # (req, tokens, slot, rolling)
         self.prefix_totals = {"requests": 0, "hits": 0, "prompt_tokens": 0, "cached_tokens": 0,
                               "saved_prefill_tokens": 0}
@@ -127,15 +129,25 @@ class Scheduler:
                          "usage": slots.num_used / slots.n if slots.n else 0.0}}
         if self.prefix is not None:
             t = self.prefix_totals
-            out["prefix_cache"] = {**self.prefix.stats(), **t,
+            out["prefix_cache"] = {**self.prefix.stats(), **t, **self._host_bytes(),
                                    "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0}
         return out
+
+    def _host_bytes(self) -> dict:
+        """Bytes moved to and from the prefix cache's host tier (this rank's)."""
+        host, tree = self.engine.caches.host, self.prefix
+        if host is None:
+            return {"host_spill_bytes": 0, "host_fetch_bytes": 0}
+        page, snap = host.page_bytes, host.snap_bytes
+        return {"host_spill_bytes": tree.spilled_pages * page + tree.spilled_snaps * snap,
+                "host_fetch_bytes": tree.fetched_pages * page + tree.fetched_snaps * snap}
 
     def abort_all(self, reason: str = FinishReason.ABORT.value) -> list[Request]:
         """Finish every running request (after a failed step their caches may be half-written)."""
         victims = list(self.running)
         for req in victims:
             self._finish(req, reason)
+        self._forget_unsure_host_copies()
         return victims
 
     def isolate_running(self) -> list[Request]:
@@ -148,7 +160,15 @@ class Scheduler:
             req.num_computed = 0
             self.waiting.insert(0, req)
         self.suspects.update(r.id for r in victims)
+        self._forget_unsure_host_copies()
         return victims
+
+    def _forget_unsure_host_copies(self) -> None:
+        """A failed step may not have run its host-tier copies, so the tree may name pages and snapshots
+        whose bytes were never copied: drop every cached node (none is referenced any more)."""
+        if self._host_unsure:
+            self.prefix.clear()
+            self._host_unsure = False
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -165,6 +185,7 @@ class Scheduler:
             for _, _, slot, _ in self._pending_snaps:  # never written: the step did not finish
                 self.prefix.free_snapshot(slot)
             self._pending_snaps = []
+            self._host_unsure = self._host_unsure or bool(batch.host_copies)
             raise
         outputs = self._apply(plan, sample_reqs, logits)
         self.last_step = {"seconds": time.perf_counter() - t0, "tokens": batch.num_tokens, "decode": decode,
@@ -194,7 +215,8 @@ class Scheduler:
             hit, part = self._lookup(req)
             m = len(hit) * self.kv.page_size + (part[1] if part else 0)
             n = min(budget, req.num_tokens - m)
-            if self.kv.pages_for(m + n) - len(hit) > self._free_pages() or self.state.slots.num_free == 0:
+            on_device = sum(node.page >= 0 for node in hit)  # spilled ones come back into new pages
+            if self.kv.pages_for(m + n) - on_device > self._free_pages() or self.state.slots.num_free == 0:
                 if hit or part:
                     self.prefix.release(hit + ([part[0]] if part else []))
                 break
@@ -232,10 +254,16 @@ class Scheduler:
         m = len(hit) * self.kv.page_size + (part[1] if part else 0)
         req.num_computed = m
         if self.prefix is not None:
+            for node in hit:
+                if node.page < 0:  # spilled: fetched back from the host tier
+                    self.prefix.fetch(node, self._take_page())
             req.nodes, req.pages = list(hit), [node.page for node in hit]
             req.pending_copy = part  # copied into its next page when the batch is built
             if hit and self.prefix.needs_snapshot:
-                req.pending_load = hit[-1].snap
+                if hit[-1].snap >= 0:
+                    req.pending_load = hit[-1].snap
+                else:  # only in the host tier: copied straight into the request's slot
+                    self.prefix.load_host_snapshot(hit[-1], req.state_slot)
             t = self.prefix_totals
             if req.cached_tokens is None:  # first admission: what the usage reports
                 req.cached_tokens = min(m, len(req.prompt_ids))
@@ -245,6 +273,12 @@ class Scheduler:
                 t["cached_tokens"] += req.cached_tokens
             t["saved_prefill_tokens"] += m
         self.running.append(req)
+
+    def _take_page(self) -> int:
+        """One free KV page, evicting an unreferenced cached one if needed (admission counted it)."""
+        if self.kv.pages.num_free == 0:
+            self.prefix.evict(1)
+        return self.kv.pages.alloc(1)[0]
 
     def _reserve(self, req: Request, tokens: int) -> bool:
         """Make sure req owns pages for `tokens` positions, evicting unreferenced cached pages, then
@@ -325,6 +359,8 @@ class Scheduler:
             self._plan_kv_copies(plan, batch)
         if self.prefix is not None and self.prefix.needs_snapshot:
             self._plan_state_copies(plan, batch)
+        if self.prefix is not None and self.prefix.host_ops:  # last: state copies may spill snapshots
+            batch.host_copies, self.prefix.host_ops = self.prefix.host_ops, []
         return batch, sample_reqs
 
     def _plan_kv_copies(self, plan, batch: ForwardBatch) -> None:
