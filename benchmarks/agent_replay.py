@@ -56,7 +56,8 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list, max_
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], {}
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise SystemExit(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -90,6 +91,7 @@ def replay(url: str, args) -> list[dict]:
               f"TTFT {r['ttft_s']:.3f} s", flush=True)
         messages.append({"role": "assistant", "content": r["answer"] or "ok"})
         messages.append({"role": "user", "content": f"Tool output (tool_{turn % 12}):\n{text(rng, args.tool_words)}"})
+    time.sleep(1.5)  # /v1/stats is a snapshot refreshed every 0.5 s
     stats = client.get(f"{url}/v1/stats").json().get("prefix_cache")
     if stats:
         rows.append({"prefix_cache": stats})
