@@ -79,6 +79,7 @@ class PrefixCache:
         # (op, src, dst) in decision order: kv_out page -> host page, kv_in host page -> page,
         # state_out state slot -> host snapshot, state_in host snapshot -> state slot
         self.host_ops: list[tuple[str, int, int]] = []
+        self._host_heap: list | None = None  # during evict(): droppable host leaves (heap by last use)
         self._clock = itertools.count(1)
         # counters for stats
         self.evicted_pages = 0
@@ -159,6 +160,7 @@ class PrefixCache:
             return 0
         heap = [(n.last, id(n), n) for n in self.owned.values() if n.ref == 0 and not self._on_device(n.children)]
         heapq.heapify(heap)
+        self._host_heap = None  # the host tier's droppable leaves, gathered once it first runs full
         freed = 0
         while heap and freed < count:
             _, _, n = heapq.heappop(heap)
@@ -177,8 +179,7 @@ class PrefixCache:
 
     def _spill(self, n: Node) -> bool:
         """Move n's page to a host page (queued copy); False when the host tier has no room."""
-        h = self._host_slot(self.host_free, (m for m in self.spilled.values() if m.ref == 0 and not m.children),
-                            self._remove)
+        h = self._host_page()
         if h < 0:
             return False
         self.host_ops.append(("kv_out", n.page, h))
@@ -190,17 +191,32 @@ class PrefixCache:
         n.page, n.host = -1, h
         self.spilled[h] = n
         self.spilled_pages += 1
+        if not n.children:
+            self._host_leaf(n)
         return True
 
-    @staticmethod
-    def _host_slot(free: list[int], victims, drop) -> int:
-        """A free host slot, dropping the least recently used of `victims` (nodes) if none is free; -1 if none."""
-        if not free:
-            victim = min(victims, key=lambda m: m.last, default=None)
-            if victim is None:
+    def _host_page(self) -> int:
+        """A free host page, dropping the least recently used unreferenced spilled leaf if none is free;
+        -1 if none can be dropped."""
+        if not self.host_free:
+            if self._host_heap is None:
+                self._host_heap = [(m.last, id(m), m) for m in self.spilled.values() if m.ref == 0 and not m.children]
+                heapq.heapify(self._host_heap)
+            while self._host_heap:
+                _, _, m = heapq.heappop(self._host_heap)
+                if m.host >= 0 and m.ref == 0 and not m.children:  # still a spilled leaf
+                    parent = m.parent
+                    self._remove(m)
+                    self._host_leaf(parent)
+                    break
+            else:
                 return -1
-            drop(victim)
-        return free.pop()
+        return self.host_free.pop()
+
+    def _host_leaf(self, n: Node) -> None:
+        """n may have become a droppable host leaf: a candidate of this eviction's host heap."""
+        if self._host_heap is not None and n is not self.root and n.page < 0 and n.ref == 0 and not n.children:
+            heapq.heappush(self._host_heap, (n.last, id(n), n))
 
     def fetch(self, node: Node, page: int) -> None:
         """Bring a spilled node (held by the caller) back into device page `page`, which the tree now owns;
@@ -250,7 +266,9 @@ class PrefixCache:
     def _snapshot_out(self, n: Node) -> None:
         """Free n's device snapshot slot, keeping its state in the host tier if it has room."""
         if n.hsnap < 0:
-            h = self._host_slot(self.host_snap_free, self.host_snap_nodes, self._drop_host_snapshot)
+            if not self.host_snap_free and self.host_snap_nodes:  # full: drop the least recently used
+                self._drop_host_snapshot(min(self.host_snap_nodes, key=lambda m: m.last))
+            h = self.host_snap_free.pop() if self.host_snap_free else -1
             if h >= 0:
                 self.host_ops.append(("state_out", n.snap, h))
                 n.hsnap = h

@@ -254,9 +254,9 @@ class Scheduler:
         m = len(hit) * self.kv.page_size + (part[1] if part else 0)
         req.num_computed = m
         if self.prefix is not None:
-            for node in hit:
-                if node.page < 0:  # spilled: fetched back from the host tier
-                    self.prefix.fetch(node, self._take_page())
+            spilled = [node for node in hit if node.page < 0]  # fetched back from the host tier
+            for node, page in zip(spilled, self._take_pages(len(spilled))):
+                self.prefix.fetch(node, page)
             req.nodes, req.pages = list(hit), [node.page for node in hit]
             req.pending_copy = part  # copied into its next page when the batch is built
             if hit and self.prefix.needs_snapshot:
@@ -274,11 +274,11 @@ class Scheduler:
             t["saved_prefill_tokens"] += m
         self.running.append(req)
 
-    def _take_page(self) -> int:
-        """One free KV page, evicting an unreferenced cached one if needed (admission counted it)."""
-        if self.kv.pages.num_free == 0:
-            self.prefix.evict(1)
-        return self.kv.pages.alloc(1)[0]
+    def _take_pages(self, count: int) -> list[int]:
+        """`count` free KV pages, evicting unreferenced cached ones if needed (admission counted them)."""
+        if self.kv.pages.num_free < count:
+            self.prefix.evict(count - self.kv.pages.num_free)
+        return self.kv.pages.alloc(count) if count else []
 
     def _reserve(self, req: Request, tokens: int) -> bool:
         """Make sure req owns pages for `tokens` positions, evicting unreferenced cached pages, then
