@@ -442,6 +442,25 @@ def test_tensor_parallel_ranks_load_and_save_snapshots(tiny_checkpoint, referenc
         w.close()
 
 
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
+def test_tensor_parallel_ranks_run_the_host_tier_copies(tiny_checkpoint, reference, one_torch_thread):
+    """Host-tier copies travel in the ForwardBatch: each rank spills and fetches its own shard of pages and
+    snapshots, and the fetched turn has the cache-free tokens."""
+    from moestream.parallel import TPWorkers
+
+    w = TPWorkers(2, "cpu")
+    try:
+        with _llm(tiny_checkpoint("qwen35"), tp_size=2, tp_workers=w, moe_cpu_threads=1, num_tokens=64,
+                  prefix_cache_snapshots=2, prefix_cache_host_gb=0.002) as llm:
+            outs, prompts = _evicting_turns(llm, GREEDY)
+            for o, p in zip(outs, prompts):
+                assert o.token_ids == reference("qwen35", p)
+            st = llm.scheduler.stats()["prefix_cache"]
+            assert outs[-1].cached_tokens == 36 and st["fetched_pages"] > 0 and st["fetched_snapshots"] == 1
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("when,chunk,chunks,inside", [("on", 64, [30], [(0, 28)]), ("on", 8, [8, 8, 8, 6], [(24, 4)]),
                                                       ("off", 8, [8, 8, 8, 6], []), ("on", 7, [7, 7, 7, 7, 2], [])])
 def test_prompt_snapshot_inside_the_chunk(tiny_checkpoint, reference, when, chunk, chunks, inside):
