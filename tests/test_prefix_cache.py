@@ -131,6 +131,32 @@ def test_tree_snapshots_spill_to_the_host_tier():
     tree.check_integrity()
 
 
+def test_host_pool_runs_the_queued_copies_in_order():
+    """kv_out / kv_in move whole pages of every layer, state_out / state_in whole snapshots, in queue order:
+    a device page spilled and refilled by a fetch in one step, and a host page fetched and then refilled by
+    a spill, each hand over the right bytes."""
+    from moestream.kvcache.pools import HostPool, KVPool, StatePool
+
+    kv = KVPool(2, 3, 4, 1, 2, torch.float32, torch.device("cpu"))
+    st = StatePool(2, 1, 3, 4, 1, 2, 2, torch.float32, torch.float32, torch.device("cpu"), num_snapshots=1)
+    host = HostPool(kv, st, num_pages=2, num_snaps=1, pin=False)
+    kv.k.copy_(torch.arange(kv.k.numel(), dtype=torch.float32).view_as(kv.k))
+    kv.v.copy_(-kv.k)
+    st.rec.copy_(torch.arange(st.rec.numel(), dtype=torch.float32).view_as(st.rec))
+    page = lambda t, p: t[:, p * 4:(p + 1) * 4].clone()  # noqa: E731
+    p0, p1 = page(kv.k, 0), page(kv.k, 1)
+    host.run([("kv_out", 1, 1)], kv, st)  # host page 1 <- device page 1
+    host.run([("kv_out", 0, 0), ("kv_in", 1, 0), ("kv_out", 2, 1)], kv, st)
+    assert torch.equal(page(kv.k, 0), p1) and torch.equal(page(kv.v, 0), -p1)  # fetched after page 0 left
+    assert torch.equal(host.k[:, 0:4], p0)  # page 0's bytes went to host page 0
+    assert torch.equal(host.k[:, 4:8], page(kv.k, 2))  # host page 1 refilled after it was fetched
+    snap = st.rec[:, 1].clone()
+    host.run([("state_out", 1, 0), ("state_in", 0, 0)], kv, st)
+    assert torch.equal(st.rec[:, 0], snap) and torch.equal(host.rec[:, 0], snap)
+    assert host.page_bytes == 2 * 2 * 4 * 1 * 2 * 4 and host.snap_bytes == StatePool.bytes_per_slot(
+        2, 3, 4, 1, 2, 2, torch.float32, torch.float32)
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 VARIANTS = ["qwen3", "qwen35"]
 
