@@ -6,12 +6,17 @@ then user messages, tool outputs and the model's own answers. This script replay
 token, and reads `prompt_tokens_details.cached_tokens` from the usage. Each turn appends the model's
 answer and a new tool output of --tool-words words, so the prompt grows by a few hundred tokens a turn.
 
-By default it starts `moestream serve` twice on this machine (prefix cache on, then
+--conversations N replays N such agents (different seeds) taking turns, so on a small KV pool each
+evicts the others' pages: what the prefix cache's host tier (--prefix-cache-host-gb) is for.
+
+By default it starts `moestream serve` once per --compare configuration (prefix cache on, then
 --disable-prefix-cache), each with the same --serve-args, and prints one table; --server URL measures
 one running server instead.
 
     PYTHONPATH=$PWD python benchmarks/agent_replay.py --turns 8 --out /tmp/replay.json
     PYTHONPATH=$PWD python benchmarks/agent_replay.py --serve-args "--model-path demo"
+    PYTHONPATH=$PWD python benchmarks/agent_replay.py --conversations 2 --serve-args "--num-tokens 4096" \
+        --compare "host=--prefix-cache-host-gb 1;cache=;no_cache=--disable-prefix-cache"
     PYTHONPATH=$PWD python benchmarks/agent_replay.py --server http://127.0.0.1:1919
 """
 from __future__ import annotations
@@ -77,20 +82,23 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list, max_
 
 
 def replay(url: str, args) -> list[dict]:
-    rng = random.Random(args.seed)
     client = httpx.Client(timeout=args.timeout)
     model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-    messages = [{"role": "system", "content": system_prompt(rng, args.system_words)},
-                {"role": "user", "content": "Fix the failing test in the cache module. " + text(rng, 40)}]
+    rngs = [random.Random(args.seed + c) for c in range(args.conversations)]
+    convs = [[{"role": "system", "content": system_prompt(rng, args.system_words)},
+              {"role": "user", "content": "Fix the failing test in the cache module. " + text(rng, 40)}]
+             for rng in rngs]
     rows = []
     for turn in range(args.turns):
-        r = stream_turn(client, url, model, messages, args.max_tokens)
-        r["turn"] = turn
-        rows.append(r)
-        print(f"  turn {turn}: prompt {r['prompt_tokens']} tokens, cached {r['cached_tokens']}, "
-              f"TTFT {r['ttft_s']:.3f} s", flush=True)
-        messages.append({"role": "assistant", "content": r["answer"] or "ok"})
-        messages.append({"role": "user", "content": f"Tool output (tool_{turn % 12}):\n{text(rng, args.tool_words)}"})
+        for c, (rng, messages) in enumerate(zip(rngs, convs)):
+            r = stream_turn(client, url, model, messages, args.max_tokens)
+            r["turn"], r["conversation"] = turn, c
+            rows.append(r)
+            print(f"  turn {turn}{f' conversation {c}' if args.conversations > 1 else ''}: prompt "
+                  f"{r['prompt_tokens']} tokens, cached {r['cached_tokens']}, TTFT {r['ttft_s']:.3f} s", flush=True)
+            messages.append({"role": "assistant", "content": r["answer"] or "ok"})
+            messages.append({"role": "user",
+                             "content": f"Tool output (tool_{turn % 12}):\n{text(rng, args.tool_words)}"})
     time.sleep(1.5)  # /v1/stats is a snapshot refreshed every 0.5 s
     stats = client.get(f"{url}/v1/stats").json().get("prefix_cache")
     if stats:
@@ -117,10 +125,19 @@ def start_server(port: int, extra: list[str], log_path: str) -> subprocess.Popen
     raise SystemExit(f"the server did not become healthy in 900 s; see {log_path}")
 
 
+def configurations(spec: str) -> list[tuple[str, list[str]]]:
+    """"name=flags;name=flags" -> [(name, [flag, ...])]."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, flags = part.partition("=")
+        out.append((name.strip(), shlex.split(flags)))
+    return out
+
+
 def run_local(args) -> dict:
     out = {}
     extra = shlex.split(args.serve_args)
-    for name, flags in (("cache", []), ("no_cache", ["--disable-prefix-cache"])):
+    for name, flags in configurations(args.compare):
         proc = start_server(args.port, extra + flags, f"{args.log_prefix}_{name}.log")
         try:
             print(f"{name}:", flush=True)
@@ -131,23 +148,34 @@ def run_local(args) -> dict:
     return out
 
 
-def table(out: dict) -> str:
-    on = [r for r in out.get("cache", []) if "turn" in r]
-    off = {r["turn"]: r for r in out.get("no_cache", []) if "turn" in r}
-    lines = ["| turn | prompt tokens | cached | TTFT cache s | TTFT no cache s | speed-up |", "|---|---|---|---|---|---|"]
-    for r in on:
-        o = off.get(r["turn"])
-        t_off, ratio = (f"{o['ttft_s']:.3f}", f"{o['ttft_s'] / r['ttft_s']:.1f}x") if o else ("-", "-")
-        lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | {t_off} | {ratio} |")
+def table(out: dict, names: list[str]) -> str:
+    """One row per (turn, conversation): prompt tokens, then cached tokens and TTFT of each configuration,
+    and the last configuration's TTFT over each other's (the speed-up when the last is the cache-free one)."""
+    runs = {n: {(r["turn"], r["conversation"]): r for r in out[n] if "turn" in r} for n in names}
+    head = ["turn", "prompt tokens"] + [f"cached {n}" for n in names] + [f"TTFT {n} s" for n in names]
+    head += [f"{names[-1]} / {n}" for n in names[:-1]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, first in runs[names[0]].items():
+        rs = [runs[n].get(key) for n in names]
+        turn = f"{key[0]}" if len({k[1] for k in runs[names[0]]}) == 1 else f"{key[0]}.{key[1]}"
+        cells = [turn, str(first["prompt_tokens"])]
+        cells += [str(r["cached_tokens"]) if r else "-" for r in rs]
+        cells += [f"{r['ttft_s']:.3f}" if r else "-" for r in rs]
+        last = rs[-1]
+        cells += [f"{last['ttft_s'] / r['ttft_s']:.1f}x" if r and last else "-" for r in rs[:-1]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", default=None, help="measure this running server (one pass) instead of starting two")
+    p.add_argument("--server", default=None, help="measure this running server (one pass) instead of starting some")
     p.add_argument("--serve-args", default="", help="extra `moestream serve` arguments (e.g. --model-path ...)")
     p.add_argument("--port", type=int, default=19190)
+    p.add_argument("--compare", default="cache=;no_cache=--disable-prefix-cache",
+                   help="configurations to start, 'name=serve flags;...' (the last one is the baseline of the ratios)")
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=1, help="agents taking turns, each with its own history")
     p.add_argument("--system-words", type=int, default=1500, help="system prompt + tools, in words (~1.3 tokens each)")
     p.add_argument("--tool-words", type=int, default=200, help="words of tool output added each turn")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens the model answers each turn")
@@ -159,7 +187,7 @@ def main() -> None:
     out = {"server": replay(args.server.rstrip("/"), args)} if args.server else run_local(args)
     out["args"] = vars(args)
     if not args.server:
-        print(table(out))
+        print(table(out, [n for n, _ in configurations(args.compare)]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
