@@ -27,8 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-snapshots", type=int, default=None,
                    help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
     g.add_argument("--prefix-cache-prompt-snapshot", default="on", choices=("on", "off"),
-                   help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary (taken inside "
-                        "the prefill chunk, no extra step), so a repeat or extension of the prompt resumes there")
+                   help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary and where it "
+                        "leaves the cached pages (taken inside the prefill chunk, no extra step), so a repeat, "
+                        "extension or sibling of the prompt resumes there")
     g.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
                    help="host RAM (pinned on a GPU) that evicted prefix-cache pages and snapshots move to, and come "
                         "back from on a hit, instead of being recomputed (0: off)")

@@ -375,9 +375,10 @@ class EngineConfig:
     # linear-state snapshot slots of the prefix cache (models with Gated DeltaNet layers); None: 2 per
     # running request (a prompt's end and a finished request's last page boundary)
     prefix_cache_snapshots: int | None = None
-    # a Gated DeltaNet model's state at the last page boundary before a prompt's last token is saved as a
-    # snapshot (taken inside the prefill chunk that crosses it, no extra chunk): "on", or "off" (snapshots
-    # only where decoding reaches a page boundary, and where a prompt's prefill ends on one)
+    # a Gated DeltaNet model's state at the last page boundary before a prompt's last token, and where the
+    # prompt leaves the cached pages, is saved as a snapshot (taken inside the prefill chunk that crosses
+    # it, no extra chunk): "on", or "off" (snapshots only where decoding reaches a page boundary, and where
+    # a prompt's prefill ends on one)
     prefix_cache_prompt_snapshot: str = "on"
     # host memory (GiB, all ranks together) that evicted prefix-cache pages and snapshots move to instead of
     # being dropped, and come back from on a hit; 0: off

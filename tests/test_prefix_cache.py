@@ -376,6 +376,23 @@ def test_host_tier_brings_evicted_pages_back(variant, tiny_checkpoint, monkeypat
     assert max(abs(x[0] - y[0]) for x, y in zip(outs[-1].logprobs, want.logprobs)) > 1e-3
 
 
+@pytest.mark.parametrize("chunk", [2048, 8])
+def test_a_shared_prefix_gets_a_snapshot_where_requests_branch(chunk, tiny_checkpoint, reference):
+    """Hybrid model: B shares A's first 40 tokens (10 pages) but A's snapshots sit past them, so B recomputes
+    everything, and takes a snapshot at 40 on the way (inside its chunk, or after the chunk ending there);
+    C, sharing the same 40 tokens, then resumes at 40. Tokens equal the cache-free runs."""
+    llm = _llm(tiny_checkpoint("qwen35"), chunked_prefill_size=chunk)
+    V = llm.model_config.vocab_size
+    base = _rand(40, 11, V)
+    prompts = [base + _rand(10, 12 + i, V) for i in range(3)]
+    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference("qwen35", p)
+    assert [o.cached_tokens for o in outs] == [0, 0, 40]
+    off = _llm(tiny_checkpoint("qwen35"), chunked_prefill_size=chunk, prefix_cache_prompt_snapshot="off")
+    assert [off.generate([p], GREEDY)[0].cached_tokens for p in prompts] == [0, 0, 0]
+
+
 def test_a_hit_without_its_snapshot_would_differ(tiny_checkpoint, reference, monkeypatch):
     """The hybrid tests can fail: dropping the snapshot load (resuming from a zero state) changes tokens."""
     llm = _llm(tiny_checkpoint("qwen35"))

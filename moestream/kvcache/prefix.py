@@ -90,6 +90,14 @@ class PrefixCache:
     def match(self, ids: list[int], max_tokens: int) -> list[Node]:
         """The longest cached path of full pages within ids[:max_tokens] that can be resumed from
         (for linear-state models: ending at a node with a snapshot). Does not take references."""
+        path = self.match_pages(ids, max_tokens)
+        if self.needs_snapshot:
+            while path and path[-1].snap < 0 and path[-1].hsnap < 0:
+                path.pop()
+        return path
+
+    def match_pages(self, ids: list[int], max_tokens: int) -> list[Node]:
+        """The longest cached path of full pages within ids[:max_tokens], snapshots or not."""
         P = self.page_size
         node, path = self.root, []
         for i in range(max_tokens // P):
@@ -98,9 +106,6 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        if self.needs_snapshot:
-            while path and path[-1].snap < 0 and path[-1].hsnap < 0:
-                path.pop()
         return path
 
     def match_partial(self, parent: Node, ids: list[int], start: int, max_tokens: int) -> tuple[Node | None, int]:

@@ -41,6 +41,7 @@ class Request:
     pending_load: int = -1
     roll_node: object = None
     pending_copy: tuple | None = None
+    branch_at: int = 0  # linear-state models: tokens of its prompt found in cached pages (a snapshot goes there)
     matcher: object = None  # grammar.Matcher of a constrained request
     thinking: bool = False  # inside <think>...</think> (the grammar waits, the thinking budget counts)
     thinking_tokens: int = 0

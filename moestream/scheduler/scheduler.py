@@ -238,6 +238,8 @@ class Scheduler:
             return [], None  # prompt logprobs need the logits of every prompt position: computed, not reused
         limit = req.num_tokens - 1  # the last token is computed for its logits
         hit = self.prefix.match(req.all_ids, limit)
+        if self.prefix.needs_snapshot:  # where its tokens leave the cached pages: a branch point worth a snapshot
+            req.branch_at = len(self.prefix.match_pages(req.all_ids, limit)) * self.kv.page_size
         part = None
         if not self.prefix.needs_snapshot:
             node, n = self.prefix.match_partial(hit[-1] if hit else self.prefix.root, req.all_ids,
@@ -389,11 +391,14 @@ class Scheduler:
         prompt_snaps = self.engine.ecfg.prefix_cache_prompt_snapshot == "on"
         for (req, n), seq in zip(plan, batch.seqs):
             c, end = req.num_computed, req.num_computed + n
-            b = (req.num_tokens - 1) // P * P  # the last boundary a later request can resume from
-            if prompt_snaps and req.in_prefill and c < b < end:
-                slot = self._alloc_snapshot(req, b, rolling=False)
-                seq.snapshots += ((b - c, slot),) if slot >= 0 else ()
-            if end % P or not ((prompt_snaps and end == b) or end == req.num_tokens):
+            # the last boundary a later request can resume from, and where this one left the cached pages
+            # (a prefix shared with another request, e.g. a system prompt: the next one resumes there)
+            points = sorted({(req.num_tokens - 1) // P * P, req.branch_at}) if prompt_snaps else []
+            for b in points:
+                if req.in_prefill and c < b < end:
+                    slot = self._alloc_snapshot(req, b, rolling=False)
+                    seq.snapshots += ((b - c, slot),) if slot >= 0 else ()
+            if end % P or not ((req.in_prefill and end in points) or end == req.num_tokens):
                 continue
             rolling = not req.in_prefill  # a decode step: replaces this request's previous decode snapshot
             if rolling and req.roll_node is not None:
