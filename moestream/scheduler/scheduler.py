@@ -10,9 +10,11 @@ Prefix cache (kvcache/prefix.py, on unless --disable-prefix-cache): a request ad
 starts after the longest cached run of full pages of its tokens (at most all but the last token), and
 its pages enter the tree as they fill. For models with Gated DeltaNet layers the run must end at a state
 snapshot: the request's slot is loaded from it before its first step (ForwardBatch.state_loads); a prompt's
-prefill saves one at its last page boundary (taken inside the chunk that crosses it, SeqMeta.snapshots), and
-decoding saves one at each page boundary, replacing that request's previous one (ForwardBatch.state_saves,
-copied after the step).
+prefill saves one at its last page boundary and where it leaves the cached pages (taken inside the chunk
+that crosses it, SeqMeta.snapshots), and decoding saves one at each page boundary, replacing that request's
+previous one (ForwardBatch.state_saves, copied after the step). Attention-only models also copy the shared
+head of a page a request leaves midway (ForwardBatch.kv_copies); with a host tier, evicted pages and
+snapshots are spilled to host memory and fetched back on a hit (ForwardBatch.host_copies).
 """
 from __future__ import annotations
 
