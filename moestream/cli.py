@@ -28,9 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV pages and linear-state snapshots of earlier requests' prefixes")
     g.add_argument("--prefix-cache-snapshots", type=int, default=None,
                    help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
-    g.add_argument("--prefix-cache-prompt-snapshot", default="long", choices=("long", "always", "never"),
-                   help="cut a Gated DeltaNet model's prompt at its last page boundary to snapshot it there (one "
-                        "extra prefill chunk): for prompts longer than one chunk (long), always, or never")
+    g.add_argument("--prefix-cache-prompt-snapshot", default="on", choices=("on", "off"),
+                   help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary and where it "
+                        "leaves the cached pages (taken inside the prefill chunk, no extra step), so a repeat, "
+                        "extension or sibling of the prompt resumes there")
+    g.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+                   help="host RAM (pinned on a GPU) that evicted prefix-cache pages and snapshots move to, and come "
+                        "back from on a hit, instead of being recomputed (0: off)")
     g.add_argument("--speculative", default="none", choices=("none", "mtp"),
                    help="speculative decoding: mtp drafts tokens with the checkpoint's multi-token-prediction "
                         "block (Qwen3.5/3.6; loaded only then) and verifies them in one forward pass")
@@ -66,8 +70,8 @@ ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override"
                "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
                "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
                "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
-               "prefix_cache_prompt_snapshot", "speculative", "num_speculative_tokens", "record_routing",
-               "moe_cache_policy")
+               "prefix_cache_prompt_snapshot", "prefix_cache_host_gb", "speculative", "num_speculative_tokens",
+               "record_routing", "moe_cache_policy")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -395,11 +395,14 @@ class EngineConfig:
     # linear-state snapshot slots of the prefix cache (models with Gated DeltaNet layers); None: 2 per
     # running request (a prompt's end and a finished request's last page boundary)
     prefix_cache_snapshots: int | None = None
-    # a Gated DeltaNet model's prompt is cut at its last page boundary to snapshot the state there (one
-    # extra prefill chunk; an offload prefill streams the experts again: pp512 -33% measured on the H200):
-    # "long" only for prompts longer than one --chunked-prefill-size chunk (where agents' prompts live and
-    # the extra chunk is a small share), "always", or "never" (snapshots only where chunks end anyway)
-    prefix_cache_prompt_snapshot: str = "long"
+    # a Gated DeltaNet model's state at the last page boundary before a prompt's last token, and where the
+    # prompt leaves the cached pages, is saved as a snapshot (taken inside the prefill chunk that crosses
+    # it, no extra chunk): "on", or "off" (snapshots only where decoding reaches a page boundary, and where
+    # a prompt's prefill ends on one)
+    prefix_cache_prompt_snapshot: str = "on"
+    # host memory (GiB, all ranks together) that evicted prefix-cache pages and snapshots move to instead of
+    # being dropped, and come back from on a hit; 0: off
+    prefix_cache_host_gb: float = 0.0
     # speculative decoding: "mtp" drafts with the checkpoint's multi-token-prediction block (loaded only
     # then), num_speculative_tokens drafts per step verified in one forward pass of the main model
     speculative: str = "none"
@@ -458,9 +461,11 @@ class EngineConfig:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.prefix_cache_prompt_snapshot not in ("long", "always", "never"):
-            raise ConfigError("--prefix-cache-prompt-snapshot must be long, always or never, got "
+        if self.prefix_cache_prompt_snapshot not in ("on", "off"):
+            raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
                               f"{self.prefix_cache_prompt_snapshot!r}")
+        if self.prefix_cache_host_gb < 0:
+            raise ConfigError(f"--prefix-cache-host-gb must be >= 0, got {self.prefix_cache_host_gb}")
         if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
             raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
         if self.speculative not in SPECULATIVE:

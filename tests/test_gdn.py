@@ -30,7 +30,7 @@ def _recurrence(q, k, v, logdecay, beta, s0):
 def test_chunked_equals_recurrence(L, chunk):
     q, k, v, g, beta, s0 = _inputs(3, L, 16, 8, seed=L)
     o_ref, s_ref = _recurrence(q, k, v, g, beta, s0)
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=chunk)
+    o, s, _ = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=chunk)
     torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(s, s_ref, rtol=1e-9, atol=1e-9)
 
@@ -38,8 +38,47 @@ def test_chunked_equals_recurrence(L, chunk):
 def test_chunked_in_pieces_equals_whole():
     """Chunked prefill split across steps (state carried over) equals one pass."""
     q, k, v, g, beta, s0 = _inputs(2, 90, 8, 8, seed=7)
-    o_all, s_all = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=16)
-    o1, s1 = chunk_gated_delta_rule(q[:, :33], k[:, :33], v[:, :33], g[:, :33], beta[:, :33], s0.clone(), chunk=16)
-    o2, s2 = chunk_gated_delta_rule(q[:, 33:], k[:, 33:], v[:, 33:], g[:, 33:], beta[:, 33:], s1, chunk=16)
+    o_all, s_all, _ = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=16)
+    o1, s1, _ = chunk_gated_delta_rule(q[:, :33], k[:, :33], v[:, :33], g[:, :33], beta[:, :33], s0.clone(), chunk=16)
+    o2, s2, _ = chunk_gated_delta_rule(q[:, 33:], k[:, 33:], v[:, 33:], g[:, 33:], beta[:, 33:], s1, chunk=16)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o_all, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(s2, s_all, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("L,chunk,at", [(37, 8, [1, 8, 13, 36, 37]), (100, 64, [28, 64, 65, 99]), (5, 64, [3])])
+def test_states_inside_a_chunk_equal_the_state_after_that_prefix(L, chunk, at):
+    """states_at: the state after e tokens, taken inside the chunked scan, equals a scan of exactly e tokens."""
+    q, k, v, g, beta, s0 = _inputs(3, L, 16, 8, seed=L + chunk)
+    o, s, mids = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=chunk, states_at=at)
+    o_ref, s_ref, _ = chunk_gated_delta_rule(q, k, v, g, beta, s0.clone(), chunk=chunk)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)  # asking for states changes nothing else
+    for e, m in zip(at, mids):
+        _, s_e = _recurrence(q[:, :e], k[:, :e], v[:, :e], g[:, :e], beta[:, :e], s0)
+        torch.testing.assert_close(m, s_e, rtol=1e-9, atol=1e-9)
+
+
+def test_layer_snapshot_equals_prefilling_up_to_the_boundary():
+    """GatedDeltaNet._prefill_one with snapshots: the conv window and recurrent state written to a snapshot
+    slot after e tokens of a chunk equal those of a slot that prefilled exactly those e tokens (float32)."""
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    m = GatedDeltaNet(hidden=32, num_k_heads=2, num_v_heads=4, k_dim=8, v_dim=8, conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    L, e = 90, 68  # the boundary inside the scan's second 64-token chunk
+    mixed, g, beta = torch.randn(L, m.conv_dim), -torch.rand(L, m.hv), torch.rand(L, m.hv)
+    conv = torch.randn(4, m.conv_dim, 3)
+    rec = torch.randn(4, m.hv, m.dk, m.dv)
+    conv[1], rec[1] = conv[0], rec[0]
+    with torch.no_grad():
+        whole = m._prefill_one(mixed, g, beta, 0, conv, rec, snapshots=[(e, 2)])
+        head = m._prefill_one(mixed[:e], g[:e], beta[:e], 1, conv, rec)  # slot 1: exactly e tokens
+        assert torch.equal(conv[2], conv[1])
+        torch.testing.assert_close(rec[2], rec[1], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(rec[2], rec[0], atol=1e-3)  # not the state after all L tokens
+        tail = m._prefill_one(mixed[e:], g[e:], beta[e:], 2, conv, rec)  # resumed from the snapshot
+    torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv[2], conv[0])
+    torch.testing.assert_close(rec[2], rec[0], rtol=1e-5, atol=1e-5)

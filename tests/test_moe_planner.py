@@ -37,6 +37,16 @@ def test_plan_offload_on_small_gpu_fills_budget():
     assert "expert plan: backend offload" in p.describe()
 
 
+def test_auto_pin_budget_leaves_the_prefix_cache_host_tier_its_memory():
+    """Expert banks are pinned up to host memory less a headroom and less the prefix cache's host tier."""
+    hw = gpu(8, host_gb=64)  # 62 GiB available, headroom max(4 GiB, share of 64 GiB)
+    base = plan_memory(BIG, hw, EngineConfig(moe_backend="offload")).bytes.pin_budget
+    tier = plan_memory(BIG, hw, EngineConfig(moe_backend="offload", prefix_cache_host_gb=10)).bytes.pin_budget
+    assert 0 < tier == base - 10 * GiB
+    off = EngineConfig(moe_backend="offload", prefix_cache_host_gb=10, prefix_cache=False)
+    assert plan_memory(BIG, hw, off).bytes.pin_budget == base
+
+
 def test_auto_choices():
     assert plan_memory(BIG, gpu(139), EngineConfig()).backend == "fused"
     cpu = Hardware("cpu", "cpu", 400 * GiB, 512 * GiB, 400 * GiB, 32)

@@ -78,12 +78,90 @@ def test_tree_snapshots_gate_hits_and_are_lru():
     tree.check_integrity()
 
 
+def test_tree_spills_to_the_host_tier_and_fetches_back():
+    """Evicted pages move to host pages (queued copies, in decision order) and stay matchable; a hit fetches
+    them back into fresh device pages; when the host tier is full its least recently used leaf is dropped."""
+    pool = PagePool(4)
+    tree = PrefixCache(pool, 2, host_pages=2)
+    a = _grow(tree, [1, 2, 3, 4, 5, 6])  # pages 0, 1, 2
+    tree.release(a)
+    assert tree.evict(2) == 2  # leaves first: a[2] to host page 0, then a[1] to host page 1
+    assert tree.host_ops == [("kv_out", 2, 0), ("kv_out", 1, 1)]
+    assert [(n.page, n.host) for n in a] == [(0, -1), (-1, 1), (-1, 0)] and pool.num_used == 1
+    assert tree.num_evictable == 1 and tree.match([1, 2, 3, 4, 5, 6, 0], 7) == a  # still a hit
+    tree.check_integrity()
+    tree.host_ops.clear()
+    b = _grow(tree, [7, 8, 9, 9])  # pages 1, 2
+    tree.release(b)
+    # a[0] is the least recently used page with no child on the device: it spills, and the full host tier
+    # drops its least recently used unreferenced leaf (a[2]) to make room
+    assert tree.evict(1) == 1
+    assert tree.host_ops == [("kv_out", 0, 0)] and (a[0].page, a[0].host) == (-1, 0) and not a[1].children
+    assert b[1].page >= 0 and pool.num_used == 2 and tree.spilled_pages == 3
+    tree.check_integrity()
+    tree.host_ops.clear()
+    hit = tree.match([1, 2, 3, 4, 0], 5)
+    assert hit == a[:2]
+    tree.acquire(hit)
+    for n in hit:  # from the top, as the scheduler does
+        tree.fetch(n, pool.alloc(1)[0])
+    assert tree.host_ops == [("kv_in", 0, hit[0].page), ("kv_in", 1, hit[1].page)]
+    assert sorted(n.page for n in hit) == [0, 3] and tree.fetched_pages == 2 and not tree.spilled
+    tree.release(hit)
+    tree.check_integrity()
+    tree.evict(1)  # LRU: b's leaf spills to a free host page, nothing dropped
+    tree.clear()
+    assert tree.num_pages == 0 and not tree.spilled and pool.num_used == 0 and len(tree.host_free) == 2
+    tree.check_integrity()
+
+
+def test_tree_snapshots_spill_to_the_host_tier():
+    pool = PagePool(4)
+    tree = PrefixCache(pool, 2, needs_snapshot=True, snap_slots=[10], host_snaps=1)
+    n = _grow(tree, [1, 2, 3, 4])
+    assert tree.attach_snapshot(n[1], tree.alloc_snapshot())
+    slot = tree.alloc_snapshot()  # none free: n[1]'s snapshot moves to the host tier
+    assert slot == 10 and n[1].snap == -1 and n[1].hsnap == 0 and tree.host_ops == [("state_out", 10, 0)]
+    assert tree.match([1, 2, 3, 4, 0], 5) == n  # resumable from the host copy
+    tree.load_host_snapshot(n[1], 3)
+    assert tree.host_ops[-1] == ("state_in", 0, 3) and tree.fetched_snaps == 1
+    assert tree.attach_snapshot(n[0], slot)
+    tree.free_snapshot(tree.alloc_snapshot())  # n[0]'s goes out; the full host tier drops its LRU one (n[1]'s)
+    assert n[1].hsnap == -1 and n[0].hsnap == 0 and tree.match([1, 2, 3, 4, 0], 5) == n[:1]
+    tree.check_integrity()
+
+
+def test_host_pool_runs_the_queued_copies_in_order():
+    """kv_out / kv_in move whole pages of every layer, state_out / state_in whole snapshots, in queue order:
+    a device page spilled and refilled by a fetch in one step, and a host page fetched and then refilled by
+    a spill, each hand over the right bytes."""
+    from moestream.kvcache.pools import HostPool, KVPool, StatePool
+
+    kv = KVPool(2, 3, 4, 1, 2, torch.float32, torch.device("cpu"))
+    st = StatePool(2, 1, 3, 4, 1, 2, 2, torch.float32, torch.float32, torch.device("cpu"), num_snapshots=1)
+    host = HostPool(kv, st, num_pages=2, num_snaps=1, pin=False)
+    kv.k.copy_(torch.arange(kv.k.numel(), dtype=torch.float32).view_as(kv.k))
+    kv.v.copy_(-kv.k)
+    st.rec.copy_(torch.arange(st.rec.numel(), dtype=torch.float32).view_as(st.rec))
+    page = lambda t, p: t[:, p * 4:(p + 1) * 4].clone()  # noqa: E731
+    p0, p1 = page(kv.k, 0), page(kv.k, 1)
+    host.run([("kv_out", 1, 1)], kv, st)  # host page 1 <- device page 1
+    host.run([("kv_out", 0, 0), ("kv_in", 1, 0), ("kv_out", 2, 1)], kv, st)
+    assert torch.equal(page(kv.k, 0), p1) and torch.equal(page(kv.v, 0), -p1)  # fetched after page 0 left
+    assert torch.equal(host.k[:, 0:4], p0)  # page 0's bytes went to host page 0
+    assert torch.equal(host.k[:, 4:8], page(kv.k, 2))  # host page 1 refilled after it was fetched
+    snap = st.rec[:, 1].clone()
+    host.run([("state_out", 1, 0), ("state_in", 0, 0)], kv, st)
+    assert torch.equal(st.rec[:, 0], snap) and torch.equal(host.rec[:, 0], snap)
+    assert host.page_bytes == 2 * 2 * 4 * 1 * 2 * 4 and host.snap_bytes == StatePool.bytes_per_slot(
+        2, 3, 4, 1, 2, 2, torch.float32, torch.float32)
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 VARIANTS = ["qwen3", "qwen35"]
 
 
 def _llm(path, **kw):
-    kw.setdefault("prefix_cache_prompt_snapshot", "always")  # the mechanism, on the short prompts here
     return LLM(path, device="cpu", dtype="float32", page_size=kw.pop("page_size", 4), **kw)
 
 
@@ -136,9 +214,10 @@ def test_repeated_and_branching_prompts(variant, tiny_checkpoint, reference):
     for p, o in zip(prompts, outs):
         assert o.token_ids == reference(variant, p)
     # base + [5,6,7]: nothing cached; base + [8,9]: the first's 36 tokens (its prompt-end snapshot for
-    # the hybrid model); the same prompt again: its 36 tokens still; base[:20]: 16 (attention) or none
-    # (no snapshot at 16 for the hybrid model)
-    want = [0, 36, 36, 16 if variant == "qwen3" else 0]
+    # the hybrid model), + 1 copied from the page [b36, 5, 6, 7] (attention: copy-on-write); the same
+    # prompt again: 36 + 3 of that page (all but its last token) or 36; base[:20]: 16 + 3 copied
+    # (attention) or none (no snapshot at 16 for the hybrid model)
+    want = [0, 37, 39, 19] if variant == "qwen3" else [0, 36, 36, 0]
     assert [o.cached_tokens for o in outs] == want
     st = llm.scheduler.stats()["prefix_cache"]
     assert st["requests"] == 4 and st["cached_tokens"] == sum(want)
@@ -210,6 +289,110 @@ def test_preemption_and_eviction_keep_tokens(variant, tiny_checkpoint, reference
     assert hits[0][0] == hits[0][1], hits
 
 
+def test_tree_match_partial_takes_the_longest_shared_head():
+    pool = PagePool(8)
+    tree = PrefixCache(pool, 4)
+    a = _grow(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = _grow(tree, [1, 2, 3, 4, 5, 6, 9, 9])
+    c = _grow(tree, [1, 2, 3, 4, 5, 9, 9, 9])
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 6, 9, 0, 0], 4, 9) == (b[1], 3)
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 6, 7, 8, 0], 4, 7) == (a[1], 3)  # at most max_tokens
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 5, 7], 4, 6) in ((a[1], 1), (b[1], 1), (c[1], 1))
+    assert tree.match_partial(a[0], [1, 2, 3, 4, 0, 6], 4, 6) == (None, 0)
+    assert tree.match_partial(tree.root, [1, 2, 0], 0, 3) == (a[0], 2)
+
+
+def test_copy_on_write_of_a_partly_shared_page(tiny_checkpoint, monkeypatch):
+    """Attention-only model, pages of 4: a prompt that leaves a cached path 2 tokens into a page reuses the
+    full pages and copies those 2 positions' K/V from the cached page into its own (while the request that
+    computed it still runs, and after it ended); logprobs equal the cache-free run's. Skipping the copy
+    changes them, so the test can fail."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm, ref = _llm(tiny_checkpoint("qwen3")), _llm(tiny_checkpoint("qwen3"), prefix_cache=False)
+    V = llm.model_config.vocab_size
+    base = _rand(38, 8, V)  # 9 full pages and 2 tokens
+    a, b = Request("a", base + [1, 2], sp), Request("b", base + [3, 4, 5], sp)
+    _run(llm, [a], {2: [b]})
+    c = llm.generate([base + [6, 7]], sp)[0]
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 38, 38)
+    for ids, got_ids, got_lps in ((b.prompt_ids, b.output_ids, b.output_lps),
+                                  (base + [6, 7], c.token_ids, c.logprobs)):
+        want = ref.generate([ids], sp)[0]
+        assert got_ids == want.token_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(got_lps, want.logprobs)) < 1e-4
+    monkeypatch.setattr(llm.engine.caches.kv, "copy_heads", lambda copies: None)
+    d = llm.generate([base + [8, 9]], sp)[0]
+    want = ref.generate([base + [8, 9]], sp)[0]
+    assert d.cached_tokens == 38
+    assert max(abs(x[0] - y[0]) for x, y in zip(d.logprobs, want.logprobs)) > 1e-3
+
+
+def _evicting_turns(llm, sp):
+    """Three 30-token conversations in a 16-page pool (pages of 4) evict each other's pages; then the first
+    goes on for a turn. Returns (outputs of the 4 requests, their prompts)."""
+    V = llm.model_config.vocab_size
+    convs = [_rand(30, 30 + i, V) for i in range(3)]
+    outs = [llm.generate([c], sp)[0] for c in convs]
+    nxt = convs[0] + outs[0].token_ids + _rand(3, 40, V)
+    return outs + [llm.generate([nxt], sp)[0]], convs + [nxt]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_host_tier_brings_evicted_pages_back(variant, tiny_checkpoint, monkeypatch):
+    """With --prefix-cache-host-gb the evicted pages (and, on the hybrid model, snapshots: 2 slots for three
+    conversations) move to host memory, and the first conversation's next turn fetches its 9 pages back
+    instead of recomputing them (without the host tier: nothing cached), with the cache-free logprobs.
+    Dropping the fetch copies changes them, so the test can fail."""
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    kw = dict(num_tokens=64, prefix_cache_snapshots=2)
+    ref = _llm(tiny_checkpoint(variant), prefix_cache=False, num_tokens=64)
+    outs, prompts = _evicting_turns(_llm(tiny_checkpoint(variant), **kw), sp)
+    assert outs[-1].cached_tokens == 0
+    llm = _llm(tiny_checkpoint(variant), prefix_cache_host_gb=0.001, **kw)
+    outs, prompts = _evicting_turns(llm, sp)
+    for o, p in zip(outs, prompts):
+        want = ref.generate([p], sp)[0]
+        assert o.token_ids == want.token_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(o.logprobs, want.logprobs)) < 1e-4
+    assert outs[-1].cached_tokens == 36  # 30 + 9 computed tokens of the first turn: 9 full pages
+    st = llm.scheduler.stats()["prefix_cache"]
+    assert st["spilled_pages"] > 0 and st["fetched_pages"] > 0 and st["host_spill_bytes"] > 0
+    if variant == "qwen35":
+        assert st["spilled_snapshots"] > 0 and st["fetched_snapshots"] == 1
+    llm.scheduler.check_integrity()
+    from moestream.server.metrics import Metrics
+
+    m = Metrics("x")
+    m.update_engine(llm.scheduler.stats())
+    assert f'moestream_prefix_cache_host_spill_bytes{{model="x"}} {float(st["host_spill_bytes"])}' in \
+        m.exposition().decode()
+    bad = _llm(tiny_checkpoint(variant), prefix_cache_host_gb=0.001, **kw)
+    host = bad.engine.caches.host
+    run = host.run
+    monkeypatch.setattr(host, "run", lambda ops, kv, st: run([o for o in ops if not o[0].endswith("_in")], kv, st))
+    outs, prompts = _evicting_turns(bad, sp)
+    want = ref.generate([prompts[-1]], sp)[0]
+    assert outs[-1].cached_tokens == 36
+    assert max(abs(x[0] - y[0]) for x, y in zip(outs[-1].logprobs, want.logprobs)) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])
+def test_a_shared_prefix_gets_a_snapshot_where_requests_branch(chunk, tiny_checkpoint, reference):
+    """Hybrid model: B shares A's first 40 tokens (10 pages) but A's snapshots sit past them, so B recomputes
+    everything, and takes a snapshot at 40 on the way (inside its chunk, or after the chunk ending there);
+    C, sharing the same 40 tokens, then resumes at 40. Tokens equal the cache-free runs."""
+    llm = _llm(tiny_checkpoint("qwen35"), chunked_prefill_size=chunk)
+    V = llm.model_config.vocab_size
+    base = _rand(40, 11, V)
+    prompts = [base + _rand(10, 12 + i, V) for i in range(3)]
+    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference("qwen35", p)
+    assert [o.cached_tokens for o in outs] == [0, 0, 40]
+    off = _llm(tiny_checkpoint("qwen35"), chunked_prefill_size=chunk, prefix_cache_prompt_snapshot="off")
+    assert [off.generate([p], GREEDY)[0].cached_tokens for p in prompts] == [0, 0, 0]
+
+
 def test_a_hit_without_its_snapshot_would_differ(tiny_checkpoint, reference, monkeypatch):
     """The hybrid tests can fail: dropping the snapshot load (resuming from a zero state) changes tokens."""
     llm = _llm(tiny_checkpoint("qwen35"))
@@ -275,14 +458,14 @@ def test_engine_loop_sends_cached_tokens_and_stats(tiny_checkpoint):
             if items:
                 finals.append(items[0])
                 break
-    assert [f.cached_tokens for f in finals] == [0, 28]  # all but the last token, in whole pages of 4
+    assert [f.cached_tokens for f in finals] == [0, 29]  # all but the last token: 7 pages of 4 and 1 copied from the 8th
     stats = loop.stats()
-    assert stats["prefix_cache"]["cached_tokens"] == 28 and stats["prefix_cache"]["hit_rate"] == 28 / 60
+    assert stats["prefix_cache"]["cached_tokens"] == 29 and stats["prefix_cache"]["hit_rate"] == 29 / 60
     m = Metrics("x")
     m.update_engine(stats)
     text = m.exposition().decode()
-    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.466' in text
-    assert 'moestream_prefix_cache_cached_tokens{model="x"} 28.0' in text
+    assert 'moestream_prefix_cache_hit_rate{model="x"} 0.483' in text
+    assert 'moestream_prefix_cache_cached_tokens{model="x"} 29.0' in text
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
@@ -303,29 +486,56 @@ def test_tensor_parallel_ranks_load_and_save_snapshots(tiny_checkpoint, referenc
         w.close()
 
 
-@pytest.mark.parametrize("when,chunk,chunks", [("long", 64, [30]), ("long", 8, [8, 8, 8, 4, 2]),
-                                               ("never", 8, [8, 8, 8, 6]), ("always", 64, [28, 2])])
-def test_prompt_snapshot_policy(tiny_checkpoint, reference, when, chunk, chunks):
-    """A hybrid model's prompt is cut at its last page boundary (one extra prefill chunk, for a snapshot
-    there) only as --prefix-cache-prompt-snapshot says: "long" for prompts longer than one chunk; a repeat
-    of the prompt then resumes from that snapshot. Tokens equal the cache-free run either way."""
-    prompt = list(range(3, 33))  # 30 tokens, pages of 4: the last boundary before the last token is 28
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPU cores (one per rank)")
+def test_tensor_parallel_ranks_run_the_host_tier_copies(tiny_checkpoint, reference, one_torch_thread):
+    """Host-tier copies travel in the ForwardBatch: each rank spills and fetches its own shard of pages and
+    snapshots, and the fetched turn has the cache-free tokens."""
+    from moestream.parallel import TPWorkers
+
+    w = TPWorkers(2, "cpu")
+    try:
+        with _llm(tiny_checkpoint("qwen35"), tp_size=2, tp_workers=w, moe_cpu_threads=1, num_tokens=64,
+                  prefix_cache_snapshots=2, prefix_cache_host_gb=0.002) as llm:
+            outs, prompts = _evicting_turns(llm, GREEDY)
+            for o, p in zip(outs, prompts):
+                assert o.token_ids == reference("qwen35", p)
+            st = llm.scheduler.stats()["prefix_cache"]
+            assert outs[-1].cached_tokens == 36 and st["fetched_pages"] > 0 and st["fetched_snapshots"] == 1
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("when,chunk,chunks,inside", [("on", 64, [30], [(0, 28)]), ("on", 8, [8, 8, 8, 6], [(24, 4)]),
+                                                      ("off", 8, [8, 8, 8, 6], []), ("on", 7, [7, 7, 7, 7, 2], [])])
+def test_prompt_snapshot_inside_the_chunk(tiny_checkpoint, reference, when, chunk, chunks, inside):
+    """A hybrid model's state at a prompt's last page boundary (28 of 30 tokens, pages of 4) is taken inside
+    the prefill chunk that crosses it (no cut, no extra chunk), or copied after a chunk that ends there (chunks
+    of 7); a repeat of the prompt resumes from it. --prefix-cache-prompt-snapshot off takes none. Tokens equal
+    the cache-free run either way."""
+    prompt = list(range(3, 33))
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm = _llm(tiny_checkpoint("qwen35"), prefix_cache_prompt_snapshot=when, chunked_prefill_size=chunk)
-    seen = []
+    seen, snaps = [], []
     orig = llm.engine.forward
-    llm.engine.forward = lambda batch: seen.append(batch.num_tokens) or orig(batch)
+
+    def spy(batch):
+        seen.append(batch.num_tokens)
+        snaps.extend((s.cached, e) for s in batch.seqs for e, _ in s.snapshots)
+        return orig(batch)
+
+    llm.engine.forward = spy
     first = llm.generate([prompt], sp)[0]
-    assert seen == chunks
+    assert seen == chunks and snaps == inside
     again = llm.generate([prompt], sp)[0]
     assert again.token_ids == first.token_ids == reference("qwen35", prompt, 1)
-    assert again.cached_tokens == (28 if 28 in [sum(chunks[:i + 1]) for i in range(len(chunks))] else 0)
+    assert again.cached_tokens == (28 if when == "on" else 0)
 
 
 def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_checkpoint, tmp_path):
-    """A GGUF on the CPU kernels: a prompt's tail after a prefix-cache hit is a short chunk, computed with float
-    activations like the whole prompt (int8 activations are for decode steps only), so the repeat's logits
-    equal the first run's bit for bit."""
+    """A GGUF on the CPU kernels: a prompt's tail after a prefix-cache hit is a short chunk, here one token (the
+    rest is in 7 cached pages and the head of the 8th, copied), computed with float activations like the whole
+    prompt (int8 activations are for decode steps only, though a one-token step looks like one), so the
+    repeat's logits equal the first run's."""
     import gguf_writer
     from gguf import GGMLQuantizationType as Q
 
@@ -339,16 +549,16 @@ def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_c
     orig = llm.engine.model.forward
 
     def spy(batch):
-        seen.append((batch.is_decode, cpu_quant.available()))
+        seen.append((batch.prompt, cpu_quant.available()))
         return orig(batch)
 
     llm.engine.model.forward = spy
     prompt = list(range(5, 35))
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     first, again = (llm.generate([prompt], sp)[0] for _ in range(2))
-    assert again.cached_tokens == 28 and first.cached_tokens == 0
+    assert again.cached_tokens == 29 and first.cached_tokens == 0
     assert again.token_ids == first.token_ids
     # float GEMMs of 30 rows and of 2 round alike to ~1e-6; int8 activations in the tail would move ~1e-2
     assert max(abs(a[0] - b[0]) for a, b in zip(again.logprobs, first.logprobs)) < 1e-4
-    assert {d: a for d, a in seen} == {False: False, True: True}  # kernels off in prefill, on in decode
+    assert set(seen) == {(True, False), (False, True)}  # kernels off for prompt tokens, on in decode
     assert cpu_quant.available()

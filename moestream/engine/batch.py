@@ -21,6 +21,10 @@ class SeqMeta:
     # speculative verify: linear-state slots that receive the state after each of the first tokens
     # (checkpoints[i]: after token i), so a rejected draft rolls back by one slot copy
     checkpoints: list[int] | None = None
+    # prefix-cache snapshots inside a prefill chunk: (e, slot) = the linear state after the first e
+    # (< length) new tokens is written to state slot `slot` during the pass (one at the chunk's end is a
+    # ForwardBatch.state_saves copy)
+    snapshots: tuple = ()
 
     @property
     def total(self) -> int:
@@ -39,6 +43,14 @@ class ForwardBatch:
     # resumes from a snapshot; a snapshot is saved after the step that reached its page boundary
     state_loads: list = field(default_factory=list)
     state_saves: list = field(default_factory=list)
+    # prefix-cache copy-on-write, done before the pass: (src page, dst page, n) copies the K/V of a cached
+    # page's first n positions into the request's own page
+    kv_copies: list = field(default_factory=list)
+    # prefix-cache host tier, done first and in order: (op, src, dst), see kvcache/prefix.py host_ops
+    host_copies: list = field(default_factory=list)
+    # some sequence computes prompt tokens (a 1-token prompt tail after a cache hit looks like a decode
+    # step): CPU steps then use prefill numerics (float activations)
+    prompt: bool = False
     extra: dict = field(default_factory=dict)
 
     @property

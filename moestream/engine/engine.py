@@ -17,7 +17,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError, RequestError
 from ..env import fuse_projections_enabled
-from ..kvcache import KVPool, StatePool
+from ..kvcache import HostPool, KVPool, StatePool
 from ..layers.rotary import Rotary
 from ..models.loader import expert_format_for, load_weights
 from ..models.fuse import fuse_projections
@@ -73,6 +73,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 class Caches:
     kv: KVPool
     state: StatePool
+    host: HostPool | None = None  # the prefix cache's host tier (--prefix-cache-host-gb)
 
 
 class Engine:
@@ -375,12 +376,8 @@ class Engine:
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = sum(p.numel() * p.element_size() for p in model.parameters())
             dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
-        kv = KVPool.bytes_per_token(self.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        slots = e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
-        state = slots * StatePool.bytes_per_slot(
-            len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
-            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
-            DTYPES[e.linear_state_dtype]) if cfg.linear_attention_layers else 0
+        kv, state = self._cache_bytes(e)
+        state *= e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
         sizes = model_sizes(cfg, e, dense, self.max_seq_len, kv, state,
                             fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size))
         if self.use_mtp:  # the MTP layers' experts are placed like any layer's
@@ -391,6 +388,17 @@ class Engine:
             log.info("%s", line)
         return plan
 
+    def _cache_bytes(self, e: EngineConfig | None = None) -> tuple[int, int]:
+        """(KV bytes per token, bytes of one linear-state slot) of this rank (e: the options; default this
+        engine's). The KV layers include the MTP block's when it is loaded."""
+        cfg, e = self.local_cfg, e or self.ecfg
+        kv = KVPool.bytes_per_token(self.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        state = StatePool.bytes_per_slot(
+            len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
+            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
+            DTYPES[e.linear_state_dtype]) if cfg.linear_attention_layers else 0
+        return kv, state
+
     def _build_caches(self) -> Caches:
         cfg, e = self.local_cfg, self.ecfg
         num_tokens = max(self.plan.kv_tokens, e.page_size)
@@ -400,7 +408,20 @@ class Engine:
                           max(cfg.linear_conv_kernel, 1), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim, self.dtype, DTYPES[e.linear_state_dtype], self.device,
                           num_snapshots=self.num_state_snapshots, num_checkpoints=self.num_state_checkpoints)
-        return Caches(kv, state)
+        return Caches(kv, state, self._build_host_tier(kv, state))
+
+    def _build_host_tier(self, kv: KVPool, state: StatePool) -> HostPool | None:
+        """The prefix cache's host tier: --prefix-cache-host-gb split over the ranks, half of it for state
+        snapshots on Qwen3.5/3.6 (HostPool.split)."""
+        e = self.ecfg
+        if not e.prefix_cache or not e.prefix_cache_host_gb:
+            return None
+        budget = int(e.prefix_cache_host_gb * 2**30) // e.tp_size
+        token, snap = self._cache_bytes()
+        pages, snaps = HostPool.split(budget, token * e.page_size, snap)
+        log.info("prefix cache host tier: %d pages, %d snapshots (%.2f GiB%s)", pages, snaps, budget / 2**30,
+                 ", pinned" if self.device.type == "cuda" else "")
+        return HostPool(kv, state, pages, snaps, pin=self.device.type == "cuda")
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         decode = batch.is_decode
@@ -412,6 +433,9 @@ class Engine:
         # "keep_hidden"), which recorded steps do not keep, and verify steps are not decode steps
         use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
         state = self.caches.state
+        if batch.host_copies:  # the prefix cache's spills to and fetches from host memory, in order
+            self.caches.host.run(batch.host_copies, self.caches.kv, state)
+        self.caches.kv.copy_heads(batch.kv_copies)  # prefix-cache copy-on-write of partly shared pages
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         # a speculative verify step without prompt rows is a decode step for the experts (the slot cache and
         # its LRU, the pair kernels; not prefill streaming) and on a CPU computes with decode's int8-activation
@@ -419,7 +443,7 @@ class Engine:
         decode_like = decode or bool(batch.extra.get("decode_like"))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph})
         if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode_like)
+            cpu_quant.prefill_step(not decode_like or batch.prompt)
         try:
             if use_graph:
                 out = graphs.run(batch)

@@ -7,6 +7,9 @@ page_table[p // page_size] * page_size + p % page_size.
 StatePool: the Gated DeltaNet conv window and recurrent state of each running request, one slot each,
 then `num_snapshots` more slots that the prefix cache keeps state snapshots in (kvcache/prefix.py), then
 `num_checkpoints` slots for speculative decoding (the state after each draft position of a verify step).
+
+HostPool: the prefix cache's host tier: pages and snapshots moved out of the device pools (pinned host
+memory when the pools are on a GPU), copied by the ops the prefix cache queues.
 """
 from __future__ import annotations
 
@@ -107,6 +110,15 @@ class KVPool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def copy_heads(self, copies: list[tuple[int, int, int]]) -> None:
+        """(src page, dst page, n): the K/V of the first n positions of page src, in every layer, into dst."""
+        if self.k is None:
+            return
+        P = self.page_size
+        for src, dst, n in copies:
+            self.k[:, dst * P:dst * P + n].copy_(self.k[:, src * P:src * P + n])
+            self.v[:, dst * P:dst * P + n].copy_(self.v[:, src * P:src * P + n])
+
     def flat_index(self, page_table: list[int], start: int, end: int, device) -> torch.Tensor:
         pos = torch.arange(start, end)
         pages = torch.tensor(page_table, dtype=torch.long)[pos // self.page_size]
@@ -157,3 +169,43 @@ class StatePool:
         c = conv_dim * (conv_kernel - 1) * torch.empty((), dtype=conv_dtype).element_size()
         r = num_v_heads * k_head_dim * v_head_dim * torch.empty((), dtype=state_dtype).element_size()
         return num_layers * (c + r)
+
+
+class HostPool:
+    def __init__(self, kv: KVPool, state: StatePool, num_pages: int, num_snaps: int, pin: bool):
+        """num_pages KV pages and num_snaps state snapshots laid out like the device pools; pin: page-locked
+        (the pools are on a GPU)."""
+        P = kv.page_size
+
+        def like(t, n, per):  # n slots of `per` rows of t's layout along dim 1
+            if t is None or n == 0:
+                return None
+            return torch.zeros((t.shape[0], n * per, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+
+        self.num_pages, self.num_snaps, self.page_size = num_pages, num_snaps, P
+        self.k, self.v = like(kv.k, num_pages, P), like(kv.v, num_pages, P)
+        self.conv, self.rec = like(state.conv, num_snaps, 1), like(state.rec, num_snaps, 1)
+        size = lambda t: t[:, :1].numel() * t.element_size() if t is not None else 0  # noqa: E731 (one row)
+        self.page_bytes = (size(self.k) + size(self.v)) * P  # one host page / snapshot, for the stats
+        self.snap_bytes = size(self.conv) + size(self.rec)
+
+    @staticmethod
+    def split(budget: int, page_bytes: int, snap_bytes: int) -> tuple[int, int]:
+        """(pages, snapshots) that `budget` bytes hold: half for snapshots when the model has linear
+        layers (one snapshot is worth many pages), the rest (or all) for pages."""
+        snaps = budget // 2 // snap_bytes if snap_bytes else 0
+        rest = budget - snaps * snap_bytes
+        return (rest // page_bytes if page_bytes else 0), snaps
+
+    def run(self, ops: list[tuple[str, int, int]], kv: KVPool, state: StatePool) -> None:
+        """The prefix cache's queued copies, in order (kvcache/prefix.py: host_ops)."""
+        P = self.page_size
+        for op, src, dst in ops:
+            if op in ("kv_out", "kv_in") and self.k is not None:
+                a, b = (kv, self) if op == "kv_out" else (self, kv)
+                b.k[:, dst * P:(dst + 1) * P].copy_(a.k[:, src * P:(src + 1) * P], non_blocking=True)
+                b.v[:, dst * P:(dst + 1) * P].copy_(a.v[:, src * P:(src + 1) * P], non_blocking=True)
+            elif op in ("state_out", "state_in") and self.conv is not None:
+                a, b = (state, self) if op == "state_out" else (self, state)
+                b.conv[:, dst].copy_(a.conv[:, src], non_blocking=True)
+                b.rec[:, dst].copy_(a.rec[:, src], non_blocking=True)

@@ -21,15 +21,17 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """q, k [H, L, Dk] (normalised, q scaled); v [H, L, Dv]; g, beta [H, L]; state [H, Dk, Dv] (fp32).
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=()):
+    """q, k [H, L, Dk] (normalised, q scaled); v [H, L, Dv]; g, beta [H, L]; state [H, Dk, Dv] (fp32);
+    states_at: token counts e (1 <= e <= L) after which the state is wanted too (prefix-cache snapshots).
 
     Within a chunk with cumulative log-decay c (c_i = g_1 + ... + g_i) and start state S0, the
     written values u solve the unit lower-triangular system
         (I + A) u = beta*v - beta*exp(c) * (K S0),  A_ij = beta_i exp(c_i - c_j) k_i.k_j  (j < i)
     and o = exp(c) * (Q S0) + (QK^T * exp(c_i - c_j), j <= i) u,
-        S_end = exp(c_last) S0 + (K * exp(c_last - c))^T u.
-    Returns (o [H, L, Dv], final state).
+        S_end = exp(c_last) S0 + (K * exp(c_last - c))^T u,
+    and the state after the chunk's j-th token is the same sum cut at j (`_state_within`).
+    Returns (o [H, L, Dv], final state, [state after e tokens for e in states_at]).
     """
     H, L, Dk = k.shape
     pad = (-L) % chunk
@@ -55,12 +57,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     k_dec = k * (c[..., -1:] - c).exp().unsqueeze(-1)
     last = c[..., -1].exp()  # [H, n]
     out = torch.empty_like(v)
+    wanted = {}  # chunk index -> [(index into states_at, last token's position within the chunk)]
+    for a, e in enumerate(states_at):
+        assert 1 <= e <= L, (e, L)
+        wanted.setdefault((e - 1) // chunk, []).append((a, (e - 1) % chunk))
+    mids = [None] * len(states_at)
     S = state
     for i in range(n):
         u = u0[:, i] - w[:, i] @ S
         out[:, i] = q_dec[:, i] @ S + qk[:, i] @ u
+        for a, j in wanted.get(i, ()):
+            mids[a] = _state_within(S, k[:, i], u, c[:, i], j)
         S = S * last[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ u
-    return out.reshape(H, n * chunk, -1)[:, :L], S
+    return out.reshape(H, n * chunk, -1)[:, :L], S, mids
+
+
+def _state_within(S0, k, u, c, j: int):
+    """The state after position j (0-based) of a chunk that started in S0: k [H, C, Dk], u [H, C, Dv] the
+    chunk's written values, c [H, C] its cumulative log-decay."""
+    k_dec = k[:, :j + 1] * (c[:, j:j + 1] - c[:, :j + 1]).exp().unsqueeze(-1)
+    return S0 * c[:, j].exp()[:, None, None] + k_dec.transpose(-1, -2) @ u[:, :j + 1]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -122,7 +138,7 @@ class GatedDeltaNet(nn.Module):
             for s in batch.seqs:
                 sl = slice(s.start, s.start + s.length)
                 core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state,
-                                             s.checkpoints)
+                                             s.checkpoints, s.snapshots)
         # z stays a (strided) view: [T, Hv, Dv] rows of the fused product, normed with core [T, Hv, Dv]
         out = self.norm(core, z.unflatten(-1, (self.hv, self.dv))).reshape(x.shape[0], -1)
         return self.out_proj(out)
@@ -138,32 +154,43 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=-2)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
-    def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state, checkpoints=None):
+    def _prefill_one(self, mixed, g, beta, slot, conv_state, rec_state, checkpoints=None, snapshots=()):
+        """One sequence's prefill chunk; snapshots: (e, dst slot) pairs, the state after the chunk's first e
+        tokens (e < the chunk's length) written into slot dst (a prefix-cache snapshot); checkpoints (a
+        speculative verify): slot i gets the state after token i."""
         w = self.conv1d.weight  # [conv_dim, 1, K]
         window = torch.cat([conv_state[slot].to(mixed.dtype), mixed.t()], dim=-1)  # [conv_dim, K-1+L]
         conv_state[slot] = window[:, -(self.kernel - 1):].to(conv_state.dtype)
+        for e, dst in snapshots:  # the conv window after e tokens: the K-1 inputs ending at token e
+            conv_state[dst] = window[:, e:e + self.kernel - 1].to(conv_state.dtype)
         conv_out = F.silu(F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim))[0].t()  # [L, conv]
         conv_out = conv_out.to(mixed.dtype)
         q, k, v = self._split(conv_out)  # [L, Hv, D]
         if checkpoints:  # a speculative verify (a few tokens): the step recurrence, keeping each state
-            return self._steps(q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints).to(mixed.dtype)
-        o, S = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                      g.t(), beta.t(), rec_state[slot].float())
+            return self._steps(q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints,
+                               snapshots).to(mixed.dtype)
+        o, S, mids = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                            g.t(), beta.t(), rec_state[slot].float(),
+                                            states_at=[e for e, _ in snapshots])
         rec_state[slot] = S.to(rec_state.dtype)
+        for (_, dst), m in zip(snapshots, mids):
+            rec_state[dst] = m.to(rec_state.dtype)
         return o.transpose(0, 1).to(mixed.dtype)
 
-    def _steps(self, q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints):
+    def _steps(self, q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints, snapshots=()):
         """Token by token (the decode recurrence): the conv window and state after token i also go to
-        slot checkpoints[i]. q, k, v [L, Hv, D]; returns o [L, Hv, Dv]."""
+        slot checkpoints[i] (and after e tokens to dst, for the (e, dst) snapshots). q, k, v [L, Hv, D];
+        returns o [L, Hv, Dv]."""
+        snap = dict(snapshots)
         S = rec_state[slot].float()
         out = torch.empty_like(v)
         for i in range(q.shape[0]):
             o, S = recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
                                               S.unsqueeze(0))
             S, out[i] = S[0], o[0]
-            if i < len(checkpoints):
-                rec_state[checkpoints[i]] = S.to(rec_state.dtype)
-                conv_state[checkpoints[i]] = window[:, i + 1:i + self.kernel].to(conv_state.dtype)
+            for dst in ([checkpoints[i]] if i < len(checkpoints) else []) + ([snap[i + 1]] if i + 1 in snap else []):
+                rec_state[dst] = S.to(rec_state.dtype)
+                conv_state[dst] = window[:, i + 1:i + self.kernel].to(conv_state.dtype)
         rec_state[slot] = S.to(rec_state.dtype)
         return out
 

@@ -296,7 +296,9 @@ def _pin_budget(hw: Hardware, e, host_bytes: int) -> int:
     if e.pin_budget_gb is not None:
         return int(e.pin_budget_gb * GiB)
     headroom = max(4 * GiB, int(PIN_HEADROOM * hw.host_total_bytes))
-    return max(0, min(host_bytes, hw.host_available_bytes - headroom))
+    # the prefix cache's host tier is pinned too (kvcache.HostPool, this rank's share)
+    tier = int(e.prefix_cache_host_gb * GiB) // e.tp_size if e.prefix_cache else 0
+    return max(0, min(host_bytes, hw.host_available_bytes - headroom - tier))
 
 
 def model_sizes(cfg, e, dense_bytes: int, max_seq_len: int, kv_bytes_per_token: int,

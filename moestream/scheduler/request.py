@@ -34,11 +34,14 @@ class Request:
     finished_at: float | None = None
     preemptions: int = 0
     # prefix cache: the tree nodes this request holds (its first len(nodes) pages), the prompt tokens it
-    # found cached when first admitted, a snapshot to resume from in its next step, its rolling snapshot
+    # found cached when first admitted, a snapshot to resume from in its next step, its rolling snapshot,
+    # and (node, n): the first n positions of that cached page to copy into its own next page (copy-on-write)
     nodes: list = field(default_factory=list)
     cached_tokens: int | None = None
     pending_load: int = -1
     roll_node: object = None
+    pending_copy: tuple | None = None
+    branch_at: int = 0  # linear-state models: tokens of its prompt found in cached pages (a snapshot goes there)
     matcher: object = None  # grammar.Matcher of a constrained request
     thinking: bool = False  # inside <think>...</think> (the grammar waits, the thinking budget counts)
     thinking_tokens: int = 0

@@ -10,8 +10,11 @@ Prefix cache (kvcache/prefix.py, on unless --disable-prefix-cache): a request ad
 starts after the longest cached run of full pages of its tokens (at most all but the last token), and
 its pages enter the tree as they fill. For models with Gated DeltaNet layers the run must end at a state
 snapshot: the request's slot is loaded from it before its first step (ForwardBatch.state_loads); a prompt's
-prefill stops at its last page boundary to save one there, and decoding saves one at each page boundary,
-replacing that request's previous one (ForwardBatch.state_saves, copied after the step).
+prefill saves one at its last page boundary and where it leaves the cached pages (taken inside the chunk
+that crosses it, SeqMeta.snapshots), and decoding saves one at each page boundary, replacing that request's
+previous one (ForwardBatch.state_saves, copied after the step). Attention-only models also copy the shared
+head of a page a request leaves midway (ForwardBatch.kv_copies); with a host tier, evicted pages and
+snapshots are spilled to host memory and fetched back on a hit (ForwardBatch.host_copies).
 """
 from __future__ import annotations
 
@@ -48,9 +51,11 @@ class Scheduler:
         self.suspects: set[str] = set()
         self.prefix: PrefixCache | None = None
         if engine.ecfg.prefix_cache:
-            linear = self.state.conv is not None
+            linear, host = self.state.conv is not None, engine.caches.host
             self.prefix = PrefixCache(self.kv.pages, self.kv.page_size, needs_snapshot=linear,
-                                      snap_slots=self.state.snapshot_slots if linear else None)
+                                      snap_slots=self.state.snapshot_slots if linear else None,
+                                      host_pages=host.num_pages if host else 0, host_snaps=host.num_snaps if host else 0)
+        self._host_unsure = False  # a failed step carried host-tier copies: drop the cache once it is released
         self._pending_snaps: list[tuple[Request, int, int, bool]] = []  # (req, tokens, slot, rolling)
         self.prefix_totals = {"requests": 0, "hits": 0, "prompt_tokens": 0, "cached_tokens": 0,
                               "saved_prefill_tokens": 0}
@@ -133,7 +138,7 @@ class Scheduler:
             out["speculative"] = self.spec_stats()
         if self.prefix is not None:
             t = self.prefix_totals
-            out["prefix_cache"] = {**self.prefix.stats(), **t,
+            out["prefix_cache"] = {**self.prefix.stats(), **t, **self._host_bytes(),
                                    "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0}
         return out
 
@@ -148,11 +153,21 @@ class Scheduler:
                 "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
                 "tokens_per_verify_step": t["emitted"] / t["verify_steps"] if t["verify_steps"] else 0.0}
 
+    def _host_bytes(self) -> dict:
+        """Bytes moved to and from the prefix cache's host tier (this rank's)."""
+        host, tree = self.engine.caches.host, self.prefix
+        if host is None:
+            return {"host_spill_bytes": 0, "host_fetch_bytes": 0}
+        page, snap = host.page_bytes, host.snap_bytes
+        return {"host_spill_bytes": tree.spilled_pages * page + tree.spilled_snaps * snap,
+                "host_fetch_bytes": tree.fetched_pages * page + tree.fetched_snaps * snap}
+
     def abort_all(self, reason: str = FinishReason.ABORT.value) -> list[Request]:
         """Finish every running request (after a failed step their caches may be half-written)."""
         victims = list(self.running)
         for req in victims:
             self._finish(req, reason)
+        self._forget_unsure_host_copies()
         return victims
 
     def isolate_running(self) -> list[Request]:
@@ -165,6 +180,7 @@ class Scheduler:
             req.num_computed = 0
             self.waiting.insert(0, req)
         self.suspects.update(r.id for r in victims)
+        self._forget_unsure_host_copies()
         return victims
 
     # ---- live cache rebuild ----------------------------------------------------------------
@@ -227,6 +243,13 @@ class Scheduler:
                 keep[p] = next(spare)
         return keep
 
+    def _forget_unsure_host_copies(self) -> None:
+        """A failed step may not have run its host-tier copies, so the tree may name pages and snapshots
+        whose bytes were never copied: drop every cached node (none is referenced any more)."""
+        if self._host_unsure:
+            self.prefix.clear()
+            self._host_unsure = False
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self._plan()
@@ -246,6 +269,7 @@ class Scheduler:
                 self.prefix.free_snapshot(slot)
             self._pending_snaps = []
             self._spec = []
+            self._host_unsure = self._host_unsure or bool(batch.host_copies)
             raise
         outputs = self._apply(plan, sample_reqs, logits)
         if self.spec_k:
@@ -275,22 +299,23 @@ class Scheduler:
                 budget -= n
         for req in list(self.running):
             if req.status == Status.RUNNING and req.in_prefill and budget > 0:
-                n = self._chunk(req, req.num_computed, min(budget, req.num_tokens - req.num_computed))
+                n = min(budget, req.num_tokens - req.num_computed)
                 if self._reserve(req, req.num_computed + n):
                     plan.append((req, n))
                     budget -= n
         limit = 1 if self.suspects else self.max_running
         while self.waiting and budget > 0 and len(self.running) < limit:
             req = self.waiting[0]
-            hit = self._lookup(req)
-            m = len(hit) * self.kv.page_size
-            n = self._chunk(req, m, min(budget, req.num_tokens - m))
-            if self.kv.pages_for(m + n) - len(hit) > self._free_pages() or self.state.slots.num_free == 0:
-                if hit:
-                    self.prefix.release(hit)
+            hit, part = self._lookup(req)
+            m = len(hit) * self.kv.page_size + (part[1] if part else 0)
+            n = min(budget, req.num_tokens - m)
+            on_device = sum(node.page >= 0 for node in hit)  # spilled ones come back into new pages
+            if self.kv.pages_for(m + n) - on_device > self._free_pages() or self.state.slots.num_free == 0:
+                if hit or part:
+                    self.prefix.release(hit + ([part[0]] if part else []))
                 break
             self.waiting.pop(0)
-            self._admit(req, hit)
+            self._admit(req, hit, part)
             self._reserve(req, m + n)
             plan.append((req, n))
             budget -= n
@@ -299,39 +324,42 @@ class Scheduler:
     def _free_pages(self) -> int:
         return self.kv.pages.num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
 
-    def _lookup(self, req: Request) -> list:
-        """The cached path req can start after (references taken), or [] without the cache."""
+    def _lookup(self, req: Request) -> tuple[list, tuple | None]:
+        """The cached path req can start after, and (node, n) when its tokens go on through the first n
+        positions of a cached page (copied, not recomputed; attention-only models); references taken.
+        ([], None) without the cache."""
         if self.prefix is None or getattr(req.params, "prompt_logprobs", None):
-            return []  # prompt logprobs need the logits of every prompt position: computed, not reused
-        hit = self.prefix.match(req.all_ids, req.num_tokens - 1)  # the last token is computed for its logits
-        self.prefix.acquire(hit)
-        return hit
+            return [], None  # prompt logprobs need the logits of every prompt position: computed, not reused
+        limit = req.num_tokens - 1  # the last token is computed for its logits
+        hit = self.prefix.match(req.all_ids, limit)
+        if self.prefix.needs_snapshot:  # where its tokens leave the cached pages: a branch point worth a snapshot
+            req.branch_at = len(self.prefix.match_pages(req.all_ids, limit)) * self.kv.page_size
+        part = None
+        if not self.prefix.needs_snapshot:
+            node, n = self.prefix.match_partial(hit[-1] if hit else self.prefix.root, req.all_ids,
+                                                len(hit) * self.kv.page_size, limit)
+            part = (node, n) if node is not None else None
+        self.prefix.acquire(hit + ([part[0]] if part else []))
+        return hit, part
 
-    def _chunk(self, req: Request, start: int, n: int) -> int:
-        """A linear-state model's prefill chunk stops at the last page boundary before the request's last
-        token, to save a snapshot there (the state after its whole prompt cannot be cut later)."""
-        if self.prefix is not None and self.prefix.num_snap_slots:
-            e = self.engine.ecfg
-            when = e.prefix_cache_prompt_snapshot
-            if when == "never" or (when == "long" and req.num_tokens <= e.chunked_prefill_size):
-                return n
-            P = self.kv.page_size
-            b = (req.num_tokens - 1) // P * P
-            if start < b < start + n:
-                return b - start
-        return n
-
-    def _admit(self, req: Request, hit: list | None = None) -> None:
+    def _admit(self, req: Request, hit: list | None = None, part: tuple | None = None) -> None:
         hit = hit or []
         req.state_slot = self.state.slots.alloc(1)[0]
         self.state.reset(req.state_slot)
         req.status = Status.RUNNING
-        m = len(hit) * self.kv.page_size
+        m = len(hit) * self.kv.page_size + (part[1] if part else 0)
         req.num_computed = m
         if self.prefix is not None:
+            spilled = [node for node in hit if node.page < 0]  # fetched back from the host tier
+            for node, page in zip(spilled, self._take_pages(len(spilled))):
+                self.prefix.fetch(node, page)
             req.nodes, req.pages = list(hit), [node.page for node in hit]
+            req.pending_copy = part  # copied into its next page when the batch is built
             if hit and self.prefix.needs_snapshot:
-                req.pending_load = hit[-1].snap
+                if hit[-1].snap >= 0:
+                    req.pending_load = hit[-1].snap
+                else:  # only in the host tier: copied straight into the request's slot
+                    self.prefix.load_host_snapshot(hit[-1], req.state_slot)
             t = self.prefix_totals
             if req.cached_tokens is None:  # first admission: what the usage reports
                 req.cached_tokens = min(m, len(req.prompt_ids))
@@ -341,6 +369,12 @@ class Scheduler:
                 t["cached_tokens"] += req.cached_tokens
             t["saved_prefill_tokens"] += m
         self.running.append(req)
+
+    def _take_pages(self, count: int) -> list[int]:
+        """`count` free KV pages, evicting unreferenced cached ones if needed (admission counted them)."""
+        if self.kv.pages.num_free < count:
+            self.prefix.evict(count - self.kv.pages.num_free)
+        return self.kv.pages.alloc(count) if count else []
 
     def _reserve(self, req: Request, tokens: int) -> bool:
         """Make sure req owns pages for `tokens` positions, evicting unreferenced cached pages, then
@@ -374,8 +408,8 @@ class Scheduler:
             own = [p for p in req.pages if p not in self.prefix.owned]
             if own:
                 self.kv.pages.free(own)
-            self.prefix.release(req.nodes)
-            req.nodes, req.pages, req.pending_load, req.roll_node = [], [], -1, None
+            self.prefix.release(req.nodes + ([req.pending_copy[0]] if req.pending_copy else []))
+            req.nodes, req.pages, req.pending_load, req.roll_node, req.pending_copy = [], [], -1, None, None
         elif req.pages:
             self.kv.pages.free(req.pages)
             req.pages = []
@@ -428,18 +462,36 @@ class Scheduler:
             seqs=seqs, kv_write_index=write,
             logits_index=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=dev),
+            prompt=any(req.num_computed < len(req.prompt_ids) for req, _ in plan),
         )
         if self.spec_k:
             batch.extra["keep_hidden"] = True  # the drafter reads every row's final hidden state
             if self._spec and len(self._spec) + sum(1 for s in seqs if s.length == 1) == len(seqs):
                 batch.extra["decode_like"] = True  # decode and verify rows only: decode's kernels (engine)
+        if self.prefix is not None:
+            self._plan_kv_copies(plan, batch)
         if self.prefix is not None and self.prefix.needs_snapshot:
             self._plan_state_copies(plan, batch)
+        if self.prefix is not None and self.prefix.host_ops:  # last: state copies may spill snapshots
+            batch.host_copies, self.prefix.host_ops = self.prefix.host_ops, []
         return batch, sample_reqs
 
+    def _plan_kv_copies(self, plan, batch: ForwardBatch) -> None:
+        """Copy-on-write of the cached page a newly admitted request shares only the head of: its K/V
+        head goes into the request's own page before the pass (nothing evicts it before then), and the
+        reference taken at lookup is given back."""
+        for req, _ in plan:
+            if req.pending_copy is not None:
+                node, n = req.pending_copy
+                batch.kv_copies.append((node.page, req.pages[len(req.nodes)], n))
+                self.prefix.release([node])
+                req.pending_copy = None
+
     def _plan_state_copies(self, plan, batch: ForwardBatch) -> None:
-        """Snapshot loads (hits, before the step) and saves (page boundaries, after it). Every load is
-        done before any save, so a save may reuse the slot of a snapshot loaded in the same step."""
+        """Snapshot loads (hits, before the step) and saves: the state at the last page boundary before a
+        prompt's last token (taken inside the prefill chunk that crosses it: SeqMeta.snapshots, or copied
+        after the step when the chunk ends there) and at the page boundaries decoding reaches. Every load
+        is done before any save, so a save may reuse the slot of a snapshot loaded in the same step."""
         P = self.kv.page_size
         for req, _ in plan:
             if req.pending_load >= 0:
@@ -447,9 +499,17 @@ class Scheduler:
                 req.pending_load = -1
         if not self.prefix.num_snap_slots:
             return
-        for req, n in plan:
-            end = req.num_computed + n
-            if end % P or not (end == (req.num_tokens - 1) // P * P or end == req.num_tokens):
+        prompt_snaps = self.engine.ecfg.prefix_cache_prompt_snapshot == "on"
+        for (req, n), seq in zip(plan, batch.seqs):
+            c, end = req.num_computed, req.num_computed + n
+            # the last boundary a later request can resume from, and where this one left the cached pages
+            # (a prefix shared with another request, e.g. a system prompt: the next one resumes there)
+            points = sorted({(req.num_tokens - 1) // P * P, req.branch_at}) if prompt_snaps else []
+            for b in points:
+                if req.in_prefill and c < b < end:
+                    slot = self._alloc_snapshot(req, b, rolling=False)
+                    seq.snapshots += ((b - c, slot),) if slot >= 0 else ()
+            if end % P or not ((req.in_prefill and end in points) or end == req.num_tokens):
                 continue
             if n > 1 and not req.in_prefill:
                 continue  # a verify step: its snapshot is taken once it knows what it kept (_roll_snapshot)
@@ -457,9 +517,17 @@ class Scheduler:
             if rolling and req.roll_node is not None:
                 self.prefix.drop_snapshot(req.roll_node)
                 req.roll_node = None
-            slot = self.prefix.alloc_snapshot()
-            batch.state_saves.append((req.state_slot, slot))
-            self._pending_snaps.append((req, end, slot, rolling))
+            slot = self._alloc_snapshot(req, end, rolling)
+            if slot >= 0:
+                batch.state_saves.append((req.state_slot, slot))
+
+    def _alloc_snapshot(self, req: Request, tokens: int, rolling: bool) -> int:
+        """A snapshot slot for req's state after `tokens` tokens, attached to its node after the step; -1
+        when every slot holds a snapshot this step is writing."""
+        slot = self.prefix.alloc_snapshot()
+        if slot >= 0:
+            self._pending_snaps.append((req, tokens, slot, rolling))
+        return slot
 
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""

@@ -35,7 +35,10 @@ class Metrics:
             ("cached_tokens", "Prompt tokens served from the prefix cache (total)"),
             ("saved_prefill_tokens", "Prefill tokens not computed thanks to the prefix cache, re-admissions included"),
             ("pages", "KV pages held by the prefix cache"),
-            ("snapshots", "Linear-state snapshots held by the prefix cache"))}
+            ("snapshots", "Linear-state snapshots held by the prefix cache"),
+            ("host_pages", "KV pages held in the prefix cache's host tier"),
+            ("host_spill_bytes", "Bytes of pages and snapshots moved to the prefix cache's host tier (total)"),
+            ("host_fetch_bytes", "Bytes of pages and snapshots fetched back from the host tier (total)"))}
         # speculative decoding (--speculative mtp): the engine's running totals, as gauges of its snapshot
         self.spec = {k: Gauge(f"moestream_spec_decode_{k}", doc, lbl, registry=r) for k, doc in (
             ("drafted_tokens", "Draft tokens proposed by the MTP block (total)"),
