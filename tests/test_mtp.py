@@ -218,7 +218,7 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(mtp_dir, tiny_check
     base = prompts(V, (21,))[0]
     ps = [base + [1, 2], base + [3], base[:13] + [4, 5, 6]]
     want = tokens(plain, ps)
-    for kw in ({"prefix_cache_prompt_snapshot": "always"}, {"num_tokens": 48}):
+    for kw in ({"prefix_cache_prompt_snapshot": "on"}, {"num_tokens": 48}):
         llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
                   **{**COMMON, **kw})
         got = [tokens(llm, [p])[0] for p in ps] if "num_tokens" not in kw else tokens(llm, ps)
@@ -389,7 +389,7 @@ def test_conversation_resumes_from_a_snapshot_taken_by_a_verify_step(mtp_dir, ti
     want = tokens(plain, [second], sp)[0]
     # every draft right, 3 tokens a step from position 9: the state lands on the page boundary 12
     llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, page_size=4,
-              **{**COMMON, "prefix_cache_prompt_snapshot": "never"})
+              **{**COMMON, "prefix_cache_prompt_snapshot": "off"})
     script_drafter(llm, [first + reply, second + want])
     assert tokens(llm, [first], sp)[0] == reply
     assert llm.scheduler.spec_totals["accepted"] > 0
