@@ -66,3 +66,38 @@ def test_fused_rows_are_the_parts_in_order(tiny_checkpoint, monkeypatch):
     x = torch.randn(3, parts[0].shape[1])
     for got, w in zip(a.qkv_proj.split(a.qkv_proj(x)), parts):
         torch.testing.assert_close(got, x @ w.t())
+
+
+def test_compressed_projections_of_several_types_stay_compressed_and_unfused():
+    """q/k Q4_K with v Q6_K (a Q4_K_M file's attention): the group is left as three QuantLinears (each read
+    compressed; densifying gave bf16 weights under a float32 CPU model: a dtype error at the first step). One
+    type: fused by byte rows. With a plain Linear among them: densified to that Linear's dtype, fused dense."""
+    from moestream.layers.quant_linear import FusedQuantLinear, QuantLinear
+    from moestream.models.fuse import _fuse
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    H = 256
+
+    def ql(t, n, seed):
+        return QuantLinear(t, random_raw(gguf_format(t), (n, H), seed=seed), n, H)
+
+    x = torch.randn(2, H)
+    for types, fused in ((("Q4_K", "Q4_K", "Q6_K"), None), (("Q4_K",) * 3, FusedQuantLinear)):
+        owner = nn.Module()
+        for i, (name, t) in enumerate(zip("qkv", types)):
+            setattr(owner, name, ql(t, 64, i))
+        want = torch.cat([getattr(owner, n)(x) for n in "qkv"], dim=-1)
+        ok = _fuse(owner, [(owner, n) for n in "qkv"], "qkv")
+        if fused is None:
+            assert not ok and all(isinstance(getattr(owner, n), QuantLinear) for n in "qkv")
+        else:
+            assert ok and isinstance(owner.qkv, fused)
+            torch.testing.assert_close(owner.qkv(x), want, rtol=1e-5, atol=1e-5)
+    owner = nn.Module()
+    owner.q, owner.k = ql("Q4_K", 64, 0), ql("Q6_K", 64, 1)
+    from moestream.kernels.linear import Linear
+
+    owner.v = Linear(H, 64, bias=False)
+    assert _fuse(owner, [(owner, n) for n in "qkv"], "qkv")
+    assert isinstance(owner.qkv, FusedLinear) and owner.qkv.weight.dtype == torch.float32

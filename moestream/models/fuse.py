@@ -53,8 +53,10 @@ def fusable(*mods) -> bool:
 
 
 def _quant_group(mods) -> str | None:
-    """'same': every module a QuantLinear of one GGUF type and input width (fused by byte rows); 'mixed':
-    QuantLinears with plain Linears or other types (densified, then fused as dense); None: no QuantLinear."""
+    """'same': every module a QuantLinear of one GGUF type and input width (fused by byte rows); 'types':
+    QuantLinears only, of several types (left unfused: each stays compressed, as a Q4_K_M file's q/k (Q4_K)
+    and v (Q6_K) do); 'mixed': QuantLinears with plain Linears (densified to their dtype, then fused as
+    dense); None: no QuantLinear."""
     from ..layers.quant_linear import FusedQuantLinear, QuantLinear
 
     quant = [m for m in mods if isinstance(m, QuantLinear) and not isinstance(m, FusedQuantLinear)]
@@ -64,7 +66,7 @@ def _quant_group(mods) -> str | None:
     if len(quant) == len(mods) and all(m.fmt.name == q0.fmt.name and m.in_features == q0.in_features
                                        and m.raw.device == q0.raw.device for m in quant):
         return "same"
-    return "mixed"
+    return "types" if len(quant) == len(mods) else "mixed"
 
 
 @torch.no_grad()
@@ -102,6 +104,8 @@ def _fuse(owner: nn.Module, names: list[tuple[nn.Module, str]], target: str) -> 
             delattr(parent, name)
         setattr(owner, target, FusedQuantLinear(type_name, raw, sizes, k))
         return True
+    if kind == "types":
+        return False
     if kind == "mixed":
         densify_quant(names)
         mods = [getattr(parent, name) for parent, name in names]
