@@ -38,11 +38,13 @@ def bridge_worker_in_c() -> bool:
 
 def cpu_threading() -> tuple[bool, int]:
     """(own pool, spin microseconds) for the compiled CPU kernels' threads (kernels/cpu/qmatmul.cpp):
-    MOESTREAM_CPU_POOL=omp runs them on OpenMP instead of the kernels' own pool (default `pool`);
-    MOESTREAM_CPU_SPIN_US (default 300) is how long an idle pool worker spins before it sleeps. Read at each
-    kernel call, so a benchmark can switch within one process."""
+    MOESTREAM_CPU_POOL=pool runs them on the kernels' own pool instead of OpenMP (default `omp`: the OpenMP
+    runtime torch also uses, so the two never compete for cores; the pool measured 2.3x slower decode on a
+    2-core machine and no faster inside a GPU decode step, benchmarks/RESULTS.md); MOESTREAM_CPU_SPIN_US
+    (default 300) is how long an idle pool worker spins before it sleeps. Read at each kernel call, so a
+    benchmark can switch within one process."""
     spin = os.environ.get("MOESTREAM_CPU_SPIN_US", "300")
-    return os.environ.get("MOESTREAM_CPU_POOL", "pool") != "omp", int(spin) if spin.isdigit() else 300
+    return os.environ.get("MOESTREAM_CPU_POOL", "omp") == "pool", int(spin) if spin.isdigit() else 300
 
 
 @lru_cache(maxsize=None)

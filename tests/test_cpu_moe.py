@@ -332,7 +332,7 @@ int main() {
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_own_pool_and_openmp_agree(threads, monkeypatch):
-    """The kernels' own thread pool (default) and OpenMP split rows the same way: bit-equal layer calls and
+    """The kernels' own thread pool and OpenMP (default) split rows the same way: bit-equal layer calls and
     matmuls at any thread count (more threads than cores too), over many calls in a row (the pool's workers
     go from spinning to sleeping and back: MOESTREAM_CPU_SPIN_US=0 makes every call wake them)."""
     types = ("Q4_K", "Q4_K", "Q6_K")
@@ -357,11 +357,12 @@ def test_own_pool_and_openmp_agree(threads, monkeypatch):
         torch.set_num_threads(1)
 
 
-def test_concurrent_callers_share_the_pool():
-    """Two Python threads calling the kernels at once: one gets the pool, the other runs on OpenMP (the pool
-    takes one job at a time); both get exactly the single-caller results."""
+def test_concurrent_callers_share_the_pool(monkeypatch):
+    """Two Python threads calling the kernels at once (MOESTREAM_CPU_POOL=pool): one gets the pool, the other
+    runs on OpenMP (the pool takes one job at a time); both get exactly the single-caller results."""
     import threading
 
+    monkeypatch.setenv("MOESTREAM_CPU_POOL", "pool")
     types = ("Q8_0",) * 3
     banks = _banks(types, seed=6)
     xs = [torch.randn(3, H, generator=torch.Generator().manual_seed(7 + i)) for i in range(2)]

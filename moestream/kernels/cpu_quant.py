@@ -21,9 +21,9 @@ multiply float32 activations (no rounding beyond float32 sums).
 ``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
 weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
 
-Threads: output rows are split over ``torch.get_num_threads()`` threads of the library's own pool (idle workers
-spin ``MOESTREAM_CPU_SPIN_US`` before sleeping; ``MOESTREAM_CPU_POOL=omp``: the compiler's OpenMP runtime
-instead), so ``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
+Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the runtime torch loads, so
+they share torch's team), or with ``MOESTREAM_CPU_POOL=pool`` the library's own pool (idle workers spin
+``MOESTREAM_CPU_SPIN_US`` before sleeping); ``--moe-cpu-threads`` and tensor-parallel core sets apply. If the build fails, or
 ``MOESTREAM_CPU_KERNELS=0``, ``available()`` is False and callers keep the torch path; a failed build is
 reported by one warning line.
 """

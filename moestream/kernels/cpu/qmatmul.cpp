@@ -43,7 +43,7 @@
 namespace {
 
 // ------------------------------------------------------------------ threads
-// The kernels' own thread pool (the default), or OpenMP (ms_set_threading). Why a pool of our own: a decode
+// The kernels' own thread pool, or OpenMP (the default; ms_set_threading). Why a pool of our own: a decode
 // step calls a kernel every few tens of microseconds (a CPU-only model's linears) or once per MoE layer
 // between GPU work (the cpu/hybrid bridge); a team must start hot each time. The pool's workers spin for
 // `spin_us` after a job before they sleep (condition variable), the caller is thread 0, and barriers inside a
@@ -151,7 +151,7 @@ Pool& pool() {
   return *p;
 }
 
-std::atomic<int> g_use_pool{1};
+std::atomic<int> g_use_pool{0};
 
 // body(t, T, barrier) on up to nt threads: the pool, or OpenMP when it is off or busy.
 template <class B>
@@ -1124,8 +1124,8 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
   return rc_all;
 }
 
-// Threads of the kernels: use_pool 1 (default) the library's own pool, whose idle workers spin spin_us
-// microseconds before they sleep; 0 OpenMP.
+// Threads of the kernels: use_pool 1 the library's own pool, whose idle workers spin spin_us microseconds
+// before they sleep; 0 (default) OpenMP.
 void ms_set_threading(int use_pool, int64_t spin_us) {
   g_use_pool.store(use_pool ? 1 : 0);
   pool().spin_ns.store(std::max<int64_t>(0, spin_us) * 1000);
