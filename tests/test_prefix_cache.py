@@ -562,3 +562,26 @@ def test_cached_prompt_tail_computed_like_the_whole_prompt_on_cpu_kernels(tiny_c
     assert max(abs(a[0] - b[0]) for a, b in zip(again.logprobs, first.logprobs)) < 1e-4
     assert set(seen) == {(True, False), (False, True)}  # kernels off for prompt tokens, on in decode
     assert cpu_quant.available()
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_request_that_outgrows_the_whole_kv_pool_finishes_with_length(tiny_checkpoint, cache):
+    """A 43-token prompt in a 48-token pool with max_tokens 10 (it fits, its answer cannot): the request
+    finishes with "length" once the pool is full, with the tokens it had — before, it preempted itself and was
+    recomputed forever. A short request beside it is not disturbed."""
+    import threading
+
+    llm = _llm(tiny_checkpoint("qwen3"), prefix_cache=cache, num_tokens=48)
+    cap = llm.engine.caches.kv.num_pages * llm.engine.caches.kv.page_size
+    long_prompt, short = list(range(3, 46)), [5, 6, 7]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", llm.generate([long_prompt, short], sp)))
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the long request never finished"
+    long_out, short_out = box["out"]
+    assert long_out.finish_reason == "length" and len(long_prompt) + len(long_out.token_ids) == cap + 1
+    assert short_out.finish_reason == "length" and len(short_out.token_ids) == 10
+    alone = llm.generate([short], sp)[0]
+    assert short_out.token_ids == alone.token_ids

@@ -630,7 +630,7 @@ class Scheduler:
     def _trim_drafts(self, req: Request) -> list[int]:
         """The drafts req may verify: none for requests that decode one token a step (_can_draft), and no more
         than what it may still generate after the target's own token (max_tokens, the context)."""
-        room = min(req.params.max_tokens - len(req.output_ids), self.max_seq_len - req.num_tokens) - 1
+        room = min(req.params.max_tokens - len(req.output_ids), self._token_limit() - req.num_tokens) - 1
         req.drafts = req.drafts[:max(0, room)] if self._can_draft(req) else []
         return req.drafts
 
@@ -839,9 +839,15 @@ class Scheduler:
             return FinishReason.STOP.value
         if req.matcher is not None and req.matcher.done:  # the grammar is complete
             return FinishReason.STOP.value
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self._token_limit():
             return FinishReason.LENGTH.value
         return None
+
+    def _token_limit(self) -> int:
+        """Tokens a request may reach: the context, and the KV pool (whose pages must hold every token but
+        the last). A request that outgrows the whole pool finishes with "length" instead of preempting itself
+        and being recomputed forever."""
+        return min(self.max_seq_len, self.kv.num_pages * self.kv.page_size + 1)
 
     def _finish(self, req: Request, reason: str) -> None:
         self._release(req)
