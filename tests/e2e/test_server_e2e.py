@@ -209,7 +209,9 @@ def _held_pages(stats: dict) -> int:
 
 def test_disconnect_frees_pages(server, http):
     before = _stats(http)["engine_totals"]["aborted"]
-    body = {"model": MODEL, "messages": msgs("Go on and on."), "max_tokens": 200, "temperature": 0,
+    # as long as the 512-token context allows, so it is still running when the client leaves after the
+    # stats below (~0.5 s): 200 tokens could finish first on an idle machine, and then nothing was aborted
+    body = {"model": MODEL, "messages": msgs("Go on and on."), "max_tokens": 440, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
