@@ -122,6 +122,17 @@ class GpuPoller:
         torch.cuda.synchronize()
 
 
+def unpin(ptrs: list[int]) -> None:
+    for p in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(p)
+
+
+def record(res: dict, run: dict, gbs: float) -> None:
+    run["gbs"] = round(gbs, 1)
+    res["runs"].append(run)
+    print(json.dumps(run), flush=True)
+
+
 def walk(banks, types, threads: int, tokens: int, gap_s: float, rng, poll: int = 0) -> float:
     """GB/s of expert bytes over `tokens` walks of all layers (poll: GPU programs polling host memory)."""
     if poll:
@@ -176,24 +187,32 @@ def main() -> None:
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
     rng = np.random.default_rng(0)
     if args.in_step:
-        cuda = torch.cuda.is_available()
-        for huge in (False, True):
-            banks = make_banks(args.layers, types, huge)
-            info = {"huge": huge, "huge_gib": round(huge_bytes() / 2**30, 1)}
-            regs = pin(banks) if cuda else []
-            for poll in ((0, 8) if cuda else (0,)):
-                for mode in ("pool", "omp"):
-                    os.environ["MOESTREAM_CPU_POOL"] = mode
-                    gbs = in_thread(walk, banks, types, threads[0], args.tokens, 1e-4, rng, poll)
-                    run = {**info, "pinned": bool(regs), "poll": poll, "threading": mode, "gbs": round(gbs, 1)}
-                    res["runs"].append(run)
-                    print(json.dumps(run), flush=True)
-            for p in regs:
-                torch.cuda.cudart().cudaHostUnregister(p)
-            del banks
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=1))
-        return
+        in_step(args, types, threads[0], res, rng)
+    else:
+        factors(args, types, threads, res, rng)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+def in_step(args, types, t: int, res: dict, rng) -> None:
+    """The decode step's case only (worker thread, 100 us gaps, pinned where CUDA is), with and without GPU
+    programs polling host memory, plain and huge pages."""
+    cuda = torch.cuda.is_available()
+    for huge in (False, True):
+        banks = make_banks(args.layers, types, huge)
+        info = {"huge": huge, "huge_gib": round(huge_bytes() / 2**30, 1)}
+        regs = pin(banks) if cuda else []
+        for poll in ((0, 8) if cuda else (0,)):
+            for mode in ("pool", "omp"):
+                os.environ["MOESTREAM_CPU_POOL"] = mode
+                gbs = in_thread(walk, banks, types, t, args.tokens, 1e-4, rng, poll)
+                record(res, {**info, "pinned": bool(regs), "poll": poll, "threading": mode}, gbs)
+        unpin(regs)
+        del banks
+
+
+def factors(args, types, threads: list[int], res: dict, rng) -> None:
+    """The in-step case at every setting; main thread and no gap at the first thread count, huge, unpinned."""
     for huge in (False, True):
         banks = make_banks(args.layers, types, huge)
         for pinned in ((False, True) if torch.cuda.is_available() else (False,)):
@@ -207,16 +226,10 @@ def main() -> None:
                             os.environ["MOESTREAM_CPU_POOL"] = mode
                             f = walk if caller == "main" else (lambda *a: in_thread(walk, *a))
                             gbs = f(banks, types, t, args.tokens, gap, rng)
-                            run = {"huge": huge, "pinned": pinned, "threads": t, "threading": mode, "caller": caller,
-                                   "gap_us": gap * 1e6, "gbs": round(gbs, 1)}
-                            res["runs"].append(run)
-                            print(json.dumps(run), flush=True)
-            for p in regs:
-                torch.cuda.cudart().cudaHostUnregister(p)
+                            record(res, {"huge": huge, "pinned": pinned, "threads": t, "threading": mode,
+                                         "caller": caller, "gap_us": gap * 1e6}, gbs)
+            unpin(regs)
         del banks
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-
 
 if __name__ == "__main__":
     main()

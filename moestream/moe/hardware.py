@@ -48,17 +48,26 @@ def release_pages(addr: int, nbytes: int) -> int:
     it), read-only shared or private with pages never written: RSS falls, the bytes stay in the file and are
     read again if touched. Never call it on other memory (madvise(MADV_DONTNEED) zeroes anonymous pages and
     the written pages of a private mapping). Returns the bytes released (0 where madvise is unavailable)."""
-    import ctypes
     import mmap
 
-    page = mmap.PAGESIZE
-    lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+    return madvise(addr, nbytes, MADV_DONTNEED, mmap.PAGESIZE)
+
+
+MADV_DONTNEED, MADV_HUGEPAGE = 4, 14
+
+
+def madvise(addr: int, nbytes: int, advice: int, align: int) -> int:
+    """madvise(advice) on the whole `align`-byte units inside [addr, addr + nbytes); the bytes advised, 0 where
+    there are none, madvise is unavailable or the kernel refuses."""
+    import ctypes
+
+    lo, hi = -(-addr // align) * align, (addr + nbytes) // align * align
     if hi <= lo:
         return 0
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0  # 4: MADV_DONTNEED
+        return hi - lo if libc.madvise(lo, hi - lo, advice) == 0 else 0
     except (OSError, AttributeError):
         return 0
 

@@ -9,8 +9,6 @@ checkpoint's compressed bytes (all experts of an array at once, or one expert's)
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import weakref
 
@@ -215,7 +213,6 @@ class ExpertStore:
 
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -224,28 +221,11 @@ def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
     (the common default) a bank is otherwise 4 KiB pages, one TLB miss and one hardware-prefetch stop
     every 4 KiB (benchmarks/cpu_layer_diag.py measures both). A no-op on other devices, small tensors,
     other systems, or when the kernel refuses."""
-    if t.device.type != "cpu" or t.is_pinned():
-        return t
-    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = (start + nbytes) // HUGE_PAGE * HUGE_PAGE
-    libc = _libc()
-    if hi > lo and libc is not None:
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_HUGEPAGE))
+    from .hardware import MADV_HUGEPAGE, madvise  # (hardware -> planner -> runtime -> store)
+
+    if t.device.type == "cpu" and not t.is_pinned():
+        madvise(t.data_ptr(), t.numel() * t.element_size(), MADV_HUGEPAGE, HUGE_PAGE)
     return t
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            _LIBC.append(ctypes.CDLL(name, use_errno=True) if name else None)
-        except OSError:
-            _LIBC.append(None)
-    return _LIBC[0] if _LIBC[0] is not None and hasattr(_LIBC[0], "madvise") else None
 
 
 def _page_lock(t: torch.Tensor, registered: list[int], in_place: bool = True) -> torch.Tensor:
