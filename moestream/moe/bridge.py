@@ -77,13 +77,12 @@ class CpuBridge:
         # (moe/share.py weighs it against fetching that expert over PCIe)
         self.single_calls, self.single_seconds = 0, 0.0
         self._hw = self.hw.numpy()
-        self._cancel_flag = np.zeros(1, dtype=np.int32)  # _cancel for the compiled worker
+        self._cancel = np.zeros(1, dtype=np.int32)  # 1: stop waiting for requests (read by both worker loops)
         self._tables: dict | bool | None = None  # the compiled worker's arguments (False: not for this store)
         self._calls: dict = {}
         self._calls_enabled = None
         self.mlp = PairMlp(P)
         self.qmlp = QuantPairMlp()
-        self._cancel = False
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: queue.Queue = queue.Queue()
@@ -97,8 +96,7 @@ class CpuBridge:
             raise RuntimeError("the CPU expert worker did not finish the previous step")
         self.seq += 1
         self.seq_h[0] = self.seq
-        self._cancel = False
-        self._cancel_flag[0] = 0
+        self._cancel[0] = 0
         self._idle.clear()
         self._jobs.put(self.seq)
 
@@ -109,8 +107,7 @@ class CpuBridge:
             done = torch.cuda.Event(blocking=True)
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()
-        self._cancel = True  # every request of a finished step was posted; a worker still waiting
-        self._cancel_flag[0] = 1
+        self._cancel[0] = 1  # every request of a finished step was posted; a worker still waiting
         if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
             raise RuntimeError("the CPU expert worker is stuck")
         if self._err[0] or self.failure is not None:
@@ -120,8 +117,7 @@ class CpuBridge:
             raise RuntimeError(f"CPU experts failed in this decode step ({why}; code {code})") from exc
 
     def close(self) -> None:
-        self._cancel = True
-        self._cancel_flag[0] = 1
+        self._cancel[0] = 1
         self._jobs.put(None)
         self._thread.join(timeout=5)
 
@@ -221,7 +217,7 @@ class CpuBridge:
                     "wtype": np.ascontiguousarray(np.stack([c.tids for c in calls]), dtype=np.int64),
                     "lflags": np.array([int(c.round_mm) for c in calls], dtype=np.int64),
                     "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "single": np.zeros(1, dtype=np.int64),
-                    "single_secs": np.zeros(1), "cancel": self._cancel_flag}
+                    "single_secs": np.zeros(1), "cancel": self._cancel}
         return self._tables or None
 
     def _c_step(self, seq: int, t: dict) -> None:
@@ -246,7 +242,7 @@ class CpuBridge:
 
     def _wait_request(self, i: int, seq: int) -> bool:
         while self._req[i] != seq:
-            if self._cancel:
+            if self._cancel[0]:
                 return False
             time.sleep(0)  # lets the launching thread have the interpreter
         return True
