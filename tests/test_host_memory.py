@@ -140,34 +140,3 @@ def test_safetensors_pages_leave_rss_once_copied(tmp_path):
         assert torch.equal(tensors.get_tensor("w"), copy) and torch.equal(copy, w)  # read again from the file
         assert tensors.release("small") == 0  # no whole page inside it
 
-
-def test_host_banks_are_advised_to_huge_pages():
-    """A CPU expert bank is advised to transparent huge pages before it is filled (moe/store.py): where THP is
-    `madvise` (or `always`) its memory is then 2 MiB pages, which a plain allocation does not get under
-    `madvise`."""
-    from pathlib import Path
-
-    import torch
-
-    from moestream.moe.store import advise_huge_pages
-
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
-        pytest.skip("no transparent huge pages on this system")
-
-    def huge_kib(t) -> int:  # AnonHugePages of the mappings overlapping t (madvise splits its mapping)
-        a, b, kib, inside = t.data_ptr(), t.data_ptr() + t.numel(), 0, False
-        for line in open("/proc/self/smaps"):
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo < b and a < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                kib += int(line.split()[1])
-        return kib
-
-    # 64 MiB: above glibc's largest mmap threshold, so fresh pages (a reused heap block would be touched already,
-    # as a bank never is: banks are hundreds of MB)
-    t = advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8))
-    t.fill_(1)
-    assert huge_kib(t) >= 16 << 10  # at least a quarter of it in huge pages
