@@ -30,6 +30,12 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("MOESTREAM_CPU_KERNELS", "1") != "0"
 
 
+def cpu_decode_layer_enabled() -> bool:
+    """MOESTREAM_CPU_DECODE_LAYER=0 keeps CPU decode steps on the per-op path instead of one compiled call per
+    attention layer (models/cpu_decode.py; read at each step)."""
+    return os.environ.get("MOESTREAM_CPU_DECODE_LAYER", "1") != "0"
+
+
 def bridge_worker_in_c() -> bool:
     """MOESTREAM_BRIDGE_C=0 runs the cpu/hybrid bridge's worker loop in Python, layer by layer, instead of one
     compiled call per decode step (moe/bridge.py; read at each step)."""

@@ -52,6 +52,8 @@ _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q
            "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 _SRC = os.path.join(os.path.dirname(__file__), "cpu", "qmatmul.cpp")
+# compiled into the one library with _SRC: the decode layer (models/cpu_decode.py), which calls _SRC's kernels
+_SRCS = [_SRC, os.path.join(os.path.dirname(__file__), "cpu", "decode.cpp")]
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "mod": the built module or None once tried
 
@@ -98,9 +100,10 @@ _ARGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp"]
 
 
 def build_library(cxx: str, flags: list[str], out: str) -> None:
-    """Compile qmatmul.cpp with `flags` into `out` (raises RuntimeError with the compiler's first error)."""
+    """Compile qmatmul.cpp and decode.cpp with `flags` into `out` (raises RuntimeError with the compiler's
+    first error)."""
     args = [*_ARGS, *flags]
-    r = subprocess.run([cxx, *args, _SRC, "-o", out], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([cxx, *args, *_SRCS, "-o", out], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
         raise RuntimeError(f"{cxx} failed: {first}")
@@ -108,8 +111,11 @@ def build_library(cxx: str, flags: list[str], out: str) -> None:
 
 def _build_isa(cxx: str, isa: str, flags: list[str]):
     args = [*_ARGS, *flags]
-    with open(_SRC, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(args).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(args).encode())
+    for src in _SRCS:
+        with open(src, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()[:16]
     path = cache_dir() / "kernels" / f"qmatmul_{isa}_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +134,9 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
                                    ptr, ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_int]
     lib.ms_bridge_step.restype = ctypes.c_int
+    lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.ms_decode_layer.restype = ctypes.c_int
+    lib.ms_decode_desc_size.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
     return lib
@@ -140,6 +149,11 @@ def _threads(mod) -> int:
         mod.ms_set_threading(int(want[0]), want[1])
         _STATE["threading"] = want
     return torch.get_num_threads()
+
+
+def threads() -> int:
+    """The thread count for a kernel call now (torch's intra-op threads; passes a changed pool setting on)."""
+    return _threads(module())
 
 
 def module():

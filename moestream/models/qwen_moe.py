@@ -157,6 +157,7 @@ class QwenMoeModel(nn.Module):
             n = len(self.kv_layer)
             self.kv_layer.update({l: n + i for i, l in enumerate(cfg.mtp_layer_ids)})
         self.hidden: torch.Tensor | None = None  # batch.extra["keep_hidden"]: the last forward's final hidden
+        self.cpu_decode = None  # models/cpu_decode.CpuDecodePlan, made at the first CPU decode step
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
@@ -166,6 +167,10 @@ class QwenMoeModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        plan = self._cpu_plan(batch)
+        if plan is not None:  # a CPU decode step: one compiled call per attention layer
+            h = plan.forward(batch)
+            return self.lm_head(self.norm(h[batch.logits_index])).float()
         h = self.embed_tokens(batch.input_ids)
         normed = None
         for i in range(len(self.layers)):
@@ -175,6 +180,15 @@ class QwenMoeModel(nn.Module):
             return self.lm_head(self.hidden[batch.logits_index]).float()
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
+
+    def _cpu_plan(self, batch: ForwardBatch):
+        if batch.input_ids.device.type != "cpu" or not batch.is_decode:
+            return None
+        if self.cpu_decode is None:
+            from .cpu_decode import CpuDecodePlan
+
+            self.cpu_decode = CpuDecodePlan(self)
+        return self.cpu_decode if self.cpu_decode.usable(batch, self.norm.weight.dtype) else None
 
     @torch.inference_mode()
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:

@@ -1,0 +1,235 @@
+// moestream CPU decode layer: one call per decoder layer of a CPU decode step (models/cpu_decode.py).
+//
+// A CPU-only decode step of a small model is mostly per-operation overhead when every norm, projection,
+// rotary, cache write and attention is its own torch call from Python (SmolLM2-135M: ~15 ms of kernels in a
+// ~47 ms step on 2 cores). ms_decode_layer does one attention decoder layer for B decode rows (one token per
+// sequence) without returning to Python:
+//   x = norm_in(h); q|k|v = x @ Wqkv.T (ms_qmatmul on the stored GGUF bytes or 16-bit rows; float32 rows here);
+//   per head: q/k RMSNorm (optional), rotary (neox layout, first `rd` channels, tables cos/sin [pos, rd]);
+//   k, v written to the KV pool at the row's slot; attention of q over the sequence's slots (softmax in
+//   float32, max subtracted); optional output gate (Qwen3.5: q rows are [query | gate] per head, sigmoid);
+//   h += o_proj(attn); x = norm_post(h) (returned for a MoE block computed by the caller);
+//   with a dense MLP: h += down(silu(gate x) * up x) (ms_moe_layer with one group: one parallel region).
+// Numerics: float32 throughout, the same quantized-activation products as the per-op path (the same
+// ms_qmatmul / ms_moe_layer); norms, rotary and softmax differ from torch's only in summation order.
+// Plain C ABI, the layer described by an int64 array (the D_* slots below) and a float64 array (eps).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+extern "C" int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws,
+                          int64_t type, float* op, int64_t os, int nthreads, int force_scalar);
+extern "C" int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
+                            const int64_t* wptr, const int64_t* wtype, const int64_t* gstart, const int64_t* prow,
+                            const float* pw, const int64_t* pdst, float* out, int64_t nout, int64_t os,
+                            int64_t hmode, int64_t flags, int nthreads, int force_scalar);
+
+namespace {
+
+// the layer description (models/cpu_decode.py writes the same slots)
+enum : int {
+  D_H, D_NH, D_NKV, D_HD, D_RD, D_FLAGS,
+  D_IN_NORM, D_POST_NORM, D_Q_NORM, D_K_NORM,       // float32 vectors (q/k norms: [head_dim]); 0 = none
+  D_NSEG,                                           // projection segments of q|k|v (1: fused, 3: separate)
+  D_SEG0, D_SEG_END = D_SEG0 + 9,                   // per segment: weight address, ggml type, row stride
+  D_WO = D_SEG_END, D_TO, D_SO,                     // o_proj: address, type, row stride
+  D_KC, D_VC,                                       // this layer's K and V pool, float32 [slots, nkv, hd]
+  D_COS, D_SIN,                                     // rotary tables, float32 [positions, rd]
+  D_MLP_I,                                          // dense MLP intermediate size (0: no MLP here)
+  D_WG, D_TG, D_WU, D_TU, D_WD, D_TD,               // dense MLP gate / up / down: address, type
+  D_COUNT
+};
+enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2 };
+
+// y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x
+void rms_norm(const float* x, const float* w, int64_t n, double eps, bool zc, float* y) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += (double)x[i] * x[i];
+  const float r = 1.0f / std::sqrt((float)(ss / n) + (float)eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * (zc ? 1.0f + w[i] : w[i]);
+}
+
+// neox rotary of the first rd channels of one head vector v [hd] at table row c, s
+void rotate(float* v, const float* c, const float* s, int64_t rd) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+// one query head over S cached positions (slots idx) of kv head `kvh`: out [hd]
+void attend(const float* q, const float* kc, const float* vc, const int64_t* idx, int64_t S, int64_t nkv, int64_t hd,
+            int64_t kvh, float scale, float* sc, float* out) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) {
+    const float* k = kc + (idx[s] * nkv + kvh) * hd;
+    float d = 0;
+    for (int64_t i = 0; i < hd; ++i) d += q[i] * k[i];
+    sc[s] = d * scale;
+    mx = std::max(mx, sc[s]);
+  }
+  float sum = 0;
+  for (int64_t s = 0; s < S; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
+  std::fill(out, out + hd, 0.0f);
+  for (int64_t s = 0; s < S; ++s) {
+    const float* v = vc + (idx[s] * nkv + kvh) * hd;
+    const float p = sc[s];
+    for (int64_t i = 0; i < hd; ++i) out[i] += p * v[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
+}
+
+// out[b, i] (rows os apart) = x[b] . W[i] for float32 weights W [N, K] (rows ws bytes apart): ggml type 0, which
+// ms_qmatmul does not read (an HF checkpoint's projections kept in float32)
+void matmul_f32(const float* x, int64_t B, int64_t K, const float* w, int64_t N, int64_t ws, float* out, int64_t os,
+                int nt) {
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, N * K / 16384));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* wr = (const float*)((const char*)w + i * ws);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xr = x + b * K;
+      float acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * wr[k];
+      out[b * os + i] = acc;
+    }
+  }
+}
+
+// out = x @ W.T for a weight of ggml type `type` (0: float32 rows; otherwise ms_qmatmul's types)
+int matmul(const float* x, int64_t B, int64_t K, const void* w, int64_t N, int64_t ws, int64_t type, float* out,
+           int64_t os, int nt) {
+  if (type == 0) {
+    matmul_f32(x, B, K, (const float*)w, N, ws, out, os, nt);
+    return 0;
+  }
+  return ms_qmatmul(x, B, K, (const uint8_t*)w, N, ws, type, out, os, nt, 0);
+}
+
+int64_t seg_rows(const int64_t* d, int64_t qrows, int64_t kvrows, int s) {
+  if (d[D_NSEG] == 1) return qrows + 2 * kvrows;
+  return s == 0 ? qrows : kvrows;
+}
+
+// q|k|v for B rows of x: qkv [B, qrows + 2 kvrows]
+int project_qkv(const int64_t* d, const float* x, int64_t B, int64_t H, int64_t qrows, int64_t kvrows, float* qkv,
+                int nt) {
+  const int64_t width = qrows + 2 * kvrows;
+  int64_t col = 0;
+  for (int s = 0; s < d[D_NSEG]; ++s) {
+    const int64_t* g = d + D_SEG0 + 3 * s;
+    const int64_t rows = seg_rows(d, qrows, kvrows, s);
+    const int rc = matmul(x, B, H, (const void*)g[0], rows, g[2], g[1], qkv + col, width, nt);
+    if (rc) return rc;
+    col += rows;
+  }
+  return 0;
+}
+
+// q/k norms, rotary and the KV write for row b; q_out [nh, hd] (gate split off), gate [nh, hd] or null
+void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, int64_t slot, float* q_out,
+              float* gate) {
+  const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD], rd = d[D_RD];
+  const bool zc = d[D_FLAGS] & F_ZERO_CENTERED, og = d[D_FLAGS] & F_OUT_GATE;
+  const float* c = (const float*)d[D_COS] + pos * rd;
+  const float* s = (const float*)d[D_SIN] + pos * rd;
+  const float *qn = (const float*)d[D_Q_NORM], *kn = (const float*)d[D_K_NORM];
+  const int64_t qrows = nh * hd * (og ? 2 : 1);
+  for (int64_t h = 0; h < nh; ++h) {
+    float* q = q_out + h * hd;
+    const float* src = qkv_row + h * hd * (og ? 2 : 1);
+    std::memcpy(q, src, hd * sizeof(float));
+    if (og) std::memcpy(gate + h * hd, src + hd, hd * sizeof(float));
+    if (qn) rms_norm(q, qn, hd, eps, zc, q);
+    rotate(q, c, s, rd);
+  }
+  std::vector<float> k(hd);
+  for (int64_t h = 0; h < nkv; ++h) {
+    std::memcpy(k.data(), qkv_row + qrows + h * hd, hd * sizeof(float));
+    if (kn) rms_norm(k.data(), kn, hd, eps, zc, k.data());
+    rotate(k.data(), c, s, rd);
+    const int64_t at = (slot * nkv + h) * hd;
+    std::memcpy((float*)d[D_KC] + at, k.data(), hd * sizeof(float));
+    std::memcpy((float*)d[D_VC] + at, qkv_row + qrows + nkv * hd + h * hd, hd * sizeof(float));
+  }
+}
+
+// attention of every (row, head): att [B, nh * hd]
+void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx, const int64_t* kvoff, float* att,
+               int nt) {
+  const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD], grp = nh / nkv;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  int64_t smax = 0, work = 0;
+  for (int64_t b = 0; b < B; ++b) smax = std::max(smax, kvoff[b + 1] - kvoff[b]), work += kvoff[b + 1] - kvoff[b];
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, work * nh * hd / 16384));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> sc(smax);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < B * nh; ++j) {
+      const int64_t b = j / nh, h = j % nh;
+      attend(q + j * hd, (const float*)d[D_KC], (const float*)d[D_VC], kvidx + kvoff[b],
+             kvoff[b + 1] - kvoff[b], nkv, hd, h / grp, scale, sc.data(), att + j * hd);
+    }
+  }
+}
+
+int dense_mlp(const int64_t* d, const float* x, int64_t B, int64_t H, float* h, int nt) {
+  const int64_t I = d[D_MLP_I];
+  const int64_t wptr[3] = {d[D_WG], d[D_WU], d[D_WD]}, wtype[3] = {d[D_TG], d[D_TU], d[D_TD]};
+  const int64_t gstart[2] = {0, B};
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  std::vector<float> y(B * H);
+  const int rc = ms_moe_layer(x, 0, B, H, I, 1, wptr, wtype, gstart, rows.data(), nullptr, rows.data(), y.data(), B,
+                              H, 0, 0, nt, 0);
+  if (rc) return rc;
+  for (int64_t i = 0; i < B * H; ++i) h[i] += y[i];
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One decoder layer for B decode rows (module comment). h [B, H] float32: the residual stream, updated in place;
+// x [B, H]: receives norm_post(h) after the attention (the MoE block's input when the layer has no dense MLP;
+// scratch otherwise). pos, slot [B]: each row's position and KV write slot; kvidx: the slots of every row's
+// sequence (positions 0..total-1, this token's included), row b's at kvidx[kvoff[b] .. kvoff[b+1]).
+// Returns 0, or the failing kernel's code (-1 an unsupported weight type or shape).
+int ms_decode_layer(const int64_t* d, const double* fd, int64_t B, float* h, float* x, const int64_t* pos,
+                    const int64_t* slot, const int64_t* kvidx, const int64_t* kvoff, int nthreads) {
+  const int64_t H = d[D_H], nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD];
+  const bool zc = d[D_FLAGS] & F_ZERO_CENTERED, og = d[D_FLAGS] & F_OUT_GATE;
+  const double eps = fd[0];
+  const int64_t qrows = nh * hd * (og ? 2 : 1), kvrows = nkv * hd;
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_IN_NORM], H, eps, zc, x + b * H);
+  std::vector<float> qkv(B * (qrows + 2 * kvrows)), q(B * nh * hd), gate(og ? B * nh * hd : 0), att(B * nh * hd);
+  int rc = project_qkv(d, x, B, H, qrows, kvrows, qkv.data(), nthreads);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b)
+    prep_row(d, eps, qkv.data() + b * (qrows + 2 * kvrows), pos[b], slot[b], q.data() + b * nh * hd,
+             og ? gate.data() + b * nh * hd : nullptr);
+  attention(d, B, q.data(), kvidx, kvoff, att.data(), nthreads);
+  if (og)
+    for (int64_t i = 0; i < B * nh * hd; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+  std::vector<float> o(B * H);
+  rc = matmul(att.data(), B, nh * hd, (const void*)d[D_WO], H, d[D_SO], d[D_TO], o.data(), H, nthreads);
+  if (rc) return rc;
+  for (int64_t i = 0; i < B * H; ++i) h[i] += o[i];
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_POST_NORM], H, eps, zc, x + b * H);
+  return d[D_MLP_I] ? dense_mlp(d, x, B, H, h, nthreads) : 0;
+}
+
+int ms_decode_desc_size() { return D_COUNT; }
+
+}  // extern "C"

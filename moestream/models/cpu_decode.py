@@ -1,0 +1,184 @@
+"""CPU decode steps with one compiled call per attention layer (kernels/cpu/decode.cpp).
+
+On a CPU-only machine a decode step of a small model spends more time dispatching ~20 torch operations per
+layer than in its matmuls. `CpuDecodePlan` describes each full-attention decoder layer once — the addresses
+and types of its stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables — and a
+decode step then runs that layer's norm, q|k|v projection, q/k norms, rotary, KV write, attention, output gate,
+o_proj with the residual add and the post-attention norm (and a dense MLP with its residual add) in one
+`ms_decode_layer` call. MoE blocks and Gated DeltaNet layers stay on the per-op path (the MoE block reads the
+call's normed output). Used when every condition holds (`CpuDecodePlan.usable`): CPU tensors, float32
+activations and KV pool, a decode step (one new token per sequence) with the compiled kernels on (not a
+prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off. The products are
+the per-op path's own kernels (ms_qmatmul / ms_moe_layer); norms, rotary and softmax sum in another order,
+so logits agree to float32 rounding (tests/test_cpu_decode.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..env import cpu_decode_layer_enabled
+from ..kernels import cpu_quant
+from ..kernels.linear import Linear
+from ..layers.attention import Attention
+from ..layers.norm import RMSNorm
+from ..layers.quant_linear import FusedQuantLinear, QuantLinear
+from .fuse import FusedLinear
+
+# slots of the layer description: the same order as decode.cpp's D_* enum
+_FIELDS = ["H", "NH", "NKV", "HD", "RD", "FLAGS", "IN_NORM", "POST_NORM", "Q_NORM", "K_NORM", "NSEG",
+           *[f"SEG{i}" for i in range(9)], "WO", "TO", "SO", "KC", "VC", "COS", "SIN", "MLP_I",
+           "WG", "TG", "WU", "TU", "WD", "TD"]
+D = {name: i for i, name in enumerate(_FIELDS)}
+F_ZERO_CENTERED, F_OUT_GATE = 1, 2
+# dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
+_DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
+
+
+def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
+    """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
+    ms_moe_layer, which reads no float32 rows)."""
+    if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu":
+        return lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
+    w = getattr(lin, "weight", None)
+    if type(lin) in (Linear, FusedLinear) and lin.bias is None and w is not None and w.dtype in _DENSE \
+            and w.device.type == "cpu" and w.is_contiguous() and not (mlp and w.dtype == torch.float32):
+        return w.data_ptr(), _DENSE[w.dtype], w.stride(0) * w.element_size()
+    return None
+
+
+def _norm(m) -> int | None:
+    """Address of an RMSNorm's float32 weight; 0 for no norm; None if unusable."""
+    if isinstance(m, nn.Identity):
+        return 0
+    if type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
+        return m.weight.data_ptr()
+    return None
+
+
+def _segments(a: Attention) -> list[tuple[int, int, int]] | None:
+    if a.qkv_proj is not None:
+        w = _weight(a.qkv_proj)
+        return [w] if w is not None else None
+    ws = [_weight(p) for p in (a.q_proj, a.k_proj, a.v_proj)]
+    return None if any(w is None for w in ws) else ws
+
+
+def _attention_desc(layer, cfg, rotary) -> np.ndarray | None:
+    a = layer.self_attn
+    segs, wo = _segments(a), _weight(a.o_proj)
+    norms = [_norm(m) for m in (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)]
+    if type(a) is not Attention or segs is None or wo is None or None in norms or not norms[0] or not norms[1]:
+        return None
+    rms = [m for m in (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm) if type(m) is RMSNorm]
+    if len({(m.eps, m.zero_centered) for m in rms}) != 1 or rms[0].eps != cfg.rms_norm_eps:
+        return None  # the kernel takes one eps and one norm style per layer
+    d = np.zeros(len(_FIELDS), dtype=np.int64)
+    d[[D["H"], D["NH"], D["NKV"], D["HD"], D["RD"]]] = (cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                                                        rotary.rotary_dim)
+    d[D["FLAGS"]] = (F_ZERO_CENTERED if layer.input_layernorm.zero_centered else 0) | (F_OUT_GATE if a.output_gate else 0)
+    d[[D["IN_NORM"], D["POST_NORM"], D["Q_NORM"], D["K_NORM"]]] = norms
+    d[D["NSEG"]] = len(segs)
+    for i, seg in enumerate(segs):
+        d[D["SEG0"] + 3 * i:D["SEG0"] + 3 * i + 3] = seg
+    d[[D["WO"], D["TO"], D["SO"]]] = wo
+    d[[D["COS"], D["SIN"]]] = (rotary.cos.data_ptr(), rotary.sin.data_ptr())
+    return d
+
+
+def _mlp_fields(mlp) -> tuple | None:
+    """(I, [gate, up, down weight fields]) of a dense MLP the kernel computes, or None."""
+    from .qwen_moe import MLP
+
+    if type(mlp) is not MLP:
+        return None
+    ws = [_weight(p, mlp=True) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    return None if any(w is None for w in ws) else (mlp.gate_proj.out_features, ws)
+
+
+class CpuDecodePlan:
+    """Per layer: a description for ms_decode_layer (with or without its dense MLP), or None (per-op path)."""
+
+    def __init__(self, model):
+        self.model = model
+        cfg, rot = model.cfg, model.rotary
+        self.descs: list[np.ndarray | None] = []
+        self.has_mlp: list[bool] = []
+        ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
+        for layer in model.layers:
+            d = _attention_desc(layer, cfg, rot) if ok and layer.kind == "full_attention" else None
+            mlp = _mlp_fields(layer.mlp) if d is not None else None
+            if mlp is not None:
+                I, ws = mlp
+                d[D["MLP_I"]] = I
+                d[[D["WG"], D["TG"], D["WU"], D["TU"], D["WD"], D["TD"]]] = [v for w in ws for v in w[:2]]
+            self.descs.append(d)
+            self.has_mlp.append(mlp is not None)
+        self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
+        self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
+        self.steps = 0  # decode steps run through the plan
+
+    @property
+    def layers(self) -> int:
+        return sum(d is not None for d in self.descs)
+
+    def usable(self, batch, h_dtype: torch.dtype) -> bool:
+        kv = self.model.caches.kv
+        return (self.layers > 0 and batch.is_decode and not batch.prompt and not batch.extra.get("keep_hidden")
+                and "decode_kv_index" not in batch.extra and h_dtype == torch.float32 and kv.k is not None
+                and kv.k.dtype == torch.float32 and kv.k.device.type == "cpu" and cpu_decode_layer_enabled()
+                and cpu_quant.available())
+
+    def _point_at(self, kv) -> None:
+        if self._kv is None or self._kv[0] is not kv.k or self._kv[1] is not kv.v:
+            for i, d in enumerate(self.descs):
+                if d is not None:
+                    j = self.model.kv_layer[i]
+                    d[D["KC"]], d[D["VC"]] = kv.k[j].data_ptr(), kv.v[j].data_ptr()
+            self._kv = (kv.k, kv.v)
+
+    def step_arrays(self, batch) -> tuple:
+        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets."""
+        pos = batch.positions.to(torch.int64).contiguous()
+        slot = batch.kv_write_index.to(torch.int64).contiguous()
+        idx = torch.cat([s.kv_index for s in batch.seqs]).to(torch.int64).contiguous()
+        off = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([s.total for s in batch.seqs])
+        return pos, slot, idx, off
+
+    def run_layer(self, i: int, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
+        """Layer i's compiled part: h (residual stream) updated in place, x = the post-attention norm of h."""
+        pos, slot, idx, off = arrays
+        rc = cpu_quant.module().ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0],
+                                                h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(),
+                                                idx.data_ptr(), off.ctypes.data, nthreads)
+        if rc:
+            raise RuntimeError(f"CPU decode layer {i} failed ({rc})")
+
+    def forward(self, batch) -> torch.Tensor:
+        """The decoder layers of one decode step: the final hidden states [T, H] (before the final norm)."""
+        m = self.model
+        self.steps += 1
+        self._point_at(m.caches.kv)
+        h = m.embed_tokens(batch.input_ids).contiguous()
+        x = torch.empty_like(h)
+        arrays = self.step_arrays(batch)
+        nthreads = cpu_quant.threads()
+        normed = None
+        for i, layer in enumerate(m.layers):
+            if self.descs[i] is None:
+                h, normed = m._layer(i, h, normed, batch)
+                h = h.contiguous()
+                continue
+            normed = None
+            self.run_layer(i, h, x, arrays, nthreads)
+            if not self.has_mlp[i]:
+                h = self._mlp(layer.mlp, x, h)
+        return h
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if getattr(mlp, "takes_residual", False):
+            return mlp._fused_forward(x, h).contiguous()
+        return (h + mlp(x)).contiguous()

@@ -1,0 +1,89 @@
+"""The compiled CPU decode layer (models/cpu_decode.py, kernels/cpu/decode.cpp) against the per-op path.
+
+Both compute the same products with the same kernels; only norms, rotary and softmax sum in another order, so
+every decode step's logits must agree to float32 rounding, and greedy tokens must be the same, for a batch of
+sequences of different lengths (each attends over its own KV slots)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="the CPU kernels did not build")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]]
+
+
+def _gguf(kind: str, qtype_name: str, tmp_path, tiny_checkpoint):
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    hf_dir = gguf_writer.make_llama(tmp_path / "hf") if kind == "llama" else tiny_checkpoint(kind)
+    return gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", getattr(Q, qtype_name))[0]
+
+
+def _generate(llm, n: int = 6):
+    from moestream import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0")])
+def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_checkpoint, monkeypatch):
+    """Every decode step runs twice — per-op, then compiled (rewriting the same K/V) — and the logits agree."""
+    from moestream import LLM
+    from moestream.models.qwen_moe import QwenMoeModel
+
+    llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4)
+    model = llm.engine.model
+    inner = QwenMoeModel.forward
+    diffs = []
+
+    def both(self, batch):
+        if not batch.is_decode:
+            return inner(self, batch)
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
+        ref = inner(self, batch)
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
+        steps = self.cpu_decode.steps if self.cpu_decode else 0
+        got = inner(self, batch)
+        assert self.cpu_decode.steps == steps + 1  # the compiled path ran
+        diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
+        return got
+
+    monkeypatch.setattr(QwenMoeModel, "forward", both)
+    _generate(llm)
+    plan = model.cpu_decode
+    attn = sum(layer.kind == "full_attention" for layer in model.layers)
+    assert plan.layers == attn > 0
+    assert all(plan.has_mlp) == (kind == "llama")  # a dense MLP goes into the call; a MoE block stays per-op
+    assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen35_causal", "hf:qwen3"])
+def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, monkeypatch):
+    """Greedy tokens of a batch, compiled layer on and off; qwen35 mixes Gated DeltaNet layers (per-op) with
+    gated, zero-centred attention layers (compiled); hf:qwen3 is a safetensors checkpoint (float32 rows)."""
+    from moestream import LLM
+
+    path = tiny_checkpoint(kind[3:]) if kind.startswith("hf:") else _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
+    monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
+    ref = _generate(LLM(path, device="cpu", dtype="float32", max_running_requests=4), 8)
+    monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+    assert _generate(llm, 8) == ref
+    plan = llm.engine.model.cpu_decode
+    assert plan.steps >= 7 and plan.layers == sum(layer.kind == "full_attention" for layer in llm.engine.model.layers)
+    if kind == "qwen35_causal":
+        assert plan.layers < len(llm.engine.model.layers)
+
+
+def test_16_bit_activations_stay_per_op(tiny_checkpoint):
+    """The call computes in float32: a bfloat16 model decodes on the per-op path (and still decodes)."""
+    from moestream import LLM
+
+    llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="bfloat16")
+    assert len(_generate(llm, 3)[0]) == 3
+    assert llm.engine.model.cpu_decode.steps == 0
