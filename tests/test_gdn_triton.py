@@ -117,11 +117,11 @@ SM90_SHARED = 227 * 1024  # an H100/H200 block's most dynamic shared memory
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("snap", [False, True])
-def test_kernel_compiles_for_sm90_within_shared_memory(snap):
+@pytest.mark.parametrize("snap,precision", [(False, None), (True, None), (True, "tf32x3")])
+def test_kernel_compiles_for_sm90_within_shared_memory(snap, precision):
     launch = dict(triton_ops.GDN_CHUNK_LAUNCH)
     consts = {"DK": 128, "DV": 128, "C": 64, "BV": launch.pop("bv"), "SNAP": snap,
-              "PREC": triton_ops.GDN_CHUNK_PRECISION, "N_STATIC": 0}
+              "PREC": precision or triton_ops.GDN_CHUNK_PRECISION, "N_STATIC": 0}
     k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, launch)
     assert ".target sm_90" in k.asm["ptx"]
     assert k.metadata.shared <= SM90_SHARED, k.metadata.shared

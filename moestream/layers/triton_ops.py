@@ -289,12 +289,12 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
     out = torch.empty_like(args[0])
     final = torch.empty_like(args[-1])
     starts = torch.empty((len(snap_chunks), H, Dk, Dv), dtype=torch.float32, device=u0.device)
-    snap = final  # an unused pointer unless there are snapshots (no host-to-device copy per call)
+    snap = starts_arg = final  # unused pointers unless there are snapshots (no host-to-device copy per call)
     if len(snap_chunks):
         idx = torch.full((n,), -1, dtype=torch.int32)
         idx[list(snap_chunks)] = torch.arange(len(snap_chunks), dtype=torch.int32)
-        snap = idx.to(u0.device)
-    _gdn_chunk_kernel[(H, Dv // bv)](*args, out, final, snap, starts, n, H, DK=Dk, DV=Dv, C=C, BV=bv,
+        snap, starts_arg = idx.to(u0.device), starts
+    _gdn_chunk_kernel[(H, Dv // bv)](*args, out, final, snap, starts_arg, n, H, DK=Dk, DV=Dv, C=C, BV=bv,
                                      SNAP=len(snap_chunks) > 0, PREC=precision or GDN_CHUNK_PRECISION,
                                      N_STATIC=0 if u0.is_cuda else n, **launch)
     return out, final, starts
