@@ -14,8 +14,8 @@ def cache_dir() -> Path:
 
 def triton_enabled() -> bool:
     """MOESTREAM_TRITON=0 turns the Triton kernels off (dequantization in moestream.quant; the norms, Gated
-    DeltaNet decode step, router top-k, attention q/k prep and MoE combine in layers/triton_ops.py): the
-    torch reference paths run instead."""
+    DeltaNet decode step and prefill chunk recurrence, router top-k, attention q/k prep and MoE combine in
+    layers/triton_ops.py): the torch reference paths run instead."""
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
 

@@ -21,7 +21,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=()):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=(), kernel: bool | None = None):
     """q, k [H, L, Dk] (normalised, q scaled); v [H, L, Dv]; g, beta [H, L]; state [H, Dk, Dv] (fp32);
     states_at: token counts e (1 <= e <= L) after which the state is wanted too (prefix-cache snapshots).
 
@@ -31,8 +31,43 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=(
     and o = exp(c) * (Q S0) + (QK^T * exp(c_i - c_j), j <= i) u,
         S_end = exp(c_last) S0 + (K * exp(c_last - c))^T u,
     and the state after the chunk's j-th token is the same sum cut at j (`_state_within`).
+    Everything but the recurrence over chunks is batched over all chunks (`_chunk_terms`); the recurrence
+    is one Triton launch (triton_ops.gdn_chunk_scan) where `kernel` (default: on CUDA with Triton enabled
+    and shapes it handles; True forces it, e.g. for CPU tensors under TRITON_INTERPRET=1), else a loop.
     Returns (o [H, L, Dv], final state, [state after e tokens for e in states_at]).
     """
+    H, L, Dk = k.shape
+    if kernel is None:
+        kernel = (triton_ops.enabled(q) and triton_ops.gdn_chunk_ok(Dk, v.shape[-1], chunk)
+                  and q.dtype == k.dtype == v.dtype == state.dtype == torch.float32)
+    k, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(q, k, v, g, beta, chunk)
+    wanted = {}  # chunk index -> [(index into states_at, last token's position within the chunk)]
+    for a, e in enumerate(states_at):
+        assert 1 <= e <= L, (e, L)
+        wanted.setdefault((e - 1) // chunk, []).append((a, (e - 1) % chunk))
+    mids = [None] * len(states_at)
+    if kernel:
+        snap_chunks = sorted(wanted)
+        out, S, starts = triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks)
+        for s, i in enumerate(snap_chunks):  # the chunk's u again from its start state, then the cut sums
+            u = u0[:, i] - w[:, i] @ starts[s]
+            for a, j in wanted[i]:
+                mids[a] = _state_within(starts[s], k[:, i], u, c[:, i], j)
+        return out.reshape(H, -1, out.shape[-1])[:, :L], S, mids
+    out = torch.empty_like(u0)
+    S = state
+    for i in range(k.shape[1]):
+        u = u0[:, i] - w[:, i] @ S
+        out[:, i] = q_dec[:, i] @ S + qk[:, i] @ u
+        for a, j in wanted.get(i, ()):
+            mids[a] = _state_within(S, k[:, i], u, c[:, i], j)
+        S = S * last[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ u
+    return out.reshape(H, -1, out.shape[-1])[:, :L], S, mids
+
+
+def _chunk_terms(q, k, v, g, beta, chunk: int):
+    """The per-chunk terms of chunk_gated_delta_rule, for all chunks at once (L padded to whole chunks):
+    k [H, n, C, Dk], c [H, n, C], u0 [H, n, C, Dv], w, q_dec, k_dec [H, n, C, Dk], qk [H, n, C, C], last [H, n]."""
     H, L, Dk = k.shape
     pad = (-L) % chunk
     if pad:
@@ -56,20 +91,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=(
     q_dec = q * c.exp().unsqueeze(-1)
     k_dec = k * (c[..., -1:] - c).exp().unsqueeze(-1)
     last = c[..., -1].exp()  # [H, n]
-    out = torch.empty_like(v)
-    wanted = {}  # chunk index -> [(index into states_at, last token's position within the chunk)]
-    for a, e in enumerate(states_at):
-        assert 1 <= e <= L, (e, L)
-        wanted.setdefault((e - 1) // chunk, []).append((a, (e - 1) % chunk))
-    mids = [None] * len(states_at)
-    S = state
-    for i in range(n):
-        u = u0[:, i] - w[:, i] @ S
-        out[:, i] = q_dec[:, i] @ S + qk[:, i] @ u
-        for a, j in wanted.get(i, ()):
-            mids[a] = _state_within(S, k[:, i], u, c[:, i], j)
-        S = S * last[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ u
-    return out.reshape(H, n * chunk, -1)[:, :L], S, mids
+    return k, c, u0, w, qk, q_dec, k_dec, last
 
 
 def _state_within(S0, k, u, c, j: int):

@@ -14,6 +14,8 @@ decode ~40, each far shorter than its launch. These kernels do the same math in 
 - `silu_mul`, `gated_combine(_norm)`: the shared expert's activation, and routed + sigmoid(gate) * shared
   + residual (+ the next layer's input norm).
 - `qk_norm_rope_cache`: attention's q/k norms + rotary + KV-cache write.
+- `gdn_chunk_scan` (prefill, not decode): the Gated DeltaNet chunked prefill's recurrence over 64-token
+  chunks in one launch, the state slice of each (value head, value-dim block) in registers.
 Inputs may be strided views of a fused projection's product (models/fuse.py): no copies to split it.
 
 Used on CUDA when Triton imports (MOESTREAM_TRITON=0 turns them off); the torch code stays the
@@ -220,6 +222,82 @@ def gdn_decode_ok(conv_state: torch.Tensor, K: int, dk: int, dv: int) -> bool:
     """Shapes the kernel handles: power-of-two head dims and conv width, contiguous states."""
     p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return p2(dk) and p2(dv) and p2(K) and K >= 2 and conv_state.is_contiguous()
+
+
+# ---- Gated DeltaNet prefill: the sequential part of the chunked form (layers/gdn.py) ----------------------
+# chunk_gated_delta_rule precomputes every chunk's u0, w, q_dec, qk, k_dec, last with batched torch ops; what
+# is left is a recurrence over the chunks, ~6 small ops each in torch. Here it is one launch: a program per
+# (value head, block of BV value dims) keeps its [Dk, BV] slice of the state in registers across all chunks
+# (the columns of S evolve independently: every product below has S or u on the right).
+
+GDN_CHUNK = 64  # the chunk length the kernel is built for
+GDN_CHUNK_PRECISION = "ieee"  # tl.dot in full fp32 (the torch loop's precision); "tf32x3" is the faster option
+# Launch defaults, from compiling for sm_90 at Dk = Dv = 128 (ptxas -v; not yet timed on a GPU): 8 warps spill
+# least with fp32 (FMA) dots; one stage, as the default pipelining (3) double-buffers ~120 KB of chunk inputs
+# per stage past the 227 KB of shared memory. benchmarks/gdn_chunk_bench.py times the alternatives.
+GDN_CHUNK_LAUNCH = dict(bv=32, num_warps=8, num_stages=1)
+
+if triton is not None:
+    @triton.jit
+    def _gdn_chunk_kernel(u0_ptr, w_ptr, qd_ptr, qk_ptr, kd_ptr, last_ptr, s0_ptr, out_ptr, sn_ptr, snap_ptr,
+                          starts_ptr, N, H, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                          SNAP: tl.constexpr, PREC: tl.constexpr, N_STATIC: tl.constexpr):
+        """Per chunk i: u = u0_i - w_i S; out_i = q_dec_i S + qk_i u; S <- last_i S + k_dec_i^T u.
+        SNAP: the state at the start of chunk i also goes to starts[snap[i]] ([NS, H, Dk, Dv]) where snap[i] >= 0.
+        N_STATIC: N again, as a constant, on CPU tensors only (Triton's interpreter cannot range() over a runtime
+        int under numpy >= 2.3; compiled, a constant N would mean one compile per prompt length)."""
+        h = tl.program_id(0)
+        v = tl.program_id(1) * BV + tl.arange(0, BV)
+        rk = tl.arange(0, DK)
+        rc = tl.arange(0, C)
+        s_off = rk[:, None] * DV + v[None, :]  # [DK, BV] within one head's state
+        S = tl.load(s0_ptr + h * DK * DV + s_off)
+        for i in range(N_STATIC if N_STATIC > 0 else N):
+            hi = (h * N + i).to(tl.int64)  # chunk i of head h in the [H, N, C, ...] inputs
+            if SNAP:
+                slot = tl.load(snap_ptr + i)
+                if slot >= 0:
+                    tl.store(starts_ptr + (slot * H + h).to(tl.int64) * DK * DV + s_off, S)
+            wk = tl.load(w_ptr + hi * C * DK + rc[:, None] * DK + rk[None, :])  # [C, DK]
+            u = tl.load(u0_ptr + hi * C * DV + rc[:, None] * DV + v[None, :]) - tl.dot(wk, S, input_precision=PREC)
+            qd = tl.load(qd_ptr + hi * C * DK + rc[:, None] * DK + rk[None, :])  # [C, DK]
+            qk = tl.load(qk_ptr + hi * C * C + rc[:, None] * C + rc[None, :])  # [C, C]
+            o = tl.dot(qd, S, input_precision=PREC) + tl.dot(qk, u, input_precision=PREC)
+            tl.store(out_ptr + hi * C * DV + rc[:, None] * DV + v[None, :], o)
+            kd_t = tl.load(kd_ptr + hi * C * DK + rc[None, :] * DK + rk[:, None])  # k_dec_i^T [DK, C]
+            S = S * tl.load(last_ptr + hi) + tl.dot(kd_t, u, input_precision=PREC)
+        tl.store(sn_ptr + h * DK * DV + s_off, S)
+
+
+def gdn_chunk_ok(dk: int, dv: int, chunk: int) -> bool:
+    """Shapes the chunk kernel handles: power-of-two head dims of at least 16 (tl.dot), 64-token chunks."""
+    p2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    return triton is not None and p2(dk) and p2(dv) and chunk == GDN_CHUNK
+
+
+def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precision: str | None = None, **launch):
+    """The chunk recurrence of chunk_gated_delta_rule in one launch. u0 [H, n, C, Dv]; w, q_dec, k_dec
+    [H, n, C, Dk]; qk [H, n, C, C]; last [H, n]; state [H, Dk, Dv] (all fp32, state not modified).
+    snap_chunks: chunk indices whose start state is wanted. Returns (out [H, n, C, Dv], final state,
+    starts [len(snap_chunks), H, Dk, Dv]: the state at the start of each chunk in snap_chunks).
+    launch: bv, num_warps, num_stages overriding GDN_CHUNK_LAUNCH (benchmarks)."""
+    H, n, C, Dv = u0.shape
+    Dk = w.shape[-1]
+    launch = {**GDN_CHUNK_LAUNCH, **launch}
+    bv = min(launch.pop("bv"), Dv)
+    args = [t.contiguous() for t in (u0, w, q_dec, qk, k_dec, last, state)]
+    out = torch.empty_like(args[0])
+    final = torch.empty_like(args[-1])
+    starts = torch.empty((len(snap_chunks), H, Dk, Dv), dtype=torch.float32, device=u0.device)
+    snap = starts_arg = final  # unused pointers unless there are snapshots (no host-to-device copy per call)
+    if len(snap_chunks):
+        idx = torch.full((n,), -1, dtype=torch.int32)
+        idx[list(snap_chunks)] = torch.arange(len(snap_chunks), dtype=torch.int32)
+        snap, starts_arg = idx.to(u0.device), starts
+    _gdn_chunk_kernel[(H, Dv // bv)](*args, out, final, snap, starts_arg, n, H, DK=Dk, DV=Dv, C=C, BV=bv,
+                                     SNAP=len(snap_chunks) > 0, PREC=precision or GDN_CHUNK_PRECISION,
+                                     N_STATIC=0 if u0.is_cuda else n, **launch)
+    return out, final, starts
 
 
 # ---- the MoE block's small ops: router top-k, shared-expert activation, combine + residual ----------------

@@ -1,0 +1,98 @@
+"""Gated DeltaNet prefill, one layer at the Qwen3.6 shape (H = 32 value heads, Dk = Dv = 128): the chunk
+recurrence as one Triton launch (triton_ops.gdn_chunk_scan) vs the torch loop over chunks, on CUDA.
+
+    PYTHONPATH=$PWD python3 benchmarks/gdn_chunk_bench.py [--lengths 512,4096] [--sweep]
+
+One line per config: chunk_gated_delta_rule end to end (loop, kernel), then with --sweep the scan alone
+under other launch settings (bv, num_warps, num_stages, dot precision) than triton_ops.GDN_CHUNK_LAUNCH.
+Median of --reps timed calls (CUDA events) after warm-up; the first kernel call compiles.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from moestream.layers import triton_ops
+from moestream.layers.gdn import _chunk_terms, _l2norm, chunk_gated_delta_rule
+
+H, DK, DV = 32, 128, 128
+
+
+def inputs(L: int, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = _l2norm(torch.randn(H, L, DK, device=device, generator=g)) * DK ** -0.5
+    k = _l2norm(torch.randn(H, L, DK, device=device, generator=g))
+    v = torch.randn(H, L, DV, device=device, generator=g)
+    gate = -torch.rand(H, L, device=device, generator=g) ** 2
+    beta = torch.rand(H, L, device=device, generator=g)
+    state = torch.randn(H, DK, DV, device=device, generator=g) * 0.3
+    return q, k, v, gate, beta, state
+
+
+def time_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_length(L: int, reps: int, sweep: bool) -> None:
+    args = inputs(L)
+    loop = time_ms(lambda: chunk_gated_delta_rule(*args, kernel=False), reps)
+    kern = time_ms(lambda: chunk_gated_delta_rule(*args, kernel=True), reps)
+    o1, s1, _ = chunk_gated_delta_rule(*args, kernel=True)
+    o0, s0, _ = chunk_gated_delta_rule(*args, kernel=False)
+    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o1, o0), (s1, s0)))
+    terms = _chunk_terms(*args[:5], triton_ops.GDN_CHUNK)
+    pre = time_ms(lambda: _chunk_terms(*args[:5], triton_ops.GDN_CHUNK), reps)
+    _, c, u0, w, qk, q_dec, k_dec, last = terms
+    scan = time_ms(lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, args[-1]), reps)
+    print(f"L={L} H={H} Dk={DK} Dv={DV}: loop {loop:.3f} ms, kernel {kern:.3f} ms ({loop / kern:.1f}x; "
+          f"precompute {pre:.3f} ms + scan {scan:.3f} ms, launch {triton_ops.GDN_CHUNK_LAUNCH} "
+          f"{triton_ops.GDN_CHUNK_PRECISION}), max rel err {err:.1e}", flush=True)
+    if sweep:
+        sweep_launch(L, u0, w, q_dec, qk, k_dec, last, args[-1], reps)
+
+
+def sweep_launch(L, u0, w, q_dec, qk, k_dec, last, state, reps: int) -> None:
+    """The scan alone under each launch setting (a setting that does not fit reports its error)."""
+    ref, ref_s, _ = triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, precision="ieee")
+    for bv, warps, stages, prec in itertools.product((16, 32, 64), (4, 8), (1, 2), ("ieee", "tf32x3")):
+        launch = dict(bv=bv, num_warps=warps, num_stages=stages)
+        run = lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state,  # noqa: E731
+                                                precision=prec, **launch)
+        try:
+            ms = time_ms(run, reps)
+            o, s, _ = run()
+            err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o, ref), (s, ref_s)))
+            print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: {ms:.3f} ms, "
+                  f"rel err vs ieee {err:.1e}", flush=True)
+        except Exception as e:  # e.g. out of shared memory
+            print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: failed: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="512,4096")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time the scan under other launch settings")
+    a = ap.parse_args()
+    assert torch.cuda.is_available() and triton_ops.triton is not None, "needs CUDA and triton"
+    torch.backends.cuda.matmul.allow_tf32 = False  # the loop in full fp32 (torch's default)
+    for L in (int(x) for x in a.lengths.split(",")):
+        bench_length(L, a.reps, a.sweep)
+
+
+if __name__ == "__main__":
+    main()

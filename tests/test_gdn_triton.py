@@ -1,0 +1,154 @@
+"""The Gated DeltaNet prefill chunk kernel (triton_ops.gdn_chunk_scan, taken by chunk_gated_delta_rule on
+CUDA) against the torch loop over chunks it replaces: outputs, final state and the prefix-cache snapshot
+states (`states_at`, computed from the chunk-start states the kernel writes).
+
+* Interpreter: all cases run once in a subprocess with TRITON_INTERPRET=1, on CPU tensors (kernel=True).
+* sm_90: the kernel compiled by the real compiler at the Qwen3.6 shape (no GPU needed): it must fit in
+  shared memory with the default launch.
+* CUDA: the full shape (H = 32, Dk = Dv = 128, L = 512) against the loop; skipped without a GPU.
+
+Tolerance: the largest error relative to the largest value of each tensor, 1e-4 (fp32 throughout;
+the kernel sums the products in another order than torch's matmuls). Measured under the interpreter: <= 3e-7.
+
+Run as a script (`python tests/test_gdn_triton.py --worker OUT.json`) it is the interpreter worker.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+
+from moestream.layers import triton_ops  # noqa: E402
+from moestream.layers.gdn import _l2norm, chunk_gated_delta_rule  # noqa: E402
+
+RTOL = 1e-4
+
+
+def _inputs(H, Dk, Dv, L, device="cpu", seed=0):
+    """Normalised q (scaled) and k, decays in [-1, 0) per token (some near 1, some strong), beta in (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    q = _l2norm(torch.randn(H, L, Dk, generator=g)) * Dk ** -0.5
+    k = _l2norm(torch.randn(H, L, Dk, generator=g))
+    v = torch.randn(H, L, Dv, generator=g)
+    gate = -torch.rand(H, L, generator=g) ** 2
+    beta = torch.rand(H, L, generator=g)
+    state = torch.randn(H, Dk, Dv, generator=g) * 0.3
+    return [t.to(device) for t in (q, k, v, gate, beta, state)]
+
+
+def _rel_err(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(H, Dk, Dv, L, states_at, device="cpu") -> list[str]:
+    """The kernel path vs the loop: errors beyond RTOL, as messages."""
+    args = _inputs(H, Dk, Dv, L, device)
+    o1, s1, m1 = chunk_gated_delta_rule(*args, states_at=states_at, kernel=True)
+    o0, s0, m0 = chunk_gated_delta_rule(*args, states_at=states_at, kernel=False)
+    errs = [] if o1.shape == o0.shape and len(m1) == len(m0) else [f"shapes {o1.shape} {o0.shape} {len(m1)}"]
+    pairs = [("out", o1, o0), ("final state", s1, s0)] + [(f"state after {e}", a, b)
+                                                           for e, a, b in zip(states_at, m1, m0)]
+    for name, got, want in pairs:
+        e = _rel_err(got, want)
+        if not e <= RTOL:  # also catches nan
+            errs.append(f"{name}: relative error {e:.2e}")
+    if torch.equal(s1, args[-1]):
+        errs.append("final state == initial state")
+    return errs
+
+
+# --------------------------------------------------------------------------- interpreter cases
+CASES = {  # (H, Dk, Dv, L, states_at): L = 1, within, at and just past a chunk, several chunks with a tail
+    "L1": (2, 32, 32, 1, [1]),
+    "L63": (3, 32, 64, 63, [1, 30, 63]),
+    "L64": (4, 64, 64, 64, [64]),
+    "L65": (2, 64, 32, 65, [65, 64, 1]),
+    "L200": (3, 32, 64, 200, [1, 64, 100, 129, 192, 200]),
+    "L200-no-snapshots": (2, 64, 64, 200, []),
+    "L130-Dv128": (2, 32, 128, 130, [128]),  # 4 blocks of value dims
+}
+
+
+def _worker(out_path: str) -> None:
+    write_case_results(CASES, lambda case: compare(*CASES[case]), out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return interpreted_results(__file__, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreted_kernel_equals_loop(interpreted, case):
+    assert_case(interpreted, case)
+
+
+def test_cpu_tensors_take_the_loop(monkeypatch):
+    """By default CPU tensors never reach the kernel (production gating: CUDA and Triton enabled)."""
+    def boom(*a, **k):
+        raise AssertionError("kernel called for CPU tensors")
+
+    monkeypatch.setattr(triton_ops, "gdn_chunk_scan", boom)
+    args = _inputs(2, 32, 32, 70)
+    o, s, m = chunk_gated_delta_rule(*args, states_at=[10])
+    o0, s0, m0 = chunk_gated_delta_rule(*args, states_at=[10], kernel=False)
+    assert torch.equal(o, o0) and torch.equal(s, s0) and torch.equal(m[0], m0[0])
+
+
+def test_shape_gate():
+    assert triton_ops.gdn_chunk_ok(128, 128, 64) == HAS_TRITON
+    assert not triton_ops.gdn_chunk_ok(96, 128, 64)  # not a power of two
+    assert not triton_ops.gdn_chunk_ok(8, 128, 64)  # below tl.dot's 16
+    assert not triton_ops.gdn_chunk_ok(128, 128, 32)
+
+
+# --------------------------------------------------------------------------- sm_90
+SIG = {**{p: "*fp32" for p in ("u0_ptr", "w_ptr", "qd_ptr", "qk_ptr", "kd_ptr", "last_ptr", "s0_ptr", "out_ptr",
+                               "sn_ptr", "starts_ptr")},
+       "snap_ptr": "*i32", "N": "i32", "H": "i32",
+       **{c: "constexpr" for c in ("DK", "DV", "C", "BV", "SNAP", "PREC", "N_STATIC")}}
+SM90_SHARED = 227 * 1024  # an H100/H200 block's most dynamic shared memory
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("snap,precision", [(False, None), (True, None), (True, "tf32x3")])
+def test_kernel_compiles_for_sm90_within_shared_memory(snap, precision):
+    launch = dict(triton_ops.GDN_CHUNK_LAUNCH)
+    consts = {"DK": 128, "DV": 128, "C": 64, "BV": launch.pop("bv"), "SNAP": snap,
+              "PREC": precision or triton_ops.GDN_CHUNK_PRECISION, "N_STATIC": 0}
+    k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, launch)
+    assert ".target sm_90" in k.asm["ptx"]
+    assert k.metadata.shared <= SM90_SHARED, k.metadata.shared
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_cuda_full_shape_equals_loop(monkeypatch, precision):
+    """Qwen3.6's GDN shape, pp512 with snapshots, vs the loop (torch matmuls in full fp32, no TF32)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
+    assert triton_ops.enabled(torch.empty(1, device="cuda")) and triton_ops.gdn_chunk_ok(128, 128, 64)
+    errs = compare(32, 128, 128, 512, [100, 256, 512], device="cuda")
+    assert not errs, errs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+def test_cuda_default_path_is_the_kernel(monkeypatch):
+    calls = []
+    real = triton_ops.gdn_chunk_scan
+    monkeypatch.setattr(triton_ops, "gdn_chunk_scan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunk_gated_delta_rule(*_inputs(4, 128, 128, 100, "cuda"))
+    assert calls == [1]
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker(sys.argv[sys.argv.index("--worker") + 1])
