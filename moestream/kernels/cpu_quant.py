@@ -137,6 +137,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
     lib.ms_decode_desc_size.restype = ctypes.c_int
+    lib.ms_q8_0_float_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    lib.ms_q8_0_float_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
     return lib
@@ -202,6 +204,18 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     mod = _STATE["mod"]
     mod.ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
                    out.data_ptr(), raw2d.shape[0], _threads(mod), 0)
+    return out
+
+
+def q8_0_float_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int = TYPES["Q8_0"]) -> torch.Tensor:
+    """As rows_matmul for Q8_0 weights, with float32 activations (no int8 rounding; decode.cpp)."""
+    n, k = x.shape
+    out = torch.empty(n, raw2d.shape[0], dtype=torch.float32)
+    mod = _STATE["mod"]
+    rc = mod.ms_q8_0_float_matmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0),
+                                  out.data_ptr(), raw2d.shape[0], _threads(mod))
+    if rc:
+        raise ValueError(f"Q8_0 matmul: in_features {k} is not a multiple of 32")
     return out
 
 

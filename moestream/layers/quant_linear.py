@@ -24,10 +24,14 @@ GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV ke
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T with W kept as GGUF bytes of type ``type_name`` (no bias)."""
+    """y = x @ W.T with W kept as GGUF bytes of type ``type_name`` (no bias). float_activations (Q8_0 only): the
+    CPU decode kernel multiplies float32 activations instead of rounding them to int8 (a vocabulary head)."""
 
-    def __init__(self, type_name: str, raw: torch.Tensor, out_features: int, in_features: int):
+    def __init__(self, type_name: str, raw: torch.Tensor, out_features: int, in_features: int,
+                 float_activations: bool = False):
         super().__init__()
+        assert not float_activations or type_name == "Q8_0", type_name
+        self.float_activations = float_activations
         self.fmt = gguf_format(type_name)
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("raw", raw.reshape(out_features, -1).contiguous().view(torch.uint8), persistent=False)
@@ -42,7 +46,8 @@ class QuantLinear(nn.Module):
         if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
                 and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features and self.raw.device.type == "cpu"
                 and cpu_quant.available()):
-            y = cpu_quant.rows_matmul(x.view(-1, self.in_features), self.raw, self.type_id)
+            rows = cpu_quant.q8_0_float_matmul if self.float_activations else cpu_quant.rows_matmul
+            y = rows(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)
         if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and gpu_gemv(self.fmt):
             from ..moe.qpairs import quant_linear
@@ -63,7 +68,7 @@ class FusedQuantLinear(QuantLinear):
     type (their byte rows concatenated): one kernel launch for the group."""
 
     def __init__(self, type_name: str, raw: torch.Tensor, sizes: tuple[int, ...], in_features: int):
-        super().__init__(type_name, raw, sum(sizes), in_features)
+        super().__init__(type_name, raw, sum(sizes), in_features)  # int8 activations
         self.sizes = tuple(sizes)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

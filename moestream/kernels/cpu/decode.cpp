@@ -21,6 +21,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MS_DECODE_AVX2 1
+#endif
 
 extern "C" int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws,
                           int64_t type, float* op, int64_t os, int nthreads, int force_scalar);
@@ -197,9 +201,81 @@ int dense_mlp(const int64_t* d, const float* x, int64_t B, int64_t H, float* h, 
   return 0;
 }
 
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef MS_DECODE_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float v = e == 0 ? std::ldexp((float)m, -24)
+                         : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 0x400), (int)e - 25);
+  return (h & 0x8000) ? -v : v;
+#endif
+}
+
+// sum over one Q8_0 block (fp16 d, 32 int8 q) of q_j * x_j, for NR activation rows (float32, exact products)
+template <int NR>
+inline void q8_block(const uint8_t* blk, const float* const* x, int64_t off, float* acc) {
+  const float d = fp16(blk);
+  const int8_t* q = (const int8_t*)(blk + 2);
+#ifdef MS_DECODE_AVX2
+  __m256 w[4];
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * j))));
+  for (int r = 0; r < NR; ++r) {
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x[r] + off));
+    for (int j = 1; j < 4; ++j) t = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x[r] + off + 8 * j), t);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    acc[r] += d * _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+#else
+  for (int r = 0; r < NR; ++r) {
+    float t = 0;
+    for (int j = 0; j < 32; ++j) t += (float)q[j] * x[r][off + j];
+    acc[r] += d * t;
+  }
+#endif
+}
+
+template <int NR>
+void q8_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
+  float acc[NR] = {};
+  for (int64_t b = 0; b < nb; ++b) q8_block<NR>(w + b * 34, x, b * 32, acc);
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
 }  // namespace
 
 extern "C" {
+
+// out [n, N] (rows os apart) = x [n, K] @ W.T for Q8_0 weights W (N rows of K/32 blocks, ws bytes apart) with
+// float32 activations: the products of the stored values and the activations as they are (no int8 rounding
+// of x, unlike ms_qmatmul). For a vocabulary head, whose logits pick the tokens. Returns 0, or -1 for K % 32.
+int ms_q8_0_float_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w, int64_t N, int64_t ws, float* out,
+                         int64_t os, int nthreads) {
+  if (K % 32) return -1;
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, N * K / 65536));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const uint8_t* wr = w + i * ws;
+    for (int64_t r0 = 0; r0 < n; r0 += 4) {
+      const float* xs[4];
+      float o[4];
+      const int nr = (int)std::min<int64_t>(4, n - r0);
+      for (int r = 0; r < nr; ++r) xs[r] = x + (r0 + r) * K;
+      switch (nr) {
+        case 4: q8_rows<4>(wr, K / 32, xs, o); break;
+        case 3: q8_rows<3>(wr, K / 32, xs, o); break;
+        case 2: q8_rows<2>(wr, K / 32, xs, o); break;
+        default: q8_rows<1>(wr, K / 32, xs, o); break;
+      }
+      for (int r = 0; r < nr; ++r) out[(r0 + r) * os + i] = o[r];
+    }
+  }
+  return 0;
+}
 
 // One decoder layer for B decode rows (module comment). h [B, H] float32: the residual stream, updated in place;
 // x [B, H]: receives norm_post(h) after the attention (the MoE block's input when the layer has no dense MLP;
