@@ -363,7 +363,9 @@ class DeviceCachedRuntime(CachedRuntime):
 
     def stats(self):
         out = super().stats()
-        if self.pairs:
+        if self.pairs:  # the pool's rows: cached slots + scratch rows staging this step's misses
+            out["cache"]["slots"] = self.dcache.num_slots + self.dcache.scratch
+            out["cache"]["scratch_slots"] = self.dcache.scratch
             out["cache"]["resident"] = self.dcache.num_resident()
             out["cache"]["resident_map"] = self.dcache.resident_map()
             out["decode_kernel"] = "pairs"
