@@ -78,8 +78,30 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     plan = model.cpu_decode
     attn = sum(layer.kind == "full_attention" for layer in model.layers)
     assert plan.layers == attn > 0
-    assert all(plan.has_mlp) == (kind == "llama")  # a dense MLP goes into the call; a MoE block stays per-op
+    moe = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers]
+    assert plan.has_mlp == [not b for b in moe]  # a dense MLP goes into the layer's call
+    assert [d is not None for d in plan.moe] == moe  # a MoE block: its own call
+    assert any(moe) == (kind == "qwen3")
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("backend", ["fused", "cpu"])
+def test_moe_block_call_books_the_per_op_statistics(backend, tmp_path, tiny_checkpoint, monkeypatch):
+    """A MoE block computed in one call gives the per-op tokens, and the runtime's statistics (tokens, routed
+    pairs, expert calls, hits or CPU experts, per-expert hits) are what the per-op path books."""
+    from moestream import LLM
+
+    path = _gguf("qwen3", "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", moe_backend=backend, max_running_requests=4)
+        tokens = _generate(llm, 6)
+        st = llm.engine.runtime.stats()
+        runs[flag] = tokens, st["total"], st["layers"], st.get("expert_hits")
+        plan = llm.engine.model.cpu_decode
+        assert (plan.steps > 0 and sum(d is not None for d in plan.moe) >= 2) == (flag == "1")
+    assert runs["0"] == runs["1"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen35_causal", "hf:qwen3"])

@@ -5,8 +5,10 @@ layer than in its matmuls. `CpuDecodePlan` describes each full-attention decoder
 and types of its stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables — and a
 decode step then runs that layer's norm, q|k|v projection, q/k norms, rotary, KV write, attention, output gate,
 o_proj with the residual add and the post-attention norm (and a dense MLP with its residual add) in one
-`ms_decode_layer` call. MoE blocks and Gated DeltaNet layers stay on the per-op path (the MoE block reads the
-call's normed output). Used when every condition holds (`CpuDecodePlan.usable`): CPU tensors, float32
+`ms_decode_layer` call. A MoE block after such a layer is one `ms_moe_decode` call (router, top-k, the routed
+experts' pairs in one kernel, an unfused shared expert, the residual add) where the expert runtime computes every
+expert on this CPU from host banks (fused or cpu on a CPU-only machine, no routing tap); the route goes back
+to the runtime's statistics. Other MoE blocks and Gated DeltaNet layers stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU tensors, float32
 activations and KV pool, a decode step (one new token per sequence) with the compiled kernels on (not a
 prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off. The products are
 the per-op path's own kernels (ms_qmatmul / ms_moe_layer); norms, rotary and softmax sum in another order,
@@ -31,6 +33,10 @@ _FIELDS = ["H", "NH", "NKV", "HD", "RD", "FLAGS", "IN_NORM", "POST_NORM", "Q_NOR
            *[f"SEG{i}" for i in range(9)], "WO", "TO", "SO", "KC", "VC", "COS", "SIN", "MLP_I",
            "WG", "TG", "WU", "TU", "WD", "TD"]
 D = {name: i for i, name in enumerate(_FIELDS)}
+# slots of a MoE block's description: decode.cpp's X_* enum
+_MOE_FIELDS = ["H", "E", "K", "NORMALIZE", "I", "RW", "RT", "RS", "TABLE", "TG", "TU", "TD",
+               "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE"]
+M = {name: i for i, name in enumerate(_MOE_FIELDS)}
 F_ZERO_CENTERED, F_OUT_GATE = 1, 2
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
@@ -46,6 +52,43 @@ def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
             and w.device.type == "cpu" and w.is_contiguous() and not (mlp and w.dtype == torch.float32):
         return w.data_ptr(), _DENSE[w.dtype], w.stride(0) * w.element_size()
     return None
+
+
+def _dense(w: torch.Tensor, types=_DENSE) -> tuple[int, int, int] | None:
+    """(address, ggml type, row stride in bytes) of a 2-D CPU weight tensor, or None."""
+    if w.dim() != 2 or w.dtype not in types or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    return w.data_ptr(), types[w.dtype], w.stride(0) * w.element_size()
+
+
+def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
+    """(description, its table's owner) of a MoE block ms_moe_decode computes, or None: the runtime computes
+    every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows, and
+    no shared expert or an unfused one (the fused [router | shared gate | up | gate] GEMM stays per-op)."""
+    from .qwen_moe import SparseMoeBlock
+
+    if type(block) is not SparseMoeBlock or block.shared_in is not None or block.runtime is None:
+        return None
+    table = block.runtime.host_layer_table(block.layer)
+    router = _dense(block.gate.weight)
+    if table is None or router is None:
+        return None
+    ptrs, types, inter = table
+    d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
+    d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
+                                                          block.gate.top_k, int(block.gate.normalize), inter)
+    d[[M["RW"], M["RT"], M["RS"]]] = router
+    d[M["TABLE"]] = ptrs.ctypes.data
+    d[[M["TG"], M["TU"], M["TD"]]] = types
+    if block.shared_expert is not None:
+        sh = _mlp_fields(block.shared_expert)
+        gate = _dense(block.shared_expert_gate.weight, {torch.float32: 0})
+        if sh is None or gate is None or type(block.shared_expert_gate) is not Linear:
+            return None
+        d[M["SI"]] = sh[0]
+        d[[M["SG"], M["STG"], M["SU"], M["STU"], M["SD"], M["STD"]]] = [v for w in sh[1] for v in w[:2]]
+        d[M["SGATE"]] = gate[0]
+    return d, ptrs
 
 
 def _norm(m) -> int | None:
@@ -105,6 +148,8 @@ class CpuDecodePlan:
         cfg, rot = model.cfg, model.rotary
         self.descs: list[np.ndarray | None] = []
         self.has_mlp: list[bool] = []
+        self.moe: list[np.ndarray | None] = []  # ms_moe_decode descriptions of the blocks after compiled layers
+        self._keep: list = []
         ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
         for layer in model.layers:
             d = _attention_desc(layer, cfg, rot) if ok and layer.kind == "full_attention" else None
@@ -115,6 +160,9 @@ class CpuDecodePlan:
                 d[[D["WG"], D["TG"], D["WU"], D["TU"], D["WD"], D["TD"]]] = [v for w in ws for v in w[:2]]
             self.descs.append(d)
             self.has_mlp.append(mlp is not None)
+            moe = _moe_desc(layer.mlp, cfg) if d is not None and mlp is None else None
+            self.moe.append(moe[0] if moe else None)
+            self._keep.append(moe[1] if moe else None)  # the expert table the description points into
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
         self.steps = 0  # decode steps run through the plan
@@ -163,6 +211,7 @@ class CpuDecodePlan:
         self._point_at(m.caches.kv)
         h = m.embed_tokens(batch.input_ids).contiguous()
         x = torch.empty_like(h)
+        ids = np.empty((h.shape[0], max(1, m.cfg.top_k)), dtype=np.int64)
         arrays = self.step_arrays(batch)
         nthreads = cpu_quant.threads()
         normed = None
@@ -173,9 +222,20 @@ class CpuDecodePlan:
                 continue
             normed = None
             self.run_layer(i, h, x, arrays, nthreads)
-            if not self.has_mlp[i]:
+            if self.moe[i] is not None:
+                self.run_moe(i, layer.mlp, h, x, ids, nthreads)
+            elif not self.has_mlp[i]:
                 h = self._mlp(layer.mlp, x, h)
         return h
+
+    def run_moe(self, i: int, block, h: torch.Tensor, x: torch.Tensor, ids: np.ndarray, nthreads: int) -> None:
+        """Layer i's MoE block in one call: h += routed (+ shared) experts of x; the route is booked."""
+        B = h.shape[0]
+        rc = cpu_quant.module().ms_moe_decode(self.moe[i].ctypes.data, B, x.data_ptr(), h.data_ptr(),
+                                              ids.ctypes.data, nthreads)
+        if rc:
+            raise RuntimeError(f"CPU decode MoE block {i} failed ({rc})")
+        block.runtime.book_host_call(block.layer, ids[:B])
 
     @staticmethod
     def _mlp(mlp, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,19 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
     return ptrs, types, I, round_mm
 
 
+def layer_table(bank: dict, fmt):
+    """(addresses [E, 3] of every expert's gate/up/down, ggml type ids, I) of a layer of GGUF experts the
+    kernels read, in host memory; None otherwise (models/cpu_decode.py's one-call MoE block)."""
+    from ..kernels.cpu_quant import TYPES
+
+    types = gguf_types(fmt) if fmt is not None else None
+    if types is None or any(a.device.type != "cpu" for a in bank.values()):
+        return None
+    E = min(bank[p].shape[0] for p in GGUF_PROJS)
+    ptrs, types, inter, _ = expert_ptrs(bank, fmt, np.arange(E))
+    return np.ascontiguousarray(ptrs), tuple(TYPES[t] for t in types), inter
+
+
 class LayerCall:
     """`run` for one layer's bank, with what does not change between calls worked out once: the arrays'
     addresses and row strides, the type ids, I, the rounding mode (the bridge worker calls it every decode

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_moe import layer_table
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, accumulate
 from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache, device_fetch_count
 from .bridge import CpuBridge
@@ -55,6 +56,19 @@ class FusedRuntime(ExpertRuntime):
             self._ones = torch.ones(store.num_experts, dtype=torch.long, device=device)
         else:
             self.host_hits = {layer: [0] * store.num_experts for layer in store.moe_layers}
+
+    def host_layer_table(self, layer):
+        if self.pairs or self.device.type != "cpu" or self.tap is not None:
+            return None
+        return layer_table(self.store.bank(layer), self.store.fmt.for_layer(layer))
+
+    def _book_host_experts(self, layer, experts):
+        s = self.book[layer]
+        s.hits += len(experts)
+        s.gpu_experts += len(experts)
+        row = self.host_hits[layer]
+        for e in experts.tolist():
+            row[e] += 1
 
     def expert_hits(self):
         if self.pairs:
@@ -450,6 +464,16 @@ class CpuRuntime(BridgedSteps, CachedRuntime):
 
     def capturable(self, info=None):
         return self.bridge is not None
+
+    def host_layer_table(self, layer):
+        if self.bridge is not None or self.device.type != "cpu" or self.tap is not None or self.residency.num_slots:
+            return None
+        return layer_table(self.store.bank(layer), self.store.fmt.for_layer(layer))
+
+    def _book_host_experts(self, layer, experts):
+        for e in experts.tolist():
+            self.residency.note_miss((layer, e))
+        self.book[layer].cpu_experts += len(experts)
 
     def forward(self, layer, x, topk_ids, topk_w):
         if self.bridge is None or self.prefill_mode:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .compute import RouteGroups
@@ -98,6 +99,25 @@ class ExpertRuntime:
         return {"backend": self.name, **self.book.as_dict(), "options": options, **extra,
                 "num_experts": store.num_experts,
                 "bytes_per_expert": {str(layer): store.bytes_per_expert(layer) for layer in store.moe_layers}}
+
+    # ---- a CPU decode step's MoE block in one compiled call (models/cpu_decode.py) ----------------------
+    def host_layer_table(self, layer: int):
+        """(addresses [E, 3] of every expert's gate/up/down, (gate, up, down) ggml type ids, I) when this runtime
+        computes every routed expert of `layer` on the CPU from its host bank in a format the kernels read, so
+        a CPU decode step may run the whole block in one call; None otherwise (the default)."""
+        return None
+
+    def book_host_call(self, layer: int, ids: np.ndarray) -> None:
+        """The statistics of a layer call made outside `forward` (ids [T, k], the route it computed)."""
+        experts = np.unique(ids)
+        s = self.book[layer]
+        s.tokens += ids.shape[0]
+        s.routed += ids.size
+        s.expert_calls += len(experts)
+        self._book_host_experts(layer, experts)
+
+    def _book_host_experts(self, layer: int, experts: np.ndarray) -> None:
+        pass
 
     def expert_hits(self) -> dict[int, list[int]] | None:
         """layer -> hits of each expert (decode-path lookups that found it resident); None: not counted."""

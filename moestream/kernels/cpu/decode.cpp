@@ -50,6 +50,16 @@ enum : int {
 };
 enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2 };
 
+// a MoE block's description for ms_moe_decode (models/cpu_decode.py writes the same slots)
+enum : int {
+  X_H, X_E, X_K, X_NORMALIZE, X_I,
+  X_RW, X_RT, X_RS,                                 // router weight [E, H]: address, ggml type (0 float32), row stride
+  X_TABLE, X_TG, X_TU, X_TD,                        // [E, 3] gate/up/down addresses of every expert; their types
+  X_SI, X_SG, X_STG, X_SU, X_STU, X_SD, X_STD,      // shared expert (X_SI = 0: none): I, gate/up/down address, type
+  X_SGATE,                                          // the shared expert's float32 gate vector [H] (0: ungated)
+  X_COUNT
+};
+
 // y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x
 void rms_norm(const float* x, const float* w, int64_t n, double eps, bool zc, float* y) {
   double ss = 0;
@@ -246,9 +256,98 @@ void q8_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
   for (int r = 0; r < NR; ++r) out[r] = acc[r];
 }
 
+// softmax over E logits, the k largest probabilities (descending; ties: lowest id first), optionally
+// renormalised to sum 1: as triton_ops.route_topk_torch
+void route_row(const float* logits, int64_t E, int64_t k, bool normalize, int64_t* ids, float* w) {
+  float mx = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+  std::vector<float> p(E);
+  float sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - mx));
+  for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+  float tot = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (p[e] >= 0 && (best < 0 || p[e] > p[best])) best = e;
+    ids[j] = best, w[j] = p[best], tot += p[best];
+    p[best] = -1.0f;
+  }
+  if (normalize)
+    for (int64_t j = 0; j < k; ++j) w[j] /= tot;
+}
+
+// the routed experts of B rows: acc [B, H] = sum over each row's k experts (in expert order) of w * mlp(x)
+int routed(const int64_t* m, int64_t B, const float* x, const int64_t* ids, const float* w, float* acc, int nt) {
+  const int64_t H = m[X_H], K = m[X_K], P = B * K;
+  std::vector<int64_t> order(P);
+  for (int64_t p = 0; p < P; ++p) order[p] = p;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<int64_t> gstart, wptr, prow(P), pdst(P);
+  std::vector<float> pw(P);
+  const int64_t* table = (const int64_t*)m[X_TABLE];
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t p = order[i], e = ids[p];
+    if (i == 0 || e != ids[order[i - 1]]) {
+      gstart.push_back(i);
+      for (int j = 0; j < 3; ++j) wptr.push_back(table[3 * e + j]);
+    }
+    prow[i] = p / K, pw[i] = w[p], pdst[i] = i;
+  }
+  gstart.push_back(P);
+  const int64_t wtype[3] = {m[X_TG], m[X_TU], m[X_TD]};
+  std::vector<float> y(P * H);
+  const int rc = ms_moe_layer(x, 0, B, H, m[X_I], (int64_t)gstart.size() - 1, wptr.data(), wtype, gstart.data(),
+                              prow.data(), pw.data(), pdst.data(), y.data(), P, H, 0, 0, nt, 0);
+  if (rc) return rc;
+  std::fill(acc, acc + B * H, 0.0f);
+  for (int64_t i = 0; i < P; ++i)
+    for (int64_t c = 0; c < H; ++c) acc[prow[i] * H + c] += y[i * H + c];
+  return 0;
+}
+
+// acc [B, H] += sigmoid(x . gate) * shared_mlp(x) (ungated: weight 1)
+int shared(const int64_t* m, int64_t B, const float* x, float* acc, int nt) {
+  const int64_t H = m[X_H];
+  const int64_t wptr[3] = {m[X_SG], m[X_SU], m[X_SD]}, wtype[3] = {m[X_STG], m[X_STU], m[X_STD]};
+  const int64_t gstart[2] = {0, B};
+  std::vector<int64_t> rows(B);
+  std::vector<float> pw(B, 1.0f), y(B * H);
+  for (int64_t b = 0; b < B; ++b) {
+    rows[b] = b;
+    if (m[X_SGATE]) {
+      float g = 0;
+      matmul_f32(x + b * H, 1, H, (const float*)m[X_SGATE], 1, H * 4, &g, 1, 1);
+      pw[b] = 1.0f / (1.0f + std::exp(-g));
+    }
+  }
+  const int rc = ms_moe_layer(x, 0, B, H, m[X_SI], 1, wptr, wtype, gstart, rows.data(), pw.data(), rows.data(),
+                              y.data(), B, H, 0, 0, nt, 0);
+  if (rc) return rc;
+  for (int64_t i = 0; i < B * H; ++i) acc[i] += y[i];
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+// One MoE block for B decode rows (the description `m`: M_* slots): router logits (float32 or stored rows),
+// softmax top-k, the routed experts' pairs in one ms_moe_layer call, the optional (gated) shared expert, and
+// h [B, H] += their sum. x [B, H]: the block's input (the post-attention norm). ids [B, k] receives the route
+// (the runtime books it). Returns 0 or the failing kernel's code.
+int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t* ids, int nthreads) {
+  const int64_t H = m[X_H], E = m[X_E], K = m[X_K];
+  std::vector<float> logits(B * E), w(B * K), acc(B * H);
+  int rc = matmul(x, B, H, (const void*)m[X_RW], E, m[X_RS], m[X_RT], logits.data(), E, nthreads);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b) route_row(logits.data() + b * E, E, K, m[X_NORMALIZE], ids + b * K, w.data() + b * K);
+  rc = routed(m, B, x, ids, w.data(), acc.data(), nthreads);
+  if (rc) return rc;
+  if (m[X_SI] && (rc = shared(m, B, x, acc.data(), nthreads))) return rc;
+  for (int64_t i = 0; i < B * H; ++i) h[i] += acc[i];
+  return 0;
+}
 
 // out [n, N] (rows os apart) = x [n, K] @ W.T for Q8_0 weights W (N rows of K/32 blocks, ws bytes apart) with
 // float32 activations: the products of the stored values and the activations as they are (no int8 rounding
