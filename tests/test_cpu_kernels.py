@@ -20,11 +20,12 @@ from moestream.kernels import cpu_quant
 from moestream.quant import gguf_format, qlinear
 from moestream.quant import base as qbase
 
-BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+IQ_TYPES = ["IQ4_NL", "MXFP4", "IQ4_XS", "IQ3_S"]  # codebook formats (4-bit levels, e2m1, the IQ3_S grid)
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"] + IQ_TYPES
 FLOAT_TYPES = ["F16", "BF16"]
-# byte offsets of fp16 scale fields in one block (ggml block structs)
+# byte offsets of fp16 scale fields in one block (ggml block structs); MXFP4's e8m0 byte is set apart
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-          "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "MXFP4": ()}
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant kernels could not be built here")
 
@@ -40,15 +41,17 @@ def _weights(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     for off in SCALES[name]:
         d = (rng.standard_normal(b.shape[0]) * 0.05).astype(np.float16)
         b[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # e8m0 scales 2^(e-127) around 2^-8 (the codes reach 6)
+        b[:, 0] = rng.integers(116, 124, size=b.shape[0])
     return torch.from_numpy(b.reshape(n, -1))
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S")
 
 
 def act_block(name: str) -> int:
-    """Values per activation scale: 256 for K-quant weights (one scale per super-block, integer sums across
-    its sub-blocks, as llama.cpp's Q8_K), else 32."""
+    """Values per activation scale: 256 for K-quant and IQ super-block weights (one scale per super-block,
+    integer sums across its sub-blocks, as llama.cpp's Q8_K), else 32."""
     return 256 if name in K_TYPES else 32
 
 
@@ -88,6 +91,28 @@ def test_kernels_against_float64(name, n_x):
 @pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
 def test_scalar_kernels_against_float64(name):
     _check(name, 5, force_scalar=True, seed=1)
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_codebook_types_against_the_gguf_package(name):
+    """The codebook formats against the gguf package's own dequantizer (an oracle independent of
+    moestream.quant): the same values as moestream's decoder, and the kernels (AVX2 and scalar) within the
+    activation rounding bound of x @ W.T in float64."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    n, k = 24, 768
+    raw = _weights(name, n, k, seed=3)
+    w = torch.from_numpy(gq.dequantize(raw.numpy(), GGMLQuantizationType[name]).astype(np.float64)).reshape(n, k)
+    assert torch.equal(w, gguf_format(name).dequantize(raw, (n, k), torch.float64))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(3))
+    _, d = _quantized_x(x, act_block(name))
+    bound = (d / 2) @ w.abs().reshape(n, -1, act_block(name)).sum(-1).T
+    scale = x.double().abs() @ w.abs().T
+    for force_scalar in (False, True):
+        y = cpu_quant.qmatmul(x, raw, name, force_scalar=force_scalar).double()
+        err = (y - x.double() @ w.T).abs()
+        assert err.le(bound + 1e-5 * scale + 1e-6).all(), (force_scalar, (err / bound).max())
 
 
 def test_avx2_build_on_avx2_cpus():

@@ -46,10 +46,11 @@ log = logging.getLogger("moestream")
 
 # ggml type ids the kernel computes (a subset of quant.gguf_formats.GGML_TYPE_IDS)
 TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-         "BF16": 30}
+         "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # (values, bytes) per block
 _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+           "MXFP4": (32, 17), "IQ4_XS": (256, 136), "IQ3_S": (256, 110)}
 
 _SRC = os.path.join(os.path.dirname(__file__), "cpu", "qmatmul.cpp")
 _LOCK = threading.Lock()
@@ -130,7 +131,24 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
+    lib.ms_set_iq3s_grid.argtypes = [ptr]
+    lib.ms_set_iq3s_grid.restype = None
+    _set_iq3s_grid(lib)
     return lib
+
+
+def _set_iq3s_grid(lib) -> None:
+    """Hand the IQ3_S codebook (data, read from the gguf package like the torch decoder's) to the library;
+    without the package IQ3_S stays refused there (row_bytes -1), the other types are unaffected."""
+    try:
+        from ..quant.gguf_formats import iq_grid
+
+        grid = iq_grid("IQ3_S").to(torch.uint8).contiguous()  # (512, 4): values 1..15
+    except Exception as e:  # no gguf package: the torch path decodes IQ3_S (and fails the same way)
+        log.info("moestream: CPU kernels: no IQ3_S codebook (%s)", e)
+        return
+    _STATE["iq3s_grid"] = grid  # kept alive; the library copies it anyway
+    lib.ms_set_iq3s_grid(grid.data_ptr())
 
 
 def _threads(mod) -> int:
