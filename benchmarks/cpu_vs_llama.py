@@ -10,7 +10,7 @@ Models:
   FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
-[2048, 512]) at 1 row, Q8_0 and Q4_K, cycling over 64 experts (more than the L3 holds), as GB/s of
+[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S (--kernel-types), cycling over 64 experts (more than the L3 holds), as GB/s of
 weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB); then the per-layer
 call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
 
@@ -142,7 +142,10 @@ def bench_llama(path: Path, threads: int, prompt: list[int], decode: int, reps: 
     return {"prefill_tok_s": pre, "decode_tok_s": dec}
 
 
-def bench_kernels(threads: int) -> dict:
+KERNEL_TYPES = ("Q8_0", "Q4_K", "IQ4_XS", "MXFP4", "IQ4_NL", "IQ3_S")
+
+
+def bench_kernels(threads: int, types=KERNEL_TYPES) -> dict:
     from moestream.kernels import cpu_quant
     from moestream.quant import gguf_format
     from moestream.quant.synthetic import random_raw
@@ -156,7 +159,7 @@ def bench_kernels(threads: int) -> dict:
     out = {"read_gbs": 3 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9}
     del big
     E = 64
-    for name in ("Q8_0", "Q4_K"):
+    for name in types:
         for n, k in ((512, 2048), (2048, 512)):
             raw = random_raw(gguf_format(name), (E, n, k)).reshape(E * n, -1)
             x = torch.randn(1, k)
@@ -225,13 +228,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--engines", default="moestream,llama")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--kernel-types", default=",".join(KERNEL_TYPES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llama.json"))
     args = ap.parse_args(argv)
     from moestream.models.gguf_loader import find_gguf
     from moestream.models.loader import default_model_path
 
     if args.kernels:
-        r = bench_kernels(args.threads)
+        r = bench_kernels(args.threads, args.kernel_types.split(","))
         print(json.dumps(r, indent=1))
         return 0
     results = {}

@@ -838,46 +838,60 @@ void dot_k_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* o
   for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
 }
 
-// Sub-block j (32 values) of an IQ4_XS / IQ3_S super-block for dot_iq_avx2: qa the magnitudes (unsigned),
-// sg a byte per value whose sign is the value's (the activations take it by _mm256_sign_epi8), sc the scale.
-inline void iq_sub_avx2(int64_t type, const uint8_t* w, int j, const __m256i& lut, __m256i& qa, __m256i& sg,
-                        int& sc) {
-  if (type == T_IQ4_XS) {
-    const int sh = w[2] | (w[3] << 8);
-    sc = (((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
-    sg = _mm256_shuffle_epi8(lut, nibbles(w + 8 + 16 * j));
-    qa = _mm256_sign_epi8(sg, sg);
+// The 8 integer sub-block scales of an IQ4_XS (6 bits - 32) or IQ3_S (1 + 2 * 4 bits) super-block.
+inline void iq_scales(bool iq3, const uint8_t* w, int16_t* sc) {
+  const int sh = w[2] | (w[3] << 8);
+  for (int j = 0; j < 8; ++j)
+    sc[j] = iq3 ? (int16_t)(1 + 2 * ((w[106 + j / 2] >> (4 * (j % 2))) & 15))
+                : (int16_t)((((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+}
+
+// Sub-blocks 2c and 2c + 1 (64 values) of an IQ4_XS / IQ3_S super-block for dot_iq_avx2: qa[h] the magnitudes
+// (unsigned), sg[h] a byte per value carrying the value's sign (the activations take it by _mm256_sign_epi8).
+template <bool IQ3>
+inline void iq_pair_avx2(const uint8_t* w, int c, const __m256i& lut, __m256i* qa, __m256i* sg) {
+  if (!IQ3) {  // 32 bytes = two sub-blocks of 16 bytes: low nibbles values 0-15, high nibbles 16-31
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 8 + 32 * c)), m = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m));
+    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+    sg[0] = _mm256_permute2x128_si256(lo, hi, 0x20), sg[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+    qa[0] = _mm256_sign_epi8(sg[0], sg[0]), qa[1] = _mm256_sign_epi8(sg[1], sg[1]);
     return;
   }
-  sc = 1 + 2 * ((w[106 + j / 2] >> (4 * (j % 2))) & 15);
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 2 + 8 * j)));
-  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w[66 + j]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                      _mm256_set1_epi32(1));
-  qa = _mm256_i32gather_epi32((const int*)g_iq3s_grid, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)), 4);
-  uint32_t bits;
-  std::memcpy(&bits, w + 74 + 4 * j, 4);
-  sg = _mm256_or_si256(bits_mask(bits), _mm256_set1_epi8(1));  // -1 where the sign bit is set, else +1
+  for (int h = 0; h < 2; ++h) {  // 8 grid entries of 4 values by 9-bit index (8 low bytes, 1 high byte)
+    const int j = 2 * c + h;
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 2 + 8 * j)));
+    const __m256i hi = _mm256_sllv_epi32(_mm256_set1_epi32(w[66 + j]), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1));
+    const __m256i idx = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi32(256)));  // bit g of qh -> 256
+    qa[h] = _mm256_i32gather_epi32((const int*)g_iq3s_grid, idx, 4);
+    uint32_t bits;
+    std::memcpy(&bits, w + 74 + 4 * j, 4);
+    sg[h] = _mm256_or_si256(bits_mask(bits), _mm256_set1_epi8(1));  // -1 where the sign bit is set, else +1
+  }
 }
 
 // IQ4_XS / IQ3_S against QActK rows: per sub-block |q| * (x with q's sign) as int16 pairs, times the integer
 // scale into int32 sums; one float multiply-add per 256 values and row.
-template <int NR>
-void dot_iq_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+template <int NR, bool IQ3>
+void dot_iq_avx2(const uint8_t* w, int64_t K, const XR& x, float* out) {
   const __m256i lut = lut16(kIQ4NL);
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < K / KB; ++blk, w += type == T_IQ4_XS ? 136 : 110) {
+  for (int64_t blk = 0; blk < K / KB; ++blk, w += IQ3 ? 110 : 136) {
+    int16_t sc[8];
+    iq_scales(IQ3, w, sc);
     __m256i isum[NR];
     for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      __m256i qa, sg;
-      int sc;
-      iq_sub_avx2(type, w, j, lut, qa, sg, sc);
-      const __m256i scv = _mm256_set1_epi16((int16_t)sc);
-      for (int r = 0; r < NR; ++r) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + blk * KB + 32 * j));
-        const __m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xq, sg));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scv));
+    for (int c = 0; c < 4; ++c) {
+      __m256i qa[2], sg[2];
+      iq_pair_avx2<IQ3>(w, c, lut, qa, sg);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scv = _mm256_set1_epi16(sc[2 * c + h]);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + blk * KB + 64 * c + 32 * h));
+          const __m256i p = _mm256_maddubs_epi16(qa[h], _mm256_sign_epi8(xq, sg[h]));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scv));
+        }
       }
     }
     const float d = half_to_float(w);
@@ -946,7 +960,8 @@ inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
-    else if (is_iq_k(type)) dot_iq_avx2<NR>(type, w, K, xq, out);
+    else if (type == T_IQ4_XS) dot_iq_avx2<NR, false>(w, K, xq, out);
+    else if (type == T_IQ3_S) dot_iq_avx2<NR, true>(w, K, xq, out);
     else if (is_k_type(type)) dot_k_avx2<NR>(type, w, K, xq, out);
     else dot_avx2<NR>(type, w, K, xq, out);
     return;
