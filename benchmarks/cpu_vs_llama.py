@@ -10,9 +10,9 @@ Models:
   FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
-[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S (--kernel-types), cycling over 64 experts (more than the L3 holds), as GB/s of
-weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB); then the per-layer
-call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
+[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S (--kernel-types), cycling over 64 experts
+(more than the L3 holds), as GB/s of weight bytes read, next to the machine's read bandwidth (a float32 sum
+over 512 MiB); then the per-layer call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
 
 Prefill: one prompt of --prompt random ids, time to its first token. Decode: generate --decode tokens
 after an 8-token prompt; tok/s = (tokens - 1) / (time - time to first token). Best of --reps.

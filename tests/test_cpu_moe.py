@@ -245,7 +245,8 @@ def test_codebook_experts_take_the_layer_kernel(qname, tiny_checkpoint, tmp_path
            "bridge_step": lambda a: list(np.asarray(a[1]["wtype"]).ravel())}
     for name, get in ids.items():
         real = getattr(cpu_quant, name)
-        monkeypatch.setattr(cpu_quant, name, lambda *a, _real=real, _get=get, **k: seen.extend(_get(a)) or _real(*a, **k))
+        monkeypatch.setattr(cpu_quant, name,
+                            lambda *a, _real=real, _get=get, **k: seen.extend(_get(a)) or _real(*a, **k))
     sp = SamplingParams(**SP_KW)
 
     def tokens(llm):

@@ -9,10 +9,17 @@ scalar kernels); explicit flags, not ``-march=native``: the cache key is the sou
 cache shared between machines must not hold code for a newer CPU. A compiler that refuses a variant's
 flags falls back to the next.
 
-Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
+Formats: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and the codebook formats IQ4_NL,
+MXFP4 (GGUF type 39: e2m1 codes with one e8m0 scale per 32), IQ4_XS and IQ3_S. The 4-bit codebooks (IQ4_NL
+levels, doubled e2m1 values) are looked up with one byte shuffle per 32 values; IQ3_S's 512-entry grid is
+data, handed to the library at load from the gguf package's table (without that package IQ3_S is refused
+by the C side and stays on the torch decoders, like every IQ3_S tensor).
+
+Accuracy: like llama.cpp, the block formats multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
-scale (amax / 127) — per 256 values for the K-quants (llama.cpp's Q8_K idea: integer sums across a
-super-block's 8 sub-blocks, times their scales as integers) — and the products are summed in integers.
+scale (amax / 127) — per 256 values for the K-quants and the IQ super-block formats IQ4_XS / IQ3_S
+(llama.cpp's Q8_K idea: integer sums across a super-block's 8 sub-blocks, times their scales as integers)
+— and the products are summed in integers.
 The weight side is exact (the same values as ``moestream.quant``'s decoders); the activation rounding adds
 an error of at most half a block's scale per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|``
 over the block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights

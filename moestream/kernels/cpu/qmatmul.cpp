@@ -7,6 +7,11 @@
 // (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16; AVX512-VNNI: _mm256_dpbusd_epi32), one float
 // multiply-add per 32 values per row. K-quants (Q4_K, Q5_K, Q6_K) take activations with one scale per 256
 // values (QActK): integer sums over the whole super-block, one float multiply-add per 256 values per row.
+// Codebook formats: IQ4_NL and MXFP4 (blocks of 32, one fp16 / e8m0 scale, 4-bit codes into the IQ4_NL
+// levels / doubled e2m1 values) are signed blocks like Q8_0 once the nibbles are looked up (one
+// _mm256_shuffle_epi8); IQ4_XS (the IQ4_NL levels, 6-bit sub-block scales) and IQ3_S (9-bit indices into a
+// 512 x 4 grid, sign bits, 4-bit sub-block scales) take QActK rows like the K-quants: per sub-block |q| times
+// x carrying q's sign, times the integer sub-block scale, one float multiply-add per 256 values per row.
 // ms_moe_layer: a MoE layer's pairs in one call (gate/up, SiLU, down, routing weight), one OpenMP region.
 // F16 / BF16 weights multiply float32 activations directly (no activation quantization).
 //
