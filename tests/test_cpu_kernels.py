@@ -115,6 +115,34 @@ def test_codebook_types_against_the_gguf_package(name):
         assert err.le(bound + 1e-5 * scale + 1e-6).all(), (force_scalar, (err / bound).max())
 
 
+@pytest.mark.parametrize("mode", ["block", "channel", "tensor"])
+def test_hf_fp8_kernel_against_float64(mode, monkeypatch):
+    """HF FP8 weights (e4m3 bytes, float32 scales per 128x128 block / row / expert) through qlinear's CPU
+    kernel path (cpu_quant.fp8_matmul: float32 activations, no rounding), AVX2 and scalar: within float32
+    accumulation error of x @ W.T in float64, experts of a stacked weight with partial scale blocks (N = 200,
+    K = 600 are not multiples of 128)."""
+    from moestream.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, qlinear
+    from moestream.quant import base as qb
+    from moestream.quant.synthetic import random_raw
+
+    fmt = {"block": FP8_BLOCK, "channel": FP8_CHANNEL, "tensor": FP8_TENSOR}[mode]
+    E, n, k = 2, 200, 600
+    raw = random_raw(fmt, (E, n, k), seed=4)
+    w = fmt.dequantize(raw, (E, n, k), torch.float64).reshape(E * n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = cpu_quant.fp8_matmul
+    monkeypatch.setattr(cpu_quant, "fp8_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for e in range(E):
+        rows = (e * n, (e + 1) * n)
+        ref, scale = x.double() @ w[rows[0]:rows[1]].T, x.double().abs() @ w[rows[0]:rows[1]].abs().T
+        args = qb._fp8_rows(fmt, raw, (E, n, k), *rows)
+        for y in (qlinear(x, fmt, raw, (E, n, k), rows=rows), real(x, *args, force_scalar=True)):
+            assert (y.double() - ref).abs().le(1e-5 * scale + 1e-6).all(), (e, ((y - ref).abs() / scale).max())
+    assert len(calls) == E  # qlinear took the kernel
+    assert qb._fp8_rows(fmt, raw, (E, n, k), n - 8, n + 8) is None  # rows across two experts: the torch path
+
+
 def test_avx2_build_on_avx2_cpus():
     from moestream.env import cpu_flags
 

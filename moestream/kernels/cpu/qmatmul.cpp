@@ -1019,6 +1019,88 @@ inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
   }
 }
 
+// ------------------------------------------------------------------ FP8 (HF checkpoints)
+// float8_e4m3fn weights (one byte per value, bias 7, S.1111.111 NaN) times float32 scales in blocks of
+// bn rows x bk columns (scale of row i, column k: s[(i / bn) * srs + k / bk]; block FP8 128 x 128, a per-row
+// scale is bn = 1, bk = K, srs = 1; one scale for all rows: bn = N, srs = 0), against float32 activations:
+// no activation rounding (like F16/BF16); per column block a float32 partial sum, times its scale.
+
+// e4m3fn code -> float (the scalar path's table, built from the bit rule; NaN for 0x7F / 0xFF)
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      float f = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(8.f + m, e - 10);
+      v[c] = c & 0x80 ? -f : f;
+    }
+    return v;
+  }();
+  return t;
+}
+
+template <int NR>
+void dot_fp8_scalar(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  const std::array<float, 256>& t = e4m3_table();
+  double acc[NR] = {};
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += bk, ++b) {
+    float part[NR] = {};
+    for (int64_t k = k0; k < std::min(K, k0 + bk); ++k)
+      for (int r = 0; r < NR; ++r) part[r] += t[w[k]] * x[r][k];
+    for (int r = 0; r < NR; ++r) acc[r] += (double)srow[b] * part[r];
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+#ifdef MS_AVX2
+// 16 e4m3 codes -> 16 floats / 256: the code's magnitude bits moved into a half's exponent and mantissa
+// (e4m3 exponent e, bias 7, read as a half's exponent, bias 15: the value times 2^-8, subnormals too), the
+// sign bit to the half's sign bit, then F16C. NaN codes read as 480 (checkpoints hold none).
+inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+template <int NR>
+void dot_fp8_avx2(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  if (bk % 16) return dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t k0 = 0, b = 0;
+  for (; k0 + bk <= K; k0 += bk, ++b) {
+    __m256 part[NR];
+    for (int r = 0; r < NR; ++r) part[r] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k0 + bk; k += 16) {
+      __m256 lo, hi;
+      e4m3x16(w + k, lo, hi);
+      for (int r = 0; r < NR; ++r)
+        part[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x[r] + k + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x[r] + k), part[r]));
+    }
+    const __m256 sb = _mm256_set1_ps(srow[b] * 256.f);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(part[r], sb, acc[r]);
+  }
+  float tail[NR] = {};
+  if (k0 < K) {  // a partial last column block (K not a multiple of bk)
+    const float* xt[NR];
+    for (int r = 0; r < NR; ++r) xt[r] = x[r] + k0;
+    dot_fp8_scalar<NR>(w + k0, K - k0, srow + b, bk, xt, tail);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + tail[r];
+}
+#endif
+
+template <int NR>
+inline void fp8_rows_dot(bool scalar, const uint8_t* w, int64_t K, const float* srow, int64_t bk,
+                         const float* const* x, float* out) {
+#ifdef MS_AVX2
+  if (!scalar) return dot_fp8_avx2<NR>(w, K, srow, bk, x, out);
+#endif
+  dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
+}
+
 // ------------------------------------------------------------------ the MoE layer call
 // float32 -> bf16 / f16 -> float32, round to nearest even (what torch's .to(dtype) does for finite values)
 inline float round_bf16(float f) {
@@ -1222,6 +1304,34 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
     for (int64_t i = i0; i < i1; ++i) {
       row_dots(type, force_scalar, wp + i * ws, K, xs, o.data());
       for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
+    }
+  });
+  return 0;
+}
+
+// x: float32 [n, K] rows contiguous; w: N rows of K float8_e4m3fn bytes, `ws` bytes apart; s: float32 scales
+// (row i, column k: s[(i / bn) * srs + k / bk], see the FP8 section); out: float32 [n, N], rows `os` floats
+// apart. Writes out = x @ (W * S).T. Returns 0, or -1 for bad block sizes.
+int ms_fp8_matmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, const float* s,
+                  int64_t bn, int64_t bk, int64_t srs, float* op, int64_t os, int nthreads, int force_scalar) {
+  if (bn <= 0 || bk <= 0 || K <= 0 || srs < 0) return -1;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * std::max<int64_t>(1, n / 4)));
+  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
+    std::vector<float> o(4);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* srow = s + (i / bn) * srs;
+      for (int64_t c = 0; c < n; c += 4) {
+        const float* xr[4] = {};
+        const int nr = (int)std::min<int64_t>(4, n - c);
+        for (int r = 0; r < nr; ++r) xr[r] = xf + (c + r) * K;
+        switch (nr) {
+          case 4: fp8_rows_dot<4>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 3: fp8_rows_dot<3>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 2: fp8_rows_dot<2>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 1: fp8_rows_dot<1>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+        }
+        for (int r = 0; r < nr; ++r) op[(c + r) * os + i] = o[r];
+      }
     }
   });
   return 0;
