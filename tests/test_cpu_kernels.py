@@ -143,6 +143,13 @@ def test_hf_fp8_kernel_against_float64(mode, monkeypatch):
     assert qb._fp8_rows(fmt, raw, (E, n, k), n - 8, n + 8) is None  # rows across two experts: the torch path
 
 
+def test_iq3s_is_supported_once_its_codebook_is_set(monkeypatch):
+    """IQ3_S's grid comes from the gguf package at load; without it the type stays on the torch path."""
+    assert cpu_quant.supports("IQ3_S")
+    monkeypatch.delitem(cpu_quant._STATE, "iq3s_grid")
+    assert not cpu_quant.supports("IQ3_S") and cpu_quant.supports("IQ4_XS")
+
+
 def test_avx2_build_on_avx2_cpus():
     from moestream.env import cpu_flags
 

@@ -156,7 +156,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="x must be"):
         _call(types, banks, torch.randn(3, H, dtype=torch.float64), None)
     with pytest.raises(KeyError):
-        _call(("Q8_0", "IQ4_XS", "Q8_0"), banks, x, None)
+        _call(("Q8_0", "Q3_K", "Q8_0"), banks, x, None)
 
 
 def test_cpu_moe_checks_bank_rows():

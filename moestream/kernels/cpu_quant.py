@@ -210,6 +210,9 @@ def available() -> bool:
 
 
 def supports(type_name: str) -> bool:
+    """Whether the kernels read this GGUF type (IQ3_S: only once its codebook reached the library)."""
+    if type_name == "IQ3_S":
+        return module() is not None and "iq3s_grid" in _STATE
     return type_name in TYPES
 
 
