@@ -269,8 +269,8 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant, qtype", [("qwen3", "Q8_0"), ("llama", "Q8_0"), ("qwen3", "IQ4_NL")])
+def test_tiny_gguf_with_kernels(variant, qtype, tiny_checkpoint, tmp_path, monkeypatch):
     """CPU-only GGUF runs keep dense linears and the embedding compressed (bytes equal to what the
     dequantize-at-load path decodes, llama's q/k rows un-permuted too) and compute them and the routed
     experts with the kernels: logits within the int8 activation rounding of the exact path's."""
@@ -282,7 +282,7 @@ def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch)
     from test_engine_parity import full_logits
 
     hf_dir = tiny_checkpoint("qwen3") if variant == "qwen3" else gguf_writer.make_llama(tmp_path / "hf")
-    path, _ = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", Q.Q8_0)
+    path, _ = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", Q[qtype])
     kw = dict(device="cpu", dtype="float32")
     fast = LLM(path, **kw)
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
