@@ -10,9 +10,10 @@ Models:
   FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
-[2048, 512]) at 1 row, Q8_0 and Q4_K, cycling over 64 experts (more than the L3 holds), as GB/s of
-weight bytes read, next to the machine's read bandwidth (a float32 sum over 512 MiB); then the per-layer
-call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
+[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S, HF fp8_block (--kernel-types), cycling
+over 64 experts (more than the L3 holds), as GB/s of weight bytes read, next to the machine's read bandwidth
+(a float32 sum over 512 MiB); then the per-layer call (one C call for a layer's pairs: 8 experts x 1 token,
+gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
 
 Prefill: one prompt of --prompt random ids, time to its first token. Decode: generate --decode tokens
 after an 8-token prompt; tok/s = (tokens - 1) / (time - time to first token). Best of --reps.
@@ -142,11 +143,10 @@ def bench_llama(path: Path, threads: int, prompt: list[int], decode: int, reps: 
     return {"prefill_tok_s": pre, "decode_tok_s": dec}
 
 
-def bench_kernels(threads: int) -> dict:
-    from moestream.kernels import cpu_quant
-    from moestream.quant import gguf_format
-    from moestream.quant.synthetic import random_raw
+KERNEL_TYPES = ("Q8_0", "Q4_K", "IQ4_XS", "MXFP4", "IQ4_NL", "IQ3_S", "fp8_block")
 
+
+def bench_kernels(threads: int, types=KERNEL_TYPES) -> dict:
     torch.set_num_threads(threads)
     big = torch.ones(128 << 20)  # 512 MiB
     big.sum()
@@ -156,20 +156,36 @@ def bench_kernels(threads: int) -> dict:
     out = {"read_gbs": 3 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9}
     del big
     E = 64
-    for name in ("Q8_0", "Q4_K"):
+    for name in types:
         for n, k in ((512, 2048), (2048, 512)):
-            raw = random_raw(gguf_format(name), (E, n, k)).reshape(E * n, -1)
+            call, nbytes = _kernel_call(name, E, n, k)
             x = torch.randn(1, k)
-            cpu_quant.qmatmul(x, raw[:n], name)
+            call(x, 0)
             reps = 4 * E
             t0 = time.perf_counter()
             for i in range(reps):
-                e = i % E
-                cpu_quant.qmatmul(x, raw[e * n:(e + 1) * n], name)
+                call(x, i % E)
             dt = (time.perf_counter() - t0) / reps
-            out[f"{name} [{n}, {k}]"] = {"us": dt * 1e6, "gbs": n * raw.shape[1] / dt / 1e9}
+            out[f"{name} [{n}, {k}]"] = {"us": dt * 1e6, "gbs": nbytes / dt / 1e9}
     out.update(bench_layer_call(E))
     return out
+
+
+def _kernel_call(name: str, E: int, n: int, k: int):
+    """(call(x, e): expert e's [n, k] matrix times x through the CPU kernel, bytes of one matrix) for a GGUF
+    type, or fp8_block (HF FP8, 128x128 block scales: cpu_quant.fp8_matmul, scale bytes included)."""
+    from moestream.kernels import cpu_quant
+    from moestream.quant import FP8_BLOCK, gguf_format
+    from moestream.quant.base import _fp8_rows
+    from moestream.quant.synthetic import random_raw
+
+    if name == "fp8_block":
+        raw = random_raw(FP8_BLOCK, (E, n, k))
+        args = [_fp8_rows(FP8_BLOCK, raw, (E, n, k), e * n, (e + 1) * n) for e in range(E)]
+        nbytes = n * k + raw["weight_scale_inv"][0].numel() * 4
+        return (lambda x, e: cpu_quant.fp8_matmul(x, *args[e])), nbytes
+    raw = random_raw(gguf_format(name), (E, n, k)).reshape(E * n, -1)
+    return (lambda x, e: cpu_quant.qmatmul(x, raw[e * n:(e + 1) * n], name)), n * raw.shape[1]
 
 
 def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -> dict:
@@ -225,13 +241,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--engines", default="moestream,llama")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--kernel-types", default=",".join(KERNEL_TYPES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llama.json"))
     args = ap.parse_args(argv)
     from moestream.models.gguf_loader import find_gguf
     from moestream.models.loader import default_model_path
 
     if args.kernels:
-        r = bench_kernels(args.threads)
+        r = bench_kernels(args.threads, args.kernel_types.split(","))
         print(json.dumps(r, indent=1))
         return 0
     results = {}

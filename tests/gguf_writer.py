@@ -34,11 +34,53 @@ HF_TO_GGUF = {
 }
 
 
+_IQ4_LEVELS = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.float32)
+
+
+def _iq4_codes(v: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Nearest IQ4_NL level index of v / scale (per block of 32, last axis) packed ggml-style: byte i holds
+    value i (low nibble) and value i + 16 (high nibble)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(scale != 0, v / scale, 0.0)
+    q = np.abs(r[..., None] - _IQ4_LEVELS).argmin(-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _quantize_iq4(arr: np.ndarray, qtype: Q) -> np.ndarray:
+    """A simple IQ4_NL / IQ4_XS quantizer (the gguf package has none): per 32 values the scale that maps
+    the largest magnitude to the level -127; IQ4_XS stores those as 6-bit multiples of one fp16 d per 256.
+    Not llama.cpp's search, only valid blocks close to the weights (the oracle dequantizes what is stored)."""
+    rows = arr.reshape(-1, 32).astype(np.float32)
+    idx = np.abs(rows).argmax(-1)
+    s = -rows[np.arange(len(rows)), idx] / 127  # the extreme value -> level -127
+    if qtype == Q.IQ4_NL:
+        d = s.astype(np.float16)
+        return np.concatenate([d.view(np.uint8).reshape(-1, 2), _iq4_codes(rows, d.astype(np.float32)[:, None])], 1)
+    s = s.reshape(-1, 8)
+    d = (np.abs(s).max(-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.clip(np.where(df != 0, np.round(s / df), 0), -32, 31).astype(np.int32) + 32
+    codes = _iq4_codes(rows.reshape(-1, 8, 32), (df * (ls - 32))[..., None]).reshape(-1, 128)
+    sh = sum((ls[:, j] >> 4).astype(np.uint16) << (2 * j) for j in range(8)).astype(np.uint16)
+    sl = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    out = [d.view(np.uint8).reshape(-1, 2), sh.view(np.uint8).reshape(-1, 2), sl, codes]
+    return np.concatenate(out, 1)
+
+
+def quantize(arr: np.ndarray, qtype: Q) -> np.ndarray:
+    """The gguf package's quantize, or the test quantizer above for IQ4_NL / IQ4_XS; rows of bytes."""
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        blk, size = quants.GGML_QUANT_SIZES[qtype]
+        return _quantize_iq4(arr, qtype).reshape(*arr.shape[:-1], arr.shape[-1] // blk * size)
+    return quants.quantize(arr, qtype)
+
+
 def roundtrip(w: torch.Tensor, qtype: Q) -> torch.Tensor:
     """The gguf package's own quantize -> dequantize (the oracle's view of a quantized weight)."""
     if qtype == Q.F32:
         return w.float()
-    data = quants.quantize(w.float().numpy(), qtype)
+    data = quantize(w.float().numpy(), qtype)
     return torch.from_numpy(quants.dequantize(data, qtype).reshape(w.shape).astype(np.float32))
 
 
@@ -206,7 +248,7 @@ def _add(w: GGUFWriter, name: str, t: torch.Tensor, q: Q) -> None:
     if q == Q.F32:
         w.add_tensor(name, arr)
     else:
-        w.add_tensor(name, quants.quantize(arr, q), raw_dtype=q)
+        w.add_tensor(name, quantize(arr, q), raw_dtype=q)
 
 
 def _metadata(w: GGUFWriter, arch: str, tc: dict, cfg: dict, hf_dir: Path) -> None:

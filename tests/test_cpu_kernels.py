@@ -20,11 +20,12 @@ from moestream.kernels import cpu_quant
 from moestream.quant import gguf_format, qlinear
 from moestream.quant import base as qbase
 
-BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+IQ_TYPES = ["IQ4_NL", "MXFP4", "IQ4_XS", "IQ3_S"]  # codebook formats (4-bit levels, e2m1, the IQ3_S grid)
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"] + IQ_TYPES
 FLOAT_TYPES = ["F16", "BF16"]
-# byte offsets of fp16 scale fields in one block (ggml block structs)
+# byte offsets of fp16 scale fields in one block (ggml block structs); MXFP4's e8m0 byte is set apart
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-          "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "MXFP4": ()}
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant kernels could not be built here")
 
@@ -40,15 +41,17 @@ def _weights(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     for off in SCALES[name]:
         d = (rng.standard_normal(b.shape[0]) * 0.05).astype(np.float16)
         b[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # e8m0 scales 2^(e-127) around 2^-8 (the codes reach 6)
+        b[:, 0] = rng.integers(116, 124, size=b.shape[0])
     return torch.from_numpy(b.reshape(n, -1))
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S")
 
 
 def act_block(name: str) -> int:
-    """Values per activation scale: 256 for K-quant weights (one scale per super-block, integer sums across
-    its sub-blocks, as llama.cpp's Q8_K), else 32."""
+    """Values per activation scale: 256 for K-quant and IQ super-block weights (one scale per super-block,
+    integer sums across its sub-blocks, as llama.cpp's Q8_K), else 32."""
     return 256 if name in K_TYPES else 32
 
 
@@ -88,6 +91,63 @@ def test_kernels_against_float64(name, n_x):
 @pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
 def test_scalar_kernels_against_float64(name):
     _check(name, 5, force_scalar=True, seed=1)
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_codebook_types_against_the_gguf_package(name):
+    """The codebook formats against the gguf package's own dequantizer (an oracle independent of
+    moestream.quant): the same values as moestream's decoder, and the kernels (AVX2 and scalar) within the
+    activation rounding bound of x @ W.T in float64."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    n, k = 24, 768
+    raw = _weights(name, n, k, seed=3)
+    w = torch.from_numpy(gq.dequantize(raw.numpy(), GGMLQuantizationType[name]).astype(np.float64)).reshape(n, k)
+    assert torch.equal(w, gguf_format(name).dequantize(raw, (n, k), torch.float64))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(3))
+    _, d = _quantized_x(x, act_block(name))
+    bound = (d / 2) @ w.abs().reshape(n, -1, act_block(name)).sum(-1).T
+    scale = x.double().abs() @ w.abs().T
+    for force_scalar in (False, True):
+        y = cpu_quant.qmatmul(x, raw, name, force_scalar=force_scalar).double()
+        err = (y - x.double() @ w.T).abs()
+        assert err.le(bound + 1e-5 * scale + 1e-6).all(), (force_scalar, (err / bound).max())
+
+
+@pytest.mark.parametrize("mode", ["block", "channel", "tensor"])
+def test_hf_fp8_kernel_against_float64(mode, monkeypatch):
+    """HF FP8 weights (e4m3 bytes, float32 scales per 128x128 block / row / expert) through qlinear's CPU
+    kernel path (cpu_quant.fp8_matmul: float32 activations, no rounding), AVX2 and scalar: within float32
+    accumulation error of x @ W.T in float64, experts of a stacked weight with partial scale blocks (N = 200,
+    K = 600 are not multiples of 128)."""
+    from moestream.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, qlinear
+    from moestream.quant import base as qb
+    from moestream.quant.synthetic import random_raw
+
+    fmt = {"block": FP8_BLOCK, "channel": FP8_CHANNEL, "tensor": FP8_TENSOR}[mode]
+    E, n, k = 2, 200, 600
+    raw = random_raw(fmt, (E, n, k), seed=4)
+    w = fmt.dequantize(raw, (E, n, k), torch.float64).reshape(E * n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = cpu_quant.fp8_matmul
+    monkeypatch.setattr(cpu_quant, "fp8_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for e in range(E):
+        rows = (e * n, (e + 1) * n)
+        ref, scale = x.double() @ w[rows[0]:rows[1]].T, x.double().abs() @ w[rows[0]:rows[1]].abs().T
+        args = qb._fp8_rows(fmt, raw, (E, n, k), *rows)
+        for y in (qlinear(x, fmt, raw, (E, n, k), rows=rows), real(x, *args, force_scalar=True)):
+            assert (y.double() - ref).abs().le(1e-5 * scale + 1e-6).all(), (e, ((y - ref).abs() / scale).max())
+    assert len(calls) == E  # qlinear took the kernel
+    assert qb._fp8_rows(fmt, raw, (E, n, k), n - 8, n + 8) is None  # rows across two experts: the torch path
+
+
+def test_iq3s_is_supported_once_its_codebook_is_set(monkeypatch):
+    """IQ3_S's grid comes from the gguf package at load; without it the type stays on the torch path."""
+    assert cpu_quant.supports("IQ3_S")
+    monkeypatch.delitem(cpu_quant._STATE, "iq3s_grid")
+    assert not cpu_quant.supports("IQ3_S") and cpu_quant.supports("IQ4_XS")
 
 
 def test_avx2_build_on_avx2_cpus():
@@ -209,8 +269,8 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant, qtype", [("qwen3", "Q8_0"), ("llama", "Q8_0"), ("qwen3", "IQ4_NL")])
+def test_tiny_gguf_with_kernels(variant, qtype, tiny_checkpoint, tmp_path, monkeypatch):
     """CPU-only GGUF runs keep dense linears and the embedding compressed (bytes equal to what the
     dequantize-at-load path decodes, llama's q/k rows un-permuted too) and compute them and the routed
     experts with the kernels: logits within the int8 activation rounding of the exact path's."""
@@ -222,7 +282,7 @@ def test_tiny_gguf_with_kernels(variant, tiny_checkpoint, tmp_path, monkeypatch)
     from test_engine_parity import full_logits
 
     hf_dir = tiny_checkpoint("qwen3") if variant == "qwen3" else gguf_writer.make_llama(tmp_path / "hf")
-    path, _ = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", Q.Q8_0)
+    path, _ = gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", Q[qtype])
     kw = dict(device="cpu", dtype="float32")
     fast = LLM(path, **kw)
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="CPU quant ker
 
 H, I, E = 512, 256, 4
 MIXES = [("Q8_0",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q4_1", "Q5_0", "Q5_K"), ("Q5_1", "Q4_0", "Q8_0"),
-         ("BF16", "F16", "Q4_0")]
+         ("BF16", "F16", "Q4_0"), ("IQ4_XS", "IQ4_XS", "MXFP4"), ("MXFP4", "IQ4_NL", "IQ3_S")]
 SHAPES = ((I, H), (I, H), (H, I))
 
 
@@ -156,7 +156,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="x must be"):
         _call(types, banks, torch.randn(3, H, dtype=torch.float64), None)
     with pytest.raises(KeyError):
-        _call(("Q8_0", "IQ4_XS", "Q8_0"), banks, x, None)
+        _call(("Q8_0", "Q3_K", "Q8_0"), banks, x, None)
 
 
 def test_cpu_moe_checks_bank_rows():
@@ -225,6 +225,42 @@ def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint,
     calls.clear()
     tokens(LLM(path, moe_backend="cpu", **COMMON))
     assert not calls
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("qname", ["IQ4_XS", "MXFP4", "IQ4_NL"])
+def test_codebook_experts_take_the_layer_kernel(qname, tiny_checkpoint, tmp_path, monkeypatch):
+    """Routed experts stored as IQ4_XS / MXFP4 / IQ4_NL (hidden and expert widths 256: whole IQ4_XS
+    super-blocks) stay in that format, run through the layer kernel with its type id on --moe-backend cpu,
+    and give the fused backend's greedy tokens."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+
+    hf = tiny_checkpoint("qwen3", hidden_size=256, moe_intermediate_size=256)
+    path, _ = gguf_writer.write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0, expert_qtype=lambda layer, proj: Q[qname])
+    tid, seen = cpu_quant.TYPES[qname], []
+    ids = {"moe_layer": lambda a: [cpu_quant.TYPES[t] for t in a[2]], "moe_layer_unchecked": lambda a: list(a[2]),
+           "bridge_step": lambda a: list(np.asarray(a[1]["wtype"]).ravel())}
+    for name, get in ids.items():
+        real = getattr(cpu_quant, name)
+        monkeypatch.setattr(cpu_quant, name,
+                            lambda *a, _real=real, _get=get, **k: seen.extend(_get(a)) or _real(*a, **k))
+    sp = SamplingParams(**SP_KW)
+
+    def tokens(llm):
+        g = torch.Generator().manual_seed(7)
+        ps = [torch.randint(0, llm.model_config.vocab_size, (n,), generator=g).tolist() for n in (4, 15)]
+        return [o.token_ids for o in llm.generate(ps, sp)]
+
+    want = tokens(LLM(path, moe_backend="fused", **COMMON))
+    assert seen and set(seen) == {tid}, seen
+    seen.clear()
+    llm = LLM(path, moe_backend="cpu", **COMMON)
+    assert tokens(llm) == want
+    assert seen and set(seen) == {tid}, seen
+    llm.engine.runtime.close()
 
 
 # ---- the CPU bridge's worker (cpu / hybrid decode on a GPU), here on a CPU device -------------------------

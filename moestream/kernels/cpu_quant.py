@@ -9,14 +9,26 @@ scalar kernels); explicit flags, not ``-march=native``: the cache key is the sou
 cache shared between machines must not hold code for a newer CPU. A compiler that refuses a variant's
 flags falls back to the next.
 
-Accuracy: like llama.cpp, the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) multiply
+Formats: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and the codebook formats IQ4_NL,
+MXFP4 (GGUF type 39: e2m1 codes with one e8m0 scale per 32), IQ4_XS and IQ3_S. The 4-bit codebooks (IQ4_NL
+levels, doubled e2m1 values) are looked up with one byte shuffle per 32 values; IQ3_S's 512-entry grid is
+data, handed to the library at load from the gguf package's table (without that package IQ3_S is refused
+by the C side and stays on the torch decoders, like every IQ3_S tensor).
+
+HF FP8 (``fp8_matmul``; quant/base.qlinear's CPU path for fp8_block / fp8_channel / fp8_tensor weights of up
+to CPU_KERNEL_MAX_ROWS rows, per expert matrix; not part of ``moe_layer``): the e4m3 bytes are decoded in
+registers (AVX2: moved into a half's bits and converted by F16C) and multiply float32 activations, one float32
+partial sum per scale block times its scale.
+
+Accuracy: like llama.cpp, the block formats multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
-scale (amax / 127) — per 256 values for the K-quants (llama.cpp's Q8_K idea: integer sums across a
-super-block's 8 sub-blocks, times their scales as integers) — and the products are summed in integers.
+scale (amax / 127) — per 256 values for the K-quants and the IQ super-block formats IQ4_XS / IQ3_S
+(llama.cpp's Q8_K idea: integer sums across a super-block's 8 sub-blocks, times their scales as integers)
+— and the products are summed in integers.
 The weight side is exact (the same values as ``moestream.quant``'s decoders); the activation rounding adds
 an error of at most half a block's scale per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|``
 over the block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
-multiply float32 activations (no rounding beyond float32 sums).
+multiply float32 activations (no rounding beyond float32 sums), and so do FP8 weights.
 
 ``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
 weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
@@ -46,10 +58,11 @@ log = logging.getLogger("moestream")
 
 # ggml type ids the kernel computes (a subset of quant.gguf_formats.GGML_TYPE_IDS)
 TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-         "BF16": 30}
+         "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # (values, bytes) per block
 _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+           "MXFP4": (32, 17), "IQ4_XS": (256, 136), "IQ3_S": (256, 110)}
 
 _SRC = os.path.join(os.path.dirname(__file__), "cpu", "qmatmul.cpp")
 # compiled into the one library with _SRC: the decode layer (models/cpu_decode.py), which calls _SRC's kernels
@@ -143,7 +156,27 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_q8_0_float_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
+    lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
+                                  ctypes.c_int]
+    lib.ms_fp8_matmul.restype = ctypes.c_int
+    lib.ms_set_iq3s_grid.argtypes = [ptr]
+    lib.ms_set_iq3s_grid.restype = None
+    _set_iq3s_grid(lib)
     return lib
+
+
+def _set_iq3s_grid(lib) -> None:
+    """Hand the IQ3_S codebook (data, read from the gguf package like the torch decoder's) to the library;
+    without the package IQ3_S stays refused there (row_bytes -1), the other types are unaffected."""
+    try:
+        from ..quant.gguf_formats import iq_grid
+
+        grid = iq_grid("IQ3_S").to(torch.uint8).contiguous()  # (512, 4): values 1..15
+    except Exception as e:  # no gguf package: the torch path decodes IQ3_S (and fails the same way)
+        log.info("moestream: CPU kernels: no IQ3_S codebook (%s)", e)
+        return
+    _STATE["iq3s_grid"] = grid  # kept alive; the library copies it anyway
+    lib.ms_set_iq3s_grid(grid.data_ptr())
 
 
 def _threads(mod) -> int:
@@ -195,6 +228,9 @@ def available() -> bool:
 
 
 def supports(type_name: str) -> bool:
+    """Whether the kernels read this GGUF type (IQ3_S: only once its codebook reached the library)."""
+    if type_name == "IQ3_S":
+        return module() is not None and "iq3s_grid" in _STATE
     return type_name in TYPES
 
 
@@ -337,4 +373,39 @@ def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tenso
                         out.data_ptr(), out.stride(0), _threads(mod), int(force_scalar))
     if rc:
         raise ValueError(f"CPU quant kernel: type {type_name} with K={k} is not supported")
+    return out
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], scale_stride: int,
+               out: torch.Tensor | None = None, force_scalar: bool = False) -> torch.Tensor:
+    """``x [n, K] @ (W * S).T`` as float32 ``[n, N]`` for HF FP8 weights: ``w`` float8_e4m3fn (or its uint8
+    bytes) ``[N, K]`` with contiguous rows, ``scale`` float32 with the scale of row i, column k at
+    ``scale.flat[(i // block[0]) * scale_stride + k // block[1]]`` (block FP8: ``weight_scale_inv``
+    [ceil(N/128), ceil(K/128)], block (128, 128), stride its row length; a per-row scale: block (1, K),
+    stride 1; one scale: block (N, K), stride 0). x multiplies in float32 (no activation rounding); NaN
+    codes (0x7F / 0xFF) read as +-480 on the AVX2 path (checkpoints hold none)."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    k = x.shape[-1]
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    w = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    scale = scale.to(torch.float32).contiguous()
+    bn, bk = block
+    if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"fp8_matmul: w must be [N, {k}] with contiguous rows, got {tuple(w.shape)}")
+    n_out = w.shape[0]
+    need = ((n_out - 1) // bn) * scale_stride + (k - 1) // bk + 1
+    if scale.numel() < need:
+        raise ValueError(f"fp8_matmul: {scale.numel()} scales, the blocks need {need}")
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (x.shape[0], n_out) or out.stride(-1) != 1:
+        raise ValueError(f"out must be a float32 [{x.shape[0]}, {n_out}] view with contiguous rows")
+    rc = mod.ms_fp8_matmul(x.data_ptr(), x.shape[0], k, w.data_ptr(), n_out, w.stride(0), scale.data_ptr(), bn, bk,
+                           scale_stride, out.data_ptr(), out.stride(0), _threads(mod), int(force_scalar))
+    if rc:
+        raise ValueError(f"fp8_matmul: bad block {block} or stride {scale_stride}")
     return out

@@ -1,8 +1,9 @@
 """A MoE layer's CPU-computed (token, expert) pairs in ONE compiled call (kernels/cpu_quant.moe_layer).
 
 Every CPU path of a layer call goes through here when the compiled kernels are built and the layer's
-experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 (gate, up
-and down may differ, e.g. Q4_K_M's Q6_K down), and dense bf16/f16 banks (the bridge's PairMlp). Callers:
+experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 or the
+codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_K_M's Q6_K down), and dense
+bf16/f16 banks (the bridge's PairMlp). Callers:
 
 - `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
   up to `quant.base.CPU_KERNEL_MAX_ROWS` rows (more rows keep the per-expert tile GEMMs, as qlinear does);

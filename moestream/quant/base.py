@@ -356,10 +356,55 @@ def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
 CPU_KERNEL_MAX_ROWS = 8
 
 
+def _fp8_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
+    """(weight rows [r1-r0, K] uint8, scales, block, scale stride) of an HF FP8 weight's flattened rows r0:r1
+    for kernels/cpu_quant.fp8_matmul, or None where the rows cross an expert or cut a row block of scales."""
+    n, k = shape[-2], shape[-1]
+    e = r0 // n
+    if r1 > (e + 1) * n or r1 <= r0:
+        return None
+    w = raw["weight"]
+    w = (w.view(torch.uint8) if w.dtype != torch.uint8 else w).reshape(-1, k)[r0:r1]
+    if fmt.mode == "block":
+        bn, bk = fmt.block
+        if (r0 - e * n) % bn:
+            return None
+        s = raw["weight_scale_inv"]
+        s = s.reshape(-1, fmt.part_specs(shape)["weight_scale_inv"][0][-1])  # parts may come flat (expert rows)
+        first = e * -(-n // bn) + (r0 - e * n) // bn  # expert e's scale rows start at e * ceil(n / bn)
+        return w, s[first:], (bn, bk), s.shape[1]
+    s = raw["weight_scale"].reshape(-1)
+    if fmt.mode == "channel":
+        return w, s[r0:r1], (1, k), 1
+    return w, s[e if s.numel() > 1 else 0:][:1], (r1 - r0, k), 0  # tensor: one scale (per expert)
+
+
+def _cpu_fp8_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
+    """_cpu_kernel_linear for HF FP8 weights (kernels/cpu_quant.fp8_matmul: float32 activations, the e4m3
+    bytes read as stored, one float32 partial sum per scale block)."""
+    from ..kernels.cpu_quant import available, fp8_matmul
+    from .fp_formats import FP8Format
+
+    if not isinstance(fmt, FP8Format) or xs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    args = _fp8_rows(fmt, raw, norm_shape(shape), r0, r1) if available() else None
+    if args is None or args[0].stride(-1) != 1:
+        return None
+    y32 = out.view(-1, r1 - r0) if out is not None and out.dtype == torch.float32 else None
+    y32 = fp8_matmul(xs, *args, out=y32)
+    if out is not None and out.dtype != torch.float32:
+        return out.view(-1, r1 - r0).copy_(y32)
+    return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
+
+
 def _cpu_kernel_linear(xs, fmt, raw, shape, r0: int, r1: int, out):
     """``xs @ W[r0:r1].T`` in ``xs.dtype`` through the compiled CPU kernel, or None where it does not apply
     (not CPU, a format it lacks, many rows, MOESTREAM_CPU_KERNELS=0, or the kernel could not be built)."""
-    if xs.device.type != "cpu" or xs.shape[0] > CPU_KERNEL_MAX_ROWS or not isinstance(raw, torch.Tensor):
+    if xs.device.type != "cpu" or xs.shape[0] > CPU_KERNEL_MAX_ROWS:
+        return None
+    if isinstance(raw, Mapping):
+        return _cpu_fp8_linear(xs, fmt, raw, shape, r0, r1, out)
+    if not isinstance(raw, torch.Tensor):
         return None
     from ..kernels.cpu_quant import TYPES, available, qmatmul, rows_matmul, supports
 

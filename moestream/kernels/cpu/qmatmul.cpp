@@ -7,6 +7,11 @@
 // (AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16; AVX512-VNNI: _mm256_dpbusd_epi32), one float
 // multiply-add per 32 values per row. K-quants (Q4_K, Q5_K, Q6_K) take activations with one scale per 256
 // values (QActK): integer sums over the whole super-block, one float multiply-add per 256 values per row.
+// Codebook formats: IQ4_NL and MXFP4 (blocks of 32, one fp16 / e8m0 scale, 4-bit codes into the IQ4_NL
+// levels / doubled e2m1 values) are signed blocks like Q8_0 once the nibbles are looked up (one
+// _mm256_shuffle_epi8); IQ4_XS (the IQ4_NL levels, 6-bit sub-block scales) and IQ3_S (9-bit indices into a
+// 512 x 4 grid, sign bits, 4-bit sub-block scales) take QActK rows like the K-quants: per sub-block |q| times
+// x carrying q's sign, times the integer sub-block scale, one float multiply-add per 256 values per row.
 // ms_moe_layer: a MoE layer's pairs in one call (gate/up, SiLU, down, routing weight), one OpenMP region.
 // F16 / BF16 weights multiply float32 activations directly (no activation quantization).
 //
@@ -188,7 +193,27 @@ void par_for(int64_t n, int64_t grain, int nt, F&& f) {
 
 // ggml type ids (the ones this file computes)
 enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-                 T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+                 T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23,
+                 T_BF16 = 30, T_MXFP4 = 39 };
+
+// Non-linear 4-bit codebooks (format constants, as int8): the IQ4_NL / IQ4_XS levels, and the e2m1 values
+// doubled (MXFP4; its block scale is then half the e8m0 scale, e8m0_half).
+alignas(16) constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The IQ3_S codebook: 512 entries of 4 unsigned values (odd, 1..15), one uint32 each (value i in byte i).
+// Not a rule but data: set at load from the gguf package's table (ms_set_iq3s_grid); until then IQ3_S is
+// refused (row_bytes -1).
+uint32_t g_iq3s_grid[512];
+std::atomic<int> g_iq3s_ready{0};
+
+// 2^(e - 128): half the e8m0 scale 2^(e - 127), as float bits (e < 2: subnormal).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 constexpr int QB = 32;  // activation block
 
@@ -326,6 +351,19 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {  // Q4_K / Q
   }
 }
 
+// IQ4_NL / MXFP4 blocks of 32: 4-bit codes into a codebook (low nibbles values 0-15, high nibbles 16-31),
+// one scale: fp16 d + 16 bytes (IQ4_NL), or an e8m0 byte + 16 bytes (MXFP4, doubled e2m1 codes).
+template <class F>
+void unpack_lut4_scalar(bool mx, const uint8_t* w, int64_t K, Sub& u, F&& f) {
+  const int8_t* lut = mx ? kE2M1x2 : kIQ4NL;
+  for (int64_t j = 0; j < K / 32; ++j, w += mx ? 17 : 18) {
+    const uint8_t* qs = w + (mx ? 1 : 2);
+    u.a0 = u.a1 = mx ? e8m0_half(w[0]) : half_to_float(w), u.b = 0.f;
+    for (int i = 0; i < 16; ++i) u.q[i] = lut[qs[i] & 0x0F], u.q[i + 16] = lut[qs[i] >> 4];
+    f(j, u);
+  }
+}
+
 template <class F>
 void unpack_scalar(int64_t type, const uint8_t* w, int64_t K, F&& f) {
   Sub u;
@@ -366,6 +404,10 @@ void unpack_scalar(int64_t type, const uint8_t* w, int64_t K, F&& f) {
       }
       break;
     }
+    case T_IQ4_NL:
+    case T_MXFP4:
+      unpack_lut4_scalar(type == T_MXFP4, w, K, u, f);
+      break;
     case T_Q4_K:
     case T_Q5_K: {
       const bool five = type == T_Q5_K;
@@ -493,6 +535,58 @@ void dot_k_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float*
   for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
 }
 
+// One IQ4_XS / IQ3_S super-block of 256 as signed integers q (int8) and one integer scale per 32 values:
+// value i = d * sc[i / 32] * q[i]; returns d. IQ4_XS: fp16 d, 16-bit high and 4 bytes of low scale bits
+// (6-bit scale - 32), 128 bytes of codes into the IQ4_NL levels (per 32: 16 bytes, low nibbles first).
+// IQ3_S: fp16 d, 64 low bytes + 8 bytes of high bits of 9-bit grid indices (4 values each), 32 bytes of sign
+// bits (bit i: value i negative), 4 bytes of 4-bit scales (1 + 2 s).
+inline float iq_block_scalar(int64_t type, const uint8_t* w, int8_t* q, int* sc) {
+  if (type == T_IQ4_XS) {
+    const int sh = w[2] | (w[3] << 8);
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = (((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+      const uint8_t* qs = w + 8 + 16 * j;
+      for (int i = 0; i < 16; ++i) q[32 * j + i] = kIQ4NL[qs[i] & 15], q[32 * j + 16 + i] = kIQ4NL[qs[i] >> 4];
+    }
+  } else {
+    const uint8_t *qs = w + 2, *qh = w + 66, *sg = w + 74, *scb = w + 106;
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = 1 + 2 * ((scb[j / 2] >> (4 * (j % 2))) & 15);
+      for (int g = 0; g < 8; ++g) {
+        const uint32_t e = g_iq3s_grid[qs[8 * j + g] | (((qh[j] >> g) & 1) << 8)];
+        for (int b = 0; b < 4; ++b) {
+          const int i = 32 * j + 4 * g + b, v = (int)((e >> (8 * b)) & 0xFF);
+          q[i] = (int8_t)(((sg[i / 8] >> (i % 8)) & 1) ? -v : v);
+        }
+      }
+    }
+  }
+  return half_to_float(w);
+}
+
+// IQ4_XS / IQ3_S weights against QActK rows: integer sums per sub-block times its integer scale, one float
+// product per 256 values and row.
+template <int NR>
+void dot_iq_scalar(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  double acc[NR] = {};
+  int8_t q[KB];
+  int sc[8];
+  for (int64_t blk = 0; blk < K / KB; ++blk, w += type == T_IQ4_XS ? 136 : 110) {
+    const float d = iq_block_scalar(type, w, q, sc);
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* xq = x.q[r] + blk * KB;
+      int isum = 0;
+      for (int j = 0; j < 8; ++j) {
+        int sum = 0;
+        for (int i = 32 * j; i < 32 * j + 32; ++i) sum += q[i] * xq[i];
+        isum += sc[j] * sum;
+      }
+      acc[r] += (double)d * x.d[r][blk] * isum;
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
 template <int NR>
 void dot_float_scalar(bool bf16, const uint8_t* w, const float* const* x, int64_t off, int64_t K, float* out) {
   double acc[NR] = {};
@@ -521,12 +615,20 @@ inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32: low nibbles, then
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-inline __m256i bits_to_0x10(uint32_t x) {  // byte i = 0x10 if bit i of x is set, else 0
+inline __m256i bits_mask(uint32_t x) {  // byte i = 0xFF if bit i of x is set, else 0
   __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x),
                                   _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));  // all bits but bit (i % 8)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+  return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+inline __m256i bits_to_0x10(uint32_t x) {  // byte i = 0x10 if bit i of x is set, else 0
+  return _mm256_and_si256(bits_mask(x), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i lut16(const int8_t* t) {  // a 16-entry int8 table in both lanes (for _mm256_shuffle_epi8)
+  return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)t));
 }
 
 template <int NR, bool SIGNED>
@@ -564,10 +666,25 @@ struct Acc {
   }
 };
 
+// IQ4_NL / MXFP4 (unpack_lut4_scalar's layout): the nibbles looked up in the codebook by one byte shuffle.
+template <int NR>
+void dot_lut4_avx2(bool mx, const uint8_t* w, int64_t K, const XR& x, float* out) {
+  const __m256i lut = lut16(mx ? kE2M1x2 : kIQ4NL);
+  Acc<NR, true> acc(x);
+  for (int64_t j = 0; j < K / 32; ++j, w += mx ? 17 : 18)
+    acc.add(j, _mm256_shuffle_epi8(lut, nibbles(w + (mx ? 1 : 2))),
+            _mm256_set1_ps(mx ? e8m0_half(w[0]) : half_to_float(w)), 0.f);
+  acc.store(out);
+}
+
 template <int NR>
 void dot_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* out) {
   const __m256i m0f = _mm256_set1_epi8(0x0F), m01 = _mm256_set1_epi8(0x01), m03 = _mm256_set1_epi8(0x03);
   switch (type) {
+    case T_IQ4_NL:
+    case T_MXFP4:
+      dot_lut4_avx2<NR>(type == T_MXFP4, w, K, x, out);
+      return;
     case T_Q8_0: {
       Acc<NR, true> acc(x);
       for (int64_t j = 0; j < K / 32; ++j, w += 34)
@@ -726,6 +843,69 @@ void dot_k_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, float* o
   for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
 }
 
+// The 8 integer sub-block scales of an IQ4_XS (6 bits - 32) or IQ3_S (1 + 2 * 4 bits) super-block.
+inline void iq_scales(bool iq3, const uint8_t* w, int16_t* sc) {
+  const int sh = w[2] | (w[3] << 8);
+  for (int j = 0; j < 8; ++j)
+    sc[j] = iq3 ? (int16_t)(1 + 2 * ((w[106 + j / 2] >> (4 * (j % 2))) & 15))
+                : (int16_t)((((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+}
+
+// Sub-blocks 2c and 2c + 1 (64 values) of an IQ4_XS / IQ3_S super-block for dot_iq_avx2: qa[h] the magnitudes
+// (unsigned), sg[h] a byte per value carrying the value's sign (the activations take it by _mm256_sign_epi8).
+template <bool IQ3>
+inline void iq_pair_avx2(const uint8_t* w, int c, const __m256i& lut, __m256i* qa, __m256i* sg) {
+  if (!IQ3) {  // 32 bytes = two sub-blocks of 16 bytes: low nibbles values 0-15, high nibbles 16-31
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 8 + 32 * c)), m = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m));
+    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+    sg[0] = _mm256_permute2x128_si256(lo, hi, 0x20), sg[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+    qa[0] = _mm256_sign_epi8(sg[0], sg[0]), qa[1] = _mm256_sign_epi8(sg[1], sg[1]);
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {  // 8 grid entries of 4 values by 9-bit index (8 low bytes, 1 high byte)
+    const int j = 2 * c + h;
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 2 + 8 * j)));
+    const __m256i hi = _mm256_sllv_epi32(_mm256_set1_epi32(w[66 + j]), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1));
+    const __m256i idx = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi32(256)));  // bit g of qh -> 256
+    qa[h] = _mm256_i32gather_epi32((const int*)g_iq3s_grid, idx, 4);
+    uint32_t bits;
+    std::memcpy(&bits, w + 74 + 4 * j, 4);
+    sg[h] = _mm256_or_si256(bits_mask(bits), _mm256_set1_epi8(1));  // -1 where the sign bit is set, else +1
+  }
+}
+
+// IQ4_XS / IQ3_S against QActK rows: per sub-block |q| * (x with q's sign) as int16 pairs, times the integer
+// scale into int32 sums; one float multiply-add per 256 values and row.
+template <int NR, bool IQ3>
+void dot_iq_avx2(const uint8_t* w, int64_t K, const XR& x, float* out) {
+  const __m256i lut = lut16(kIQ4NL);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < K / KB; ++blk, w += IQ3 ? 110 : 136) {
+    int16_t sc[8];
+    iq_scales(IQ3, w, sc);
+    __m256i isum[NR];
+    for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i qa[2], sg[2];
+      iq_pair_avx2<IQ3>(w, c, lut, qa, sg);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scv = _mm256_set1_epi16(sc[2 * c + h]);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + blk * KB + 64 * c + 32 * h));
+          const __m256i p = _mm256_maddubs_epi16(qa[h], _mm256_sign_epi8(xq, sg[h]));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scv));
+        }
+      }
+    }
+    const float d = half_to_float(w);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * x.d[r][blk]), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+}
+
 template <int NR>
 void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t K, float* out) {
   __m256 acc[NR];
@@ -757,6 +937,10 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_Q4_K: return K / 256 * 144;
     case T_Q5_K: return K / 256 * 176;
     case T_Q6_K: return K / 256 * 210;
+    case T_IQ4_NL: return K / 32 * 18;
+    case T_MXFP4: return K / 32 * 17;
+    case T_IQ4_XS: return K / 256 * 136;
+    case T_IQ3_S: return g_iq3s_ready.load(std::memory_order_acquire) ? K / 256 * 110 : -1;
   }
   return -1;
 }
@@ -764,13 +948,15 @@ int64_t row_bytes(int64_t type, int64_t K) {
 int64_t block_size(int64_t type) {
   switch (type) {
     case T_F16: case T_BF16: return 1;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: return 256;
   }
   return 32;
 }
 
 inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
-inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+inline bool is_iq_k(int64_t type) { return type == T_IQ4_XS || type == T_IQ3_S; }
+// the types whose activations are QActK rows (one scale per 256 values)
+inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || is_iq_k(type); }
 
 // One weight row (K values) against NR <= 4 activation rows: xq (block types) or xf (F16/BF16 weights).
 template <int NR>
@@ -779,12 +965,15 @@ inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
+    else if (type == T_IQ4_XS) dot_iq_avx2<NR, false>(w, K, xq, out);
+    else if (type == T_IQ3_S) dot_iq_avx2<NR, true>(w, K, xq, out);
     else if (is_k_type(type)) dot_k_avx2<NR>(type, w, K, xq, out);
     else dot_avx2<NR>(type, w, K, xq, out);
     return;
   }
 #endif
   if (is_float_type(type)) dot_float_scalar<NR>(type == T_BF16, w, xf, 0, K, out);
+  else if (is_iq_k(type)) dot_iq_scalar<NR>(type, w, K, xq, out);
   else if (is_k_type(type)) dot_k_scalar<NR>(type, w, K, xq, out);
   else dot_scalar<NR>(type, w, K, xq, out);
 }
@@ -828,6 +1017,88 @@ inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
       case 1: rows_dot<1>(type, scalar, w, K, xq, fx, o); break;
     }
   }
+}
+
+// ------------------------------------------------------------------ FP8 (HF checkpoints)
+// float8_e4m3fn weights (one byte per value, bias 7, S.1111.111 NaN) times float32 scales in blocks of
+// bn rows x bk columns (scale of row i, column k: s[(i / bn) * srs + k / bk]; block FP8 128 x 128, a per-row
+// scale is bn = 1, bk = K, srs = 1; one scale for all rows: bn = N, srs = 0), against float32 activations:
+// no activation rounding (like F16/BF16); per column block a float32 partial sum, times its scale.
+
+// e4m3fn code -> float (the scalar path's table, built from the bit rule; NaN for 0x7F / 0xFF)
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      float f = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(8.f + m, e - 10);
+      v[c] = c & 0x80 ? -f : f;
+    }
+    return v;
+  }();
+  return t;
+}
+
+template <int NR>
+void dot_fp8_scalar(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  const std::array<float, 256>& t = e4m3_table();
+  double acc[NR] = {};
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += bk, ++b) {
+    float part[NR] = {};
+    for (int64_t k = k0; k < std::min(K, k0 + bk); ++k)
+      for (int r = 0; r < NR; ++r) part[r] += t[w[k]] * x[r][k];
+    for (int r = 0; r < NR; ++r) acc[r] += (double)srow[b] * part[r];
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+#ifdef MS_AVX2
+// 16 e4m3 codes -> 16 floats / 256: the code's magnitude bits moved into a half's exponent and mantissa
+// (e4m3 exponent e, bias 7, read as a half's exponent, bias 15: the value times 2^-8, subnormals too), the
+// sign bit to the half's sign bit, then F16C. NaN codes read as 480 (checkpoints hold none).
+inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+template <int NR>
+void dot_fp8_avx2(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  if (bk % 16) return dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t k0 = 0, b = 0;
+  for (; k0 + bk <= K; k0 += bk, ++b) {
+    __m256 part[NR];
+    for (int r = 0; r < NR; ++r) part[r] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k0 + bk; k += 16) {
+      __m256 lo, hi;
+      e4m3x16(w + k, lo, hi);
+      for (int r = 0; r < NR; ++r)
+        part[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x[r] + k + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x[r] + k), part[r]));
+    }
+    const __m256 sb = _mm256_set1_ps(srow[b] * 256.f);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(part[r], sb, acc[r]);
+  }
+  float tail[NR] = {};
+  if (k0 < K) {  // a partial last column block (K not a multiple of bk)
+    const float* xt[NR];
+    for (int r = 0; r < NR; ++r) xt[r] = x[r] + k0;
+    dot_fp8_scalar<NR>(w + k0, K - k0, srow + b, bk, xt, tail);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + tail[r];
+}
+#endif
+
+template <int NR>
+inline void fp8_rows_dot(bool scalar, const uint8_t* w, int64_t K, const float* srow, int64_t bk,
+                         const float* const* x, float* out) {
+#ifdef MS_AVX2
+  if (!scalar) return dot_fp8_avx2<NR>(w, K, srow, bk, x, out);
+#endif
+  dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
 }
 
 // ------------------------------------------------------------------ the MoE layer call
@@ -1038,6 +1309,34 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   return 0;
 }
 
+// x: float32 [n, K] rows contiguous; w: N rows of K float8_e4m3fn bytes, `ws` bytes apart; s: float32 scales
+// (row i, column k: s[(i / bn) * srs + k / bk], see the FP8 section); out: float32 [n, N], rows `os` floats
+// apart. Writes out = x @ (W * S).T. Returns 0, or -1 for bad block sizes.
+int ms_fp8_matmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, const float* s,
+                  int64_t bn, int64_t bk, int64_t srs, float* op, int64_t os, int nthreads, int force_scalar) {
+  if (bn <= 0 || bk <= 0 || K <= 0 || srs < 0) return -1;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K * std::max<int64_t>(1, n / 4)));
+  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
+    std::vector<float> o(4);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* srow = s + (i / bn) * srs;
+      for (int64_t c = 0; c < n; c += 4) {
+        const float* xr[4] = {};
+        const int nr = (int)std::min<int64_t>(4, n - c);
+        for (int r = 0; r < nr; ++r) xr[r] = xf + (c + r) * K;
+        switch (nr) {
+          case 4: fp8_rows_dot<4>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 3: fp8_rows_dot<3>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 2: fp8_rows_dot<2>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+          case 1: fp8_rows_dot<1>(force_scalar, wp + i * ws, K, srow, bk, xr, o.data()); break;
+        }
+        for (int r = 0; r < nr; ++r) op[(c + r) * os + i] = o[r];
+      }
+    }
+  });
+  return 0;
+}
+
 // A MoE layer's (token, expert) pairs in one call. x: nx activation rows [nx, H] (xdtype 0 float32, 1 bf16,
 // 2 f16); G experts, pairs grouped by expert: group g is pairs [gstart[g], gstart[g+1]), pair p reads x row
 // prow[p] and writes out row pdst[p] (`os` floats apart). wptr[3g + 0/1/2]: addresses of expert g's gate
@@ -1122,6 +1421,13 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
     __atomic_store_n(&done[i], seq, __ATOMIC_RELEASE);
   }
   return rc_all;
+}
+
+// The IQ3_S codebook (512 entries of 4 byte values, 2048 bytes: entry g's value i at 4 g + i), from the gguf
+// package's table (cpu_quant.py); IQ3_S rows are refused until it is set.
+void ms_set_iq3s_grid(const uint8_t* grid) {
+  std::memcpy(g_iq3s_grid, grid, sizeof g_iq3s_grid);
+  g_iq3s_ready.store(1, std::memory_order_release);
 }
 
 // Threads of the kernels: use_pool 1 the library's own pool, whose idle workers spin spin_us microseconds
