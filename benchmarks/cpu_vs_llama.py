@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llama.json"))
     args = ap.parse_args(argv)
     from moestream.models.gguf_loader import find_gguf
-    from moestream.models.loader import default_model_path
+    from moestream.models.checkpoint import default_model_path
 
     if args.kernels:
         r = bench_kernels(args.threads, args.kernel_types.split(","))

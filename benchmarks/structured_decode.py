@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moestream import LLM, SamplingParams  # noqa: E402
-from moestream.models.loader import default_model_path  # noqa: E402
+from moestream.models.checkpoint import default_model_path  # noqa: E402
 from moestream.tokenizer.grammar import compile_grammar  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {

@@ -186,9 +186,15 @@ def _read_hf_quant_config(source: str | Path | dict) -> dict | None:
 
 
 def _quantization(raw: dict, text: dict, extra: dict | None) -> dict | None:
-    """The checkpoint's weight quantization (see ModelConfig.quantization); ConfigError naming any
-    method or variant moestream does not read."""
-    q = raw.get("quantization_config") or text.get("quantization_config") or extra
+    """The checkpoint's weight quantization: config.json's quantization_config (top level, then
+    text_config), else hf_quant_config.json."""
+    return parse_quantization_config(raw.get("quantization_config") or text.get("quantization_config") or extra)
+
+
+def parse_quantization_config(q) -> dict | None:
+    """The one reader of an HF `quantization_config` (or ModelOpt `hf_quant_config.json`): the
+    ModelConfig.quantization dict, None for None; ConfigError naming any method or variant moestream does
+    not read. `moestream.quant.hf_quant_format` maps the result to a weight format."""
     if q is None:
         return None
     if not isinstance(q, dict):
@@ -272,49 +278,16 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
     head_dim = text.get("head_dim") or hidden // num_heads
     if num_heads % num_kv:
         raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
-    if "num_experts" not in text and "num_local_experts" in text:  # transformers 5 writes this alias
-        text = {**text, "num_experts": text["num_local_experts"]}
     dense = family in DENSE_FAMILIES
-    if dense:
-        text = {**text, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
-                "mlp_only_layers": list(range(num_layers))}
-        _need(text, "intermediate_size")
-    num_experts = 0 if dense else _need(text, "num_experts")
-    top_k = 0 if dense else _need(text, "num_experts_per_tok")
-    if top_k > num_experts:
-        raise ConfigError(f"num_experts_per_tok {top_k} exceeds num_experts {num_experts}")
+    text, num_experts, top_k = _experts(text, dense, num_layers)
     is35 = family == "qwen3_5_moe"
     theta, rotary_dim = _rope(text, head_dim, 0.25 if is35 else 1.0)
     if text.get("attention_bias") or text.get("mlp_bias"):
         raise ConfigError("attention/MLP biases are not supported yet")
     if text.get("use_sliding_window"):
         raise ConfigError("sliding-window attention (use_sliding_window: true) is not supported yet")
-    if is35:
-        layer_types = text.get("layer_types")
-        if layer_types is None:
-            interval = text.get("full_attention_interval", 4)
-            layer_types = [
-                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
-            ]
-        moe_layers = tuple(True for _ in range(num_layers))
-    else:
-        layer_types = ["full_attention"] * num_layers
-        dense_layers = set(text.get("mlp_only_layers") or [])
-        step = text.get("decoder_sparse_step", 1) or 1
-        moe_layers = tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers))
-    if len(layer_types) != num_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
-        raise ConfigError(f"layer_types must list full_attention/linear_attention for {num_layers} layers")
-    lin = {}
-    if is35:
-        lin = dict(
-            linear_conv_kernel=_need(text, "linear_conv_kernel_dim"),
-            linear_key_head_dim=_need(text, "linear_key_head_dim"),
-            linear_value_head_dim=_need(text, "linear_value_head_dim"),
-            linear_num_key_heads=_need(text, "linear_num_key_heads"),
-            linear_num_value_heads=_need(text, "linear_num_value_heads"),
-        )
-        if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
-            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    layer_types, moe_layers = _layer_layout(text, num_layers, is35)
+    lin = _linear_attention(text) if is35 else {}
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
     return cls(
         family=family,
@@ -348,6 +321,55 @@ def _build(cls, arch: str, family: str, prefix: str, raw: dict, text: dict, extr
         mtp_num_layers=_mtp_layers(text) if is35 else 0,
         **lin,
     )
+
+
+def _experts(text: dict, dense: bool, num_layers: int) -> tuple[dict, int, int]:
+    """(text with the expert fields a dense family lacks filled in, num_experts, top_k)."""
+    if "num_experts" not in text and "num_local_experts" in text:  # transformers 5 writes this alias
+        text = {**text, "num_experts": text["num_local_experts"]}
+    if dense:
+        text = {**text, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+                "mlp_only_layers": list(range(num_layers))}
+        _need(text, "intermediate_size")
+    num_experts = 0 if dense else _need(text, "num_experts")
+    top_k = 0 if dense else _need(text, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} exceeds num_experts {num_experts}")
+    return text, num_experts, top_k
+
+
+def _layer_layout(text: dict, num_layers: int, is35: bool) -> tuple[list[str], tuple[bool, ...]]:
+    """(each layer's attention kind, whether each layer's MLP is an MoE)."""
+    if is35:
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = [
+                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
+            ]
+        moe_layers = tuple(True for _ in range(num_layers))
+    else:
+        layer_types = ["full_attention"] * num_layers
+        dense_layers = set(text.get("mlp_only_layers") or [])
+        step = text.get("decoder_sparse_step", 1) or 1
+        moe_layers = tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers))
+    if len(layer_types) != num_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
+        raise ConfigError(f"layer_types must list full_attention/linear_attention for {num_layers} layers")
+    return layer_types, moe_layers
+
+
+def _linear_attention(text: dict) -> dict:
+    """The Gated DeltaNet dimensions (Qwen3.5)."""
+    lin = dict(
+        linear_conv_kernel=_need(text, "linear_conv_kernel_dim"),
+        linear_key_head_dim=_need(text, "linear_key_head_dim"),
+        linear_value_head_dim=_need(text, "linear_value_head_dim"),
+        linear_num_key_heads=_need(text, "linear_num_key_heads"),
+        linear_num_value_heads=_need(text, "linear_num_value_heads"),
+    )
+    if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+        raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return lin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,6 +452,30 @@ class EngineConfig:
             raise ConfigError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        self._validate_moe_options()
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.prefix_cache_prompt_snapshot not in ("on", "off"):
+            raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
+                              f"{self.prefix_cache_prompt_snapshot!r}")
+        if self.prefix_cache_host_gb < 0:
+            raise ConfigError(f"--prefix-cache-host-gb must be >= 0, got {self.prefix_cache_host_gb}")
+        if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
+            raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
+        if self.speculative not in SPECULATIVE:
+            raise ConfigError(f"--speculative must be none or mtp, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                              f"{self.num_speculative_tokens}")
+        if self.speculative != "none" and self.tp_size > 1:
+            raise ConfigError("--speculative mtp does not run with --tp-size > 1 yet")
+        if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
+
+    def _validate_moe_options(self) -> None:
+        """The expert runtime's options (cache, routing record, backend, format, threads, pinning, kernel)."""
         if self.moe_cache_policy not in MOE_CACHE_POLICIES:
             raise ConfigError(f"--moe-cache-policy must be one of {', '.join(MOE_CACHE_POLICIES)}, "
                               f"got {self.moe_cache_policy!r}")
@@ -457,26 +503,6 @@ class EngineConfig:
             raise ConfigError(f"--pin-budget-gb must be >= 0, got {self.pin_budget_gb}")
         if self.moe_decode_kernel not in ("auto", "pairs", "grouped"):
             raise ConfigError(f"--moe-decode-kernel must be auto, pairs or grouped, got {self.moe_decode_kernel!r}")
-        if self.tp_size < 1:
-            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
-            raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.prefix_cache_prompt_snapshot not in ("on", "off"):
-            raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
-                              f"{self.prefix_cache_prompt_snapshot!r}")
-        if self.prefix_cache_host_gb < 0:
-            raise ConfigError(f"--prefix-cache-host-gb must be >= 0, got {self.prefix_cache_host_gb}")
-        if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
-            raise ConfigError(f"--prefix-cache-snapshots must be >= 0, got {self.prefix_cache_snapshots}")
-        if self.speculative not in SPECULATIVE:
-            raise ConfigError(f"--speculative must be none or mtp, got {self.speculative!r}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
-                              f"{self.num_speculative_tokens}")
-        if self.speculative != "none" and self.tp_size > 1:
-            raise ConfigError("--speculative mtp does not run with --tp-size > 1 yet")
-        if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

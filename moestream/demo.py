@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import tempfile
-import zlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from .demo_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, special_token_ids
+from .random_weights import demo_tensor
 
 log = logging.getLogger("moestream.demo")
 
@@ -117,7 +116,7 @@ def write_demo_checkpoint(out: str | Path, seed: int = 0) -> Path:
 def demo_tensors(text: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Every language-model tensor under its HF name, with per-expert expert tensors."""
     shapes = _shapes(text)
-    return {name: _init(name, shape, seed) for name, shape in shapes.items()}
+    return {name: demo_tensor(name, shape, seed) for name, shape in shapes.items()}
 
 
 def _shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -163,19 +162,3 @@ def _moe_shapes(p: str, c: dict) -> dict[str, tuple[int, ...]]:
         out[f"{p}experts.{e}.up_proj.weight"] = (inter, h)
         out[f"{p}experts.{e}.down_proj.weight"] = (h, inter)
     return out
-
-
-def _init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Deterministic per-tensor values, scaled so that logits are well spread (greedy output is stable)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if name.endswith("A_log"):
-        return (torch.rand(shape, generator=g) * 1.9 + 0.1).log()  # per-step decay spans ~0.1..0.97
-    if name.endswith("dt_bias"):
-        return torch.rand(shape, generator=g) * 2 - 1
-    if len(shape) == 1:
-        # Qwen3.5 RMSNorms scale by (1 + w) and start at 0; the gated norm in linear_attn scales by w.
-        ident = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
-        return torch.randn(shape, generator=g) * 0.1 + ident
-    fan_in = math.prod(shape[1:])
-    std = 0.5 if name.endswith(("mlp.gate.weight", "lm_head.weight")) else 1.6 / math.sqrt(fan_in)
-    return torch.randn(shape, generator=g) * std

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from .config import EngineConfig, ModelConfig
 from .core import ConfigError, RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
-from .models.loader import load_model_config, load_tokenizer, resolve_model_path
+from .models.checkpoint import open_checkpoint, resolve_model_path
 from .scheduler.request import Request
 from .scheduler.scheduler import Scheduler
 
@@ -40,8 +40,9 @@ class LLM:
             self.tokenizer = None
         else:
             self.model_dir = resolve_model_path(model_path, self.engine_config.revision)
-            self.model_config = load_model_config(self.model_dir)
-            self.tokenizer = load_tokenizer(self.model_dir)
+            checkpoint = open_checkpoint(self.model_dir)
+            self.model_config = checkpoint.model_config()
+            self.tokenizer = checkpoint.tokenizer()
         self._tp, self._owns_tp = None, False
         if self.engine_config.tp_size > 1:
             self.engine = self._start_tp(tp_workers)

@@ -149,7 +149,7 @@ def test_own_reader_equals_the_gguf_package():
 
     from moestream.models.gguf_file import GGUFFile
     from moestream.models.gguf_loader import find_gguf
-    from moestream.models.loader import default_model_path
+    from moestream.models.checkpoint import default_model_path
 
     path = find_gguf(default_model_path())
     ours, ref = GGUFFile(path), GGUFReader(path)

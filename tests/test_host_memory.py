@@ -124,11 +124,11 @@ def test_release_pages_drops_a_file_mapping_from_rss(tmp_path):
 def test_safetensors_pages_leave_rss_once_copied(tmp_path):
     from safetensors.torch import save_file
 
-    from moestream.models.loader import _Tensors
+    from moestream.models.safetensors_shards import ShardTensors
 
     w = torch.randn(8 << 20)  # 32 MiB
     save_file({"w": w, "small": torch.ones(3)}, str(tmp_path / "m.safetensors"))
-    with _Tensors([tmp_path / "m.safetensors"]) as tensors:
+    with ShardTensors([tmp_path / "m.safetensors"]) as tensors:
         t = tensors.get_tensor("w")
         copy = t.clone()  # what loading does: read every page
         touched = hardware.process_memory()["rss_file"]

@@ -15,8 +15,10 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moestream.quant import (  # noqa: E402
     FORMATS, FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, GGUF_FORMATS, QuantFormatError,
-    QuantizedTensor, format_from_hf_config, fp8_block_format, get_format, gguf_format, ksigns_table, qlinear,
+    QuantizedTensor, fp8_block_format, get_format, gguf_format, hf_quant_format, ksigns_table, qlinear,
 )
+from moestream.config import parse_quantization_config  # noqa: E402
+from moestream.core import ConfigError  # noqa: E402
 
 REQUIRED_GGUF = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_XS"]
 ALL_GGUF = sorted(GGUF_FORMATS)
@@ -355,14 +357,21 @@ def test_registry_and_hf_configs():
     assert {"fp8_block", "fp8_tensor", "fp8_channel", "nvfp4", "mxfp4"} <= set(FORMATS)
     with pytest.raises(QuantFormatError):
         get_format("nope")
-    assert format_from_hf_config(None) is None
-    assert format_from_hf_config({"quant_method": "fp8", "weight_block_size": [128, 128]}) is FP8_BLOCK
-    assert format_from_hf_config({"quant_method": "fp8", "weight_block_size": [64, 64]}).block == (64, 64)
-    assert format_from_hf_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}) is NVFP4
-    assert format_from_hf_config({"quantization": {"quant_algo": "FP8"}}) is FP8_TENSOR
-    assert format_from_hf_config({"quant_method": "mxfp4"}) is MXFP4
-    with pytest.raises(QuantFormatError, match="awq"):
-        format_from_hf_config({"quant_method": "awq"})
+    # an HF quantization_config as the model config reads it (config.parse_quantization_config), then its format
+    def fmt(q):
+        return hf_quant_format(parse_quantization_config(q))
+
+    assert fmt(None) is None
+    assert fmt({"quant_method": "fp8", "weight_block_size": [128, 128]}) is FP8_BLOCK
+    assert fmt({"quant_method": "fp8", "weight_block_size": [64, 64]}).block == (64, 64)
+    assert fmt({"quant_method": "fp8"}) is FP8_TENSOR
+    assert fmt({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}) is NVFP4
+    assert fmt({"quantization": {"quant_algo": "FP8"}}) is FP8_TENSOR
+    assert fmt({"quant_method": "mxfp4"}) is MXFP4
+    for rejected in ({"quant_method": "awq"}, {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"},
+                     {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}, {}):
+        with pytest.raises(ConfigError, match="not supported"):
+            fmt(rejected)
 
 
 # --------------------------------------------------------------------------- CUDA

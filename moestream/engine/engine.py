@@ -250,10 +250,9 @@ class Engine:
         """Dense bytes of a GGUF whose linears stay compressed (what they will hold); None: the parameters'."""
         if not mode or folder is None:
             return None
-        from ..models.gguf_loader import find_gguf, open_gguf
+        from ..models.checkpoint import open_checkpoint
 
-        path = find_gguf(folder)
-        return open_gguf(path).dense_bytes(model, self.local_cfg, mode) if path is not None else None
+        return open_checkpoint(folder).dense_bytes(model, self.local_cfg, mode)
 
     @staticmethod
     def _dense_policy() -> str:

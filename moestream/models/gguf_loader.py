@@ -25,6 +25,7 @@ import torch
 
 from ..config import ModelConfig
 from ..core import CheckpointError, ConfigError
+from .checkpoint import Checkpoint
 
 log = logging.getLogger("moestream.loader")
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
@@ -100,7 +101,7 @@ def open_gguf(path: Path) -> "GGUFCheckpoint":
     return _OPEN[key]
 
 
-class GGUFCheckpoint:
+class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
         from .gguf_file import GGUFFile
 

@@ -1,7 +1,7 @@
 """moestream.quant: quantized weight formats, dequantized in vectorized torch (CPU and CUDA).
 
 Formats (``FORMATS``; look up with ``get_format(name)``, ``gguf_format(type)`` or
-``format_from_hf_config(quantization_config)``):
+``hf_quant_format(ModelConfig.quantization)``):
 
 * GGUF, ``gguf:<TYPE>``: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ1_S IQ1_M
   IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ4_NL IQ4_XS TQ1_0 TQ2_0 MXFP4 NVFP4 -- bit-identical to
@@ -31,13 +31,13 @@ valid random weights of any format (benchmarks).
 from .base import (FORMATS, PartSpec, QuantFormat, QuantFormatError, QuantizedTensor, compute_dtype,
                    default_tile_rows, get_format, qlinear, register)
 from .fp_formats import (FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, FP8Format, MXFP4Format,
-                         NVFP4Format, e2m1_table, e4m3fn_table, format_from_hf_config, fp8_block_format)
+                         NVFP4Format, e2m1_table, e4m3fn_table, fp8_block_format, hf_quant_format)
 from .gguf_formats import GGML_TYPE_IDS, GGML_TYPE_NAMES, GGUF_FORMATS, GGUFFormat, gguf_format, ksigns_table
 
 __all__ = [
     "FORMATS", "PartSpec", "QuantFormat", "QuantFormatError", "QuantizedTensor", "compute_dtype",
     "default_tile_rows", "get_format", "qlinear", "register",
     "FP8_BLOCK", "FP8_CHANNEL", "FP8_TENSOR", "MXFP4", "NVFP4", "FP8Format", "MXFP4Format", "NVFP4Format",
-    "e2m1_table", "e4m3fn_table", "format_from_hf_config", "fp8_block_format",
+    "e2m1_table", "e4m3fn_table", "fp8_block_format", "hf_quant_format",
     "GGML_TYPE_IDS", "GGML_TYPE_NAMES", "GGUF_FORMATS", "GGUFFormat", "gguf_format", "ksigns_table",
 ]

@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from .base import PartSpec, QuantFormat, QuantFormatError, cached_table, compute_dtype, register
+from .base import PartSpec, QuantFormat, cached_table, compute_dtype, get_format, register
 
 
 def e2m1_table() -> torch.Tensor:
@@ -171,34 +171,12 @@ def fp8_block_format(block_size=(128, 128)) -> FP8Format:
     return FP8Format(f"fp8_block_{bn}x{bk}", "block", (bn, bk))
 
 
-def format_from_hf_config(qcfg: Mapping | None) -> QuantFormat | None:
-    """The weight format named by an HF ``quantization_config`` (or ModelOpt ``hf_quant_config``).
-
-    None for an unquantized config; QuantFormatError for a quantization this library lacks.
-    """
-    if not qcfg:
+def hf_quant_format(quantization: Mapping | None) -> QuantFormat | None:
+    """The weight format of an HF checkpoint's quantization as `config.parse_quantization_config` reads it
+    (ModelConfig.quantization: "format" fp8_block / fp8_tensor / nvfp4 / mxfp4, "block_size"); None for
+    an unquantized checkpoint."""
+    if quantization is None:
         return None
-    q = dict(qcfg)
-    if "quantization" in q and isinstance(q["quantization"], Mapping):  # hf_quant_config.json
-        q = {**q, **q["quantization"], "quant_method": q.get("quant_method", "modelopt")}
-    method = str(q.get("quant_method", "")).lower()
-    algo = str(q.get("quant_algo", "")).upper()
-    if method == "fp8":
-        bs = q.get("weight_block_size")
-        if bs:
-            return fp8_block_format(bs)
-        return FP8_TENSOR
-    if method == "mxfp4":
-        return MXFP4
-    if method in ("modelopt", "modelopt_fp4", "modelopt_fp8", "") and algo:
-        if algo == "NVFP4":
-            if int(q.get("group_size", 16)) != 16:
-                raise QuantFormatError(f"NVFP4 with group_size {q.get('group_size')} is not supported (16 is)")
-            return NVFP4
-        if algo == "FP8":
-            return FP8_TENSOR
-        if algo in ("FP8_PER_CHANNEL_PER_TOKEN",):
-            return FP8_CHANNEL
-        if algo in ("FP8_PB_WO", "FP8_BLOCK"):
-            return FP8_BLOCK
-    raise QuantFormatError(f"unsupported quantization_config: quant_method={method!r} quant_algo={algo!r}")
+    if quantization["format"] == "fp8_block":
+        return fp8_block_format(quantization["block_size"])
+    return get_format(quantization["format"])

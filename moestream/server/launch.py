@@ -33,20 +33,17 @@ DEMO_BANNER = """
 def resolve_model(model_path: str | None, revision: str | None = None) -> tuple[Path, str, bool]:
     """(local folder, default served name, is_demo). No model path: the default model (SmolLM2);
     "demo": the random-weight MoE demo."""
-    from ..models.loader import DEFAULT_MODEL_NAME, DEMO_MODEL, default_model_path, resolve_model_path
+    from ..models.checkpoint import DEFAULT_MODEL_NAME, DEMO_MODEL, resolve_model_path
 
+    folder = resolve_model_path(model_path or None, revision)
     if not model_path:
-        folder = default_model_path()
         log.info("no --model-path: serving the default model %s from %s", DEFAULT_MODEL_NAME, folder)
         return folder, DEFAULT_MODEL_NAME, False
     if model_path == DEMO_MODEL:
         from ..demo import DEMO_NAME
 
-        folder = resolve_model_path(DEMO_MODEL)
         log.warning(DEMO_BANNER.format(folder=folder))
         return folder, DEMO_NAME, True
-
-    folder = resolve_model_path(model_path, revision)
     name = model_path.rstrip("/") if "/" in model_path and not Path(model_path).expanduser().exists() \
         else Path(model_path).expanduser().resolve().name
     return folder, name, False
