@@ -192,8 +192,13 @@ def add_bench_parser(sub) -> None:
                    help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
     c.add_argument("--prefetch", action="store_true",
                    help="also replay with the decode prefetcher (--moe-prefetch on; recorded traces hold its predictions)")
-    c.add_argument("--opt", action="store_true",
-                   help="also print Belady's bound (evict the expert used furthest in the future): the headroom over lru")
+    c.add_argument("--opt", action=argparse.BooleanOptionalAction, default=True,
+                   help="print Belady's bound first (evict the expert used furthest in the future; knows the future, "
+                        "no online policy can beat it): the headroom over lru (default on)")
+    c.add_argument("--lookahead", default=None,
+                   help="also replay each policy with a lookahead prefetch of up to K experts of the next layer, "
+                        "predicted from this layer's routing by a co-occurrence table learned online "
+                        "(comma-separated K; any trace, synthetic too)")
     c.add_argument("--max-pairs", type=int, default=None,
                    help="device LRU's scratch rows (max running requests x top-k; default: the trace's widest step)")
     c.add_argument("--pcie-gbs", type=float, default=None,
