@@ -19,7 +19,9 @@ into moestream/moe/residency.py; none has (benchmarks/RESULTS.md, issue 18).
 
     PYTHONPATH=. python benchmarks/cache_policy_sweep.py --trace-dir /tmp/traces \
         --presets qwen36,qwen36-skewed,uniform --residency 0.1,0.3,0.6
-(writes each preset's trace with `bench trace --tokens 1024` defaults if it is missing).
+(writes each preset's trace with `bench trace --tokens 1024` defaults if it is missing); with
+--follow-ceiling, the share of lru's misses that any prefetch predicted from the previous layer's routing
+could at most cover (the generator's cross-layer `follow` draws).
 """
 from __future__ import annotations
 
@@ -230,6 +232,26 @@ class LayerQuotaPolicy:
 CANDIDATES = (WindowScorePolicy, S3FifoPolicy, ArcPolicy, LayerQuotaPolicy)
 
 
+def follow_ceiling(trace, slots: int, policy: str = "lru") -> float:
+    """The share of a policy's misses (batch-1 synthetic trace) whose expert is the generator's follow-map image
+    of one of the previous layer's experts in the same token: the most a prefetch predicted from the previous
+    layer's routing alone could cover on this trace, even knowing the map and prefetching all top-k images."""
+    from moestream.moe import synth
+    from moestream.moe.residency import Residency
+
+    h = trace.header
+    fmap = synth.follow_maps(synth.SynthParams(**h.params))
+    res = Residency(slots, h.moe_layers, policy)
+    misses = covered = 0
+    for _, ids in trace.steps(decode_only=True):
+        for i, layer in enumerate(h.moe_layers):
+            images = set(fmap[i][ids[:, i - 1].ravel()].tolist()) if i else set()
+            for _, fetch in res.rounds(layer, sorted(set(ids[:, i].ravel().tolist()))):
+                misses += len(fetch)
+                covered += sum(e in images for _, e, _ in fetch)
+    return covered / max(misses, 1)
+
+
 def trace_for(preset: str, directory: Path):
     from moestream.moe import synth
     from moestream.moe.trace import read_trace, write_trace
@@ -247,7 +269,16 @@ def main() -> None:
     ap.add_argument("--presets", default="qwen36,qwen36-skewed,uniform")
     ap.add_argument("--residency", default="0.1,0.3,0.6")
     ap.add_argument("--policies", default="lru,lfu,lrfu,wlfu,wscore,s3fifo,arc,lquota")
+    ap.add_argument("--follow-ceiling", action="store_true",
+                    help="instead: the share of lru's misses a perfect previous-layer predictor could cover")
     args = ap.parse_args()
+    if args.follow_ceiling:
+        for preset in args.presets.split(","):
+            trace = trace_for(preset, Path(args.trace_dir))
+            total = len(trace.header.moe_layers) * trace.header.num_experts
+            shares = [100 * follow_ceiling(trace, round(float(f) * total)) for f in args.residency.split(",")]
+            print(f"| {preset} | " + " | ".join(f"{x:.1f}%" for x in shares) + " |", flush=True)
+        return
     for c in CANDIDATES:
         residency.POLICIES.setdefault(c.name, c)
     policies = args.policies.split(",")

@@ -250,3 +250,20 @@ def test_candidate_policies_replay_within_belady():
     finally:
         for name in added:
             del residency.POLICIES[name]
+
+
+def test_follow_maps_are_the_generators_and_bound_lookahead():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from cache_policy_sweep import follow_ceiling
+
+    p = synth.preset("uniform", follow=1.0, tokens=60, num_layers=3, num_experts=32, top_k=4)
+    chain = synth.generate(p)
+    fmap = synth.follow_maps(p)
+    assert np.array_equal(chain.ids[:, 1], fmap[1][chain.ids[:, 0]])
+    assert np.array_equal(chain.ids[:, 2], fmap[2][chain.ids[:, 1]])
+    assert follow_ceiling(chain, 24) > 0.6  # every miss past layer 0 is an image of the previous layer's experts
+    flat = synth.generate(synth.preset("uniform", tokens=60, num_layers=3, num_experts=32, top_k=4))
+    assert follow_ceiling(flat, 24) < 0.25  # only chance overlaps (4 of 32 images)
