@@ -159,26 +159,7 @@ def add_ctl_parser(sub) -> None:
         p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
 
 
-def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="measure this machine for the expert planner")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    bw = bsub.add_parser("bw", help="host, PCIe and expert-compute bandwidths; saves the profile auto reads")
-    bw.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda:N")
-    bw.add_argument("--output", "-o", default=None,
-                    help="profile path (default: $XDG_CACHE_HOME/moestream/benchbw.json, which the engine reads)")
-    bw.add_argument("--hidden", type=int, default=2048, help="expert geometry: hidden size")
-    bw.add_argument("--inter", type=int, default=512, help="expert geometry: intermediate size")
-    bw.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    bw.add_argument("--experts", type=int, default=32, help="experts copied per H2D measurement")
-    bw.add_argument("--top-k", type=int, default=8, help="experts per bs=1 compute measurement")
-    bw.add_argument("--host-mib", type=int, default=512, help="buffer for the host read measurement")
-    bw.add_argument("--iters", type=int, default=5)
-    bw.add_argument("--cpu-threads", type=int, default=0, help="CPU expert threads (0: one per physical core)")
-    bw.add_argument("--expert-format", default="bf16",
-                    help="how experts are stored: bf16 (dense, in --dtype), fp8 (128x128 blocks), fp8_channel, "
-                         "fp8_tensor, nvfp4, mxfp4 or a GGUF type (q4_k, q8_0, q6_k, ...); GB/s count the stored bytes")
-
-
+def _add_bench_cache_parser(bsub) -> None:
     c = bsub.add_parser("cache", help="replay a routing trace through the expert cache policies",
                         description="Hit rate, PCIe bytes per token and predicted decode tok/s of each cache policy "
                                     "over a range of cache sizes, from a trace of --record-routing or `bench trace`.")
@@ -205,6 +186,29 @@ def add_bench_parser(sub) -> None:
                    help="pinned host-to-device GB/s (default: the `bench bw` profile of this machine's GPU)")
     c.add_argument("--full-tok-s", type=float, default=None,
                    help="decode tok/s per request with every expert resident, at the trace's batch (the all-hit step time)")
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure this machine for the expert planner")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bw = bsub.add_parser("bw", help="host, PCIe and expert-compute bandwidths; saves the profile auto reads")
+    bw.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda:N")
+    bw.add_argument("--output", "-o", default=None,
+                    help="profile path (default: $XDG_CACHE_HOME/moestream/benchbw.json, which the engine reads)")
+    bw.add_argument("--hidden", type=int, default=2048, help="expert geometry: hidden size")
+    bw.add_argument("--inter", type=int, default=512, help="expert geometry: intermediate size")
+    bw.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bw.add_argument("--experts", type=int, default=32, help="experts copied per H2D measurement")
+    bw.add_argument("--top-k", type=int, default=8, help="experts per bs=1 compute measurement")
+    bw.add_argument("--host-mib", type=int, default=512, help="buffer for the host read measurement")
+    bw.add_argument("--iters", type=int, default=5)
+    bw.add_argument("--cpu-threads", type=int, default=0, help="CPU expert threads (0: one per physical core)")
+    bw.add_argument("--expert-format", default="bf16",
+                    help="how experts are stored: bf16 (dense, in --dtype), fp8 (128x128 blocks), fp8_channel, "
+                         "fp8_tensor, nvfp4, mxfp4 or a GGUF type (q4_k, q8_0, q6_k, ...); GB/s count the stored bytes")
+
+
+    _add_bench_cache_parser(bsub)
     t = bsub.add_parser("trace", help="write a synthetic routing trace with tunable locality",
                         description="Synthetic routing trace (docs/routing-traces.md#synthetic-traces); the preset's "
                                     "parameters, each overridable.")
