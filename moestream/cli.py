@@ -159,6 +159,35 @@ def add_ctl_parser(sub) -> None:
         p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
 
 
+def _add_bench_cache_parser(bsub) -> None:
+    c = bsub.add_parser("cache", help="replay a routing trace through the expert cache policies",
+                        description="Hit rate, PCIe bytes per token and predicted decode tok/s of each cache policy "
+                                    "over a range of cache sizes, from a trace of --record-routing or `bench trace`.")
+    c.add_argument("--trace", required=True, help="routing trace file (docs/routing-traces.md)")
+    size = c.add_mutually_exclusive_group()
+    size.add_argument("--slots", default=None, help="cache sizes in expert slots, comma-separated "
+                                                    "(default: 5..90%% of all experts)")
+    size.add_argument("--vram-gb", type=float, default=None, help="one cache size: this many GB of expert slots")
+    c.add_argument("--policies", default="lru,lfu,lrfu,wlfu", help="comma-separated cache policies (grouped path)")
+    c.add_argument("--device-lru", action="store_true",
+                   help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
+    c.add_argument("--prefetch", action="store_true",
+                   help="also replay with the decode prefetcher (--moe-prefetch on; recorded traces hold its predictions)")
+    c.add_argument("--opt", action=argparse.BooleanOptionalAction, default=True,
+                   help="print Belady's bound first (evict the expert used furthest in the future; knows the future, "
+                        "no online policy can beat it): the headroom over lru (default on)")
+    c.add_argument("--lookahead", default=None,
+                   help="also replay each policy with a lookahead prefetch of up to K experts of the next layer, "
+                        "predicted from this layer's routing by a co-occurrence table learned online "
+                        "(comma-separated K; any trace, synthetic too)")
+    c.add_argument("--max-pairs", type=int, default=None,
+                   help="device LRU's scratch rows (max running requests x top-k; default: the trace's widest step)")
+    c.add_argument("--pcie-gbs", type=float, default=None,
+                   help="pinned host-to-device GB/s (default: the `bench bw` profile of this machine's GPU)")
+    c.add_argument("--full-tok-s", type=float, default=None,
+                   help="decode tok/s per request with every expert resident, at the trace's batch (the all-hit step time)")
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure this machine for the expert planner")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -179,27 +208,7 @@ def add_bench_parser(sub) -> None:
                          "fp8_tensor, nvfp4, mxfp4 or a GGUF type (q4_k, q8_0, q6_k, ...); GB/s count the stored bytes")
 
 
-    c = bsub.add_parser("cache", help="replay a routing trace through the expert cache policies",
-                        description="Hit rate, PCIe bytes per token and predicted decode tok/s of each cache policy "
-                                    "over a range of cache sizes, from a trace of --record-routing or `bench trace`.")
-    c.add_argument("--trace", required=True, help="routing trace file (docs/routing-traces.md)")
-    size = c.add_mutually_exclusive_group()
-    size.add_argument("--slots", default=None, help="cache sizes in expert slots, comma-separated "
-                                                    "(default: 5..90%% of all experts)")
-    size.add_argument("--vram-gb", type=float, default=None, help="one cache size: this many GB of expert slots")
-    c.add_argument("--policies", default="lru,lfu,lrfu,wlfu", help="comma-separated cache policies (grouped path)")
-    c.add_argument("--device-lru", action="store_true",
-                   help="also replay the CUDA decode path's device-side LRU (slow: torch ops per layer call)")
-    c.add_argument("--prefetch", action="store_true",
-                   help="also replay with the decode prefetcher (--moe-prefetch on; recorded traces hold its predictions)")
-    c.add_argument("--opt", action="store_true",
-                   help="also print Belady's bound (evict the expert used furthest in the future): the headroom over lru")
-    c.add_argument("--max-pairs", type=int, default=None,
-                   help="device LRU's scratch rows (max running requests x top-k; default: the trace's widest step)")
-    c.add_argument("--pcie-gbs", type=float, default=None,
-                   help="pinned host-to-device GB/s (default: the `bench bw` profile of this machine's GPU)")
-    c.add_argument("--full-tok-s", type=float, default=None,
-                   help="decode tok/s per request with every expert resident, at the trace's batch (the all-hit step time)")
+    _add_bench_cache_parser(bsub)
     t = bsub.add_parser("trace", help="write a synthetic routing trace with tunable locality",
                         description="Synthetic routing trace (docs/routing-traces.md#synthetic-traces); the preset's "
                                     "parameters, each overridable.")

@@ -166,18 +166,24 @@ def test_cli_record_then_bench_cache(tiny_checkpoint, tmp_path, capsys):
     trace = read_trace(path)
     assert trace.decode_tokens == 5
     capsys.readouterr()
-    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--opt", "--prefetch"]) == 0
+    assert main(["bench", "cache", "--trace", str(path), "--slots", "3,8", "--pcie-gbs", "10", "--prefetch",
+                 "--lookahead", "2"]) == 0
     out = capsys.readouterr().out
     for policy in POLICIES:
         assert sum(line.startswith(policy + " ") for line in out.splitlines()) == 2, out
         assert sum(line.startswith(policy + "+pf ") for line in out.splitlines()) == 2, out
-    assert "opt-bound" in out
+        assert sum(line.startswith(policy + "+la2 ") for line in out.splitlines()) == 2, out
+    assert sum(line.startswith("opt-bound ") for line in out.splitlines()) == 2, out  # on by default
+    assert main(["bench", "cache", "--trace", str(path), "--slots", "3", "--no-opt", "--policies", "lru"]) == 0
+    assert "opt-bound" not in capsys.readouterr().out
+    assert main(["bench", "cache", "--trace", str(path), "--lookahead", "0"]) == 2
     # bad input: one line, exit status 2
     assert main(["bench", "cache", "--trace", str(tmp_path / "missing.trace")]) == 2
     assert main(["bench", "cache", "--trace", str(path), "--policies", "lru,nope"]) == 2
     assert main(["generate", "--prompt", "x", "--record-routing", str(tmp_path / "no" / "dir" / "t")]) == 2
     err = capsys.readouterr().err
     assert "cannot read routing trace" in err and "unknown --policies nope" in err and "no directory" in err
+    assert "--lookahead" in err
     synth_path = tmp_path / "s.trace"
     assert main(["bench", "trace", "--preset", "qwen36", "--tokens", "4", "--batch", "2", "-o", str(synth_path)]) == 0
     assert read_trace(synth_path).ids.shape == (8, 40, 8)
@@ -192,3 +198,72 @@ def test_synthetic_share_makes_streams_route_alike():
     assert np.array_equal(same[:, 1], same[:, 0]) and np.array_equal(same[:, 2], same[:, 0])
     apart = synth.generate(synth.preset("qwen36", share=0.0, **base)).ids.reshape(50, 3, 2, 4)
     assert (apart[:, 1] != apart[:, 0]).mean() > 0.5
+
+
+def test_lookahead_learns_a_layer_to_layer_map_online():
+    from moestream.moe.lookahead import CoocPredictor
+
+    base = dict(tokens=200, num_layers=4, num_experts=64, top_k=4)
+    chain = synth.generate(synth.preset("uniform", follow=1.0, **base))  # layer l+1 a fixed map of layer l
+    plain = replay(chain, 24, "lru")
+    ahead = replay(chain, 24, "lru", lookahead=4, lift=True)
+    assert ahead.policy == "lru+la4" and ahead.prefetch_issued > 0
+    assert ahead.prefetch_hits > 0.5 * ahead.prefetch_issued  # most predictions are right once learned
+    assert ahead.misses < 0.7 * plain.misses
+    assert ahead.hits + ahead.misses == plain.hits + plain.misses  # prefetch admits, it does not count accesses
+    # online: the first step knows nothing, so it prefetches nothing
+    one = Trace(chain.header, chain.ids[:1], np.ones(1, dtype=np.int64), np.ones(1, dtype=bool))
+    assert replay(one, 24, "lru", lookahead=4).prefetch_issued == 0
+    # no locality between layers: the table learns nothing useful, and prefetching cannot help much
+    flat = synth.generate(synth.preset("uniform", **base))
+    assert replay(flat, 24, "lru", lookahead=2, lift=True).misses > 0.9 * replay(flat, 24, "lru").misses
+    # the predictor skips residents and never predicts an expert it never saw follow these
+    p = CoocPredictor(2, 8, k=3)
+    p.learn(0, np.array([[0, 1]]), np.array([[5, 6]]))
+    assert p.predict(0, np.array([[0]]), lambda e: e == 5) == [6]
+    assert p.predict(0, np.array([[2]]), lambda e: False) == []
+    with pytest.raises(ValueError):
+        replay(chain, 24, "lru", prefetch=True, lookahead=2)
+
+
+def test_candidate_policies_replay_within_belady():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import cache_policy_sweep as sweep
+    from moestream.moe import residency
+    from moestream.moe.replay import opt_hit_rate
+
+    tr = synth.generate(synth.preset("qwen36", tokens=80, num_layers=3, num_experts=32, top_k=4))
+    added = [c.name for c in sweep.CANDIDATES if c.name not in residency.POLICIES]
+    try:
+        for c in sweep.CANDIDATES:
+            residency.POLICIES.setdefault(c.name, c)
+        for slots in (12, 24, 40):  # one token's 12 keys to 40 of the 96
+            bound = opt_hit_rate(tr, slots)
+            for c in sweep.CANDIDATES:
+                r = replay(tr, slots, c.name)
+                assert 0 < r.hit_rate <= bound + 1e-9, (c.name, slots)
+        distinct = replay(tr, 96, "lru").misses  # everything fits: only first uses miss, for every policy
+        assert all(replay(tr, 96, c.name).misses == distinct for c in sweep.CANDIDATES)
+    finally:
+        for name in added:
+            del residency.POLICIES[name]
+
+
+def test_follow_maps_are_the_generators_and_bound_lookahead():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from cache_policy_sweep import follow_ceiling
+
+    p = synth.preset("uniform", follow=1.0, tokens=60, num_layers=3, num_experts=32, top_k=4)
+    chain = synth.generate(p)
+    fmap = synth.follow_maps(p)
+    assert np.array_equal(chain.ids[:, 1], fmap[1][chain.ids[:, 0]])
+    assert np.array_equal(chain.ids[:, 2], fmap[2][chain.ids[:, 1]])
+    assert follow_ceiling(chain, 24) > 0.6  # every miss past layer 0 is an image of the previous layer's experts
+    flat = synth.generate(synth.preset("uniform", tokens=60, num_layers=3, num_experts=32, top_k=4))
+    assert follow_ceiling(flat, 24) < 0.25  # only chance overlaps (4 of 32 images)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .lookahead import CoocPredictor
 from .residency import POLICIES, Residency
 from .trace import Trace
 
@@ -74,18 +75,22 @@ def layer_calls(trace: Trace):
 
 
 def replay(trace: Trace, slots: int, policy: str = "lru", path: str = "grouped", scratch: int = 0,
-           prefetch: bool = False) -> ReplayResult:
+           prefetch: bool = False, lookahead: int = 0, lift: bool = False) -> ReplayResult:
     """Counts of one replay; `scratch` (pairs path): the pool rows that stage misses without a slot, taken from
     `slots` as the engine does (policies.DeviceCachedRuntime: max_pairs = max running requests x top-k).
-    prefetch (grouped path, a trace with predictions): the decode prefetcher of `--moe-prefetch on`."""
+    prefetch (grouped path, a trace with predictions): the decode prefetcher of `--moe-prefetch on`;
+    lookahead (grouped path, any trace): instead, prefetch up to that many experts of the next layer predicted
+    by a co-occurrence table learned online (moe/lookahead.py; `lift`: its lift ranking)."""
     issued = used = 0
     if path == "pairs":
         hits, misses = _replay_pairs(trace, slots, scratch)
     elif path == "grouped":
-        hits, misses, issued, used = _replay_grouped(trace, slots, policy, prefetch)
+        hits, misses, issued, used = _replay_grouped(trace, slots, policy, prefetch, lookahead, lift)
     else:
         raise ValueError(f"unknown replay path {path!r}; available: {', '.join(PATHS)}")
-    return ReplayResult(policy if path == "grouped" else "lru-device", slots, hits, misses, trace.decode_tokens,
+    name = policy if path == "grouped" else "lru-device"
+    name += f"+la{lookahead}" if lookahead and path == "grouped" else ""
+    return ReplayResult(name, slots, hits, misses, trace.decode_tokens,
                         int(trace.step_decode.sum()), trace.header.bytes_per_expert, issued, used)
 
 
@@ -96,16 +101,22 @@ def predicted_experts(pred: np.ndarray, limit: int) -> list[int]:
     return experts[np.argsort(-counts, kind="stable")][:limit].tolist()
 
 
-def _replay_grouped(trace: Trace, slots: int, policy: str, prefetch: bool) -> tuple[int, int, int, int]:
+def _replay_grouped(trace: Trace, slots: int, policy: str, prefetch: bool, lookahead: int = 0,
+                    lift: bool = False) -> tuple[int, int, int, int]:
     """The grouped decode path (policies.CachedRuntime forward / _device_rounds / _prefetch_next /
-    _settle_prefetch): the prefetch of layer l+1 runs after the first round of layer l's accesses."""
+    _settle_prefetch): the prefetch of layer l+1 runs after the first round of layer l's accesses. With
+    `lookahead`, the same prefetch from a CoocPredictor's list; the table learns each layer pair after its
+    second layer's call (so a step's prediction never knows the step)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown cache policy {policy!r}; available: {', '.join(POLICIES)}")
+    if prefetch and lookahead:
+        raise ValueError("prefetch (recorded predictions) and lookahead (co-occurrence) are alternatives")
     if prefetch and trace.pred is None:
         raise ValueError("this trace holds no predictions to prefetch with (synthetic traces have none)")
     res = Residency(slots, trace.header.moe_layers, policy)
     layers = trace.header.moe_layers
     nxt = dict(zip(layers, layers[1:]))
+    cooc = CoocPredictor(len(layers), trace.header.num_experts, lookahead, lift) if lookahead else None
     issued = used = 0
     for _, ids, pred in trace.steps(decode_only=True, with_pred=True):
         pending: dict[int, set[int]] = {}  # dropped at each step's end, as the engine does
@@ -114,13 +125,18 @@ def _replay_grouped(trace: Trace, slots: int, policy: str, prefetch: bool) -> tu
             done = pending.pop(layer, set())
             used += sum(1 for e in done.intersection(experts) if res.lookup((layer, e)) is not None)
             for r, _ in enumerate(res.rounds(layer, experts)):
-                if r == 0 and prefetch and layer in nxt and slots:
-                    ahead = predicted_experts(pred[:, i], slots)
+                if r == 0 and (prefetch or cooc) and layer in nxt and slots:
+                    if cooc:
+                        ahead = cooc.predict(i, ids[:, i], lambda e, n=nxt[layer]: res.lookup((n, e)) is not None)
+                    else:
+                        ahead = predicted_experts(pred[:, i], slots)
                     for e in ahead:
                         res.touch((nxt[layer], e))
                     got = {e for e in ahead if res.try_prefetch((nxt[layer], e)) is not None}
                     issued += len(got)
                     pending[nxt[layer]] = got
+            if cooc and i:
+                cooc.learn(i - 1, ids[:, i - 1], ids[:, i])
     hits = sum(c.hits for c in res.counts.values())
     misses = sum(c.misses for c in res.counts.values())
     return hits, misses, issued, used
@@ -210,19 +226,49 @@ def _pcie_gbs(args) -> float | None:
     return (prof or {}).get("pcie_pinned_gbs") or None
 
 
+def _parse_list(text: str | None, what: str, cast, allowed=None) -> list:
+    from ..core import ConfigError
+
+    try:
+        items = [cast(x.strip()) for x in (text or "").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} takes comma-separated values, got {text!r}") from None
+    bad = [str(x) for x in items if (allowed is not None and x not in allowed) or (cast is int and x < 1)]
+    if bad:
+        raise ConfigError(f"unknown {what} {', '.join(bad)}" + (f"; available: {', '.join(allowed)}" if allowed else
+                                                               ": each K must be >= 1"))
+    return items
+
+
+def _row(r: ReplayResult, name: str, total: int, tok_s: float | None, extra: str = "") -> str:
+    return (f"{name:<11}{r.slots:>7}{100 * r.slots / total:>9.1f}%{100 * r.hit_rate:>9.1f}%"
+            f"{r.misses / r.decode_tokens:>12.1f}{r.pcie_bytes_per_token / 1e6:>9.1f}{(f'{tok_s:.1f}' if tok_s else '-'):>9}{extra}")
+
+
+def _extra(r: ReplayResult, base: ReplayResult | None) -> str:
+    """What a prefetching run's copies did: per token issued, the share used, demand misses vs no prefetch."""
+    if not (r.prefetch_issued or r.policy.count("+la")):
+        return ""
+    used = 100 * r.prefetch_hits / max(r.prefetch_issued, 1)
+    text = f"   prefetched {r.prefetch_issued / r.decode_tokens:.1f}/tok, {used:.0f}% used"
+    if base is not None and base.misses:
+        text += f", misses {100 * (r.misses - base.misses) / base.misses:+.1f}% vs {base.policy}"
+    return text
+
+
 def cache_report(args) -> str:
-    """`moestream bench cache`: one row per (policy, cache size)."""
+    """`moestream bench cache`: Belady's bound, then one row per (policy [+ prefetch], cache size)."""
     from ..core import ConfigError
     from .trace import read_trace
 
     trace = read_trace(args.trace)
     h = trace.header
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
-    if bad:
-        raise ConfigError(f"unknown --policies {', '.join(bad)}; available: {', '.join(POLICIES)}")
+    policies = _parse_list(args.policies, "--policies", str, list(POLICIES))
+    ks = _parse_list(getattr(args, "lookahead", None), "--lookahead", int)
     if not trace.decode_tokens:
         raise ConfigError(f"{args.trace} has no decode steps to replay")
+    if args.prefetch and trace.pred is None:
+        raise ConfigError(f"--prefetch needs a recorded trace (with the prefetcher's predictions); {args.trace} has none")
     sizes, pcie = _sizes(args, trace), _pcie_gbs(args)
     total = len(h.moe_layers) * h.num_experts
     widest = int(trace.step_rows[trace.step_decode].max())
@@ -235,17 +281,18 @@ def cache_report(args) -> str:
     if args.opt:
         for slots in sizes:
             lines.append(f"{'opt-bound':<11}{slots:>7}{100 * slots / total:>9.1f}%{100 * opt_hit_rate(trace, slots):>9.1f}%"
-                         "   (Belady: knows the future)")
-    if args.prefetch and trace.pred is None:
-        raise ConfigError(f"--prefetch needs a recorded trace (with the prefetcher's predictions); {args.trace} has none")
-    runs = [(p, "grouped", False) for p in policies] + ([("lru", "pairs", False)] if args.device_lru else [])
-    runs += [(p, "grouped", True) for p in policies] if args.prefetch else []
-    for policy, path, pf in runs:
+                         "   (Belady: knows the future; the ceiling of any eviction policy)")
+    runs = [(p, "grouped", False, 0) for p in policies] + ([("lru", "pairs", False, 0)] if args.device_lru else [])
+    runs += [(p, "grouped", True, 0) for p in policies] if args.prefetch else []
+    runs += [(p, "grouped", False, k) for p in policies for k in ks]
+    base: dict = {}
+    for policy, path, pf, k in runs:
         for slots in sizes:
-            r = replay(trace, slots, policy, path, scratch=args.max_pairs or widest * h.top_k, prefetch=pf)
+            r = replay(trace, slots, policy, path, scratch=args.max_pairs or widest * h.top_k, prefetch=pf,
+                       lookahead=k, lift=True)
+            if path == "grouped" and not (pf or k):
+                base[policy, slots] = r
             tok_s = r.predict_tok_s(pcie or 0.0, args.full_tok_s)
-            extra = f"   prefetched {r.prefetch_issued}, used {r.prefetch_hits}" if pf else ""
-            lines.append(f"{r.policy + ('+pf' if pf else ''):<11}{slots:>7}{100 * slots / total:>9.1f}%"
-                         f"{100 * r.hit_rate:>9.1f}%{r.misses / r.decode_tokens:>12.1f}{r.pcie_bytes_per_token / 1e6:>9.1f}"
-                         f"{(f'{tok_s:.1f}' if tok_s else '-'):>9}{extra}")
+            lines.append(_row(r, r.policy + ("+pf" if pf else ""), total, tok_s,
+                              _extra(r, base.get((policy, slots)) if pf or k else None)))
     return "\n".join(lines)

@@ -89,8 +89,7 @@ def generate(p: SynthParams, name: str = "synthetic", moe_layers: list[int] | No
     p.validate()
     rng = np.random.default_rng(p.seed)
     L, E, k, B, N = p.num_layers, p.num_experts, p.top_k, p.batch, p.tokens
-    order = np.stack([np.stack([rng.permutation(E) for _ in range(L)]) for _ in range(p.topics)])  # [topics, L, E]
-    follow_map = np.stack([rng.permutation(E) for _ in range(L)])  # layer l: expert of l-1 -> expert of l
+    order, follow_map = _tables(p, rng)
     cdf = _zipf_cdf(E, p.zipf)
     ids = np.zeros((N, B, L, k), dtype=np.uint16)
     prev = np.full((B, L, k), -1, dtype=np.int64)
@@ -135,6 +134,19 @@ def generate(p: SynthParams, name: str = "synthetic", moe_layers: list[int] | No
                          bytes_per_expert=p.bytes_per_expert, source="synthetic", params=asdict(p))
     flat = ids.reshape(N * B, L, k)
     return Trace(header, flat, np.full(N, B, dtype=np.int64), np.ones(N, dtype=bool))
+
+
+def _tables(p: SynthParams, rng) -> tuple[np.ndarray, np.ndarray]:
+    """The first draws of a trace's generator: the popularity orders [topics, L, E] and the follow maps [L, E]
+    (layer l: expert of l-1 -> expert of l)."""
+    L, E = p.num_layers, p.num_experts
+    order = np.stack([np.stack([rng.permutation(E) for _ in range(L)]) for _ in range(p.topics)])
+    return order, np.stack([rng.permutation(E) for _ in range(L)])
+
+
+def follow_maps(p: SynthParams) -> np.ndarray:
+    """The follow maps [L, E] that `generate(p)` uses (what a perfect layer-to-layer predictor would know)."""
+    return _tables(p, np.random.default_rng(p.seed))[1]
 
 
 def _popular(ranks: np.ndarray, cdf: np.ndarray, us: np.ndarray, taken: list[int], rng) -> int:
