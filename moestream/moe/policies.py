@@ -377,8 +377,9 @@ class DeviceCachedRuntime(CachedRuntime):
 
     def stats(self):
         out = super().stats()
-        if self.pairs:  # the pool's rows: cached slots + scratch rows staging this step's misses
-            out["cache"]["slots"] = self.dcache.num_slots + self.dcache.scratch
+        if self.pairs:  # the slots asked for; the pool holds cached_slots + scratch rows staging a step's misses
+            out["cache"]["slots"] = self.options.cache_slots
+            out["cache"]["cached_slots"] = self.dcache.num_slots
             out["cache"]["scratch_slots"] = self.dcache.scratch
             out["cache"]["resident"] = self.dcache.num_resident()
             out["cache"]["resident_map"] = self.dcache.resident_map()
