@@ -199,6 +199,8 @@ def test_every_backend_gives_fused_tokens_with_the_layer_kernel(tiny_checkpoint,
         return Q.Q8_0 if proj == "down_proj" and layer % 2 == 0 else Q.Q4_1
 
     path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1, expert_qtype=mix)
+    # the per-op MoE path (a CPU decode step's one-call block, models/cpu_decode.py, has tests/test_cpu_decode.py)
+    monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
     calls = []
     # checked calls, the bridge's per-layer LayerCall, and its compiled worker (all layers of a step in one call)
     for name in ("moe_layer", "moe_layer_unchecked", "bridge_step"):
@@ -240,6 +242,7 @@ def test_codebook_experts_take_the_layer_kernel(qname, tiny_checkpoint, tmp_path
 
     hf = tiny_checkpoint("qwen3", hidden_size=256, moe_intermediate_size=256)
     path, _ = gguf_writer.write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0, expert_qtype=lambda layer, proj: Q[qname])
+    monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")  # the per-op MoE path
     tid, seen = cpu_quant.TYPES[qname], []
     ids = {"moe_layer": lambda a: [cpu_quant.TYPES[t] for t in a[2]], "moe_layer_unchecked": lambda a: list(a[2]),
            "bridge_step": lambda a: list(np.asarray(a[1]["wtype"]).ravel())}

@@ -169,9 +169,10 @@ def _set_iq3s_grid(lib) -> None:
     """Hand the IQ3_S codebook (data, read from the gguf package like the torch decoder's) to the library;
     without the package IQ3_S stays refused there (row_bytes -1), the other types are unaffected."""
     try:
-        from ..quant.gguf_formats import iq_grid
+        import gguf.quants as gq  # the codebook's one source (quant.gguf_formats.iq_grid reads the same)
 
-        grid = iq_grid("IQ3_S").to(torch.uint8).contiguous()  # (512, 4): values 1..15
+        gq.IQ3_S.init_grid()
+        grid = torch.from_numpy(gq.IQ3_S.grid.copy()).reshape(512, 4).to(torch.uint8).contiguous()  # values 1..15
     except Exception as e:  # no gguf package: the torch path decodes IQ3_S (and fails the same way)
         log.info("moestream: CPU kernels: no IQ3_S codebook (%s)", e)
         return
