@@ -39,7 +39,14 @@ def _gguf(kind: str, qtype_name: str, tmp_path, tiny_checkpoint):
     import gguf_writer
     from gguf import GGMLQuantizationType as Q
 
-    hf_dir = gguf_writer.make_llama(tmp_path / "hf") if kind == "llama" else tiny_checkpoint(kind)
+    if kind == "llama":
+        hf_dir = gguf_writer.make_llama(tmp_path / "hf")
+    elif kind == "qwen35_attn":  # Qwen3.5 without Gated DeltaNet: gated attention + the fused MoE block
+        import tiny_models
+
+        hf_dir = tiny_models.make_qwen3_5_moe(tmp_path / "hf", layout="causal", layer_types=["full_attention"] * 4)
+    else:
+        hf_dir = tiny_checkpoint(kind)
     return gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", getattr(Q, qtype_name))[0]
 
 
@@ -50,10 +57,12 @@ def _generate(llm, n: int = 6):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0")])
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0"),
+                                        ("qwen35_attn", "Q8_0")])
 def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_checkpoint, monkeypatch):
     """Every decode step runs twice — per-op, then compiled (rewriting the same K/V) — and the logits agree."""
     from moestream import LLM
+    from moestream.models.cpu_decode import M
     from moestream.models.qwen_moe import QwenMoeModel
 
     llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4)
@@ -81,17 +90,20 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     moe = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers]
     assert plan.has_mlp == [not b for b in moe]  # a dense MLP goes into the layer's call
     assert [d is not None for d in plan.moe] == moe  # a MoE block: its own call
-    assert any(moe) == (kind == "qwen3")
+    assert any(moe) == (kind != "llama")
+    # qwen35: models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM, computed in the call
+    assert [d[M["FW"]] != 0 for d in plan.moe if d is not None] == [kind == "qwen35_attn"] * sum(moe)
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.parametrize("backend", ["fused", "cpu"])
-def test_moe_block_call_books_the_per_op_statistics(backend, tmp_path, tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("kind,backend", [("qwen3", "fused"), ("qwen3", "cpu"), ("qwen35_attn", "cpu")])
+def test_moe_block_call_books_the_per_op_statistics(kind, backend, tmp_path, tiny_checkpoint, monkeypatch):
     """A MoE block computed in one call gives the per-op tokens, and the runtime's statistics (tokens, routed
-    pairs, expert calls, hits or CPU experts, per-expert hits) are what the per-op path books."""
+    pairs, expert calls, hits or CPU experts, per-expert hits) are what the per-op path books (qwen35_attn: the
+    fused shared-expert block)."""
     from moestream import LLM
 
-    path = _gguf("qwen3", "Q8_0", tmp_path, tiny_checkpoint)
+    path = _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)

@@ -35,7 +35,7 @@ _FIELDS = ["H", "NH", "NKV", "HD", "RD", "FLAGS", "IN_NORM", "POST_NORM", "Q_NOR
 D = {name: i for i, name in enumerate(_FIELDS)}
 # slots of a MoE block's description: decode.cpp's X_* enum
 _MOE_FIELDS = ["H", "E", "K", "NORMALIZE", "I", "RW", "RT", "RS", "TABLE", "TG", "TU", "TD",
-               "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE"]
+               "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE", "FW", "FT", "FS", "FROUTER", "SDS"]
 M = {name: i for i, name in enumerate(_MOE_FIELDS)}
 F_ZERO_CENTERED, F_OUT_GATE = 1, 2
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
@@ -45,7 +45,8 @@ _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float
 def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
     """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
     ms_moe_layer, which reads no float32 rows)."""
-    if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu":
+    if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
+            and not lin.float_activations:
         return lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
     w = getattr(lin, "weight", None)
     if type(lin) in (Linear, FusedLinear) and lin.bias is None and w is not None and w.dtype in _DENSE \
@@ -63,32 +64,59 @@ def _dense(w: torch.Tensor, types=_DENSE) -> tuple[int, int, int] | None:
 
 def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     """(description, its table's owner) of a MoE block ms_moe_decode computes, or None: the runtime computes
-    every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows, and
-    no shared expert or an unfused one (the fused [router | shared gate | up | gate] GEMM stays per-op)."""
+    every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows (or rows
+    leading the fused GEMM), and no shared expert, an unfused one, or models/fuse.py's fused one (shared_in:
+    [router |] shared gate | up | shared_expert_gate as one GEMM, the down projection its own)."""
     from .qwen_moe import SparseMoeBlock
 
-    if type(block) is not SparseMoeBlock or block.shared_in is not None or block.runtime is None:
+    if type(block) is not SparseMoeBlock or block.runtime is None:
         return None
     table = block.runtime.host_layer_table(block.layer)
-    router = _dense(block.gate.weight)
-    if table is None or router is None:
+    fused = block.shared_in is not None
+    router = None if fused and block.router_rows else _dense(block.gate.weight)
+    if table is None or (router is None and not (fused and block.router_rows)):
         return None
     ptrs, types, inter = table
     d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
     d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
                                                           block.gate.top_k, int(block.gate.normalize), inter)
-    d[[M["RW"], M["RT"], M["RS"]]] = router
+    if router is not None:
+        d[[M["RW"], M["RT"], M["RS"]]] = router
     d[M["TABLE"]] = ptrs.ctypes.data
     d[[M["TG"], M["TU"], M["TD"]]] = types
-    if block.shared_expert is not None:
-        sh = _mlp_fields(block.shared_expert)
-        gate = _dense(block.shared_expert_gate.weight, {torch.float32: 0})
-        if sh is None or gate is None or type(block.shared_expert_gate) is not Linear:
-            return None
-        d[M["SI"]] = sh[0]
-        d[[M["SG"], M["STG"], M["SU"], M["STU"], M["SD"], M["STD"]]] = [v for w in sh[1] for v in w[:2]]
-        d[M["SGATE"]] = gate[0]
-    return d, ptrs
+    shared = _fused_shared_fields(block, d) if fused else _shared_fields(block, d)
+    return (d, ptrs) if shared else None
+
+
+def _shared_fields(block, d: np.ndarray) -> bool:
+    """An unfused shared expert's slots (none: nothing to write); False if the kernels cannot compute it."""
+    if block.shared_expert is None:
+        return True
+    sh = _mlp_fields(block.shared_expert)
+    gate = _dense(block.shared_expert_gate.weight, {torch.float32: 0})
+    if sh is None or gate is None or type(block.shared_expert_gate) is not Linear:
+        return False
+    d[M["SI"]] = sh[0]
+    d[[M["SG"], M["STG"], M["SU"], M["STU"], M["SD"], M["STD"]]] = [v for w in sh[1] for v in w[:2]]
+    d[M["SGATE"]] = gate[0]
+    return True
+
+
+def _fused_shared_fields(block, d: np.ndarray) -> bool:
+    """The fused block's slots: shared_in (its GEMM through decode.cpp's matmul, as the per-op path's float or
+    int8-activation product) and the shared down projection; False if either is a weight the kernels lack."""
+    f, sizes = block.shared_in, block.shared_in.sizes
+    down = _weight(block.shared_expert.down_proj)
+    w = _weight(f)
+    e = block.router_rows
+    if w is None or down is None or sizes[-1] != 1 or sizes[-2] != sizes[-3] or len(sizes) != 3 + (e > 0) \
+            or (e and e != d[M["E"]]):
+        return False
+    d[[M["FW"], M["FT"], M["FS"]]] = w
+    d[M["FROUTER"]] = int(e > 0)
+    d[M["SI"]] = sizes[-2]
+    d[[M["SD"], M["STD"], M["SDS"]]] = down
+    return True
 
 
 def _norm(m) -> int | None:

@@ -57,6 +57,9 @@ enum : int {
   X_TABLE, X_TG, X_TU, X_TD,                        // [E, 3] gate/up/down addresses of every expert; their types
   X_SI, X_SG, X_STG, X_SU, X_STU, X_SD, X_STD,      // shared expert (X_SI = 0: none): I, gate/up/down address, type
   X_SGATE,                                          // the shared expert's float32 gate vector [H] (0: ungated)
+  X_FW, X_FT, X_FS,                                 // fused shared_in [router E? | gate I | up I | gate 1] (0: none)
+  X_FROUTER,                                        // 1: the router's E rows lead X_FW (X_RW unused)
+  X_SDS,                                            // fused block: the shared down_proj's row stride (X_SD, X_STD)
   X_COUNT
 };
 
@@ -328,23 +331,55 @@ int shared(const int64_t* m, int64_t B, const float* x, float* acc, int nt) {
   return 0;
 }
 
+// the fused block's shared expert from its GEMM's product f [B, N] (columns: router E if fused | gate I | up I |
+// shared-expert gate 1): acc [B, H] += sigmoid(gate) * down(silu(gate) * up), down a matmul of its own weight (as
+// the per-op path: silu_mul, then the down projection's kernel on the product)
+int fused_shared(const int64_t* m, int64_t B, const float* f, int64_t N, float* acc, int nt) {
+  const int64_t H = m[X_H], I = m[X_SI], e = m[X_FROUTER] ? m[X_E] : 0;
+  std::vector<float> act(B * I), y(B * H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = f[b * N + e + i];
+      act[b * I + i] = g / (1.0f + std::exp(-g)) * f[b * N + e + I + i];
+    }
+  const int rc = matmul(act.data(), B, I, (const void*)m[X_SD], H, m[X_SDS], m[X_STD], y.data(), H, nt);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b) {
+    const float s = 1.0f / (1.0f + std::exp(-f[b * N + e + 2 * I]));
+    for (int64_t c = 0; c < H; ++c) acc[b * H + c] += s * y[b * H + c];
+  }
+  return 0;
+}
+
+// router logits [B, E]: from the fused GEMM's first E columns, or the router's own product
+int router_logits(const int64_t* m, int64_t B, const float* x, const float* f, int64_t N, float* logits, int nt) {
+  const int64_t H = m[X_H], E = m[X_E];
+  if (!(m[X_FW] && m[X_FROUTER])) return matmul(x, B, H, (const void*)m[X_RW], E, m[X_RS], m[X_RT], logits, E, nt);
+  for (int64_t b = 0; b < B; ++b) std::memcpy(logits + b * E, f + b * N, E * sizeof(float));
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-// One MoE block for B decode rows (the description `m`: M_* slots): router logits (float32 or stored rows),
+// One MoE block for B decode rows (the description `m`: X_* slots): router logits (float32 or stored rows),
 // softmax top-k, the routed experts' pairs in one ms_moe_layer call, the optional (gated) shared expert, and
-// h [B, H] += their sum. x [B, H]: the block's input (the post-attention norm). ids [B, k] receives the route
-// (the runtime books it). Returns 0 or the failing kernel's code.
+// h [B, H] += their sum. A fused block (X_FW: models/fuse.py's shared_in) computes [router | shared gate | up |
+// shared-expert gate] as one GEMM first. x [B, H]: the block's input (the post-attention norm). ids [B, k]
+// receives the route (the runtime books it). Returns 0 or the failing kernel's code.
 int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t* ids, int nthreads) {
   const int64_t H = m[X_H], E = m[X_E], K = m[X_K];
-  std::vector<float> logits(B * E), w(B * K), acc(B * H);
-  int rc = matmul(x, B, H, (const void*)m[X_RW], E, m[X_RS], m[X_RT], logits.data(), E, nthreads);
-  if (rc) return rc;
+  const int64_t N = m[X_FW] ? (m[X_FROUTER] ? E : 0) + 2 * m[X_SI] + 1 : 0;
+  std::vector<float> logits(B * E), w(B * K), acc(B * H), f(B * N);
+  int rc = N ? matmul(x, B, H, (const void*)m[X_FW], N, m[X_FS], m[X_FT], f.data(), N, nthreads) : 0;
+  if (rc || (rc = router_logits(m, B, x, f.data(), N, logits.data(), nthreads))) return rc;
   for (int64_t b = 0; b < B; ++b) route_row(logits.data() + b * E, E, K, m[X_NORMALIZE], ids + b * K, w.data() + b * K);
   rc = routed(m, B, x, ids, w.data(), acc.data(), nthreads);
   if (rc) return rc;
-  if (m[X_SI] && (rc = shared(m, B, x, acc.data(), nthreads))) return rc;
+  if (N) rc = fused_shared(m, B, f.data(), N, acc.data(), nthreads);
+  else if (m[X_SI]) rc = shared(m, B, x, acc.data(), nthreads);
+  if (rc) return rc;
   for (int64_t i = 0; i < B * H; ++i) h[i] += acc[i];
   return 0;
 }
