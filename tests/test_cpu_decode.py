@@ -58,9 +58,10 @@ def _generate(llm, n: int = 6):
 
 
 @pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0"),
-                                        ("qwen35_attn", "Q8_0")])
+                                        ("qwen35_attn", "Q8_0"), ("qwen35_causal", "Q8_0")])
 def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_checkpoint, monkeypatch):
-    """Every decode step runs twice — per-op, then compiled (rewriting the same K/V) — and the logits agree."""
+    """Every decode step runs twice — per-op, then compiled (rewriting the same K/V; a Gated DeltaNet model's
+    state pools put back between the two) — and the logits agree."""
     from moestream import LLM
     from moestream.models.cpu_decode import M
     from moestream.models.qwen_moe import QwenMoeModel
@@ -73,8 +74,12 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     def both(self, batch):
         if not batch.is_decode:
             return inner(self, batch)
+        st = self.caches.state
+        saved = (st.conv.clone(), st.rec.clone()) if st is not None and st.conv is not None else None
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
         ref = inner(self, batch)
+        if saved is not None:  # Gated DeltaNet: the compiled step starts from the same state again
+            st.conv.copy_(saved[0]), st.rec.copy_(saved[1])
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
         steps = self.cpu_decode.steps if self.cpu_decode else 0
         got = inner(self, batch)
@@ -85,14 +90,13 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     monkeypatch.setattr(QwenMoeModel, "forward", both)
     _generate(llm)
     plan = model.cpu_decode
-    attn = sum(layer.kind == "full_attention" for layer in model.layers)
-    assert plan.layers == attn > 0
+    assert plan.layers == len(model.layers)
     moe = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers]
     assert plan.has_mlp == [not b for b in moe]  # a dense MLP goes into the layer's call
     assert [d is not None for d in plan.moe] == moe  # a MoE block: its own call
     assert any(moe) == (kind != "llama")
     # qwen35: models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM, computed in the call
-    assert [d[M["FW"]] != 0 for d in plan.moe if d is not None] == [kind == "qwen35_attn"] * sum(moe)
+    assert [d[M["FW"]] != 0 for d in plan.moe if d is not None] == [kind.startswith("qwen35")] * sum(moe)
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
 
 
@@ -118,8 +122,9 @@ def test_moe_block_call_books_the_per_op_statistics(kind, backend, tmp_path, tin
 
 @pytest.mark.parametrize("kind", ["llama", "qwen35_causal", "hf:qwen3"])
 def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, monkeypatch):
-    """Greedy tokens of a batch, compiled layer on and off; qwen35 mixes Gated DeltaNet layers (per-op) with
-    gated, zero-centred attention layers (compiled); hf:qwen3 is a safetensors checkpoint (float32 rows)."""
+    """Greedy tokens of a batch, compiled layer on and off; qwen35 mixes Gated DeltaNet layers (ms_gdn_decode)
+    with gated, zero-centred attention layers; hf:qwen3 is a safetensors checkpoint (float32 rows). Every layer
+    is compiled."""
     from moestream import LLM
 
     path = tiny_checkpoint(kind[3:]) if kind.startswith("hf:") else _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
@@ -129,9 +134,34 @@ def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, m
     llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
     assert _generate(llm, 8) == ref
     plan = llm.engine.model.cpu_decode
-    assert plan.steps >= 7 and plan.layers == sum(layer.kind == "full_attention" for layer in llm.engine.model.layers)
-    if kind == "qwen35_causal":
-        assert plan.layers < len(llm.engine.model.layers)
+    assert plan.steps >= 7 and plan.layers == len(llm.engine.model.layers)
+    gdn = [layer.kind == "linear_attention" for layer in llm.engine.model.layers]
+    assert [k == "gdn" for k in plan.kinds] == gdn and any(gdn) == (kind == "qwen35_causal")
+
+
+@pytest.mark.parametrize("backend", ["fused", "cpu"])
+def test_gated_deltanet_model_compiles_every_layer(backend, tmp_path, tiny_checkpoint, monkeypatch):
+    """Qwen3.5 (3 Gated DeltaNet layers, 1 attention layer, fused shared-expert MoE blocks): every layer and every
+    MoE block is one call, and a batch of 3 prompts x 8 tokens gives the per-op path's tokens and runtime
+    statistics. (The recurrent state advances at each step, so logits cannot be compared by running a step twice.)"""
+    from moestream import LLM
+    from moestream.models.cpu_decode import M
+
+    path = _gguf("qwen35_causal", "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", moe_backend=backend, max_running_requests=4)
+        tokens = _generate(llm, 8)
+        st = llm.engine.runtime.stats()
+        runs[flag] = tokens, st["total"], st["layers"], st.get("expert_hits")
+        plan = llm.engine.model.cpu_decode
+        assert (plan.steps >= 7) == (flag == "1")
+    n = len(llm.engine.model.layers)
+    assert all(d is not None for d in plan.descs) and all(d is not None for d in plan.moe) and len(plan.moe) == n
+    assert all(d[M["FW"]] != 0 for d in plan.moe)  # the fused [router | shared gate | up | gate] GEMM
+    assert plan.kinds.count("gdn") == 3
+    assert runs["0"] == runs["1"]
 
 
 def test_16_bit_activations_stay_per_op(tiny_checkpoint):

@@ -37,6 +37,10 @@ D = {name: i for i, name in enumerate(_FIELDS)}
 _MOE_FIELDS = ["H", "E", "K", "NORMALIZE", "I", "RW", "RT", "RS", "TABLE", "TG", "TU", "TD",
                "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE", "FW", "FT", "FS", "FROUTER", "SDS"]
 M = {name: i for i, name in enumerate(_MOE_FIELDS)}
+# slots of a Gated DeltaNet layer's description: decode.cpp's G_* enum
+_GDN_FIELDS = ["H", "HK", "HV", "DK", "DV", "KW", "FLAGS", "IN_NORM", "POST_NORM", "NSEG",
+               *[f"SEG{i}" for i in range(12)], "WO", "TO", "SO", "CONV_W", "A_LOG", "DT_BIAS", "NORM_W", "CONV", "REC"]
+G = {name: i for i, name in enumerate(_GDN_FIELDS)}
 F_ZERO_CENTERED, F_OUT_GATE = 1, 2
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
@@ -158,6 +162,49 @@ def _attention_desc(layer, cfg, rotary) -> np.ndarray | None:
     return d
 
 
+def _f32(t: torch.Tensor) -> int | None:
+    """Address of a contiguous float32 CPU tensor, or None."""
+    ok = t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return t.data_ptr() if ok else None
+
+
+def _gdn_in_proj(g) -> list[tuple[int, int, int]] | None:
+    """The weight fields of a GatedDeltaNet's in-projections: fused [qkv | z | b | a] (models/fuse.py) or four."""
+    if g.in_proj is not None:
+        sizes = getattr(g.in_proj, "sizes", None)
+        w = _weight(g.in_proj)
+        return [w] if w is not None and tuple(sizes) == (g.conv_dim, g.value_dim, g.hv, g.hv) else None
+    ws = [_weight(p) for p in (g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)]
+    return None if None in ws else ws
+
+
+def _gdn_desc(layer, state) -> tuple[np.ndarray, np.ndarray] | None:
+    """(description, [norm eps, gated norm eps]) of a Gated DeltaNet layer ms_gdn_decode computes, or None:
+    projections the kernels read, float32 conv / gate / norm vectors, float32 CPU state pools."""
+    from ..layers.gdn import GatedDeltaNet
+    from ..layers.norm import GatedRMSNorm
+
+    g, a, b = layer.linear_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if type(g) is not GatedDeltaNet or type(g.norm) is not GatedRMSNorm or g.kernel < 2 or g.hv % g.hk \
+            or g.conv1d.bias is not None or type(a) is not RMSNorm or type(b) is not RMSNorm \
+            or (a.eps, a.zero_centered) != (b.eps, b.zero_centered) or state is None or state.conv is None \
+            or _f32(state.conv) is None or _f32(state.rec) is None:
+        return None
+    segs, wo = _gdn_in_proj(g), _weight(g.out_proj)
+    ptrs = [_f32(t) for t in (a.weight, b.weight, g.conv1d.weight, g.A_log, g.dt_bias, g.norm.weight)]
+    if segs is None or wo is None or None in ptrs:
+        return None
+    d = np.zeros(len(_GDN_FIELDS), dtype=np.int64)
+    d[[G["H"], G["HK"], G["HV"], G["DK"], G["DV"], G["KW"]]] = (a.weight.shape[0], g.hk, g.hv, g.dk, g.dv, g.kernel)
+    d[G["FLAGS"]] = F_ZERO_CENTERED if a.zero_centered else 0
+    d[[G["IN_NORM"], G["POST_NORM"], G["CONV_W"], G["A_LOG"], G["DT_BIAS"], G["NORM_W"]]] = ptrs
+    d[G["NSEG"]] = len(segs)
+    for i, seg in enumerate(segs):
+        d[G["SEG0"] + 3 * i:G["SEG0"] + 3 * i + 3] = seg
+    d[[G["WO"], G["TO"], G["SO"]]] = wo
+    return d, np.array([a.eps, g.norm.eps], dtype=np.float64)
+
+
 def _mlp_fields(mlp) -> tuple | None:
     """(I, [gate, up, down weight fields]) of a dense MLP the kernel computes, or None."""
     from .qwen_moe import MLP
@@ -169,31 +216,49 @@ def _mlp_fields(mlp) -> tuple | None:
 
 
 class CpuDecodePlan:
-    """Per layer: a description for ms_decode_layer (with or without its dense MLP), or None (per-op path)."""
+    """Per layer: a description for ms_decode_layer (an attention layer, with or without its dense MLP) or for
+    ms_gdn_decode (a Gated DeltaNet layer), or None (per-op path); `kinds` says which."""
 
     def __init__(self, model):
         self.model = model
         cfg, rot = model.cfg, model.rotary
         self.descs: list[np.ndarray | None] = []
+        self.kinds: list[str | None] = []  # "attention", "gdn" or None (per-op)
+        self.fd: list[np.ndarray | None] = []  # a GDN layer's [norm eps, gated norm eps]
         self.has_mlp: list[bool] = []
         self.moe: list[np.ndarray | None] = []  # ms_moe_decode descriptions of the blocks after compiled layers
         self._keep: list = []
         ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
+        state = getattr(model.caches, "state", None)
         for layer in model.layers:
-            d = _attention_desc(layer, cfg, rot) if ok and layer.kind == "full_attention" else None
-            mlp = _mlp_fields(layer.mlp) if d is not None else None
+            d, fd, kind = self._layer_desc(layer, cfg, rot, ok, state)
+            mlp = _mlp_fields(layer.mlp) if kind == "attention" else None
             if mlp is not None:
                 I, ws = mlp
                 d[D["MLP_I"]] = I
                 d[[D["WG"], D["TG"], D["WU"], D["TU"], D["WD"], D["TD"]]] = [v for w in ws for v in w[:2]]
             self.descs.append(d)
+            self.kinds.append(kind)
+            self.fd.append(fd)
             self.has_mlp.append(mlp is not None)
             moe = _moe_desc(layer.mlp, cfg) if d is not None and mlp is None else None
             self.moe.append(moe[0] if moe else None)
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
+        self._state = None  # the same for the linear-attention state pool
         self.steps = 0  # decode steps run through the plan
+
+    @staticmethod
+    def _layer_desc(layer, cfg, rot, rot_ok: bool, state) -> tuple:
+        """(description, GDN eps array or None, kind) of one decoder layer; (None, None, None) stays per-op."""
+        if layer.kind == "full_attention" and rot_ok:
+            d = _attention_desc(layer, cfg, rot)
+            return (d, None, "attention") if d is not None else (None, None, None)
+        if layer.kind == "linear_attention":
+            g = _gdn_desc(layer, state)
+            return (g[0], g[1], "gdn") if g is not None else (None, None, None)
+        return None, None, None
 
     @property
     def layers(self) -> int:
@@ -206,29 +271,47 @@ class CpuDecodePlan:
                 and kv.k.dtype == torch.float32 and kv.k.device.type == "cpu" and cpu_decode_layer_enabled()
                 and cpu_quant.available())
 
-    def _point_at(self, kv) -> None:
+    def _point_at(self, kv, state) -> None:
+        """Write this layer's pool addresses into the descriptions (again after a pool was replaced)."""
         if self._kv is None or self._kv[0] is not kv.k or self._kv[1] is not kv.v:
             for i, d in enumerate(self.descs):
-                if d is not None:
+                if self.kinds[i] == "attention":
                     j = self.model.kv_layer[i]
                     d[D["KC"]], d[D["VC"]] = kv.k[j].data_ptr(), kv.v[j].data_ptr()
             self._kv = (kv.k, kv.v)
+        if "gdn" in self.kinds and (self._state is None or self._state[0] is not state.conv
+                                    or self._state[1] is not state.rec):
+            if _f32(state.conv) is None or _f32(state.rec) is None:
+                raise RuntimeError("CPU decode: the linear-attention state pools are no longer float32 CPU tensors")
+            for i, d in enumerate(self.descs):
+                if self.kinds[i] == "gdn":
+                    j = self.model.state_layer[i]
+                    d[G["CONV"]], d[G["REC"]] = state.conv[j].data_ptr(), state.rec[j].data_ptr()
+            self._state = (state.conv, state.rec)
 
     def step_arrays(self, batch) -> tuple:
-        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets."""
+        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets, and their
+        linear-attention state slots."""
         pos = batch.positions.to(torch.int64).contiguous()
         slot = batch.kv_write_index.to(torch.int64).contiguous()
         idx = torch.cat([s.kv_index for s in batch.seqs]).to(torch.int64).contiguous()
         off = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
         off[1:] = np.cumsum([s.total for s in batch.seqs])
-        return pos, slot, idx, off
+        states = (batch.state_slots.to(torch.int64).contiguous() if batch.state_slots is not None
+                  else torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.int64))
+        return pos, slot, idx, off, states
 
     def run_layer(self, i: int, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Layer i's compiled part: h (residual stream) updated in place, x = the post-attention norm of h."""
-        pos, slot, idx, off = arrays
-        rc = cpu_quant.module().ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0],
-                                                h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(),
-                                                idx.data_ptr(), off.ctypes.data, nthreads)
+        pos, slot, idx, off, states = arrays
+        mod = cpu_quant.module()
+        if self.kinds[i] == "gdn":
+            rc = mod.ms_gdn_decode(self.descs[i].ctypes.data, self.fd[i].ctypes.data, h.shape[0], h.data_ptr(),
+                                   x.data_ptr(), states.data_ptr(), nthreads)
+        else:
+            rc = mod.ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0], h.data_ptr(),
+                                     x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(), off.ctypes.data,
+                                     nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {i} failed ({rc})")
 
@@ -236,7 +319,7 @@ class CpuDecodePlan:
         """The decoder layers of one decode step: the final hidden states [T, H] (before the final norm)."""
         m = self.model
         self.steps += 1
-        self._point_at(m.caches.kv)
+        self._point_at(m.caches.kv, getattr(m.caches, "state", None))
         h = m.embed_tokens(batch.input_ids).contiguous()
         x = torch.empty_like(h)
         ids = np.empty((h.shape[0], max(1, m.cfg.top_k)), dtype=np.int64)

@@ -63,6 +63,19 @@ enum : int {
   X_COUNT
 };
 
+// a Gated DeltaNet layer's description for ms_gdn_decode (models/cpu_decode.py writes the same slots)
+enum : int {
+  G_H, G_HK, G_HV, G_DK, G_DV, G_KW,                // hidden; key / value heads and head dims; conv kernel width
+  G_FLAGS, G_IN_NORM, G_POST_NORM,                  // F_ZERO_CENTERED; the decoder's input / post-attention norms
+  G_NSEG,                                           // in-projection segments (1: fused; 4: qkv, z, b, a)
+  G_SEG0, G_SEG_END = G_SEG0 + 12,                  // per segment: weight address, ggml type, row stride
+  G_WO = G_SEG_END, G_TO, G_SO,                     // out_proj: address, type, row stride
+  G_CONV_W, G_A_LOG, G_DT_BIAS, G_NORM_W,           // float32: conv [conv_dim, K], A_log, dt_bias [Hv], norm [Dv]
+  G_CONV, G_REC,                                    // this layer's float32 state pools [slots, conv_dim, K-1] and
+                                                    // [slots, Hv, Dk, Dv]
+  G_COUNT
+};
+
 // y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x
 void rms_norm(const float* x, const float* w, int64_t n, double eps, bool zc, float* y) {
   double ss = 0;
@@ -359,6 +372,101 @@ int router_logits(const int64_t* m, int64_t B, const float* x, const float* f, i
   return 0;
 }
 
+// ---- Gated DeltaNet (layers/gdn.py GatedDeltaNet's decode step) ----
+struct GdnDims {
+  int64_t H, hk, hv, dk, dv, kw, kd, vd, cd, P;  // kd, vd: key / value width; cd: conv channels; P: projection
+};
+
+GdnDims gdn_dims(const int64_t* g) {
+  GdnDims n{g[G_H], g[G_HK], g[G_HV], g[G_DK], g[G_DV], g[G_KW], 0, 0, 0, 0};
+  n.kd = n.hk * n.dk, n.vd = n.hv * n.dv, n.cd = 2 * n.kd + n.vd, n.P = n.cd + n.vd + 2 * n.hv;
+  return n;
+}
+
+// the in-projections of B rows: proj [B, P], columns [mixed q|k|v (cd) | z (vd) | b (Hv) | a (Hv)]
+int gdn_project(const int64_t* g, const GdnDims& n, const float* x, int64_t B, float* proj, int nt) {
+  const int64_t rows4[4] = {n.cd, n.vd, n.hv, n.hv};
+  int64_t col = 0;
+  for (int s = 0; s < g[G_NSEG]; ++s) {
+    const int64_t* w = g + G_SEG0 + 3 * s;
+    const int64_t rows = g[G_NSEG] == 1 ? n.P : rows4[s];
+    const int rc = matmul(x, B, n.H, (const void*)w[0], rows, w[2], w[1], proj + col, n.P, nt);
+    if (rc) return rc;
+    col += rows;
+  }
+  return 0;
+}
+
+// one row's causal depthwise conv over its window (the K-1 stored inputs, then this one; the window moves on
+// by one in the pool), SiLU, then q and k L2-normed per key head (q also scaled by dk^-1/2): cv [cd]
+void gdn_conv_row(const int64_t* g, const GdnDims& n, const float* mixed, int64_t slot, float* cv) {
+  const int64_t kw = n.kw;
+  float* st = (float*)g[G_CONV] + slot * n.cd * (kw - 1);
+  const float* w = (const float*)g[G_CONV_W];
+  for (int64_t c = 0; c < n.cd; ++c) {
+    float* s = st + c * (kw - 1);
+    const float* wc = w + c * kw;
+    float acc = 0;
+    for (int64_t j = 0; j < kw - 1; ++j) acc += s[j] * wc[j];
+    acc += mixed[c] * wc[kw - 1];
+    for (int64_t j = 0; j + 2 < kw; ++j) s[j] = s[j + 1];
+    s[kw - 2] = mixed[c];
+    cv[c] = acc / (1.0f + std::exp(-acc));
+  }
+  const float qscale = 1.0f / std::sqrt((float)n.dk);
+  for (int64_t i = 0; i < 2 * n.hk; ++i) {  // q heads, then k heads
+    float* v = cv + i * n.dk;
+    float ss = 0;
+    for (int64_t d = 0; d < n.dk; ++d) ss += v[d] * v[d];
+    const float r = 1.0f / std::sqrt(ss + 1e-6f);
+    for (int64_t d = 0; d < n.dk; ++d) v[d] = i < n.hk ? v[d] * r * qscale : v[d] * r;
+  }
+}
+
+// value head j of one row (its key head j / (Hv / Hk)): the state S [dk, dv] decays by exp(gl), takes the
+// delta-rule write u = beta (v - S^T k), S += k u^T, is read o = S^T q; then the gated RMSNorm with silu(z): out [dv]
+void gdn_head(const int64_t* g, const GdnDims& n, double eps, const float* cv, const float* z, float gl, float beta,
+              int64_t slot, int64_t j, float* u, float* out) {
+  const int64_t kh = j / (n.hv / n.hk), dk = n.dk, dv = n.dv;
+  const float *q = cv + kh * dk, *k = cv + n.kd + kh * dk, *v = cv + 2 * n.kd + j * dv;
+  float* S = (float*)g[G_REC] + (slot * n.hv + j) * dk * dv;
+  const float decay = std::exp(gl);
+  std::fill(u, u + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv;
+    for (int64_t c = 0; c < dv; ++c) row[c] *= decay, u[c] += row[c] * k[a];
+  }
+  for (int64_t c = 0; c < dv; ++c) u[c] = (v[c] - u[c]) * beta;
+  std::fill(out, out + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv;
+    for (int64_t c = 0; c < dv; ++c) row[c] += k[a] * u[c], out[c] += row[c] * q[a];
+  }
+  rms_norm(out, (const float*)g[G_NORM_W], dv, eps, false, out);
+  for (int64_t c = 0; c < dv; ++c) out[c] *= z[c] / (1.0f + std::exp(-z[c]));
+}
+
+// every (row, value head): gates from the projection's b, a columns (beta = sigmoid(b), gl = -exp(A_log) *
+// softplus(a + dt_bias), torch's threshold 20), then gdn_head: o [B, vd]
+void gdn_heads(const int64_t* g, const GdnDims& n, double eps, int64_t B, const float* proj, const float* cv,
+               const int64_t* slots, float* o, int nt) {
+  const float *alog = (const float*)g[G_A_LOG], *dtb = (const float*)g[G_DT_BIAS];
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, B * n.hv * n.dk * n.dv / 16384));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> u(n.dv);
+#pragma omp for schedule(static)
+    for (int64_t jj = 0; jj < B * n.hv; ++jj) {
+      const int64_t b = jj / n.hv, j = jj % n.hv;
+      const float* pr = proj + b * n.P;
+      const float bv = pr[n.cd + n.vd + j], av = pr[n.cd + n.vd + n.hv + j] + dtb[j];
+      const float sp = av > 20.0f ? av : std::log1p(std::exp(av));
+      gdn_head(g, n, eps, cv + b * n.cd, pr + n.cd + j * n.dv, -std::exp(alog[j]) * sp, 1.0f / (1.0f + std::exp(-bv)),
+               slots[b], j, u.data(), o + b * n.vd + j * n.dv);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -438,6 +546,27 @@ int ms_decode_layer(const int64_t* d, const double* fd, int64_t B, float* h, flo
   for (int64_t i = 0; i < B * H; ++i) h[i] += o[i];
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_POST_NORM], H, eps, zc, x + b * H);
   return d[D_MLP_I] ? dense_mlp(d, x, B, H, h, nthreads) : 0;
+}
+
+// One Gated DeltaNet decoder layer for B decode rows: x = norm_in(h); [q|k|v | z | b | a] = x @ W.T; per row the
+// conv window (conv pool, updated), SiLU, q/k L2 norms; per value head the gated delta rule on the float32 state
+// (rec pool, updated in place) and the gated RMSNorm; h += out_proj(o); x = norm_post(h). fd: [the decoder
+// norms' eps, the gated norm's eps]; slots [B]: each row's state slot. Returns 0 or the failing kernel's code.
+int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float* x, const int64_t* slots,
+                  int nthreads) {
+  const GdnDims n = gdn_dims(g);
+  const bool zc = g[G_FLAGS] & F_ZERO_CENTERED;
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_IN_NORM], n.H, fd[0], zc, x + b * n.H);
+  std::vector<float> proj(B * n.P), cv(B * n.cd), o(B * n.vd), y(B * n.H);
+  int rc = gdn_project(g, n, x, B, proj.data(), nthreads);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b) gdn_conv_row(g, n, proj.data() + b * n.P, slots[b], cv.data() + b * n.cd);
+  gdn_heads(g, n, fd[1], B, proj.data(), cv.data(), slots, o.data(), nthreads);
+  rc = matmul(o.data(), B, n.vd, (const void*)g[G_WO], n.H, g[G_SO], g[G_TO], y.data(), n.H, nthreads);
+  if (rc) return rc;
+  for (int64_t i = 0; i < B * n.H; ++i) h[i] += y[i];
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_POST_NORM], n.H, fd[0], zc, x + b * n.H);
+  return 0;
 }
 
 int ms_decode_desc_size() { return D_COUNT; }
