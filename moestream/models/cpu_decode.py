@@ -1,18 +1,23 @@
-"""CPU decode steps with one compiled call per attention layer (kernels/cpu/decode.cpp).
+"""CPU decode steps with one compiled call per decoder layer (kernels/cpu/decode.cpp).
 
 On a CPU-only machine a decode step of a small model spends more time dispatching ~20 torch operations per
-layer than in its matmuls. `CpuDecodePlan` describes each full-attention decoder layer once — the addresses
-and types of its stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables — and a
-decode step then runs that layer's norm, q|k|v projection, q/k norms, rotary, KV write, attention, output gate,
-o_proj with the residual add and the post-attention norm (and a dense MLP with its residual add) in one
-`ms_decode_layer` call. A MoE block after such a layer is one `ms_moe_decode` call (router, top-k, the routed
-experts' pairs in one kernel, an unfused shared expert, the residual add) where the expert runtime computes every
-expert on this CPU from host banks (fused or cpu on a CPU-only machine, no routing tap); the route goes back
-to the runtime's statistics. Other MoE blocks and Gated DeltaNet layers stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU tensors, float32
-activations and KV pool, a decode step (one new token per sequence) with the compiled kernels on (not a
-prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off. The products are
-the per-op path's own kernels (ms_qmatmul / ms_moe_layer); norms, rotary and softmax sum in another order,
-so logits agree to float32 rounding (tests/test_cpu_decode.py).
+layer than in its matmuls. `CpuDecodePlan` describes each decoder layer once — the addresses and types of its
+stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables, its cache pools — and a
+decode step then runs the layer in one call: a full-attention layer's norm, q|k|v projection, q/k norms,
+rotary, KV write, attention, output gate, o_proj with the residual add and the post-attention norm (and a
+dense MLP with its residual add) in `ms_decode_layer`; a Gated DeltaNet layer's norm, in-projections, conv
+window, q/k L2 norms, gates, recurrent-state update (float32 state pools, in place), gated RMSNorm, out_proj,
+residual add and post-attention norm in `ms_gdn_decode`. A MoE block after such a layer is one
+`ms_moe_decode` call (router, top-k, the routed experts' pairs in one kernel, the shared expert — unfused, or
+models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM with its own down projection — and the
+residual add) where the expert runtime computes every expert on this CPU from host banks (fused or cpu on a
+CPU-only machine, no routing tap); the route goes back to the runtime's statistics. Layers or blocks the
+kernels cannot read stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU
+tensors, float32 activations and KV pool, a decode step (one new token per sequence) with the compiled
+kernels on (not a prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off.
+The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float rows where it multiplies
+float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
+rounding (tests/test_cpu_decode.py).
 """
 from __future__ import annotations
 

@@ -10,8 +10,15 @@
 //   float32, max subtracted); optional output gate (Qwen3.5: q rows are [query | gate] per head, sigmoid);
 //   h += o_proj(attn); x = norm_post(h) (returned for a MoE block computed by the caller);
 //   with a dense MLP: h += down(silu(gate x) * up x) (ms_moe_layer with one group: one parallel region).
+// ms_gdn_decode does one Gated DeltaNet layer (layers/gdn.py) for B decode rows: x = norm_in(h); the in-projections
+// [q|k|v | z | b | a]; the causal depthwise conv over each row's conv window (state pool, moved on in place), SiLU;
+// q, k L2-normed (q * Dk^-1/2), a key head shared by Hv/Hk value heads; beta = sigmoid(b), g = -exp(A_log) *
+// softplus(a + dt_bias); S <- exp(g) S, u = beta (v - S^T k), S += k u^T, o = S^T q on the float32 state in place;
+// the gated RMSNorm of o times silu(z); h += out_proj(o); x = norm_post(h).
+// ms_moe_decode does the MoE block after either: router, top-k, routed experts, shared expert (unfused, or the
+// fused [router | shared gate | up | shared_expert_gate] GEMM of models/fuse.py), h += their sum.
 // Numerics: float32 throughout, the same quantized-activation products as the per-op path (the same
-// ms_qmatmul / ms_moe_layer); norms, rotary and softmax differ from torch's only in summation order.
+// ms_qmatmul / ms_moe_layer); norms, rotary, softmax and the recurrence differ from torch's only in summation order.
 // Plain C ABI, the layer described by an int64 array (the D_* slots below) and a float64 array (eps).
 #include <algorithm>
 #include <cmath>
