@@ -171,3 +171,30 @@ def test_16_bit_activations_stay_per_op(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="bfloat16")
     assert len(_generate(llm, 3)[0]) == 3
     assert llm.engine.model.cpu_decode.steps == 0
+
+
+def test_fused_block_with_its_own_router(tmp_path, tiny_checkpoint, monkeypatch):
+    """A fused block whose router stayed its own GEMM (router_rows 0: shared_in is [shared gate | up | gate]):
+    ms_moe_decode takes the logits from the router's product; tokens match the per-op path."""
+    from torch import nn
+
+    from moestream import LLM
+    from moestream.models.cpu_decode import M
+    from moestream.models.fuse import FusedLinear
+
+    path = _gguf("qwen35_attn", "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        for block in llm.engine.model.moe_blocks():
+            e, f = block.router_rows, block.shared_in
+            assert e > 0
+            block.shared_in = FusedLinear(f.weight.detach()[e:].clone(), f.sizes[1:])
+            del block.gate.weight
+            block.gate.weight = nn.Parameter(f.weight.detach()[:e].clone(), requires_grad=False)
+            block.router_rows = 0
+        runs[flag] = _generate(llm, 8), llm.engine.runtime.stats()["total"]
+        plan = llm.engine.model.cpu_decode
+    assert all(d is not None and d[M["FW"]] and not d[M["FROUTER"]] and d[M["RW"]] for d in plan.moe)
+    assert plan.steps >= 7 and runs["0"] == runs["1"]
