@@ -39,7 +39,14 @@ def _gguf(kind: str, qtype_name: str, tmp_path, tiny_checkpoint):
     import gguf_writer
     from gguf import GGMLQuantizationType as Q
 
-    hf_dir = gguf_writer.make_llama(tmp_path / "hf") if kind == "llama" else tiny_checkpoint(kind)
+    if kind == "llama":
+        hf_dir = gguf_writer.make_llama(tmp_path / "hf")
+    elif kind == "qwen35_attn":  # Qwen3.5 without Gated DeltaNet: gated attention + the fused MoE block
+        import tiny_models
+
+        hf_dir = tiny_models.make_qwen3_5_moe(tmp_path / "hf", layout="causal", layer_types=["full_attention"] * 4)
+    else:
+        hf_dir = tiny_checkpoint(kind)
     return gguf_writer.write_gguf(hf_dir, tmp_path / "m.gguf", getattr(Q, qtype_name))[0]
 
 
@@ -50,10 +57,13 @@ def _generate(llm, n: int = 6):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0")])
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0"),
+                                        ("qwen35_attn", "Q8_0"), ("qwen35_causal", "Q8_0")])
 def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_checkpoint, monkeypatch):
-    """Every decode step runs twice — per-op, then compiled (rewriting the same K/V) — and the logits agree."""
+    """Every decode step runs twice — per-op, then compiled (rewriting the same K/V; a Gated DeltaNet model's
+    state pools put back between the two) — and the logits agree."""
     from moestream import LLM
+    from moestream.models.cpu_decode import M
     from moestream.models.qwen_moe import QwenMoeModel
 
     llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4)
@@ -64,8 +74,12 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     def both(self, batch):
         if not batch.is_decode:
             return inner(self, batch)
+        st = self.caches.state
+        saved = (st.conv.clone(), st.rec.clone()) if st is not None and st.conv is not None else None
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
         ref = inner(self, batch)
+        if saved is not None:  # Gated DeltaNet: the compiled step starts from the same state again
+            st.conv.copy_(saved[0]), st.rec.copy_(saved[1])
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
         steps = self.cpu_decode.steps if self.cpu_decode else 0
         got = inner(self, batch)
@@ -76,22 +90,24 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_c
     monkeypatch.setattr(QwenMoeModel, "forward", both)
     _generate(llm)
     plan = model.cpu_decode
-    attn = sum(layer.kind == "full_attention" for layer in model.layers)
-    assert plan.layers == attn > 0
+    assert plan.layers == len(model.layers)
     moe = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers]
     assert plan.has_mlp == [not b for b in moe]  # a dense MLP goes into the layer's call
     assert [d is not None for d in plan.moe] == moe  # a MoE block: its own call
-    assert any(moe) == (kind == "qwen3")
+    assert any(moe) == (kind != "llama")
+    # qwen35: models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM, computed in the call
+    assert [d[M["FW"]] != 0 for d in plan.moe if d is not None] == [kind.startswith("qwen35")] * sum(moe)
     assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.parametrize("backend", ["fused", "cpu"])
-def test_moe_block_call_books_the_per_op_statistics(backend, tmp_path, tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("kind,backend", [("qwen3", "fused"), ("qwen3", "cpu"), ("qwen35_attn", "cpu")])
+def test_moe_block_call_books_the_per_op_statistics(kind, backend, tmp_path, tiny_checkpoint, monkeypatch):
     """A MoE block computed in one call gives the per-op tokens, and the runtime's statistics (tokens, routed
-    pairs, expert calls, hits or CPU experts, per-expert hits) are what the per-op path books."""
+    pairs, expert calls, hits or CPU experts, per-expert hits) are what the per-op path books (qwen35_attn: the
+    fused shared-expert block)."""
     from moestream import LLM
 
-    path = _gguf("qwen3", "Q8_0", tmp_path, tiny_checkpoint)
+    path = _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
@@ -106,8 +122,9 @@ def test_moe_block_call_books_the_per_op_statistics(backend, tmp_path, tiny_chec
 
 @pytest.mark.parametrize("kind", ["llama", "qwen35_causal", "hf:qwen3"])
 def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, monkeypatch):
-    """Greedy tokens of a batch, compiled layer on and off; qwen35 mixes Gated DeltaNet layers (per-op) with
-    gated, zero-centred attention layers (compiled); hf:qwen3 is a safetensors checkpoint (float32 rows)."""
+    """Greedy tokens of a batch, compiled layer on and off; qwen35 mixes Gated DeltaNet layers (ms_gdn_decode)
+    with gated, zero-centred attention layers; hf:qwen3 is a safetensors checkpoint (float32 rows). Every layer
+    is compiled."""
     from moestream import LLM
 
     path = tiny_checkpoint(kind[3:]) if kind.startswith("hf:") else _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
@@ -117,9 +134,34 @@ def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, m
     llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
     assert _generate(llm, 8) == ref
     plan = llm.engine.model.cpu_decode
-    assert plan.steps >= 7 and plan.layers == sum(layer.kind == "full_attention" for layer in llm.engine.model.layers)
-    if kind == "qwen35_causal":
-        assert plan.layers < len(llm.engine.model.layers)
+    assert plan.steps >= 7 and plan.layers == len(llm.engine.model.layers)
+    gdn = [layer.kind == "linear_attention" for layer in llm.engine.model.layers]
+    assert [k == "gdn" for k in plan.kinds] == gdn and any(gdn) == (kind == "qwen35_causal")
+
+
+@pytest.mark.parametrize("backend", ["fused", "cpu"])
+def test_gated_deltanet_model_compiles_every_layer(backend, tmp_path, tiny_checkpoint, monkeypatch):
+    """Qwen3.5 (3 Gated DeltaNet layers, 1 attention layer, fused shared-expert MoE blocks): every layer and every
+    MoE block is one call, and a batch of 3 prompts x 8 tokens gives the per-op path's tokens and runtime
+    statistics. (The recurrent state advances at each step, so logits cannot be compared by running a step twice.)"""
+    from moestream import LLM
+    from moestream.models.cpu_decode import M
+
+    path = _gguf("qwen35_causal", "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", moe_backend=backend, max_running_requests=4)
+        tokens = _generate(llm, 8)
+        st = llm.engine.runtime.stats()
+        runs[flag] = tokens, st["total"], st["layers"], st.get("expert_hits")
+        plan = llm.engine.model.cpu_decode
+        assert (plan.steps >= 7) == (flag == "1")
+    n = len(llm.engine.model.layers)
+    assert all(d is not None for d in plan.descs) and all(d is not None for d in plan.moe) and len(plan.moe) == n
+    assert all(d[M["FW"]] != 0 for d in plan.moe)  # the fused [router | shared gate | up | gate] GEMM
+    assert plan.kinds.count("gdn") == 3
+    assert runs["0"] == runs["1"]
 
 
 def test_16_bit_activations_stay_per_op(tiny_checkpoint):
@@ -129,3 +171,30 @@ def test_16_bit_activations_stay_per_op(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="bfloat16")
     assert len(_generate(llm, 3)[0]) == 3
     assert llm.engine.model.cpu_decode.steps == 0
+
+
+def test_fused_block_with_its_own_router(tmp_path, tiny_checkpoint, monkeypatch):
+    """A fused block whose router stayed its own GEMM (router_rows 0: shared_in is [shared gate | up | gate]):
+    ms_moe_decode takes the logits from the router's product; tokens match the per-op path."""
+    from torch import nn
+
+    from moestream import LLM
+    from moestream.models.cpu_decode import M
+    from moestream.models.fuse import FusedLinear
+
+    path = _gguf("qwen35_attn", "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        for block in llm.engine.model.moe_blocks():
+            e, f = block.router_rows, block.shared_in
+            assert e > 0
+            block.shared_in = FusedLinear(f.weight.detach()[e:].clone(), f.sizes[1:])
+            del block.gate.weight
+            block.gate.weight = nn.Parameter(f.weight.detach()[:e].clone(), requires_grad=False)
+            block.router_rows = 0
+        runs[flag] = _generate(llm, 8), llm.engine.runtime.stats()["total"]
+        plan = llm.engine.model.cpu_decode
+    assert all(d is not None and d[M["FW"]] and not d[M["FROUTER"]] and d[M["RW"]] for d in plan.moe)
+    assert plan.steps >= 7 and runs["0"] == runs["1"]

@@ -150,6 +150,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
     lib.ms_decode_desc_size.restype = ctypes.c_int
+    lib.ms_gdn_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.ms_gdn_decode.restype = ctypes.c_int
     lib.ms_moe_decode.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_moe_decode.restype = ctypes.c_int
     lib.ms_q8_0_float_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]

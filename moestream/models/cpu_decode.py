@@ -1,18 +1,23 @@
-"""CPU decode steps with one compiled call per attention layer (kernels/cpu/decode.cpp).
+"""CPU decode steps with one compiled call per decoder layer (kernels/cpu/decode.cpp).
 
 On a CPU-only machine a decode step of a small model spends more time dispatching ~20 torch operations per
-layer than in its matmuls. `CpuDecodePlan` describes each full-attention decoder layer once — the addresses
-and types of its stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables — and a
-decode step then runs that layer's norm, q|k|v projection, q/k norms, rotary, KV write, attention, output gate,
-o_proj with the residual add and the post-attention norm (and a dense MLP with its residual add) in one
-`ms_decode_layer` call. A MoE block after such a layer is one `ms_moe_decode` call (router, top-k, the routed
-experts' pairs in one kernel, an unfused shared expert, the residual add) where the expert runtime computes every
-expert on this CPU from host banks (fused or cpu on a CPU-only machine, no routing tap); the route goes back
-to the runtime's statistics. Other MoE blocks and Gated DeltaNet layers stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU tensors, float32
-activations and KV pool, a decode step (one new token per sequence) with the compiled kernels on (not a
-prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off. The products are
-the per-op path's own kernels (ms_qmatmul / ms_moe_layer); norms, rotary and softmax sum in another order,
-so logits agree to float32 rounding (tests/test_cpu_decode.py).
+layer than in its matmuls. `CpuDecodePlan` describes each decoder layer once — the addresses and types of its
+stored weights (GGUF bytes or 16-bit rows), norm vectors, head shapes, rotary tables, its cache pools — and a
+decode step then runs the layer in one call: a full-attention layer's norm, q|k|v projection, q/k norms,
+rotary, KV write, attention, output gate, o_proj with the residual add and the post-attention norm (and a
+dense MLP with its residual add) in `ms_decode_layer`; a Gated DeltaNet layer's norm, in-projections, conv
+window, q/k L2 norms, gates, recurrent-state update (float32 state pools, in place), gated RMSNorm, out_proj,
+residual add and post-attention norm in `ms_gdn_decode`. A MoE block after such a layer is one
+`ms_moe_decode` call (router, top-k, the routed experts' pairs in one kernel, the shared expert — unfused, or
+models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM with its own down projection — and the
+residual add) where the expert runtime computes every expert on this CPU from host banks (fused or cpu on a
+CPU-only machine, no routing tap); the route goes back to the runtime's statistics. Layers or blocks the
+kernels cannot read stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU
+tensors, float32 activations and KV pool, a decode step (one new token per sequence) with the compiled
+kernels on (not a prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off.
+The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float rows where it multiplies
+float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
+rounding (tests/test_cpu_decode.py).
 """
 from __future__ import annotations
 
@@ -35,8 +40,12 @@ _FIELDS = ["H", "NH", "NKV", "HD", "RD", "FLAGS", "IN_NORM", "POST_NORM", "Q_NOR
 D = {name: i for i, name in enumerate(_FIELDS)}
 # slots of a MoE block's description: decode.cpp's X_* enum
 _MOE_FIELDS = ["H", "E", "K", "NORMALIZE", "I", "RW", "RT", "RS", "TABLE", "TG", "TU", "TD",
-               "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE"]
+               "SI", "SG", "STG", "SU", "STU", "SD", "STD", "SGATE", "FW", "FT", "FS", "FROUTER", "SDS"]
 M = {name: i for i, name in enumerate(_MOE_FIELDS)}
+# slots of a Gated DeltaNet layer's description: decode.cpp's G_* enum
+_GDN_FIELDS = ["H", "HK", "HV", "DK", "DV", "KW", "FLAGS", "IN_NORM", "POST_NORM", "NSEG",
+               *[f"SEG{i}" for i in range(12)], "WO", "TO", "SO", "CONV_W", "A_LOG", "DT_BIAS", "NORM_W", "CONV", "REC"]
+G = {name: i for i, name in enumerate(_GDN_FIELDS)}
 F_ZERO_CENTERED, F_OUT_GATE = 1, 2
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
@@ -45,7 +54,8 @@ _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float
 def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
     """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
     ms_moe_layer, which reads no float32 rows)."""
-    if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu":
+    if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
+            and not lin.float_activations:
         return lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
     w = getattr(lin, "weight", None)
     if type(lin) in (Linear, FusedLinear) and lin.bias is None and w is not None and w.dtype in _DENSE \
@@ -63,32 +73,59 @@ def _dense(w: torch.Tensor, types=_DENSE) -> tuple[int, int, int] | None:
 
 def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     """(description, its table's owner) of a MoE block ms_moe_decode computes, or None: the runtime computes
-    every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows, and
-    no shared expert or an unfused one (the fused [router | shared gate | up | gate] GEMM stays per-op)."""
+    every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows (or rows
+    leading the fused GEMM), and no shared expert, an unfused one, or models/fuse.py's fused one (shared_in:
+    [router |] shared gate | up | shared_expert_gate as one GEMM, the down projection its own)."""
     from .qwen_moe import SparseMoeBlock
 
-    if type(block) is not SparseMoeBlock or block.shared_in is not None or block.runtime is None:
+    if type(block) is not SparseMoeBlock or block.runtime is None:
         return None
     table = block.runtime.host_layer_table(block.layer)
-    router = _dense(block.gate.weight)
-    if table is None or router is None:
+    fused = block.shared_in is not None
+    router = None if fused and block.router_rows else _dense(block.gate.weight)
+    if table is None or (router is None and not (fused and block.router_rows)):
         return None
     ptrs, types, inter = table
     d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
     d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
                                                           block.gate.top_k, int(block.gate.normalize), inter)
-    d[[M["RW"], M["RT"], M["RS"]]] = router
+    if router is not None:
+        d[[M["RW"], M["RT"], M["RS"]]] = router
     d[M["TABLE"]] = ptrs.ctypes.data
     d[[M["TG"], M["TU"], M["TD"]]] = types
-    if block.shared_expert is not None:
-        sh = _mlp_fields(block.shared_expert)
-        gate = _dense(block.shared_expert_gate.weight, {torch.float32: 0})
-        if sh is None or gate is None or type(block.shared_expert_gate) is not Linear:
-            return None
-        d[M["SI"]] = sh[0]
-        d[[M["SG"], M["STG"], M["SU"], M["STU"], M["SD"], M["STD"]]] = [v for w in sh[1] for v in w[:2]]
-        d[M["SGATE"]] = gate[0]
-    return d, ptrs
+    shared = _fused_shared_fields(block, d) if fused else _shared_fields(block, d)
+    return (d, ptrs) if shared else None
+
+
+def _shared_fields(block, d: np.ndarray) -> bool:
+    """An unfused shared expert's slots (none: nothing to write); False if the kernels cannot compute it."""
+    if block.shared_expert is None:
+        return True
+    sh = _mlp_fields(block.shared_expert)
+    gate = _dense(block.shared_expert_gate.weight, {torch.float32: 0})
+    if sh is None or gate is None or type(block.shared_expert_gate) is not Linear:
+        return False
+    d[M["SI"]] = sh[0]
+    d[[M["SG"], M["STG"], M["SU"], M["STU"], M["SD"], M["STD"]]] = [v for w in sh[1] for v in w[:2]]
+    d[M["SGATE"]] = gate[0]
+    return True
+
+
+def _fused_shared_fields(block, d: np.ndarray) -> bool:
+    """The fused block's slots: shared_in (its GEMM through decode.cpp's matmul, as the per-op path's float or
+    int8-activation product) and the shared down projection; False if either is a weight the kernels lack."""
+    f, sizes = block.shared_in, block.shared_in.sizes
+    down = _weight(block.shared_expert.down_proj)
+    w = _weight(f)
+    e = block.router_rows
+    if w is None or down is None or sizes[-1] != 1 or sizes[-2] != sizes[-3] or len(sizes) != 3 + (e > 0) \
+            or (e and e != d[M["E"]]):
+        return False
+    d[[M["FW"], M["FT"], M["FS"]]] = w
+    d[M["FROUTER"]] = int(e > 0)
+    d[M["SI"]] = sizes[-2]
+    d[[M["SD"], M["STD"], M["SDS"]]] = down
+    return True
 
 
 def _norm(m) -> int | None:
@@ -130,6 +167,49 @@ def _attention_desc(layer, cfg, rotary) -> np.ndarray | None:
     return d
 
 
+def _f32(t: torch.Tensor) -> int | None:
+    """Address of a contiguous float32 CPU tensor, or None."""
+    ok = t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return t.data_ptr() if ok else None
+
+
+def _gdn_in_proj(g) -> list[tuple[int, int, int]] | None:
+    """The weight fields of a GatedDeltaNet's in-projections: fused [qkv | z | b | a] (models/fuse.py) or four."""
+    if g.in_proj is not None:
+        sizes = getattr(g.in_proj, "sizes", None)
+        w = _weight(g.in_proj)
+        return [w] if w is not None and tuple(sizes) == (g.conv_dim, g.value_dim, g.hv, g.hv) else None
+    ws = [_weight(p) for p in (g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)]
+    return None if None in ws else ws
+
+
+def _gdn_desc(layer, state) -> tuple[np.ndarray, np.ndarray] | None:
+    """(description, [norm eps, gated norm eps]) of a Gated DeltaNet layer ms_gdn_decode computes, or None:
+    projections the kernels read, float32 conv / gate / norm vectors, float32 CPU state pools."""
+    from ..layers.gdn import GatedDeltaNet
+    from ..layers.norm import GatedRMSNorm
+
+    g, a, b = layer.linear_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if type(g) is not GatedDeltaNet or type(g.norm) is not GatedRMSNorm or g.kernel < 2 or g.hv % g.hk \
+            or g.conv1d.bias is not None or type(a) is not RMSNorm or type(b) is not RMSNorm \
+            or (a.eps, a.zero_centered) != (b.eps, b.zero_centered) or state is None or state.conv is None \
+            or _f32(state.conv) is None or _f32(state.rec) is None:
+        return None
+    segs, wo = _gdn_in_proj(g), _weight(g.out_proj)
+    ptrs = [_f32(t) for t in (a.weight, b.weight, g.conv1d.weight, g.A_log, g.dt_bias, g.norm.weight)]
+    if segs is None or wo is None or None in ptrs:
+        return None
+    d = np.zeros(len(_GDN_FIELDS), dtype=np.int64)
+    d[[G["H"], G["HK"], G["HV"], G["DK"], G["DV"], G["KW"]]] = (a.weight.shape[0], g.hk, g.hv, g.dk, g.dv, g.kernel)
+    d[G["FLAGS"]] = F_ZERO_CENTERED if a.zero_centered else 0
+    d[[G["IN_NORM"], G["POST_NORM"], G["CONV_W"], G["A_LOG"], G["DT_BIAS"], G["NORM_W"]]] = ptrs
+    d[G["NSEG"]] = len(segs)
+    for i, seg in enumerate(segs):
+        d[G["SEG0"] + 3 * i:G["SEG0"] + 3 * i + 3] = seg
+    d[[G["WO"], G["TO"], G["SO"]]] = wo
+    return d, np.array([a.eps, g.norm.eps], dtype=np.float64)
+
+
 def _mlp_fields(mlp) -> tuple | None:
     """(I, [gate, up, down weight fields]) of a dense MLP the kernel computes, or None."""
     from .qwen_moe import MLP
@@ -141,31 +221,49 @@ def _mlp_fields(mlp) -> tuple | None:
 
 
 class CpuDecodePlan:
-    """Per layer: a description for ms_decode_layer (with or without its dense MLP), or None (per-op path)."""
+    """Per layer: a description for ms_decode_layer (an attention layer, with or without its dense MLP) or for
+    ms_gdn_decode (a Gated DeltaNet layer), or None (per-op path); `kinds` says which."""
 
     def __init__(self, model):
         self.model = model
         cfg, rot = model.cfg, model.rotary
         self.descs: list[np.ndarray | None] = []
+        self.kinds: list[str | None] = []  # "attention", "gdn" or None (per-op)
+        self.fd: list[np.ndarray | None] = []  # a GDN layer's [norm eps, gated norm eps]
         self.has_mlp: list[bool] = []
         self.moe: list[np.ndarray | None] = []  # ms_moe_decode descriptions of the blocks after compiled layers
         self._keep: list = []
         ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
+        state = getattr(model.caches, "state", None)
         for layer in model.layers:
-            d = _attention_desc(layer, cfg, rot) if ok and layer.kind == "full_attention" else None
-            mlp = _mlp_fields(layer.mlp) if d is not None else None
+            d, fd, kind = self._layer_desc(layer, cfg, rot, ok, state)
+            mlp = _mlp_fields(layer.mlp) if kind == "attention" else None
             if mlp is not None:
                 I, ws = mlp
                 d[D["MLP_I"]] = I
                 d[[D["WG"], D["TG"], D["WU"], D["TU"], D["WD"], D["TD"]]] = [v for w in ws for v in w[:2]]
             self.descs.append(d)
+            self.kinds.append(kind)
+            self.fd.append(fd)
             self.has_mlp.append(mlp is not None)
             moe = _moe_desc(layer.mlp, cfg) if d is not None and mlp is None else None
             self.moe.append(moe[0] if moe else None)
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
+        self._state = None  # the same for the linear-attention state pool
         self.steps = 0  # decode steps run through the plan
+
+    @staticmethod
+    def _layer_desc(layer, cfg, rot, rot_ok: bool, state) -> tuple:
+        """(description, GDN eps array or None, kind) of one decoder layer; (None, None, None) stays per-op."""
+        if layer.kind == "full_attention" and rot_ok:
+            d = _attention_desc(layer, cfg, rot)
+            return (d, None, "attention") if d is not None else (None, None, None)
+        if layer.kind == "linear_attention":
+            g = _gdn_desc(layer, state)
+            return (g[0], g[1], "gdn") if g is not None else (None, None, None)
+        return None, None, None
 
     @property
     def layers(self) -> int:
@@ -178,29 +276,47 @@ class CpuDecodePlan:
                 and kv.k.dtype == torch.float32 and kv.k.device.type == "cpu" and cpu_decode_layer_enabled()
                 and cpu_quant.available())
 
-    def _point_at(self, kv) -> None:
+    def _point_at(self, kv, state) -> None:
+        """Write this layer's pool addresses into the descriptions (again after a pool was replaced)."""
         if self._kv is None or self._kv[0] is not kv.k or self._kv[1] is not kv.v:
             for i, d in enumerate(self.descs):
-                if d is not None:
+                if self.kinds[i] == "attention":
                     j = self.model.kv_layer[i]
                     d[D["KC"]], d[D["VC"]] = kv.k[j].data_ptr(), kv.v[j].data_ptr()
             self._kv = (kv.k, kv.v)
+        if "gdn" in self.kinds and (self._state is None or self._state[0] is not state.conv
+                                    or self._state[1] is not state.rec):
+            if _f32(state.conv) is None or _f32(state.rec) is None:
+                raise RuntimeError("CPU decode: the linear-attention state pools are no longer float32 CPU tensors")
+            for i, d in enumerate(self.descs):
+                if self.kinds[i] == "gdn":
+                    j = self.model.state_layer[i]
+                    d[G["CONV"]], d[G["REC"]] = state.conv[j].data_ptr(), state.rec[j].data_ptr()
+            self._state = (state.conv, state.rec)
 
     def step_arrays(self, batch) -> tuple:
-        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets."""
+        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets, and their
+        linear-attention state slots."""
         pos = batch.positions.to(torch.int64).contiguous()
         slot = batch.kv_write_index.to(torch.int64).contiguous()
         idx = torch.cat([s.kv_index for s in batch.seqs]).to(torch.int64).contiguous()
         off = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
         off[1:] = np.cumsum([s.total for s in batch.seqs])
-        return pos, slot, idx, off
+        states = (batch.state_slots.to(torch.int64).contiguous() if batch.state_slots is not None
+                  else torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.int64))
+        return pos, slot, idx, off, states
 
     def run_layer(self, i: int, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Layer i's compiled part: h (residual stream) updated in place, x = the post-attention norm of h."""
-        pos, slot, idx, off = arrays
-        rc = cpu_quant.module().ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0],
-                                                h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(),
-                                                idx.data_ptr(), off.ctypes.data, nthreads)
+        pos, slot, idx, off, states = arrays
+        mod = cpu_quant.module()
+        if self.kinds[i] == "gdn":
+            rc = mod.ms_gdn_decode(self.descs[i].ctypes.data, self.fd[i].ctypes.data, h.shape[0], h.data_ptr(),
+                                   x.data_ptr(), states.data_ptr(), nthreads)
+        else:
+            rc = mod.ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0], h.data_ptr(),
+                                     x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(), off.ctypes.data,
+                                     nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {i} failed ({rc})")
 
@@ -208,7 +324,7 @@ class CpuDecodePlan:
         """The decoder layers of one decode step: the final hidden states [T, H] (before the final norm)."""
         m = self.model
         self.steps += 1
-        self._point_at(m.caches.kv)
+        self._point_at(m.caches.kv, getattr(m.caches, "state", None))
         h = m.embed_tokens(batch.input_ids).contiguous()
         x = torch.empty_like(h)
         ids = np.empty((h.shape[0], max(1, m.cfg.top_k)), dtype=np.int64)

@@ -10,8 +10,15 @@
 //   float32, max subtracted); optional output gate (Qwen3.5: q rows are [query | gate] per head, sigmoid);
 //   h += o_proj(attn); x = norm_post(h) (returned for a MoE block computed by the caller);
 //   with a dense MLP: h += down(silu(gate x) * up x) (ms_moe_layer with one group: one parallel region).
+// ms_gdn_decode does one Gated DeltaNet layer (layers/gdn.py) for B decode rows: x = norm_in(h); the in-projections
+// [q|k|v | z | b | a]; the causal depthwise conv over each row's conv window (state pool, moved on in place), SiLU;
+// q, k L2-normed (q * Dk^-1/2), a key head shared by Hv/Hk value heads; beta = sigmoid(b), g = -exp(A_log) *
+// softplus(a + dt_bias); S <- exp(g) S, u = beta (v - S^T k), S += k u^T, o = S^T q on the float32 state in place;
+// the gated RMSNorm of o times silu(z); h += out_proj(o); x = norm_post(h).
+// ms_moe_decode does the MoE block after either: router, top-k, routed experts, shared expert (unfused, or the
+// fused [router | shared gate | up | shared_expert_gate] GEMM of models/fuse.py), h += their sum.
 // Numerics: float32 throughout, the same quantized-activation products as the per-op path (the same
-// ms_qmatmul / ms_moe_layer); norms, rotary and softmax differ from torch's only in summation order.
+// ms_qmatmul / ms_moe_layer); norms, rotary, softmax and the recurrence differ from torch's only in summation order.
 // Plain C ABI, the layer described by an int64 array (the D_* slots below) and a float64 array (eps).
 #include <algorithm>
 #include <cmath>
@@ -57,7 +64,23 @@ enum : int {
   X_TABLE, X_TG, X_TU, X_TD,                        // [E, 3] gate/up/down addresses of every expert; their types
   X_SI, X_SG, X_STG, X_SU, X_STU, X_SD, X_STD,      // shared expert (X_SI = 0: none): I, gate/up/down address, type
   X_SGATE,                                          // the shared expert's float32 gate vector [H] (0: ungated)
+  X_FW, X_FT, X_FS,                                 // fused shared_in [router E? | gate I | up I | gate 1] (0: none)
+  X_FROUTER,                                        // 1: the router's E rows lead X_FW (X_RW unused)
+  X_SDS,                                            // fused block: the shared down_proj's row stride (X_SD, X_STD)
   X_COUNT
+};
+
+// a Gated DeltaNet layer's description for ms_gdn_decode (models/cpu_decode.py writes the same slots)
+enum : int {
+  G_H, G_HK, G_HV, G_DK, G_DV, G_KW,                // hidden; key / value heads and head dims; conv kernel width
+  G_FLAGS, G_IN_NORM, G_POST_NORM,                  // F_ZERO_CENTERED; the decoder's input / post-attention norms
+  G_NSEG,                                           // in-projection segments (1: fused; 4: qkv, z, b, a)
+  G_SEG0, G_SEG_END = G_SEG0 + 12,                  // per segment: weight address, ggml type, row stride
+  G_WO = G_SEG_END, G_TO, G_SO,                     // out_proj: address, type, row stride
+  G_CONV_W, G_A_LOG, G_DT_BIAS, G_NORM_W,           // float32: conv [conv_dim, K], A_log, dt_bias [Hv], norm [Dv]
+  G_CONV, G_REC,                                    // this layer's float32 state pools [slots, conv_dim, K-1] and
+                                                    // [slots, Hv, Dk, Dv]
+  G_COUNT
 };
 
 // y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x
@@ -328,23 +351,150 @@ int shared(const int64_t* m, int64_t B, const float* x, float* acc, int nt) {
   return 0;
 }
 
+// the fused block's shared expert from its GEMM's product f [B, N] (columns: router E if fused | gate I | up I |
+// shared-expert gate 1): acc [B, H] += sigmoid(gate) * down(silu(gate) * up), down a matmul of its own weight (as
+// the per-op path: silu_mul, then the down projection's kernel on the product)
+int fused_shared(const int64_t* m, int64_t B, const float* f, int64_t N, float* acc, int nt) {
+  const int64_t H = m[X_H], I = m[X_SI], e = m[X_FROUTER] ? m[X_E] : 0;
+  std::vector<float> act(B * I), y(B * H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = f[b * N + e + i];
+      act[b * I + i] = g / (1.0f + std::exp(-g)) * f[b * N + e + I + i];
+    }
+  const int rc = matmul(act.data(), B, I, (const void*)m[X_SD], H, m[X_SDS], m[X_STD], y.data(), H, nt);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b) {
+    const float s = 1.0f / (1.0f + std::exp(-f[b * N + e + 2 * I]));
+    for (int64_t c = 0; c < H; ++c) acc[b * H + c] += s * y[b * H + c];
+  }
+  return 0;
+}
+
+// router logits [B, E]: from the fused GEMM's first E columns, or the router's own product
+int router_logits(const int64_t* m, int64_t B, const float* x, const float* f, int64_t N, float* logits, int nt) {
+  const int64_t H = m[X_H], E = m[X_E];
+  if (!(m[X_FW] && m[X_FROUTER])) return matmul(x, B, H, (const void*)m[X_RW], E, m[X_RS], m[X_RT], logits, E, nt);
+  for (int64_t b = 0; b < B; ++b) std::memcpy(logits + b * E, f + b * N, E * sizeof(float));
+  return 0;
+}
+
+// ---- Gated DeltaNet (layers/gdn.py GatedDeltaNet's decode step) ----
+struct GdnDims {
+  int64_t H, hk, hv, dk, dv, kw, kd, vd, cd, P;  // kd, vd: key / value width; cd: conv channels; P: projection
+};
+
+GdnDims gdn_dims(const int64_t* g) {
+  GdnDims n{g[G_H], g[G_HK], g[G_HV], g[G_DK], g[G_DV], g[G_KW], 0, 0, 0, 0};
+  n.kd = n.hk * n.dk, n.vd = n.hv * n.dv, n.cd = 2 * n.kd + n.vd, n.P = n.cd + n.vd + 2 * n.hv;
+  return n;
+}
+
+// the in-projections of B rows: proj [B, P], columns [mixed q|k|v (cd) | z (vd) | b (Hv) | a (Hv)]
+int gdn_project(const int64_t* g, const GdnDims& n, const float* x, int64_t B, float* proj, int nt) {
+  const int64_t rows4[4] = {n.cd, n.vd, n.hv, n.hv};
+  int64_t col = 0;
+  for (int s = 0; s < g[G_NSEG]; ++s) {
+    const int64_t* w = g + G_SEG0 + 3 * s;
+    const int64_t rows = g[G_NSEG] == 1 ? n.P : rows4[s];
+    const int rc = matmul(x, B, n.H, (const void*)w[0], rows, w[2], w[1], proj + col, n.P, nt);
+    if (rc) return rc;
+    col += rows;
+  }
+  return 0;
+}
+
+// one row's causal depthwise conv over its window (the K-1 stored inputs, then this one; the window moves on
+// by one in the pool), SiLU, then q and k L2-normed per key head (q also scaled by dk^-1/2): cv [cd]
+void gdn_conv_row(const int64_t* g, const GdnDims& n, const float* mixed, int64_t slot, float* cv) {
+  const int64_t kw = n.kw;
+  float* st = (float*)g[G_CONV] + slot * n.cd * (kw - 1);
+  const float* w = (const float*)g[G_CONV_W];
+  for (int64_t c = 0; c < n.cd; ++c) {
+    float* s = st + c * (kw - 1);
+    const float* wc = w + c * kw;
+    float acc = 0;
+    for (int64_t j = 0; j < kw - 1; ++j) acc += s[j] * wc[j];
+    acc += mixed[c] * wc[kw - 1];
+    for (int64_t j = 0; j + 2 < kw; ++j) s[j] = s[j + 1];
+    s[kw - 2] = mixed[c];
+    cv[c] = acc / (1.0f + std::exp(-acc));
+  }
+  const float qscale = 1.0f / std::sqrt((float)n.dk);
+  for (int64_t i = 0; i < 2 * n.hk; ++i) {  // q heads, then k heads
+    float* v = cv + i * n.dk;
+    float ss = 0;
+    for (int64_t d = 0; d < n.dk; ++d) ss += v[d] * v[d];
+    const float r = 1.0f / std::sqrt(ss + 1e-6f);
+    for (int64_t d = 0; d < n.dk; ++d) v[d] = i < n.hk ? v[d] * r * qscale : v[d] * r;
+  }
+}
+
+// value head j of one row (its key head j / (Hv / Hk)): the state S [dk, dv] decays by exp(gl), takes the
+// delta-rule write u = beta (v - S^T k), S += k u^T, is read o = S^T q; then the gated RMSNorm with silu(z): out [dv]
+void gdn_head(const int64_t* g, const GdnDims& n, double eps, const float* cv, const float* z, float gl, float beta,
+              int64_t slot, int64_t j, float* u, float* out) {
+  const int64_t kh = j / (n.hv / n.hk), dk = n.dk, dv = n.dv;
+  const float *q = cv + kh * dk, *k = cv + n.kd + kh * dk, *v = cv + 2 * n.kd + j * dv;
+  float* S = (float*)g[G_REC] + (slot * n.hv + j) * dk * dv;
+  const float decay = std::exp(gl);
+  std::fill(u, u + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv;
+    for (int64_t c = 0; c < dv; ++c) row[c] *= decay, u[c] += row[c] * k[a];
+  }
+  for (int64_t c = 0; c < dv; ++c) u[c] = (v[c] - u[c]) * beta;
+  std::fill(out, out + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    float* row = S + a * dv;
+    for (int64_t c = 0; c < dv; ++c) row[c] += k[a] * u[c], out[c] += row[c] * q[a];
+  }
+  rms_norm(out, (const float*)g[G_NORM_W], dv, eps, false, out);
+  for (int64_t c = 0; c < dv; ++c) out[c] *= z[c] / (1.0f + std::exp(-z[c]));
+}
+
+// every (row, value head): gates from the projection's b, a columns (beta = sigmoid(b), gl = -exp(A_log) *
+// softplus(a + dt_bias), torch's threshold 20), then gdn_head: o [B, vd]
+void gdn_heads(const int64_t* g, const GdnDims& n, double eps, int64_t B, const float* proj, const float* cv,
+               const int64_t* slots, float* o, int nt) {
+  const float *alog = (const float*)g[G_A_LOG], *dtb = (const float*)g[G_DT_BIAS];
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, B * n.hv * n.dk * n.dv / 16384));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> u(n.dv);
+#pragma omp for schedule(static)
+    for (int64_t jj = 0; jj < B * n.hv; ++jj) {
+      const int64_t b = jj / n.hv, j = jj % n.hv;
+      const float* pr = proj + b * n.P;
+      const float bv = pr[n.cd + n.vd + j], av = pr[n.cd + n.vd + n.hv + j] + dtb[j];
+      const float sp = av > 20.0f ? av : std::log1p(std::exp(av));
+      gdn_head(g, n, eps, cv + b * n.cd, pr + n.cd + j * n.dv, -std::exp(alog[j]) * sp, 1.0f / (1.0f + std::exp(-bv)),
+               slots[b], j, u.data(), o + b * n.vd + j * n.dv);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// One MoE block for B decode rows (the description `m`: M_* slots): router logits (float32 or stored rows),
+// One MoE block for B decode rows (the description `m`: X_* slots): router logits (float32 or stored rows),
 // softmax top-k, the routed experts' pairs in one ms_moe_layer call, the optional (gated) shared expert, and
-// h [B, H] += their sum. x [B, H]: the block's input (the post-attention norm). ids [B, k] receives the route
-// (the runtime books it). Returns 0 or the failing kernel's code.
+// h [B, H] += their sum. A fused block (X_FW: models/fuse.py's shared_in) computes [router | shared gate | up |
+// shared-expert gate] as one GEMM first. x [B, H]: the block's input (the post-attention norm). ids [B, k]
+// receives the route (the runtime books it). Returns 0 or the failing kernel's code.
 int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t* ids, int nthreads) {
   const int64_t H = m[X_H], E = m[X_E], K = m[X_K];
-  std::vector<float> logits(B * E), w(B * K), acc(B * H);
-  int rc = matmul(x, B, H, (const void*)m[X_RW], E, m[X_RS], m[X_RT], logits.data(), E, nthreads);
-  if (rc) return rc;
+  const int64_t N = m[X_FW] ? (m[X_FROUTER] ? E : 0) + 2 * m[X_SI] + 1 : 0;
+  std::vector<float> logits(B * E), w(B * K), acc(B * H), f(B * N);
+  int rc = N ? matmul(x, B, H, (const void*)m[X_FW], N, m[X_FS], m[X_FT], f.data(), N, nthreads) : 0;
+  if (rc || (rc = router_logits(m, B, x, f.data(), N, logits.data(), nthreads))) return rc;
   for (int64_t b = 0; b < B; ++b) route_row(logits.data() + b * E, E, K, m[X_NORMALIZE], ids + b * K, w.data() + b * K);
   rc = routed(m, B, x, ids, w.data(), acc.data(), nthreads);
   if (rc) return rc;
-  if (m[X_SI] && (rc = shared(m, B, x, acc.data(), nthreads))) return rc;
+  if (N) rc = fused_shared(m, B, f.data(), N, acc.data(), nthreads);
+  else if (m[X_SI]) rc = shared(m, B, x, acc.data(), nthreads);
+  if (rc) return rc;
   for (int64_t i = 0; i < B * H; ++i) h[i] += acc[i];
   return 0;
 }
@@ -403,6 +553,27 @@ int ms_decode_layer(const int64_t* d, const double* fd, int64_t B, float* h, flo
   for (int64_t i = 0; i < B * H; ++i) h[i] += o[i];
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_POST_NORM], H, eps, zc, x + b * H);
   return d[D_MLP_I] ? dense_mlp(d, x, B, H, h, nthreads) : 0;
+}
+
+// One Gated DeltaNet decoder layer for B decode rows: x = norm_in(h); [q|k|v | z | b | a] = x @ W.T; per row the
+// conv window (conv pool, updated), SiLU, q/k L2 norms; per value head the gated delta rule on the float32 state
+// (rec pool, updated in place) and the gated RMSNorm; h += out_proj(o); x = norm_post(h). fd: [the decoder
+// norms' eps, the gated norm's eps]; slots [B]: each row's state slot. Returns 0 or the failing kernel's code.
+int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float* x, const int64_t* slots,
+                  int nthreads) {
+  const GdnDims n = gdn_dims(g);
+  const bool zc = g[G_FLAGS] & F_ZERO_CENTERED;
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_IN_NORM], n.H, fd[0], zc, x + b * n.H);
+  std::vector<float> proj(B * n.P), cv(B * n.cd), o(B * n.vd), y(B * n.H);
+  int rc = gdn_project(g, n, x, B, proj.data(), nthreads);
+  if (rc) return rc;
+  for (int64_t b = 0; b < B; ++b) gdn_conv_row(g, n, proj.data() + b * n.P, slots[b], cv.data() + b * n.cd);
+  gdn_heads(g, n, fd[1], B, proj.data(), cv.data(), slots, o.data(), nthreads);
+  rc = matmul(o.data(), B, n.vd, (const void*)g[G_WO], n.H, g[G_SO], g[G_TO], y.data(), n.H, nthreads);
+  if (rc) return rc;
+  for (int64_t i = 0; i < B * n.H; ++i) h[i] += y[i];
+  for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_POST_NORM], n.H, fd[0], zc, x + b * n.H);
+  return 0;
 }
 
 int ms_decode_desc_size() { return D_COUNT; }
