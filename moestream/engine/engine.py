@@ -360,6 +360,8 @@ class Engine:
         self.runtime.attach_tap(self.route_tap)
         for block in model.moe_blocks():
             block.runtime = self.runtime
+        if getattr(model, "cpu_decode", None) is not None:
+            model.cpu_decode = None  # a CPU decode plan reads the runtime's expert tables: made again next step
 
     def _runtime_options(self):
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,

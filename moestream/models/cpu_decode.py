@@ -233,6 +233,7 @@ class CpuDecodePlan:
         self.has_mlp: list[bool] = []
         self.moe: list[np.ndarray | None] = []  # ms_moe_decode descriptions of the blocks after compiled layers
         self._keep: list = []
+        self._runtimes: list = []
         ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
         state = getattr(model.caches, "state", None)
         for layer in model.layers:
@@ -249,6 +250,7 @@ class CpuDecodePlan:
             moe = _moe_desc(layer.mlp, cfg) if d is not None and mlp is None else None
             self.moe.append(moe[0] if moe else None)
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
+            self._runtimes.append(layer.mlp.runtime if moe else None)  # whose table it is
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
         self._state = None  # the same for the linear-attention state pool
@@ -338,11 +340,16 @@ class CpuDecodePlan:
                 continue
             normed = None
             self.run_layer(i, h, x, arrays, nthreads)
-            if self.moe[i] is not None:
+            if self._moe_now(i, layer.mlp):
                 self.run_moe(i, layer.mlp, h, x, ids, nthreads)
             elif not self.has_mlp[i]:
                 h = self._mlp(layer.mlp, x, h)
         return h
+
+    def _moe_now(self, i: int, block) -> bool:
+        """Whether block i takes its one call this step: described, its runtime still the one whose expert table
+        the description holds (a rebuilt runtime is not), and no routing tap attached since (trace record/force)."""
+        return self.moe[i] is not None and block.runtime is self._runtimes[i] and block.runtime.tap is None
 
     def run_moe(self, i: int, block, h: torch.Tensor, x: torch.Tensor, ids: np.ndarray, nthreads: int) -> None:
         """Layer i's MoE block in one call: h += routed (+ shared) experts of x; the route is booked."""

@@ -135,6 +135,8 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
         mlp = layer.mlp
         if isinstance(mlp, SparseMoeBlock) and mlp.shared_expert is not None:
             done["shared_expert"] += _fuse_moe_inputs(mlp)
+    if hasattr(model, "cpu_decode"):
+        model.cpu_decode = None  # its descriptions point at the unfused weights: made again at the next step
     return done
 
 

@@ -179,17 +179,15 @@ class GGUFCheckpoint(Checkpoint):
 
         compressed_dense: replace dense linears by modules holding the stored bytes (layers/quant_linear.py):
         "cpu" (or True): the linears and the embedding whose GGUF type the CPU kernels compute (CPU-only, one
-        rank; llama and qwen3moe); "gpu": the linears whose type the GPU's Triton kernels read, on the model's
+        rank); "gpu": the linears whose type the GPU's Triton kernels read, on the model's
         device, every architecture (the embedding stays dense: one row a token)."""
         params = dict(model.named_parameters())
         seen: set[str] = set()
         experts: dict[int, dict[str, torch.Tensor]] = {}
         raw_experts = getattr(store.fmt, "quantized", False)
         mode = "cpu" if compressed_dense is True else (compressed_dense or None)
-        # on the CPU path qwen35moe's dense tensors stay dequantized (value transforms: norm offsets, head
-        # reordering); the GPU path moves rows (and block-aligned column groups) of the stored bytes
-        if mode == "cpu" and self.arch not in ("llama", "qwen3moe"):
-            mode = None
+        # both paths move rows (and block-aligned column groups) of the stored bytes where qwen35moe reorders
+        # heads (_move_bytes); tensors whose values change (norm offsets) are dequantized
         self.compressed_bytes = 0
         for t in self.reader.tensors:
             if self._skipped(t.name, model):
@@ -230,8 +228,6 @@ class GGUFCheckpoint(Checkpoint):
         """The bytes the model's dense parameters will take once `load(..., compressed_dense=mode)` keeps
         what it can compressed (model: the unloaded module tree, on meta): what the memory plan counts."""
         total = sum(p.numel() * p.element_size() for p in model.parameters())
-        if mode == "cpu" and self.arch not in ("llama", "qwen3moe"):
-            return total
         for t in self.reader.tensors:
             if EXPERTS.match(t.name) or self._skipped(t.name, model):
                 continue
