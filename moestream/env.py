@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
 
 
@@ -51,39 +50,3 @@ def cpu_threading() -> tuple[bool, int]:
     benchmark can switch within one process."""
     spin = os.environ.get("MOESTREAM_CPU_SPIN_US", "300")
     return os.environ.get("MOESTREAM_CPU_POOL", "omp") == "pool", int(spin) if spin.isdigit() else 300
-
-
-@lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
-    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
-@lru_cache(maxsize=None)
-def cpu_has_native(dtype) -> bool:
-    """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return True  # unknown CPU: keep torch's own kernel
-    import torch
-
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-    return any(flag in flags for flag in want.get(dtype, ()))
-
-
-WIDEN_MIN_ROWS = 16  # rows from which a 16-bit GEMM on such a CPU is faster in float32 (kernels/linear.py)
-
-
-def widen_gemm(x, w_dtype) -> bool:
-    """Whether a GEMM of activations x with `w_dtype` weights should run in float32: x on a CPU without
-    native multiplies of that 16-bit dtype, and at least WIDEN_MIN_ROWS rows of x."""
-    import torch
-
-    return (x.device.type == "cpu" and w_dtype in (torch.bfloat16, torch.float16)
-            and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and not cpu_has_native(w_dtype))

@@ -17,6 +17,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError, RequestError
 from ..env import fuse_projections_enabled
+from ..hardware import host_memory
 from ..kvcache import HostPool, KVPool, StatePool
 from ..layers.rotary import Rotary
 from ..models.loader import expert_format_for, load_weights
@@ -57,9 +58,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     dt = DTYPES.get(cfg.torch_dtype, torch.bfloat16)
     if device.type == "cpu":
         # fp32 is the fastest and most exact CPU dtype; keep 16-bit only where fp32 would not fit well.
-        import os
-
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = host_memory()[0]
         return torch.float32 if cfg.approx_num_params() * 4 < ram // 4 else torch.bfloat16
     dt = torch.bfloat16 if dt == torch.float32 else dt
     if dt == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
