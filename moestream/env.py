@@ -11,10 +11,28 @@ def cache_dir() -> Path:
     return Path(base) / "moestream"
 
 
+TRITON_MODES = ("auto", "on", "off")
+_TRITON_MODE = ["auto"]  # the engine option --triton (EngineConfig.triton), set by each Engine it builds
+
+
+def set_triton_mode(mode: str) -> None:
+    """The engine option --triton: "on" or "off" decide `triton_enabled` for this process, whatever
+    MOESTREAM_TRITON says; "auto" (the default) leaves the decision to MOESTREAM_TRITON."""
+    if mode not in TRITON_MODES:
+        raise ValueError(f"triton mode must be one of {', '.join(TRITON_MODES)}, got {mode!r}")
+    _TRITON_MODE[0] = mode
+
+
 def triton_enabled() -> bool:
-    """MOESTREAM_TRITON=0 turns the Triton kernels off (dequantization in moestream.quant; the norms, Gated
-    DeltaNet decode step and prefill chunk recurrence, router top-k, attention q/k prep and MoE combine in
-    layers/triton_ops.py): the torch reference paths run instead."""
+    """The one "use Triton?" decision, asked by every Triton kernel gate (dequantization in moestream.quant;
+    the norms, Gated DeltaNet decode step and prefill chunk recurrence, router top-k, attention q/k prep and
+    MoE combine in layers/triton_ops.py; the expert pair, grouped, compressed-pair and bridge kernels, the
+    device slot table's routing and compressed dense linears in moe/ and the engine), each of which also
+    needs triton to import and its tensors on CUDA. False: the torch reference paths run instead. Set by
+    --triton on|off; under --triton auto (default) MOESTREAM_TRITON=0 turns the kernels off (read at
+    each call, so a test or benchmark can switch within one process)."""
+    if _TRITON_MODE[0] != "auto":
+        return _TRITON_MODE[0] == "on"
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
 

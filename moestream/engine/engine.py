@@ -16,7 +16,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError, RequestError
-from ..env import fuse_projections_enabled
+from ..env import fuse_projections_enabled, set_triton_mode
 from ..hardware import host_memory
 from ..kvcache import HostPool, KVPool, StatePool
 from ..layers.rotary import Rotary
@@ -84,6 +84,7 @@ class Engine:
             raise ConfigError(f"--tp-size {ecfg.tp_size} runs one process per rank: use LLM(..., tp_size=N) or "
                               "the CLI's --tp-size, not Engine directly")
         self.tp = tp
+        set_triton_mode(ecfg.triton)  # the process's one Triton decision (env.triton_enabled)
         self.use_mtp = ecfg.speculative == "mtp"
         if self.use_mtp and not cfg.mtp_num_layers:
             raise ConfigError("--speculative mtp needs a checkpoint with a multi-token-prediction block (Qwen3.5/"
