@@ -28,7 +28,6 @@ import logging
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass

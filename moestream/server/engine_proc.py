@@ -16,7 +16,6 @@ import collections
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
