@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_sweep import QWEN36  # noqa: E402
 from moestream import LLM, SamplingParams  # noqa: E402
-from moestream import env  # noqa: E402
+from moestream import hardware  # noqa: E402
 
 
 def run(llm, prompts: list[int], vocab: int) -> dict:
@@ -51,19 +51,19 @@ def main() -> None:
     t = time.perf_counter()
     llm = LLM(cfg, device="cpu", dtype="bfloat16", max_running_requests=4, num_tokens=8192, max_seq_len_override=8192)
     res = {"date": time.strftime("%Y-%m-%d"), "layers": args.layers, "threads": torch.get_num_threads(),
-           "native_bf16": env.cpu_has_native(torch.bfloat16), "torch": torch.__version__}
+           "native_bf16": hardware.cpu_has_native(torch.bfloat16), "torch": torch.__version__}
     print(f"built {args.layers} layers in {time.perf_counter() - t:.0f} s; native bf16 GEMM: {res['native_bf16']}",
           flush=True)
     prompts = [int(p) for p in args.prompts.split(",")]
     llm.generate([[1] * 32], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm up
     res["as_is"] = run(llm, prompts, cfg["vocab_size"])
     print("as is ", json.dumps(res["as_is"]), flush=True)
-    real = env.cpu_has_native
-    env.cpu_has_native = lambda dtype: True
+    real = hardware.cpu_has_native
+    hardware.cpu_has_native = lambda dtype: True
     try:
         res["native"] = run(llm, prompts, cfg["vocab_size"])
     finally:
-        env.cpu_has_native = real
+        hardware.cpu_has_native = real
     print("native", json.dumps(res["native"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moestream.moe.bridge import PairMlp  # noqa: E402
-from moestream.moe.compute import physical_cores  # noqa: E402
+from moestream.hardware import physical_cores  # noqa: E402
 
 
 def layer_calls(layers: int, experts: int, top_k: int, T: int, calls: int, seed: int = 0):

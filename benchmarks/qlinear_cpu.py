@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moestream import env  # noqa: E402
+from moestream import hardware  # noqa: E402
 from moestream.quant import base, gguf_format  # noqa: E402
 from moestream.quant.synthetic import random_raw  # noqa: E402
 
@@ -34,16 +34,16 @@ def main() -> None:
     q = gguf_format(args.type)
     raw = random_raw(q, (args.n, args.k), seed=0)
     print(f"{args.type} {args.n}x{args.k}, {torch.get_num_threads()} threads, native bf16: "
-          f"{env.cpu_has_native(torch.bfloat16)}")
-    real = env.cpu_has_native
+          f"{hardware.cpu_has_native(torch.bfloat16)}")
+    real = hardware.cpu_has_native
     for rows in (1, 16, 64, 256):
         x = torch.randn(rows, args.k).to(torch.bfloat16)
         as_is = ms(lambda: base.qlinear(x, q, raw, (args.n, args.k)))
-        env.cpu_has_native = lambda dtype: True
+        hardware.cpu_has_native = lambda dtype: True
         try:
             bf16 = ms(lambda: base.qlinear(x, q, raw, (args.n, args.k)))
         finally:
-            env.cpu_has_native = real
+            hardware.cpu_has_native = real
         print(f"rows {rows:4d}: as is {as_is:7.2f} ms, bf16 tiles {bf16:7.2f} ms")
 
 

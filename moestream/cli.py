@@ -6,72 +6,20 @@ import logging
 import os
 import sys
 
+from .config import engine_flags
 from .core import MoestreamError
 
 DEFAULT_PORT = 1919  # `moestream serve`'s port, and where the client commands look by default
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
-    g.add_argument("--max-running-requests", type=int, default=4, help="requests decoded together (batch size)")
-    g.add_argument("--max-seq-len-override", type=int, default=None,
-                   help="context length per request (default: the model's max_position_embeddings)")
-    g.add_argument("--num-tokens", type=int, default=None, help="KV cache size in tokens (default: automatic)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--chunked-prefill-size", type=int, default=2048, help="most prompt tokens computed per step")
-    g.add_argument("--memory-ratio", type=float, default=0.9, help="fraction of free VRAM moestream may use")
-    g.add_argument("--gpu-memory-gb", type=float, default=None, help="cap on VRAM used (makes a big GPU act small)")
-    g.add_argument("--linear-state-dtype", default="float32", help="dtype of the Gated DeltaNet recurrent state")
-    g.add_argument("--disable-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="do not reuse the KV pages and linear-state snapshots of earlier requests' prefixes")
-    g.add_argument("--prefix-cache-snapshots", type=int, default=None,
-                   help="Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
-    g.add_argument("--prefix-cache-prompt-snapshot", default="on", choices=("on", "off"),
-                   help="snapshot a Gated DeltaNet model's state at a prompt's last page boundary and where it "
-                        "leaves the cached pages (taken inside the prefill chunk, no extra step), so a repeat, "
-                        "extension or sibling of the prompt resumes there")
-    g.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
-                   help="host RAM (pinned on a GPU) that evicted prefix-cache pages and snapshots move to, and come "
-                        "back from on a hit, instead of being recomputed (0: off)")
-    g.add_argument("--speculative", default="none", choices=("none", "mtp"),
-                   help="speculative decoding: mtp drafts tokens with the checkpoint's multi-token-prediction "
-                        "block (Qwen3.5/3.6; loaded only then) and verifies them in one forward pass")
-    g.add_argument("--num-speculative-tokens", type=int, default=1,
-                   help="drafts per decoding request and step with --speculative mtp (1-8)")
-    m = p.add_argument_group("experts")
-    m.add_argument("--moe-backend", default="auto", help="auto, fused, offload, cpu or hybrid")
-    m.add_argument("--moe-cache-size", type=int, default=None, help="VRAM expert slots (offload/hybrid)")
-    m.add_argument("--moe-cache-rate", type=float, default=None, help="fraction of all experts kept in VRAM")
-    m.add_argument("--moe-cpu-threads", type=int, default=0, help="threads for CPU experts (0: one per core)")
-    m.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
-                   help="decode: copy layer l+1's predicted experts while layer l computes (off: measured slower "
-                        "on an H200 until the decode step is graph-captured)")
-    m.add_argument("--pin-budget-gb", type=float, default=None, help="host RAM to pin for expert banks")
-    m.add_argument("--moe-expert-format", default="auto", choices=["auto", "dense"],
-                   help="auto: GGUF block-quantized experts stay compressed in RAM, copies and VRAM slots; "
-                        "dense: dequantize them to the model dtype at load")
-    m.add_argument("--moe-decode-kernel", default="auto", choices=["auto", "pairs", "grouped"],
-                   help="decode expert kernel: pairs (device-side routing, CUDA graphs), grouped (host routing)")
-    m.add_argument("--moe-cache-policy", default="lru", choices=["lru", "lfu", "lrfu", "wlfu"],
-                   help="expert cache victim choice (benchmarks/RESULTS.md: `bench cache` per policy); lfu, lrfu and wlfu "
-                        "decode on the grouped path (host routing, no CUDA graphs)")
-    m.add_argument("--record-routing", default=None, metavar="FILE",
-                   help="write the expert ids of every (token, MoE layer) to FILE (docs/routing-traces.md; "
-                        "replay it with `moestream bench cache --trace FILE`); turns CUDA graphs off")
-    g.add_argument("--disable-cuda-graph", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly instead of replaying CUDA graphs")
-    m.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks: one process each (rank r on cuda:r, or CPU), on disjoint CPU cores")
+    """The engine's flags, built from their one declaration: the EngineConfig fields (config.engine_flags)."""
+    groups = {"engine": p.add_argument_group("engine"), "experts": p.add_argument_group("experts")}
+    for _, flag, group, kwargs in engine_flags():
+        groups[group].add_argument(flag, **kwargs)
 
 
-ENGINE_KEYS = ("device", "dtype", "max_running_requests", "max_seq_len_override", "num_tokens", "page_size",
-               "chunked_prefill_size", "memory_ratio", "gpu_memory_gb", "linear_state_dtype", "moe_backend",
-               "moe_cache_size", "moe_cache_rate", "moe_cpu_threads", "moe_prefetch", "pin_budget_gb", "moe_expert_format",
-               "tp_size", "cuda_graphs", "moe_decode_kernel", "prefix_cache", "prefix_cache_snapshots",
-               "prefix_cache_prompt_snapshot", "prefix_cache_host_gb", "speculative", "num_speculative_tokens",
-               "record_routing", "moe_cache_policy")
+ENGINE_KEYS = tuple(name for name, _, _, _ in engine_flags())
 
 
 def engine_options(args: argparse.Namespace) -> dict:

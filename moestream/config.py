@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .core import ConfigError
+from .env import TRITON_MODES
 
 # HF architecture name -> (our model family, where the language model's weights live).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -373,66 +374,102 @@ def _linear_attention(text: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine configuration: every field is a CLI flag (underscored). "auto" is resolved by the engine.
+# Engine configuration: each option is declared once, below, with its default, its CLI flag's help (and
+# choices) and its CLI group; cli.add_engine_args builds the argparse flags from these declarations.
+# "auto" is resolved by the engine.
 # ---------------------------------------------------------------------------------------------
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 SPECULATIVE = ("none", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
 MOE_CACHE_POLICIES = ("lru", "lfu", "lrfu", "wlfu")  # moe/residency.py POLICIES
+ON_OFF = ("on", "off")
+MOE_EXPERT_FORMATS = ("auto", "dense")
+MOE_DECODE_KERNELS = ("auto", "pairs", "grouped")
+
+
+def option(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
+    """An EngineConfig field that is a CLI flag: `--name-with-dashes` in the CLI's `group` (engine or
+    experts) with this default and help; argparse_kwargs: choices, metavar, or flag + action for a
+    --disable-X switch of a bool that defaults to True."""
+    return dataclasses.field(default=default, metadata={"cli": {"help": help, "group": group, **argparse_kwargs}})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    max_running_requests: int = 4
-    max_seq_len_override: int | None = None
-    num_tokens: int | None = None  # KV pool size in tokens (auto when None)
-    page_size: int = 16
-    chunked_prefill_size: int = 2048
-    memory_ratio: float = 0.9
-    gpu_memory_gb: float | None = None
-    linear_state_dtype: str = "float32"
-    moe_backend: str = "auto"
-    moe_cache_size: int | None = None
-    moe_cache_rate: float | None = None
-    moe_cpu_threads: int = 0
+    device: str = option("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (the checkpoint's), bfloat16, float16 or float32")
+    max_running_requests: int = option(4, "requests decoded together (batch size)")
+    max_seq_len_override: int | None = option(
+        None, "context length per request (default: the model's max_position_embeddings)")
+    num_tokens: int | None = option(None, "KV cache size in tokens (default: automatic)")
+    page_size: int = option(16, "tokens per KV page")
+    chunked_prefill_size: int = option(2048, "most prompt tokens computed per step")
+    memory_ratio: float = option(0.9, "fraction of free VRAM moestream may use")
+    gpu_memory_gb: float | None = option(None, "cap on VRAM used (makes a big GPU act small)")
+    linear_state_dtype: str = option("float32", "dtype of the Gated DeltaNet recurrent state")
+    moe_backend: str = option("auto", "auto, fused, offload, cpu or hybrid", "experts")
+    moe_cache_size: int | None = option(None, "VRAM expert slots (offload/hybrid)", "experts")
+    moe_cache_rate: float | None = option(None, "fraction of all experts kept in VRAM", "experts")
+    moe_cpu_threads: int = option(0, "threads for CPU experts (0: one per core)", "experts")
     # off by default: measured on the H200 (benchmarks/RESULTS.md) it slows decode while the decode path
     # is launch-bound, and a third of its copies go unused
-    moe_prefetch: str = "off"
-    pin_budget_gb: float | None = None
+    moe_prefetch: str = option("off", "decode: copy layer l+1's predicted experts while layer l computes (off: "
+                               "measured slower on an H200 until the decode step is graph-captured)", "experts",
+                               choices=ON_OFF)
+    pin_budget_gb: float | None = option(None, "host RAM to pin for expert banks", "experts")
     # auto: routed experts stay in the checkpoint's compressed format (GGUF blocks, FP8/NVFP4/MXFP4 parts)
     # in host banks, copies and device slots; dense: dequantize them to the model dtype at load
-    moe_expert_format: str = "auto"
-    tp_size: int = 1
+    moe_expert_format: str = option("auto", "auto: GGUF block-quantized experts stay compressed in RAM, copies and "
+                                    "VRAM slots; dense: dequantize them to the model dtype at load", "experts",
+                                    choices=MOE_EXPERT_FORMATS)
+    tp_size: int = option(1, "tensor-parallel ranks: one process each (rank r on cuda:r, or CPU), on disjoint CPU "
+                          "cores", "experts")
     # decode steps replayed as CUDA graphs where the expert backend allows it (fused, offload)
-    cuda_graphs: bool = True
+    cuda_graphs: bool = option(True, "run decode steps eagerly instead of replaying CUDA graphs",
+                               flag="--disable-cuda-graph", action="store_false")
     # how decode computes routed experts: pairs = one kernel over (token, expert) pairs with a device-side
     # slot table (no host sync; CUDA default), grouped = per-expert loop with host routing (CPU default)
-    moe_decode_kernel: str = "auto"
-    seed: int = 0
-    revision: str | None = None
+    moe_decode_kernel: str = option("auto", "decode expert kernel: pairs (device-side routing, CUDA graphs), "
+                                    "grouped (host routing)", "experts", choices=MOE_DECODE_KERNELS)
+    seed: int = 0  # Python API only (LLM(..., seed=)): `generate --seed` is the sampling seed
+    revision: str | None = None  # Python API only: the hub revision of a model id
     # reuse the KV pages (and Gated DeltaNet state snapshots) of earlier requests' prompt prefixes
-    prefix_cache: bool = True
+    prefix_cache: bool = option(True, "do not reuse the KV pages and linear-state snapshots of earlier requests' "
+                                "prefixes", flag="--disable-prefix-cache", action="store_false")
     # linear-state snapshot slots of the prefix cache (models with Gated DeltaNet layers); None: 2 per
     # running request (a prompt's end and a finished request's last page boundary)
-    prefix_cache_snapshots: int | None = None
+    prefix_cache_snapshots: int | None = option(
+        None, "Gated DeltaNet state snapshots the prefix cache keeps (default: 2 per running request)")
     # a Gated DeltaNet model's state at the last page boundary before a prompt's last token, and where the
     # prompt leaves the cached pages, is saved as a snapshot (taken inside the prefill chunk that crosses
     # it, no extra chunk): "on", or "off" (snapshots only where decoding reaches a page boundary, and where
     # a prompt's prefill ends on one)
-    prefix_cache_prompt_snapshot: str = "on"
+    prefix_cache_prompt_snapshot: str = option(
+        "on", "snapshot a Gated DeltaNet model's state at a prompt's last page boundary and where it leaves the "
+        "cached pages (taken inside the prefill chunk, no extra step), so a repeat, extension or sibling of the "
+        "prompt resumes there", choices=ON_OFF)
     # host memory (GiB, all ranks together) that evicted prefix-cache pages and snapshots move to instead of
     # being dropped, and come back from on a hit; 0: off
-    prefix_cache_host_gb: float = 0.0
+    prefix_cache_host_gb: float = option(
+        0.0, "host RAM (pinned on a GPU) that evicted prefix-cache pages and snapshots move to, and come back "
+        "from on a hit, instead of being recomputed (0: off)")
     # speculative decoding: "mtp" drafts with the checkpoint's multi-token-prediction block (loaded only
     # then), num_speculative_tokens drafts per step verified in one forward pass of the main model
-    speculative: str = "none"
-    num_speculative_tokens: int = 1
+    speculative: str = option("none", "speculative decoding: mtp drafts tokens with the checkpoint's "
+                              "multi-token-prediction block (Qwen3.5/3.6; loaded only then) and verifies them in "
+                              "one forward pass", choices=SPECULATIVE)
+    num_speculative_tokens: int = option(1, "drafts per decoding request and step with --speculative mtp (1-8)")
     # write every step's routed expert ids to this file (moe/trace.py; docs/routing-traces.md)
-    record_routing: str | None = None
+    record_routing: str | None = option(
+        None, "write the expert ids of every (token, MoE layer) to FILE (docs/routing-traces.md; replay it with "
+        "`moestream bench cache --trace FILE`); turns CUDA graphs off", "experts", metavar="FILE")
     # victim choice of the expert slot cache (moe/residency.py); lfu/lrfu/wlfu decode on the grouped path
-    moe_cache_policy: str = "lru"
+    moe_cache_policy: str = option("lru", "expert cache victim choice (benchmarks/RESULTS.md: `bench cache` per "
+                                   "policy); lfu, lrfu and wlfu decode on the grouped path (host routing, no CUDA "
+                                   "graphs)", "experts", choices=MOE_CACHE_POLICIES)
+    # the one "use Triton?" decision of every kernel gate (env.triton_enabled), set by each Engine built
+    triton: str = option("auto", "Triton kernels on CUDA: on, off (the torch reference paths run instead), or auto "
+                         "(on unless MOESTREAM_TRITON=0)", choices=TRITON_MODES)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -457,7 +494,7 @@ class EngineConfig:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.prefix_cache_prompt_snapshot not in ("on", "off"):
+        if self.prefix_cache_prompt_snapshot not in ON_OFF:
             raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
                               f"{self.prefix_cache_prompt_snapshot!r}")
         if self.prefix_cache_host_gb < 0:
@@ -471,6 +508,8 @@ class EngineConfig:
                               f"{self.num_speculative_tokens}")
         if self.speculative != "none" and self.tp_size > 1:
             raise ConfigError("--speculative mtp does not run with --tp-size > 1 yet")
+        if self.triton not in TRITON_MODES:
+            raise ConfigError(f"--triton must be auto, on or off, got {self.triton!r}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
 
@@ -487,7 +526,7 @@ class EngineConfig:
                 raise ConfigError(f"--record-routing {self.record_routing}: no directory {parent}")
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
-        if self.moe_expert_format not in ("auto", "dense"):
+        if self.moe_expert_format not in MOE_EXPERT_FORMATS:
             raise ConfigError(f"--moe-expert-format must be auto or dense, got {self.moe_expert_format!r}")
         if self.moe_cache_size is not None and self.moe_cache_rate is not None:
             raise ConfigError("give either --moe-cache-size or --moe-cache-rate, not both")
@@ -497,11 +536,11 @@ class EngineConfig:
             raise ConfigError(f"--moe-cache-size must be >= 1, got {self.moe_cache_size}")
         if self.moe_cpu_threads < 0:
             raise ConfigError(f"--moe-cpu-threads must be >= 0, got {self.moe_cpu_threads}")
-        if self.moe_prefetch not in ("on", "off"):
+        if self.moe_prefetch not in ON_OFF:
             raise ConfigError(f"--moe-prefetch must be on or off, got {self.moe_prefetch!r}")
         if self.pin_budget_gb is not None and self.pin_budget_gb < 0:
             raise ConfigError(f"--pin-budget-gb must be >= 0, got {self.pin_budget_gb}")
-        if self.moe_decode_kernel not in ("auto", "pairs", "grouped"):
+        if self.moe_decode_kernel not in MOE_DECODE_KERNELS:
             raise ConfigError(f"--moe-decode-kernel must be auto, pairs or grouped, got {self.moe_decode_kernel!r}")
 
     @classmethod
@@ -514,3 +553,24 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+_FLAG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def engine_flags() -> list[tuple[str, str, str, dict]]:
+    """(field, flag, group, argparse keyword arguments) of every EngineConfig option that is a CLI flag, in
+    field order: the one declaration cli.add_engine_args builds its flags from (seed and revision are
+    Python-API only)."""
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        if "cli" not in f.metadata:
+            continue
+        kw = dict(f.metadata["cli"])
+        group = kw.pop("group")
+        flag = kw.pop("flag", "--" + f.name.replace("_", "-"))
+        kw.update(dest=f.name, default=f.default)
+        if f.type in _FLAG_TYPES:
+            kw["type"] = _FLAG_TYPES[f.type]
+        out.append((f.name, flag, group, kw))
+    return out

@@ -9,6 +9,22 @@ import itertools
 from dataclasses import dataclass, field
 
 
+def die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGTERM when the process (thread) that spawned it dies, even by
+    SIGKILL (the server's engine process, tensor-parallel ranks); elsewhere nothing."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class MoestreamError(Exception):
     """An error a user can hit and fix; the message says what to do."""
 

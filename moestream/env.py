@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
 
 
@@ -12,10 +11,28 @@ def cache_dir() -> Path:
     return Path(base) / "moestream"
 
 
+TRITON_MODES = ("auto", "on", "off")
+_TRITON_MODE = ["auto"]  # the engine option --triton (EngineConfig.triton), set by each Engine it builds
+
+
+def set_triton_mode(mode: str) -> None:
+    """The engine option --triton: "on" or "off" decide `triton_enabled` for this process, whatever
+    MOESTREAM_TRITON says; "auto" (the default) leaves the decision to MOESTREAM_TRITON."""
+    if mode not in TRITON_MODES:
+        raise ValueError(f"triton mode must be one of {', '.join(TRITON_MODES)}, got {mode!r}")
+    _TRITON_MODE[0] = mode
+
+
 def triton_enabled() -> bool:
-    """MOESTREAM_TRITON=0 turns the Triton kernels off (dequantization in moestream.quant; the norms, Gated
-    DeltaNet decode step and prefill chunk recurrence, router top-k, attention q/k prep and MoE combine in
-    layers/triton_ops.py): the torch reference paths run instead."""
+    """The one "use Triton?" decision, asked by every Triton kernel gate (dequantization in moestream.quant;
+    the norms, Gated DeltaNet decode step and prefill chunk recurrence, router top-k, attention q/k prep and
+    MoE combine in layers/triton_ops.py; the expert pair, grouped, compressed-pair and bridge kernels, the
+    device slot table's routing and compressed dense linears in moe/ and the engine), each of which also
+    needs triton to import and its tensors on CUDA. False: the torch reference paths run instead. Set by
+    --triton on|off; under --triton auto (default) MOESTREAM_TRITON=0 turns the kernels off (read at
+    each call, so a test or benchmark can switch within one process)."""
+    if _TRITON_MODE[0] != "auto":
+        return _TRITON_MODE[0] == "on"
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
 
@@ -51,39 +68,3 @@ def cpu_threading() -> tuple[bool, int]:
     benchmark can switch within one process."""
     spin = os.environ.get("MOESTREAM_CPU_SPIN_US", "300")
     return os.environ.get("MOESTREAM_CPU_POOL", "omp") == "pool", int(spin) if spin.isdigit() else 300
-
-
-@lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
-    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
-@lru_cache(maxsize=None)
-def cpu_has_native(dtype) -> bool:
-    """Whether this CPU multiplies `dtype` natively (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return True  # unknown CPU: keep torch's own kernel
-    import torch
-
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-    return any(flag in flags for flag in want.get(dtype, ()))
-
-
-WIDEN_MIN_ROWS = 16  # rows from which a 16-bit GEMM on such a CPU is faster in float32 (kernels/linear.py)
-
-
-def widen_gemm(x, w_dtype) -> bool:
-    """Whether a GEMM of activations x with `w_dtype` weights should run in float32: x on a CPU without
-    native multiplies of that 16-bit dtype, and at least WIDEN_MIN_ROWS rows of x."""
-    import torch
-
-    return (x.device.type == "cpu" and w_dtype in (torch.bfloat16, torch.float16)
-            and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and not cpu_has_native(w_dtype))

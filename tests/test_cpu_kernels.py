@@ -151,7 +151,7 @@ def test_iq3s_is_supported_once_its_codebook_is_set(monkeypatch):
 
 
 def test_avx2_build_on_avx2_cpus():
-    from moestream.env import cpu_flags
+    from moestream.hardware import cpu_flags
 
     assert cpu_quant.has_avx2() == ({"avx2", "fma", "f16c"} <= cpu_flags())
     assert cpu_quant.isa() == cpu_quant._isa_flags()[0]

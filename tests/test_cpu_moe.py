@@ -336,7 +336,7 @@ def test_portable_f16_rounding_matches_f16c(tmp_path):
     import shutil
     import subprocess
 
-    from moestream.env import cpu_flags
+    from moestream.hardware import cpu_flags
 
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None or "f16c" not in cpu_flags():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "moestream"
 # A package may import only packages of a lower rank (or its own).
-RANK = {"core": 0, "env": 0, "demo_tokenizer": 0, "config": 1, "random_weights": 1, "quant": 2, "kernels": 2,
+RANK = {"core": 0, "env": 0, "hardware": 0, "demo_tokenizer": 0, "config": 1, "random_weights": 1, "quant": 2, "kernels": 2,
         "tokenizer": 2, "demo": 2, "moe": 3, "layers": 4, "kvcache": 4, "models": 5, "engine": 6, "scheduler": 7,
         "parallel": 7, "llm": 8, "server": 9, "cli": 10}
 # engine/batch.py is plain data shared by layers and models (the vocabulary of a forward pass).

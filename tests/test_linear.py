@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moestream import env  # noqa: E402
+from moestream import hardware  # noqa: E402
 from moestream.kernels import linear as L  # noqa: E402
 
 
 @pytest.fixture
 def no_native(monkeypatch):
-    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
+    monkeypatch.setattr(hardware, "cpu_has_native", lambda dtype: False)
 
 
 def exact(x, w, b=None):
@@ -32,7 +32,7 @@ def test_widened_matches_reference(no_native, dtype, rows):
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
     b = torch.randn(200, generator=g).to(dtype)
-    assert env.widen_gemm(x, w.dtype)
+    assert hardware.widen_gemm(x, w.dtype)
     got = L.linear(x, w, b)
     assert got.dtype == dtype and got.shape == (rows, 200)
     want = exact(x, w, b)
@@ -56,13 +56,13 @@ def test_blocks_do_not_change_the_result(no_native, monkeypatch):
 def test_small_batches_native_cpus_and_float32_keep_torchs_kernel(monkeypatch):
     x = torch.randn(8, 64).to(torch.bfloat16)
     w = torch.randn(32, 64).to(torch.bfloat16)
-    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
-    assert not env.widen_gemm(x, w.dtype)  # 8 rows: bound by reading the weight, the 16-bit kernel reads half
+    monkeypatch.setattr(hardware, "cpu_has_native", lambda dtype: False)
+    assert not hardware.widen_gemm(x, w.dtype)  # 8 rows: bound by reading the weight, the 16-bit kernel reads half
     assert torch.equal(L.linear(x, w), F.linear(x, w))
-    assert not env.widen_gemm(torch.randn(64, 64), torch.float32)  # float32 weights
-    assert env.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
-    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: True)
-    assert not env.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
+    assert not hardware.widen_gemm(torch.randn(64, 64), torch.float32)  # float32 weights
+    assert hardware.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
+    monkeypatch.setattr(hardware, "cpu_has_native", lambda dtype: True)
+    assert not hardware.widen_gemm(torch.randn(64, 64).to(torch.bfloat16), w.dtype)
 
 
 def test_linear_module_keeps_nn_linear_state_dict(no_native):
@@ -79,7 +79,7 @@ def test_quantized_rows_widened_too(monkeypatch):
     from moestream.quant import base, gguf_format
     from moestream.quant.synthetic import random_raw
 
-    monkeypatch.setattr(env, "cpu_has_native", lambda dtype: False)
+    monkeypatch.setattr(hardware, "cpu_has_native", lambda dtype: False)
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")  # the tile path (few rows would take the int8 kernel)
     q = gguf_format("Q4_K")
     raw = random_raw(q, (96, 256), seed=1)

@@ -16,7 +16,8 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError, RequestError
-from ..env import fuse_projections_enabled
+from ..env import fuse_projections_enabled, set_triton_mode
+from ..hardware import host_memory
 from ..kvcache import HostPool, KVPool, StatePool
 from ..layers.rotary import Rotary
 from ..models.loader import expert_format_for, load_weights
@@ -57,9 +58,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     dt = DTYPES.get(cfg.torch_dtype, torch.bfloat16)
     if device.type == "cpu":
         # fp32 is the fastest and most exact CPU dtype; keep 16-bit only where fp32 would not fit well.
-        import os
-
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = host_memory()[0]
         return torch.float32 if cfg.approx_num_params() * 4 < ram // 4 else torch.bfloat16
     dt = torch.bfloat16 if dt == torch.float32 else dt
     if dt == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
@@ -85,6 +84,7 @@ class Engine:
             raise ConfigError(f"--tp-size {ecfg.tp_size} runs one process per rank: use LLM(..., tp_size=N) or "
                               "the CLI's --tp-size, not Engine directly")
         self.tp = tp
+        set_triton_mode(ecfg.triton)  # the process's one Triton decision (env.triton_enabled)
         self.use_mtp = ecfg.speculative == "mtp"
         if self.use_mtp and not cfg.mtp_num_layers:
             raise ConfigError("--speculative mtp needs a checkpoint with a multi-token-prediction block (Qwen3.5/"

@@ -52,7 +52,8 @@ import threading
 import numpy as np
 import torch
 
-from ..env import cache_dir, cpu_flags, cpu_kernels_enabled, cpu_threading
+from ..env import cache_dir, cpu_kernels_enabled, cpu_threading
+from ..hardware import cpu_flags
 
 log = logging.getLogger("moestream")
 

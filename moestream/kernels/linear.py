@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..env import widen_gemm
+from ..hardware import widen_gemm
 
 WIDEN_BLOCK_BYTES = 64 << 20
 

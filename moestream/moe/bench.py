@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..core import ConfigError
-from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef, physical_cores
+from ..hardware import device_name, physical_cores
+from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef
 from .formats import PROJS, ExpertFormat, HFExpertFormat, dense_format, gguf_expert_format, hf_expert_format
 
 log = logging.getLogger("moestream.bench")
@@ -35,12 +36,6 @@ def default_profile_path() -> Path:
     from ..env import cache_dir
 
     return cache_dir() / "benchbw.json"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def load_profile(device: torch.device, path: Path | None = None) -> dict | None:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_moe
-from .pairs import triton
+from .pairs import triton, triton_ready
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
 WORKER_TIMEOUT_S = 120.0
@@ -66,7 +66,7 @@ class CpuBridge:
         self.seq_h = torch.zeros(1, dtype=torch.long, pin_memory=pin)
         self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._req, self._done, self._err = self.req.numpy(), self.done.numpy(), self.err.numpy()
-        self.kernels = device.type == "cuda" and triton is not None  # else torch on this thread (tests: either)
+        self.kernels = triton_ready(device)  # else torch on this thread (tests: either)
         self._ids, self._meta = self.hids.numpy(), self.hmeta.numpy()
         self.seq = 0
         self.failure: BaseException | None = None

@@ -15,12 +15,12 @@ order is why every backend gives exactly fused's tokens on one device.
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from ..hardware import physical_cores
 from .formats import ExpertFormat, expert_mlp
 
 
@@ -189,23 +189,6 @@ def grouped_partials(x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef])
     grouped_pairs(x, topk_w, pairs, counts, rows, ref.bank, ref.fmt, scatter=True, out=groups.pair_out,
                   max_count=max(groups.counts))
     return dict.fromkeys(refs, IN_PAIR_OUT)
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on (SMT siblings counted once)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-    seen = set()
-    for c in cpus:
-        path = f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list"
-        try:
-            with open(path) as f:
-                seen.add(f.read().strip())
-        except OSError:
-            seen.add(str(c))
-    return max(1, len(seen))
 
 
 class CpuExperts:

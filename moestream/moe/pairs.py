@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..env import triton_enabled
+
 try:  # optional: absent on CPU-only installs
     import triton
     import triton.language as tl
@@ -31,7 +33,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def triton_ready(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+    """Whether the pair kernels run here: CUDA, triton imports and env.triton_enabled()."""
+    return triton is not None and device.type == "cuda" and triton_enabled()
 
 
 def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None) -> torch.Tensor:

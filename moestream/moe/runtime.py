@@ -27,7 +27,8 @@ class RuntimeOptions:
     cache_slots: int = 0  # device expert slots (offload, hybrid)
     prefill_slots: int = 0  # rows per half of the prefill double buffer (0: prefill uses the decode path)
     cpu_threads: int = 0  # 0: one per physical core
-    prefetch: bool = True  # predict layer l+1's experts with its router applied to layer l's input
+    # predict layer l+1's experts with its router applied to layer l's input; off as EngineConfig.moe_prefetch
+    prefetch: bool = False
     hybrid_fetch_fraction: float = 0.5  # share of a step's misses fetched over PCIe (rest: CPU)
     decode_kernel: str = "auto"  # pairs (moe/pairs.py, no host sync) | grouped (moe/compute.py) | auto
     max_pairs: int = 0  # most (token, expert) pairs of one decode layer call (max batch * top_k)

@@ -9,29 +9,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..core import ConfigError
+from ..hardware import allowed_cpus, sibling_groups
 
 
 @dataclass(frozen=True)
 class CoreSet:
     cpus: tuple[int, ...]  # logical CPUs the rank's process is pinned to
     threads: int  # torch intra-op threads = CPU expert threads of the rank
-
-
-def sibling_groups(cpus: list[int]) -> list[tuple[int, ...]]:
-    """The CPUs grouped by physical core (from sysfs; one group per CPU where it cannot be read)."""
-    groups: dict[str, list[int]] = {}
-    for c in sorted(cpus):
-        try:
-            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            key = str(c)
-        groups.setdefault(key, []).append(c)
-    return [tuple(g) for g in sorted(groups.values())]
 
 
 def split_cores(groups: list[tuple[int, ...]], size: int) -> list[CoreSet]:
@@ -50,7 +38,7 @@ def split_cores(groups: list[tuple[int, ...]], size: int) -> list[CoreSet]:
 
 
 def rank_core_sets(size: int) -> list[CoreSet]:
-    return split_cores(sibling_groups(list(os.sched_getaffinity(0))), size)
+    return split_cores(sibling_groups(allowed_cpus()), size)
 
 
 def pin_process(cores: CoreSet) -> tuple[set[int], int]:

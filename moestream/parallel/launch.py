@@ -28,7 +28,6 @@ import logging
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ..config import EngineConfig, ModelConfig
-from ..core import ConfigError, MoestreamError, RequestError
+from ..core import ConfigError, MoestreamError, RequestError, die_with_parent
 from ..engine.engine import Engine, resolve_device
 from ..kvcache.pools import PagePool
 from .cores import CoreSet, pin_process, rank_core_sets, unpin
@@ -368,7 +367,7 @@ def moved(obj, device: torch.device):
 def worker_main(a: WorkerArgs) -> None:
     logging.basicConfig(level=a.log_level, format=f"%(asctime)s %(levelname)s tp{a.rank} %(name)s: %(message)s",
                         force=True)
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 ends us
     pin_process(a.cores)
     if a.backend == "nccl":
@@ -421,15 +420,3 @@ def _serve(tp: TPRank, a: WorkerArgs) -> None:
             if engine is not None:
                 engine.runtime.close()
             return
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM when the process (thread) that spawned this one dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Mapping, Union
 
 import torch
 
-from ..env import widen_gemm
+from ..hardware import widen_gemm
 
 Raw = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 Rows = Union[None, slice, range, torch.Tensor, list, tuple]

@@ -16,10 +16,10 @@ import collections
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
+from ..core import die_with_parent
 from .messages import (Abort, Add, Delta, Failed, Outputs, Ready, Rebuild, Reply, Shutdown, StartupError, Stats,
                        StatsQuery)
 
@@ -41,7 +41,7 @@ class EngineArgs:
 def engine_main(args: EngineArgs, inbox, outbox, parent_pid: int) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
     signal.signal(signal.SIGTERM, _exit_now)  # while loading there is nothing to finish: go at once
     if args.engine_options.get("tp_size", 1) > 1:
@@ -82,18 +82,6 @@ def _is_user_error(e: Exception) -> bool:
     from ..core import MoestreamError
 
     return isinstance(e, MoestreamError)
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class _KeepMarkup:
