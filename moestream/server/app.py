@@ -272,10 +272,12 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(503, "the engine is not running", type="server_error")
         kv, moe = _cache_sizes(await _json_body(state, request))
         try:
-            return {"object": "cache_rebuild", **await state.engine.rebuild_caches(kv, moe)}
+            report = await state.engine.rebuild_caches(kv, moe)
         except asyncio.TimeoutError:
             raise ApiError(504, "the engine did not answer in time; the rebuild may still complete (see /v1/stats)",
                            type="server_error") from None
+        await _refresh_now(state)  # /v1/stats shows the new sizes as soon as this answer is out
+        return {"object": "cache_rebuild", **report}
 
 
 def _cache_sizes(body: dict) -> tuple[int | None, int | str | None]:
@@ -343,13 +345,20 @@ async def refresh_snapshot(state: ServerState, interval: float = 0.5) -> None:
         if check_alive is not None:
             check_alive()
         if state.engine.alive:
-            try:
-                asked = time.time()  # the engine's numbers are from after this moment
-                data = dict(await asyncio.wait_for(state.engine.stats(), 30.0))
-                data["_at"] = asked
-                state.snapshot = data
-                if state.metrics is not None:
-                    state.metrics.update_engine(data)
-            except (EngineError, asyncio.TimeoutError):
-                pass  # busy (a long step) or gone: keep the last snapshot
+            await _refresh_now(state)
         await asyncio.sleep(interval)
+
+
+async def _refresh_now(state: ServerState, timeout: float = 30.0) -> None:
+    """Ask the engine for its numbers now and make them the snapshot (kept as it was if the engine is busy
+    past the timeout or gone)."""
+    try:
+        asked = time.time()  # the engine's numbers are from after this moment
+        data = dict(await asyncio.wait_for(state.engine.stats(), timeout))
+    except (EngineError, asyncio.TimeoutError):
+        return
+    data["_at"] = asked
+    if (state.snapshot.get("_at") or 0) <= asked:  # a slower, older answer never replaces a newer one
+        state.snapshot = data
+        if state.metrics is not None:
+            state.metrics.update_engine(data)

@@ -249,9 +249,15 @@ def test_stop_aborts_the_request_on_the_server(browser, default_server, shots, c
 
 
 # ---- an MoE model behind --api-key ---------------------------------------------------------------
+MOE_CONTEXT, MOE_MAX_TOKENS = 16384, 16000
+
+
 @pytest.fixture(scope="module")
 def moe_server(tiny_checkpoint):
-    proc, port, log = start_server(["--model-path", str(tiny_checkpoint("qwen35")), "--served-model-name", "tiny-moe",
+    # a long context, so the test's request (ignore_eos, MOE_MAX_TOKENS) is still running when Stop is clicked:
+    # the tiny model decodes a 400-token answer in about a second on the CPU decode path
+    path = tiny_checkpoint("qwen35", max_position_embeddings=MOE_CONTEXT)
+    proc, port, log = start_server(["--model-path", str(path), "--served-model-name", "tiny-moe",
                                     "--api-key", KEY, "--moe-backend", "offload", "--moe-cache-size", "12"])
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc}
     if proc.poll() is None:
@@ -275,7 +281,7 @@ def test_api_key_and_dashboard_move_while_a_request_runs(browser, moe_server, sh
         assert s["experts"]["num_experts"] > 0 and set(s["experts"]["cache"]["resident_map"]) == set(s["experts"]["layers"])
         idle_gen = int(p.text("#v-gen").replace(",", ""))
         p.page.click("#settings summary")
-        p.page.fill("#set-max-tokens", "400")
+        p.page.fill("#set-max-tokens", str(MOE_MAX_TOKENS))
         p.page.check("#set-ignore-eos")
         _send(p, "Tell me about experts.")
         p.wait("document.getElementById('v-reqs').innerText.startsWith('1 /')", 30, "the dashboard to show 1 running")
