@@ -135,8 +135,43 @@ def test_decode_layer_gives_the_per_op_tokens(kind, tmp_path, tiny_checkpoint, m
     assert _generate(llm, 8) == ref
     plan = llm.engine.model.cpu_decode
     assert plan.steps >= 7 and plan.layers == len(llm.engine.model.layers)
+    # a GGUF's MoE blocks are compiled too: the whole stack in one call each step (hf:qwen3's float32 experts
+    # are not read by the kernels, so its MoE blocks stay per-op between the layer calls)
+    assert plan.stack_steps == (plan.steps if not kind.startswith("hf:") else 0)
     gdn = [layer.kind == "linear_attention" for layer in llm.engine.model.layers]
     assert [k == "gdn" for k in plan.kinds] == gdn and any(gdn) == (kind == "qwen35_causal")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen35_causal"])
+def test_stack_call_gives_the_per_layer_calls_tokens(kind, tmp_path, tiny_checkpoint, monkeypatch):
+    """The whole stack in one ms_decode_stack call (layers, MoE blocks, final norm) against one call per layer and
+    block: the same greedy tokens and runtime statistics; a routing tap attached (--record-routing) sends the step
+    back to the per-layer path, whose per-op MoE blocks the tap sees."""
+    from moestream import LLM
+    from moestream.moe.trace import read_trace
+
+    path = _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
+    runs = {}
+    for mode in ("stack", "per_layer"):
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        _generate(llm, 2)  # the plan is made at the first decode step
+        plan = llm.engine.model.cpu_decode
+        assert plan.stack is not None
+        if mode == "per_layer":
+            plan.stack = None
+        before = plan.stack_steps
+        runs[mode] = _generate(llm, 8), llm.engine.runtime.stats()["total"]
+        assert (plan.stack_steps > before) == (mode == "stack") and plan.steps >= 7
+    assert runs["stack"] == runs["per_layer"]
+    if kind == "llama":
+        return
+    trace = tmp_path / "routing.trace"
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, record_routing=str(trace))
+    assert _generate(llm, 8) == runs["stack"][0]
+    plan = llm.engine.model.cpu_decode
+    assert plan.steps >= 7 and plan.stack_steps == 0
+    llm.close()
+    assert int(read_trace(trace).step_decode.sum()) >= 7  # every decode step's routes reached the recorder
 
 
 @pytest.mark.parametrize("backend", ["fused", "cpu"])

@@ -115,6 +115,48 @@ def test_codebook_types_against_the_gguf_package(name):
         assert err.le(bound + 1e-5 * scale + 1e-6).all(), (force_scalar, (err / bound).max())
 
 
+ROW_TYPES = [t for t in BLOCK_TYPES if t not in ("IQ4_XS", "IQ3_S")] + FLOAT_TYPES  # ms_dequant_rows reads these
+
+
+@pytest.mark.parametrize("name", ROW_TYPES)
+def test_dequant_rows_against_the_gguf_package(name):
+    """The compiled row lookup (QuantEmbedding's): the gguf package's own dequantizer (an oracle independent of
+    moestream) to float32 rounding, and bit for bit the torch decoder's rows (prefill and decode embed alike);
+    repeated and unordered ids; an id out of range is an IndexError, not a read past the weight."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    n, k = 24, 512
+    raw = _weights(name, n, k, seed=5)
+    ids = torch.tensor([23, 0, 7, 7, 11])
+    out = cpu_quant.dequant_rows(raw, cpu_quant.TYPES[name], ids, k)
+    assert out is not None and out.dtype == torch.float32 and out.shape == (5, k)
+    ref = torch.from_numpy(gq.dequantize(raw.numpy(), GGMLQuantizationType[name]).astype(np.float32)).reshape(n, k)
+    torch.testing.assert_close(out, ref[ids], rtol=1e-6, atol=1e-7)
+    ours = gguf_format(name).dequantize_rows(raw.view(torch.uint8), (n, k), ids, torch.float32)
+    assert torch.equal(out, ours)
+    with pytest.raises(IndexError):
+        cpu_quant.dequant_rows(raw, cpu_quant.TYPES[name], torch.tensor([n]), k)
+
+
+def test_quant_embedding_takes_the_row_kernel(monkeypatch):
+    """QuantEmbedding on CPU looks rows up with ms_dequant_rows (same rows as the torch decoder, in the
+    module's dtype), and with MOESTREAM_CPU_KERNELS=0 goes back to the decoder."""
+    from moestream.layers.quant_linear import QuantEmbedding
+
+    raw = _weights("Q6_K", 40, 256, seed=6)
+    emb = QuantEmbedding("Q6_K", raw, 40, 256, torch.bfloat16)
+    ids = torch.tensor([[3, 39], [0, 3]])
+    calls = []
+    real = cpu_quant.dequant_rows
+    monkeypatch.setattr(cpu_quant, "dequant_rows", lambda *a: calls.append(1) or real(*a))
+    y = emb(ids)
+    assert calls and y.shape == (2, 2, 256) and y.dtype == torch.bfloat16
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    calls.clear()
+    assert torch.equal(emb(ids), y) and not calls
+
+
 @pytest.mark.parametrize("mode", ["block", "channel", "tensor"])
 def test_hf_fp8_kernel_against_float64(mode, monkeypatch):
     """HF FP8 weights (e4m3 bytes, float32 scales per 128x128 block / row / expert) through qlinear's CPU

@@ -98,3 +98,17 @@ def test_an_unexpected_add_error_fails_that_request_only(loop, monkeypatch):
     monkeypatch.setattr(loop.scheduler, "add", lambda req: (_ for _ in ()).throw(OverflowError("boom")))
     _, errors = _run(loop, {"x": [1, 2]})
     assert errors["x"].status == 500 and "boom" in errors["x"].message
+
+
+
+def test_llm_freezes_its_objects_and_close_gives_them_back(tiny_checkpoint):
+    """An LLM moves the objects alive after loading out of the cyclic collector's reach (gc.freeze); close()
+    hands them back, so a dropped engine's cycles can be collected."""
+    import gc
+
+    from moestream import LLM
+
+    llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32")
+    assert gc.get_freeze_count() > 0
+    llm.close()
+    assert gc.get_freeze_count() == 0

@@ -151,6 +151,9 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
     lib.ms_decode_desc_size.restype = ctypes.c_int
+    lib.ms_decode_stack.argtypes = [i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                    i64, i64, ptr, ctypes.c_int]
+    lib.ms_decode_stack.restype = ctypes.c_int
     lib.ms_gdn_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_gdn_decode.restype = ctypes.c_int
     lib.ms_moe_decode.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
@@ -162,6 +165,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                   ctypes.c_int]
     lib.ms_fp8_matmul.restype = ctypes.c_int
+    lib.ms_dequant_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.ms_dequant_rows.restype = ctypes.c_int
     lib.ms_set_iq3s_grid.argtypes = [ptr]
     lib.ms_set_iq3s_grid.restype = None
     _set_iq3s_grid(lib)
@@ -247,6 +252,23 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     mod.ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
                    out.data_ptr(), raw2d.shape[0], _threads(mod), 0)
     return out
+
+
+def dequant_rows(raw2d: torch.Tensor, type_id: int, ids: torch.Tensor, K: int) -> torch.Tensor | None:
+    """Rows `ids` of a weight stored as GGUF bytes (raw2d uint8 [N, row_bytes], rows contiguous) as float32
+    [len(ids), K]: an embedding lookup without the torch tile decoder's ~20 small ops. None where the library
+    has no scalar unpacker for the type (IQ4_XS, IQ3_S) or is not built; IndexError for an id out of range."""
+    mod = module()
+    if mod is None or raw2d.device.type != "cpu" or raw2d.stride(1) != 1:
+        return None
+    raw2d = raw2d.view(torch.uint8)  # 16-bit rows as their bytes
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), K, dtype=torch.float32)
+    rc = mod.ms_dequant_rows(raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id, K, ids.data_ptr(),
+                             ids.numel(), out.data_ptr(), _threads(mod))
+    if rc == -3:
+        raise IndexError(f"embedding row out of range [0, {raw2d.shape[0]})")
+    return out if rc == 0 else None
 
 
 def q8_0_float_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int = TYPES["Q8_0"]) -> torch.Tensor:

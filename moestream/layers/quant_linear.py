@@ -90,9 +90,14 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.fmt = gguf_format(type_name)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, dim, dtype
+        self.type_id = cpu_quant.TYPES.get(type_name)
         self.register_buffer("raw", raw.reshape(num_embeddings, -1), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        shape = (self.num_embeddings, self.embedding_dim)
-        rows = self.fmt.dequantize_rows(self.raw, shape, ids.reshape(-1), self.dtype)
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        rows = None
+        if self.type_id is not None and self.raw.device.type == "cpu" and cpu_quant.cpu_kernels_enabled():
+            rows = cpu_quant.dequant_rows(self.raw, self.type_id, ids, self.embedding_dim)  # one C call
+        if rows is None:
+            shape = (self.num_embeddings, self.embedding_dim)
+            rows = self.fmt.dequantize_rows(self.raw, shape, ids.reshape(-1), torch.float32)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -252,9 +252,11 @@ class CpuDecodePlan:
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
             self._runtimes.append(layer.mlp.runtime if moe else None)  # whose table it is
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
+        self.stack = self._stack_arrays(model)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
         self._state = None  # the same for the linear-attention state pool
         self.steps = 0  # decode steps run through the plan
+        self.stack_steps = 0  # of which in one ms_decode_stack call
 
     @staticmethod
     def _layer_desc(layer, cfg, rot, rot_ok: bool, state) -> tuple:
@@ -266,6 +268,24 @@ class CpuDecodePlan:
             g = _gdn_desc(layer, state)
             return (g[0], g[1], "gdn") if g is not None else (None, None, None)
         return None, None, None
+
+    def _stack_arrays(self, model) -> dict | None:
+        """ms_decode_stack's per-layer arrays (kinds, description / eps / MoE description addresses) and the
+        final norm's, when every decoder layer is compiled and every MLP is in its layer's call or a compiled MoE
+        block (the whole stack in one call); else None (one call per layer, torch where a part is not compiled)."""
+        n = len(self.descs)
+        if n == 0 or any(d is None for d in self.descs) \
+                or any(not self.has_mlp[i] and self.moe[i] is None for i in range(n)):
+            return None
+        final = _norm(model.norm)
+        if not final:
+            return None
+        fds = [self.fd[i] if self.kinds[i] == "gdn" else self.eps for i in range(n)]
+        addr = lambda arrays: np.array([0 if a is None else a.ctypes.data for a in arrays], dtype=np.int64)  # noqa: E731
+        return {"kinds": np.array([2 if k == "gdn" else 1 for k in self.kinds], dtype=np.int64),
+                "descs": addr(self.descs), "fds": addr(fds), "moes": addr(self.moe),
+                "final": final, "final_eps": np.array([model.norm.eps], dtype=np.float64),
+                "final_zc": int(model.norm.zero_centered), "failed": np.zeros(1, dtype=np.int64)}
 
     @property
     def layers(self) -> int:
@@ -323,15 +343,44 @@ class CpuDecodePlan:
             raise RuntimeError(f"CPU decode layer {i} failed ({rc})")
 
     def forward(self, batch) -> torch.Tensor:
-        """The decoder layers of one decode step: the final hidden states [T, H] (before the final norm)."""
+        """The decoder layers of one decode step and the final norm: the normed final hidden states [T, H] (the
+        vocabulary head's input)."""
         m = self.model
         self.steps += 1
         self._point_at(m.caches.kv, getattr(m.caches, "state", None))
         h = m.embed_tokens(batch.input_ids).contiguous()
         x = torch.empty_like(h)
-        ids = np.empty((h.shape[0], max(1, m.cfg.top_k)), dtype=np.int64)
         arrays = self.step_arrays(batch)
         nthreads = cpu_quant.threads()
+        if self.stack is not None and all(self._moe_now(i, layer.mlp) for i, layer in enumerate(m.layers)
+                                          if self.moe[i] is not None):
+            self._run_stack(h, x, arrays, nthreads)
+            self.stack_steps += 1
+            return x
+        return m.norm(self._per_layer(h, x, arrays, nthreads, batch))
+
+    def _run_stack(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
+        """Every layer and the final norm in one ms_decode_stack call (x = the normed output); routes booked."""
+        pos, slot, idx, off, states = arrays
+        st, m = self.stack, self.model
+        B, k = h.shape[0], max(1, m.cfg.top_k)
+        ids = np.empty((len(self.descs), B, k), dtype=np.int64)
+        rc = cpu_quant.module().ms_decode_stack(
+            len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
+            st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(),
+            off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"], st["final_eps"].ctypes.data,
+            st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
+        if rc:
+            raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
+        for i, layer in enumerate(m.layers):
+            if self.moe[i] is not None:
+                layer.mlp.runtime.book_host_call(layer.mlp.layer, ids[i])
+
+    def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:
+        """One compiled call per described layer and MoE block, the per-op path for the others: the final hidden
+        states [T, H] before the final norm."""
+        m = self.model
+        ids = np.empty((h.shape[0], max(1, m.cfg.top_k)), dtype=np.int64)
         normed = None
         for i, layer in enumerate(m.layers):
             if self.descs[i] is None:

@@ -168,9 +168,8 @@ class QwenMoeModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         plan = self._cpu_plan(batch)
-        if plan is not None:  # a CPU decode step: one compiled call per attention layer
-            h = plan.forward(batch)
-            return self.lm_head(self.norm(h[batch.logits_index])).float()
+        if plan is not None:  # a CPU decode step: compiled calls (the whole stack, or one per layer)
+            return self.lm_head(plan.forward(batch)[batch.logits_index]).float()
         h = self.embed_tokens(batch.input_ids)
         normed = None
         for i in range(len(self.layers)):

@@ -101,27 +101,112 @@ void rotate(float* v, const float* c, const float* s, int64_t rd) {
   }
 }
 
-// one query head over S cached positions (slots idx) of kv head `kvh`: out [hd]
-void attend(const float* q, const float* kc, const float* vc, const int64_t* idx, int64_t S, int64_t nkv, int64_t hd,
-            int64_t kvh, float scale, float* sc, float* out) {
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) {
-    const float* k = kc + (idx[s] * nkv + kvh) * hd;
-    float d = 0;
-    for (int64_t i = 0; i < hd; ++i) d += q[i] * k[i];
-    sc[s] = d * scale;
-    mx = std::max(mx, sc[s]);
-  }
+// e^(v - m) for n floats in place, and their sum (softmax's numerator and denominator; v <= m). AVX2: v - m = k ln2
+// + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its degree-6 Taylor polynomial (truncation < 1.3e-7 relative),
+// times 2^k through the exponent bits; below -87.3 (under FLT_MIN) 0. Scalar: std::exp. Summed in index order.
+float exp_sum(float* v, int64_t n, float m) {
+  int64_t i = 0;
   float sum = 0;
-  for (int64_t s = 0; s < S; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
-  std::fill(out, out + hd, 0.0f);
+#ifdef MS_DECODE_AVX2
+  const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2hi = _mm256_set1_ps(0.693145752f),
+               ln2lo = _mm256_set1_ps(1.42860677e-6f), lo = _mm256_set1_ps(-87.3f), vm = _mm256_set1_ps(m);
+  const float c[7] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720};
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(v + i), vm);
+    const __m256 x = _mm256_max_ps(x0, lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(k, ln2lo, _mm256_fnmadd_ps(k, ln2hi, x));
+    __m256 p = _mm256_set1_ps(c[6]);
+    for (int j = 5; j >= 0; --j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[j]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    _mm256_storeu_ps(v + i, _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x0, lo, _CMP_LT_OQ)));
+    for (int j = 0; j < 8; ++j) sum += v[i + j];
+  }
+#endif
+  for (; i < n; ++i) sum += (v[i] = std::exp(v[i] - m));
+  return sum;
+}
+
+// a . b summed in index order, each product rounded before it is added (contraction off here and in dots8, so the
+// two give the same floats whatever the compiler would fuse)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+float dot(const float* a, const float* b, int64_t n) {
+  float d = 0;
+  for (int64_t i = 0; i < n; ++i) d += a[i] * b[i];
+  return d;
+}
+
+#ifdef MS_DECODE_AVX2
+// r[c] lane j <- r[j] lane c
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  for (int j = 0; j < 8; j += 4) {
+    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j)
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20), r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+}
+
+// sc[g * S + s0 + j] = scale * q_g . k_j for 8 keys k_j (j = 0..7) and grp <= 16 query heads, a key per lane: each
+// lane sums its products in index order, as `dot` does, so the floats are the same; the keys' rows are read once
+// for the whole group. hd % 8 == 0.
+void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float scale, float* sc, int64_t S,
+           int64_t s0) {
+  __m256 acc[16];
+  for (int64_t g = 0; g < grp; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 8) {
+    __m256 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(k[j] + i);
+    transpose8(r);
+    for (int64_t g = 0; g < grp; ++g)
+      for (int c = 0; c < 8; ++c) acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_set1_ps(q[g * hd + i + c]), r[c]));
+  }
+  for (int64_t g = 0; g < grp; ++g) _mm256_storeu_ps(sc + g * S + s0, _mm256_mul_ps(acc[g], _mm256_set1_ps(scale)));
+}
+#endif
+#pragma GCC pop_options
+
+// the grp query heads q [grp, hd] sharing kv head `kvh`, over S cached positions (slots idx): out [grp, hd]. Each
+// cached key and value row is read once for the group. sc: scratch [grp, S].
+void attend_group(const float* q, int64_t grp, const float* kc, const float* vc, const int64_t* idx, int64_t S,
+                  int64_t nkv, int64_t hd, int64_t kvh, float scale, float* sc, float* out) {
+  int64_t s = 0;
+#ifdef MS_DECODE_AVX2
+  if (hd % 8 == 0 && grp <= 16)
+    for (; s + 8 <= S; s += 8) {
+      const float* k[8];
+      for (int j = 0; j < 8; ++j) k[j] = kc + (idx[s + j] * nkv + kvh) * hd;
+      dots8(q, grp, k, hd, scale, sc, S, s);
+    }
+#endif
+  for (; s < S; ++s) {
+    const float* k = kc + (idx[s] * nkv + kvh) * hd;
+    for (int64_t g = 0; g < grp; ++g) sc[g * S + s] = dot(q + g * hd, k, hd) * scale;
+  }
+  std::vector<float> inv(grp);
+  for (int64_t g = 0; g < grp; ++g) {
+    float* row = sc + g * S;
+    const float mx = *std::max_element(row, row + S);
+    inv[g] = 1.0f / exp_sum(row, S, mx);
+  }
+  std::fill(out, out + grp * hd, 0.0f);
   for (int64_t s = 0; s < S; ++s) {
     const float* v = vc + (idx[s] * nkv + kvh) * hd;
-    const float p = sc[s];
-    for (int64_t i = 0; i < hd; ++i) out[i] += p * v[i];
+    for (int64_t g = 0; g < grp; ++g) {
+      const float p = sc[g * S + s];
+      float* o = out + g * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
+    }
   }
-  const float inv = 1.0f / sum;
-  for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
+  for (int64_t g = 0; g < grp; ++g)
+    for (int64_t i = 0; i < hd; ++i) out[g * hd + i] *= inv[g];
 }
 
 // out[b, i] (rows os apart) = x[b] . W[i] for float32 weights W [N, K] (rows ws bytes apart): ggml type 0, which
@@ -200,22 +285,22 @@ void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, i
   }
 }
 
-// attention of every (row, head): att [B, nh * hd]
+// attention of every (row, kv head) group of query heads: att [B, nh * hd] (query head h reads kv head h / grp)
 void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx, const int64_t* kvoff, float* att,
                int nt) {
   const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD], grp = nh / nkv;
   const float scale = 1.0f / std::sqrt((float)hd);
   int64_t smax = 0, work = 0;
   for (int64_t b = 0; b < B; ++b) smax = std::max(smax, kvoff[b + 1] - kvoff[b]), work += kvoff[b + 1] - kvoff[b];
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, work * nh * hd / 16384));
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)nt, B * nkv, work * nh * hd / 16384}));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc(smax);
+    std::vector<float> sc(grp * smax);
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < B * nh; ++j) {
-      const int64_t b = j / nh, h = j % nh;
-      attend(q + j * hd, (const float*)d[D_KC], (const float*)d[D_VC], kvidx + kvoff[b],
-             kvoff[b + 1] - kvoff[b], nkv, hd, h / grp, scale, sc.data(), att + j * hd);
+    for (int64_t j = 0; j < B * nkv; ++j) {
+      const int64_t b = j / nkv, kvh = j % nkv, at = (b * nh + kvh * grp) * hd;
+      attend_group(q + at, grp, (const float*)d[D_KC], (const float*)d[D_VC], kvidx + kvoff[b],
+                   kvoff[b + 1] - kvoff[b], nkv, hd, kvh, scale, sc.data(), att + at);
     }
   }
 }
@@ -573,6 +658,32 @@ int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float
   if (rc) return rc;
   for (int64_t i = 0; i < B * n.H; ++i) h[i] += y[i];
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_POST_NORM], n.H, fd[0], zc, x + b * n.H);
+  return 0;
+}
+
+// The whole decoder stack of a decode step in one call (models/cpu_decode.py: every layer described): layer l is
+// ms_decode_layer (kinds[l] 1: descs[l], fds[l] its eps) or ms_gdn_decode (kinds[l] 2), then the MoE block
+// moes[l] (0: none, the layer's MLP being in its call) with its route written to ids + l * B * k_stride. With
+// final_norm (a float32 [H] vector, 0: none) x = that RMSNorm of h at the end (eps fd_final[0], zero-centered
+// per final_zc), the vocabulary head's input. Returns 0, or the failing call's code with *failed = its layer.
+int ms_decode_stack(int64_t L, const int64_t* kinds, const int64_t* descs, const int64_t* fds, const int64_t* moes,
+                    int64_t k_stride, int64_t B, float* h, float* x, const int64_t* pos, const int64_t* slot,
+                    const int64_t* kvidx, const int64_t* kvoff, const int64_t* states, int64_t* ids,
+                    int64_t final_norm, const double* fd_final, int64_t final_zc, int64_t H, int64_t* failed,
+                    int nthreads) {
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* d = (const int64_t*)descs[l];
+    const double* fd = (const double*)fds[l];
+    int rc = kinds[l] == 1 ? ms_decode_layer(d, fd, B, h, x, pos, slot, kvidx, kvoff, nthreads)
+             : kinds[l] == 2 ? ms_gdn_decode(d, fd, B, h, x, states, nthreads) : -2;
+    if (!rc && moes[l]) rc = ms_moe_decode((const int64_t*)moes[l], B, x, h, ids + l * B * k_stride, nthreads);
+    if (rc) {
+      *failed = l;
+      return rc;
+    }
+  }
+  if (final_norm)
+    for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)final_norm, H, fd_final[0], final_zc, x + b * H);
   return 0;
 }
 

@@ -1272,9 +1272,53 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// One weight row of K values, dequantized as value = a * q + b per sub-block (the unpackers' contract), F16 /
+// BF16 widened. The product is rounded before the offset is added (no fused multiply-add), as the torch
+// decoders of quant/gguf_formats.py compute it. Returns false for a type without a scalar unpacker.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+bool dequant_row(int64_t type, const uint8_t* w, int64_t K, float* out) {
+  if (is_float_type(type)) {
+    for (int64_t i = 0; i < K; ++i) {
+      uint16_t v;
+      std::memcpy(&v, w + 2 * i, 2);
+      if (type == T_F16) out[i] = half_to_float(w + 2 * i);
+      else {
+        const uint32_t bits = (uint32_t)v << 16;
+        std::memcpy(out + i, &bits, 4);
+      }
+    }
+    return true;
+  }
+  if (is_iq_k(type) || row_bytes(type, K) <= 0) return false;
+  unpack_scalar(type, w, K, [&](int64_t j, const Sub& u) {
+    float* o = out + j * QB;
+    for (int i = 0; i < QB; ++i) {
+      const float p = (i < 16 ? u.a0 : u.a1) * (float)u.q[i];
+      o[i] = p + u.b;
+    }
+  });
+  return true;
+}
+#pragma GCC pop_options
+
 }  // namespace
 
 extern "C" {
+
+// out [n, K] float32 = rows ids[0..n) of a weight of `type` (rows `ws` bytes apart): an embedding lookup of
+// GGUF bytes. Returns 0, -1 for a type this file has no scalar unpacker for (IQ4_XS, IQ3_S: the torch path) or
+// a bad K, -3 for an id out of [0, N).
+int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64_t K, const int64_t* ids, int64_t n,
+                    float* out, int nthreads) {
+  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_iq_k(type)) return -1;
+  for (int64_t r = 0; r < n; ++r)
+    if (ids[r] < 0 || ids[r] >= N) return -3;
+  par_for(n, 8, nthreads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequant_row(type, w + ids[r] * ws, K, out + r * K);
+  });
+  return 0;
+}
 
 // x: float32 [n, K] rows contiguous; w: N rows of row_bytes(type, K) bytes, `wstride` bytes apart;
 // out: float32 [n, N], rows `ostride` floats apart. Writes out = x @ W.T. Returns 0, or -1 for an
