@@ -1,7 +1,7 @@
 """CPU-computed experts inside a decode step that never waits on the host (hybrid and cpu on a GPU).
 
 The CPU can only compute a pair (token, expert) once it knows the route, which the GPU computes. The
-grouped path (policies.CachedRuntime) brings each layer's route to the host and back: one host
+grouped path (strategies.GroupedDecode) brings each layer's route to the host and back: one host
 synchronisation per layer, so the step cannot be a CUDA graph and the launches cost more than the
 experts. Here the step stays one graph; the GPU and one CPU worker thread meet in pinned host memory
 that both address (unified addressing):
