@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moestream.kernels import cpu_quant
+from moestream.moe.swiglu import reference, swiglu
 from moestream.quant import gguf_format
 from test_cpu_kernels import _quantized_x, _weights, act_block
 
@@ -62,13 +62,13 @@ def test_layer_call_matches_float64_model(types, force_scalar):
         for p in range(STARTS[g], STARTS[g + 1]):
             xr = x[ROWS[p]:ROWS[p] + 1]
             gv, uv = _round_x(types[0], xr) @ wg.T, _round_x(types[1], xr) @ wu.T
-            h = (F.silu(gv) * uv).float()
+            h = swiglu(gv, uv).float()
             ref = (_round_x(types[2], h) @ wd.T)[0] * float(w[p])
             scale = (h.double().abs() @ wd.abs().T)[0] * float(w[p])  # float32 rounding scale of the down sums
             err = (y[DST[p]] - ref).abs()
             # g/u carry float32 error into h (and so into h's int8 rounding): 1e-4 of the scale is ample
             assert (err <= 1e-4 * scale + 1e-30).all(), (types, p, (err / scale).max().item())
-            true = (F.silu(xr.double() @ wg.T) * (xr.double() @ wu.T)) @ wd.T * float(w[p])
+            true = reference(xr, wg, wu, wd) * float(w[p])
             rel = ((y[DST[p]] - true[0]).norm() / true.norm()).item()
             assert rel < 0.05, (types, p, rel)
 
@@ -94,7 +94,7 @@ def test_layer_call_equals_the_matmuls_it_fuses(types):
         for p in range(STARTS[g], STARTS[g + 1]):
             xr = x[ROWS[p]:ROWS[p] + 1]
             gv, uv = (cpu_quant.qmatmul(xr, banks[j][e].reshape(I, -1), types[j]) for j in (0, 1))
-            h = F.silu(gv) * uv
+            h = swiglu(gv, uv)
             ref = cpu_quant.qmatmul(h, banks[2][e].reshape(H, -1), types[2])[0] * w[p]
             if _torch_silu_is_libm():
                 assert torch.equal(y[DST[p]], ref), (types, p)
@@ -113,10 +113,10 @@ def test_h_rounded_to_the_activation_dtype(h_dtype):
     wd = _dequant(types, banks, EXPERTS[0])[2]
     xr = x[ROWS[0]:ROWS[0] + 1].float()
     gv, uv = (cpu_quant.qmatmul(xr, banks[j][EXPERTS[0]].reshape(I, -1), "Q8_0") for j in (0, 1))
-    h = (F.silu(gv) * uv).to(h_dtype)
+    h = swiglu(gv, uv, h_dtype)
     scale = (h.double().abs() @ wd.abs().T)[0]  # float32 rounding scale of the down sums
     assert ((y[DST[0]].double() - (h.double() @ wd.T)[0]).abs() <= 2e-6 * scale).all()
-    h32 = F.silu(gv) * uv  # unrounded h gives a different answer: the rounding is really there
+    h32 = swiglu(gv, uv)  # unrounded h gives a different answer: the rounding is really there
     assert ((y[DST[0]].double() - (h32.double() @ wd.T)[0]).abs() > 2e-6 * scale).any()
 
 

@@ -1,7 +1,8 @@
 """moestream.moe.grouped: the grouped routed-expert GEMM equals float64 math on the dequantized experts.
 
-Reference: each expert dequantized by the torch decoders (moestream.quant) in float64, then
-y[t] = sum_j w[t, j] * down @ (silu(gate @ x[t]) * (up @ x[t])) in float64 (x is the same bf16/fp16 input).
+Reference: each expert dequantized by the torch decoders (moestream.quant) in float64, then the experts'
+SwiGLU oracle (moe/swiglu.reference_pairs): y[t] = sum_j w[t, j] * down @ (silu(gate @ x[t]) * (up @ x[t])) in
+float64 (x is the same bf16/fp16 input).
 
 Tolerance (normwise |y - ref| / |ref|, and max |y - ref| / max |ref|): the kernel rounds (to nearest
 even, also under the interpreter) where the torch loop rounds: each weight, g, u, silu(g), h and the
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
@@ -99,14 +99,11 @@ def build_case(case: str):
 
 
 def reference(x, ids, w, ref_w) -> torch.Tensor:
-    wg, wu, wd = ref_w
-    xd = x.double()
-    y = torch.zeros_like(xd)
-    for j in range(ids.shape[1]):
-        e = ids[:, j]
-        h = F.silu(torch.einsum("tih,th->ti", wg[e], xd)) * torch.einsum("tih,th->ti", wu[e], xd)
-        y += w[:, j, None].double() * torch.einsum("thi,ti->th", wd[e], h)
-    return y
+    """The float64 SwiGLU oracle (moe/swiglu.py) of every pair, each token's k pairs summed."""
+    from moestream.moe.swiglu import reference_pairs
+
+    T, k = ids.shape
+    return reference_pairs(x, w, ids, *ref_w).view(T, k, -1).sum(1)
 
 
 def errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -97,9 +97,9 @@ def test_quantized_rows_widened_too(monkeypatch):
 
 
 def test_dense_experts_use_the_widening_linear(monkeypatch):
-    """Routed dense experts (the format's SwiGLU and compute's) go through kernels.linear: a twin with its
-    own F.linear calls kept CPU prefill experts on the slow bf16 kernel once."""
-    from moestream.moe import compute, formats
+    """Routed dense experts (the format's SwiGLU and compute's, both moe/swiglu.py's) go through kernels.linear:
+    a twin with its own F.linear calls kept CPU prefill experts on the slow bf16 kernel once."""
+    from moestream.moe import compute, formats, swiglu
 
     calls = []
 
@@ -107,7 +107,7 @@ def test_dense_experts_use_the_widening_linear(monkeypatch):
         calls.append(tuple(w.shape))
         return L.linear(x, w, bias)
 
-    monkeypatch.setattr(formats, "linear", spy)
+    monkeypatch.setattr(swiglu, "linear", spy)
     g = torch.Generator().manual_seed(4)
     gate_up, down = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
     x = torch.randn(5, 32, generator=g)

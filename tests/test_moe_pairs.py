@@ -1,6 +1,7 @@
 """The pair kernels' contract and the device-side slot cache (moe/pairs.py, moe/device_cache.py).
 
-The torch reference runs here; the Triton kernels are checked against it on CUDA (skipped without)."""
+The torch reference runs here and equals the experts' SwiGLU oracle (moe/swiglu.py); the Triton kernels are
+checked against both on CUDA (skipped without)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from moestream.engine.graphs import kv_bucket
 from moestream.moe.compute import moe_reference
 from moestream.moe.device_cache import DeviceSlotCache
 from moestream.moe.pairs import _pair_outputs_torch, pair_moe, pair_moe_torch, pair_outputs, stage_experts, triton_ready
+from moestream.moe.swiglu import reference_pairs, split_gate_up
 
 E, H, I = 12, 32, 16
 
@@ -35,6 +37,20 @@ def test_pairs_equal_grouped_reference(T, k):
     want = moe_reference(x, ids, w, b["gate_up"], b["down"])
     got = pair_moe_torch(x, w, ids.reshape(-1), b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_pair_reference_is_the_swiglu_oracle(dtype, tol):
+    """The pair contract's torch reference computes w * down(silu(gate x) * up x) with h rounded to the
+    activations' dtype: the float64 oracle within the dtype's rounding (g, u and the outputs rounded there)."""
+    b = bank(E, 7, dtype=dtype)
+    x = torch.randn(3, H).to(dtype)
+    ids, w = route(3, 4, 5)
+    got = _pair_outputs_torch(x, w, ids.reshape(-1), b)
+    want = reference_pairs(x, w, ids, *split_gate_up(b["gate_up"]), b["down"], h_dtype=dtype)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    wrong = reference_pairs(x, w, ids.roll(1, dims=1), *split_gate_up(b["gate_up"]), b["down"], h_dtype=dtype)
+    assert (got.double() - wrong).abs().max() > 10 * tol * float(want.abs().max())  # the check sees wrong experts
 
 
 def test_stage_then_pairs():
@@ -131,6 +147,9 @@ def test_triton_stage_and_pairs_match_reference(dtype):
     want = pair_moe_torch(x, w.to(dtype), src, pool)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
+    oracle = reference_pairs(x, w.to(dtype), src.view(3, 4), *split_gate_up(pool["gate_up"]), pool["down"],
+                             h_dtype=dtype)  # the float64 SwiGLU of every pair's row
+    torch.testing.assert_close(got.double().cpu(), oracle.view(3, 4, H).sum(1), **tol)
 
 
 @cuda

@@ -117,6 +117,7 @@ def test_expert_mlp_dense_is_compute_and_quantized_is_tiled_exactly(monkeypatch)
     import moestream.quant.base as qbase
     from moestream.moe.compute import expert_mlp
     from moestream.moe.formats import dense_format, gguf_expert_format
+    from moestream.moe.swiglu import reference
 
     g = torch.Generator().manual_seed(0)
     H, I = 256, 96
@@ -130,8 +131,7 @@ def test_expert_mlp_dense_is_compute_and_quantized_is_tiled_exactly(monkeypatch)
     fmt = gguf_expert_format({n: t.name for n, t in types.items()}, H, I)
     raw = {n: quants.quantize(w[n].numpy(), types[n]) for n in w}
     deq = {n: torch.from_numpy(quants.dequantize(raw[n], types[n]).astype(np.float64)).reshape(w[n].shape) for n in w}
-    xd = x.double()
-    want = (torch.nn.functional.silu(xd @ deq["gate"].T) * (xd @ deq["up"].T)) @ deq["down"].T
+    want = reference(x, deq["gate"], deq["up"], deq["down"])  # the float64 SwiGLU oracle (moe/swiglu.py)
     monkeypatch.setattr(qbase, "TILE_BYTES", 16 * H * 4)  # 16-row tiles: several per matrix
     got = fmt.expert_mlp(x, {n: torch.from_numpy(r).reshape(-1) for n, r in raw.items()})
     assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # fp32 GEMM rounding only

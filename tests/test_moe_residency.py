@@ -9,7 +9,7 @@ import torch
 
 from moestream.moe.compute import moe_reference
 from moestream.moe.formats import dense_format
-from moestream.moe.policies import fetch_count
+from moestream.moe.strategies import fetch_count
 from moestream.moe.residency import CacheFull, Residency
 from moestream.moe.runtime import RuntimeOptions, build_runtime
 from moestream.moe.store import ExpertStore

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..env import triton_enabled
+from ..moe.swiglu import swiglu
 
 try:  # optional: absent on CPU-only installs
     import triton
@@ -398,7 +399,7 @@ def route_topk(logits: torch.Tensor, k: int, normalize: bool):
 
 
 def silu_mul_torch(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    return torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+    return swiglu(gu[:, :inter], gu[:, inter:2 * inter])
 
 
 def silu_mul(gu: torch.Tensor, inter: int, force: bool = False) -> torch.Tensor:

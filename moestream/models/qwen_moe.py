@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..engine.batch import ForwardBatch
@@ -21,6 +20,7 @@ from ..kernels.linear import Linear, linear
 from ..layers import triton_ops
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
+from ..moe.swiglu import swiglu
 
 
 class MLP(nn.Module):
@@ -31,7 +31,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):

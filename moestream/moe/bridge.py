@@ -1,7 +1,7 @@
 """CPU-computed experts inside a decode step that never waits on the host (hybrid and cpu on a GPU).
 
 The CPU can only compute a pair (token, expert) once it knows the route, which the GPU computes. The
-grouped path (policies.CachedRuntime) brings each layer's route to the host and back: one host
+grouped path (strategies.GroupedDecode) brings each layer's route to the host and back: one host
 synchronisation per layer, so the step cannot be a CUDA graph and the launches cost more than the
 experts. Here the step stays one graph; the GPU and one CPU worker thread meet in pinned host memory
 that both address (unified addressing):
@@ -33,10 +33,10 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import cpu_moe
 from .pairs import triton, triton_ready
+from .swiglu import swiglu
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
 WORKER_TIMEOUT_S = 120.0
@@ -306,7 +306,7 @@ class PairMlp:
         for e, r0, r1 in groups:
             torch.mm(xs[r0:r1], gate_up[e].t(), out=gu[r0:r1])
         g, u = gu.float().chunk(2, dim=-1)
-        torch.mul(F.silu(g), u, out=h)  # cast on write
+        swiglu(g, u, out=h)  # cast on write
         for e, r0, r1 in groups:
             torch.mm(h[r0:r1], down[e].t(), out=yd[r0:r1])
         return yd
@@ -332,7 +332,7 @@ class QuantPairMlp:
             rows = {name: a[e] for name, a in bank.items()}
             xe = xs[r0:r1].float()
             g, u = (qlinear(xe, *fmt.weight(rows, proj)) for proj in ("gate", "up"))
-            h = (F.silu(g) * u).to(xs.dtype).float()
+            h = swiglu(g, u, xs.dtype).float()
             y[r0:r1] = qlinear(h, *fmt.weight(rows, "down"))
         return y
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..hardware import physical_cores
-from .formats import ExpertFormat, expert_mlp
+from .formats import ExpertFormat
+from .swiglu import expert_mlp
 
 
 @dataclass(frozen=True)

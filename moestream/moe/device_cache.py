@@ -79,7 +79,7 @@ class DeviceSlotCache:
         expert id are fetched (admitted or staged); the others are left to the CPU: src = -1 for their
         pairs, no row, no victim, listed after the fetched ones (count = f). A float32 device scalar
         tensor as fetch_fraction is read on the device at every call (a recorded graph follows changes to
-        it: hybrid's live share, policies.HybridRuntime)."""
+        it: hybrid's live share, strategies.BridgeDecode)."""
         if topk_ids.device.type == "cuda" and triton is not None and triton_enabled():
             return route_triton(self, layer, topk_ids, fetch_fraction)
         return self._route_torch(layer, topk_ids, fetch_fraction)
@@ -181,7 +181,7 @@ class DeviceSlotCache:
 def device_fetch_count(n_miss: torch.Tensor, fraction: float | torch.Tensor) -> torch.Tensor:
     """The hybrid fetch count of n_miss misses (a tensor scalar, on any device): the integer f minimising
     max(f * (1 - frac), (n - f) * frac), in float64 of the float32-rounded fraction (a float, or a float32
-    tensor scalar on n_miss's device), as the kernel computes it; policies.fetch_count is its host form."""
+    tensor scalar on n_miss's device), as the kernel computes it; strategies.fetch_count is its host form."""
     frac = fraction.double() if isinstance(fraction, torch.Tensor) else _f32(fraction)
     n = n_miss.double()
     lo = torch.floor(n * frac)

@@ -10,7 +10,7 @@ A format is a row here:
 
 Banks, copies and device slots move these rows as they are, so a compressed expert costs its
 compressed bytes everywhere. `expert_mlp(x, rows)` is one expert's SwiGLU wherever its rows are: dense
-formats run `expert_mlp` below (also `compute.expert_mlp`); quantized formats run `quant.qlinear`, which
+formats run `swiglu.expert_mlp` (also `compute.expert_mlp`); quantized formats run `quant.qlinear`, which
 dequantizes one row tile at a time on CPU (a whole expert is never expanded there) and whole matrices
 on a GPU. Every backend calls this one method, so on one device they agree token for token. `dense()` dequantizes
 a whole expert (`ExpertStore.weights`, tests).
@@ -20,15 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels.linear import linear
-
-
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP of one dense expert: x [n, H], gate_up [2I, H], down [H, I] (kernels.linear's GEMMs)."""
-    g, u = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(g) * u, down)
+from .swiglu import expert_mlp, swiglu
 
 PROJS = ("gate", "up", "down")
 
@@ -92,7 +85,7 @@ class QuantizedExpertFormat(ExpertFormat):
     def expert_mlp(self, x: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         g = self._linear(x, rows, "gate")
         u = self._linear(x, rows, "up")
-        return self._linear(F.silu(g) * u, rows, "down")
+        return self._linear(swiglu(g, u), rows, "down")
 
     def _linear(self, x: torch.Tensor, rows: dict[str, torch.Tensor], proj: str) -> torch.Tensor:
         from ..quant import qlinear

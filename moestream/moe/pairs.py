@@ -21,9 +21,9 @@ staged by the same copy kernel (it copies every array of the pool as bytes).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..env import triton_enabled
+from .swiglu import swiglu
 
 try:  # optional: absent on CPU-only installs
     import triton
@@ -90,7 +90,7 @@ def _pair_outputs_torch(x, topk_w, src, pool) -> torch.Tensor:
         xp, w = xp[p], w[p]
     gu = torch.bmm(gate_up, xp.unsqueeze(-1)).squeeze(-1).float()
     g, u = gu.chunk(2, dim=-1)
-    h = (F.silu(g) * u).to(x.dtype)
+    h = swiglu(g, u, x.dtype)
     out = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1).float() * w
     if p is None:
         return out

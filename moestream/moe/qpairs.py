@@ -32,9 +32,9 @@ Implementations:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .formats import PROJS, GGUFExpertFormat, HFExpertFormat
+from .swiglu import swiglu
 
 try:  # optional: absent on CPU-only installs (the torch reference runs there)
     import triton
@@ -98,7 +98,7 @@ def quant_pair_outputs_torch(x, topk_w, src, pool, fmt) -> torch.Tensor:
     xp = x[pairs // k].float()
     g = torch.bmm(wg, xp.unsqueeze(-1)).squeeze(-1)
     u = torch.bmm(wu, xp.unsqueeze(-1)).squeeze(-1)
-    h = (F.silu(g) * u).to(x.dtype).float()
+    h = swiglu(g, u, x.dtype).float()
     out = torch.bmm(wd, h.unsqueeze(-1)).squeeze(-1) * topk_w.reshape(-1)[pairs].float().unsqueeze(-1)
     if x.device.type != "cpu":
         return torch.where((src >= 0).unsqueeze(-1), out, 0.0)

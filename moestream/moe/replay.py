@@ -77,7 +77,7 @@ def layer_calls(trace: Trace):
 def replay(trace: Trace, slots: int, policy: str = "lru", path: str = "grouped", scratch: int = 0,
            prefetch: bool = False, lookahead: int = 0, lift: bool = False) -> ReplayResult:
     """Counts of one replay; `scratch` (pairs path): the pool rows that stage misses without a slot, taken from
-    `slots` as the engine does (policies.DeviceCachedRuntime: max_pairs = max running requests x top-k).
+    `slots` as the engine does (caches.DeviceSlots: max_pairs = max running requests x top-k).
     prefetch (grouped path, a trace with predictions): the decode prefetcher of `--moe-prefetch on`;
     lookahead (grouped path, any trace): instead, prefetch up to that many experts of the next layer predicted
     by a co-occurrence table learned online (moe/lookahead.py; `lift`: its lift ranking)."""
@@ -96,15 +96,15 @@ def replay(trace: Trace, slots: int, policy: str = "lru", path: str = "grouped",
 
 def predicted_experts(pred: np.ndarray, limit: int) -> list[int]:
     """The prefetcher's list from a layer call's predicted top-k [T, k]: most-predicted first, ties by id,
-    at most `limit` (ExpertRuntime._predict)."""
+    at most `limit` (runtime.Lookahead.predict)."""
     experts, counts = np.unique(pred, return_counts=True)
     return experts[np.argsort(-counts, kind="stable")][:limit].tolist()
 
 
 def _replay_grouped(trace: Trace, slots: int, policy: str, prefetch: bool, lookahead: int = 0,
                     lift: bool = False) -> tuple[int, int, int, int]:
-    """The grouped decode path (policies.CachedRuntime forward / _device_rounds / _prefetch_next /
-    _settle_prefetch): the prefetch of layer l+1 runs after the first round of layer l's accesses. With
+    """The grouped decode path (strategies.GroupedDecode over caches.HostSlots: compute / prefetch_next /
+    settle_prefetch): the prefetch of layer l+1 runs after the first round of layer l's accesses. With
     `lookahead`, the same prefetch from a CoocPredictor's list; the table learns each layer pair after its
     second layer's call (so a step's prediction never knows the step)."""
     if policy not in POLICIES:
@@ -147,7 +147,7 @@ def _replay_pairs(trace: Trace, slots: int, scratch: int) -> tuple[int, int]:
 
     from .device_cache import HITS, MISSES, DeviceSlotCache
 
-    scratch = min(max(scratch, 1), trace.header.num_experts)  # as DeviceCachedRuntime._build_cache
+    scratch = min(max(scratch, 1), trace.header.num_experts)  # as caches.DeviceSlots.rebuild
     cache = DeviceSlotCache(max(slots - scratch, 1), trace.header.moe_layers, trace.header.num_experts, scratch,
                             torch.device("cpu"))
     layers = trace.header.moe_layers

@@ -92,9 +92,13 @@ class LfuPolicy:
             self.since_age += 1
         self.tick[key] = self.clock
         if key in self.resident:
-            self._push((self.freq[key], self.clock, key))
+            self._reused(key)
         if self.since_age >= self.age_every:
             self._age()
+
+    def _reused(self, key: Key) -> None:
+        """A resident key was used: its heap entry is renewed with its new count and tick."""
+        self._push((self.freq[key], self.clock, key))
 
     def admitted(self, key: Key) -> None:
         self.resident.add(key)
@@ -189,16 +193,9 @@ class WindowLfuPolicy(LfuPolicy):
         self.window: OrderedDict[Key, None] = OrderedDict()
         self.main: set[Key] = set()
 
-    def used(self, key: Key, count: bool = True) -> None:
-        self.clock += 1
-        if count:
-            self.freq[key] += 1
-            self.since_age += 1
-        self.tick[key] = self.clock
-        if key in self.resident:
-            self._to_window(key)
-        if self.since_age >= self.age_every:
-            self._age()
+    def _reused(self, key: Key) -> None:
+        """A resident key was used (LfuPolicy.used counts it): it moves to the window's recent end."""
+        self._to_window(key)
 
     def admitted(self, key: Key) -> None:
         self.resident.add(key)

@@ -60,9 +60,10 @@ class StatsBook:
         self.last_step: dict | None = None  # hits/misses of the last finished decode step
         self.window: list[tuple[int, int]] = []  # (hits, misses) of the last decode steps
         self.residency = None  # when set, hits/misses/evictions are read from its counters
-        # when set: callable -> {layer: {field: count}} kept on the device (moe/device_cache.py), added to
-        # the host counts of the same fields whenever the book is read
-        self.device_counts = None
+        # counts kept off the host (device tensors: the pair path's counters and moe/device_cache.py; the CPU
+        # bridge's worker): callables -> {layer: {field: count}}, added to the host counts of the same fields
+        # whenever the book is read (each part of a runtime that keeps such counts adds its own)
+        self.counters: list = []
         self._steps = 0  # decode steps seen (device counters are read every SAMPLE_EVERY of them)
 
     def _sync(self) -> None:
@@ -76,16 +77,16 @@ class StatsBook:
         return self.layers[layer]
 
     def merged(self) -> dict[int, LayerStats]:
-        """Per layer: host counts plus the device-side ones."""
+        """Per layer: host counts plus the ones kept off the host (`counters`)."""
         self._sync()
-        if self.device_counts is None:
+        if not self.counters:
             return self.layers
-        out = {}
-        for layer, extra in self.device_counts().items():
-            s = LayerStats(**asdict(self.layers[layer]))
-            for name, v in extra.items():
-                setattr(s, name, getattr(s, name) + v)
-            out[layer] = s
+        out = {layer: LayerStats(**asdict(s)) for layer, s in self.layers.items()}
+        for counts in self.counters:
+            for layer, extra in counts().items():
+                s = out[layer]
+                for name, v in extra.items():
+                    setattr(s, name, getattr(s, name) + v)
         return out
 
     def total(self) -> LayerStats:
@@ -97,13 +98,13 @@ class StatsBook:
     SAMPLE_EVERY = 8  # decode steps between reads of device-side counters (each read waits for the GPU)
 
     def begin_step(self) -> None:
-        if self.device_counts is not None:
+        if self.counters:
             return  # sampled in end_step
         t = self.total()
         self._step_start = (t.hits, t.misses)
 
     def end_step(self, decode: bool) -> None:
-        if self.device_counts is not None:
+        if self.counters:
             if not decode:
                 return
             self._steps += 1
@@ -111,7 +112,7 @@ class StatsBook:
                 return
         t = self.total()
         h, m = t.hits - self._step_start[0], t.misses - self._step_start[1]
-        if self.device_counts is not None:
+        if self.counters:
             self._step_start = (t.hits, t.misses)
         if decode and h + m:
             self.last_step = {"hits": h, "misses": m, "hit_rate": h / (h + m)}

@@ -1,0 +1,427 @@
+"""How a layer call's routed experts are computed: the decode and prefill strategies of an ExpertRuntime.
+
+decode
+    pairs     every (token, k) pair reads its expert from the device row the cache gives it (moe/pairs.py,
+              moe/qpairs.py): no host sync, so a decode step can be a CUDA graph (fused, offload)
+    grouped   the pairs grouped by expert on the host (`RouteGroups`: one host sync per layer call), each
+              expert computed where the placement says (`PLACES`): on the device from the cache (fused,
+              offload), on CPU threads from the host banks (cpu), or hits on the device and misses split
+              between PCIe and the CPU (hybrid)
+    bridge    the CPU's pairs posted to one worker thread through pinned host memory (moe/bridge.py) and
+              collected by the GPU inside the step: every pair (cpu), or the misses the device cache's
+              route leaves to the CPU by hybrid's live fetch share (moe/share.py), the others as `pairs`
+prefill
+    resident  the grouped computation where the experts are (fused's banks; without a prefill buffer the
+              decode path's: slot cache or CPU)
+    streamed  what the chunk routes to and the cache does not hold streams through the prefill double buffer
+              (moe/transfer.py), outside the LRU; the next layer's predicted experts are loaded ahead
+
+Each strategy has step hooks (`begin_step(info, decode)`, `end_step(decode)`), `close`, `stats`, and for the
+CPU decode plan `host_table` / `book_host` (models/cpu_decode.py). `DECODERS`, `PLACES` and `PREFILLS`
+name them for the factory (moe/backends.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from .bridge import CpuBridge
+from .compute import RouteGroups, WeightRef, accumulate
+from .cpu_moe import layer_table
+from .caches import pool_partials
+from .device_cache import device_fetch_count
+from .pairs import pair_moe, pair_outputs, pair_sum
+from .runtime import Part
+from .share import LiveShare
+from .transfer import PrefillStreamer
+
+
+def count_call(book, layer: int, topk_ids: torch.Tensor, groups: RouteGroups) -> None:
+    """Host counts of a grouped layer call: tokens, pairs and distinct experts."""
+    s = book[layer]
+    s.tokens += topk_ids.shape[0]
+    s.routed += topk_ids.numel()
+    s.expert_calls += len(groups.experts)
+
+
+def count_pairs(book, layer: int, topk_ids: torch.Tensor) -> None:
+    """Host counts of a pair-path call (shapes only: no sync; skipped while recording a graph, a replay is
+    counted by the engine through count_replay)."""
+    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    s = book[layer]
+    s.tokens += topk_ids.shape[0]
+    s.routed += topk_ids.numel()
+
+
+def fetch_count(misses: int, frac: float) -> int:
+    """How many of `misses` to fetch over PCIe so both sides finish together: the integer f
+    minimising max(f * (1 - frac), (misses - f) * frac); frac = pcie / (pcie + cpu). The one rule of
+    the grouped path, the device cache's torch route and its kernel (device_cache.device_fetch_count)."""
+    return int(device_fetch_count(torch.tensor(misses), frac))
+
+
+class Strategy(Part):
+    """Defaults of a strategy: not capturable, no step hooks, nothing to report."""
+
+    capturable = False  # a decode step with no host sync (a CUDA graph may record it)
+    device_pairs = False  # the device's pairs run the pair kernels
+    per_half = 0  # rows per half of the prefill double buffer it streams through (0: none)
+
+    def stats(self) -> dict:
+        """Entries of its own for runtime.stats()."""
+        return {}
+
+    def host_table(self, layer: int):
+        """The CPU decode plan's expert table when this strategy computes every expert on this CPU, else None."""
+        return None
+
+    def book_host(self, layer: int, experts: list[int]) -> None:
+        """Counts a decode layer call the CPU decode plan made outside `forward`, as `forward` would have."""
+
+
+# ---- grouped -------------------------------------------------------------------------------------
+class HostCompute:
+    """Experts computed by CPU threads straight from the host banks (compute.CpuExperts); each is a miss
+    of the slot cache (counted, not admitted) and a CPU expert."""
+
+    def __init__(self, ctx, cache, experts):
+        self.ctx, self.cache, self.experts = ctx, cache, experts
+
+    def book(self, layer: int, experts: list[int]) -> None:
+        """Counts `experts` of `layer` as misses (not admitted) and CPU experts."""
+        for e in experts:
+            self.cache.note_miss(layer, e)
+        self.ctx.book[layer].cpu_experts += len(experts)
+
+    def submit(self, layer: int, x, topk_w, groups: RouteGroups, experts: list[int], inline: bool = False):
+        """A future of {expert: partial}; inline: computed on the calling thread (no worker hand-off)."""
+        self.book(layer, experts)
+        store = self.ctx.store
+        bank, fmt = store.bank(layer), store.fmt.for_layer(layer)
+        return self.experts.submit(x, topk_w, groups, {e: WeightRef(bank, e, fmt) for e in experts}, inline=inline)
+
+
+class OnDevice:
+    """Every expert computed on the device from where the cache holds it (fused: the banks; offload: slots)."""
+
+    def __init__(self, ctx, cache, host):
+        self.cache = cache
+
+    def begin_step(self) -> None:
+        """Nothing per step."""
+
+    def partials(self, layer: int, x, topk_w, groups: RouteGroups) -> dict:
+        """{expert: partial} of every routed expert, from the cache."""
+        return self.cache.compute(layer, x, topk_w, groups, groups.experts)
+
+    def host_table(self, layer: int):
+        """The cache's (fused on a CPU: the banks are host memory)."""
+        return self.cache.host_table(layer)
+
+    def book(self, layer: int, experts: list[int]) -> None:
+        """As the cache counts a computed call."""
+        self.cache.book(layer, experts)
+
+
+class OnCpu:
+    """Every expert computed by CPU threads (cpu); waited for at once, so on a CPU device the calling thread
+    computes them (no worker hand-off)."""
+
+    def __init__(self, ctx, cache, host: HostCompute):
+        self.ctx, self.cache, self.host = ctx, cache, host
+
+    def begin_step(self) -> None:
+        """Nothing per step."""
+
+    def partials(self, layer: int, x, topk_w, groups: RouteGroups) -> dict:
+        """{expert: partial} of every routed expert, computed by the CPU threads."""
+        return self.host.submit(layer, x, topk_w, groups, groups.experts, inline=x.device.type == "cpu").result()
+
+    def host_table(self, layer: int):
+        """On a CPU device with no slots the whole block may be one compiled call over the host banks."""
+        if self.ctx.device.type != "cpu" or self.cache.residency.num_slots:
+            return None
+        return layer_table(self.ctx.store.bank(layer), self.ctx.store.fmt.for_layer(layer))
+
+    def book(self, layer: int, experts: list[int]) -> None:
+        """As a CPU computation counts."""
+        self.host.book(layer, experts)
+
+
+class MissSplit:
+    """hybrid's grouped path: hits on the device; of the misses, fetch_count(m, fraction) are fetched into
+    the slot cache (per `_choose_fetch`) while the CPU computes the others (submitted first)."""
+
+    def __init__(self, ctx, cache, host: HostCompute):
+        self.ctx, self.cache, self.host = ctx, cache, host
+        self.step = 0
+        self.last_seen: dict[tuple[int, int], int] = {}
+
+    def begin_step(self) -> None:
+        """Steps are the clock of `last_seen` (recency of a miss)."""
+        self.step += 1
+
+    def partials(self, layer: int, x, topk_w, groups: RouteGroups) -> dict:
+        """{expert: partial}: hits and fetched misses from the slot cache, the other misses from the CPU."""
+        hits = [e for e in groups.experts if self.cache.lookup(layer, e) is not None]
+        misses = [e for e in groups.experts if e not in set(hits)]
+        fetch = self._choose_fetch(layer, groups, misses)
+        on_cpu = [e for e in misses if e not in fetch]
+        job = self.host.submit(layer, x, topk_w, groups, on_cpu)  # first, so the CPU works meanwhile
+        out = self.cache.compute(layer, x, topk_w, groups, hits + sorted(fetch))
+        out.update(job.result())
+        for e in groups.experts:
+            self.last_seen[(layer, e)] = self.step
+        return out
+
+    def _choose_fetch(self, layer: int, groups: RouteGroups, misses: list[int]) -> set[int]:
+        """Fetch the misses most tokens route to (a fetched expert serves them all from VRAM), then
+        the most recently seen (recurring experts earn a slot), then the lowest id."""
+        n = fetch_count(len(misses), self.ctx.options.hybrid_fetch_fraction)
+        count = dict(zip(groups.experts, groups.counts))
+        ranked = sorted(misses, key=lambda e: (-count[e], -self.last_seen.get((layer, e), 0), e))
+        return set(ranked[:n])
+
+    def host_table(self, layer: int):
+        """Never: the device computes part of every call."""
+        return None
+
+    def book(self, layer: int, experts: list[int]) -> None:
+        """Unused (no CPU decode plan for hybrid)."""
+
+
+PLACES = {"none": OnDevice, "all": OnCpu, "misses": MissSplit}  # Composition.cpu -> placement
+
+
+class GroupedDecode(Strategy):
+    """The layer call's pairs grouped by expert on the host, each expert's partial computed by the placement,
+    summed by `accumulate` (each token's pairs in k order on CUDA, ascending experts on CPU)."""
+
+    def __init__(self, ctx, cache, place):
+        self.ctx, self.cache, self.place = ctx, cache, place
+
+    def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """y [T, H]; the route comes to the host once (RouteGroups)."""
+        groups = RouteGroups.of(topk_ids)
+        count_call(self.ctx.book, layer, topk_ids, groups)
+        self.cache.settle_prefetch(layer, groups.experts)
+        return accumulate(x, groups, self.place.partials(layer, x, topk_w, groups))
+
+    def begin_step(self, info: dict, decode: bool) -> None:
+        """The placement's step clock."""
+        self.place.begin_step()
+
+    def host_table(self, layer: int):
+        """The placement's: fused and cpu on a CPU device compute every expert there."""
+        return self.place.host_table(layer)
+
+    def book_host(self, layer: int, experts: list[int]) -> None:
+        """Counted as the placement counts a computed call."""
+        self.place.book(layer, experts)
+
+
+# ---- pairs and bridge ----------------------------------------------------------------------------
+class PairsDecode(Strategy):
+    """Every pair reads its expert from the device row the cache gives it (misses staged first)."""
+
+    capturable = True
+    device_pairs = True
+
+    def __init__(self, ctx, cache):
+        self.ctx, self.cache = ctx, cache
+
+    def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """y [T, H], each token's k pairs summed in k order; no host sync."""
+        count_pairs(self.ctx.book, layer, topk_ids)
+        rows = self.cache.pair_rows(layer, x, topk_ids)
+        rows.stage()
+        return pair_moe(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+
+
+class BridgeDecode(Strategy):
+    """Decode steps whose CPU-computed pairs go through a CpuBridge: one job per decode step for the worker,
+    the step waited for (and a failure raised) at its end. `split` (hybrid, over the device cache): of a
+    layer call's misses the first fetch_count(m, share) by expert id are fetched into the cache while the CPU
+    computes the others, the share following the PCIe and CPU rates measured in running steps (moe/share.py);
+    otherwise (cpu) every pair is the CPU's."""
+
+    capturable = True
+
+    def __init__(self, ctx, cache, split: bool):
+        o = ctx.options
+        self.ctx, self.cache = ctx, cache
+        self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype)
+        self._bridged = False
+        self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs) if split else None
+        self.device_pairs = split
+        ctx.book.counters.append(self.counts)
+
+    def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """y [T, H], GPU and CPU pair outputs summed in k order (as fused sums them); no host sync."""
+        count_pairs(self.ctx.book, layer, topk_ids)
+        if self.share is None:
+            return self._all_on_cpu(layer, x, topk_ids, topk_w)
+        return self._split(layer, x, topk_ids, topk_w)
+
+    def _all_on_cpu(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """cpu: every pair posted to the worker, its rows collected."""
+        P, k = topk_ids.numel(), topk_ids.shape[1]
+        cpu = torch.ones(P, dtype=torch.bool, device=x.device)
+        self.bridge.post(layer, x, topk_ids, topk_w, cpu)
+        y = torch.empty(P, x.shape[1], dtype=torch.float32, device=x.device)
+        self.bridge.collect(layer, y, cpu)
+        return pair_sum(y, k, x.dtype)
+
+    def _split(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """hybrid: the device cache's route decides; the CPU's pairs are posted before the GPU stages and
+        computes its own, so PCIe, GPU and CPU overlap within the layer."""
+        rows = self.cache.pair_rows(layer, x, topk_ids, self.share.tensor)
+        cpu = rows.src < 0
+        self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
+        rows.stage()
+        y = pair_outputs(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+        self.bridge.collect(layer, y, cpu)
+        return pair_sum(y, topk_ids.shape[1], x.dtype)
+
+    def counts(self) -> dict:
+        """The worker's counts as book fields; with no device cache (cpu) its experts are also the misses and
+        expert calls (nothing else sees the route)."""
+        b = self.bridge
+        c, t, k = b.cpu_experts, b.cpu_seconds, b.kernel_seconds
+        out = {}
+        for layer, i in b.index.items():
+            out[layer] = {"cpu_experts": c[i], "cpu_s": t[i], "cpu_kernel_s": k[i]}
+            if self.share is None:
+                out[layer].update(misses=c[i], expert_calls=c[i])
+        return out
+
+    def begin_step(self, info: dict, decode: bool) -> None:
+        """A decode step is one job for the worker (prefill steps take the prefill strategy)."""
+        self._bridged = decode
+        if self._bridged:
+            self.bridge.begin_step()
+
+    def end_step(self, decode: bool) -> None:
+        """Waits for the step's work and raises a worker failure; then hybrid's share counts the step."""
+        if self._bridged:
+            self._bridged = False
+            self.bridge.end_step()
+        if self.share is not None and decode:
+            self._observe()
+
+    def _observe(self) -> None:
+        """After a decode step: the share counts it; once per window it reads the worker's rates."""
+        share, b, store = self.share, self.bridge, self.ctx.store
+        if (share.steps + 1) % share.every:
+            share.observe(0.0, 0.0)  # counts the step; the rates are read once per window
+            return
+        cpu_bytes = sum(b.cpu_experts[i] * store.bytes_per_expert(layer) for layer, i in b.index.items())
+        layers = list(store.moe_layers)
+        layer_calls = (share.steps + 1) * len(layers)  # decode steps so far, this one included
+        expert_bytes = sum(store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
+        share.observe(cpu_bytes, sum(b.cpu_seconds), b.single_calls, b.single_seconds,
+                      self.ctx.book.total().misses, layer_calls, expert_bytes)
+
+    def stats(self) -> dict:
+        """hybrid: the live share and the rates it follows."""
+        return {"hybrid": self.share.as_dict()} if self.share is not None else {}
+
+    def close(self) -> None:
+        """Stops the worker thread."""
+        self.bridge.close()
+
+
+DECODERS = {  # Composition.decode -> builder(ctx, composition, cache, host compute)
+    "pairs": lambda ctx, comp, cache, host: PairsDecode(ctx, cache),
+    "grouped": lambda ctx, comp, cache, host: GroupedDecode(ctx, cache, PLACES[comp.cpu](ctx, cache, host)),
+    "bridge": lambda ctx, comp, cache, host: BridgeDecode(ctx, cache, split=comp.cpu == "misses"),
+}
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+class StreamedPrefill(Strategy):
+    """Prefill chunks read what the cache holds in place and stream the rest through the double buffer, outside
+    the LRU (so the decode working set is not flushed); the next layer's predicted experts are loaded into the
+    free half while this layer computes (with --moe-prefetch)."""
+
+    def __init__(self, ctx, cache):
+        self.ctx, self.cache = ctx, cache
+        self.streamer = PrefillStreamer(ctx.store, ctx.copier, ctx.options.prefill_slots, ctx.device)
+
+    @property
+    def per_half(self) -> int:
+        """Rows of each half of the double buffer."""
+        return self.streamer.per_half
+
+    def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+        """y [T, H] of a prefill chunk's layer call; the LRU is not touched."""
+        groups = RouteGroups.of(topk_ids)
+        count_call(self.ctx.book, layer, topk_ids, groups)
+        return accumulate(x, groups, self._partials(layer, x, topk_w, groups))
+
+    def _partials(self, layer: int, x, topk_w, groups: RouteGroups) -> dict:
+        """Cached experts read in place; the look-ahead load first, the rest in half-sized batches, the next
+        batch loaded into the half just computed from (its release event orders the copy)."""
+        st, s, copier = self.streamer, self.ctx.book[layer], self.ctx.copier
+        cached = self.cache.resident_rows(layer, groups.experts)
+        stream = [e for e in groups.experts if e not in cached]
+        batches = self._staged_batch(layer, stream)
+        rest = [e for e in stream if not batches or e not in batches[0][1]]
+        chunks = [rest[i:i + st.per_half] for i in range(0, len(rest), st.per_half)]
+        while len(batches) < 2 and chunks:
+            batches.append(st.load(layer, chunks.pop(0)))
+        out = pool_partials(copier, layer, self.cache.pool, cached, x, topk_w, groups) if cached else {}
+        while batches:
+            pool, rows = batches.pop(0)
+            out.update(pool_partials(copier, layer, pool, rows, x, topk_w, groups))
+            if chunks:  # goes into the half just computed from; its release event orders the copy
+                batches.append(st.load(layer, chunks.pop(0)))
+        s.prefill_resident += len(cached)
+        s.prefill_streamed += len(stream)
+        s.gpu_experts += len(groups.experts)
+        self._stage_next(layer, x)
+        return out
+
+    def _staged_batch(self, layer: int, stream: list[int]) -> list:
+        """The look-ahead load made for this layer, cut to the experts it streams (counted as used)."""
+        staged = self.streamer.take_staged(layer)
+        if staged is None:
+            return []
+        pool, rows = staged
+        used = {e: r for e, r in rows.items() if e in set(stream)}
+        self.ctx.book[layer].prefill_lookahead_used += len(used)
+        return [(pool, used)] if used else []
+
+    def _stage_next(self, layer: int, x: torch.Tensor) -> None:
+        """Load the next layer's predicted, uncached experts into the free half."""
+        ctx = self.ctx
+        nxt = ctx.lookahead.next_layer.get(layer)
+        if nxt is None or not ctx.options.prefetch:
+            return
+        predicted = ctx.lookahead.predict(nxt, x, limit=ctx.store.num_experts)
+        resident = self.cache.resident_rows(nxt, predicted)
+        predicted = [e for e in predicted if e not in resident][:self.streamer.per_half]
+        if predicted:
+            pool, rows = self.streamer.load(nxt, predicted)
+            self.streamer.staged = (nxt, pool, rows)
+            ctx.book[nxt].prefill_lookahead += len(rows)
+
+    def begin_step(self, info: dict, decode: bool) -> None:
+        """A look-ahead load never crosses a step."""
+        self.streamer.staged = None
+
+    def end_step(self, decode: bool) -> None:
+        """A look-ahead load never crosses a step."""
+        self.streamer.staged = None
+
+
+def resident_prefill(ctx, comp, cache, host, decode):
+    """The grouped computation where the experts are: the decode strategy itself when it is grouped (one
+    placement, one set of step hooks), else a grouped strategy of its own."""
+    return decode if isinstance(decode, GroupedDecode) else DECODERS["grouped"](ctx, comp, cache, host)
+
+
+PREFILLS = {  # Composition.prefill -> builder(ctx, composition, cache, host compute, decode strategy)
+    "resident": resident_prefill,
+    "streamed": lambda ctx, comp, cache, host, decode: StreamedPrefill(ctx, cache),
+}
