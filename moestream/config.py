@@ -387,6 +387,9 @@ MOE_EXPERT_FORMATS = ("auto", "dense")
 MOE_DECODE_KERNELS = ("auto", "pairs", "grouped")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 def option(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
     """An EngineConfig field that is a CLI flag: `--name-with-dashes` in the CLI's `group` (engine or
     experts) with this default and help; argparse_kwargs: choices, metavar, or flag + action for a
@@ -407,6 +410,9 @@ class EngineConfig:
     memory_ratio: float = option(0.9, "fraction of free VRAM moestream may use")
     gpu_memory_gb: float | None = option(None, "cap on VRAM used (makes a big GPU act small)")
     linear_state_dtype: str = option("float32", "dtype of the Gated DeltaNet recurrent state")
+    kv_cache_dtype: str = option("auto", "dtype of the attention KV cache: auto (the model's), float32, float16 or "
+                                 "bfloat16 (float16 halves the bytes a long-context CPU decode step reads)",
+                                 choices=KV_CACHE_DTYPES)
     moe_backend: str = option("auto", "auto, fused, offload, cpu or hybrid", "experts")
     moe_cache_size: int | None = option(None, "VRAM expert slots (offload/hybrid)", "experts")
     moe_cache_rate: float | None = option(None, "fraction of all experts kept in VRAM", "experts")
@@ -512,6 +518,8 @@ class EngineConfig:
             raise ConfigError(f"--triton must be auto, on or off, got {self.triton!r}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def _validate_moe_options(self) -> None:
         """The expert runtime's options (cache, routing record, backend, format, threads, pinning, kernel)."""

@@ -57,16 +57,21 @@ def _generate(llm, n: int = 6):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q5_0"), ("qwen3", "Q8_0"),
-                                        ("qwen35_attn", "Q8_0"), ("qwen35_causal", "Q8_0")])
-def test_decode_layer_logits_match_the_per_op_path(kind, qtype, tmp_path, tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("kind,qtype,kv", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "auto"), ("llama", "Q5_0", "auto"),
+                                           ("qwen3", "Q8_0", "auto"), ("qwen35_attn", "Q8_0", "auto"),
+                                           ("qwen35_causal", "Q8_0", "auto"), ("llama", "Q4_1", "float16"),
+                                           ("qwen35_attn", "Q8_0", "float16")])
+def test_decode_layer_logits_match_the_per_op_path(kind, qtype, kv, tmp_path, tiny_checkpoint, monkeypatch):
     """Every decode step runs twice — per-op, then compiled (rewriting the same K/V; a Gated DeltaNet model's
-    state pools put back between the two) — and the logits agree."""
+    state pools put back between the two) — and the logits agree; with --kv-cache-dtype float16 both paths
+    round the K/V they write the same way and widen what they read."""
     from moestream import LLM
     from moestream.models.cpu_decode import M
     from moestream.models.qwen_moe import QwenMoeModel
 
-    llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4)
+    llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4,
+              kv_cache_dtype=kv)
+    assert llm.engine.caches.kv.k.dtype == (torch.float16 if kv == "float16" else torch.float32)
     model = llm.engine.model
     inner = QwenMoeModel.forward
     diffs = []

@@ -126,3 +126,20 @@ def test_engine_sets_the_triton_decision(triton_mode, monkeypatch):
     assert not env.triton_enabled()
     LLM("demo", device="cpu", max_running_requests=1)  # auto again: MOESTREAM_TRITON decides
     assert env.triton_enabled()
+
+
+def test_kv_cache_dtype_sets_the_pool_and_the_plan(tiny_checkpoint):
+    """--kv-cache-dtype: auto keeps the model's dtype; float16 makes a float16 pool whose bytes the plan counts
+    (half a float32 model's per token); anything else is one readable ConfigError."""
+    from moestream import LLM
+
+    sizes = {}
+    for kv in ("auto", "float16"):
+        llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", kv_cache_dtype=kv)
+        pool = llm.engine.caches.kv
+        assert pool.k.dtype == pool.v.dtype == (torch.float16 if kv == "float16" else torch.float32)
+        sizes[kv] = llm.engine.plan.as_dict()["bytes"]["kv"] / llm.engine.plan.kv_tokens
+        llm.close()
+    assert sizes["float16"] == sizes["auto"] / 2
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        EngineConfig(kv_cache_dtype="int8").validate()

@@ -389,11 +389,16 @@ class Engine:
             log.info("%s", line)
         return plan
 
+    def kv_dtype(self, e: EngineConfig | None = None) -> torch.dtype:
+        """The KV cache's element type: --kv-cache-dtype, or the model's (auto)."""
+        name = (e or self.ecfg).kv_cache_dtype
+        return self.dtype if name == "auto" else DTYPES[name]
+
     def _cache_bytes(self, e: EngineConfig | None = None) -> tuple[int, int]:
         """(KV bytes per token, bytes of one linear-state slot) of this rank (e: the options; default this
         engine's). The KV layers include the MTP block's when it is loaded."""
         cfg, e = self.local_cfg, e or self.ecfg
-        kv = KVPool.bytes_per_token(self.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv = KVPool.bytes_per_token(self.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype(e))
         state = StatePool.bytes_per_slot(
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, max(cfg.linear_conv_kernel, 1),
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype,
@@ -404,7 +409,7 @@ class Engine:
         cfg, e = self.local_cfg, self.ecfg
         num_tokens = max(self.plan.kv_tokens, e.page_size)
         kv = KVPool(self.num_kv_layers, -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
-                    cfg.head_dim, self.dtype, self.device)
+                    cfg.head_dim, self.kv_dtype(e), self.device)
         state = StatePool(len(cfg.linear_attention_layers), e.max_running_requests, cfg.linear_conv_dim,
                           max(cfg.linear_conv_kernel, 1), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim, self.dtype, DTYPES[e.linear_state_dtype], self.device,

@@ -37,7 +37,7 @@ class Attention(nn.Module):
     def _fused_prep(self, q, k, v, k_cache, rotary) -> bool:
         qn, kn = self.q_norm, self.k_norm
         return (triton_ops.enabled(q) and isinstance(qn, RMSNorm) and isinstance(kn, RMSNorm)
-                and qn.eps == kn.eps and qn.zero_centered == kn.zero_centered
+                and qn.eps == kn.eps and qn.zero_centered == kn.zero_centered and k_cache.dtype == k.dtype
                 and triton_ops.qk_norm_rope_cache_ok(q, k, v, k_cache, rotary, self.head_dim))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,

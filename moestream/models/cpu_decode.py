@@ -13,8 +13,8 @@ models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM with its 
 residual add) where the expert runtime computes every expert on this CPU from host banks (fused or cpu on a
 CPU-only machine, no routing tap); the route goes back to the runtime's statistics. Layers or blocks the
 kernels cannot read stay on the per-op path. Used when every condition holds (`CpuDecodePlan.usable`): CPU
-tensors, float32 activations and KV pool, a decode step (one new token per sequence) with the compiled
-kernels on (not a prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off.
+tensors, float32 activations, a float32 or float16 KV pool (--kv-cache-dtype), a decode step (one new token
+per sequence) with the compiled kernels on (not a prefill step), no hidden-state keeping (MTP). `MOESTREAM_CPU_DECODE_LAYER=0` turns it off.
 The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float rows where it multiplies
 float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
 rounding (tests/test_cpu_decode.py).
@@ -46,7 +46,8 @@ M = {name: i for i, name in enumerate(_MOE_FIELDS)}
 _GDN_FIELDS = ["H", "HK", "HV", "DK", "DV", "KW", "FLAGS", "IN_NORM", "POST_NORM", "NSEG",
                *[f"SEG{i}" for i in range(12)], "WO", "TO", "SO", "CONV_W", "A_LOG", "DT_BIAS", "NORM_W", "CONV", "REC"]
 G = {name: i for i, name in enumerate(_GDN_FIELDS)}
-F_ZERO_CENTERED, F_OUT_GATE = 1, 2
+F_ZERO_CENTERED, F_OUT_GATE, F_KV_F16 = 1, 2, 4
+KV_DTYPES = (torch.float32, torch.float16)  # the KV pools ms_decode_layer reads and writes
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
 
@@ -295,7 +296,7 @@ class CpuDecodePlan:
         kv = self.model.caches.kv
         return (self.layers > 0 and batch.is_decode and not batch.prompt and not batch.extra.get("keep_hidden")
                 and "decode_kv_index" not in batch.extra and h_dtype == torch.float32 and kv.k is not None
-                and kv.k.dtype == torch.float32 and kv.k.device.type == "cpu" and cpu_decode_layer_enabled()
+                and kv.k.dtype in KV_DTYPES and kv.k.device.type == "cpu" and cpu_decode_layer_enabled()
                 and cpu_quant.available())
 
     def _point_at(self, kv, state) -> None:
@@ -305,6 +306,7 @@ class CpuDecodePlan:
                 if self.kinds[i] == "attention":
                     j = self.model.kv_layer[i]
                     d[D["KC"]], d[D["VC"]] = kv.k[j].data_ptr(), kv.v[j].data_ptr()
+                    d[D["FLAGS"]] = (d[D["FLAGS"]] & ~F_KV_F16) | (F_KV_F16 if kv.k.dtype == torch.float16 else 0)
             self._kv = (kv.k, kv.v)
         if "gdn" in self.kinds and (self._state is None or self._state[0] is not state.conv
                                     or self._state[1] is not state.rec):

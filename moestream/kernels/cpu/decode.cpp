@@ -55,7 +55,7 @@ enum : int {
   D_WG, D_TG, D_WU, D_TU, D_WD, D_TD,               // dense MLP gate / up / down: address, type
   D_COUNT
 };
-enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2 };
+enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2, F_KV_F16 = 4 };  // F_KV_F16: the KV pool holds float16
 
 // a MoE block's description for ms_moe_decode (models/cpu_decode.py writes the same slots)
 enum : int {
@@ -83,6 +83,39 @@ enum : int {
   G_COUNT
 };
 
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef MS_DECODE_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float v = e == 0 ? std::ldexp((float)m, -24)
+                         : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 0x400), (int)e - 25);
+  return (h & 0x8000) ? -v : v;
+#endif
+}
+
+// float -> float16 bits, rounded to nearest even (overflow to infinity, NaN kept a NaN)
+inline uint16_t to_fp16(float f) {
+#ifdef MS_DECODE_AVX2
+  return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+  if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
+  if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // rounds past the largest half
+  if (ax < 0x38800000) {  // a subnormal half (or zero): value / 2^-24, rounded to nearest even
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
+  }
+  const uint32_t m = ax + 0xfff + ((ax >> 13) & 1);  // round the 13 dropped bits to nearest even
+  return (uint16_t)(sign | ((m - 0x38000000) >> 13));
+#endif
+}
+
 // y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x
 void rms_norm(const float* x, const float* w, int64_t n, double eps, bool zc, float* y) {
   double ss = 0;
@@ -99,6 +132,33 @@ void rotate(float* v, const float* c, const float* s, int64_t rd) {
     v[i] = a * c[i] - b * s[i];
     v[i + half] = b * c[i + half] + a * s[i + half];
   }
+}
+
+// row `at` (in elements) of a KV pool of float32 or float16 (f16) := src [n] (float16: rounded to nearest even)
+void store_row(void* pool, int64_t at, const float* src, int64_t n, bool f16) {
+  if (!f16) {
+    std::memcpy((float*)pool + at, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* dst = (uint16_t*)pool + at;
+  int64_t i = 0;
+#ifdef MS_DECODE_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) dst[i] = to_fp16(src[i]);
+}
+
+// row `at` of a KV pool as float32: the row itself, or (float16 pool) its values widened into tmp [n]
+const float* load_row(const void* pool, int64_t at, int64_t n, bool f16, float* tmp) {
+  if (!f16) return (const float*)pool + at;
+  const uint16_t* src = (const uint16_t*)pool + at;
+  int64_t i = 0;
+#ifdef MS_DECODE_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+  for (; i < n; ++i) tmp[i] = fp16((const uint8_t*)(src + i));
+  return tmp;
 }
 
 // e^(v - m) for n floats in place, and their sum (softmax's numerator and denominator; v <= m). AVX2: v - m = k ln2
@@ -172,32 +232,33 @@ void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float
 #endif
 #pragma GCC pop_options
 
-// the grp query heads q [grp, hd] sharing kv head `kvh`, over S cached positions (slots idx): out [grp, hd]. Each
-// cached key and value row is read once for the group. sc: scratch [grp, S].
-void attend_group(const float* q, int64_t grp, const float* kc, const float* vc, const int64_t* idx, int64_t S,
-                  int64_t nkv, int64_t hd, int64_t kvh, float scale, float* sc, float* out) {
+// the grp query heads q [grp, hd] sharing kv head `kvh`, over S cached positions (slots idx) of a float32 or
+// float16 (f16) KV pool: out [grp, hd]. Each cached key and value row is read once for the group (a float16 row
+// widened once). sc: scratch [grp, S].
+void attend_group(const float* q, int64_t grp, const void* kc, const void* vc, bool f16, const int64_t* idx,
+                  int64_t S, int64_t nkv, int64_t hd, int64_t kvh, float scale, float* sc, float* out) {
+  std::vector<float> tmp(8 * hd);
   int64_t s = 0;
 #ifdef MS_DECODE_AVX2
   if (hd % 8 == 0 && grp <= 16)
     for (; s + 8 <= S; s += 8) {
       const float* k[8];
-      for (int j = 0; j < 8; ++j) k[j] = kc + (idx[s + j] * nkv + kvh) * hd;
+      for (int j = 0; j < 8; ++j) k[j] = load_row(kc, (idx[s + j] * nkv + kvh) * hd, hd, f16, tmp.data() + j * hd);
       dots8(q, grp, k, hd, scale, sc, S, s);
     }
 #endif
   for (; s < S; ++s) {
-    const float* k = kc + (idx[s] * nkv + kvh) * hd;
+    const float* k = load_row(kc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
     for (int64_t g = 0; g < grp; ++g) sc[g * S + s] = dot(q + g * hd, k, hd) * scale;
   }
   std::vector<float> inv(grp);
   for (int64_t g = 0; g < grp; ++g) {
     float* row = sc + g * S;
-    const float mx = *std::max_element(row, row + S);
-    inv[g] = 1.0f / exp_sum(row, S, mx);
+    inv[g] = 1.0f / exp_sum(row, S, *std::max_element(row, row + S));
   }
   std::fill(out, out + grp * hd, 0.0f);
   for (int64_t s = 0; s < S; ++s) {
-    const float* v = vc + (idx[s] * nkv + kvh) * hd;
+    const float* v = load_row(vc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
     for (int64_t g = 0; g < grp; ++g) {
       const float p = sc[g * S + s];
       float* o = out + g * hd;
@@ -280,8 +341,9 @@ void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, i
     if (kn) rms_norm(k.data(), kn, hd, eps, zc, k.data());
     rotate(k.data(), c, s, rd);
     const int64_t at = (slot * nkv + h) * hd;
-    std::memcpy((float*)d[D_KC] + at, k.data(), hd * sizeof(float));
-    std::memcpy((float*)d[D_VC] + at, qkv_row + qrows + nkv * hd + h * hd, hd * sizeof(float));
+    const bool f16 = d[D_FLAGS] & F_KV_F16;
+    store_row((void*)d[D_KC], at, k.data(), hd, f16);
+    store_row((void*)d[D_VC], at, qkv_row + qrows + nkv * hd + h * hd, hd, f16);
   }
 }
 
@@ -299,7 +361,7 @@ void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < B * nkv; ++j) {
       const int64_t b = j / nkv, kvh = j % nkv, at = (b * nh + kvh * grp) * hd;
-      attend_group(q + at, grp, (const float*)d[D_KC], (const float*)d[D_VC], kvidx + kvoff[b],
+      attend_group(q + at, grp, (const void*)d[D_KC], (const void*)d[D_VC], d[D_FLAGS] & F_KV_F16, kvidx + kvoff[b],
                    kvoff[b + 1] - kvoff[b], nkv, hd, kvh, scale, sc.data(), att + at);
     }
   }
@@ -319,18 +381,6 @@ int dense_mlp(const int64_t* d, const float* x, int64_t B, int64_t H, float* h, 
   return 0;
 }
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef MS_DECODE_AVX2
-  return _cvtsh_ss(h);
-#else
-  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  const float v = e == 0 ? std::ldexp((float)m, -24)
-                         : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 0x400), (int)e - 25);
-  return (h & 0x8000) ? -v : v;
-#endif
-}
 
 // sum over one Q8_0 block (fp16 d, 32 int8 q) of q_j * x_j, for NR activation rows (float32, exact products)
 template <int NR>
