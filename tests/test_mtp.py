@@ -251,7 +251,7 @@ def test_rejected_pages_are_released(mtp_dir):
 
 def test_gdn_checkpoints_hold_the_state_after_each_token():
     """A verify step's per-position states equal the states after each prefix computed on its own."""
-    from moestream.engine.batch import ForwardBatch, SeqMeta
+    from moestream.batch import ForwardBatch, SeqMeta
     from moestream.layers.gdn import GatedDeltaNet
 
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from ..moe.formats import dense_format
 from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
-from .batch import ForwardBatch
+from ..batch import ForwardBatch
 from .graphs import DecodeGraphs, decode_extra
 
 log = logging.getLogger("moestream.engine")

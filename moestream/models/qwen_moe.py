@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..kernels.linear import Linear, linear

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..core import ConfigError, FinishReason, RequestError
-from ..engine.batch import ForwardBatch, SeqMeta
+from ..batch import ForwardBatch, SeqMeta
 from ..engine.sampler import apply_bitmask, apply_penalties, logprobs_of, make_generator, sample, verify_drafts
 from ..kvcache.prefix import PrefixCache
 from .request import Request, Status, StepOutput

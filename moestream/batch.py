@@ -3,6 +3,8 @@
 Tokens of all sequences are concatenated ([T] ids, [T] positions). Each sequence says where its new
 tokens sit in that run, how many of its tokens are already in the caches, its linear-attention state
 slot and the flat KV-pool index of every one of its positions.
+
+Plain data, the vocabulary shared by layers/, models/ and engine/ (so it ranks below all of them).
 """
 from __future__ import annotations
 
