@@ -1,4 +1,4 @@
-"""Imports point down: server -> llm -> parallel, scheduler -> engine -> models -> layers/kvcache -> moe
+"""Imports point down: server -> llm -> parallel -> engine -> scheduler -> models -> layers/kvcache -> moe
 -> quant/tokenizer -> kernels -> config/batch -> core/env/hardware. No exceptions, so no package cycles."""
 import ast
 from pathlib import Path
@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parent.parent / "moestream"
 # kernels/ (compiled CPU matmuls, widened GEMMs) import only machine facts, so quant/ can call them.
 RANK = {"core": 0, "env": 0, "hardware": 0, "demo_tokenizer": 0, "config": 1, "random_weights": 1, "batch": 1,
         "kernels": 2, "quant": 3, "tokenizer": 3, "demo": 3, "moe": 4, "layers": 5, "kvcache": 5, "models": 6,
-        "engine": 7, "scheduler": 8, "parallel": 8, "llm": 9, "server": 10, "cli": 11}
+        "scheduler": 7, "engine": 8, "parallel": 9, "llm": 10, "server": 11, "cli": 12}
 
 
 def _imports(path: Path):

@@ -122,14 +122,14 @@ def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
     def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
         ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         req = Request(next_request_id(), ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
-        llm.scheduler.add(req)
+        llm.llm_engine.add_request(req)
         try:
             while req.finish_reason is None:
-                for out in llm.scheduler.step():
+                for out in llm.llm_engine.step():
                     if out.request is req and out.text_delta:
                         yield "content", out.text_delta
         finally:
-            llm.scheduler.abort(req.id)  # Ctrl-C mid-reply frees its caches
+            llm.llm_engine.abort(req.id)  # Ctrl-C mid-reply frees its caches
 
     return reply
 
