@@ -58,20 +58,20 @@ def scripted_drafter(llm, seqs: list[list[int]], accept: float, seed: int = 0):
 def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -> dict:
     from moestream import SamplingParams
 
-    sched = llm.scheduler
-    sched.spec_k = k
+    runner = llm.llm_engine.runner
+    runner.spec_k = k
     if k:
         scripted_drafter(llm, [p + w for p, w in zip(prompts, want)], accept)
     else:
         llm.engine.__dict__.pop("draft", None)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm the cache
-    before, spec_before = totals(llm), json.loads(json.dumps(sched.spec_totals))
+    before, spec_before = totals(llm), json.loads(json.dumps(runner.spec_totals))
     outs = [o.token_ids for o in llm.generate(prompts, sp)]
     d = delta(totals(llm), before)
     t = llm.last_timing
     spec = {key: ([a - b for a, b in zip(v, spec_before[key])] if isinstance(v, list) else v - spec_before[key])
-            for key, v in sched.spec_totals.items()}
+            for key, v in runner.spec_totals.items()}
     toks = max(t["decode_tokens"], 1)
     hits, misses = d.get("hits", 0), d.get("misses", 0)
     agg = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 benchmarks/structured_decode.py [--rounds 3] [--tokens 64]
 
 Both runs sample (temperature 1, seeds 0..3) from the same chat prompt; the constrained one carries a JSON
-schema (llguidance mask applied to its rows). Reports decode tok/s (the scheduler's decode steps only) as the
+schema (llguidance mask applied to its rows). Reports decode tok/s (the engine's decode steps only) as the
 median of the rounds, alternating the two so machine load hits both alike, and the ratio; and the time the
 constrained rows spend on the critical path (waiting for their mask, applying it) per row and as a share of
 the constrained runs' step time. The schema cannot be completed within --tokens, so the batch stays 4."""
@@ -39,9 +39,9 @@ def main() -> None:
                                                add_generation_prompt=True, tokenize=True)
     g = compile_grammar("json_schema", SCHEMA)
     # time on the critical path of the constrained rows: waiting for the mask + applying it (+ penalties)
-    sched = llm.scheduler
+    runner = llm.llm_engine.runner
     spent = {"s": 0.0, "rows": 0}
-    inner = sched._process_row
+    inner = runner._process_row
 
     def timed(req, row):
         t0 = time.perf_counter()
@@ -49,7 +49,7 @@ def main() -> None:
         spent["s"] += time.perf_counter() - t0
         spent["rows"] += 1
 
-    sched._process_row = timed
+    runner._process_row = timed
     rates = {"free": [], "json_schema": []}
     decode_s = 0.0
     for _ in range(a.rounds):

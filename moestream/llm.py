@@ -5,6 +5,9 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     print(out[0].text)
 
+`generate` queues its requests on the step loop (`engine/llm_engine.LLMEngine`, the one the server's engine
+process and `moestream chat` drive too) and steps it until they finish.
+
 With tp_size=N the engine runs as N processes in lockstep (moestream.parallel): this process is rank 0
 (scheduler, sampling) and the other ranks are spawned; `close()` (or the end of this process) stops them.
 """
@@ -19,9 +22,9 @@ from typing import Any, Sequence
 from .config import EngineConfig, ModelConfig
 from .core import ConfigError, RequestError, RequestOutput, SamplingParams, next_request_id
 from .engine.engine import Engine
+from .engine.llm_engine import LLMEngine
 from .models.checkpoint import open_checkpoint, resolve_model_path
 from .scheduler.request import Request
-from .scheduler.scheduler import Scheduler
 
 log = logging.getLogger("moestream")
 
@@ -53,9 +56,14 @@ class LLM:
             self.engine = Engine(self.model_dir, self.model_config, self.engine_config)
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in self.model_config.eos_token_ids if e not in eos]
-        self.scheduler = Scheduler(self.engine, eos, self.tokenizer)
+        self.llm_engine = LLMEngine(self.engine, self.tokenizer, eos)
         self.last_timing: dict = {}
         _freeze_live_objects()
+
+    @property
+    def scheduler(self):
+        """The step loop's scheduler (its queues, pages and prefix cache)."""
+        return self.llm_engine.scheduler
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -64,7 +72,7 @@ class LLM:
         params = _as_params(sampling_params, len(prompt_list))
         reqs = [Request(next_request_id(), self._encode(p), sp) for p, sp in zip(prompt_list, params)]
         for r in reqs:
-            self.scheduler.add(r)
+            self.llm_engine.add_request(r)
         self._run(reqs)
         return [self._output(r) for r in reqs]
 
@@ -83,7 +91,7 @@ class LLM:
         s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
         s["host_memory"] = dict(getattr(self.engine, "host_memory", {}))  # RSS at load beside the bank bytes
-        sched = self.scheduler.stats()
+        sched = self.llm_engine.stats()
         for key in ("prefix_cache", "speculative"):
             if sched.get(key) is not None:
                 s[key] = sched[key]
@@ -133,8 +141,8 @@ class LLM:
         prefill_tokens = decode_tokens = 0
         prefill_s = decode_s = 0.0
         while any(r.finish_reason is None for r in reqs):
-            self.scheduler.step()
-            st = self.scheduler.last_step
+            self.llm_engine.step()
+            st = self.llm_engine.last_step
             if st.get("prefill_tokens"):
                 prefill_tokens += st["prefill_tokens"]
                 prefill_s += st["seconds"]

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from moestream.server.engine_client import EngineError
-from moestream.server.engine_proc import _KeepMarkup
 from moestream.server.messages import Delta
-from moestream.tokenizer import IncrementalDetokenizer
+from moestream.tokenizer import IncrementalDetokenizer, KeepMarkup
 
 
 class FakeEngine:
@@ -28,7 +27,7 @@ class FakeEngine:
         self.prompts.append(list(prompt_ids))
         if self.fail_with is not None:
             raise self.fail_with
-        view = _KeepMarkup(self.tokenizer) if keep_markup and params.skip_special_tokens else self.tokenizer
+        view = KeepMarkup(self.tokenizer) if keep_markup and params.skip_special_tokens else self.tokenizer
         detok = IncrementalDetokenizer(view, stop=params.stop, skip_special_tokens=params.skip_special_tokens)
         ids = self.tokenizer.encode(self.script)
         for i, tok in enumerate(ids):

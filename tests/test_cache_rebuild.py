@@ -1,4 +1,4 @@
-"""Live cache rebuild (Scheduler.resize_caches): the KV pool and the expert slot cache change size between
+"""Live cache rebuild (LLMEngine.resize_caches): the KV pool and the expert slot cache change size between
 steps while requests run; their pages and Gated DeltaNet states survive, the prefix cache stays consistent,
 and a size that cannot fit is refused with nothing changed. The server route and `moestream ctl` are tested
 end to end in tests/e2e/test_server_ctl.py."""
@@ -47,13 +47,13 @@ def reference(model_dir):
 def start(llm, ps) -> list[Request]:
     reqs = [Request(f"live-{i}", p, SP) for i, p in enumerate(ps)]
     for r in reqs:
-        llm.scheduler.add(r)
+        llm.llm_engine.add_request(r)
     return reqs
 
 
 def step_until(llm, cond) -> None:
     while not cond():
-        llm.scheduler.step()
+        llm.llm_engine.step()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -73,7 +73,7 @@ def test_rebuild_mid_flight_keeps_every_token(model_dir, reference, device):
     top = max(p for r in reqs for p in r.pages)
     assert top >= at_end  # so the shrink below must move pages of running requests
     state_before = sched.state.rec.clone()
-    rep = sched.resize_caches(kv_tokens=at_end * 16, moe_slots=5)
+    rep = llm.llm_engine.resize_caches(kv_tokens=at_end * 16, moe_slots=5)
     assert rep["kv_tokens"] == {"before": 2048, "after": at_end * 16}
     assert rep["moe_slots"] == {"before": 12, "after": 5} and rep["running"] == 4
     assert rep["moved_pages"] > 0 and rep["evicted_prefix_pages"] > 0 and rep["rebuild_s"] > 0
@@ -85,7 +85,7 @@ def test_rebuild_mid_flight_keeps_every_token(model_dir, reference, device):
     sched.check_integrity()
     step_until(llm, lambda: all(len(r.output_ids) >= 20 for r in reqs))
     # grow again, expert slots back to what fits
-    rep = sched.resize_caches(kv_tokens=4000, moe_slots="auto")
+    rep = llm.llm_engine.resize_caches(kv_tokens=4000, moe_slots="auto")
     assert rep["kv_tokens"]["after"] == 4000 and rep["moe_slots"]["after"] == rep["total_experts"]
     sched.check_integrity()
     step_until(llm, lambda: all(r.finish_reason is not None for r in reqs))
@@ -99,9 +99,9 @@ def test_rebuild_without_prefix_cache_and_only_one_size(model_dir, reference):
     llm = LLM(model_dir, num_tokens=2048, prefix_cache=False, **OPTS)
     reqs = start(llm, ps)
     step_until(llm, lambda: all(len(r.output_ids) >= 5 for r in reqs))
-    rep = llm.scheduler.resize_caches(moe_slots=3)  # KV as it is
+    rep = llm.llm_engine.resize_caches(moe_slots=3)  # KV as it is
     assert rep["kv_tokens"] == {"before": 2048, "after": 2048} and rep["moved_pages"] == 0
-    rep = llm.scheduler.resize_caches(kv_tokens=700)  # expert slots as they are; rounded up to whole pages
+    rep = llm.llm_engine.resize_caches(kv_tokens=700)  # expert slots as they are; rounded up to whole pages
     assert rep["kv_tokens"]["after"] == 704 and rep["moe_slots"] == {"before": 3, "after": 3}
     step_until(llm, lambda: all(r.finish_reason is not None for r in reqs))
     assert [r.output_ids for r in reqs] == want
@@ -121,27 +121,27 @@ def test_refusals_change_nothing(model_dir):
     step_until(llm, lambda: all(len(r.output_ids) >= 3 for r in reqs))
     held = llm.scheduler.kv.pages.num_used * 16
     assert held < 128
-    llm.scheduler.add(Request("queued", list(range(5, 205)), SP))  # 4 run: this one waits, with 200 tokens
+    llm.llm_engine.add_request(Request("queued", list(range(5, 205)), SP))  # 4 run: this one waits, with 200 tokens
     before = _snapshot(llm)
     sched = llm.scheduler
     with pytest.raises(ConfigError, match="budget"):  # ~1 TB of KV
-        sched.resize_caches(kv_tokens=10 ** 9)
+        llm.llm_engine.resize_caches(kv_tokens=10 ** 9)
     with pytest.raises(ConfigError, match=f"requests in flight hold {held} tokens"):
-        sched.resize_caches(kv_tokens=held - 16)
+        llm.llm_engine.resize_caches(kv_tokens=held - 16)
     with pytest.raises(ConfigError, match="a request in flight needs 201 tokens"):
-        sched.resize_caches(kv_tokens=128)  # the running ones fit, the queued one never would
+        llm.llm_engine.resize_caches(kv_tokens=128)  # the running ones fit, the queued one never would
     with pytest.raises(RequestError, match="32 routed experts"):
-        sched.resize_caches(moe_slots=33)
+        llm.llm_engine.resize_caches(moe_slots=33)
     with pytest.raises(RequestError, match="positive integer"):
-        sched.resize_caches(kv_tokens=0)
+        llm.llm_engine.resize_caches(kv_tokens=0)
     with pytest.raises(ConfigError, match="top-k"):
-        sched.resize_caches(moe_slots=1)  # a decode step needs a layer's top-k on the device
+        llm.llm_engine.resize_caches(moe_slots=1)  # a decode step needs a layer's top-k on the device
     assert _snapshot(llm) == before
     sched.check_integrity()
     fused = LLM(model_dir, num_tokens=1024, **{**OPTS, "moe_backend": "fused", "moe_cache_size": None})
     with pytest.raises(RequestError, match="no expert slot cache"):
-        fused.scheduler.resize_caches(kv_tokens=512, moe_slots=4)
-    assert fused.scheduler.resize_caches(kv_tokens=512, moe_slots="auto")["moe_slots"]["after"] == 0
+        fused.llm_engine.resize_caches(kv_tokens=512, moe_slots=4)
+    assert fused.llm_engine.resize_caches(kv_tokens=512, moe_slots="auto")["moe_slots"]["after"] == 0
 
 
 def test_kv_pool_resize_moves_pages_a_few_at_a_time(monkeypatch):

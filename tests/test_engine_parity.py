@@ -15,11 +15,10 @@ def full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Our logits at every position of one prompt, computed in one prefill pass."""
     sch = llm.scheduler
     req = Request("logits", list(ids), SamplingParams(max_tokens=1))
-    sch.add(req)
+    llm.llm_engine.add_request(req)
     prefix, sch.prefix = sch.prefix, None  # no reuse and no prefill stop at a snapshot boundary: one pass
     try:
-        plan = sch._plan()
-        batch, _ = sch._build_batch(plan)
+        batch, _ = llm.llm_engine.runner.build(sch.schedule())
         batch.logits_index = torch.arange(len(ids))
         out = llm.engine.forward(batch)
         sch.abort(req.id)

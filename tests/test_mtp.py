@@ -238,12 +238,12 @@ def test_rejected_pages_are_released(mtp_dir):
     from moestream.scheduler.request import Request
 
     req = Request("r", prompts(V, (5,))[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    llm.scheduler.add(req)
+    llm.llm_engine.add_request(req)
     seen = 0
     while req.finish_reason is None:
-        llm.scheduler.step()
-        if req.finish_reason is None and llm.scheduler.spec_totals["verify_steps"] > seen:
-            seen = llm.scheduler.spec_totals["verify_steps"]
+        llm.llm_engine.step()
+        if req.finish_reason is None and llm.llm_engine.runner.spec_totals["verify_steps"] > seen:
+            seen = llm.llm_engine.runner.spec_totals["verify_steps"]
             # the drafter's own K/V may reach ahead by K - 1 positions (pages it took for its drafts)
             assert len(req.pages) <= llm.engine.caches.kv.pages_for(req.num_tokens + 2)
     assert seen > 0 and llm.engine.caches.kv.pages.num_used == 0
@@ -251,7 +251,7 @@ def test_rejected_pages_are_released(mtp_dir):
 
 def test_gdn_checkpoints_hold_the_state_after_each_token():
     """A verify step's per-position states equal the states after each prefix computed on its own."""
-    from moestream.engine.batch import ForwardBatch, SeqMeta
+    from moestream.batch import ForwardBatch, SeqMeta
     from moestream.layers.gdn import GatedDeltaNet
 
     torch.manual_seed(0)
@@ -392,7 +392,7 @@ def test_conversation_resumes_from_a_snapshot_taken_by_a_verify_step(mtp_dir, ti
               **{**COMMON, "prefix_cache_prompt_snapshot": "off"})
     script_drafter(llm, [first + reply, second + want])
     assert tokens(llm, [first], sp)[0] == reply
-    assert llm.scheduler.spec_totals["accepted"] > 0
+    assert llm.llm_engine.runner.spec_totals["accepted"] > 0
     out = llm.generate([second], sp)[0]
     assert out.token_ids == want
     assert out.cached_tokens > len(first)  # a snapshot inside the first turn's reply

@@ -166,18 +166,18 @@ def _llm(path, **kw):
 
 
 def _run(llm, reqs, arrivals=None):
-    """Drive the scheduler to the end; arrivals: {step: [requests]} added at that step. Checks the
+    """Drive the step loop to the end; arrivals: {step: [requests]} added at that step. Checks the
     scheduler's invariants after every step."""
-    sch, arrivals = llm.scheduler, dict(arrivals or {})
+    engine, arrivals = llm.llm_engine, dict(arrivals or {})
     for r in reqs:
-        sch.add(r)
+        engine.add_request(r)
     pending = [r for rs in arrivals.values() for r in rs]
     step = 0
     while any(r.finish_reason is None for r in reqs + pending):
         for r in arrivals.pop(step, []):
-            sch.add(r)
-        sch.step()
-        sch.check_integrity()
+            engine.add_request(r)
+        engine.step()
+        engine.scheduler.check_integrity()
         step += 1
     return step
 

@@ -61,15 +61,15 @@ def test_bad_extra_params():
 def _capture(llm):
     """Record the logits every step computes (the engine's, before any processing)."""
     seen = []
-    fwd = llm.scheduler.engine.forward
+    fwd = llm.engine.forward
 
     def forward(batch):
         out = fwd(batch)
         seen.append(out.clone())
         return out
 
-    llm.scheduler.engine.forward = forward
-    return seen, lambda: setattr(llm.scheduler.engine, "forward", fwd)
+    llm.engine.forward = forward
+    return seen, lambda: setattr(llm.engine, "forward", fwd)
 
 
 def test_logprobs_are_log_softmax_of_engine_logits(llm):
@@ -139,7 +139,7 @@ def test_thinking_budget_closes_the_block(llm):
     budget = 4
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, reasoning_open=True,
                                                 max_thinking_tokens=budget, logit_bias={end: -100.0}))[0]
-    close = llm.scheduler.think_close
+    close = llm.llm_engine.runner.think_close
     assert out.token_ids[budget:budget + len(close)] == close
     assert end not in out.token_ids[:budget] and len(out.token_ids) == 12
 
@@ -226,15 +226,15 @@ def test_n_children_copy_the_parent_prefill(llm):
     prompt = list(range(5, 45))
     ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, ignore_eos=True, logprobs=1) for i in range(4)]
     alone = [llm.generate([prompt], p)[0] for p in ps]
-    sched = llm.scheduler
+    sched, engine = llm.scheduler, llm.llm_engine
     reqs = [Request(f"fork-{i}", list(prompt), p, parent="fork-0" if i else None) for i, p in enumerate(ps)]
     for r in reqs:
-        sched.add(r)
+        engine.add_request(r)
     assert len(sched.held["fork-0"]) == 3
     prefill = 0
     while any(r.finish_reason is None for r in reqs):
-        sched.step()
-        prefill += sched.last_step.get("prefill_tokens", 0)
+        engine.step()
+        prefill += engine.last_step.get("prefill_tokens", 0)
     # once, not four times (less what the prefix cache held from the single runs above)
     assert prefill == len(prompt) - (reqs[0].cached_tokens or 0)
     assert all((r.cached_tokens or 0) == 0 for r in reqs[1:])  # the children copied, they did not look up
@@ -249,15 +249,15 @@ def test_n_children_copy_the_parent_prefill(llm):
 def test_aborted_parent_lets_children_prefill(llm):
     from moestream.scheduler.request import Request
 
-    sched = llm.scheduler
+    engine = llm.llm_engine
     p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     parent, kid = Request("par", [5, 6, 7], p), Request("kid", [5, 6, 7], p, parent="par")
-    sched.add(parent)
-    sched.add(kid)
-    sched.abort("par")
+    engine.add_request(parent)
+    engine.add_request(kid)
+    engine.abort("par")
     while kid.finish_reason is None:
-        sched.step()
-    assert kid.output_ids == llm.generate([[5, 6, 7]], p)[0].token_ids and not sched.held
+        engine.step()
+    assert kid.output_ids == llm.generate([[5, 6, 7]], p)[0].token_ids and not llm.scheduler.held
 
 
 def test_structural_tag_grammar_constrains_only_the_tags(tmp_path):

@@ -32,3 +32,29 @@ def test_chat_survives_a_failed_reply():
     out = io.StringIO()
     assert run_chat(reply, stdin=io.StringIO("hello\n"), stdout=out) == 0
     assert "[error: HTTP 503]" in out.getvalue()
+
+
+def test_local_reply_splits_reasoning_like_the_server(tmp_path):
+    """In-process chat runs the engine's step loop with the server's markup-keeping text and reasoning
+    parser: a scripted "<think>...</think>answer" comes back as reasoning and content pieces."""
+    from moestream.demo import write_demo_checkpoint
+    from moestream.llm import LLM
+    from moestream.server.chat import local_reply
+
+    llm = LLM(write_demo_checkpoint(tmp_path / "demo"), device="cpu", dtype="float32")
+    tok = llm.tokenizer
+    script = tok.encode("<think>\nlet me see\n</think>\n\nHi there") + [tok.eos_token_ids[0]]
+    real, calls = llm.engine.forward, []
+
+    def scripted(batch):  # one request, one sampling row a step: force the script's next token
+        out = real(batch).clone()
+        out[-1] = -1e4
+        out[-1, script[len(calls)]] = 0.0
+        calls.append(1)
+        return out
+
+    llm.engine.forward = scripted
+    pieces = list(local_reply(llm, max_tokens=50, temperature=0.0)([{"role": "user", "content": "hello"}]))
+    assert "".join(t for k, t in pieces if k == "reasoning").strip() == "let me see"
+    assert "".join(t for k, t in pieces if k == "content") == "Hi there"
+    assert len(calls) == len(script) and not llm.scheduler.has_work()

@@ -100,7 +100,7 @@ class TestTwoRanks:
             TPWorkers(2, "cpu")
 
     def test_live_cache_rebuild_on_every_rank(self, workers, tiny_checkpoint):
-        """Scheduler.resize_caches mid-flight: every rank plans, agrees and resizes with rank 0's page map; the
+        """LLMEngine.resize_caches mid-flight: every rank plans, agrees and resizes with rank 0's page map; the
         tokens are tp1's without a rebuild. A refusal on the ranks changes nothing."""
         from moestream.scheduler.request import Request
 
@@ -113,20 +113,20 @@ class TestTwoRanks:
             llm.generate([list(range(50, 50 + n)) for n in (20, 30, 40)], sp)  # their pages: the low ids, cached
             reqs = [Request(f"r{i}", p, sp) for i, p in enumerate(ps)]
             for r in reqs:
-                llm.scheduler.add(r)
+                llm.llm_engine.add_request(r)
             while not all(len(r.output_ids) >= 4 for r in reqs):
-                llm.scheduler.step()
+                llm.llm_engine.step()
             plan, k = llm.engine.plan, llm.engine.caches.kv.k
             with pytest.raises(ConfigError, match="budget"):
-                llm.scheduler.resize_caches(kv_tokens=10 ** 9)
+                llm.llm_engine.resize_caches(kv_tokens=10 ** 9)
             assert llm.engine.plan is plan and llm.engine.caches.kv.k is k
             at_end = sum(llm.scheduler.kv.pages_for(len(p) + 24) for p in ps)
             assert max(p for r in reqs for p in r.pages) >= at_end
-            rep = llm.scheduler.resize_caches(kv_tokens=at_end * 16, moe_slots=3)
+            rep = llm.llm_engine.resize_caches(kv_tokens=at_end * 16, moe_slots=3)
             assert rep["moved_pages"] > 0 and rep["moe_slots"]["after"] == 3
             assert llm.engine.caches.kv.num_pages == at_end and llm.engine.runtime.stats()["cache"]["slots"] == 3
             while not all(r.finish_reason is not None for r in reqs):
-                llm.scheduler.step()
+                llm.llm_engine.step()
             assert [r.output_ids for r in reqs] == want
 
     def test_a_dead_worker_ends_the_group(self, workers, tiny_checkpoint):

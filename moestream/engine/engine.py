@@ -29,7 +29,7 @@ from ..moe.formats import dense_format
 from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
-from .batch import ForwardBatch
+from ..batch import ForwardBatch
 from .graphs import DecodeGraphs, decode_extra
 
 log = logging.getLogger("moestream.engine")
@@ -439,6 +439,8 @@ class Engine:
         # "keep_hidden"), which recorded steps do not keep, and verify steps are not decode steps
         use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
         state = self.caches.state
+        for slot in batch.state_resets:  # requests admitted this step (before the host tier may fill a slot)
+            state.reset(slot)
         if batch.host_copies:  # the prefix cache's spills to and fetches from host memory, in order
             self.caches.host.run(batch.host_copies, self.caches.kv, state)
         self.caches.kv.copy_heads(batch.kv_copies)  # prefix-cache copy-on-write of partly shared pages

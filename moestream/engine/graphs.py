@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from .batch import ForwardBatch, SeqMeta
+from ..batch import ForwardBatch, SeqMeta
 
 log = logging.getLogger("moestream.engine")
 

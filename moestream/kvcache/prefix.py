@@ -28,8 +28,8 @@ LRU over a fixed number of slots; dropping one never touches pages.
 A request whose tokens leave the cached path inside a page (a branch, or the limit of all but its last
 token) copies the shared head of that page into a page of its own (copy-on-write, attention-only models).
 
-Bookkeeping only (no tensors): the scheduler copies KV heads and state between slots through the
-ForwardBatch.
+Bookkeeping only (no tensors): the scheduler decides the KV-head and state copies (ScheduledBatch) and
+the engine runs them from the ForwardBatch.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..kernels.linear import Linear
 from . import triton_ops
 from .norm import RMSNorm

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from . import triton_ops
 from ..kernels.linear import Linear
 from .norm import GatedRMSNorm

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..engine.batch import ForwardBatch
+from ..batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
 from ..kernels.linear import Linear, linear

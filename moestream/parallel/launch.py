@@ -10,9 +10,8 @@ Rank 0 then drives them through commands on the control group:
     release / info / exit
 
 Sampling happens on rank 0 only (every rank ends a step with the full logits, from the lm_head's
-all-gather). The one piece of cache state rank 0 changes outside forward, zeroing a request's linear
-state slot when it is admitted, workers redo from the batch itself: a sequence with no cached tokens
-starts from a zero state.
+all-gather). Every cache change a step makes travels in its ForwardBatch (slots zeroed for admitted
+requests, prefix-cache copies, snapshots), so each rank's forward pass does it to its own pools.
 
 They end together: workers exit on `exit`, when a command or collective fails because a rank is gone,
 and (Linux) when the process that spawned them dies. Rank 0 watches the workers: when one dies the
@@ -391,11 +390,7 @@ def _serve(tp: TPRank, a: WorkerArgs) -> None:
         msg = tp.broadcast()
         op = msg["op"]
         if op == "step":
-            batch = moved(msg["batch"], engine.device)
-            for s in batch.seqs:  # rank 0 zeroed the slot when it admitted the request
-                if s.cached == 0 and s.state_slot >= 0:
-                    engine.caches.state.reset(s.state_slot)
-            engine.forward(batch)
+            engine.forward(moved(msg["batch"], engine.device))
         elif op == "build":
             folder = None if msg["folder"] is None else Path(msg["folder"])
             try:

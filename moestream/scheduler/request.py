@@ -1,4 +1,5 @@
-"""A request as the scheduler tracks it."""
+"""A request as the scheduler tracks it (pages, slot, progress) and the engine samples it (generator,
+grammar matcher, reasoning block, forced tokens, drafts)."""
 from __future__ import annotations
 
 import enum
@@ -28,7 +29,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V and linear state are in the caches
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    detok: object = None  # IncrementalDetokenizer when the scheduler has a tokenizer
+    detok: object = None  # IncrementalDetokenizer the engine attaches when it has a tokenizer (add_request)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -65,10 +66,19 @@ class Request:
         # Decoding means only the newest sampled token is not yet in the caches.
         return self.num_computed < self.num_tokens - 1
 
+    @property
+    def can_draft(self) -> bool:
+        """Speculative drafts only for requests sampled from the plain (tempered, top-k/p, min-p)
+        distribution; logits processing, grammars, logprobs, forced tokens and a thinking budget decode one
+        token a step."""
+        p = self.params
+        return not (p.needs_processing or self.matcher is not None or p.logprobs is not None or self.forced
+                    or (self.thinking and p.max_thinking_tokens is not None))
+
 
 @dataclass
 class StepOutput:
-    """What one scheduler step produced for one request."""
+    """What one step produced for one request."""
 
     request: Request
     new_token: int | None

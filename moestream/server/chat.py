@@ -116,22 +116,40 @@ def _error_message(e) -> str:
 
 # ---- in-process ------------------------------------------------------------------------------
 def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
+    """Replies from an in-process LLM through the step loop the server's engine process runs
+    (`LLM.llm_engine`), its text split by the reasoning parser the server would pick for this template."""
     from ..core import SamplingParams, next_request_id
     from ..scheduler.request import Request
+    from .parsers import pick_reasoning_parser, prompt_opens_reasoning
+
+    tok, engine = llm.tokenizer, llm.llm_engine
+    parser_cls = pick_reasoning_parser("auto", tok.chat_template)
 
     def reply(messages: list[dict]) -> Iterator[tuple[str, str]]:
-        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        req = Request(next_request_id(), ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
-        llm.scheduler.add(req)
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        opens = prompt_opens_reasoning(prompt)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                reasoning_open=opens and parser_cls.name != "none")
+        req = Request(next_request_id(), tok.encode(prompt), params)
+        parser = parser_cls(starts_in_reasoning=opens)
+        engine.add_request(req, keep_markup=True)  # the parser reads the <think> tags
         try:
             while req.finish_reason is None:
-                for out in llm.scheduler.step():
+                for out in engine.step():
                     if out.request is req and out.text_delta:
-                        yield "content", out.text_delta
+                        yield from _pieces(*parser.feed(out.text_delta))
+            yield from _pieces(*parser.finish())
         finally:
-            llm.scheduler.abort(req.id)  # Ctrl-C mid-reply frees its caches
+            engine.abort(req.id)  # Ctrl-C mid-reply frees its caches
 
     return reply
+
+
+def _pieces(reasoning: str, content: str) -> Iterator[tuple[str, str]]:
+    if reasoning:
+        yield "reasoning", reasoning
+    if content:
+        yield "content", content
 
 
 def main(server: str | None, model_path: str | None, engine_options: dict, api_key: str | None,

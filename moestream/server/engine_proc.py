@@ -1,8 +1,9 @@
-"""The engine process: owns the model, the caches and the scheduler; the HTTP front end talks to it
-through two one-way pipes carrying the dataclasses of `server/messages.py` (Add / Abort / StatsQuery /
-Rebuild / Shutdown in; Ready or StartupError, then Outputs / Failed / Stats / Reply out).
+"""The engine process: owns the model, the caches and the step loop (`engine/llm_engine.LLMEngine`, as
+`LLM.generate` does); the HTTP front end talks to it through two one-way pipes carrying the dataclasses of
+`server/messages.py` (Add / Abort / StatsQuery / Rebuild / Shutdown in; Ready or StartupError, then Outputs
+/ Failed / Stats / Reply out).
 
-Loop: pull every pending message, run one scheduler step, push the step's deltas as one message. A
+Loop: pull every pending message, run one step, push the step's deltas as one message. A
 rebuild (live resize of the KV pool and expert slot cache) runs between two steps, so nothing is admitted
 while it runs.
 The process ends with its parent: it polls the parent pid and the pipe (EOF), and on Linux asks the
@@ -24,10 +25,6 @@ from .messages import (Abort, Add, Delta, Failed, Outputs, Ready, Rebuild, Reply
                        StatsQuery)
 
 log = logging.getLogger("moestream.engine")
-
-# Tags the reasoning and tool-call parsers read. Some tokenizers (the demo's) flag them special,
-# which skip_special_tokens would drop from the text, so the server keeps exactly these.
-MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 
 @dataclass(frozen=True)
@@ -84,18 +81,6 @@ def _is_user_error(e: Exception) -> bool:
     return isinstance(e, MoestreamError)
 
 
-class _KeepMarkup:
-    """Tokenizer view for the detokenizer: drops special tokens except the parser markup."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        keep = {tokenizer.token_to_id(t) for t in MARKUP_TOKENS}
-        self.special_added_token_ids = frozenset(tokenizer.special_added_token_ids - keep)
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
-
-
 class EngineLoop:
     def __init__(self, args: EngineArgs, outbox):
         from ..llm import LLM
@@ -103,9 +88,8 @@ class EngineLoop:
         self.args = args
         self.outbox = outbox
         self.llm = LLM(args.model_dir, **args.engine_options)
-        self.scheduler = self.llm.scheduler
-        self.tokenizer = self.llm.tokenizer
-        self.markup_view = _KeepMarkup(self.tokenizer) if self.tokenizer is not None else None
+        self.llm_engine = self.llm.llm_engine
+        self.scheduler = self.llm_engine.scheduler  # read for occupancy and failure isolation
         self.started = time.time()
         # (time, prefill tokens, decode tokens) of recent steps, for the sliding-window throughput.
         self.window: collections.deque = collections.deque()
@@ -129,7 +113,7 @@ class EngineLoop:
             if os.getppid() != parent_pid:
                 log.warning("the front end is gone; engine exiting")
                 return
-            idle = not self.scheduler.has_work()
+            idle = not self.llm_engine.has_work()
             try:
                 # Block briefly when idle (no busy loop); never block while requests are running.
                 if inbox.poll(0.2 if idle else 0) and not self._drain(inbox):
@@ -137,7 +121,7 @@ class EngineLoop:
             except (EOFError, OSError):
                 log.warning("the front end closed the pipe; engine exiting")
                 break
-            if self.scheduler.has_work():
+            if self.llm_engine.has_work():
                 self._step()
         log.info("engine stopped")
 
@@ -149,7 +133,7 @@ class EngineLoop:
             if isinstance(msg, Add):
                 self._add(msg)
             elif isinstance(msg, Abort):
-                if self.scheduler.abort(msg.rid):
+                if self.llm_engine.abort(msg.rid):
                     self.totals["aborted"] += 1
             elif isinstance(msg, StatsQuery):
                 self.outbox.send(Stats(msg.sid, self.stats()))
@@ -165,7 +149,7 @@ class EngineLoop:
         from ..core import MoestreamError, RequestError
 
         try:
-            report = self.scheduler.resize_caches(msg.kv_tokens, msg.moe_slots)
+            report = self.llm_engine.resize_caches(msg.kv_tokens, msg.moe_slots)
         except MoestreamError as e:
             self.rebuilds["refused"] += 1
             log.warning("cache rebuild refused: %s", e)
@@ -182,15 +166,12 @@ class EngineLoop:
     def _add(self, msg: Add) -> None:
         from ..core import MoestreamError
         from ..scheduler.request import Request
-        from ..tokenizer import IncrementalDetokenizer
 
         rid, params = msg.rid, msg.params
         try:
             params.validate()  # the front end validated it; a request that slipped past fails alone
             req = Request(rid, list(msg.prompt_ids), params, parent=msg.parent)
-            if self.tokenizer is not None and msg.keep_markup and params.skip_special_tokens:
-                req.detok = IncrementalDetokenizer(self.markup_view, stop=params.stop, skip_special_tokens=True)
-            self.scheduler.add(req)
+            self.llm_engine.add_request(req, keep_markup=msg.keep_markup)
         except MoestreamError as e:
             self.outbox.send(Failed(rid, str(e), 400))
             return
@@ -203,7 +184,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.scheduler.step()
+            outputs = self.llm_engine.step()
         except Exception as e:  # OOM or a bug: find the request(s) it belongs to, keep serving the others
             self._step_failed(e)
             return
@@ -219,7 +200,7 @@ class EngineLoop:
         self.totals["generated_tokens"] += len(outputs)
         if items:
             self.outbox.send(Outputs(items))
-        self._account(self.scheduler.last_step)
+        self._account(self.llm_engine.last_step)
 
     def _step_failed(self, e: Exception) -> None:
         """A batch of several requests is retried one request at a time (the scheduler's suspects);
@@ -257,7 +238,7 @@ class EngineLoop:
                 self._log_decode(st)
 
     def _usage(self) -> tuple[dict, str]:
-        s = self.scheduler.stats()
+        s = self.llm_engine.stats()
         extra = ""
         if self.scheduler.state.num_slots and self.llm.engine.cfg.linear_attention_layers:
             st = s["state"]
@@ -296,7 +277,7 @@ class EngineLoop:
             return None
 
     def stats(self) -> dict:
-        s = self.scheduler.stats()
+        s = self.llm_engine.stats()
         span = (self.window[-1][0] - self.window[0][0]) if len(self.window) > 1 else 0.0
         span = max(span, 1.0)
         s["throughput"] = {"prefill_tps": sum(w[1] for w in self.window) / span,

@@ -17,6 +17,22 @@ if TYPE_CHECKING:
 
 _REPLACEMENT = "\ufffd"
 
+# Tags the reasoning and tool-call parsers read. Some tokenizers (the demo's) flag them special,
+# which skip_special_tokens would drop from the text, so text for the parsers keeps exactly these.
+MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+class KeepMarkup:
+    """Tokenizer view for the detokenizer: drops special tokens except the parser markup (MARKUP_TOKENS)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        keep = {tokenizer.token_to_id(t) for t in MARKUP_TOKENS}
+        self.special_added_token_ids = frozenset(tokenizer.special_added_token_ids - keep)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Feed generated ids one at a time with `.add(id)`; each call returns the newly safe text.

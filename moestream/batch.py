@@ -3,6 +3,9 @@
 Tokens of all sequences are concatenated ([T] ids, [T] positions). Each sequence says where its new
 tokens sit in that run, how many of its tokens are already in the caches, its linear-attention state
 slot and the flat KV-pool index of every one of its positions.
+
+Plain data, the vocabulary shared by layers/, models/ and engine/ (so it ranks below all of them); the
+engine's model runner (engine/runner.py) builds it from what the scheduler decided.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ class ForwardBatch:
     kv_write_index: torch.Tensor  # [T] flat KV-pool index where each new token's K/V goes
     logits_index: torch.Tensor  # [B'] rows of the flat batch whose logits are needed
     state_slots: torch.Tensor | None = None  # [B] long, the seqs' state slots (decode fast path)
+    # linear-state slots zeroed first (requests admitted this step start from an empty state)
+    state_resets: list = field(default_factory=list)
     # linear-state slot copies (src, dst) done before / after the forward pass: a prefix-cache hit
     # resumes from a snapshot; a snapshot is saved after the step that reached its page boundary
     state_loads: list = field(default_factory=list)

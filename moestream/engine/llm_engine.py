@@ -1,0 +1,165 @@
+"""The step loop every front end drives: `LLM.generate` (llm.py), the server's engine process
+(server/engine_proc.py) and in-process chat (server/chat.py) all call add_request / step / abort / has_work.
+
+    add_request(req)  the scheduler checks it; the engine gives it its sampling state (generator, grammar
+                      matcher, reasoning flag) and its detokenizer (text is made at this edge); queued
+    step()            scheduler.schedule() -> runner.run() (forward + sampling) -> scheduler.postprocess()
+                      (tokens appended, stops, finishing) -> runner.draft() with --speculative mtp;
+                      returns one StepOutput per token produced
+
+The scheduler (scheduler/) does the bookkeeping only; the runner (engine/runner.py) the tensors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ..core import FinishReason, RequestError
+from ..scheduler.request import Request, StepOutput
+from ..scheduler.scheduler import Scheduler, SchedulerConfig
+from ..tokenizer import IncrementalDetokenizer, KeepMarkup
+from .runner import ModelRunner
+from .sampler import make_generator
+
+log = logging.getLogger("moestream.engine")
+
+
+def scheduler_config(engine) -> SchedulerConfig:
+    """The scheduler's limits from an engine's options and sizes."""
+    e = engine.ecfg
+    return SchedulerConfig(max_running=e.max_running_requests, chunk=e.chunked_prefill_size,
+                           max_seq_len=engine.max_seq_len, vocab_size=engine.cfg.vocab_size,
+                           prefix_cache=e.prefix_cache, prompt_snapshots=e.prefix_cache_prompt_snapshot == "on",
+                           forks=e.tp_size == 1)
+
+
+class LLMEngine:
+    def __init__(self, engine, tokenizer=None, eos_token_ids=()):
+        """engine: an Engine (or rank 0's parallel.TPEngine); tokenizer: None for token ids only (no text,
+        no grammars); eos_token_ids: the ids that end a request (one set, read by the scheduler's stop check
+        and the runner's min_tokens mask)."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.scheduler = Scheduler(scheduler_config(engine), engine.caches, self.eos)
+        self.runner = ModelRunner(engine, self.eos, tokenizer)
+        self.grammars = None  # tokenizer.grammar.Grammars, built at the first constrained request
+        self._markup = None  # KeepMarkup view of the tokenizer, made at the first request that keeps markup
+        self.last_step: dict = {}  # the last step's counts and seconds (LLM timing, server log lines)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, req: Request, keep_markup: bool = False) -> None:
+        """Queue req; RequestError when it cannot run here. keep_markup: its text keeps the reasoning and
+        tool-call tags (for the server's parsers) where skip_special_tokens drops other special tokens."""
+        self.scheduler.check(req)
+        self._prepare(req, keep_markup)
+        self.scheduler.add(req)
+
+    def _prepare(self, req: Request, keep_markup: bool) -> None:
+        p = req.params
+        req.generator = make_generator(p, self.engine.device)
+        if p.grammar and req.matcher is None:
+            req.matcher = self._grammars().matcher(p.grammar)
+        req.thinking = p.reasoning_open
+        if req.matcher is not None and not req.thinking:
+            req.matcher.prefetch()  # the first mask is built while the prompt is prefilled
+        if p.prompt_logprobs is not None and not req.prompt_lps:
+            req.prompt_lps = [None]
+        if self.tokenizer is not None and req.detok is None:
+            view = self.tokenizer
+            if keep_markup and p.skip_special_tokens:
+                view = self._markup = self._markup or KeepMarkup(self.tokenizer)
+            req.detok = IncrementalDetokenizer(view, stop=p.stop, skip_special_tokens=p.skip_special_tokens)
+
+    def _grammars(self):
+        if self.grammars is None:
+            from ..tokenizer.grammar import Grammars
+
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer")
+            self.grammars = Grammars(self.tokenizer, self.engine.cfg.vocab_size, sorted(self.eos))
+        return self.grammars
+
+    def abort(self, req_id: str, reason: str = FinishReason.ABORT.value) -> bool:
+        """Finish a request now, freeing its pages and slot; False when it is unknown or already done."""
+        return self.scheduler.abort(req_id, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> dict:
+        """The scheduler's occupancy and prefix-cache counters, and speculative decoding's."""
+        out = self.scheduler.stats()
+        if self.runner.spec_k:
+            out["speculative"] = self.runner.spec_stats()
+        return out
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.run(batch)
+        except BaseException:
+            self.scheduler.step_failed(batch)
+            raise
+        outputs = self.scheduler.postprocess(batch, result)
+        self.engine.caches.state.copy(batch.after_copies)  # rolling snapshots of verify steps
+        if self.runner.spec_k:
+            self._draft(batch)
+        self.last_step = self._step_stats(batch, outputs, time.perf_counter() - t0)
+        return outputs
+
+    def _draft(self, batch) -> None:
+        try:
+            self.runner.draft(batch, self.scheduler.draft_room)
+        except Exception:  # drafts only save time: this step's tokens are already out, keep them
+            log.exception("the MTP drafter failed; these requests decode without drafts this step")
+            for s in batch.seqs:
+                s.req.drafts = []
+
+    def _step_stats(self, batch, outputs: list[StepOutput], seconds: float) -> dict:
+        decoding = {s.req.id for s in batch.seqs if not s.prefill}
+        decode = len(decoding)
+        if self.runner.spec_k:  # decode requests' tokens this step (a verify step emits up to K + 1 each)
+            decode = sum(1 for o in outputs if o.request.id in decoding)
+        return {"seconds": seconds, "tokens": batch.num_tokens, "decode": decode,
+                "prefill_tokens": sum(s.n for s in batch.seqs if s.prefill),
+                "prefill_seqs": len(batch.seqs) - len(decoding),
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+
+    # ---- live cache rebuild ----------------------------------------------------------------
+    def resize_caches(self, kv_tokens: int | None = None, moe_slots: int | str | None = None) -> dict:
+        """Between steps: a KV pool of kv_tokens tokens (rounded up to whole pages; None: as now) and moe_slots
+        expert slots ("auto": the slots that fit; None: as now). Requests in flight keep their pages (moved
+        below the new size when they sit above it) and their linear state; unreferenced prefix-cache pages are
+        evicted, least recently used first, until the rest fits. Refused, nothing changed: RequestError for a
+        value this server cannot take, ConfigError (with the reason) when the plan does not fit the memory
+        budget or the requests in flight could not go on."""
+        t0 = time.perf_counter()
+        sched, old = self.scheduler, self.engine.plan
+        kv, P = sched.kv, sched.kv.page_size
+        for name, v in (("KV tokens", kv_tokens), ("expert slots", None if moe_slots == "auto" else moe_slots)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise RequestError(f"{name} must be a positive integer, got {v!r}")
+        pages = kv.pages_for(kv_tokens) if kv_tokens is not None else kv.num_pages
+        slots = None if moe_slots == "auto" else moe_slots if moe_slots is not None else (old.cache_slots or None)
+        sched.check_room(pages)
+        plan, ecfg = self.engine.plan_caches(pages * P, slots)
+        # nothing has changed up to here
+        keep, evicted = sched.shrink_to(pages)
+        before = kv.num_pages * P
+        self.engine.resize_caches(plan, ecfg, keep)
+        sched.renumber(keep)
+        report = {"kv_tokens": {"before": before, "after": pages * P},
+                  "moe_slots": {"before": old.cache_slots, "after": plan.cache_slots},
+                  "total_experts": plan.total_experts, "backend": plan.backend, "running": len(sched.running),
+                  "queued": len(sched.waiting), "moved_pages": sum(a != b for a, b in keep.items()),
+                  "evicted_prefix_pages": evicted, "rebuild_s": time.perf_counter() - t0}
+        log.info("cache rebuild in %.3f s: KV %d -> %d tokens, expert slots %d -> %d of %d; %d requests in flight "
+                 "(%d pages moved), %d queued, %d prefix-cache pages evicted", report["rebuild_s"], before, pages * P,
+                 old.cache_slots, plan.cache_slots, plan.total_experts, report["running"], report["moved_pages"],
+                 report["queued"], evicted)
+        return report

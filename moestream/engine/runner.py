@@ -1,0 +1,314 @@
+"""The model side of a step: what the scheduler scheduled -> a ForwardBatch -> the engine's forward pass
+-> sampled tokens.
+
+`ModelRunner.run(ScheduledBatch) -> StepResult`: builds the flat batch (ids, positions, KV indices, the
+rows whose logits are needed), runs the engine (one rank, or rank 0 of a tensor-parallel group), takes
+prompt logprobs, verifies speculative drafts (rolling the linear state back to the last kept row), copies
+an n > 1 parent's prompt caches into its children and samples one token per request that reached its
+newest token. `draft` runs the MTP block after a step (--speculative mtp). The runner keeps each request's
+sampling state: generator, grammar matcher, reasoning block and its budget, forced tokens, drafts; the
+scheduler keeps its pages, slots and progress.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..batch import ForwardBatch, SeqMeta
+from ..scheduler.batch import ScheduledBatch, StepResult
+from ..scheduler.request import Request, Status
+from .sampler import apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+
+
+@dataclass
+class _Rows:
+    """Where each logits row of a step goes (rows are in the order the batch asked for them)."""
+
+    logits: list[int] = field(default_factory=list)  # flat batch rows whose logits are computed
+    prompt: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, prompt token, logits row)
+    sample: list[int] = field(default_factory=list)  # logits rows that sample, one per sampling request
+    verify: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)  # (req, 1st row, n, slots)
+
+    @property
+    def split(self) -> bool:
+        """Rows other than the sampling ones were asked for (prompt logprobs, verify steps)."""
+        return bool(self.prompt or self.verify)
+
+
+class ModelRunner:
+    def __init__(self, engine, eos: set[int], tokenizer=None):
+        """engine: an Engine (or parallel.TPEngine); eos: the stop token ids, shared with the scheduler."""
+        self.engine = engine
+        self.eos = eos
+        tok = tokenizer
+        self.think_start = tok.token_to_id("<think>") if tok is not None else None
+        self.think_end = tok.token_to_id("</think>") if tok is not None else None
+        # what a spent thinking budget forces: the end of the block, as the chat templates write it
+        self.think_close = tok.encode("\n</think>\n\n") if tok is not None and self.think_end is not None else []
+        # --speculative mtp: K drafts per decoding request and step, verified in the next forward pass
+        self.spec_k = engine.ecfg.num_speculative_tokens if getattr(engine, "use_mtp", False) else 0
+        self.spec_totals = {"verify_steps": 0, "drafted": 0, "accepted": 0, "emitted": 0,
+                            "drafted_at": [0] * self.spec_k, "accepted_at": [0] * self.spec_k}
+        self._batch: ForwardBatch | None = None  # the last step's, for the drafter (speculating only)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def run(self, sched: ScheduledBatch) -> StepResult:
+        batch, rows = self.build(sched)
+        logits = self.engine.forward(batch)
+        if self.spec_k:
+            self._batch = batch
+        verified = []
+        if rows.split:  # prompt_logprobs or verify steps asked for extra rows: split them off
+            if rows.prompt:
+                self._prompt_logprobs(logits, rows.prompt)
+            verified = self._verify(logits, rows.verify)
+            logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
+        return StepResult(verified, self._sample(sched, logits))
+
+    def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
+        """The ForwardBatch of a scheduled step, and where its logits rows go."""
+        dev, kv = self.engine.device, self.engine.caches.kv
+        ids, pos, seqs, rows, start = [], [], [], _Rows(), 0
+        ckpt = self.engine.caches.state.checkpoint_slots if self.spec_k else []
+        for s in sched.seqs:
+            req, c, n = s.req, s.cached, s.n
+            kv_index = kv.flat_index(req.pages, 0, c + n, dev)
+            pos += range(c, c + n)
+            if s.verify:  # the newest token and its drafts, every row's logits
+                j = len(rows.verify) * self.spec_k
+                slots = ckpt[j:j + n - 1] if ckpt else None  # the state after each position but the last
+                ids += req.all_ids[c:c + 1] + req.drafts[:n - 1]
+                seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index,
+                                    checkpoints=slots))
+                rows.verify.append((req, len(rows.logits), n, slots or []))
+                rows.logits += range(start, start + n)
+            else:
+                ids += req.all_ids[c:c + n]
+                seqs.append(SeqMeta(start=start, length=n, cached=c, state_slot=req.state_slot, kv_index=kv_index,
+                                    snapshots=s.snapshots))
+                self._logit_rows(s, start, rows)
+            start += n
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            seqs=seqs, kv_write_index=torch.cat([q.kv_index[q.cached:] for q in seqs]),
+            logits_index=torch.tensor(rows.logits, dtype=torch.long, device=dev),
+            state_slots=torch.tensor([q.state_slot for q in seqs], dtype=torch.long, device=dev),
+            state_resets=sched.state_resets, state_loads=sched.state_loads, state_saves=sched.state_saves,
+            kv_copies=sched.kv_copies, host_copies=sched.host_copies, prompt=sched.prompt)
+        if self.spec_k:
+            batch.extra["keep_hidden"] = True  # the drafter reads every row's final hidden state
+            if rows.verify and len(rows.verify) + sum(1 for q in seqs if q.length == 1) == len(seqs):
+                batch.extra["decode_like"] = True  # decode and verify rows only: decode's kernels (engine)
+        return batch, rows
+
+    @staticmethod
+    def _logit_rows(s, start: int, rows: _Rows) -> None:
+        """The logits rows of a prefill chunk or decode token: its prompt logprob rows, and its last row
+        when it samples."""
+        req, c, n = s.req, s.cached, s.n
+        if req.prompt_lps:  # the row at position j predicts prompt token j + 1
+            for j in range(max(c, len(req.prompt_lps) - 1), min(c + n, len(req.prompt_ids) - 1)):
+                rows.prompt.append((req, j + 1, len(rows.logits)))
+                rows.logits.append(start + j - c)
+        if s.samples:  # the chunk reaches the newest token: sample the next one
+            if not rows.logits or rows.logits[-1] != start + n - 1:
+                rows.logits.append(start + n - 1)
+            rows.sample.append(len(rows.logits) - 1)
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _sample(self, sched: ScheduledBatch, logits: torch.Tensor) -> list[tuple[Request, int, tuple | None]]:
+        """One token for each request that reached its newest token (logits: one row each), then for each
+        child adopted this step (from its parent's row)."""
+        reqs = [s.req for s in sched.seqs if s.samples]
+        if sched.forks:
+            reqs, logits = self._fork(sched.forks, reqs, logits)
+        if not reqs:
+            return []
+        raw = logits
+        self._force_think_close(reqs)
+        # penalties, logit_bias, min_tokens and grammar masks touch only the rows of requests that use them
+        touched = [i for i, r in enumerate(reqs)
+                   if (r.params.needs_processing or (r.matcher is not None and not r.thinking)) and not r.forced]
+        if touched:
+            logits = logits.clone()
+            for i in touched:
+                self._process_row(reqs[i], logits[i])
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for i, req in enumerate(reqs):
+            if req.forced:
+                tokens[i] = req.forced.pop(0)
+        lps = self._logprobs(raw, reqs, tokens)
+        for req, tok in zip(reqs, tokens):
+            self._track(req, tok)
+        return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))]
+
+    def _fork(self, forks, reqs: list[Request], logits: torch.Tensor):
+        """Each adopted child gets copies of its parent's prompt K/V and linear state (the pass just computed
+        them) and its parent's logits row."""
+        rows = []
+        for kid, parent in forks:
+            self._copy_caches(parent, kid, len(kid.prompt_ids))
+            rows.append(reqs.index(parent))
+        idx = torch.tensor(list(range(len(reqs))) + rows, dtype=torch.long, device=logits.device)
+        return reqs + [kid for kid, _ in forks], logits[idx]
+
+    def _copy_caches(self, src: Request, dst: Request, n: int) -> None:
+        kv, dev = self.engine.caches.kv, self.engine.device
+        if kv.k is not None:
+            a = kv.flat_index(src.pages, 0, n, dev)
+            b = kv.flat_index(dst.pages, 0, n, dev)
+            kv.k[:, b] = kv.k[:, a]
+            kv.v[:, b] = kv.v[:, a]
+        self.engine.caches.state.copy([(src.state_slot, dst.state_slot)])
+
+    def _force_think_close(self, reqs: list[Request]) -> None:
+        """A spent thinking budget closes the block: its closing tokens are emitted next."""
+        for req in reqs:
+            p = req.params
+            if (req.thinking and p.max_thinking_tokens is not None and not req.forced
+                    and req.thinking_tokens >= p.max_thinking_tokens and self.think_end is not None):
+                close = list(self.think_close) or [self.think_end]
+                if req.matcher is not None and self.think_end in close:  # the grammar starts right after it
+                    close = close[:close.index(self.think_end) + 1]
+                req.forced = close
+
+    def _process_row(self, req: Request, row: torch.Tensor) -> None:
+        p = req.params
+        if p.needs_processing:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops)
+        if req.matcher is not None and not req.thinking and not req.matcher.done:
+            apply_bitmask(row, req.matcher.allowed())
+
+    def _track(self, req: Request, tok: int) -> None:
+        """Reasoning-block bookkeeping and the grammar's state after `tok` (before the next step samples)."""
+        if req.thinking:
+            if tok == self.think_end:
+                req.thinking = False  # the block ended (by the model, or by the forced close)
+                if req.matcher is not None:
+                    req.matcher.prefetch()
+            else:
+                req.thinking_tokens += 1
+            return
+        if req.matcher is not None and not req.matcher.done:
+            req.matcher.consume(tok)
+        elif tok == self.think_start and self.think_start is not None and req.matcher is None:
+            req.thinking = True
+
+    def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: list[int]) -> dict[int, tuple]:
+        idx = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not idx:
+            return {}
+        rows = raw[torch.tensor(idx, dtype=torch.long, device=raw.device)]
+        got = logprobs_of(rows, [tokens[i] for i in idx], [reqs[i].params.logprobs for i in idx])
+        return dict(zip(idx, got))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Request, int, int]]) -> None:
+        rows = logits[torch.tensor([r for _, _, r in prompt_rows], dtype=torch.long, device=logits.device)]
+        got = logprobs_of(rows, [req.prompt_ids[k] for req, k, _ in prompt_rows],
+                          [req.params.prompt_logprobs for req, _, _ in prompt_rows])
+        for (req, k, _), lp in zip(prompt_rows, got):
+            if k == len(req.prompt_lps):
+                req.prompt_lps.append(lp)
+
+    # ---- speculative decoding (--speculative mtp) -------------------------------------------
+    def _verify(self, logits: torch.Tensor, spec) -> list[tuple[Request, list[int]]]:
+        """Each verified request keeps its longest agreeing prefix of drafts plus one token of the target
+        (sampler.verify_drafts); its linear state rolls back to the last kept position (one slot copy)."""
+        out, t = [], self.spec_totals
+        for req, row, n, slots in spec:
+            drafts, req.drafts = req.drafts[:n - 1], []
+            toks = verify_drafts(logits[row:row + n], drafts, req.params, req.generator)
+            a = len(toks) - 1
+            t["verify_steps"] += 1
+            t["drafted"] += len(drafts)
+            t["accepted"] += a
+            t["emitted"] += len(toks)
+            for i in range(len(drafts)):
+                t["drafted_at"][i] += 1
+                t["accepted_at"][i] += i < a
+            if a < len(drafts) and slots:
+                self.engine.caches.state.copy([(slots[a], req.state_slot)])
+            for tok in toks:
+                self._track(req, tok)
+            out.append((req, toks))
+        return out
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counters: drafts proposed and accepted (in all and per draft position),
+        verify steps, tokens emitted by them (accepted drafts + the target's own token)."""
+        t = self.spec_totals
+        rate = [a / d if d else 0.0 for a, d in zip(t["accepted_at"], t["drafted_at"])]
+        return {"method": "mtp", "num_speculative_tokens": self.spec_k, **{k: v for k, v in t.items()
+                if not isinstance(v, list)}, "drafted_per_position": list(t["drafted_at"]),
+                "accepted_per_position": list(t["accepted_at"]), "acceptance_rate_per_position": rate,
+                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+                "tokens_per_verify_step": t["emitted"] / t["verify_steps"] if t["verify_steps"] else 0.0}
+
+    def draft(self, sched: ScheduledBatch, room) -> None:
+        """The MTP block after a step: over every position the step computed (its K/V, so later drafts attend
+        to the whole sequence), then K drafts for each decoding request, one MTP pass per draft position.
+        room(req, position): the scheduler gives req the page of `position` or says there is none
+        (Scheduler.draft_room); a request without one drafts no further."""
+        batch, self._batch = self._batch, None
+        fill, src, drafters, rows = self._fill_batch(sched, batch)
+        if fill is None:
+            return
+        logits = self.engine.draft(fill, self.engine.model.hidden[src], 0)
+        for req, tok in zip(drafters, torch.argmax(logits, dim=-1).tolist()):
+            req.drafts = [tok]
+        for step in range(1, self.spec_k):
+            live = [(r, row) for r, row in zip(drafters, rows) if room(r, r.num_computed - 1 + step)]
+            if not live:
+                return
+            self._draft_step(live, step)
+            drafters, rows = [r for r, _ in live], list(range(len(live)))
+
+    def _fill_batch(self, sched: ScheduledBatch, batch: ForwardBatch):
+        """The MTP block's first pass: every position the step computed (token t + 1 with hidden t), logits at
+        the last row of each request that drafts. (batch, hidden rows, drafters, their rows); batch None
+        when no request advanced."""
+        dev, kv = self.engine.device, self.engine.caches.kv
+        ids, pos, seqs, src, rows, drafters = [], [], [], [], [], []
+        start = 0
+        for s, q in zip(sched.seqs, batch.seqs):
+            req, c0, c1 = s.req, s.cached, s.req.num_computed
+            if req.status != Status.RUNNING or c1 <= c0:
+                continue
+            L = c1 - c0
+            ids += req.all_ids[c0 + 1:c1 + 1]  # the token after each position
+            pos += range(c0, c1)
+            src += range(q.start, q.start + L)
+            seqs.append(SeqMeta(start=start, length=L, cached=c0, state_slot=req.state_slot,
+                                kv_index=kv.flat_index(req.pages, 0, c1, dev)))
+            if not req.in_prefill and req.can_draft:
+                rows.append(start + L - 1)
+                drafters.append(req)
+            start += L
+        if not seqs:
+            return None, None, [], []
+        fill = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                            positions=torch.tensor(pos, dtype=torch.long, device=dev), seqs=seqs,
+                            kv_write_index=torch.cat([q.kv_index[q.cached:] for q in seqs]),
+                            logits_index=torch.tensor(rows, dtype=torch.long, device=dev))
+        return fill, torch.tensor(src, dtype=torch.long, device=dev), drafters, rows
+
+    def _draft_step(self, live: list[tuple[Request, int]], step: int) -> None:
+        """Draft position `step` of each live request: the block's own output at its last row is the next
+        input, its newest draft the next token."""
+        dev, kv = self.engine.device, self.engine.caches.kv
+        prev = self.engine.model.hidden
+        ps = [r.num_computed - 1 + step for r, _ in live]
+        seqs = [SeqMeta(start=i, length=1, cached=p, state_slot=r.state_slot,
+                        kv_index=kv.flat_index(r.pages, 0, p + 1, dev))
+                for i, ((r, _), p) in enumerate(zip(live, ps))]
+        ids = torch.tensor([r.drafts[-1] for r, _ in live], dtype=torch.long, device=dev)
+        nxt = ForwardBatch(input_ids=ids, positions=torch.tensor(ps, dtype=torch.long, device=dev), seqs=seqs,
+                           kv_write_index=torch.cat([q.kv_index[-1:] for q in seqs]),
+                           logits_index=torch.arange(len(live), dtype=torch.long, device=dev))
+        src = torch.tensor([row for _, row in live], dtype=torch.long, device=dev)
+        logits = self.engine.draft(nxt, prev[src], step)
+        for (r, _), tok in zip(live, torch.argmax(logits, dim=-1).tolist()):
+            r.drafts.append(tok)
