@@ -54,7 +54,7 @@ class ForwardBatch:
     # prefix-cache host tier, done first and in order: (op, src, dst), see kvcache/prefix.py host_ops
     host_copies: list = field(default_factory=list)
     # some sequence computes prompt tokens (a 1-token prompt tail after a cache hit looks like a decode
-    # step): CPU steps then use prefill numerics (float activations)
+    # step): CPU steps then take the per-op path, as the prompt's other rows did (not the compiled decode layer)
     prompt: bool = False
     extra: dict = field(default_factory=dict)
 

@@ -283,12 +283,29 @@ def test_qlinear_uses_the_kernel_for_few_rows(dtype, monkeypatch):
     torch.testing.assert_close(y.float(), y_torch.float(), rtol=0.05, atol=0.05 * y_torch.float().abs().max().item())
 
 
-def test_qlinear_many_rows_take_the_float_gemm():
-    fmt, n, k = gguf_format("Q4_0"), 32, 256
-    raw = _weights("Q4_0", n, k)
-    x = torch.randn(qbase.CPU_KERNEL_MAX_ROWS + 1, k)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
+def test_qlinear_takes_the_kernel_for_every_row_count_row_by_row(name):
+    """A prefill's many rows take the int8-activation kernel too, and each row's result is the one it gets
+    alone (the rounding is per row): a prompt gives the same numbers however it is chunked."""
+    fmt, n, k = gguf_format(name), 32, 512
+    raw = _weights(name, n, k)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(7))
+    y = qlinear(x, fmt, raw, (n, k))
+    alone = torch.cat([qlinear(x[i:i + 1], fmt, raw, (n, k)) for i in range(x.shape[0])])
+    assert torch.equal(y, alone)
+    assert torch.equal(y, cpu_quant.qmatmul(x, raw, name))
+
+
+@pytest.mark.parametrize("name", FLOAT_TYPES)
+def test_qlinear_many_rows_of_16_bit_weights_take_the_float_gemm(name):
+    """F16 / BF16 rows (float activations) go to the kernel for a few rows only: beyond, one float32 tile GEMM
+    computes the same product faster."""
+    fmt, n, k = gguf_format(name), 32, 256
+    raw = _weights(name, n, k)
+    x = torch.randn(qbase.CPU_FLOAT_KERNEL_MAX_ROWS + 1, k)
     y = qlinear(x, fmt, raw, (n, k))
     torch.testing.assert_close(y, x @ fmt.dequantize(raw, (n, k)).T, rtol=1e-5, atol=1e-4)
+    assert not qbase.cpu_kernel_rows_ok(name, x.shape[0]) and qbase.cpu_kernel_rows_ok(name, x.shape[0] - 1)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
@@ -350,9 +367,7 @@ def test_tiny_gguf_with_kernels(variant, qtype, tiny_checkpoint, tmp_path, monke
         assert torch.equal(got, w), name
     ids = list(range(4, 10))  # 6 rows: every matmul takes the kernel
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "1")
-    with monkeypatch.context() as m:  # the engine turns the kernels off for prompt rows: keep them on here
-        m.setattr(cpu_quant, "prefill_step", lambda on: None)
-        ours = full_logits(fast, ids)
+    ours = full_logits(fast, ids)
     theirs = full_logits(exact, ids)
     rel = ((ours - theirs).norm() / theirs.norm()).item()
     # ~1% per rounded matmul, compounded over the layers of a random-weight model

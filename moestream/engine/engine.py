@@ -446,12 +446,9 @@ class Engine:
         self.caches.kv.copy_heads(batch.kv_copies)  # prefix-cache copy-on-write of partly shared pages
         state.copy(batch.state_loads)  # prefix-cache hits resume from their snapshot
         # a speculative verify step without prompt rows is a decode step for the experts (the slot cache and
-        # its LRU, the pair kernels; not prefill streaming) and on a CPU computes with decode's int8-activation
-        # kernels, so its tokens are those plain decoding would give
+        # its LRU, the pair kernels; not prefill streaming)
         decode_like = decode or bool(batch.extra.get("decode_like"))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph})
-        if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode_like or batch.prompt)
         try:
             if use_graph:
                 out = graphs.run(batch)
@@ -462,19 +459,13 @@ class Engine:
             state.copy(batch.state_saves)  # snapshots at page boundaries, after the step reached them
             return out
         finally:
-            if self.device.type == "cpu":
-                cpu_quant.prefill_step(False)
             self.runtime.end_step()
 
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
         decode = batch.is_decode
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False})
-        if self.device.type == "cpu":
-            cpu_quant.prefill_step(not decode)
         try:
             return self.model.draft(batch, hidden, step)
         finally:
-            if self.device.type == "cpu":
-                cpu_quant.prefill_step(False)
             self.runtime.end_step()

@@ -16,7 +16,7 @@ data, handed to the library at load from the gguf package's table (without that 
 by the C side and stays on the torch decoders, like every IQ3_S tensor).
 
 HF FP8 (``fp8_matmul``; quant/base.qlinear's CPU path for fp8_block / fp8_channel / fp8_tensor weights of up
-to CPU_KERNEL_MAX_ROWS rows, per expert matrix; not part of ``moe_layer``): the e4m3 bytes are decoded in
+to CPU_FLOAT_KERNEL_MAX_ROWS rows, per expert matrix; not part of ``moe_layer``): the e4m3 bytes are decoded in
 registers (AVX2: moved into a half's bits and converted by F16C) and multiply float32 activations, one float32
 partial sum per scale block times its scale.
 
@@ -24,7 +24,10 @@ Accuracy: like llama.cpp, the block formats multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
 scale (amax / 127) — per 256 values for the K-quants and the IQ super-block formats IQ4_XS / IQ3_S
 (llama.cpp's Q8_K idea: integer sums across a super-block's 8 sub-blocks, times their scales as integers)
-— and the products are summed in integers.
+— and the products are summed in integers. Every row count takes them (prefill as decode, as llama.cpp
+does): the rounding is per row, so a prompt's rows round alike however the prompt is chunked (a prefix-cache
+hit's tail included), and a prefill's expert calls of a few rows each read the blocks as stored instead of
+decoding every expert to float32.
 The weight side is exact (the same values as ``moestream.quant``'s decoders); the activation rounding adds
 an error of at most half a block's scale per value, so ``|y - y_ref| <= sum_blocks amax_b / 254 * sum |w|``
 over the block (tests/test_cpu_kernels.py checks this bound against a float64 reference). F16/BF16 weights
@@ -218,22 +221,10 @@ def module():
     return _STATE["mod"]
 
 
-_PREFILL = [False]
-
-
-def prefill_step(on: bool) -> None:
-    """Set by the engine around a CPU forward pass: while a prefill runs, the kernels are off, so every prompt
-    row is computed with float activations (tile GEMMs) however the prompt is chunked. A prompt's last rows
-    otherwise took the int8-activation kernel when they came as a short chunk — the tail after a prefix-cache
-    hit — and rounding them flipped near-ties that the whole prompt computed in float does not (the default
-    model's "capital of France" answer). Decode keeps the kernels."""
-    _PREFILL[0] = bool(on)
-
-
 def available() -> bool:
     """Whether the kernels run: MOESTREAM_CPU_KERNELS is not 0 (read at each call, so a test or a user can
-    switch them off at run time), no prefill step is running (prefill_step) and the library is built."""
-    return cpu_kernels_enabled() and not _PREFILL[0] and module() is not None
+    switch them off at run time) and the library is built."""
+    return cpu_kernels_enabled() and module() is not None
 
 
 def supports(type_name: str) -> bool:

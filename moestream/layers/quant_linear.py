@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels import cpu_quant
 from ..quant import gguf_format, qlinear
-from ..quant.base import CPU_KERNEL_MAX_ROWS
+from ..quant.base import CPU_FLOAT_KERNEL_MAX_ROWS, FLOAT_KERNEL_TYPES
 
 GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV kernel; more: dequantize + GEMM
 
@@ -42,10 +42,12 @@ class QuantLinear(nn.Module):
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode steps: straight to the kernel (qlinear's dispatch costs as much as a small matmul)
+        # CPU: straight to the kernel (qlinear's dispatch costs as much as a small matmul); any row count for the
+        # int8-activation kernels, a few rows for the float-activation ones (F16 / BF16 rows, the Q8_0 head)
+        few = x.numel() <= CPU_FLOAT_KERNEL_MAX_ROWS * self.in_features
         if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
-                and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features and self.raw.device.type == "cpu"
-                and cpu_quant.available()):
+                and (few or not (self.float_activations or self.fmt.type_name in FLOAT_KERNEL_TYPES))
+                and self.raw.device.type == "cpu" and cpu_quant.available()):
             rows = cpu_quant.q8_0_float_matmul if self.float_activations else cpu_quant.rows_matmul
             y = rows(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)

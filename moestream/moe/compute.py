@@ -76,16 +76,15 @@ class RouteGroups:
 
 def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
                     refs: dict[int, WeightRef]) -> dict[int, torch.Tensor]:
-    """w * mlp_e(x rows routed to e) for each expert in refs: on CPU, GGUF experts of up to
-    CPU_KERNEL_MAX_ROWS rows in one compiled call for the layer (moe/cpu_moe.py), the rest by the torch
-    grouped loop."""
+    """w * mlp_e(x rows routed to e) for each expert in refs: on CPU, the GGUF experts (any row count: a
+    prefill chunk's as a decode step's) in one compiled call for the layer (moe/cpu_moe.py), the rest by the
+    torch grouped loop."""
     where = groups.index()
     out = {}
     if refs and x.device.type == "cpu":
-        from ..quant.base import CPU_KERNEL_MAX_ROWS
         from .cpu_moe import layer_partials
 
-        out = layer_partials(x, topk_w, groups, refs, CPU_KERNEL_MAX_ROWS)
+        out = layer_partials(x, topk_w, groups, refs)
     for e, ref in refs.items():
         if e in out:
             continue

@@ -6,7 +6,7 @@ codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_
 bf16/f16 banks (the bridge's PairMlp). Callers:
 
 - `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
-  up to `quant.base.CPU_KERNEL_MAX_ROWS` rows (more rows keep the per-expert tile GEMMs, as qlinear does);
+  any row count (a prefill chunk's experts as a decode step's, as qlinear does);
 - `bridge.CpuBridge` (the decode step's CPU pairs of cpu/hybrid on a GPU), every pair;
 - `qpairs.quant_pair_outputs_torch` on a CPU device (the pair path's CPU reference), every pair.
 
@@ -172,15 +172,14 @@ def run(x: torch.Tensor, bank: dict, fmt, experts: np.ndarray, starts: np.ndarra
     return moe_layer(x, ptrs, types, starts, rows, weights, dst, out, inter, h_dtype=x.dtype, round_mm=round_mm)
 
 
-def layer_partials(x: torch.Tensor, topk_w: torch.Tensor, groups, refs: dict, max_rows: int) -> dict:
-    """`compute.partial_outputs` for the refs the kernel computes (one bank and format, GGUF, at most
-    max_rows rows each): {expert: w * mlp(x rows) float32 [n_e, H]}; {} where it does not apply."""
+def layer_partials(x: torch.Tensor, topk_w: torch.Tensor, groups, refs: dict) -> dict:
+    """`compute.partial_outputs` for the refs the kernel computes (one bank and format, GGUF): {expert: w *
+    mlp(x rows) float32 [n_e, H]}; {} where it does not apply."""
     first = next(iter(refs.values()))
     if first.fmt is None or not first.fmt.quantized or not ready(first.fmt, x):
         return {}
     where = groups.index()
-    sel = [e for e, r in refs.items() if r.bank is first.bank and r.fmt == first.fmt
-           and groups.counts[where[e]] <= max_rows]
+    sel = [e for e, r in refs.items() if r.bank is first.bank and r.fmt == first.fmt]
     if not sel:
         return {}
     counts = np.array([groups.counts[where[e]] for e in sel], dtype=np.int64)

@@ -350,10 +350,18 @@ def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
     return r - r % 16 if r >= 32 else r
 
 
-# Up to this many rows of x, CPU qlinear runs the compiled kernel (kernels/cpu_quant.py: integer dot
-# products on the stored blocks, each weight block unpacked once per 4 rows); from here on decoding a
-# tile to float32 once and running the float32 GEMM is faster (measured on a 2-core AVX2 EPYC).
-CPU_KERNEL_MAX_ROWS = 8
+# CPU qlinear on GGUF block formats runs the compiled int8-activation kernels for every row count
+# (kernels/cpu_quant.py: per-row rounding, so the result of a row does not depend on the rows beside it).
+# The float-activation kernels (F16 / BF16 rows, HF FP8) compute what a float32 tile GEMM computes: up to
+# this many rows they are faster; beyond, decoding a tile to float32 once and one GEMM is.
+CPU_FLOAT_KERNEL_MAX_ROWS = 8
+FLOAT_KERNEL_TYPES = ("F16", "BF16")
+
+
+def cpu_kernel_rows_ok(type_name: str | None, rows: int) -> bool:
+    """Whether `rows` rows of x take the compiled CPU kernel for a weight of GGUF type `type_name` (None: an HF
+    float8 weight): every row count for the int8-activation block formats, a few for the float ones."""
+    return type_name not in FLOAT_KERNEL_TYPES and type_name is not None or rows <= CPU_FLOAT_KERNEL_MAX_ROWS
 
 
 def _fp8_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
@@ -400,7 +408,7 @@ def _cpu_fp8_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
 def _cpu_kernel_linear(xs, fmt, raw, shape, r0: int, r1: int, out):
     """``xs @ W[r0:r1].T`` in ``xs.dtype`` through the compiled CPU kernel, or None where it does not apply
     (not CPU, a format it lacks, many rows, MOESTREAM_CPU_KERNELS=0, or the kernel could not be built)."""
-    if xs.device.type != "cpu" or xs.shape[0] > CPU_KERNEL_MAX_ROWS:
+    if xs.device.type != "cpu" or not cpu_kernel_rows_ok(getattr(fmt, "type_name", None), xs.shape[0]):
         return None
     if isinstance(raw, Mapping):
         return _cpu_fp8_linear(xs, fmt, raw, shape, r0, r1, out)
@@ -429,9 +437,10 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
             out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time.
 
-    On CPU, up to CPU_KERNEL_MAX_ROWS rows of x with a GGUF type the compiled kernels know go through
-    kernels/cpu_quant.py instead: integer dot products on the stored blocks with x rounded to int8 per
-    block of 32 (llama.cpp's scheme; that module's docstring bounds the error). The rest is below.
+    On CPU, x with a GGUF block type the compiled kernels know goes through kernels/cpu_quant.py instead,
+    whatever its row count: integer dot products on the stored blocks with each row rounded to int8 per
+    block of 32 (llama.cpp's scheme; that module's docstring bounds the error); F16 / BF16 rows and HF FP8
+    up to CPU_FLOAT_KERNEL_MAX_ROWS rows (float activations). The rest is below.
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.

@@ -1272,9 +1272,9 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// One weight row of K values, dequantized as value = a * q + b per sub-block (the unpackers' contract), F16 /
-// BF16 widened. The product is rounded before the offset is added (no fused multiply-add), as the torch
-// decoders of quant/gguf_formats.py compute it. Returns false for a type without a scalar unpacker.
+// One weight row of K values, dequantized from the unpackers' (a, q, b) per sub-block exactly as the torch
+// decoders of quant/gguf_formats.py compute it (the product rounded before an offset is added: no fused
+// multiply-add), F16 / BF16 widened. Returns false for a type without a scalar unpacker.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 bool dequant_row(int64_t type, const uint8_t* w, int64_t K, float* out) {
@@ -1291,11 +1291,15 @@ bool dequant_row(int64_t type, const uint8_t* w, int64_t K, float* out) {
     return true;
   }
   if (is_iq_k(type) || row_bytes(type, K) <= 0) return false;
+  // as the torch decoders: Q4_0 / Q5_0 scale the centred code, d * (q - 8 | 16); the types with a minimum add
+  // it after the product; the others are the product alone (so zeros keep their sign, as the gguf package's)
+  const int shift = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+  const bool offset = type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K;
   unpack_scalar(type, w, K, [&](int64_t j, const Sub& u) {
     float* o = out + j * QB;
     for (int i = 0; i < QB; ++i) {
-      const float p = (i < 16 ? u.a0 : u.a1) * (float)u.q[i];
-      o[i] = p + u.b;
+      const float p = (i < 16 ? u.a0 : u.a1) * (float)(u.q[i] - shift);
+      o[i] = offset ? p + u.b : p;
     }
   });
   return true;
