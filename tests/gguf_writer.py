@@ -311,7 +311,7 @@ def _tokenizer(w: GGUFWriter, hf_dir: Path) -> None:
         w.add_string("tokenizer.chat_template", tmpl.read_text())
 
 
-def make_llama(out_dir: Path, seed: int = 0) -> Path:
+def make_llama(out_dir: Path, seed: int = 0, max_position_embeddings: int = 256) -> Path:
     """A tiny dense Llama (tied embeddings, like SmolLM2) in HF layout."""
     import transformers
     from moestream.demo_tokenizer import build_tokenizer
@@ -319,7 +319,8 @@ def make_llama(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=max_position_embeddings,
                                    tie_word_embeddings=True, rope_theta=10000.0)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)

@@ -57,6 +57,53 @@ def _generate(llm, n: int = 6):
     return [o.token_ids for o in outs]
 
 
+def _both_paths(monkeypatch, diffs: list):
+    """QwenMoeModel.forward running every decode step per-op, then compiled (the same K/V rewritten; a Gated
+    DeltaNet model's state put back between the two), the relative logit difference of each step in `diffs`."""
+    from moestream.models.qwen_moe import QwenMoeModel
+
+    inner = QwenMoeModel.forward
+
+    def both(self, batch):
+        if not batch.is_decode:
+            return inner(self, batch)
+        st = self.caches.state
+        saved = (st.conv.clone(), st.rec.clone()) if st is not None and st.conv is not None else None
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
+        ref = inner(self, batch)
+        if saved is not None:
+            st.conv.copy_(saved[0]), st.rec.copy_(saved[1])
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
+        steps = self.cpu_decode.steps if self.cpu_decode else 0
+        got = inner(self, batch)
+        assert self.cpu_decode.steps == steps + 1  # the compiled path ran
+        diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
+        return got
+
+    monkeypatch.setattr(QwenMoeModel, "forward", both)
+
+
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_long_context_attention_matches_the_per_op_path(kv, tmp_path, tiny_checkpoint, monkeypatch):
+    """Rows over more cached positions than one attention work item holds (decode.cpp ATT_CHUNK = 256: 420 and
+    300 positions, split into chunks whose softmaxes are combined by their maxima) beside a short one: the
+    compiled layer's logits equal the per-op path's at every step (a dense model: no router whose near-ties a
+    rounding difference could flip)."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+
+    hf = gguf_writer.make_llama(tmp_path / "hf", max_position_embeddings=1024)
+    path = gguf_writer.write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0)[0]
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, kv_cache_dtype=kv)
+    diffs = []
+    _both_paths(monkeypatch, diffs)
+    prompts = [[5 + i % 200 for i in range(420)], [7 + i % 150 for i in range(300)], [3, 4, 5]]
+    llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(diffs) >= 4 and max(diffs) < 1e-4, diffs
+
+
 @pytest.mark.parametrize("kind,qtype,kv", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "auto"), ("llama", "Q5_0", "auto"),
                                            ("qwen3", "Q8_0", "auto"), ("qwen35_attn", "Q8_0", "auto"),
                                            ("qwen35_causal", "Q8_0", "auto"), ("llama", "Q4_1", "float16"),

@@ -232,42 +232,47 @@ void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float
 #endif
 #pragma GCC pop_options
 
-// the grp query heads q [grp, hd] sharing kv head `kvh`, over S cached positions (slots idx) of a float32 or
-// float16 (f16) KV pool: out [grp, hd]. Each cached key and value row is read once for the group (a float16 row
-// widened once). sc: scratch [grp, S].
-void attend_group(const float* q, int64_t grp, const void* kc, const void* vc, bool f16, const int64_t* idx,
-                  int64_t S, int64_t nkv, int64_t hd, int64_t kvh, float scale, float* sc, float* out) {
+// One chunk of a row's cached positions (slots idx [S]) for every query head: q [nh, hd] (head h reads kv head
+// h / grp of a float32 or float16 (f16) pool of nkv heads) -> per head the chunk's largest score m[h], the sum of
+// e^(score - m[h]) l[h] and the unnormalised output o[nh, hd] (sum of e^(score - m[h]) v). Positions are read in
+// order and all kv heads of a position together (rows are contiguous in the pool), 8 keys per vector where it
+// can; a float16 row is widened once. sc: scratch [nh, S].
+void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, bool f16,
+                  const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
+  const int64_t grp = nh / nkv;
   std::vector<float> tmp(8 * hd);
   int64_t s = 0;
 #ifdef MS_DECODE_AVX2
   if (hd % 8 == 0 && grp <= 16)
-    for (; s + 8 <= S; s += 8) {
-      const float* k[8];
-      for (int j = 0; j < 8; ++j) k[j] = load_row(kc, (idx[s + j] * nkv + kvh) * hd, hd, f16, tmp.data() + j * hd);
-      dots8(q, grp, k, hd, scale, sc, S, s);
-    }
+    for (; s + 8 <= S; s += 8)
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        const float* k[8];
+        for (int j = 0; j < 8; ++j) k[j] = load_row(kc, (idx[s + j] * nkv + kvh) * hd, hd, f16, tmp.data() + j * hd);
+        dots8(q + kvh * grp * hd, grp, k, hd, scale, sc + kvh * grp * S, S, s);
+      }
 #endif
-  for (; s < S; ++s) {
-    const float* k = load_row(kc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
-    for (int64_t g = 0; g < grp; ++g) sc[g * S + s] = dot(q + g * hd, k, hd) * scale;
-  }
-  std::vector<float> inv(grp);
-  for (int64_t g = 0; g < grp; ++g) {
-    float* row = sc + g * S;
-    inv[g] = 1.0f / exp_sum(row, S, *std::max_element(row, row + S));
-  }
-  std::fill(out, out + grp * hd, 0.0f);
-  for (int64_t s = 0; s < S; ++s) {
-    const float* v = load_row(vc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
-    for (int64_t g = 0; g < grp; ++g) {
-      const float p = sc[g * S + s];
-      float* o = out + g * hd;
-#pragma omp simd
-      for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
+  for (; s < S; ++s)
+    for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+      const float* k = load_row(kc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
+      for (int64_t g = 0; g < grp; ++g) sc[(kvh * grp + g) * S + s] = dot(q + (kvh * grp + g) * hd, k, hd) * scale;
     }
+  for (int64_t h = 0; h < nh; ++h) {
+    float* row = sc + h * S;
+    m[h] = *std::max_element(row, row + S);
+    l[h] = exp_sum(row, S, m[h]);
   }
-  for (int64_t g = 0; g < grp; ++g)
-    for (int64_t i = 0; i < hd; ++i) out[g * hd + i] *= inv[g];
+  std::fill(o, o + nh * hd, 0.0f);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+      const float* v = load_row(vc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
+      for (int64_t g = 0; g < grp; ++g) {
+        const int64_t h = kvh * grp + g;
+        const float p = sc[h * S + s];
+        float* oh = o + h * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) oh[i] += p * v[i];
+      }
+    }
 }
 
 // out[b, i] (rows os apart) = x[b] . W[i] for float32 weights W [N, K] (rows ws bytes apart): ggml type 0, which
@@ -347,24 +352,55 @@ void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, i
   }
 }
 
-// attention of every (row, kv head) group of query heads: att [B, nh * hd] (query head h reads kv head h / grp)
+// Positions per attention work item: chunks of a row's positions split the work over the threads whatever the
+// heads (flash-decoding's split: each chunk's softmax is local, the chunks are combined by their maxima).
+constexpr int64_t ATT_CHUNK = 256;
+
+// attention of every row over its cached positions: att [B, nh * hd]. Work items are (row, chunk of up to
+// ATT_CHUNK positions); per head the chunks combine as sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the
+// largest m_c (one chunk: o / l, the plain softmax).
 void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx, const int64_t* kvoff, float* att,
                int nt) {
-  const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD], grp = nh / nkv;
+  const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD];
   const float scale = 1.0f / std::sqrt((float)hd);
-  int64_t smax = 0, work = 0;
-  for (int64_t b = 0; b < B; ++b) smax = std::max(smax, kvoff[b + 1] - kvoff[b]), work += kvoff[b + 1] - kvoff[b];
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)nt, B * nkv, work * nh * hd / 16384}));
+  const bool f16 = d[D_FLAGS] & F_KV_F16;
+  std::vector<int64_t> first(B + 1, 0);  // the rows' first work items
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t S = kvoff[b + 1] - kvoff[b];
+    first[b + 1] = first[b] + std::max<int64_t>(1, (S + ATT_CHUNK - 1) / ATT_CHUNK);
+    work += S;
+  }
+  const int64_t items = first[B];
+  std::vector<float> m(items * nh), l(items * nh), o(items * nh * hd);
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)nt, items, work * nh * hd / 16384}));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc(grp * smax);
+    std::vector<float> sc(nh * ATT_CHUNK);
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < B * nkv; ++j) {
-      const int64_t b = j / nkv, kvh = j % nkv, at = (b * nh + kvh * grp) * hd;
-      attend_group(q + at, grp, (const void*)d[D_KC], (const void*)d[D_VC], d[D_FLAGS] & F_KV_F16, kvidx + kvoff[b],
-                   kvoff[b + 1] - kvoff[b], nkv, hd, kvh, scale, sc.data(), att + at);
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1, c = it - first[b];
+      const int64_t s0 = c * ATT_CHUNK, S = std::min(kvoff[b + 1] - kvoff[b] - s0, ATT_CHUNK);
+      attend_chunk(q + b * nh * hd, nh, nkv, hd, (const void*)d[D_KC], (const void*)d[D_VC], f16,
+                   kvidx + kvoff[b] + s0, S, scale, sc.data(), m.data() + it * nh, l.data() + it * nh,
+                   o.data() + it * nh * hd);
     }
   }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < nh; ++h) {
+      float mx = -INFINITY, den = 0;
+      for (int64_t it = first[b]; it < first[b + 1]; ++it) mx = std::max(mx, m[it * nh + h]);
+      float* out = att + (b * nh + h) * hd;
+      std::fill(out, out + hd, 0.0f);
+      for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+        const float w = first[b + 1] - first[b] == 1 ? 1.0f : std::exp(m[it * nh + h] - mx);
+        den += w * l[it * nh + h];
+        const float* oc = o.data() + (it * nh + h) * hd;
+        for (int64_t i = 0; i < hd; ++i) out[i] += w * oc[i];
+      }
+      const float inv = 1.0f / den;
+      for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
+    }
 }
 
 int dense_mlp(const int64_t* d, const float* x, int64_t B, int64_t H, float* h, int nt) {
