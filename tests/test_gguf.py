@@ -137,7 +137,10 @@ def test_default_model_on_cpu_kernels_within_activation_rounding(monkeypatch):
     # teacher-forced, every row through the kernels (prompt rows as decode rows)
     ours = torch.stack([full_logits(llm, full[:i + 1])[-1] for i in range(len(full) - 1)])
     rel = (ours - theirs[:-1]).norm() / theirs[:-1].norm()
-    assert 1e-4 < rel < 3e-2, rel  # above 1e-4: the activations really are rounded
+    # above 1e-4: the activations really are rounded. Below 4%: with these outliers the rounding error's norm
+    # moves by a fifth with float32-level changes before it (SDPA's math path vs its fused kernel, each 5e-7
+    # from float64: 2.8% vs 3.3%); a kernel bug (a wrong scale or block) is tens of percent
+    assert 1e-4 < rel < 4e-2, rel
 
 
 def test_own_reader_equals_the_gguf_package():
