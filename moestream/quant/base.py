@@ -397,12 +397,55 @@ def _cpu_fp8_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
     return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
 
 
+def _fp4_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
+    """(codes [r1-r0, K/2] uint8, scale bytes [r1-r0, K/g], global scale or None) of an HF FP4 weight's flattened
+    rows r0:r1 for kernels/cpu_quant.fp4_matmul, or None where K is not a multiple of 32 or NVFP4 rows cross an
+    expert (each expert has its own global scale)."""
+    from .fp_formats import NVFP4Format
+
+    n, k = shape[-2], shape[-1]
+    nv = isinstance(fmt, NVFP4Format)
+    if k % 32 or r1 <= r0:
+        return None
+    codes, scales = (raw["weight"], raw["weight_scale"]) if nv else (raw["blocks"], raw["scales"])
+    codes = (codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes).reshape(-1, k // 2)[r0:r1]
+    scales = (scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales).reshape(-1, k // (16 if nv else 32))
+    if not nv:
+        return codes, scales[r0:r1], None
+    e = r0 // n
+    g = raw["weight_scale_2"].reshape(-1)
+    if g.numel() > 1 and r1 > (e + 1) * n:
+        return None
+    return codes, scales[r0:r1], g[e if g.numel() > 1 else 0]
+
+
+def _cpu_fp4_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
+    """_cpu_kernel_linear for HF NVFP4 / MXFP4 weights (kernels/cpu_quant.fp4_matmul: x rounded to int8 per 16,
+    the e2m1 codes and scales read as stored)."""
+    from ..kernels.cpu_quant import available, fp4_matmul
+
+    if xs.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not available():
+        return None
+    args = _fp4_rows(fmt, raw, norm_shape(shape), r0, r1)
+    if args is None or args[0].stride(-1) != 1 or args[1].stride(-1) != 1:
+        return None
+    y32 = out.view(-1, r1 - r0) if out is not None and out.dtype == torch.float32 else None
+    y32 = fp4_matmul(xs, args[0], args[1], "nvfp4" if args[2] is not None else "mxfp4", args[2], out=y32)
+    if out is not None and out.dtype != torch.float32:
+        return out.view(-1, r1 - r0).copy_(y32)
+    return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
+
+
 def _cpu_kernel_linear(xs, fmt, raw, shape, r0: int, r1: int, out):
     """``xs @ W[r0:r1].T`` in ``xs.dtype`` through the compiled CPU kernel, or None where it does not apply
     (not CPU, a format it lacks, many rows, MOESTREAM_CPU_KERNELS=0, or the kernel could not be built)."""
     if xs.device.type != "cpu" or xs.shape[0] > CPU_KERNEL_MAX_ROWS:
         return None
     if isinstance(raw, Mapping):
+        from .fp_formats import MXFP4Format, NVFP4Format
+
+        if isinstance(fmt, (NVFP4Format, MXFP4Format)):
+            return _cpu_fp4_linear(xs, fmt, raw, shape, r0, r1, out)
         return _cpu_fp8_linear(xs, fmt, raw, shape, r0, r1, out)
     if not isinstance(raw, torch.Tensor):
         return None
@@ -429,9 +472,10 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
             out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time.
 
-    On CPU, up to CPU_KERNEL_MAX_ROWS rows of x with a GGUF type the compiled kernels know go through
-    kernels/cpu_quant.py instead: integer dot products on the stored blocks with x rounded to int8 per
-    block of 32 (llama.cpp's scheme; that module's docstring bounds the error). The rest is below.
+    On CPU, up to CPU_KERNEL_MAX_ROWS rows of x with a GGUF type the compiled kernels know, or HF NVFP4 /
+    MXFP4, go through kernels/cpu_quant.py instead: integer dot products on the stored blocks with x rounded
+    to int8 per block of 32 (K-quants 256, HF FP4 16; llama.cpp's scheme; that module's docstring bounds the
+    error); HF FP8 weights there multiply float32 x. The rest is below.
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.
