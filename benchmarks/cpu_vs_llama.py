@@ -10,10 +10,12 @@ Models:
   FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
-[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S, HF fp8_block (--kernel-types), cycling
-over 64 experts (more than the L3 holds), as GB/s of weight bytes read, next to the machine's read bandwidth
-(a float32 sum over 512 MiB); then the per-layer call (one C call for a layer's pairs: 8 experts x 1 token,
-gate+up+down, Q8_0, Q4_K, Q4_K/Q6_K, BF16).
+[2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S, HF fp8_block, HF nvfp4 (ModelOpt) and
+hf_mxfp4 (gpt-oss safetensors) (--kernel-types), cycling over 64 experts (more than the L3 holds), as GB/s of
+weight bytes read (scales included), next to the machine's read bandwidth (a float32 sum over 512 MiB);
+--torch-types: the same through quant.qlinear with the kernels off (the torch tile decoders: "before");
+then the per-layer call (one C call for a layer's pairs: 8 experts x 1 token, gate+up+down, Q8_0, Q4_K,
+Q4_K/Q6_K, BF16, nvfp4, hf_mxfp4).
 
 Prefill: one prompt of --prompt random ids, time to its first token. Decode: generate --decode tokens
 after the first --context tokens of that prompt (default 8; long-context decode: --context = --prompt);
@@ -174,10 +176,23 @@ def bench_pair(path: Path, args, prompt: list[int]) -> dict:
     return {e: {"prefill_tok_s": p, "decode_tok_s": d} for e, (p, d) in best.items()}
 
 
-KERNEL_TYPES = ("Q8_0", "Q4_K", "IQ4_XS", "MXFP4", "IQ4_NL", "IQ3_S", "fp8_block")
+KERNEL_TYPES = ("Q8_0", "Q4_K", "IQ4_XS", "MXFP4", "IQ4_NL", "IQ3_S", "fp8_block", "nvfp4", "hf_mxfp4")
+TORCH_TYPES = ("Q8_0", "Q4_K", "fp8_block", "nvfp4", "hf_mxfp4")
+HF_FP4 = {"nvfp4": "nvfp4", "hf_mxfp4": "mxfp4"}  # benchmark name -> moestream.quant format name
 
 
-def bench_kernels(threads: int, types=KERNEL_TYPES) -> dict:
+def _time_calls(call, E: int, k: int) -> float:
+    """Seconds per call(x, e) at 1 row, cycling over E experts (after one warm-up call)."""
+    x = torch.randn(1, k)
+    call(x, 0)
+    reps = 4 * E
+    t0 = time.perf_counter()
+    for i in range(reps):
+        call(x, i % E)
+    return (time.perf_counter() - t0) / reps
+
+
+def bench_kernels(threads: int, types=KERNEL_TYPES, torch_types=()) -> dict:
     torch.set_num_threads(threads)
     big = torch.ones(128 << 20)  # 512 MiB
     big.sum()
@@ -190,32 +205,60 @@ def bench_kernels(threads: int, types=KERNEL_TYPES) -> dict:
     for name in types:
         for n, k in ((512, 2048), (2048, 512)):
             call, nbytes = _kernel_call(name, E, n, k)
-            x = torch.randn(1, k)
-            call(x, 0)
-            reps = 4 * E
-            t0 = time.perf_counter()
-            for i in range(reps):
-                call(x, i % E)
-            dt = (time.perf_counter() - t0) / reps
-            out[f"{name} [{n}, {k}]"] = {"us": dt * 1e6, "gbs": nbytes / dt / 1e9}
+            dt = _time_calls(call, E, k)
+            r = {"us": dt * 1e6, "gbs": nbytes / dt / 1e9}
+            if name in torch_types:  # the torch tile path (kernels off) on the same weights
+                dt_t = _time_calls(_torch_call(name, E, n, k), E // 4, k)
+                r.update(torch_us=dt_t * 1e6, torch_gbs=nbytes / dt_t / 1e9)
+            out[f"{name} [{n}, {k}]"] = r
     out.update(bench_layer_call(E))
     return out
 
 
-def _kernel_call(name: str, E: int, n: int, k: int):
-    """(call(x, e): expert e's [n, k] matrix times x through the CPU kernel, bytes of one matrix) for a GGUF
-    type, or fp8_block (HF FP8, 128x128 block scales: cpu_quant.fp8_matmul, scale bytes included)."""
-    from moestream.kernels import cpu_quant
-    from moestream.quant import FP8_BLOCK, gguf_format
-    from moestream.quant.base import _fp8_rows
+def _raw(name: str, E: int, n: int, k: int):
+    """(moestream.quant format, random stored weights [E, n, k]) of a benchmark type name."""
+    from moestream.quant import FP8_BLOCK, get_format, gguf_format
     from moestream.quant.synthetic import random_raw
 
+    fmt = FP8_BLOCK if name == "fp8_block" else get_format(HF_FP4[name]) if name in HF_FP4 else gguf_format(name)
+    return fmt, random_raw(fmt, (E, n, k))
+
+
+def _torch_call(name: str, E: int, n: int, k: int):
+    """call(x, e): expert e's matrix times x through quant.qlinear with the compiled kernels off."""
+    import os
+
+    from moestream.quant import qlinear
+
+    fmt, raw = _raw(name, E, n, k)
+
+    def call(x, e):
+        os.environ["MOESTREAM_CPU_KERNELS"] = "0"
+        try:
+            return qlinear(x, fmt, raw, (E, n, k), rows=(e * n, (e + 1) * n))
+        finally:
+            os.environ.pop("MOESTREAM_CPU_KERNELS")
+
+    return call
+
+
+def _kernel_call(name: str, E: int, n: int, k: int):
+    """(call(x, e): expert e's [n, k] matrix times x through the CPU kernel, bytes of one matrix) for a GGUF
+    type, fp8_block (HF FP8, 128x128 block scales: cpu_quant.fp8_matmul, scale bytes included), or nvfp4 /
+    hf_mxfp4 (cpu_quant.fp4_matmul on the codes and scales as stored, scale bytes included)."""
+    from moestream.kernels import cpu_quant
+    from moestream.quant.base import _fp4_rows, _fp8_rows
+
+    fmt, raw = _raw(name, E, n, k)
     if name == "fp8_block":
-        raw = random_raw(FP8_BLOCK, (E, n, k))
-        args = [_fp8_rows(FP8_BLOCK, raw, (E, n, k), e * n, (e + 1) * n) for e in range(E)]
+        args = [_fp8_rows(fmt, raw, (E, n, k), e * n, (e + 1) * n) for e in range(E)]
         nbytes = n * k + raw["weight_scale_inv"][0].numel() * 4
         return (lambda x, e: cpu_quant.fp8_matmul(x, *args[e])), nbytes
-    raw = random_raw(gguf_format(name), (E, n, k)).reshape(E * n, -1)
+    if name in HF_FP4:
+        args = [_fp4_rows(fmt, raw, (E, n, k), e * n, (e + 1) * n) for e in range(E)]
+        nbytes = n * k // 2 + args[0][1].numel() + (4 if args[0][2] is not None else 0)
+        return (lambda x, e: cpu_quant.fp4_matmul(x, args[e][0], args[e][1], HF_FP4[name], args[e][2])), nbytes
+    raw = raw.reshape(E * n, -1)
     return (lambda x, e: cpu_quant.qmatmul(x, raw[e * n:(e + 1) * n], name)), n * raw.shape[1]
 
 
@@ -228,7 +271,16 @@ def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -
 
     out = {}
     rng = np.random.default_rng(0)
-    for types in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("BF16",) * 3):
+    for types in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("BF16",) * 3, ("nvfp4",) * 3,
+                  ("hf_mxfp4",) * 3):
+        picks = [rng.choice(E, top_k, replace=False) for _ in range(64)]
+        x = torch.randn(1, H)
+        y = torch.empty(top_k, H)
+        starts, rows = np.arange(top_k + 1), np.zeros(top_k, dtype=np.int64)
+        w, dst = np.full(top_k, 0.125, dtype=np.float32), np.arange(top_k)
+        if types[0] in HF_FP4:
+            out.update(_bench_fp4_layer(types[0], E, H, I, top_k, picks, x, y, starts, rows, w, dst))
+            continue
         banks = []
         for t, (n, k) in zip(types, ((I, H), (I, H), (H, I))):
             if t == "BF16":
@@ -236,11 +288,6 @@ def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -
             else:
                 banks.append(random_raw(gguf_format(t), (E, n, k)).reshape(E, -1))
         per_expert = sum(b.shape[1] for b in banks)
-        x = torch.randn(1, H)
-        y = torch.empty(top_k, H)
-        starts, rows = np.arange(top_k + 1), np.zeros(top_k, dtype=np.int64)
-        w, dst = np.full(top_k, 0.125, dtype=np.float32), np.arange(top_k)
-        picks = [rng.choice(E, top_k, replace=False) for _ in range(64)]
         ptrs = [np.stack([b.data_ptr() + np.sort(p) * b.stride(0) for b in banks], 1) for p in picks]
         cpu_quant.moe_layer(x, ptrs[0], types, starts, rows, w, dst, y, I)
         reps = 4 * len(ptrs)
@@ -263,6 +310,32 @@ def bench_layer_call(E: int = 64, H: int = 2048, I: int = 512, top_k: int = 8) -
     return out
 
 
+def _bench_fp4_layer(name: str, E: int, H: int, I: int, top_k: int, picks, x, y, starts, rows, w, dst) -> dict:
+    """bench_layer_call for HF FP4 experts: a bank of the checkpoint's parts per projection, each expert matrix a
+    descriptor (moe/cpu_moe.expert_ptrs), top_k experts x 1 token per call."""
+    from moestream.kernels import cpu_quant
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import hf_expert_format
+
+    bank, dtypes = {}, {}
+    for proj, (n, k) in zip(("gate", "up", "down"), ((I, H), (I, H), (H, I))):
+        fmt, raw = _raw(name, E, n, k)
+        for part, t in raw.items():
+            dtypes[f"{proj}.{part}"] = t.dtype
+            bank[f"{proj}.{part}"] = t.contiguous().view(torch.uint8).reshape(E, -1)
+    efmt = hf_expert_format(fmt, dtypes, H, I)
+    per_expert = sum(b.shape[1] for b in bank.values())
+    tables = [cpu_moe.expert_ptrs(bank, efmt, np.sort(p)) for p in picks]
+    cpu_quant.moe_layer(x, tables[0][0], tables[0][1], starts, rows, w, dst, y, I)
+    reps = 4 * len(tables)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        ptrs, types, _, _ = tables[i % len(tables)]
+        cpu_quant.moe_layer(x, ptrs, types, starts, rows, w, dst, y, I)
+    dt = (time.perf_counter() - t0) / reps
+    return {f"layer {name} {top_k}x[{I},{H}]": {"us": dt * 1e6, "gbs": top_k * per_expert / dt / 1e9}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -276,13 +349,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="moestream's --kv-cache-dtype (llama.cpp: float16)")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--kernel-types", default=",".join(KERNEL_TYPES))
+    ap.add_argument("--torch-types", default=",".join(TORCH_TYPES),
+                    help="kernel types also timed through the torch tile path (kernels off); '' for none")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llama.json"))
     args = ap.parse_args(argv)
     from moestream.models.gguf_loader import find_gguf
     from moestream.models.checkpoint import default_model_path
 
     if args.kernels:
-        r = bench_kernels(args.threads, args.kernel_types.split(","))
+        r = bench_kernels(args.threads, args.kernel_types.split(","), [t for t in args.torch_types.split(",") if t])
         print(json.dumps(r, indent=1))
         return 0
     results = {}

@@ -305,7 +305,7 @@ def test_qlinear_many_rows_of_16_bit_weights_take_the_float_gemm(name):
     x = torch.randn(qbase.CPU_FLOAT_KERNEL_MAX_ROWS + 1, k)
     y = qlinear(x, fmt, raw, (n, k))
     torch.testing.assert_close(y, x @ fmt.dequantize(raw, (n, k)).T, rtol=1e-5, atol=1e-4)
-    assert not qbase.cpu_kernel_rows_ok(name, x.shape[0]) and qbase.cpu_kernel_rows_ok(name, x.shape[0] - 1)
+    assert not qbase.cpu_kernel_rows_ok(fmt, x.shape[0]) and qbase.cpu_kernel_rows_ok(fmt, x.shape[0] - 1)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
@@ -376,3 +376,201 @@ def test_tiny_gguf_with_kernels(variant, qtype, tiny_checkpoint, tmp_path, monke
     top2 = theirs.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (ours - theirs).abs().max()
     assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
+
+
+# ---- HF safetensors FP4: ModelOpt NVFP4, gpt-oss MXFP4 (cpu_quant.fp4_matmul, qlinear's CPU path) ------------
+FP4_NAMES = ("nvfp4", "mxfp4")
+
+
+def _fp4_format(name: str):
+    from moestream.quant import MXFP4, NVFP4
+
+    return NVFP4 if name == "nvfp4" else MXFP4
+
+
+def _fp4_raw(name: str, n: int, k: int, seed: int = 0, lead: tuple = (), signed: bool = True) -> dict:
+    """Stored parts of a (*lead, n, k) HF FP4 weight: every e2m1 code; NVFP4 e4m3 scales over their whole finite
+    range (subnormals, both signs unless `signed` is False; no NaN code) and a global scale per lead index;
+    MXFP4 e8m0 scales 2^-20..2^12 with a few of the subnormal-half codes 0 and 1."""
+    rng = np.random.default_rng(seed)
+    codes = torch.from_numpy(rng.integers(0, 256, size=(*lead, n, k // 2), dtype=np.uint8))
+    if name == "nvfp4":
+        s = rng.integers(0, 0x7F, size=(*lead, n, k // 16), dtype=np.uint8)  # 0x00..0x7E: no NaN
+        if signed:
+            s |= (rng.random(s.shape) < 0.3).astype(np.uint8) << 7
+        g = torch.from_numpy((rng.random(lead or (1,)) * 0.02 + 0.001).astype(np.float32)).reshape(lead)
+        return {"weight": codes, "weight_scale": torch.from_numpy(s).view(torch.float8_e4m3fn), "weight_scale_2": g}
+    e = rng.integers(107, 139, size=(*lead, n, k // 32), dtype=np.uint8)
+    e.reshape(-1)[:3] = (0, 1, 0)
+    return {"blocks": codes.reshape(*lead, n, k // 32, 16), "scales": torch.from_numpy(e)}
+
+
+def _fp4_args(name: str, raw: dict, n: int, k: int):
+    """(codes [n, K/2], scale bytes, global scale) of a 2-D weight for cpu_quant.fp4_matmul."""
+    if name == "nvfp4":
+        return raw["weight"], raw["weight_scale"].view(torch.uint8), raw["weight_scale_2"].reshape(-1)[0]
+    return raw["blocks"].reshape(n, k // 2), raw["scales"], None
+
+
+def _check_fp4(name: str, n_x: int, n: int, k: int, force_scalar: bool, seed: int = 0):
+    """fp4_matmul against the exact model (x rounded to int8 per 16 here, float64 products: float32 accumulation
+    error) and the true x @ W.T (within the activation rounding bound), W decoded by quant/fp_formats.py."""
+    fmt = _fp4_format(name)
+    raw = _fp4_raw(name, n, k, seed)
+    w = fmt.dequantize(raw, (n, k), torch.float64)
+    x = torch.randn(n_x, k, generator=torch.Generator().manual_seed(seed))
+    codes, scales, g = _fp4_args(name, raw, n, k)
+    y = cpu_quant.fp4_matmul(x, codes, scales, name, g, force_scalar=force_scalar).double()
+    scale = x.double().abs() @ w.abs().T
+    xq, d = _quantized_x(x, 16)  # one activation scale per 16 values (qmatmul.cpp's HF FP4 section)
+    err_model = (y - xq @ w.T).abs()
+    assert err_model.le(1e-5 * scale + 1e-30).all(), f"kernel differs from its exact model: {(err_model / scale).max()}"
+    bound = (d / 2) @ w.abs().reshape(n, -1, 16).sum(-1).T
+    err = (y - x.double() @ w.T).abs()
+    assert err.le(bound + 1e-5 * scale + 1e-30).all(), f"rounding error above its bound: {(err / bound).max()}"
+    assert err.max() > 0
+
+
+@pytest.mark.parametrize("name", FP4_NAMES)
+@pytest.mark.parametrize("n_x, n, k", [(1, 37, 544), (3, 40, 96), (5, 33, 2048), (8, 7, 32)])
+@pytest.mark.parametrize("force_scalar", [False, True])
+def test_hf_fp4_kernels_against_float64(name, n_x, n, k, force_scalar):
+    """Several scale blocks a row (K = 544: 17 blocks of 32, so NVFP4's 4-block scale groups end in a partial
+    one; K = 96: only that partial group), odd row counts, 1-8 activation rows (chunks of 4 and a rest)."""
+    _check_fp4(name, n_x, n, k, force_scalar, seed=n + k)
+
+
+@pytest.fixture(params=[name for name, _ in cpu_quant._isa_candidates()])
+def isa_build(request, monkeypatch):
+    """The library built for each instruction set this CPU can run, swapped in for the test (the default build
+    is the first; an AVX512-VNNI machine also runs the AVX2-only build's maddubs path and the portable one)."""
+    import shutil
+
+    name, flags = request.param, dict(cpu_quant._isa_candidates())[request.param]
+    if name != cpu_quant.isa():
+        cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+        if cxx is None:
+            pytest.skip("no C++ compiler")
+        monkeypatch.setitem(cpu_quant._STATE, "mod", cpu_quant._build_isa(cxx, name, flags))
+    assert cpu_quant.isa() == name
+    return name
+
+
+@pytest.mark.parametrize("name", FP4_NAMES)
+def test_hf_fp4_kernels_of_every_isa_build(name, isa_build):
+    for force_scalar in (False, True):
+        _check_fp4(name, 5, 21, 544, force_scalar, seed=11)
+        _check_fp4(name, 2, 9, 96, force_scalar, seed=12)
+
+
+def test_hf_mxfp4_decoder_against_transformers():
+    """Our MXFP4 decoder (quant/fp_formats.py, which the kernels' tests take as W) against transformers' own
+    gpt-oss dequantizer, an oracle independent of moestream: the same float64 values, subnormal-half scale codes
+    included; and the kernels within the activation rounding bound of x @ W.T with that oracle's W."""
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    E, n, k = 2, 24, 768
+    raw = _fp4_raw("mxfp4", n, k, seed=13, lead=(E,))
+    ref = mx.convert_moe_packed_tensors(raw["blocks"], raw["scales"], dtype=torch.float64).transpose(1, 2)  # [E, n, K]
+    assert torch.equal(ref, _fp4_format("mxfp4").dequantize(raw, (E, n, k), torch.float64))
+    _bound_against(ref[1], "mxfp4", {"blocks": raw["blocks"][1], "scales": raw["scales"][1]}, n, k)
+
+
+def _gguf_nvfp4_bytes(raw: dict, n: int, k: int) -> np.ndarray:
+    """An HF NVFP4 weight's codes and (non-negative) e4m3 scales repacked as GGUF NVFP4 blocks (type 40): per 64
+    values 4 scale bytes, then per 16 values 8 bytes holding values j (low nibble) and j + 8 (high nibble)."""
+    b = raw["weight"].numpy()
+    codes = np.stack([b & 15, b >> 4], -1).reshape(n, k // 16, 16)  # element 2i low nibble, 2i + 1 high
+    qs = (codes[..., :8] | (codes[..., 8:] << 4)).astype(np.uint8).reshape(n, k // 64, 32)
+    d = raw["weight_scale"].view(torch.uint8).numpy().reshape(n, k // 64, 4)
+    return np.concatenate([d, qs], -1).reshape(n, -1)
+
+
+def test_hf_nvfp4_decoder_against_the_gguf_package():
+    """Our NVFP4 decoder against the gguf package's NVFP4 dequantizer (llama.cpp's format: the same e2m1 codes
+    and e4m3 scales per 16, packed differently; unsigned scales, so these are >= 0 here) times the global scale:
+    the same float64 values; and the kernels within the activation rounding bound with that oracle's W."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    if not hasattr(GGMLQuantizationType, "NVFP4"):
+        pytest.skip("this gguf package has no NVFP4")
+    n, k = 24, 576
+    raw = _fp4_raw("nvfp4", n, k, seed=14, signed=False)
+    g = float(raw["weight_scale_2"])
+    ref = torch.from_numpy(gq.dequantize(_gguf_nvfp4_bytes(raw, n, k), GGMLQuantizationType.NVFP4).astype(np.float64))
+    ref = ref.reshape(n, k) * g
+    assert torch.equal(ref, _fp4_format("nvfp4").dequantize(raw, (n, k), torch.float64))
+    _bound_against(ref, "nvfp4", raw, n, k)
+
+
+def _bound_against(w: torch.Tensor, name: str, raw: dict, n: int, k: int) -> None:
+    """The kernels (AVX and scalar) within the activation rounding bound of x @ w.T."""
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(15))
+    _, d = _quantized_x(x, 16)
+    bound = (d / 2) @ w.abs().reshape(n, -1, 16).sum(-1).T + 1e-5 * (x.double().abs() @ w.abs().T)
+    for force_scalar in (False, True):
+        y = cpu_quant.fp4_matmul(x, *_fp4_args(name, raw, n, k)[:2], name, _fp4_args(name, raw, n, k)[2],
+                                 force_scalar=force_scalar).double()
+        err = (y - x.double() @ w.T).abs()
+        assert err.le(bound).all(), (force_scalar, (err / bound).max())
+
+
+@pytest.mark.parametrize("name", FP4_NAMES)
+def test_hf_fp4_rows_strided_and_threads(name):
+    """Rows `ws` / `ss` bytes apart (views into wider buffers) give the contiguous rows' result, and splitting the
+    weight rows over 1 or 2 threads does not change a bit."""
+    n, k = 300, 2048  # ~1.1 KB a row: the rows split over both threads
+    raw = _fp4_raw(name, n, k, seed=16)
+    codes, scales, g = _fp4_args(name, raw, n, k)
+    wide_c = torch.zeros(n, k // 2 + 40, dtype=torch.uint8)
+    wide_s = torch.zeros(n, scales.shape[1] + 24, dtype=torch.uint8)
+    wide_c[:, 8:8 + k // 2], wide_s[:, 4:4 + scales.shape[1]] = codes, scales
+    x = torch.randn(3, k)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = cpu_quant.fp4_matmul(x, codes, scales, name, g)
+        torch.set_num_threads(2)
+        y2 = cpu_quant.fp4_matmul(x, codes, scales, name, g)
+        y3 = cpu_quant.fp4_matmul(x, wide_c[:, 8:8 + k // 2], wide_s[:, 4:4 + scales.shape[1]], name, g)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+    with pytest.raises(ValueError):  # K not a multiple of 32
+        cpu_quant.fp4_matmul(torch.randn(1, k - 16), codes[:, :-8], scales, name, g)
+    with pytest.raises(ValueError):  # scales of another format's block
+        cpu_quant.fp4_matmul(x, codes, torch.zeros(n, k // (32 if name == "nvfp4" else 16), dtype=torch.uint8), name, g)
+
+
+@pytest.mark.parametrize("name", FP4_NAMES)
+def test_qlinear_takes_the_fp4_kernel(name, monkeypatch):
+    """qlinear on an expert of stacked HF FP4 weights (per-expert NVFP4 global scales): the kernel for few rows
+    (bf16 x in, bf16 out), the same as fp4_matmul on that expert's rows; NVFP4 rows across two experts, many
+    rows, or the kernels off take the torch tile path (which differs by the x rounding)."""
+    fmt, E, n, k = _fp4_format(name), 2, 48, 512
+    raw = _fp4_raw(name, n, k, seed=17, lead=(E,))
+    calls = []
+    real = cpu_quant.fp4_matmul
+    monkeypatch.setattr(cpu_quant, "fp4_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randn(3, k).to(torch.bfloat16)
+    y = qlinear(x, fmt, raw, (E, n, k), rows=(n, 2 * n))  # expert 1
+    assert len(calls) == 1 and y.dtype == torch.bfloat16 and y.shape == (3, n)
+    codes, scales, g = qbase._fp4_rows(fmt, raw, (E, n, k), n, 2 * n)
+    assert torch.equal(y, real(x, codes, scales, name, g).to(torch.bfloat16))
+    if name == "nvfp4":
+        assert float(g) == float(raw["weight_scale_2"][1])
+        assert qbase._fp4_rows(fmt, raw, (E, n, k), n - 8, n + 8) is None  # two global scales: the torch path
+    w = fmt.dequantize(raw, (E, n, k), torch.float64).reshape(E * n, k)[n:]
+    xq, _ = _quantized_x(x.float(), 16)
+    scale = x.double().abs() @ w.abs().T
+    assert ((y.double() - xq @ w.T).abs() <= 1e-2 * scale + 1e-6).all()  # bf16 output rounding
+    calls.clear()
+    xs = torch.randn(37, k)  # a prefill's rows take the kernel too, each row as it would alone
+    many = qlinear(xs, fmt, raw, (E, n, k), rows=(0, n))
+    assert len(calls) == 1 and many.shape == (37, n)
+    assert torch.equal(many, torch.cat([qlinear(xs[i:i + 1], fmt, raw, (E, n, k), rows=(0, n)) for i in range(37)]))
+    calls.clear()
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    y_torch = qlinear(x, fmt, raw, (E, n, k), rows=(n, 2 * n))
+    assert not calls and not torch.equal(y, y_torch)
+    torch.testing.assert_close(y.float(), y_torch.float(), rtol=0.05, atol=0.05 * y_torch.float().abs().max().item())

@@ -476,3 +476,85 @@ def test_bridge_worker_in_c_equals_the_python_loop(tiny_checkpoint, tmp_path, mo
     py_tokens, py_experts, py_tables, _ = run("0")
     assert c_tables and not py_tables and c_secs > 0
     assert c_tokens == py_tokens and c_experts == py_experts and sum(c_experts) > 0
+
+
+# ---- HF FP4 experts (NVFP4, MXFP4 safetensors) in the layer call: each matrix a descriptor of its parts ----------
+def _fp4_bank(name: str, seed: int = 0):
+    """(bank {proj.part: uint8 [E, bytes]}, its HFExpertFormat, float64 {proj: [E, n, k]}) of random HF FP4
+    experts, each part's rows stored as the checkpoint's bytes (hf_expert_format's layout)."""
+    from moestream.moe.formats import hf_expert_format
+    from test_cpu_kernels import _fp4_format, _fp4_raw
+
+    fmt = _fp4_format(name)
+    bank, dtypes, dense = {}, {}, {}
+    for j, (proj, (n, k)) in enumerate(zip(("gate", "up", "down"), SHAPES)):
+        raw = _fp4_raw(name, n, k, seed=seed + j, lead=(E,))
+        dense[proj] = fmt.dequantize(raw, (E, n, k), torch.float64)
+        for part, t in raw.items():
+            dtypes[f"{proj}.{part}"] = t.dtype
+            bank[f"{proj}.{part}"] = t.contiguous().view(torch.uint8).reshape(E, -1)
+    return bank, hf_expert_format(fmt, dtypes, H, I), dense
+
+
+@pytest.mark.parametrize("force_scalar", [False, True])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_layer_call_matches_float64_model(name, force_scalar):
+    """HF FP4 experts through one layer call (descriptors of codes / scales / global scale per matrix): the exact
+    model (x and h rounded to int8 per 16, float64 products) to float32 accumulation error, the true float64 MLP
+    within the rounding; cpu_moe.run and the bridge's LayerCall give the same bits."""
+    from moestream.moe import cpu_moe
+
+    bank, fmt, dense = _fp4_bank(name)
+    assert cpu_moe.kernel_types(fmt) == (name,) * 3
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    w = np.random.default_rng(2).random(5).astype(np.float32)
+    ptrs, types, inter, _ = cpu_moe.expert_ptrs(bank, fmt, EXPERTS)
+    out = torch.full((5, H), float("nan"))
+    y = cpu_quant.moe_layer(x, ptrs, types, STARTS, ROWS, w, DST, out, inter, force_scalar=force_scalar).double()
+    for g in range(3):
+        e = EXPERTS[g]
+        wg, wu, wd = (dense[p][e] for p in ("gate", "up", "down"))
+        for p in range(STARTS[g], STARTS[g + 1]):
+            xr = x[ROWS[p]:ROWS[p] + 1]
+            xq = _quantized_x(xr, 16)[0]
+            h = swiglu(xq @ wg.T, xq @ wu.T).float()
+            ref = (_quantized_x(h, 16)[0] @ wd.T)[0] * float(w[p])
+            scale = (h.double().abs() @ wd.abs().T)[0] * float(w[p])
+            err = (y[DST[p]] - ref).abs()
+            assert (err <= 1e-4 * scale + 1e-30).all(), (name, p, (err / scale).max().item())
+            true = reference(xr, wg, wu, wd) * float(w[p])
+            assert ((y[DST[p]] - true[0]).norm() / true.norm()).item() < 0.05
+    if force_scalar:
+        return
+    order = np.argsort(EXPERTS, kind="stable")  # run / LayerCall take experts in ascending order
+    experts = EXPERTS[order].astype(np.int64)
+    counts = np.diff(STARTS)[order]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pairs = np.concatenate([np.arange(STARTS[g], STARTS[g + 1]) for g in order])
+    rows, dst, pw = ROWS[pairs].astype(np.int64), DST[pairs].astype(np.int64), w[pairs]
+    via_run = cpu_moe.run(x, bank, fmt, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    call = cpu_moe.LayerCall(bank, fmt, x.dtype)
+    via_call = call(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    assert torch.equal(via_run, out) and torch.equal(via_call, out)
+    table, tids, inter_t = cpu_moe.layer_table(bank, fmt)  # the CPU decode plan's table: every expert
+    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I
+
+
+def test_fp4_expert_ptrs_check_the_bank():
+    """A part's rows shorter than the format's bytes, or an expert outside the bank, are refused before C reads
+    them; an HF format the layer call lacks (FP8, or H not a multiple of 32) is not offered to it."""
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import hf_expert_format
+    from moestream.quant import FP8_BLOCK
+
+    bank, fmt, _ = _fp4_bank("nvfp4")
+    with pytest.raises(IndexError):
+        cpu_moe.expert_ptrs(bank, fmt, np.array([0, E]))
+    short = {**bank, "down.weight_scale": bank["down.weight_scale"][:, :-1]}
+    with pytest.raises(ValueError, match="down.weight_scale"):
+        cpu_moe.expert_ptrs(short, fmt, np.array([0]))
+    fp8 = {f"{p}.{part}": dt for p in ("gate", "up", "down")
+           for part, dt in (("weight", torch.float8_e4m3fn), ("weight_scale_inv", torch.float32))}
+    assert cpu_moe.kernel_types(hf_expert_format(FP8_BLOCK, fp8, H, I)) is None
+    odd = hf_expert_format(fmt.qfmt, dict(fmt.parts), H, 48)  # I = 48: NVFP4's 16-blocks, not the kernels' 32
+    assert cpu_moe.kernel_types(odd) is None

@@ -232,9 +232,17 @@ def _expert_bytes(qsd: dict, layer: int, num_experts: int) -> int:
     return total
 
 
+FP4_CASES = [c for c, (_, scheme, _) in CASES.items() if scheme in ("nvfp4", "mxfp4")]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_compressed_experts_every_backend(case, quantized):
+def test_compressed_experts_every_backend(case, quantized, monkeypatch):
+    """The torch decoders of the compressed experts give the oracle's tokens exactly. FP4 experts run with the
+    compiled kernels off here: those round x to int8 (test_fp4_experts_take_the_cpu_kernels); FP8's kernel
+    multiplies float32 x and stays on."""
     qdir, refdir, qsd = quantized(case)
+    if case in FP4_CASES:
+        monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
     ref = LLM(refdir, moe_backend="fused", **COMMON)
     want = _tokens(ref)
     ref_store = ref.engine.runtime.store
@@ -260,6 +268,84 @@ def test_compressed_experts_every_backend(case, quantized):
             moved = t["bytes_h2d"] // per_expert if pairs else t["copies"]  # pairs: reads over the bus
             assert t["bytes_h2d"] == moved * per_expert > 0
         llm.engine.runtime.close()
+
+
+def _fp4_kernel_calls(llm, counts: dict, tid: int) -> int:
+    """Compiled HF FP4 expert computations of a run: layer calls (counted by the wrappers of
+    _count_fp4_calls) plus the CPU decode plan's steps when its MoE blocks hold FP4 expert tables."""
+    from moestream.models.cpu_decode import M
+
+    plan = getattr(llm.engine.model, "cpu_decode", None)
+    moe = [d for d in (plan.moe if plan is not None else []) if d is not None]
+    in_plan = plan.steps if moe and all(d[M["TG"]] == tid for d in moe) else 0
+    return sum(counts.values()) + in_plan
+
+
+def _count_fp4_calls(monkeypatch, tid: int) -> dict:
+    """Count the kernels' layer entry points called with HF FP4 type ids (cpu_moe.run, LayerCall, the bridge's
+    compiled worker)."""
+    from moestream.kernels import cpu_quant
+
+    counts = {"moe_layer": 0, "moe_layer_unchecked": 0, "bridge_step": 0}
+    checks = {"moe_layer": lambda a: cpu_quant.type_id(a[2][0]) == tid,
+              "moe_layer_unchecked": lambda a: int(a[2][0]) == tid,
+              "bridge_step": lambda a: int(a[1]["wtype"].reshape(-1)[0]) == tid}
+    for name, check in checks.items():
+        real = getattr(cpu_quant, name)
+
+        def wrapped(*a, _real=real, _name=name, _check=check, **kw):
+            counts[_name] += bool(_check(a))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_quant, name, wrapped)
+    return counts
+
+
+@pytest.mark.parametrize("case", FP4_CASES)
+def test_fp4_experts_take_the_cpu_kernels(case, quantized, monkeypatch):
+    """NVFP4 / MXFP4 experts on the CPU with the compiled kernels on (qmatmul.cpp's HF FP4 kernels: the stored
+    codes and scales, x rounded to int8 per 16 values): every backend's decode steps compute them there — the
+    CPU decode plan's one-call MoE blocks (fused, cpu), the layer call (offload, hybrid), the CPU bridge (pairs)
+    — and give one another's tokens. Against the torch path (kernels off: the oracle's tokens, test above) the
+    int8 rounding moves the logits by ~3% of their norm on these random models (logits within 6e-2, as the GGUF
+    kernels' tiny test bounds), so a greedy pick may flip where the torch path's top-2 margin is within that
+    change: tokens must agree up to such a near-tie, never at a clear margin."""
+    from moestream.kernels import cpu_quant
+    from test_engine_parity import full_logits
+
+    qdir, _, _ = quantized(case)
+    scheme = CASES[case][1]
+    tid = cpu_quant.HF_TYPES[scheme]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    ids = list(range(4, 10))  # 6 rows: every expert of the one-pass logits below takes the kernels
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    torch_llm = LLM(qdir, moe_backend="fused", **COMMON)
+    prompts = _prompts(torch_llm.model_config.vocab_size)
+    want = torch_llm.generate(prompts, sp)
+    exact = full_logits(torch_llm, ids)
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "1")
+    counts = _count_fp4_calls(monkeypatch, tid)
+    ours = full_logits(LLM(qdir, moe_backend="fused", **COMMON), ids)  # prompt rows take the kernels too
+    assert sum(counts.values()) > 0
+    rel = ((ours - exact).norm() / exact.norm()).item()
+    assert 1e-6 < rel < 6e-2, rel
+    change = (ours - exact).abs().max().item()
+    runs = []
+    for backend, kw in BACKENDS:
+        for k in counts:
+            counts[k] = 0
+        llm = LLM(qdir, moe_backend=backend, **COMMON, **kw)
+        got = llm.generate(prompts, sp)
+        assert _fp4_kernel_calls(llm, counts, tid) > 0, (backend, kw)  # the compiled FP4 path ran
+        runs.append([o.token_ids for o in got])
+        llm.engine.runtime.close()
+    assert all(r == runs[0] for r in runs), "backends disagree"
+    for w, g in zip(want, runs[0]):
+        for i, (a, b) in enumerate(zip(w.token_ids, g)):
+            if a != b:  # a flipped pick: only where the torch path's top-2 margin is within the logits' change
+                top = w.logprobs[i][1]
+                assert top[0][1] - top[1][1] < 2 * change, (i, top, change)
+                break
 
 
 @pytest.mark.parametrize("case", ["fp8_block-qwen3", "mxfp4-qwen35-stacked"])

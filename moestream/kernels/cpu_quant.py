@@ -1,4 +1,4 @@
-"""Compiled CPU matmuls on compressed GGUF weights: ``y = x @ W.T`` read straight from the stored bytes.
+"""Compiled CPU matmuls on compressed GGUF and HF weights: ``y = x @ W.T`` read straight from the stored bytes.
 
 Source: ``kernels/cpu/qmatmul.cpp``, compiled at first use by the system C++ compiler into moestream's
 cache (``env.cache_dir()/kernels``, one file per source and flags) and reused from there; never at
@@ -10,7 +10,8 @@ cache shared between machines must not hold code for a newer CPU. A compiler tha
 flags falls back to the next.
 
 Formats: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and the codebook formats IQ4_NL,
-MXFP4 (GGUF type 39: e2m1 codes with one e8m0 scale per 32), IQ4_XS and IQ3_S. The 4-bit codebooks (IQ4_NL
+MXFP4 (GGUF type 39: e2m1 codes with one e8m0 scale per 32), IQ4_XS and IQ3_S; HF safetensors FP8, NVFP4 and
+MXFP4 (below). The 4-bit codebooks (IQ4_NL
 levels, doubled e2m1 values) are looked up with one byte shuffle per 32 values; IQ3_S's 512-entry grid is
 data, handed to the library at load from the gguf package's table (without that package IQ3_S is refused
 by the C side and stays on the torch decoders, like every IQ3_S tensor).
@@ -20,9 +21,17 @@ to CPU_FLOAT_KERNEL_MAX_ROWS rows, per expert matrix; not part of ``moe_layer``)
 registers (AVX2: moved into a half's bits and converted by F16C) and multiply float32 activations, one float32
 partial sum per scale block times its scale.
 
-Accuracy: like llama.cpp, the block formats multiply
+HF FP4 (``fp4_matmul`` and ``moe_layer``; ``HF_TYPES``): ModelOpt NVFP4 (``weight`` e2m1 pairs, ``weight_scale``
+e4m3 per 16, ``weight_scale_2`` fp32) and gpt-oss MXFP4 (``blocks`` e2m1 pairs, ``scales`` e8m0 per 32), the
+checkpoint's arrays as stored (element 2i in the low nibble). Codes are looked up as doubled e2m1 values with
+one byte shuffle per 32 and multiply int8 activations (one scale per 16 values, stored with each 32-block's
+even elements first so the nibbles need no interleave): two integer sub-sums per 32-block, each times its
+weight and activation scales; NVFP4's global scale multiplies each output once.
+
+Accuracy: like llama.cpp, the block formats (and HF FP4) multiply
 *quantized activations*: each activation row is rounded to int8 per block of 32 values with one float
-scale (amax / 127) — per 256 values for the K-quants and the IQ super-block formats IQ4_XS / IQ3_S
+scale (amax / 127) — per 16 values for HF FP4, per 256 values for the K-quants and the IQ super-block formats
+IQ4_XS / IQ3_S
 (llama.cpp's Q8_K idea: integer sums across a super-block's 8 sub-blocks, times their scales as integers)
 — and the products are summed in integers. Every row count takes them (prefill as decode, as llama.cpp
 does): the rounding is per row, so a prompt's rows round alike however the prompt is chunked (a prefix-cache
@@ -34,7 +43,8 @@ over the block (tests/test_cpu_kernels.py checks this bound against a float64 re
 multiply float32 activations (no rounding beyond float32 sums), and so do FP8 weights.
 
 ``moe_layer``: one call computes a MoE layer's (token, expert) pairs — gate, up, SiLU, down, routing
-weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths).
+weight — with the x rows quantized once (moe/cpu_moe.py wires it into the CPU expert paths); an HF FP4 matrix
+enters it as the address of a descriptor of its parts (``fp4_descriptors``).
 
 Threads: output rows are split over ``torch.get_num_threads()`` OpenMP threads (the runtime torch loads, so
 they share torch's team), or with ``MOESTREAM_CPU_POOL=pool`` the library's own pool (idle workers spin
@@ -63,6 +73,8 @@ log = logging.getLogger("moestream")
 # ggml type ids the kernel computes (a subset of quant.gguf_formats.GGML_TYPE_IDS)
 TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
          "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
+# HF safetensors formats the kernels read (moestream.quant format names -> the C side's ids; not ggml ids)
+HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002}
 # (values, bytes) per block
 _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
@@ -168,6 +180,9 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                   ctypes.c_int]
     lib.ms_fp8_matmul.restype = ctypes.c_int
+    lib.ms_fp4_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int,
+                                  ctypes.c_int]
+    lib.ms_fp4_matmul.restype = ctypes.c_int
     lib.ms_dequant_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.ms_dequant_rows.restype = ctypes.c_int
     lib.ms_set_iq3s_grid.argtypes = [ptr]
@@ -234,6 +249,12 @@ def supports(type_name: str) -> bool:
     return type_name in TYPES
 
 
+def type_id(type_name: str) -> int:
+    """The C side's id of a GGUF type name (upper case, TYPES) or an HF FP4 format's name (lower case, HF_TYPES:
+    "mxfp4" is gpt-oss's safetensors layout, "MXFP4" GGUF's); KeyError for one it lacks."""
+    return TYPES[type_name] if type_name in TYPES else HF_TYPES[type_name]
+
+
 def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Tensor:
     """The per-step fast path (QuantLinear): x float32 contiguous [n, K], raw2d uint8 [N, row_bytes] already
     checked by the caller; returns float32 [n, N]. Skips qmatmul's conversions and checks (~10 us a call)."""
@@ -286,7 +307,8 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
     x [nx, H] float32/bf16/f16 (contiguous); G experts with pairs grouped by expert: group g is pairs
     ``starts[g]:starts[g+1]``; pair p reads x row ``rows[p]`` and writes ``out[dst[p]]`` (out: float32 [n, H],
     rows contiguous). ``wptr`` int64 [G, 3]: addresses of expert g's gate [I, H], up [I, H], down [H, I]
-    bytes (ggml ``types``, each matrix's rows contiguous). Per pair: ``out = w * down(round(silu(gate x) *
+    bytes (ggml ``types``, each matrix's rows contiguous; an HF FP4 type (HF_TYPES): the address of the
+    matrix's descriptor, ``fp4_descriptors``). Per pair: ``out = w * down(round(silu(gate x) *
     up x))`` with float32 matmul outputs, h rounded to ``h_dtype`` (the pair kernels' semantics; round_mm:
     every matmul output rounded too, PairMlp's dense semantics); ``weights`` float32 [P] or None (1).
     The caller keeps the weight bytes alive and sized; the rest is checked here or in C."""
@@ -309,7 +331,7 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
         weights = np.ascontiguousarray(weights, dtype=np.float32)
         if weights.shape != (P,):
             raise ValueError(f"moe_layer: weights must be [{P}]")
-    tids = np.array([TYPES[t] for t in types], dtype=np.int64)
+    tids = np.array([type_id(t) for t in types], dtype=np.int64)
     rc = mod.ms_moe_layer(x.data_ptr(), ACT_DTYPES[x.dtype], x.shape[0], x.shape[1], inter, G, wptr.ctypes.data,
                           tids.ctypes.data, starts.ctypes.data, rows.ctypes.data,
                           weights.ctypes.data if weights is not None else None, dst.ctypes.data, out.data_ptr(),
@@ -425,4 +447,57 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                            scale_stride, out.data_ptr(), out.stride(0), _threads(mod), int(force_scalar))
     if rc:
         raise ValueError(f"fp8_matmul: bad block {block} or stride {scale_stride}")
+    return out
+
+
+def fp4_descriptors(codes: np.ndarray, scales: np.ndarray, global_scales: np.ndarray | None) -> np.ndarray:
+    """Descriptors of HF FP4 matrices for ``moe_layer``'s wptr: int64 [..., 3] (the addresses of each matrix's
+    code bytes, scale bytes and float32 global scale, 0 for none: qmatmul.cpp's FP4Desc; rows contiguous). The
+    caller passes ``descriptors.ctypes.data + 24 * index`` and keeps the array alive while it is used."""
+    codes = np.asarray(codes, dtype=np.int64)
+    g = np.zeros_like(codes) if global_scales is None else np.asarray(global_scales, dtype=np.int64)
+    return np.ascontiguousarray(np.stack([codes, np.asarray(scales, dtype=np.int64), g], -1))
+
+
+def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=None,
+               out: torch.Tensor | None = None, force_scalar: bool = False) -> torch.Tensor:
+    """``x [n, K] @ W.T`` as float32 ``[n, N]`` for HF FP4 weights as stored: ``w`` uint8 ``[N, K/2]`` (two e2m1
+    codes a byte, element 2i in the low nibble), ``scales`` ``[N, K/16]`` e4m3 bytes (fmt "nvfp4") or
+    ``[N, K/32]`` e8m0 bytes ("mxfp4"), rows of each with contiguous bytes (rows may be strided);
+    ``global_scale``: NVFP4's ``weight_scale_2`` (one value; None: 1). x is rounded to int8 per 32 values
+    (the module doc bounds the error); K must be a multiple of 32."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    if fmt not in HF_TYPES:
+        raise ValueError(f"fp4_matmul: format {fmt!r} is not one of {sorted(HF_TYPES)}")
+    k = x.shape[-1]
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    w = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    per = 16 if fmt == "nvfp4" else 32
+    n_out = w.shape[0]
+    if k % 32 or w.dim() != 2 or w.shape[1] != k // 2 or w.stride(1) != 1:
+        raise ValueError(f"fp4_matmul: K={k} (a multiple of 32) needs w [N, {k // 2}] with contiguous rows, "
+                         f"got {tuple(w.shape)}")
+    if scales.dim() != 2 or scales.shape != (n_out, k // per) or scales.stride(1) != 1:
+        raise ValueError(f"fp4_matmul: {fmt} needs scales [{n_out}, {k // per}] with contiguous rows, "
+                         f"got {tuple(scales.shape)}")
+    g = None
+    if global_scale is not None:
+        g = torch.as_tensor(global_scale, dtype=torch.float32).reshape(-1)
+        if g.numel() != 1:
+            raise ValueError(f"fp4_matmul: one global scale, got {g.numel()}")
+        g = g.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (x.shape[0], n_out) or out.stride(-1) != 1:
+        raise ValueError(f"out must be a float32 [{x.shape[0]}, {n_out}] view with contiguous rows")
+    rc = mod.ms_fp4_matmul(x.data_ptr(), x.shape[0], k, HF_TYPES[fmt], w.data_ptr(), n_out, w.stride(0),
+                           scales.data_ptr(), scales.stride(0), None if g is None else g.data_ptr(), out.data_ptr(),
+                           out.stride(0), _threads(mod), int(force_scalar))
+    if rc:
+        raise ValueError(f"fp4_matmul: {fmt} with K={k} is not supported")
     return out

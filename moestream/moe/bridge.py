@@ -217,7 +217,8 @@ class CpuBridge:
                     "wtype": np.ascontiguousarray(np.stack([c.tids for c in calls]), dtype=np.int64),
                     "lflags": np.array([int(c.round_mm) for c in calls], dtype=np.int64),
                     "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "single": np.zeros(1, dtype=np.int64),
-                    "single_secs": np.zeros(1), "cancel": self._cancel}
+                    "single_secs": np.zeros(1), "cancel": self._cancel,
+                    "calls": calls}  # the owners of wbase's addresses (HF FP4 descriptors), for as long as these
         return self._tables or None
 
     def _c_step(self, seq: int, t: dict) -> None:

@@ -2,8 +2,10 @@
 
 Every CPU path of a layer call goes through here when the compiled kernels are built and the layer's
 experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 or the
-codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_K_M's Q6_K down), and dense
-bf16/f16 banks (the bridge's PairMlp). Callers:
+codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_K_M's Q6_K down), HF
+safetensors NVFP4 / MXFP4 experts (H and I multiples of 32; each matrix passed as a descriptor of its parts'
+addresses, built here and kept alive with the address table), and dense bf16/f16 banks (the bridge's
+PairMlp). HF FP8 experts are not here (per-matrix qlinear: quant/base.py). Callers:
 
 - `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
   any row count (a prefill chunk's experts as a decode step's, as qlinear does);
@@ -24,16 +26,27 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .formats import GGUFExpertFormat
+from .formats import GGUFExpertFormat, HFExpertFormat
 
 GGUF_PROJS = ("gate", "up", "down")
+# an HF FP4 expert matrix's parts as the kernels' descriptor holds them: codes, scales, global scale (or none)
+FP4_PARTS = {"nvfp4": ("weight", "weight_scale", "weight_scale_2"), "mxfp4": ("blocks", "scales", None)}
 
 
 @lru_cache(maxsize=None)
-def gguf_types(fmt) -> tuple[str, str, str] | None:
-    """(gate, up, down) GGUF type names if the compiled kernel reads this layer format, else None."""
+def kernel_types(fmt) -> tuple[str, str, str] | None:
+    """(gate, up, down) type names if the compiled kernel reads this layer format, else None: GGUF type names, or
+    an HF FP4 format's name ("nvfp4" / "mxfp4", cpu_quant.HF_TYPES) three times."""
     from ..kernels.cpu_quant import supports
 
+    if isinstance(fmt, HFExpertFormat):
+        name = getattr(fmt.qfmt, "name", None)
+        if name not in FP4_PARTS or fmt.hidden % 32 or fmt.inter % 32:
+            return None
+        global_scale = FP4_PARTS[name][2]
+        if global_scale and any(dt != torch.float32 for a, dt in fmt.parts if a.endswith("." + global_scale)):
+            return None
+        return (name,) * 3
     if not isinstance(fmt, GGUFExpertFormat):
         return None
     t = dict(fmt.types)
@@ -53,7 +66,7 @@ def kernels_on() -> bool:
 
 def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
     """Whether `run` computes this layer's experts for activations x: CPU x in float32/bf16/f16, kernels
-    built and enabled, and a GGUF format they read (or, fmt None / dense, a bf16/f16 bank)."""
+    built and enabled, and a GGUF or HF FP4 format they read (or, fmt None / dense, a bf16/f16 bank)."""
     from ..kernels import cpu_quant
 
     if x.device.type != "cpu" or x.dtype not in cpu_quant.ACT_DTYPES:
@@ -61,7 +74,7 @@ def ready(fmt, x: torch.Tensor, bank: dict | None = None) -> bool:
     if bank is not None and any(a.device.type != "cpu" for a in bank.values()):
         return False
     if fmt is not None and fmt.quantized:
-        ok = gguf_types(fmt) is not None
+        ok = kernel_types(fmt) is not None
     else:
         ok = bank is not None and "gate_up" in bank and bank["gate_up"].dtype in _DENSE
     return ok and cpu_quant.available()
@@ -72,7 +85,7 @@ def _gguf_layout(fmt) -> tuple:
     """(types, I, bytes of gate/up/down) of a GGUF layer format (cached: formats are frozen)."""
     H, I = fmt.hidden, fmt.inter
     need = tuple(fmt.quant(p).nbytes(s) for p, s in zip(GGUF_PROJS, ((I, H), (I, H), (H, I))))
-    return gguf_types(fmt), I, need
+    return kernel_types(fmt), I, need
 
 
 def _row_bytes(a: torch.Tensor) -> int:
@@ -85,10 +98,42 @@ def _row_bytes(a: torch.Tensor) -> int:
     return expected * a.element_size()
 
 
+def _fp4_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -> np.ndarray:
+    """expert_ptrs' addresses [G, 3] for HF FP4 experts: each the address of a descriptor (cpu_quant.fp4_descriptors:
+    the matrix's codes, scales, global scale) held in the same buffer as the addresses, so whoever keeps the
+    returned array (a view of it) keeps the descriptors."""
+    from ..kernels.cpu_quant import fp4_descriptors
+
+    sizes = fmt.shapes(fmt.hidden, fmt.inter)
+    addr = np.zeros((3, 3, len(experts)), dtype=np.int64)  # [matrix, part, expert]
+    for j, proj in enumerate(GGUF_PROJS):
+        for c, part in enumerate(FP4_PARTS[name]):
+            if part is None:
+                continue
+            a, nb = bank[f"{proj}.{part}"], sizes[f"{proj}.{part}"][0]
+            if a.device.type != "cpu" or _row_bytes(a) < nb:
+                raise ValueError(f"expert array {proj}.{part}: CPU rows of at least {nb} contiguous bytes needed")
+            addr[j, c] = a.data_ptr() + experts * (a.stride(0) * a.element_size())
+    desc = fp4_descriptors(addr[:, 0].T, addr[:, 1].T, addr[:, 2].T if FP4_PARTS[name][2] else None)  # [G, 3, 3]
+    G = len(experts)
+    buf = np.empty(3 * G + desc.size, dtype=np.int64)
+    buf[3 * G:] = desc.reshape(-1)
+    ptrs = buf[:3 * G].reshape(G, 3)
+    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 24 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 3 int64
+    return ptrs
+
+
 def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple[str, str, str], int, bool]:
     """(addresses [G, 3] of gate/up/down of bank rows `experts`, types, I, round_mm) for `run`. Checks that
-    every row index is in the bank and every row holds the layer's bytes, contiguous."""
+    every row index is in the bank and every row holds the layer's bytes, contiguous. HF FP4 experts: the
+    addresses are of descriptors that live in the returned array's buffer (keep it while they are used)."""
     experts = np.asarray(experts, dtype=np.int64)
+    if isinstance(fmt, HFExpertFormat) and kernel_types(fmt) is not None:
+        types = kernel_types(fmt)
+        n = min(a.shape[0] for a in bank.values())
+        if len(experts) and (experts.min() < 0 or experts.max() >= n):
+            raise IndexError(f"expert rows {experts.min()}..{experts.max()} outside a bank of {n}")
+        return _fp4_ptrs(bank, fmt, experts, types[0]), types, fmt.inter, False
     if fmt is not None and fmt.quantized:
         types, I, need = _gguf_layout(fmt)
         arrays = [bank[p] for p in GGUF_PROJS]
@@ -114,16 +159,17 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
 
 
 def layer_table(bank: dict, fmt):
-    """(addresses [E, 3] of every expert's gate/up/down, ggml type ids, I) of a layer of GGUF experts the
-    kernels read, in host memory; None otherwise (models/cpu_decode.py's one-call MoE block)."""
-    from ..kernels.cpu_quant import TYPES
+    """(addresses [E, 3] of every expert's gate/up/down, type ids, I) of a layer of GGUF or HF FP4 experts the
+    kernels read, in host memory; None otherwise (models/cpu_decode.py's one-call MoE block, which keeps the
+    address array alive: HF FP4's descriptors live in its buffer)."""
+    from ..kernels.cpu_quant import type_id
 
-    types = gguf_types(fmt) if fmt is not None else None
+    types = kernel_types(fmt) if fmt is not None else None
     if types is None or any(a.device.type != "cpu" for a in bank.values()):
         return None
-    E = min(bank[p].shape[0] for p in GGUF_PROJS)
+    E = min(a.shape[0] for a in bank.values())
     ptrs, types, inter, _ = expert_ptrs(bank, fmt, np.arange(E))
-    return np.ascontiguousarray(ptrs), tuple(TYPES[t] for t in types), inter
+    return ptrs, tuple(type_id(t) for t in types), inter
 
 
 class LayerCall:
@@ -133,13 +179,14 @@ class LayerCall:
     percent of a CPU decode step). The bank must stay where it is while this object is used."""
 
     def __init__(self, bank: dict, fmt, x_dtype: torch.dtype):
-        from ..kernels.cpu_quant import ACT_DTYPES, TYPES
+        from ..kernels.cpu_quant import ACT_DTYPES, type_id
 
-        probe = np.arange(1, dtype=np.int64)
-        base, self.types, self.inter, self.round_mm = expert_ptrs(bank, fmt, probe)
-        step = expert_ptrs(bank, fmt, probe + 1)[0] - base if self._experts(bank) > 1 else np.zeros_like(base)
-        self.base, self.step = base[0], step[0]
-        self.tids = np.array([TYPES[t] for t in self.types], dtype=np.int64)
+        E = self._experts(bank)
+        # every expert's addresses (HF FP4: of descriptors in this table's buffer, kept alive by self.table)
+        self.table, self.types, self.inter, self.round_mm = expert_ptrs(bank, fmt, np.arange(E, dtype=np.int64))
+        self.base = self.table[0]
+        self.step = self.table[1] - self.table[0] if E > 1 else np.zeros_like(self.base)
+        self.tids = np.array([type_id(t) for t in self.types], dtype=np.int64)
         self.h_code = ACT_DTYPES[x_dtype]
         self.num_experts = self._experts(bank)
 

@@ -358,10 +358,14 @@ CPU_FLOAT_KERNEL_MAX_ROWS = 8
 FLOAT_KERNEL_TYPES = ("F16", "BF16")
 
 
-def cpu_kernel_rows_ok(type_name: str | None, rows: int) -> bool:
-    """Whether `rows` rows of x take the compiled CPU kernel for a weight of GGUF type `type_name` (None: an HF
-    float8 weight): every row count for the int8-activation block formats, a few for the float ones."""
-    return type_name not in FLOAT_KERNEL_TYPES and type_name is not None or rows <= CPU_FLOAT_KERNEL_MAX_ROWS
+def cpu_kernel_rows_ok(fmt, rows: int) -> bool:
+    """Whether `rows` rows of x take the compiled CPU kernel for a weight of format `fmt`: every row count for the
+    int8-activation ones (GGUF block types, HF NVFP4 / MXFP4), a few for the float ones (F16 / BF16, HF FP8)."""
+    from .fp_formats import MXFP4Format, NVFP4Format
+
+    name = getattr(fmt, "type_name", None)
+    rounded = (name is not None and name not in FLOAT_KERNEL_TYPES) or isinstance(fmt, (NVFP4Format, MXFP4Format))
+    return rounded or rows <= CPU_FLOAT_KERNEL_MAX_ROWS
 
 
 def _fp8_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
@@ -405,12 +409,55 @@ def _cpu_fp8_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
     return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
 
 
+def _fp4_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
+    """(codes [r1-r0, K/2] uint8, scale bytes [r1-r0, K/g], global scale or None) of an HF FP4 weight's flattened
+    rows r0:r1 for kernels/cpu_quant.fp4_matmul, or None where K is not a multiple of 32 or NVFP4 rows cross an
+    expert (each expert has its own global scale)."""
+    from .fp_formats import NVFP4Format
+
+    n, k = shape[-2], shape[-1]
+    nv = isinstance(fmt, NVFP4Format)
+    if k % 32 or r1 <= r0:
+        return None
+    codes, scales = (raw["weight"], raw["weight_scale"]) if nv else (raw["blocks"], raw["scales"])
+    codes = (codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes).reshape(-1, k // 2)[r0:r1]
+    scales = (scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales).reshape(-1, k // (16 if nv else 32))
+    if not nv:
+        return codes, scales[r0:r1], None
+    e = r0 // n
+    g = raw["weight_scale_2"].reshape(-1)
+    if g.numel() > 1 and r1 > (e + 1) * n:
+        return None
+    return codes, scales[r0:r1], g[e if g.numel() > 1 else 0]
+
+
+def _cpu_fp4_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):
+    """_cpu_kernel_linear for HF NVFP4 / MXFP4 weights (kernels/cpu_quant.fp4_matmul: x rounded to int8 per 16,
+    the e2m1 codes and scales read as stored)."""
+    from ..kernels.cpu_quant import available, fp4_matmul
+
+    if xs.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not available():
+        return None
+    args = _fp4_rows(fmt, raw, norm_shape(shape), r0, r1)
+    if args is None or args[0].stride(-1) != 1 or args[1].stride(-1) != 1:
+        return None
+    y32 = out.view(-1, r1 - r0) if out is not None and out.dtype == torch.float32 else None
+    y32 = fp4_matmul(xs, args[0], args[1], "nvfp4" if args[2] is not None else "mxfp4", args[2], out=y32)
+    if out is not None and out.dtype != torch.float32:
+        return out.view(-1, r1 - r0).copy_(y32)
+    return y32 if xs.dtype == torch.float32 else y32.to(xs.dtype)
+
+
 def _cpu_kernel_linear(xs, fmt, raw, shape, r0: int, r1: int, out):
     """``xs @ W[r0:r1].T`` in ``xs.dtype`` through the compiled CPU kernel, or None where it does not apply
     (not CPU, a format it lacks, many rows, MOESTREAM_CPU_KERNELS=0, or the kernel could not be built)."""
-    if xs.device.type != "cpu" or not cpu_kernel_rows_ok(getattr(fmt, "type_name", None), xs.shape[0]):
+    if xs.device.type != "cpu" or not cpu_kernel_rows_ok(fmt, xs.shape[0]):
         return None
     if isinstance(raw, Mapping):
+        from .fp_formats import MXFP4Format, NVFP4Format
+
+        if isinstance(fmt, (NVFP4Format, MXFP4Format)):
+            return _cpu_fp4_linear(xs, fmt, raw, shape, r0, r1, out)
         return _cpu_fp8_linear(xs, fmt, raw, shape, r0, r1, out)
     if not isinstance(raw, torch.Tensor):
         return None
@@ -437,10 +484,11 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
             out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W[rows].T (+ bias)`` with ``W`` dequantized one row tile at a time.
 
-    On CPU, x with a GGUF block type the compiled kernels know goes through kernels/cpu_quant.py instead,
-    whatever its row count: integer dot products on the stored blocks with each row rounded to int8 per
-    block of 32 (llama.cpp's scheme; that module's docstring bounds the error); F16 / BF16 rows and HF FP8
-    up to CPU_FLOAT_KERNEL_MAX_ROWS rows (float activations). The rest is below.
+    On CPU, x with a GGUF block type the compiled kernels know, or HF NVFP4 / MXFP4, goes through
+    kernels/cpu_quant.py instead, whatever its row count: integer dot products on the stored blocks with each
+    row rounded to int8 per block of 32 (K-quants 256, HF FP4 16; llama.cpp's scheme; that module's docstring
+    bounds the error); F16 / BF16 rows and HF FP8 up to CPU_FLOAT_KERNEL_MAX_ROWS rows (float activations).
+    The rest is below.
 
     x: ``(..., K)``; the weight is ``shape=(*lead, N, K)``; ``rows=(r0, r1)`` picks a range of the
     flattened rows (expert ``e``: ``(e*N, (e+1)*N)``); default all rows of a 2-D weight.

@@ -12,8 +12,12 @@
 // _mm256_shuffle_epi8); IQ4_XS (the IQ4_NL levels, 6-bit sub-block scales) and IQ3_S (9-bit indices into a
 // 512 x 4 grid, sign bits, 4-bit sub-block scales) take QActK rows like the K-quants: per sub-block |q| times
 // x carrying q's sign, times the integer sub-block scale, one float multiply-add per 256 values per row.
+// HF safetensors FP4 (ModelOpt NVFP4: e2m1 pairs, an e4m3 scale per 16 values and an fp32 global scale; gpt-oss
+// MXFP4: e2m1 pairs, an e8m0 scale per 32): the codes and the scales are separate arrays (a Mat), the nibbles
+// looked up as MXFP4's, against activations rounded to int8 per 16 in "pair order" (see the HF FP4 section).
 // ms_moe_layer: a MoE layer's pairs in one call (gate/up, SiLU, down, routing weight), one OpenMP region.
-// F16 / BF16 weights multiply float32 activations directly (no activation quantization).
+// F16 / BF16 weights multiply float32 activations directly (no activation quantization), and so do HF FP8
+// weights (ms_fp8_matmul).
 //
 // Every kernel has a scalar twin (portable C++); `force_scalar` selects it at run time, so the tests
 // check both paths from one build. Rows of W are split over `nthreads` OpenMP threads (the caller passes
@@ -195,6 +199,9 @@ void par_for(int64_t n, int64_t grain, int nt, F&& f) {
 enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
                  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23,
                  T_BF16 = 30, T_MXFP4 = 39 };
+// HF safetensors formats the kernels read (not ggml ids; cpu_quant.HF_TYPES): codes and scales in separate arrays
+enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002 };
+inline bool is_hf_fp4(int64_t type) { return type == T_HF_NVFP4 || type == T_HF_MXFP4; }
 
 // Non-linear 4-bit codebooks (format constants, as int8): the IQ4_NL / IQ4_XS levels, and the e2m1 values
 // doubled (MXFP4; its block scale is then half the e8m0 scale, e8m0_half).
@@ -299,12 +306,54 @@ void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs)
   }
 }
 
-// Up to 4 quantized activation rows, by pointer (rows of one QAct / QActK, or pairs gathered from them).
+// HF FP4 activations (see the HF FP4 section): int8 with one scale per 16 values (d = amax / 127 of the 16),
+// stored per 32-block in pair order (element 2i at position i, 2i + 1 at 16 + i); per 32-block the 8 lane
+// scales (d0, d0, d1, d1, d0, d0, d1, d1) its 8 int32 sums take (d0 of elements 0-15, d1 of 16-31), and the
+// 8 lane offsets -12 * (sum of the lane's 4 int8 values) that undo the AVX2 kernel's +12 on every code.
+struct QActF4 {
+  std::vector<int8_t> q;
+  std::vector<float> dl;
+  std::vector<int32_t> off;
+  int64_t K = 0;
+  void resize(int64_t n, int64_t K_) {
+    K = K_;
+    q.resize(n * K), dl.resize(n * (K / 32) * 8), off.resize(n * (K / 32) * 8);
+  }
+  const int8_t* qr(int64_t r) const { return q.data() + r * K; }
+  const float* dr(int64_t r) const { return dl.data() + r * (K / 32) * 8; }
+  const int32_t* offr(int64_t r) const { return off.data() + r * (K / 32) * 8; }
+  void quantize(const float* x, int64_t r);
+};
+
+void quantize_row_fp4(const float* x, int64_t K, int8_t* q, float* dl, int32_t* off) {
+  for (int64_t b = 0; b < K / 16; ++b) {
+    const float* xb = x + b * 16;
+    float amax = 0.f;
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+    const int h = (int)(b % 2);  // which half of its 32-block
+    for (int i = 0; i < 16; ++i) {
+      const int e = 16 * h + i;  // the element's index in the 32-block
+      q[32 * (b / 2) + (e & 1) * 16 + e / 2] = (int8_t)(int)std::nearbyint(xb[i] * id);
+    }
+    float* l = dl + 8 * (b / 2);
+    l[2 * h] = l[2 * h + 1] = l[2 * h + 4] = l[2 * h + 5] = db;
+  }
+  for (int64_t j = 0; j < K / 32 * 8; ++j)  // lane j % 8 of block j / 8: positions 4 (j % 8) .. + 3
+    off[j] = -12 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+}
+
+void QActF4::quantize(const float* x, int64_t r) {
+  quantize_row_fp4(x, K, q.data() + r * K, dl.data() + r * (K / 32) * 8, off.data() + r * (K / 32) * 8);
+}
+
+// Up to 4 quantized activation rows, by pointer (rows of one QAct / QActK / QActF4, or pairs gathered from them).
 struct XR {
   const int8_t* q[4];
   const float* d[4];
   const float* s[4];
   const int16_t* bs[4];  // QActK rows only
+  const int32_t* off[4];  // QActF4 rows only
 };
 
 inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
@@ -316,6 +365,12 @@ inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
 inline XR xrows(const QActK& a, const int64_t* rows, int nr) {
   XR x{};
   for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.bs[r] = a.br(rows[r]);
+  return x;
+}
+
+inline XR xrows(const QActF4& a, const int64_t* rows, int nr) {  // d: the lane scales, 8 per 32-block
+  XR x{};
+  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.off[r] = a.offr(rows[r]);
   return x;
 }
 
@@ -926,6 +981,160 @@ void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t 
 }
 #endif
 
+// ------------------------------------------------------------------ HF FP4 (NVFP4, MXFP4 safetensors)
+// The checkpoints' own bytes: two e2m1 codes per byte, element 2i in the low nibble and 2i + 1 in the high one
+// (GGUF MXFP4 instead holds a block's values 0-15 in the low nibbles), the scales in an array of their own:
+// NVFP4 (ModelOpt) one e4m3 byte per 16 values and one fp32 global scale per matrix, MXFP4 (gpt-oss) one e8m0
+// byte per 32. The codes are looked up as the doubled e2m1 values (kE2M1x2), the scales halved, as GGUF MXFP4;
+// the AVX2 path looks up those values plus 12 (unsigned bytes: they multiply the signed activations directly,
+// where signed codes need two vpsignb a block) and starts each block's integer sums from QActF4's lane offsets,
+// -12 times the activations' sums, so the sums are the signed codes' exactly.
+// Activations (QActF4): int8 with one scale per 16 values, stored per 32-block in *pair order*: the even elements
+// at positions 0-15, the odd ones at 16-31. A block's 16 code bytes as nibbles() lays them out (low nibbles, then
+// high ones) then meet their activations position by position: one table shuffle per 32 values and no interleave
+// of the weights (that would be two unpacks and a second shuffle per block and weight row). Measured on the
+// 2-core AVX512-VNNI EPYC (one thread, a [2048, 2048] weight in L3, 1 row): NVFP4 30.6 G values/s, MXFP4 29.9,
+// GGUF MXFP4's kernel 27.3, these kernels with signed codes and the sign trick 26.5 / 27.3.
+// Elements 0-15 of a block then sit at positions 0-7 and 16-23, elements 16-31 at 8-15 and 24-31, so of the
+// block's 8 int32 lane sums (4 positions each) lanes 0, 1, 4, 5 hold elements 0-15 and lanes 2, 3, 6, 7 elements
+// 16-31: NVFP4's two e4m3 scales become the lane scales (s0, s0, s1, s1, s0, s0, s1, s1), and so do the two
+// activation scales. Two integer sub-sums, one float multiply-add per block and row, as a Q8_0 block.
+// Why activation scales per 16 rather than per 32 (Q8_0's): at the same cost (a lane-scale vector is loaded
+// where a scale is broadcast), the rounding step is the amax of 16 values, not 32; on tests/test_hf_quant.py's
+// tiny NVFP4 / MXFP4 models (hidden states with outlier channels) per-32 rounding put the logits 3-12x further
+// from the float path's (11-40% of their norm against 3.2-3.5%).
+// The global scale multiplies each output once. NaN scale codes (e4m3 0x7F / 0xFF, e8m0 0xFF; checkpoints hold
+// none) are not kept: e4m3 NaN reads 480 on the AVX2 path (NaN on the scalar one), e8m0 0xFF 2^127.
+
+// One weight matrix as the row kernels read it: row i at w + i * ws; HF FP4 also row i's scale bytes at
+// s + i * ss and the global scale g (NVFP4; 1 otherwise).
+struct Mat {
+  int64_t type = 0;
+  const uint8_t* w = nullptr;
+  int64_t ws = 0;
+  const uint8_t* s = nullptr;
+  int64_t ss = 0;
+  float g = 1.f;
+};
+
+// An HF FP4 matrix in ms_moe_layer's wptr is the address of one of these (moe/cpu_moe.py builds them; rows
+// contiguous): the codes, the scales, and the address of NVFP4's float32 global scale (0: none).
+struct FP4Desc {
+  int64_t w, s, g;
+};
+
+// e4m3fn code -> float (the scalar path's table, built from the bit rule; NaN for 0x7F / 0xFF)
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      float f = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(8.f + m, e - 10);
+      v[c] = c & 0x80 ? -f : f;
+    }
+    return v;
+  }();
+  return t;
+}
+
+template <int NR>
+void dot_fp4_scalar(bool nv, const uint8_t* w, const uint8_t* s, int64_t K, const XR& x, float* out) {
+  const std::array<float, 256>& e4 = e4m3_table();
+  double acc[NR] = {};
+  for (int64_t j = 0; j < K / QB; ++j, w += 16) {
+    // the halved weight scales of elements 0-15 (code bytes 0-7) and 16-31 (bytes 8-15)
+    const double a0 = nv ? 0.5 * e4[s[2 * j]] : (double)e8m0_half(s[j]), a1 = nv ? 0.5 * e4[s[2 * j + 1]] : a0;
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* xq = x.q[r] + j * QB;  // pair order: element 2i at i, 2i + 1 at 16 + i
+      int s0 = 0, s1 = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int p = kE2M1x2[w[i] & 15] * xq[i] + kE2M1x2[w[i] >> 4] * xq[16 + i];
+        if (i < 8) s0 += p; else s1 += p;
+      }
+      const float* dl = x.d[r] + 8 * j;  // lane scales: dl[0] of elements 0-15, dl[2] of 16-31
+      acc[r] += a0 * dl[0] * s0 + a1 * dl[2] * s1;
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+#ifdef MS_AVX2
+// The doubled e2m1 values plus 12 (0..24): unsigned, so a code byte multiplies a signed activation byte directly
+// (vpdpbusd / vpmaddubsw take u8 x s8), without the sign trick's two vpsignb; the lane offsets of QActF4 take the
+// 12 * x back out of the integer sums.
+alignas(16) constexpr int8_t kE2M1x2p12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// 8 int32 lane sums of 4 adjacent products u_i * x_i (u unsigned, x signed), plus acc.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i x) {
+#ifdef MS_VNNI
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// 16 code bytes -> 32 nibbles (low nibbles, then high ones, as nibbles()): the bytes broadcast to both lanes by
+// the load, the high lane shifted by 4.
+inline __m256i nibbles_bcast(const uint8_t* p) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+// 8 e4m3 codes -> 8 floats, each half its code's value (e4m3x16's move into a half's bits, then * 2^8 / 2: exact)
+inline __m256 e4m3x8_half(const uint8_t* p) {
+  const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(128.f));
+}
+
+// One block j's codes (looked up as values + 12) against NR rows, weighted by the lane scales a.
+template <int NR>
+inline void fp4_block_avx2(const uint8_t* w, int64_t j, __m256i lut, __m256 a, const XR& x, __m256* acc) {
+  const __m256i u = _mm256_shuffle_epi8(lut, nibbles_bcast(w + 16 * j));
+  for (int r = 0; r < NR; ++r) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i*)(x.q[r] + j * QB));
+    const __m256i isum = dot_u8s8(_mm256_loadu_si256((const __m256i*)(x.off[r] + 8 * j)), u, xq);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(a, _mm256_loadu_ps(x.d[r] + 8 * j)), acc[r]);
+  }
+}
+
+template <int NR>
+void dot_fp4_avx2(bool nv, const uint8_t* w, const uint8_t* s, int64_t K, const XR& x, float* out) {
+  const __m256i lut = lut16(kE2M1x2p12);
+  const int64_t nb = K / QB;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  if (!nv) {
+    for (int64_t j = 0; j < nb; ++j) fp4_block_avx2<NR>(w, j, lut, _mm256_set1_ps(e8m0_half(s[j])), x, acc);
+  } else {
+    // NVFP4: the 8 scales of 4 blocks converted at once; block jj of them takes lanes (2jj, 2jj, 2jj+1, 2jj+1) twice
+    __m256i pick[4];
+    for (int jj = 0; jj < 4; ++jj)
+      pick[jj] = _mm256_setr_epi32(2 * jj, 2 * jj, 2 * jj + 1, 2 * jj + 1, 2 * jj, 2 * jj, 2 * jj + 1, 2 * jj + 1);
+    for (int64_t j0 = 0; j0 < nb; j0 += 4) {
+      const int nj = (int)std::min<int64_t>(4, nb - j0);
+      uint8_t part[8] = {};
+      const uint8_t* sp = s + 2 * j0;
+      if (nj < 4) std::memcpy(part, sp, 2 * nj), sp = part;  // the row's last blocks: no read past its scales
+      const __m256 sv = e4m3x8_half(sp);
+      for (int jj = 0; jj < nj; ++jj)
+        fp4_block_avx2<NR>(w, j0 + jj, lut, _mm256_permutevar8x32_ps(sv, pick[jj]), x, acc);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+}
+#endif
+
+template <int NR>
+inline void fp4_rows_dot(bool nv, bool scalar, const uint8_t* w, const uint8_t* s, int64_t K, const XR& x,
+                         float* out) {
+#ifdef MS_AVX2
+  if (!scalar) return dot_fp4_avx2<NR>(nv, w, s, K, x, out);
+#endif
+  dot_fp4_scalar<NR>(nv, w, s, K, x, out);
+}
+
 int64_t row_bytes(int64_t type, int64_t K) {
   switch (type) {
     case T_F16: case T_BF16: return 2 * K;
@@ -941,6 +1150,8 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_MXFP4: return K / 32 * 17;
     case T_IQ4_XS: return K / 256 * 136;
     case T_IQ3_S: return g_iq3s_ready.load(std::memory_order_acquire) ? K / 256 * 110 : -1;
+    case T_HF_NVFP4: return K / 2 + K / 16;  // codes and scales: a row's cost (a Mat addresses the two)
+    case T_HF_MXFP4: return K / 2 + K / 32;
   }
   return -1;
 }
@@ -958,10 +1169,33 @@ inline bool is_iq_k(int64_t type) { return type == T_IQ4_XS || type == T_IQ3_S; 
 // the types whose activations are QActK rows (one scale per 256 values)
 inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || is_iq_k(type); }
 
-// One weight row (K values) against NR <= 4 activation rows: xq (block types) or xf (F16/BF16 weights).
+// Matrix `type` of ms_moe_layer's wptr entry `ptr`, rows of K values: GGUF (or F16/BF16) rows back to back, or
+// the FP4Desc of an HF FP4 matrix.
+inline Mat layer_mat(int64_t type, int64_t ptr, int64_t K) {
+  Mat m;
+  m.type = type;
+  if (!is_hf_fp4(type)) {
+    m.w = (const uint8_t*)ptr, m.ws = row_bytes(type, K);
+    return m;
+  }
+  const FP4Desc& d = *(const FP4Desc*)ptr;
+  m.w = (const uint8_t*)d.w, m.ws = K / 2;
+  m.s = (const uint8_t*)d.s, m.ss = K / (type == T_HF_NVFP4 ? 16 : 32);
+  if (d.g) std::memcpy(&m.g, (const void*)d.g, 4);
+  return m;
+}
+
+// Row i (K values) of m against NR <= 4 activation rows: xq (block and FP4 types) or xf (F16/BF16 weights).
 template <int NR>
-inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& xq, const float* const* xf,
+inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& xq, const float* const* xf,
                      float* out) {
+  const int64_t type = m.type;
+  const uint8_t* w = m.w + i * m.ws;
+  if (is_hf_fp4(type)) {
+    fp4_rows_dot<NR>(type == T_HF_NVFP4, scalar, w, m.s + i * m.ss, K, xq, out);
+    for (int r = 0; r < NR; ++r) out[r] *= m.g;
+    return;
+  }
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
@@ -978,16 +1212,16 @@ inline void rows_dot(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
   else dot_scalar<NR>(type, w, K, xq, out);
 }
 
-// n activation rows (rows[] of qa / qk / xf, whichever `type` reads) as chunks of up to 4 row pointers,
-// built once per call or expert group and shared by every weight row.
+// n activation rows (rows[] of qa / qp / qk / xf, whichever `type` reads; qp: the HF FP4 types' QActF4) as chunks
+// of up to 4 row pointers, built once per call or expert group and shared by every weight row.
 struct XSet {
   int64_t n = 0;
   std::vector<XR> q;
   std::vector<std::array<const float*, 4>> f;
 };
 
-inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActK& qk, const float* xf, int64_t K,
-                      const int64_t* rows, int64_t n) {
+inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActF4& qp, const QActK& qk, const float* xf,
+                      int64_t K, const int64_t* rows, int64_t n) {
   const int64_t nc = (n + 3) / 4;
   xs.n = n;
   xs.q.assign(nc, XR{});
@@ -998,23 +1232,25 @@ inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActK& qk, c
       for (int k = 0; k < nr; ++k) xs.f[c][k] = xf + rows[4 * c + k] * K;
     } else if (is_k_type(type)) {
       xs.q[c] = xrows(qk, rows + 4 * c, nr);
+    } else if (is_hf_fp4(type)) {
+      xs.q[c] = xrows(qp, rows + 4 * c, nr);
     } else {
       xs.q[c] = xrows(qa, rows + 4 * c, nr);
     }
   }
 }
 
-// One weight row (K values) against every row of xs: out[r], r < xs.n.
-inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XSet& xs, float* out) {
+// Row i (K values) of m against every row of xs: out[r], r < xs.n.
+inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
   for (size_t c = 0; c < xs.q.size(); ++c) {
     const XR& xq = xs.q[c];
     const float* const* fx = xs.f[c].data();
     float* o = out + 4 * c;
     switch (std::min<int64_t>(4, xs.n - 4 * (int64_t)c)) {
-      case 4: rows_dot<4>(type, scalar, w, K, xq, fx, o); break;
-      case 3: rows_dot<3>(type, scalar, w, K, xq, fx, o); break;
-      case 2: rows_dot<2>(type, scalar, w, K, xq, fx, o); break;
-      case 1: rows_dot<1>(type, scalar, w, K, xq, fx, o); break;
+      case 4: rows_dot<4>(m, i, scalar, K, xq, fx, o); break;
+      case 3: rows_dot<3>(m, i, scalar, K, xq, fx, o); break;
+      case 2: rows_dot<2>(m, i, scalar, K, xq, fx, o); break;
+      case 1: rows_dot<1>(m, i, scalar, K, xq, fx, o); break;
     }
   }
 }
@@ -1024,20 +1260,6 @@ inline void row_dots(int64_t type, bool scalar, const uint8_t* w, int64_t K, con
 // bn rows x bk columns (scale of row i, column k: s[(i / bn) * srs + k / bk]; block FP8 128 x 128, a per-row
 // scale is bn = 1, bk = K, srs = 1; one scale for all rows: bn = N, srs = 0), against float32 activations:
 // no activation rounding (like F16/BF16); per column block a float32 partial sum, times its scale.
-
-// e4m3fn code -> float (the scalar path's table, built from the bit rule; NaN for 0x7F / 0xFF)
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> t = [] {
-    std::array<float, 256> v{};
-    for (int c = 0; c < 256; ++c) {
-      const int e = (c >> 3) & 15, m = c & 7;
-      float f = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(8.f + m, e - 10);
-      v[c] = c & 0x80 ? -f : f;
-    }
-    return v;
-  }();
-  return t;
-}
 
 template <int NR>
 void dot_fp8_scalar(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
@@ -1183,17 +1405,22 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   }
   const double bytes = cum1.back() + cum3.back();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
-  auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t); };
+  // the activation forms the types read: int8 per 32 (QAct), per 256 (QActK), HF FP4's (QActF4), float
+  auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t) && !is_hf_fp4(t); };
   const bool q_x = blocks32(tg) || blocks32(tu), q_h = blocks32(td);
+  const bool p_x = is_hf_fp4(tg) || is_hf_fp4(tu), p_h = is_hf_fp4(td);
   const bool k_x = is_k_type(tg) || is_k_type(tu), k_h = is_k_type(td);
   std::vector<float> xf(nx * H), hbuf(P * I);
   QAct xq, hq;
   QActK xk, hk;
+  QActF4 xp, hp;
   xq.K = H, xq.nb = H / QB, hq.K = I, hq.nb = I / QB;
   if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
   if (q_h) hq.q.resize(P * I), hq.d.resize(P * hq.nb), hq.s.resize(P * hq.nb);
   if (k_x) xk.resize(nx, H);
   if (k_h) hk.resize(P, I);
+  if (p_x) xp.resize(nx, H);
+  if (p_h) hp.resize(P, I);
   std::vector<int64_t> hrow(P);
   for (int64_t p = 0; p < P; ++p) hrow[p] = p;
 
@@ -1203,6 +1430,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       float* xr = xf.data() + r * H;
       for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
       if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+      if (p_x) xp.quantize(xr, r);
       if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
     }
     barrier();
@@ -1212,20 +1440,20 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       share(cum1, t, T, b, e);
       std::vector<float> go, uo;
       XSet sg, su;
+      Mat mg, mu;
       int64_t cur = -1;
       for (int64_t k = b; k < e; ++k) {
         const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
         if (!n) continue;
-        if (g != cur) {  // this expert's x rows, once for all its weight rows
+        if (g != cur) {  // this expert's matrices and x rows, once for all its weight rows
           cur = g;
           go.resize(n), uo.resize(n);
-          make_xset(sg, tg, xq, xk, xf.data(), H, prow + p0, n);
-          make_xset(su, tu, xq, xk, xf.data(), H, prow + p0, n);
+          mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
+          make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
+          make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
         }
-        const uint8_t* wg = (const uint8_t*)wptr[3 * g] + i * rbg;
-        const uint8_t* wu = (const uint8_t*)wptr[3 * g + 1] + i * rbu;
-        row_dots(tg, scalar, wg, H, sg, go.data());
-        row_dots(tu, scalar, wu, H, su, uo.data());
+        row_dots(mg, i, scalar, H, sg, go.data());
+        row_dots(mu, i, scalar, H, su, uo.data());
         for (int64_t r = 0; r < n; ++r) {
           float gv = go[r], uv = uo[r];
           if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
@@ -1235,10 +1463,11 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     }
     barrier();
     // phase 2: h rows quantized for the down projection
-    if (q_h || k_h)
+    if (q_h || p_h || k_h)
       for (int64_t p = t; p < P; p += T) {
         const float* hr = hbuf.data() + p * I;
         if (q_h) quantize_row(hr, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
+        if (p_h) hp.quantize(hr, p);
         if (k_h) quantize_row_k(hr, I, hk.q.data() + p * I, hk.d.data() + p * hk.nb, hk.bs.data() + p * (I / 16));
       }
     barrier();
@@ -1248,6 +1477,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       share(cum3, t, T, b, e);
       std::vector<float> yo;
       XSet sd;
+      Mat md;
       int64_t cur = -1;
       for (int64_t k = b; k < e; ++k) {
         const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
@@ -1255,9 +1485,10 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
         if (g != cur) {
           cur = g;
           yo.resize(n);
-          make_xset(sd, td, hq, hk, hbuf.data(), I, hrow.data() + p0, n);
+          md = layer_mat(td, wptr[3 * g + 2], I);
+          make_xset(sd, td, hq, hp, hk, hbuf.data(), I, hrow.data() + p0, n);
         }
-        row_dots(td, scalar, (const uint8_t*)wptr[3 * g + 2] + j * rbd, I, sd, yo.data());
+        row_dots(md, j, scalar, I, sd, yo.data());
         for (int64_t r = 0; r < n; ++r) {
           const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
           out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
@@ -1266,6 +1497,42 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     }
   });
   return 0;
+}
+
+// out [n, N] (rows os floats apart) = x [n, K] @ W.T for the N rows of m: x quantized once in the form m's type
+// reads, W's rows split over the threads (at least ~32 KiB of weights each, so the start-up stays small).
+void matmul(const Mat& m, const float* xf, int64_t n, int64_t K, int64_t N, float* op, int64_t os, int nthreads,
+            bool scalar) {
+  const int64_t type = m.type;
+  QAct qx;
+  QActK qk;
+  QActF4 qf;
+  if (is_float_type(type)) qx.K = K;
+  else if (is_k_type(type)) {
+    qk.resize(n, K);
+    par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_k(xf + r * K, K, qk.q.data() + r * K, qk.d.data() + r * qk.nb, qk.bs.data() + r * (K / 16));
+    });
+  } else if (is_hf_fp4(type)) {
+    qf.resize(n, K);
+    par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) qf.quantize(xf + r * K, r);
+    });
+  } else qx = quantize(xf, n, K, nthreads);
+  const int64_t grain =
+      std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
+  std::vector<int64_t> rows(n);
+  for (int64_t r = 0; r < n; ++r) rows[r] = r;
+  XSet xs;
+  make_xset(xs, type, qx, qf, qk, xf, K, rows.data(), n);
+  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
+    std::vector<float> o(n);
+    for (int64_t i = i0; i < i1; ++i) {
+      row_dots(m, i, scalar, K, xs, o.data());
+      for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
+    }
+  });
 }
 
 double now_s() {
@@ -1290,7 +1557,7 @@ bool dequant_row(int64_t type, const uint8_t* w, int64_t K, float* out) {
     }
     return true;
   }
-  if (is_iq_k(type) || row_bytes(type, K) <= 0) return false;
+  if (is_iq_k(type) || is_hf_fp4(type) || row_bytes(type, K) <= 0) return false;
   // as the torch decoders: Q4_0 / Q5_0 scale the centred code, d * (q - 8 | 16); the types with a minimum add
   // it after the product; the others are the product alone (so zeros keep their sign, as the gguf package's)
   const int shift = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
@@ -1315,7 +1582,7 @@ extern "C" {
 // a bad K, -3 for an id out of [0, N).
 int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64_t K, const int64_t* ids, int64_t n,
                     float* out, int nthreads) {
-  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_iq_k(type)) return -1;
+  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_iq_k(type) || is_hf_fp4(type)) return -1;
   for (int64_t r = 0; r < n; ++r)
     if (ids[r] < 0 || ids[r] >= N) return -3;
   par_for(n, 8, nthreads, [&](int64_t r0, int64_t r1) {
@@ -1329,31 +1596,24 @@ int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64
 // unsupported type or K.
 int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, int64_t type,
                float* op, int64_t os, int nthreads, int force_scalar) {
-  if (row_bytes(type, K) <= 0 || K % block_size(type)) return -1;
-  const bool is_float = type == T_F16 || type == T_BF16;
-  QAct qx;
-  QActK qk;
-  if (is_float) qx.K = K;
-  else if (is_k_type(type)) {
-    qk.resize(n, K);
-    par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        quantize_row_k(xf + r * K, K, qk.q.data() + r * K, qk.d.data() + r * qk.nb, qk.bs.data() + r * (K / 16));
-    });
-  } else qx = quantize(xf, n, K, nthreads);
-  // at least ~32 KiB of weights per thread so the thread start-up stays small next to the work
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
-  std::vector<int64_t> rows(n);
-  for (int64_t r = 0; r < n; ++r) rows[r] = r;
-  XSet xs;
-  make_xset(xs, type, qx, qk, xf, K, rows.data(), n);
-  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
-    std::vector<float> o(n);
-    for (int64_t i = i0; i < i1; ++i) {
-      row_dots(type, force_scalar, wp + i * ws, K, xs, o.data());
-      for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
-    }
-  });
+  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_hf_fp4(type)) return -1;  // HF FP4: ms_fp4_matmul
+  Mat m;
+  m.type = type, m.w = wp, m.ws = ws;
+  matmul(m, xf, n, K, N, op, os, nthreads, force_scalar);
+  return 0;
+}
+
+// HF FP4 weights (type 1001 NVFP4, 1002 MXFP4; see the HF FP4 section): x float32 [n, K] rows contiguous; w: N
+// rows of K / 2 code bytes, `ws` bytes apart; s: their scale bytes (K / 16 e4m3 or K / 32 e8m0 per row), rows
+// `ss` bytes apart; g: NVFP4's float32 global scale (null: 1); out float32 [n, N], rows `os` floats apart.
+// Writes out = x @ W.T with x rounded to int8 per 32. Returns 0, or -1 for another type or K not a multiple of 32.
+int ms_fp4_matmul(const float* xf, int64_t n, int64_t K, int64_t type, const uint8_t* w, int64_t N, int64_t ws,
+                  const uint8_t* s, int64_t ss, const float* g, float* op, int64_t os, int nthreads,
+                  int force_scalar) {
+  if (!is_hf_fp4(type) || K <= 0 || K % QB) return -1;
+  Mat m;
+  m.type = type, m.w = w, m.ws = ws, m.s = s, m.ss = ss, m.g = g ? *g : 1.f;
+  matmul(m, xf, n, K, N, op, os, nthreads, force_scalar);
   return 0;
 }
 
