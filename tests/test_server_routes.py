@@ -350,3 +350,27 @@ def test_best_of_and_structural_tag_refusals_are_400s(demo_tokenizer):
     assert engine.prompts == []
     assert oai.completions.create(model=MODEL, prompt="x", best_of=3, n=2).usage.completion_tokens == \
         3 * len(demo_tokenizer.encode("ok"))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+def test_forced_tools_with_malformed_schemas_are_400s(demo_tokenizer, parser):
+    """Schemas the template renders but no grammar can enforce: a 400 naming `tools` in both call formats
+    (the XML one used to walk them unchecked and answer 500), and a fractional length is refused, not cut."""
+    engine, http, _, _ = make(demo_tokenizer, "ok", tool_parser=parser)
+    bad = [{"type": "object", "properties": [1]},
+           {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+           {"type": "object", "properties": {"a": {"type": "string"}}, "required": [{}]},
+           {"type": "object", "properties": {"a": {"type": "string", "minLength": "x"}}},
+           {"type": "object", "properties": {"a": {"type": "string", "minLength": 2.5}}},
+           {"type": "object", "properties": {"a": {"type": "string", "maxLength": None}}}]
+    for schema in bad:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": tools, "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (schema, r.text)
+        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5,
+                                            "messages": [{"role": "user", "content": "hi"}],
+                                            "tools": [{"name": "f", "input_schema": schema}],
+                                            "tool_choice": {"type": "any"}})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (schema, r.text)
+    assert engine.prompts == []

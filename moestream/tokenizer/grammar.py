@@ -211,6 +211,9 @@ def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None 
     rules, bodies = [], []
     for i, t in enumerate(tools):
         schema = t.get("parameters") or {}
+        # the JSON-schema compiler checks the shapes this walk trusts (properties an object, required a list
+        # of names, lengths whole numbers), as it does for every schema of the hermes format
+        compile_grammar("json_schema", schema)
         props = schema.get("properties") or {}
         required = set(schema.get("required") or [])
         parts = []
