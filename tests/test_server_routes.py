@@ -374,3 +374,21 @@ def test_forced_tools_with_malformed_schemas_are_400s(demo_tokenizer, parser):
                                             "tool_choice": {"type": "any"}})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (schema, r.text)
     assert engine.prompts == []
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen3"])
+def test_developer_messages_reach_the_prompt(request, which):
+    """OpenAI's developer role is its name for system; templates without it used to drop the message
+    silently. It renders as the system message would, first or later in the conversation."""
+    tok = request.getfixturevalue(f"{which}_tokenizer")
+    engine, _, oai, _ = make(tok, "ok")
+    for at in (0, 1):
+        prompts = []
+        for role in ("developer", "system"):
+            msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                    {"role": "user", "content": "and?"}]
+            msgs.insert(at, {"role": role, "content": "Answer in French."})
+            oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5)
+            prompts.append(engine.prompts[-1])
+        assert "Answer in French." in tok.decode(prompts[0], skip_special_tokens=False)
+        assert prompts[0] == prompts[1]

@@ -97,6 +97,7 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
                 add_generation_prompt: bool = True, continue_final: bool = False) -> str:
     if state.tokenizer is None or state.tokenizer.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt")
+    messages = _template_roles(messages, state.tokenizer.chat_template)
     prompt = _apply_template(state, messages, tools, template_kwargs, add_generation_prompt)
     if tools and prompt == _apply_template(state, messages, None, template_kwargs, add_generation_prompt):
         # the template ignores `tools`: the model would never see them, so answering would be a lie
@@ -109,6 +110,15 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
         if cut >= 0:
             prompt = prompt[:cut + len(last)]  # drop the end-of-turn so the model continues the message
     return prompt
+
+
+def _template_roles(messages: list[dict], template: str) -> list[dict]:
+    """OpenAI's "developer" role is its newer name for "system". Templates that never name it (Qwen's, the
+    demo's) skip such a message without a word, so the model would never see its instructions: there it is
+    rendered as a system message."""
+    if "developer" in template or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def _apply_template(state: ServerState, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
