@@ -53,20 +53,28 @@ def loop(tiny_checkpoint):
                                                                   "max_running_requests": 4}), Outbox())
 
 
-def _run(loop, prompts: dict[str, list[int]], max_tokens: int = 6) -> tuple[dict, dict]:
+def _run(loop, prompts: dict[str, list[int]], max_tokens: int | dict = 6, params: dict | None = None
+         ) -> tuple[dict, dict]:
+    """Greedy runs of `prompts` together: ({rid: text}, {rid: Failed}); max_tokens per rid or for all,
+    `params`: extra SamplingParams fields per rid; loop.finished: {rid: finish reason sent}."""
     loop.outbox.msgs.clear()
     for rid, ids in prompts.items():
-        loop._add(Add(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+        n = max_tokens[rid] if isinstance(max_tokens, dict) else max_tokens
+        extra = (params or {}).get(rid, {})
+        loop._add(Add(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)))
     for _ in range(200):
         if not loop.scheduler.has_work():
             break
         loop._step()
     texts = {rid: "" for rid in prompts}
     errors = {}
+    loop.finished = {}
     for m in loop.outbox.msgs:
         if isinstance(m, Outputs):
             for rid, delta in m.items:
                 texts[rid] += delta.text
+                if delta.finish_reason is not None:
+                    loop.finished[rid] = delta.finish_reason
         elif isinstance(m, Failed):
             errors[m.rid] = m
     return texts, errors
@@ -99,6 +107,54 @@ def test_an_unexpected_add_error_fails_that_request_only(loop, monkeypatch):
     _, errors = _run(loop, {"x": [1, 2]})
     assert errors["x"].status == 500 and "boom" in errors["x"].message
 
+
+def _raising_on_third_call(real, name: str):
+    """`real`, but raising on its third call (the request's third generated token)."""
+    calls = []
+
+    def third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"{name} broke")
+        return real(*args)
+
+    return third
+
+
+@pytest.mark.parametrize("where", ["detokenizer", "grammar"])
+def test_a_request_whose_own_bookkeeping_fails_fails_alone(loop, monkeypatch, where):
+    """"bad" fails in its own detokenizer (the scheduler's emit) or grammar (the runner's tracking) on its
+    third token, in the very step where "a" takes its last one: "a" and "c" keep every token and finish as
+    they do alone (the step used to fail whole: its retry one request at a time lost the token of the
+    requests before "bad" in the batch, and "a"'s end: its client waited forever)."""
+    from moestream.tokenizer.grammar import Matcher, compile_grammar
+
+    prompts = {"a": [1, 2, 3, 4, 5], "bad": [POISON, 9, 10], "c": [20, 21]}
+    max_tokens = {"a": 3, "bad": 6, "c": 6}
+    alone = {rid: _run(loop, {rid: ids}, max_tokens)[0][rid] for rid, ids in prompts.items() if rid != "bad"}
+    extra = {}
+    if where == "grammar":  # only "bad" has a grammar
+        extra = {"bad": {"grammar": compile_grammar("regex", "(.|\\n){0,200}")}}
+        monkeypatch.setattr(Matcher, "consume", _raising_on_third_call(Matcher.consume, "consume"))
+    else:
+        add = loop._add
+
+        def add_and_break(msg):
+            add(msg)
+            if msg.rid == "bad":
+                detok = loop.scheduler.requests[msg.rid].detok
+                monkeypatch.setattr(detok, "add", _raising_on_third_call(detok.add, "add"))
+
+        monkeypatch.setattr(loop, "_add", add_and_break)
+    failed_before = loop.totals["failed"]
+    texts, errors = _run(loop, prompts, max_tokens, extra)
+    assert set(errors) == {"bad"} and errors["bad"].status == 500 and "broke" in errors["bad"].message
+    assert {rid: texts[rid] for rid in alone} == alone
+    assert loop.finished == {"a": "length", "c": "length"}
+    assert loop.totals["failed"] == failed_before + 1
+    s = loop.scheduler
+    assert not s.suspects and not s.running and not s.waiting
+    s.check_integrity()
 
 
 def test_llm_freezes_its_objects_and_close_gives_them_back(tiny_checkpoint):

@@ -11,6 +11,7 @@ scheduler keeps its pages, slots and progress.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from ..batch import ForwardBatch, SeqMeta
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
 from .sampler import apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+
+log = logging.getLogger("moestream.engine")
 
 
 @dataclass
@@ -34,6 +37,20 @@ class _Rows:
     def split(self) -> bool:
         """Rows other than the sampling ones were asked for (prompt logprobs, verify steps)."""
         return bool(self.prompt or self.verify)
+
+
+def _guarded(failed: list, req: Request, fn, *args) -> bool:
+    """fn(*args), a piece of req's own work in this step (its grammar, its drafts' verification, its row's
+    mask and penalties): an exception there is req's alone, so it is logged, (req, why) goes to `failed`
+    (the scheduler ends req with an error) and False comes back. Raising instead would fail the whole
+    step: the server would recompute every request in it, LLM.generate would fail for all of them."""
+    try:
+        fn(*args)
+        return True
+    except Exception as e:
+        log.exception("request %s failed in this step; the others in it go on", req.id)
+        failed.append((req, f"internal error: {type(e).__name__}: {e}"))
+        return False
 
 
 class ModelRunner:
@@ -58,13 +75,13 @@ class ModelRunner:
         logits = self.engine.forward(batch)
         if self.spec_k:
             self._batch = batch
-        verified = []
+        verified, failed = [], []
         if rows.split:  # prompt_logprobs or verify steps asked for extra rows: split them off
             if rows.prompt:
                 self._prompt_logprobs(logits, rows.prompt)
             verified = self._verify(logits, rows.verify)
             logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
-        return StepResult(verified, self._sample(sched, logits))
+        return StepResult(verified, self._sample(sched, logits, failed), failed)
 
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
         """The ForwardBatch of a scheduled step, and where its logits rows go."""
@@ -118,9 +135,11 @@ class ModelRunner:
             rows.sample.append(len(rows.logits) - 1)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sample(self, sched: ScheduledBatch, logits: torch.Tensor) -> list[tuple[Request, int, tuple | None]]:
+    def _sample(self, sched: ScheduledBatch, logits: torch.Tensor,
+                failed: list) -> list[tuple[Request, int, tuple | None]]:
         """One token for each request that reached its newest token (logits: one row each), then for each
-        child adopted this step (from its parent's row)."""
+        child adopted this step (from its parent's row). A request whose own grammar raises goes to
+        `failed` instead (_guarded)."""
         reqs = [s.req for s in sched.seqs if s.samples]
         if sched.forks:
             reqs, logits = self._fork(sched.forks, reqs, logits)
@@ -140,9 +159,8 @@ class ModelRunner:
             if req.forced:
                 tokens[i] = req.forced.pop(0)
         lps = self._logprobs(raw, reqs, tokens)
-        for req, tok in zip(reqs, tokens):
-            self._track(req, tok)
-        return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))]
+        return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))
+                if _guarded(failed, req, self._track, req, tok)]
 
     def _fork(self, forks, reqs: list[Request], logits: torch.Tensor):
         """Each adopted child gets copies of its parent's prompt K/V and linear state (the pass just computed
