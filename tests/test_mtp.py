@@ -443,3 +443,29 @@ def test_a_failing_drafter_loses_no_tokens(mtp_dir, plain_tokens):
     assert tokens(llm, ps) == want
     assert len(calls) >= 3
     llm.scheduler.check_integrity()
+
+
+def test_a_request_whose_verification_fails_fails_alone(mtp_dir, plain_tokens, monkeypatch):
+    """The sampler raises while verifying one request's drafts: that request ends with "error", the others of
+    the verify step keep their tokens (the exception failed the whole step: generate() raised for the whole
+    batch, and the server recomputed every request in it)."""
+    import moestream.engine.runner as runner_mod
+
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    bad = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    real, calls = runner_mod.verify_drafts, []
+
+    def flaky(logits, drafts, params, generator):
+        if params is bad:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("simulated sampler failure")
+        return real(logits, drafts, params, generator)
+
+    monkeypatch.setattr(runner_mod, "verify_drafts", flaky)
+    outs = llm.generate(ps, [SP, SP, bad, SP])
+    assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
+    assert [outs[i].token_ids for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+    assert len(calls) == 2
+    llm.scheduler.check_integrity()

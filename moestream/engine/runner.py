@@ -79,7 +79,7 @@ class ModelRunner:
         if rows.split:  # prompt_logprobs or verify steps asked for extra rows: split them off
             if rows.prompt:
                 self._prompt_logprobs(logits, rows.prompt)
-            verified = self._verify(logits, rows.verify)
+            verified = self._verify(logits, rows.verify, failed)
             logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
         return StepResult(verified, self._sample(sched, logits, failed), failed)
 
@@ -232,27 +232,32 @@ class ModelRunner:
                 req.prompt_lps.append(lp)
 
     # ---- speculative decoding (--speculative mtp) -------------------------------------------
-    def _verify(self, logits: torch.Tensor, spec) -> list[tuple[Request, list[int]]]:
+    def _verify(self, logits: torch.Tensor, spec, failed: list) -> list[tuple[Request, list[int]]]:
         """Each verified request keeps its longest agreeing prefix of drafts plus one token of the target
-        (sampler.verify_drafts); its linear state rolls back to the last kept position (one slot copy)."""
-        out, t = [], self.spec_totals
+        (sampler.verify_drafts); its linear state rolls back to the last kept position (one slot copy). A
+        request whose verification raises goes to `failed` (_guarded): the others keep their tokens."""
+        out: list[tuple[Request, list[int]]] = []
         for req, row, n, slots in spec:
-            drafts, req.drafts = req.drafts[:n - 1], []
-            toks = verify_drafts(logits[row:row + n], drafts, req.params, req.generator)
-            a = len(toks) - 1
-            t["verify_steps"] += 1
-            t["drafted"] += len(drafts)
-            t["accepted"] += a
-            t["emitted"] += len(toks)
-            for i in range(len(drafts)):
-                t["drafted_at"][i] += 1
-                t["accepted_at"][i] += i < a
-            if a < len(drafts) and slots:
-                self.engine.caches.state.copy([(slots[a], req.state_slot)])
-            for tok in toks:
-                self._track(req, tok)
-            out.append((req, toks))
+            _guarded(failed, req, self._verify_one, out, req, logits[row:row + n], slots)
         return out
+
+    def _verify_one(self, out: list, req: Request, rows: torch.Tensor, slots: list[int]) -> None:
+        """Verify req's drafts against its logits `rows` (one per draft and one after them) -> out."""
+        drafts, req.drafts = req.drafts[:rows.shape[0] - 1], []
+        toks = verify_drafts(rows, drafts, req.params, req.generator)
+        a, t = len(toks) - 1, self.spec_totals
+        t["verify_steps"] += 1
+        t["drafted"] += len(drafts)
+        t["accepted"] += a
+        t["emitted"] += len(toks)
+        for i in range(len(drafts)):
+            t["drafted_at"][i] += 1
+            t["accepted_at"][i] += i < a
+        if a < len(drafts) and slots:
+            self.engine.caches.state.copy([(slots[a], req.state_slot)])
+        for tok in toks:
+            self._track(req, tok)
+        out.append((req, toks))
 
     def spec_stats(self) -> dict:
         """Speculative decoding's counters: drafts proposed and accepted (in all and per draft position),
