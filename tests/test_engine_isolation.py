@@ -3,13 +3,18 @@ torch, any valid value samples finite tokens, and a failing step is retried one 
 only the request it belongs to fails (moestream.server.engine_proc, moestream.scheduler)."""
 from __future__ import annotations
 
+import os
+import threading
+import time
+from multiprocessing import Pipe
+
 import pytest
 import torch
 
 from moestream.core import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 from moestream.engine.sampler import make_generator, sample
 from moestream.server.engine_proc import EngineArgs, EngineLoop
-from moestream.server.messages import Add, Failed, Outputs
+from moestream.server.messages import Abort, Add, Failed, Outputs, Stats, StatsQuery
 
 POISON = 7  # a prompt holding this token id makes the (patched) forward fail
 
@@ -62,8 +67,8 @@ def _run(loop, prompts: dict[str, list[int]], max_tokens: int | dict = 6, params
         n = max_tokens[rid] if isinstance(max_tokens, dict) else max_tokens
         extra = (params or {}).get(rid, {})
         loop._add(Add(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)))
-    for _ in range(200):
-        if not loop.scheduler.has_work():
+    for _ in range(2000):  # a request with a grammar joins once it has compiled (in a worker thread)
+        if not loop.llm_engine.has_work():
             break
         loop._step()
     texts = {rid: "" for rid in prompts}
@@ -155,6 +160,80 @@ def test_a_request_whose_own_bookkeeping_fails_fails_alone(loop, monkeypatch, wh
     s = loop.scheduler
     assert not s.suspects and not s.running and not s.waiting
     s.check_integrity()
+
+
+def _wait(what, timeout: float = 10.0) -> bool:
+    """Poll what() until it is true (True) or `timeout` seconds passed (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if what():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_slow_grammar_compile_never_stalls_the_others(loop, monkeypatch):
+    """A grammar that takes long to compile (seconds for a big choice list or schema) is compiled beside the
+    step loop: a plain request sent after it finishes meanwhile, /v1/stats counts it as queued, an abort ends
+    it at once, and it runs once compiled. The compile used to run inside the loop, stalling every request."""
+    import llguidance
+
+    from moestream.tokenizer.grammar import compile_grammar
+
+    slow, gone = compile_grammar("regex", "[a-z]{1,8}"), compile_grammar("regex", "x+")
+    release, real = threading.Event(), llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *a, **kw: (release.wait(20), real(*a, **kw))[1])
+    inbox, to_engine = Pipe(duplex=False)
+    loop.outbox.msgs.clear()
+    stop = {"now": False}
+    engine = threading.Thread(target=loop.run, args=(inbox, os.getppid(), stop), daemon=True)
+    engine.start()
+    out = loop.outbox.msgs
+    done = lambda rid: any(isinstance(m, Outputs) and any(r == rid and d.finish_reason for r, d in m.items)  # noqa
+                           for m in out)
+    greedy = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        to_engine.send(Add("slow", [1, 2, 3], SamplingParams(grammar=slow, **greedy)))
+        to_engine.send(Add("gone", [1, 2, 3], SamplingParams(grammar=gone, **greedy)))
+        to_engine.send(Add("plain", [4, 5, 6], SamplingParams(**greedy)))
+        assert _wait(lambda: done("plain")), "the plain request waited for the other's grammar"
+        to_engine.send(StatsQuery(7))
+        assert _wait(lambda: any(isinstance(m, Stats) for m in out))
+        assert next(m for m in out if isinstance(m, Stats)).data["queued"] == 2
+        aborted = loop.totals["aborted"]
+        to_engine.send(Abort("gone"))
+        assert _wait(lambda: loop.totals["aborted"] == aborted + 1)
+        release.set()
+        assert _wait(lambda: done("slow"))
+    finally:
+        release.set()
+        stop["now"] = True
+        engine.join(10)
+    assert not any(isinstance(m, Outputs) and any(r == "gone" for r, _ in m.items) for m in out)
+    assert not loop.llm_engine.compiling and not any(isinstance(m, Failed) for m in out)
+    loop.scheduler.check_integrity()
+
+
+def test_a_grammar_refused_once_compiled_is_a_400_and_a_request_error(loop, monkeypatch):
+    """A grammar llguidance cannot use is found out in the compile worker now: the server still answers
+    400 (not counted as an engine failure), LLM.generate still raises RequestError and ends its other
+    requests, nothing is left queued."""
+    from moestream.tokenizer.grammar import Grammars, compile_grammar
+
+    def refuse(self, grammar):
+        raise RequestError("the grammar could not be used: simulated")
+
+    monkeypatch.setattr(Grammars, "matcher", refuse)
+    grammar = {"bad": {"grammar": compile_grammar("regex", "[a-z]+")}}
+    failed_before = loop.totals["failed"]
+    texts, errors = _run(loop, {"bad": [1, 2, 3], "ok": [4, 5]}, 4, grammar)
+    assert set(errors) == {"bad"} and errors["bad"].status == 400 and "simulated" in errors["bad"].message
+    assert loop.finished == {"ok": "length"} and loop.totals["failed"] == failed_before
+    params = [SamplingParams(max_tokens=4, **grammar["bad"]), SamplingParams(max_tokens=50, ignore_eos=True)]
+    with pytest.raises(RequestError, match="simulated"):
+        loop.llm.generate([[1, 2, 3], [4, 5]], params)
+    assert not loop.llm_engine.has_work()
+    loop.scheduler.check_integrity()
 
 
 def test_llm_freezes_its_objects_and_close_gives_them_back(tiny_checkpoint):

@@ -87,3 +87,4 @@ class StepOutput:
     logprobs: tuple | None = None  # (logprob of new_token, [(id, logprob)...]) when the request asked
     prompt_logprobs: list | None = None  # the prompt's, with the first generated token
     error: str | None = None  # the request failed in this step and finished with "error" (why)
+    refused: bool = False  # the error is the request's (a grammar that cannot be used here), not the engine's

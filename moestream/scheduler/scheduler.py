@@ -111,6 +111,18 @@ class Scheduler:
         self._finish(req, reason)
         return True
 
+    def finish(self, req: Request, reason: str) -> None:
+        """End req now with `reason` wherever it is: running, queued, held, or not added yet (a request the
+        engine was still preparing: its grammar compiling)."""
+        if req.status != Status.FINISHED:
+            self._finish(req, reason)
+
+    def fail(self, req: Request, why: str, tok: int | None = None, refused: bool = False) -> StepOutput:
+        """End req with "error" for a failure of its own (its grammar, its text, its sampling) while the
+        others go on; the StepOutput carries why (refused: the request's fault, not the engine's)."""
+        self.finish(req, FinishReason.ERROR.value)
+        return StepOutput(req, tok, "", True, error=why, refused=refused)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.held)
 
@@ -480,7 +492,7 @@ class Scheduler:
             outs += self._accept(req, toks, now, batch)
         now = time.perf_counter()
         outs += [self._emit_guarded(req, tok, lp, now) for req, tok, lp in result.sampled]
-        return outs + [self._fail(req, None, why) for req, why in result.failed]
+        return outs + [self.fail(req, why) for req, why in result.failed]
 
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""
@@ -555,13 +567,7 @@ class Scheduler:
             return self._emit(req, tok, lp, now)
         except Exception as e:
             log.exception("request %s failed on its token %d; the others in the step go on", req.id, tok)
-            return self._fail(req, tok, f"internal error: {type(e).__name__}: {e}")
-
-    def _fail(self, req: Request, tok: int | None, why: str) -> StepOutput:
-        """End req with "error" for a failure of its own work in this step; its last output says why."""
-        if req.status != Status.FINISHED:
-            self._finish(req, FinishReason.ERROR.value)
-        return StepOutput(req, tok, "", True, error=why)
+            return self.fail(req, f"internal error: {type(e).__name__}: {e}", tok)
 
     def _emit(self, req: Request, tok: int, lp, now: float) -> StepOutput:
         """Append one generated token to req: its text (the detokenizer the engine attached), finishing."""

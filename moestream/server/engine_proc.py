@@ -191,7 +191,7 @@ class EngineLoop:
         items, failed = [], []
         for o in outputs:
             if o.error is not None:  # its own work failed: it alone ends, after the tokens it was sent before
-                failed.append(Failed(o.request.id, o.error, 500))
+                failed.append(Failed(o.request.id, o.error, 400 if o.refused else 500))
                 continue
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
@@ -204,7 +204,7 @@ class EngineLoop:
         if items:
             self.outbox.send(Outputs(items))
         for msg in failed:
-            self.totals["failed"] += 1
+            self.totals["failed"] += msg.status == 500  # as _add counts them: a refusal is not a failure
             self.outbox.send(msg)
         self._account(self.llm_engine.last_step)
 

@@ -10,7 +10,8 @@ and it is maintained by the guidance-ai team and used by vLLM, SGLang and llama.
   llguidance grammar string that travels to the engine in `SamplingParams.grammar`; raises
   `RequestError` (HTTP 400) on an invalid one, `GrammarUnavailable` when llguidance is not installed.
 - `Grammars(tokenizer, vocab_size, eos_ids)` (engine): builds the llguidance tokenizer once and a
-  `Matcher` per constrained request. A matcher computes its next mask in a worker thread right after
+  `Matcher` per constrained request, compiled in a worker thread (`build`: the step loop queues the
+  request once it is ready, engine/llm_engine.py). A matcher computes its next mask in a worker thread right after
   it consumed a token, so the mask of step t+1 is built while step t+1's forward pass runs (llguidance
   releases the GIL); the scheduler only waits when the forward pass was faster.
 """
@@ -242,12 +243,18 @@ def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None 
 
 # ---- engine side ------------------------------------------------------------------------------------
 _POOL: ThreadPoolExecutor | None = None
+_BUILD_POOL: ThreadPoolExecutor | None = None  # compiles: apart, so a slow one never delays another's mask
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
+def _pool(build: bool = False) -> ThreadPoolExecutor:
+    """The worker threads of the masks (build False) or of the compiles (build True), made at first use."""
+    global _POOL, _BUILD_POOL
     with _POOL_LOCK:
+        if build:
+            if _BUILD_POOL is None:
+                _BUILD_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-grammar-build")
+            return _BUILD_POOL
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-grammar")
         return _POOL
@@ -259,16 +266,18 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self._lltok = None
+        self._lock = threading.Lock()
 
     def _lt(self):
-        if self._lltok is None:
-            llg = _llg()
-            backend = getattr(self.tokenizer, "_backend", None)
-            if backend is None:
-                raise RequestError("structured outputs need the model's tokenizer")
-            self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                          eos_token=self.eos_ids or None)
-        return self._lltok
+        with self._lock:  # matchers are built in worker threads (build): one tokenizer for them all
+            if self._lltok is None:
+                llg = _llg()
+                backend = getattr(self.tokenizer, "_backend", None)
+                if backend is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_ids or None)
+            return self._lltok
 
     def matcher(self, grammar: str) -> "Matcher":
         llg = _llg()
@@ -276,6 +285,11 @@ class Grammars:
         if m.is_error():
             raise RequestError(f"the grammar could not be used: {m.get_error()}")
         return Matcher(m, self.vocab_size)
+
+    def build(self, grammar: str) -> Future:
+        """`matcher(grammar)` in a worker thread: a large grammar takes seconds to compile (llguidance
+        releases the GIL meanwhile), which the engine's step loop, serving everyone, must not wait for."""
+        return _pool(build=True).submit(self.matcher, grammar)
 
 
 class Matcher:
