@@ -392,3 +392,29 @@ def test_developer_messages_reach_the_prompt(request, which):
             prompts.append(engine.prompts[-1])
         assert "Answer in French." in tok.decode(prompts[0], skip_special_tokens=False)
         assert prompts[0] == prompts[1]
+
+
+def test_max_tokens_beyond_the_kv_cache_is_refused_not_cut(demo_tokenizer):
+    """With a KV cache smaller than the context (--num-tokens, or what fits the GPU) the engine ends a request
+    when the cache is full: a max_tokens past that used to be accepted and cut short with finish "length".
+    It is refused as one past the context is; unset, it defaults to what fits; Anthropic's is cut to fit."""
+    engine, http, _, _ = make(demo_tokenizer, "ok", max_seq_len=4096)
+    engine.info["kv_tokens"] = 64
+    seen = []
+    generate = engine.generate
+
+    def recording(rid, prompt_ids, params, *a, **kw):
+        seen.append((len(prompt_ids), params.max_tokens))
+        return generate(rid, prompt_ids, params, *a, **kw)
+
+    engine.generate = recording
+    msgs = [{"role": "user", "content": "hi"}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "KV cache holds 64 tokens" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 5}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code == 200
+    assert http.post("/v1/messages", json={"model": "m", "messages": msgs, "max_tokens": 1000}).status_code == 200
+    assert [n + m for n, m in seen] == [65, 65, 65]

@@ -145,17 +145,21 @@ def check_prompt_fits(state: ServerState, n: int) -> None:
 
 def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False) -> SamplingParams:
     """`make(default_max_tokens)` -> SamplingParams. max_tokens beyond the context left is refused as
-    OpenAI does (400), or with `clamp` cut to what fits (Anthropic clients send their own fixed value)."""
-    room = state.max_seq_len - n_prompt
+    OpenAI does (400), or with `clamp` cut to what fits (Anthropic clients send their own fixed value). The
+    context is the model's, or the KV cache's when that is smaller (the engine ends a request there)."""
+    limit = min(state.max_seq_len, state.kv_tokens + 1)  # the KV pages hold every token but the last
+    room = limit - n_prompt
     try:
         params = make(room)
     except MoestreamError as e:
         raise ApiError(400, str(e)) from None
     if params.max_tokens > room and not clamp:
-        raise ApiError(400, f"This model's maximum context length is {state.max_seq_len} tokens. However, you "
-                       f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
-                       f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                       "max_tokens.", param="max_tokens", code="context_length_exceeded")
+        where = (f"This model's maximum context length is {state.max_seq_len} tokens" if limit == state.max_seq_len
+                 else f"This server's KV cache holds {state.kv_tokens} tokens (--num-tokens), so a request may "
+                 f"reach {limit}")
+        raise ApiError(400, f"{where}. However, you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in "
+                       f"the prompt, {params.max_tokens} in the completion). Please reduce the length of the "
+                       "prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
     _check_token_ids(state, params.stop_token_ids, "stop_token_ids")
     _check_token_ids(state, list(params.logit_bias), "logit_bias")
