@@ -19,7 +19,7 @@ import torch
 from ..batch import ForwardBatch, SeqMeta
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
-from .sampler import apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+from .sampler import PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
 
 log = logging.getLogger("moestream.engine")
 
@@ -196,7 +196,8 @@ class ModelRunner:
         p = req.params
         if p.needs_processing:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
-            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops)
+            req.penalties = req.penalties or PenaltyState()  # kept: a step then costs its new tokens only
+            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops, req.penalties)
         if req.matcher is not None and not req.thinking and not req.matcher.done:
             apply_bitmask(row, req.matcher.allowed())
 

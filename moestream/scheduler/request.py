@@ -52,6 +52,7 @@ class Request:
     output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
     parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
     drafts: list[int] = field(default_factory=list)  # --speculative: tokens proposed after the newest one
+    penalties: object = None  # engine.sampler.PenaltyState of a request with logit_bias or penalties
 
     @property
     def all_ids(self) -> list[int]:
