@@ -418,3 +418,21 @@ def test_max_tokens_beyond_the_kv_cache_is_refused_not_cut(demo_tokenizer):
     assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code == 200
     assert http.post("/v1/messages", json={"model": "m", "messages": msgs, "max_tokens": 1000}).status_code == 200
     assert [n + m for n, m in seen] == [65, 65, 65]
+
+
+def test_a_forced_tool_call_without_a_tool_parser_is_refused(demo_tokenizer):
+    """With no tool-call parser (--tool-call-parser none, or a template format the server does not know),
+    tool_choice "required" or a named function was accepted and silently not honoured: no call can come
+    back as one. A 400 naming tool_choice; "auto" still gives the model's text."""
+    engine, http, _, ant = make(demo_tokenizer, "ok", tool_parser="none")
+    msgs = [{"role": "user", "content": "hi"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS,
+                                                    "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    with pytest.raises(anthropic.BadRequestError, match="tool call cannot be required"):
+        ant.messages.create(model="m", max_tokens=5, messages=msgs, tools=ANTHROPIC_TOOLS,
+                            tool_choice={"type": "any"})
+    assert engine.prompts == []
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"

@@ -187,6 +187,10 @@ def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, to
     opens = prompt_opens_reasoning(prompt)
     reasoning = state.reasoning_parser_cls(starts_in_reasoning=opens)
     forced = _forced_tools(tools, tool_choice) if use_tools else None
+    if forced is not None and state.tool_parser_cls.name == "none":  # no call could come back as a tool call
+        raise ApiError(400, "this server reads no tool-call format for this model (--tool-call-parser none, or a "
+                       "chat template in a format it does not know), so a tool call cannot be required; send "
+                       "tool_choice \"auto\" to get the model's text as it is", param="tool_choice")
     if grammar is not None and forced is not None:
         raise ApiError(400, "a structured output (response_format / guided_*) cannot be combined with a forced "
                        "tool_choice; send one of them", param=grammar[2])
