@@ -66,7 +66,7 @@ def _run(loop, prompts: dict[str, list[int]], max_tokens: int | dict = 6, params
     for rid, ids in prompts.items():
         n = max_tokens[rid] if isinstance(max_tokens, dict) else max_tokens
         extra = (params or {}).get(rid, {})
-        loop._add(Add(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)))
+        loop._add(Add(rid, ids, SamplingParams(**{"max_tokens": n, "temperature": 0, "ignore_eos": True, **extra})))
     for _ in range(2000):  # a request with a grammar joins once it has compiled (in a worker thread)
         if not loop.llm_engine.has_work():
             break
@@ -223,8 +223,8 @@ def test_a_grammar_refused_once_compiled_is_a_400_and_a_request_error(loop, monk
     def refuse(self, grammar):
         raise RequestError("the grammar could not be used: simulated")
 
-    monkeypatch.setattr(Grammars, "matcher", refuse)
-    grammar = {"bad": {"grammar": compile_grammar("regex", "[a-z]+")}}
+    monkeypatch.setattr(Grammars, "_compile", refuse)
+    grammar = {"bad": {"grammar": compile_grammar("regex", "[a-z]{2,5}")}}
     failed_before = loop.totals["failed"]
     texts, errors = _run(loop, {"bad": [1, 2, 3], "ok": [4, 5]}, 4, grammar)
     assert set(errors) == {"bad"} and errors["bad"].status == 400 and "simulated" in errors["bad"].message
@@ -234,6 +234,24 @@ def test_a_grammar_refused_once_compiled_is_a_400_and_a_request_error(loop, monk
         loop.llm.generate([[1, 2, 3], [4, 5]], params)
     assert not loop.llm_engine.has_work()
     loop.scheduler.check_integrity()
+
+
+def test_one_grammar_is_compiled_once_for_all_its_requests(loop, monkeypatch):
+    """The n choices of a request (or an agent's fixed schema) carry one grammar: it is compiled once and each
+    request gets its own copy. Each used to compile it again, so n=16 with a grammar that takes seconds held
+    the compile workers, and every other constrained request behind them, for 16 times as long."""
+    import llguidance
+
+    from moestream.tokenizer.grammar import compile_grammar
+
+    grammar = compile_grammar("choice", ["alpha", "beta", "gamma"])
+    made, real = [], llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    prompts = {f"n{i}": [1, 2, 3] for i in range(4)}
+    texts, errors = _run(loop, prompts, 8, {rid: {"grammar": grammar, "temperature": 1.0, "seed": i}
+                                            for i, rid in enumerate(prompts)})
+    assert not errors and len(made) == 1
+    assert all(t in ("alpha", "beta", "gamma") for t in texts.values()), texts
 
 
 def test_llm_freezes_its_objects_and_close_gives_them_back(tiny_checkpoint):

@@ -267,6 +267,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self._lltok = None
         self._lock = threading.Lock()
+        self._compiled: dict[str, Future] = {}  # grammar -> future of its unused LLMatcher (recent last)
 
     def _lt(self):
         with self._lock:  # matchers are built in worker threads (build): one tokenizer for them all
@@ -280,16 +281,36 @@ class Grammars:
             return self._lltok
 
     def matcher(self, grammar: str) -> "Matcher":
-        llg = _llg()
-        m = llg.LLMatcher(self._lt(), grammar, log_level=0)
+        return Matcher(self._compile(grammar), self.vocab_size)
+
+    def _compile(self, grammar: str):
+        """A new LLMatcher for `grammar` (RequestError when llguidance cannot use it)."""
+        m = _llg().LLMatcher(self._lt(), grammar, log_level=0)
         if m.is_error():
             raise RequestError(f"the grammar could not be used: {m.get_error()}")
-        return Matcher(m, self.vocab_size)
+        return m
 
-    def build(self, grammar: str) -> Future:
-        """`matcher(grammar)` in a worker thread: a large grammar takes seconds to compile (llguidance
-        releases the GIL meanwhile), which the engine's step loop, serving everyone, must not wait for."""
-        return _pool(build=True).submit(self.matcher, grammar)
+    def build(self, grammar: str, keep: int = 8) -> Future:
+        """The future of a Matcher for `grammar`, compiled in a worker thread: a large grammar takes seconds
+        (llguidance releases the GIL meanwhile), which the engine's step loop, serving everyone, must not wait
+        for. Requests with one grammar (the n choices of a request, an agent's fixed schema) share a compile,
+        each getting a copy of the matcher; the `keep` most recent grammars stay compiled."""
+        with self._lock:
+            proto = self._compiled.pop(grammar, None) or _pool(build=True).submit(self._compile, grammar)
+            self._compiled[grammar] = proto
+            while len(self._compiled) > keep:
+                self._compiled.pop(next(iter(self._compiled)))
+        out: Future = Future()
+        proto.add_done_callback(lambda f: _copy_into(f, out, self.vocab_size))
+        return out
+
+
+def _copy_into(compiled: Future, out: Future, vocab_size: int) -> None:
+    """out <- a fresh Matcher copied from the compiled (never consumed) one, or the compile's error."""
+    try:
+        out.set_result(Matcher(compiled.result().deep_copy(), vocab_size))
+    except Exception as e:
+        out.set_exception(e)
 
 
 class Matcher:
