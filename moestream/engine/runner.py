@@ -75,13 +75,16 @@ class ModelRunner:
         logits = self.engine.forward(batch)
         if self.spec_k:
             self._batch = batch
-        verified, failed = [], []
-        if rows.split:  # prompt_logprobs or verify steps asked for extra rows: split them off
-            if rows.prompt:
-                self._prompt_logprobs(logits, rows.prompt)
-            verified = self._verify(logits, rows.verify, failed)
-            logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
-        return StepResult(verified, self._sample(sched, logits, failed), failed)
+        failed: list[tuple[Request, str]] = []  # requests whose own work raised (_guarded): they alone fail
+        if not rows.split:
+            return StepResult([], self._sample(sched, logits, failed), failed)
+        if rows.prompt:  # prompt_logprobs or verify steps asked for extra rows: split them off
+            self._prompt_logprobs(logits, rows.prompt)
+        # sampled before verified: sampling is what can still fail the whole step, and it then fails before
+        # any request's verification cleared its drafts, rolled its state back and advanced its reasoning
+        sampled = self._sample(sched, logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)],
+                               failed)
+        return StepResult(self._verify(logits, rows.verify, failed), sampled, failed)
 
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
         """The ForwardBatch of a scheduled step, and where its logits rows go."""
@@ -138,8 +141,8 @@ class ModelRunner:
     def _sample(self, sched: ScheduledBatch, logits: torch.Tensor,
                 failed: list) -> list[tuple[Request, int, tuple | None]]:
         """One token for each request that reached its newest token (logits: one row each), then for each
-        child adopted this step (from its parent's row). A request whose own grammar raises goes to
-        `failed` instead (_guarded)."""
+        child adopted this step (from its parent's row). A request whose own mask, penalties or grammar
+        raise goes to `failed` instead (_guarded)."""
         reqs = [s.req for s in sched.seqs if s.samples]
         if sched.forks:
             reqs, logits = self._fork(sched.forks, reqs, logits)
@@ -150,17 +153,17 @@ class ModelRunner:
         # penalties, logit_bias, min_tokens and grammar masks touch only the rows of requests that use them
         touched = [i for i, r in enumerate(reqs)
                    if (r.params.needs_processing or (r.matcher is not None and not r.thinking)) and not r.forced]
+        bad: set[int] = set()
         if touched:
             logits = logits.clone()
-            for i in touched:
-                self._process_row(reqs[i], logits[i])
+            bad = {i for i in touched if not _guarded(failed, reqs[i], self._process_row, reqs[i], logits[i])}
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for i, req in enumerate(reqs):
             if req.forced:
                 tokens[i] = req.forced.pop(0)
         lps = self._logprobs(raw, reqs, tokens)
         return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))
-                if _guarded(failed, req, self._track, req, tok)]
+                if i not in bad and _guarded(failed, req, self._track, req, tok)]
 
     def _fork(self, forks, reqs: list[Request], logits: torch.Tensor):
         """Each adopted child gets copies of its parent's prompt K/V and linear state (the pass just computed
