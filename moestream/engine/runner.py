@@ -7,7 +7,8 @@ prompt logprobs, verifies speculative drafts (rolling the linear state back to t
 an n > 1 parent's prompt caches into its children and samples one token per request that reached its
 newest token. `draft` runs the MTP block after a step (--speculative mtp). The runner keeps each request's
 sampling state: generator, grammar matcher, reasoning block and its budget, forced tokens, drafts; the
-scheduler keeps its pages, slots and progress.
+scheduler keeps its pages, slots and progress. A request whose own part of the step raises (its mask,
+penalties, grammar, verification) is reported in `StepResult.failed` and the others go on (`_guarded`).
 """
 from __future__ import annotations
 
