@@ -147,6 +147,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # its own work (grammar, detokenizer, sampler) failed mid-step; the rest of the batch went on
 
 
 _req_ids = itertools.count()

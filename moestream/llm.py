@@ -141,7 +141,7 @@ class LLM:
         prefill_tokens = decode_tokens = 0
         prefill_s = decode_s = 0.0
         while any(r.finish_reason is None for r in reqs):
-            self.llm_engine.step()
+            self._raise_refused(self.llm_engine.step(), reqs)
             st = self.llm_engine.last_step
             if st.get("prefill_tokens"):
                 prefill_tokens += st["prefill_tokens"]
@@ -156,6 +156,17 @@ class LLM:
             "decode_tokens": decode_tokens, "decode_s": decode_s,
             "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
         }
+
+    def _raise_refused(self, outputs, reqs: list[Request]) -> None:
+        """A request of this call refused once it was ready to join the step loop (its grammar compiled in a
+        worker thread, and llguidance could not use it): RequestError, as when add_request refuses it, and
+        the call's other requests are ended."""
+        ids = {r.id for r in reqs}
+        bad = next((o for o in outputs if o.refused and o.request.id in ids), None)
+        if bad is not None:
+            for r in reqs:
+                self.llm_engine.abort(r.id)
+            raise RequestError(bad.error)
 
     def _output(self, r: Request) -> RequestOutput:
         if r.detok is not None:

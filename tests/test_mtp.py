@@ -443,3 +443,82 @@ def test_a_failing_drafter_loses_no_tokens(mtp_dir, plain_tokens):
     assert tokens(llm, ps) == want
     assert len(calls) >= 3
     llm.scheduler.check_integrity()
+
+
+def test_a_request_whose_verification_fails_fails_alone(mtp_dir, plain_tokens, monkeypatch):
+    """The sampler raises while verifying one request's drafts: that request ends with "error", the others of
+    the verify step keep their tokens (the exception failed the whole step: generate() raised for the whole
+    batch, and the server recomputed every request in it)."""
+    import moestream.engine.runner as runner_mod
+
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    bad = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    real, calls = runner_mod.verify_drafts, []
+
+    def flaky(logits, drafts, params, generator):
+        if params is bad:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("simulated sampler failure")
+        return real(logits, drafts, params, generator)
+
+    monkeypatch.setattr(runner_mod, "verify_drafts", flaky)
+    outs = llm.generate(ps, [SP, SP, bad, SP])
+    assert [o.finish_reason for o in outs] == ["length", "length", "error", "length"]
+    assert [outs[i].token_ids for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+    assert len(calls) == 2
+    llm.scheduler.check_integrity()
+
+
+def test_a_request_whose_grammar_mask_fails_fails_alone_beside_speculation(mtp_dir, plain_tokens, monkeypatch):
+    """A constrained request (which decodes without drafts) fails computing its grammar mask in a step where
+    the others verify drafts: only it ends, with "error"; the others keep their tokens. The mask's exception
+    failed the whole step: generate() raised for the whole batch (the server recomputed every request)."""
+    from moestream.tokenizer.grammar import Matcher, compile_grammar
+
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    real, calls = Matcher.allowed, []
+
+    def flaky(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated mask failure")
+        return real(self)
+
+    monkeypatch.setattr(Matcher, "allowed", flaky)
+    bad = SamplingParams(max_tokens=10, temperature=0.0, grammar=compile_grammar("regex", "(.|\\n){0,200}"))
+    outs = llm.generate(ps + [ps[1]], [SP, SP, SP, SP, bad])
+    assert [o.finish_reason for o in outs] == ["length"] * 4 + ["error"]
+    assert [o.token_ids for o in outs[:4]] == want and len(calls) == 3
+    assert llm.llm_engine.runner.spec_totals["verify_steps"] > 0
+    llm.scheduler.check_integrity()
+
+
+def test_a_failed_sampling_leaves_the_verifying_requests_as_they_were(mtp_dir, monkeypatch):
+    """A step that samples one request (penalties: no drafts) and verifies another's drafts fails in the
+    sampler, for the whole batch: it fails before the verification, so the speculating request still has its
+    drafts, its reasoning state and the counters as they were (verified first, it had them cleared and
+    advanced for tokens the failed step never appended, and the server then recomputed it from its tokens)."""
+    import moestream.engine.runner as runner_mod
+    from moestream.scheduler.request import Request
+
+    llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    spec = Request("spec", [3, 4, 5, 6], SP)
+    eng.add_request(spec)
+    eng.add_request(Request("pen", [7, 8, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                             repetition_penalty=1.2)))
+    while not spec.drafts:
+        eng.step()
+    drafts, totals, thinking = list(spec.drafts), dict(runner.spec_totals), (spec.thinking, spec.thinking_tokens)
+
+    def broken(*args):
+        raise RuntimeError("simulated sampler failure")
+
+    monkeypatch.setattr(runner_mod, "sample", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()
+    assert spec.drafts == drafts and runner.spec_totals == totals
+    assert (spec.thinking, spec.thinking_tokens) == thinking

@@ -10,7 +10,7 @@ import torch
 
 from moestream import LLM, SamplingParams
 from moestream.core import RequestError
-from moestream.engine.sampler import apply_penalties
+from moestream.engine.sampler import PenaltyState, apply_penalties
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,50 @@ def test_penalties_match_reference(kw):
     want = _reference_penalties(logits.tolist(), p, prompt, output[:4], {0, 11})
     assert torch.allclose(got, torch.tensor(want), atol=1e-5), (got, want)
     assert not torch.equal(got, logits)  # the test can fail: something changed
+    state = PenaltyState()  # kept from step to step as the model runner keeps it: the same rows at every length
+    for n in range(len(output) + 1):
+        got = apply_penalties(logits.clone(), p, prompt, output[:n], {0, 11}, state)
+        want = _reference_penalties(logits.tolist(), p, prompt, output[:n], {0, 11})
+        assert torch.allclose(got, torch.tensor(want), atol=1e-5), (n, got, want)
+
+
+def _step_seconds(p: SamplingParams, prompt: list[int], steps: int = 15) -> tuple[float, float]:
+    """(first step, median of the next ones): seconds of a request's logits processing per decode step,
+    with its state kept between steps as the model runner keeps it."""
+    import statistics
+    import time
+
+    row, state, output, times = torch.randn(151936), PenaltyState(), [], []
+    for i in range(steps + 1):
+        x = row.clone()
+        t0 = time.perf_counter()
+        apply_penalties(x, p, prompt, output, state=state)
+        times.append(time.perf_counter() - t0)
+        output.append(i)
+    return times[0], statistics.median(times[1:])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("kw,prompt", [
+    (dict(repetition_penalty=1.1, frequency_penalty=0.5), list(range(128_000)) * 2),
+    (dict(logit_bias={t: 0.5 for t in range(151936)}), list(range(100)))], ids=["long prompt", "full bias"])
+def test_a_steps_penalty_work_does_not_repeat_the_prompt_or_the_bias(kw, prompt):
+    """Every running request pays for each request's logits processing in every step. A 256k-token prompt
+    with repetition_penalty, or a logit_bias over the whole vocabulary, cost tens of milliseconds in every
+    step (the prompt's ids set and the bias tensor were built again each time); kept in the request's state,
+    they are built once, and later steps cost a small part of the first."""
+    first, later = _step_seconds(SamplingParams(**kw), prompt)
+    assert later < first / 4, (first, later)
+
+
+def test_the_runner_keeps_each_requests_penalty_state(llm, monkeypatch):
+    """The step loop builds a request's penalty tensors once and keeps them on the request: two requests of
+    6 tokens make two states, not one per request and step (which rebuilds the prompt's ids and the bias)."""
+    made, init = [], PenaltyState.__init__
+    monkeypatch.setattr(PenaltyState, "__init__", lambda self: (made.append(1), init(self))[1])
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, repetition_penalty=1.3, logit_bias={3: 1.0})
+    outs = llm.generate([[5, 6, 7], [8, 9]], p)
+    assert [len(o.token_ids) for o in outs] == [6, 6] and len(made) == 2
 
 
 def test_bad_extra_params():

@@ -58,3 +58,28 @@ def test_local_reply_splits_reasoning_like_the_server(tmp_path):
     assert "".join(t for k, t in pieces if k == "reasoning").strip() == "let me see"
     assert "".join(t for k, t in pieces if k == "content") == "Hi there"
     assert len(calls) == len(script) and not llm.scheduler.has_work()
+
+
+def test_local_reply_reports_a_request_that_failed_alone(tmp_path, monkeypatch):
+    """The step loop ends a request whose own text fails (its detokenizer raised) with "error" instead of
+    failing the step; in-process chat shows that error as it showed the step's exception before, rather
+    than ending the reply as if it were complete."""
+    from moestream.demo import write_demo_checkpoint
+    from moestream.llm import LLM
+    from moestream.server.chat import local_reply
+    from moestream.tokenizer import IncrementalDetokenizer
+
+    llm = LLM(write_demo_checkpoint(tmp_path / "demo"), device="cpu", dtype="float32")
+    real, calls = IncrementalDetokenizer.add, []
+
+    def flaky(self, tok):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("detokenizer broke")
+        return real(self, tok)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", flaky)
+    out = io.StringIO()
+    assert run_chat(local_reply(llm, max_tokens=20, temperature=0.0), stdin=io.StringIO("hello\n"), stdout=out) == 0
+    assert "[error: internal error: RuntimeError: detokenizer broke]" in out.getvalue()
+    assert len(calls) == 2 and not llm.scheduler.has_work()

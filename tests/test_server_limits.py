@@ -1,5 +1,6 @@
 """Front-end rules of issue 16 that need no engine: where the API key comes from, /v1/stats and
-/metrics never waiting on the engine, and tools a chat template cannot render being refused."""
+/metrics never waiting on the engine, a long prompt never stopping the event loop while the engine is busy,
+and tools a chat template cannot render being refused."""
 from __future__ import annotations
 
 import asyncio
@@ -100,3 +101,42 @@ def test_tools_a_template_ignores_are_refused():
     with pytest.raises(ApiError) as e:
         render_chat(state, msgs, tools, {})
     assert e.value.status == 400 and e.value.param == "tools"
+
+
+def test_a_long_prompt_never_blocks_the_event_loop_while_the_engine_is_busy():
+    """The engine reads its pipe between steps only. A message bigger than the pipe holds (a long prompt's
+    ids) used to be written from the event loop, which stopped there, and every other client with it, until
+    the engine's step ended; now a writer thread waits for the pipe and the message arrives whole."""
+    import multiprocessing
+    import threading
+
+    from moestream.core import SamplingParams
+    from moestream.server.engine_client import EngineClient
+    from moestream.server.engine_proc import EngineArgs
+    from moestream.server.messages import Abort, Add
+
+    engine_end, client_end = multiprocessing.Pipe(duplex=False)  # nobody reads it yet: the engine is busy
+    client = EngineClient(EngineArgs("unused"))
+    client._to_engine, client.alive = client_end, True
+    waited = []
+
+    async def main():
+        gen = client.generate("long", list(range(300_000)), SamplingParams())
+        first = asyncio.ensure_future(gen.__anext__())
+        t0 = time.perf_counter()
+        for _ in range(10):
+            await asyncio.sleep(0.01)  # the loop goes on serving
+        waited.append(time.perf_counter() - t0)
+        first.cancel()  # the client leaves: its Abort follows the Add
+        await asyncio.gather(first, return_exceptions=True)
+        await gen.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    thread.join(5)
+    stuck = thread.is_alive()
+    got = [engine_end.recv(), engine_end.recv()]  # the engine's step ends: it reads them, in order
+    thread.join(5)
+    assert not stuck and waited and waited[0] < 2.0
+    assert isinstance(got[0], Add) and got[0].prompt_ids == list(range(300_000))
+    assert isinstance(got[1], Abort) and got[1].rid == "long"

@@ -350,3 +350,89 @@ def test_best_of_and_structural_tag_refusals_are_400s(demo_tokenizer):
     assert engine.prompts == []
     assert oai.completions.create(model=MODEL, prompt="x", best_of=3, n=2).usage.completion_tokens == \
         3 * len(demo_tokenizer.encode("ok"))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+def test_forced_tools_with_malformed_schemas_are_400s(demo_tokenizer, parser):
+    """Schemas the template renders but no grammar can enforce: a 400 naming `tools` in both call formats
+    (the XML one used to walk them unchecked and answer 500), and a fractional length is refused, not cut."""
+    engine, http, _, _ = make(demo_tokenizer, "ok", tool_parser=parser)
+    bad = [{"type": "object", "properties": [1]},
+           {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+           {"type": "object", "properties": {"a": {"type": "string"}}, "required": [{}]},
+           {"type": "object", "properties": {"a": {"type": "string", "minLength": "x"}}},
+           {"type": "object", "properties": {"a": {"type": "string", "minLength": 2.5}}},
+           {"type": "object", "properties": {"a": {"type": "string", "maxLength": None}}}]
+    for schema in bad:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": tools, "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (schema, r.text)
+        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5,
+                                            "messages": [{"role": "user", "content": "hi"}],
+                                            "tools": [{"name": "f", "input_schema": schema}],
+                                            "tool_choice": {"type": "any"}})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (schema, r.text)
+    assert engine.prompts == []
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen3"])
+def test_developer_messages_reach_the_prompt(request, which):
+    """OpenAI's developer role is its name for system; templates without it used to drop the message
+    silently. It renders as the system message would, first or later in the conversation."""
+    tok = request.getfixturevalue(f"{which}_tokenizer")
+    engine, _, oai, _ = make(tok, "ok")
+    for at in (0, 1):
+        prompts = []
+        for role in ("developer", "system"):
+            msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                    {"role": "user", "content": "and?"}]
+            msgs.insert(at, {"role": role, "content": "Answer in French."})
+            oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5)
+            prompts.append(engine.prompts[-1])
+        assert "Answer in French." in tok.decode(prompts[0], skip_special_tokens=False)
+        assert prompts[0] == prompts[1]
+
+
+def test_max_tokens_beyond_the_kv_cache_is_refused_not_cut(demo_tokenizer):
+    """With a KV cache smaller than the context (--num-tokens, or what fits the GPU) the engine ends a request
+    when the cache is full: a max_tokens past that used to be accepted and cut short with finish "length".
+    It is refused as one past the context is; unset, it defaults to what fits; Anthropic's is cut to fit."""
+    engine, http, _, _ = make(demo_tokenizer, "ok", max_seq_len=4096)
+    engine.info["kv_tokens"] = 64
+    seen = []
+    generate = engine.generate
+
+    def recording(rid, prompt_ids, params, *a, **kw):
+        seen.append((len(prompt_ids), params.max_tokens))
+        return generate(rid, prompt_ids, params, *a, **kw)
+
+    engine.generate = recording
+    msgs = [{"role": "user", "content": "hi"}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "KV cache holds 64 tokens" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 5}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code == 200
+    assert http.post("/v1/messages", json={"model": "m", "messages": msgs, "max_tokens": 1000}).status_code == 200
+    assert [n + m for n, m in seen] == [65, 65, 65]
+
+
+def test_a_forced_tool_call_without_a_tool_parser_is_refused(demo_tokenizer):
+    """With no tool-call parser (--tool-call-parser none, or a template format the server does not know),
+    tool_choice "required" or a named function was accepted and silently not honoured: no call can come
+    back as one. A 400 naming tool_choice; "auto" still gives the model's text."""
+    engine, http, _, ant = make(demo_tokenizer, "ok", tool_parser="none")
+    msgs = [{"role": "user", "content": "hi"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS,
+                                                    "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    with pytest.raises(anthropic.BadRequestError, match="tool call cannot be required"):
+        ant.messages.create(model="m", max_tokens=5, messages=msgs, tools=ANTHROPIC_TOOLS,
+                            tool_choice={"type": "any"})
+    assert engine.prompts == []
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"

@@ -2,10 +2,13 @@
 (server/engine_proc.py) and in-process chat (server/chat.py) all call add_request / step / abort / has_work.
 
     add_request(req)  the scheduler checks it; the engine gives it its sampling state (generator, grammar
-                      matcher, reasoning flag) and its detokenizer (text is made at this edge); queued
-    step()            scheduler.schedule() -> runner.run() (forward + sampling) -> scheduler.postprocess()
-                      (tokens appended, stops, finishing) -> runner.draft() with --speculative mtp;
-                      returns one StepOutput per token produced
+                      matcher, reasoning flag) and its detokenizer (text is made at this edge); queued, or
+                      with a grammar first compiling in a worker thread (`compiling`: seconds for a big one,
+                      which the loop serving everyone must not wait for; counted as queued, abortable)
+    step()            requests whose grammar compiled are queued -> scheduler.schedule() -> runner.run()
+                      (forward + sampling) -> scheduler.postprocess() (tokens appended, stops, finishing)
+                      -> runner.draft() with --speculative mtp; returns one StepOutput per token produced,
+                      and one with `error` per request that failed alone (its grammar, its text, its sampling)
 
 The scheduler (scheduler/) does the bookkeeping only; the runner (engine/runner.py) the tensors.
 """
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from ..core import FinishReason, RequestError
+from ..core import FinishReason, MoestreamError, RequestError
 from ..scheduler.request import Request, StepOutput
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from ..tokenizer import IncrementalDetokenizer, KeepMarkup
@@ -44,6 +48,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config(engine), engine.caches, self.eos)
         self.runner = ModelRunner(engine, self.eos, tokenizer)
         self.grammars = None  # tokenizer.grammar.Grammars, built at the first constrained request
+        # id -> (request, future of its grammar's Matcher): requests waiting for their grammar to compile
+        self.compiling: dict[str, tuple[Request, Future]] = {}
         self._markup = None  # KeepMarkup view of the tokenizer, made at the first request that keeps markup
         self.last_step: dict = {}  # the last step's counts and seconds (LLM timing, server log lines)
 
@@ -53,16 +59,21 @@ class LLMEngine:
         tool-call tags (for the server's parsers) where skip_special_tokens drops other special tokens."""
         self.scheduler.check(req)
         self._prepare(req, keep_markup)
+        if req.params.grammar and req.matcher is None:  # queued once compiled (_add_compiled)
+            self.compiling[req.id] = (req, self._grammars().build(req.params.grammar))
+            return
+        self._queue(req)
+
+    def _queue(self, req: Request) -> None:
+        """Hand a prepared request (its matcher, when it has a grammar, ready) to the scheduler."""
+        if req.matcher is not None and not req.thinking:
+            req.matcher.prefetch()  # the first mask is built while the prompt is prefilled
         self.scheduler.add(req)
 
     def _prepare(self, req: Request, keep_markup: bool) -> None:
         p = req.params
         req.generator = make_generator(p, self.engine.device)
-        if p.grammar and req.matcher is None:
-            req.matcher = self._grammars().matcher(p.grammar)
         req.thinking = p.reasoning_open
-        if req.matcher is not None and not req.thinking:
-            req.matcher.prefetch()  # the first mask is built while the prompt is prefilled
         if p.prompt_logprobs is not None and not req.prompt_lps:
             req.prompt_lps = [None]
         if self.tokenizer is not None and req.detok is None:
@@ -80,32 +91,65 @@ class LLMEngine:
             self.grammars = Grammars(self.tokenizer, self.engine.cfg.vocab_size, sorted(self.eos))
         return self.grammars
 
+    def _add_compiled(self) -> list[StepOutput]:
+        """Queue the requests whose grammar has compiled (an n > 1 child after its parent, whose prefill it
+        copies). One that cannot join ends with "error": its output says why, `refused` when it is the
+        request's fault (a grammar llguidance cannot use, a prompt the pool no longer holds: a rebuild
+        shrank it meanwhile) rather than the engine's."""
+        outs = []
+        for rid in [rid for rid, (req, fut) in self.compiling.items()
+                    if fut.done() and req.parent not in self.compiling]:
+            req, fut = self.compiling.pop(rid)
+            try:
+                req.matcher = fut.result()
+                self.scheduler.check(req)
+                self._queue(req)
+            except Exception as e:
+                if not isinstance(e, MoestreamError):
+                    log.exception("request %s could not join the step loop", rid)
+                why = str(e) if isinstance(e, MoestreamError) else f"internal error: {type(e).__name__}: {e}"
+                outs.append(self.scheduler.fail(req, why, refused=isinstance(e, MoestreamError)))
+        return outs
+
     def abort(self, req_id: str, reason: str = FinishReason.ABORT.value) -> bool:
-        """Finish a request now, freeing its pages and slot; False when it is unknown or already done."""
+        """Finish a request now, freeing its pages and slot (or dropping its grammar's compile); False when it
+        is unknown or already done."""
+        if req_id in self.compiling:
+            self.scheduler.finish(self.compiling.pop(req_id)[0], reason)
+            return True
         return self.scheduler.abort(req_id, reason)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling)
 
     def stats(self) -> dict:
-        """The scheduler's occupancy and prefix-cache counters, and speculative decoding's."""
+        """The scheduler's occupancy and prefix-cache counters (the requests whose grammar is compiling
+        count as queued), and speculative decoding's."""
         out = self.scheduler.stats()
+        out["queued"] += len(self.compiling)
         if self.runner.spec_k:
             out["speculative"] = self.runner.spec_stats()
         return out
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step of every request that can run (last_step: its counts, {} when none could); with only
+        grammars compiling, a short wait for one of them instead (callers loop on has_work: no busy loop)."""
+        outputs = self._add_compiled() if self.compiling else []
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            self.last_step = {}
+            pending = [f for _, f in self.compiling.values() if not f.done()]
+            if pending and not outputs:
+                wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
+            return outputs
         t0 = time.perf_counter()
         try:
             result = self.runner.run(batch)
         except BaseException:
             self.scheduler.step_failed(batch)
             raise
-        outputs = self.scheduler.postprocess(batch, result)
+        outputs += self.scheduler.postprocess(batch, result)
         self.engine.caches.state.copy(batch.after_copies)  # rolling snapshots of verify steps
         if self.runner.spec_k:
             self._draft(batch)

@@ -7,10 +7,12 @@ prompt logprobs, verifies speculative drafts (rolling the linear state back to t
 an n > 1 parent's prompt caches into its children and samples one token per request that reached its
 newest token. `draft` runs the MTP block after a step (--speculative mtp). The runner keeps each request's
 sampling state: generator, grammar matcher, reasoning block and its budget, forced tokens, drafts; the
-scheduler keeps its pages, slots and progress.
+scheduler keeps its pages, slots and progress. A request whose own part of the step raises (its mask,
+penalties, grammar, verification) is reported in `StepResult.failed` and the others go on (`_guarded`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +20,9 @@ import torch
 from ..batch import ForwardBatch, SeqMeta
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
-from .sampler import apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+from .sampler import PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+
+log = logging.getLogger("moestream.engine")
 
 
 @dataclass
@@ -34,6 +38,20 @@ class _Rows:
     def split(self) -> bool:
         """Rows other than the sampling ones were asked for (prompt logprobs, verify steps)."""
         return bool(self.prompt or self.verify)
+
+
+def _guarded(failed: list, req: Request, fn, *args) -> bool:
+    """fn(*args), a piece of req's own work in this step (its grammar, its drafts' verification, its row's
+    mask and penalties): an exception there is req's alone, so it is logged, (req, why) goes to `failed`
+    (the scheduler ends req with an error) and False comes back. Raising instead would fail the whole
+    step: the server would recompute every request in it, LLM.generate would fail for all of them."""
+    try:
+        fn(*args)
+        return True
+    except Exception as e:
+        log.exception("request %s failed in this step; the others in it go on", req.id)
+        failed.append((req, f"internal error: {type(e).__name__}: {e}"))
+        return False
 
 
 class ModelRunner:
@@ -58,13 +76,16 @@ class ModelRunner:
         logits = self.engine.forward(batch)
         if self.spec_k:
             self._batch = batch
-        verified = []
-        if rows.split:  # prompt_logprobs or verify steps asked for extra rows: split them off
-            if rows.prompt:
-                self._prompt_logprobs(logits, rows.prompt)
-            verified = self._verify(logits, rows.verify)
-            logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
-        return StepResult(verified, self._sample(sched, logits))
+        failed: list[tuple[Request, str]] = []  # requests whose own work raised (_guarded): they alone fail
+        if not rows.split:
+            return StepResult([], self._sample(sched, logits, failed), failed)
+        if rows.prompt:  # prompt_logprobs or verify steps asked for extra rows: split them off
+            self._prompt_logprobs(logits, rows.prompt)
+        # sampled before verified: sampling is what can still fail the whole step, and it then fails before
+        # any request's verification cleared its drafts, rolled its state back and advanced its reasoning
+        sampled = self._sample(sched, logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)],
+                               failed)
+        return StepResult(self._verify(logits, rows.verify, failed), sampled, failed)
 
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
         """The ForwardBatch of a scheduled step, and where its logits rows go."""
@@ -118,9 +139,11 @@ class ModelRunner:
             rows.sample.append(len(rows.logits) - 1)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sample(self, sched: ScheduledBatch, logits: torch.Tensor) -> list[tuple[Request, int, tuple | None]]:
+    def _sample(self, sched: ScheduledBatch, logits: torch.Tensor,
+                failed: list) -> list[tuple[Request, int, tuple | None]]:
         """One token for each request that reached its newest token (logits: one row each), then for each
-        child adopted this step (from its parent's row)."""
+        child adopted this step (from its parent's row). A request whose own mask, penalties or grammar
+        raise goes to `failed` instead (_guarded)."""
         reqs = [s.req for s in sched.seqs if s.samples]
         if sched.forks:
             reqs, logits = self._fork(sched.forks, reqs, logits)
@@ -131,18 +154,17 @@ class ModelRunner:
         # penalties, logit_bias, min_tokens and grammar masks touch only the rows of requests that use them
         touched = [i for i, r in enumerate(reqs)
                    if (r.params.needs_processing or (r.matcher is not None and not r.thinking)) and not r.forced]
+        bad: set[int] = set()
         if touched:
             logits = logits.clone()
-            for i in touched:
-                self._process_row(reqs[i], logits[i])
+            bad = {i for i in touched if not _guarded(failed, reqs[i], self._process_row, reqs[i], logits[i])}
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for i, req in enumerate(reqs):
             if req.forced:
                 tokens[i] = req.forced.pop(0)
         lps = self._logprobs(raw, reqs, tokens)
-        for req, tok in zip(reqs, tokens):
-            self._track(req, tok)
-        return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))]
+        return [(req, tok, lps.get(i)) for i, (req, tok) in enumerate(zip(reqs, tokens))
+                if i not in bad and _guarded(failed, req, self._track, req, tok)]
 
     def _fork(self, forks, reqs: list[Request], logits: torch.Tensor):
         """Each adopted child gets copies of its parent's prompt K/V and linear state (the pass just computed
@@ -178,7 +200,8 @@ class ModelRunner:
         p = req.params
         if p.needs_processing:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
-            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops)
+            req.penalties = req.penalties or PenaltyState()  # kept: a step then costs its new tokens only
+            apply_penalties(row, p, req.prompt_ids, req.output_ids, stops, req.penalties)
         if req.matcher is not None and not req.thinking and not req.matcher.done:
             apply_bitmask(row, req.matcher.allowed())
 
@@ -214,27 +237,32 @@ class ModelRunner:
                 req.prompt_lps.append(lp)
 
     # ---- speculative decoding (--speculative mtp) -------------------------------------------
-    def _verify(self, logits: torch.Tensor, spec) -> list[tuple[Request, list[int]]]:
+    def _verify(self, logits: torch.Tensor, spec, failed: list) -> list[tuple[Request, list[int]]]:
         """Each verified request keeps its longest agreeing prefix of drafts plus one token of the target
-        (sampler.verify_drafts); its linear state rolls back to the last kept position (one slot copy)."""
-        out, t = [], self.spec_totals
+        (sampler.verify_drafts); its linear state rolls back to the last kept position (one slot copy). A
+        request whose verification raises goes to `failed` (_guarded): the others keep their tokens."""
+        out: list[tuple[Request, list[int]]] = []
         for req, row, n, slots in spec:
-            drafts, req.drafts = req.drafts[:n - 1], []
-            toks = verify_drafts(logits[row:row + n], drafts, req.params, req.generator)
-            a = len(toks) - 1
-            t["verify_steps"] += 1
-            t["drafted"] += len(drafts)
-            t["accepted"] += a
-            t["emitted"] += len(toks)
-            for i in range(len(drafts)):
-                t["drafted_at"][i] += 1
-                t["accepted_at"][i] += i < a
-            if a < len(drafts) and slots:
-                self.engine.caches.state.copy([(slots[a], req.state_slot)])
-            for tok in toks:
-                self._track(req, tok)
-            out.append((req, toks))
+            _guarded(failed, req, self._verify_one, out, req, logits[row:row + n], slots)
         return out
+
+    def _verify_one(self, out: list, req: Request, rows: torch.Tensor, slots: list[int]) -> None:
+        """Verify req's drafts against its logits `rows` (one per draft and one after them) -> out."""
+        drafts, req.drafts = req.drafts[:rows.shape[0] - 1], []
+        toks = verify_drafts(rows, drafts, req.params, req.generator)
+        a, t = len(toks) - 1, self.spec_totals
+        t["verify_steps"] += 1
+        t["drafted"] += len(drafts)
+        t["accepted"] += a
+        t["emitted"] += len(toks)
+        for i in range(len(drafts)):
+            t["drafted_at"][i] += 1
+            t["accepted_at"][i] += i < a
+        if a < len(drafts) and slots:
+            self.engine.caches.state.copy([(slots[a], req.state_slot)])
+        for tok in toks:
+            self._track(req, tok)
+        out.append((req, toks))
 
     def spec_stats(self) -> dict:
         """Speculative decoding's counters: drafts proposed and accepted (in all and per draft position),

@@ -58,28 +58,72 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
 
 
 # ---- logits processing: penalties, logit_bias, min_tokens, grammar masks -----------------------
+class PenaltyState:
+    """One request's logits-processing tensors, kept from step to step: its logit_bias as (ids, values), the
+    distinct ids of its prompt and output (`ids`) and of its output alone (`out_ids`), and how often the
+    output holds each id (`counts`, [V]). Rebuilt every step they cost time in the size of the bias and of
+    the prompt (a full-vocabulary bias or a 100k-token prompt: tens of milliseconds), paid by every request
+    in the batch; kept, a step adds only its new tokens."""
+
+    def __init__(self):
+        self.key = None  # (V, device) the tensors are for
+        self.seen = self.counts = self.bias = self.ids = self.out_ids = None
+        self.prompt_done, self.outputs = False, 0  # the tokens already counted in
+
+    def update(self, p: SamplingParams, prompt_ids: list[int], output_ids: list[int], V: int, device) -> None:
+        """Bring the tensors up to date with the request's tokens (built at the first call)."""
+        if self.key != (V, device):
+            self._build(p, V, device)
+        if not self.prompt_done:
+            self._mark(prompt_ids, V, device, count=False)
+            self.prompt_done = True
+        if len(output_ids) > self.outputs:
+            self._mark(output_ids[self.outputs:], V, device, count=True)
+            self.outputs = len(output_ids)
+
+    def _build(self, p: SamplingParams, V: int, device) -> None:
+        """Empty tensors for a vocabulary of V on `device`, and the bias's (made once: p never changes)."""
+        self.key, self.prompt_done, self.outputs = (V, device), False, 0
+        self.seen = torch.zeros(V, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(V, dtype=torch.float32, device=device)
+        self.ids = self.out_ids = torch.zeros(0, dtype=torch.long, device=device)
+        ids = [t for t in p.logit_bias if t < V]
+        self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
+                     torch.tensor([p.logit_bias[t] for t in ids], dtype=torch.float32, device=device))
+
+    def _mark(self, ids: list[int], V: int, device, count: bool) -> None:
+        """Count `ids` in: the ones not seen before join `ids` (and, for output tokens, `out_ids`/`counts`)."""
+        t = torch.tensor(ids, dtype=torch.long, device=device)
+        t = t[t < V]
+        new = torch.unique(t[~self.seen[t]])
+        self.seen[new] = True
+        self.ids = torch.cat([self.ids, new])
+        if count:
+            fresh = torch.unique(t[self.counts[t] == 0])
+            self.out_ids = torch.cat([self.out_ids, fresh])
+            self.counts.index_add_(0, t, torch.ones(t.shape[0], dtype=torch.float32, device=device))
+
+
 def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                    stop_ids: set[int] | frozenset = frozenset()) -> torch.Tensor:
+                    stop_ids: set[int] | frozenset = frozenset(), state: PenaltyState | None = None) -> torch.Tensor:
     """One row [V] of fp32 logits -> the row after min_tokens, logit_bias and the penalties, in vLLM's
-    order. `stop_ids`: the ids that end the request (EOS and stop_token_ids), masked below min_tokens."""
+    order. `stop_ids`: the ids that end the request (EOS and stop_token_ids), masked below min_tokens.
+    `state`: the request's PenaltyState, so a step costs its new tokens only (a fresh one without)."""
     V = row.shape[-1]
+    state = state or PenaltyState()
+    state.update(p, prompt_ids, output_ids, V, row.device)
     if p.min_tokens and len(output_ids) < p.min_tokens:
         ids = [t for t in stop_ids if 0 <= t < V]
         if ids:
             row[ids] = float("-inf")
-    if p.logit_bias:
-        ids = [t for t in p.logit_bias if t < V]
-        if ids:
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
-        seen = seen[seen < V]
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids:
-        out = torch.tensor(output_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out[out < V], minlength=V).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if state.bias[0].numel():
+        row.index_add_(0, state.bias[0], state.bias[1].to(row.dtype))
+    if p.repetition_penalty != 1.0 and state.ids.numel():
+        vals, rp = row[state.ids], p.repetition_penalty
+        row[state.ids] = torch.where(vals > 0, vals / rp, vals * rp)
+    if (p.presence_penalty or p.frequency_penalty) and state.out_ids.numel():
+        counts = state.counts[state.out_ids].to(row.dtype)
+        row[state.out_ids] -= p.frequency_penalty * counts + p.presence_penalty
     return row
 
 

@@ -52,6 +52,7 @@ class Request:
     output_lps: list = field(default_factory=list)  # (logprob, top alternatives) per generated token
     parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
     drafts: list[int] = field(default_factory=list)  # --speculative: tokens proposed after the newest one
+    penalties: object = None  # engine.sampler.PenaltyState of a request with logit_bias or penalties
 
     @property
     def all_ids(self) -> list[int]:
@@ -86,3 +87,5 @@ class StepOutput:
     finished: bool
     logprobs: tuple | None = None  # (logprob of new_token, [(id, logprob)...]) when the request asked
     prompt_logprobs: list | None = None  # the prompt's, with the first generated token
+    error: str | None = None  # the request failed in this step and finished with "error" (why)
+    refused: bool = False  # the error is the request's (a grammar that cannot be used here), not the engine's

@@ -111,6 +111,18 @@ class Scheduler:
         self._finish(req, reason)
         return True
 
+    def finish(self, req: Request, reason: str) -> None:
+        """End req now with `reason` wherever it is: running, queued, held, or not added yet (a request the
+        engine was still preparing: its grammar compiling)."""
+        if req.status != Status.FINISHED:
+            self._finish(req, reason)
+
+    def fail(self, req: Request, why: str, tok: int | None = None, refused: bool = False) -> StepOutput:
+        """End req with "error" for a failure of its own (its grammar, its text, its sampling) while the
+        others go on; the StepOutput carries why (refused: the request's fault, not the engine's)."""
+        self.finish(req, FinishReason.ERROR.value)
+        return StepOutput(req, tok, "", True, error=why, refused=refused)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.held)
 
@@ -465,7 +477,8 @@ class Scheduler:
     # ---- postprocess -------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
         """After the engine computed `batch`: the requests advance, their full pages enter the prefix tree,
-        the snapshots written are attached, and the tokens are appended (stops, finishing, freeing)."""
+        the snapshots written are attached, and the tokens are appended (stops, finishing, freeing). A
+        request whose own work failed (result.failed, or its text here) finishes with "error" alone."""
         for s in batch.seqs:
             if s.verify:
                 continue  # advanced by what it kept (_accept)
@@ -478,7 +491,8 @@ class Scheduler:
         for req, toks in result.verified:
             outs += self._accept(req, toks, now, batch)
         now = time.perf_counter()
-        return outs + [self._emit(req, tok, lp, now) for req, tok, lp in result.sampled]
+        outs += [self._emit_guarded(req, tok, lp, now) for req, tok, lp in result.sampled]
+        return outs + [self.fail(req, why) for req, why in result.failed]
 
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""
@@ -510,7 +524,7 @@ class Scheduler:
         req.num_computed += len(toks)
         outs = []
         for tok in toks:
-            outs.append(self._emit(req, tok, None, now))
+            outs.append(self._emit_guarded(req, tok, None, now))
             if req.status == Status.FINISHED:
                 break
         if req.status != Status.RUNNING:
@@ -544,6 +558,16 @@ class Scheduler:
         if len(req.pages) > keep:  # pages past the kept tokens are the request's own (never in the tree)
             self.kv.pages.free(req.pages[keep:])
             del req.pages[keep:]
+
+    def _emit_guarded(self, req: Request, tok: int, lp, now: float) -> StepOutput:
+        """_emit, where a failure of req's own text (its detokenizer, its stop strings) ends req alone: the
+        others of the step keep the tokens they were given, which a retry of the whole step would lose
+        (with the end of any that finished in it)."""
+        try:
+            return self._emit(req, tok, lp, now)
+        except Exception as e:
+            log.exception("request %s failed on its token %d; the others in the step go on", req.id, tok)
+            return self.fail(req, f"internal error: {type(e).__name__}: {e}", tok)
 
     def _emit(self, req: Request, tok: int, lp, now: float) -> StepOutput:
         """Append one generated token to req: its text (the detokenizer the engine attached), finishing."""

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from . import anthropic_routes, openai_routes, web
@@ -147,6 +148,8 @@ async def _read_body(state: ServerState, request: Request) -> bytes:
     except asyncio.TimeoutError:  # e.g. a body shorter than its Content-Length: do not hold the connection
         raise ApiError(408, f"the request body did not arrive within {state.limits.body_timeout:g} s "
                        "(--body-timeout)", type="timeout_error") from None
+    except ClientDisconnect:  # the client's doing, not the server's: no 500 and no traceback in the log
+        raise ApiError(400, "the client closed the connection before the whole body arrived") from None
     return b"".join(chunks)
 
 

@@ -118,7 +118,7 @@ def _error_message(e) -> str:
 def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
     """Replies from an in-process LLM through the step loop the server's engine process runs
     (`LLM.llm_engine`), its text split by the reasoning parser the server would pick for this template."""
-    from ..core import SamplingParams, next_request_id
+    from ..core import MoestreamError, SamplingParams, next_request_id
     from ..scheduler.request import Request
     from .parsers import pick_reasoning_parser, prompt_opens_reasoning
 
@@ -136,6 +136,8 @@ def local_reply(llm, max_tokens: int = 512, temperature: float = 0.7):
         try:
             while req.finish_reason is None:
                 for out in engine.step():
+                    if out.request is req and out.error is not None:  # it failed alone: say so (_print_reply)
+                        raise MoestreamError(out.error)
                     if out.request is req and out.text_delta:
                         yield from _pieces(*parser.feed(out.text_delta))
             yield from _pieces(*parser.finish())

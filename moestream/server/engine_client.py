@@ -1,8 +1,10 @@
 """The front end's handle on the engine process: spawn it, stream deltas back per request, abort.
 
 One reader thread blocks on the engine's pipe and hands each message to the asyncio loop
-(`call_soon_threadsafe`); every request has its own asyncio.Queue. Sends happen on the loop thread
-(and at shutdown on the main thread, after the loop ended), serialised by a lock.
+(`call_soon_threadsafe`); every request has its own asyncio.Queue. Messages to the engine are pickled
+where they are sent (the loop thread, or the main thread at shutdown) and written by one writer thread, in
+order: the engine reads its pipe only between steps, and a write that fills the pipe (a long prompt, or
+several) must not stop the event loop, and every other client with it, until the engine's step ends.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
+from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator
 
 from ..core import MoestreamError
@@ -41,6 +45,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._waiters: dict[int, asyncio.Future] = {}  # stats and admin calls waiting for their reply
         self._ids = itertools.count()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # pickled messages for the writer thread
+        self._writer_started = False
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc = None
@@ -102,10 +108,7 @@ class EngineClient:
         proc, self.alive = self._proc, False
         if proc is None:
             return
-        try:
-            self._send(Shutdown())
-        except (OSError, ValueError):
-            pass
+        self._send(Shutdown())
         proc.join(timeout)
         if proc.is_alive():
             if timeout > 0:
@@ -178,8 +181,24 @@ class EngineClient:
 
     # ---- plumbing --------------------------------------------------------------------------
     def _send(self, msg: Add | Abort | StatsQuery | Rebuild | Shutdown) -> None:
+        """Queue msg for the engine; never blocks (the writer thread waits for the pipe instead)."""
         with self._lock:
-            self._to_engine.send(msg)
+            if not self._writer_started:
+                self._writer_started = True
+                threading.Thread(target=self._writer, name="moestream-engine-writer", daemon=True).start()
+        self._outbox.put((ForkingPickler.dumps(msg), isinstance(msg, Shutdown)))
+
+    def _writer(self) -> None:
+        """Write the queued messages to the engine's pipe, in order, until Shutdown or a broken pipe (an
+        engine gone is noticed by the reader, which fails its requests)."""
+        while True:
+            data, last = self._outbox.get()
+            try:
+                self._to_engine.send_bytes(data)
+            except (OSError, ValueError):
+                return
+            if last:
+                return
 
     def _reader(self) -> None:
         while True:

@@ -188,8 +188,11 @@ class EngineLoop:
         except Exception as e:  # OOM or a bug: find the request(s) it belongs to, keep serving the others
             self._step_failed(e)
             return
-        items = []
+        items, failed = [], []
         for o in outputs:
+            if o.error is not None:  # its own work failed: it alone ends, after the tokens it was sent before
+                failed.append(Failed(o.request.id, o.error, 400 if o.refused else 500))
+                continue
             reason = o.request.finish_reason if o.finished else None
             stop_str = getattr(o.request.detok, "matched_stop", None) if o.finished else None
             lp = [[o.new_token, o.logprobs[0], o.logprobs[1]]] if o.logprobs is not None else None
@@ -197,9 +200,12 @@ class EngineLoop:
                                               o.request.cached_tokens or 0)))
             if o.finished:
                 self.totals["finished"] += 1
-        self.totals["generated_tokens"] += len(outputs)
+        self.totals["generated_tokens"] += len(items)
         if items:
             self.outbox.send(Outputs(items))
+        for msg in failed:
+            self.totals["failed"] += msg.status == 500  # as _add counts them: a refusal is not a failure
+            self.outbox.send(msg)
         self._account(self.llm_engine.last_step)
 
     def _step_failed(self, e: Exception) -> None:

@@ -97,6 +97,7 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
                 add_generation_prompt: bool = True, continue_final: bool = False) -> str:
     if state.tokenizer is None or state.tokenizer.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt")
+    messages = _template_roles(messages, state.tokenizer.chat_template)
     prompt = _apply_template(state, messages, tools, template_kwargs, add_generation_prompt)
     if tools and prompt == _apply_template(state, messages, None, template_kwargs, add_generation_prompt):
         # the template ignores `tools`: the model would never see them, so answering would be a lie
@@ -109,6 +110,15 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
         if cut >= 0:
             prompt = prompt[:cut + len(last)]  # drop the end-of-turn so the model continues the message
     return prompt
+
+
+def _template_roles(messages: list[dict], template: str) -> list[dict]:
+    """OpenAI's "developer" role is its newer name for "system". Templates that never name it (Qwen's, the
+    demo's) skip such a message without a word, so the model would never see its instructions: there it is
+    rendered as a system message."""
+    if "developer" in template or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def _apply_template(state: ServerState, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
@@ -135,17 +145,21 @@ def check_prompt_fits(state: ServerState, n: int) -> None:
 
 def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False) -> SamplingParams:
     """`make(default_max_tokens)` -> SamplingParams. max_tokens beyond the context left is refused as
-    OpenAI does (400), or with `clamp` cut to what fits (Anthropic clients send their own fixed value)."""
-    room = state.max_seq_len - n_prompt
+    OpenAI does (400), or with `clamp` cut to what fits (Anthropic clients send their own fixed value). The
+    context is the model's, or the KV cache's when that is smaller (the engine ends a request there)."""
+    limit = min(state.max_seq_len, state.kv_tokens + 1)  # the KV pages hold every token but the last
+    room = limit - n_prompt
     try:
         params = make(room)
     except MoestreamError as e:
         raise ApiError(400, str(e)) from None
     if params.max_tokens > room and not clamp:
-        raise ApiError(400, f"This model's maximum context length is {state.max_seq_len} tokens. However, you "
-                       f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
-                       f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                       "max_tokens.", param="max_tokens", code="context_length_exceeded")
+        where = (f"This model's maximum context length is {state.max_seq_len} tokens" if limit == state.max_seq_len
+                 else f"This server's KV cache holds {state.kv_tokens} tokens (--num-tokens), so a request may "
+                 f"reach {limit}")
+        raise ApiError(400, f"{where}. However, you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in "
+                       f"the prompt, {params.max_tokens} in the completion). Please reduce the length of the "
+                       "prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
     _check_token_ids(state, params.stop_token_ids, "stop_token_ids")
     _check_token_ids(state, list(params.logit_bias), "logit_bias")
@@ -173,6 +187,10 @@ def chat_spec(state: ServerState, prompt: str, params_fn, tools: list | None, to
     opens = prompt_opens_reasoning(prompt)
     reasoning = state.reasoning_parser_cls(starts_in_reasoning=opens)
     forced = _forced_tools(tools, tool_choice) if use_tools else None
+    if forced is not None and state.tool_parser_cls.name == "none":  # no call could come back as a tool call
+        raise ApiError(400, "this server reads no tool-call format for this model (--tool-call-parser none, or a "
+                       "chat template in a format it does not know), so a tool call cannot be required; send "
+                       "tool_choice \"auto\" to get the model's text as it is", param="tool_choice")
     if grammar is not None and forced is not None:
         raise ApiError(400, "a structured output (response_format / guided_*) cannot be combined with a forced "
                        "tool_choice; send one of them", param=grammar[2])

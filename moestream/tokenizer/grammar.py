@@ -10,7 +10,8 @@ and it is maintained by the guidance-ai team and used by vLLM, SGLang and llama.
   llguidance grammar string that travels to the engine in `SamplingParams.grammar`; raises
   `RequestError` (HTTP 400) on an invalid one, `GrammarUnavailable` when llguidance is not installed.
 - `Grammars(tokenizer, vocab_size, eos_ids)` (engine): builds the llguidance tokenizer once and a
-  `Matcher` per constrained request. A matcher computes its next mask in a worker thread right after
+  `Matcher` per constrained request, compiled in a worker thread (`build`: the step loop queues the
+  request once it is ready, engine/llm_engine.py). A matcher computes its next mask in a worker thread right after
   it consumed a token, so the mask of step t+1 is built while step t+1's forward pass runs (llguidance
   releases the GIL); the scheduler only waits when the forward pass was faster.
 """
@@ -211,6 +212,9 @@ def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None 
     rules, bodies = [], []
     for i, t in enumerate(tools):
         schema = t.get("parameters") or {}
+        # the JSON-schema compiler checks the shapes this walk trusts (properties an object, required a list
+        # of names, lengths whole numbers), as it does for every schema of the hermes format
+        compile_grammar("json_schema", schema)
         props = schema.get("properties") or {}
         required = set(schema.get("required") or [])
         parts = []
@@ -239,12 +243,18 @@ def xml_tool_call_grammar(tools: list[dict], special_ids: dict[str, int] | None 
 
 # ---- engine side ------------------------------------------------------------------------------------
 _POOL: ThreadPoolExecutor | None = None
+_BUILD_POOL: ThreadPoolExecutor | None = None  # compiles: apart, so a slow one never delays another's mask
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
+def _pool(build: bool = False) -> ThreadPoolExecutor:
+    """The worker threads of the masks (build False) or of the compiles (build True), made at first use."""
+    global _POOL, _BUILD_POOL
     with _POOL_LOCK:
+        if build:
+            if _BUILD_POOL is None:
+                _BUILD_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-grammar-build")
+            return _BUILD_POOL
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moestream-grammar")
         return _POOL
@@ -256,23 +266,51 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self._lltok = None
+        self._lock = threading.Lock()
+        self._compiled: dict[str, Future] = {}  # grammar -> future of its unused LLMatcher (recent last)
 
     def _lt(self):
-        if self._lltok is None:
-            llg = _llg()
-            backend = getattr(self.tokenizer, "_backend", None)
-            if backend is None:
-                raise RequestError("structured outputs need the model's tokenizer")
-            self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                          eos_token=self.eos_ids or None)
-        return self._lltok
+        with self._lock:  # matchers are built in worker threads (build): one tokenizer for them all
+            if self._lltok is None:
+                llg = _llg()
+                backend = getattr(self.tokenizer, "_backend", None)
+                if backend is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_ids or None)
+            return self._lltok
 
     def matcher(self, grammar: str) -> "Matcher":
-        llg = _llg()
-        m = llg.LLMatcher(self._lt(), grammar, log_level=0)
+        return Matcher(self._compile(grammar), self.vocab_size)
+
+    def _compile(self, grammar: str):
+        """A new LLMatcher for `grammar` (RequestError when llguidance cannot use it)."""
+        m = _llg().LLMatcher(self._lt(), grammar, log_level=0)
         if m.is_error():
             raise RequestError(f"the grammar could not be used: {m.get_error()}")
-        return Matcher(m, self.vocab_size)
+        return m
+
+    def build(self, grammar: str, keep: int = 8) -> Future:
+        """The future of a Matcher for `grammar`, compiled in a worker thread: a large grammar takes seconds
+        (llguidance releases the GIL meanwhile), which the engine's step loop, serving everyone, must not wait
+        for. Requests with one grammar (the n choices of a request, an agent's fixed schema) share a compile,
+        each getting a copy of the matcher; the `keep` most recent grammars stay compiled."""
+        with self._lock:
+            proto = self._compiled.pop(grammar, None) or _pool(build=True).submit(self._compile, grammar)
+            self._compiled[grammar] = proto
+            while len(self._compiled) > keep:
+                self._compiled.pop(next(iter(self._compiled)))
+        out: Future = Future()
+        proto.add_done_callback(lambda f: _copy_into(f, out, self.vocab_size))
+        return out
+
+
+def _copy_into(compiled: Future, out: Future, vocab_size: int) -> None:
+    """out <- a fresh Matcher copied from the compiled (never consumed) one, or the compile's error."""
+    try:
+        out.set_result(Matcher(compiled.result().deep_copy(), vocab_size))
+    except Exception as e:
+        out.set_exception(e)
 
 
 class Matcher:
