@@ -43,8 +43,11 @@ class LayerStats:
     prefill_lookahead_used: int = 0
 
     def add(self, other: "LayerStats") -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_FIELDS = tuple(f.name for f in fields(LayerStats))
 
 
 def hit_rate(hits: int, misses: int) -> float | None:
@@ -97,11 +100,18 @@ class StatsBook:
 
     SAMPLE_EVERY = 8  # decode steps between reads of device-side counters (each read waits for the GPU)
 
+    def _hits_misses(self) -> tuple[int, int]:
+        """Hits and misses over all layers (what a step's hit rate needs; cheaper than total() on the host)."""
+        if self.counters:
+            t = self.total()
+            return t.hits, t.misses
+        self._sync()
+        return sum(s.hits for s in self.layers.values()), sum(s.misses for s in self.layers.values())
+
     def begin_step(self) -> None:
         if self.counters:
             return  # sampled in end_step
-        t = self.total()
-        self._step_start = (t.hits, t.misses)
+        self._step_start = self._hits_misses()
 
     def end_step(self, decode: bool) -> None:
         if self.counters:
@@ -110,10 +120,10 @@ class StatsBook:
             self._steps += 1
             if self._steps % self.SAMPLE_EVERY:
                 return
-        t = self.total()
-        h, m = t.hits - self._step_start[0], t.misses - self._step_start[1]
+        hits, misses = self._hits_misses()
+        h, m = hits - self._step_start[0], misses - self._step_start[1]
         if self.counters:
-            self._step_start = (t.hits, t.misses)
+            self._step_start = (hits, misses)
         if decode and h + m:
             self.last_step = {"hits": h, "misses": m, "hit_rate": h / (h + m)}
             self.window = (self.window + [(h, m)])[-64:]
