@@ -114,32 +114,13 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, kv, tmp_path, ti
     round the K/V they write the same way and widen what they read."""
     from moestream import LLM
     from moestream.models.cpu_decode import M
-    from moestream.models.qwen_moe import QwenMoeModel
 
     llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4,
               kv_cache_dtype=kv)
     assert llm.engine.caches.kv.k.dtype == (torch.float16 if kv == "float16" else torch.float32)
     model = llm.engine.model
-    inner = QwenMoeModel.forward
     diffs = []
-
-    def both(self, batch):
-        if not batch.is_decode:
-            return inner(self, batch)
-        st = self.caches.state
-        saved = (st.conv.clone(), st.rec.clone()) if st is not None and st.conv is not None else None
-        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "0")
-        ref = inner(self, batch)
-        if saved is not None:  # Gated DeltaNet: the compiled step starts from the same state again
-            st.conv.copy_(saved[0]), st.rec.copy_(saved[1])
-        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", "1")
-        steps = self.cpu_decode.steps if self.cpu_decode else 0
-        got = inner(self, batch)
-        assert self.cpu_decode.steps == steps + 1  # the compiled path ran
-        diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
-        return got
-
-    monkeypatch.setattr(QwenMoeModel, "forward", both)
+    _both_paths(monkeypatch, diffs)
     _generate(llm)
     plan = model.cpu_decode
     assert plan.layers == len(model.layers)
