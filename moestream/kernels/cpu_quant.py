@@ -312,9 +312,7 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
     up x))`` with float32 matmul outputs, h rounded to ``h_dtype`` (the pair kernels' semantics; round_mm:
     every matmul output rounded too, PairMlp's dense semantics); ``weights`` float32 [P] or None (1).
     The caller keeps the weight bytes alive and sized; the rest is checked here or in C."""
-    mod = module()
-    if mod is None:
-        raise RuntimeError("CPU quant kernels are not available")
+    mod = _required_module()
     if x.dim() != 2 or x.dtype not in ACT_DTYPES or not x.is_contiguous() or x.device.type != "cpu":
         raise ValueError(f"x must be a contiguous CPU [n, H] float32/bf16/f16 tensor, got {x.dtype} {tuple(x.shape)}")
     if h_dtype not in ACT_DTYPES:
@@ -384,18 +382,30 @@ def isa() -> str | None:
     return None if mod is None else ("generic", "avx2", "avx512vnni")[mod.ms_isa()]
 
 
+def _required_module():
+    """The compiled library; RuntimeError where it could not be built."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError("CPU quant kernels are not available")
+    return mod
+
+
+def _float_rows(x: torch.Tensor):
+    """(library, x as contiguous float32 rows [n, K], K) for the matmuls below."""
+    mod = _required_module()
+    k = x.shape[-1]
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    return mod, x, k
+
+
 def qmatmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None,
             force_scalar: bool = False) -> torch.Tensor:
     """``x [n, K] @ W.T`` as float32 ``[n, N]``; ``raw`` holds W's GGUF bytes as ``[N, row_bytes]``
     (any dtype; it is viewed as bytes; rows may be strided). ``out``: a float32 ``[n, N]`` view whose
     rows may be strided. ``force_scalar`` runs the portable kernels (tests)."""
-    mod = module()
-    if mod is None:
-        raise RuntimeError("CPU quant kernels are not available")
-    k = x.shape[-1]
-    x = x.reshape(-1, k)
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
+    mod, x, k = _float_rows(x)
     if raw.dtype != torch.uint8:
         raw = raw.contiguous().view(torch.uint8)
     if raw.dim() != 2 or raw.stride(-1) != 1:
@@ -423,13 +433,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     [ceil(N/128), ceil(K/128)], block (128, 128), stride its row length; a per-row scale: block (1, K),
     stride 1; one scale: block (N, K), stride 0). x multiplies in float32 (no activation rounding); NaN
     codes (0x7F / 0xFF) read as +-480 on the AVX2 path (checkpoints hold none)."""
-    mod = module()
-    if mod is None:
-        raise RuntimeError("CPU quant kernels are not available")
-    k = x.shape[-1]
-    x = x.reshape(-1, k)
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
+    mod, x, k = _float_rows(x)
     w = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     scale = scale.to(torch.float32).contiguous()
     bn, bk = block
@@ -466,15 +470,9 @@ def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str,
     ``[N, K/32]`` e8m0 bytes ("mxfp4"), rows of each with contiguous bytes (rows may be strided);
     ``global_scale``: NVFP4's ``weight_scale_2`` (one value; None: 1). x is rounded to int8 per 32 values
     (the module doc bounds the error); K must be a multiple of 32."""
-    mod = module()
-    if mod is None:
-        raise RuntimeError("CPU quant kernels are not available")
     if fmt not in HF_TYPES:
         raise ValueError(f"fp4_matmul: format {fmt!r} is not one of {sorted(HF_TYPES)}")
-    k = x.shape[-1]
-    x = x.reshape(-1, k)
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
+    mod, x, k = _float_rows(x)
     w = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
     per = 16 if fmt == "nvfp4" else 32

@@ -143,18 +143,27 @@ async def _collect(state: ServerState, spec: GenSpec, request, rid: str):
 
 async def _chat_stream(state: ServerState, specs: list[GenSpec], request, rid: str, include_usage: bool
                        ) -> AsyncIterator[str]:
+    choice = lambda s, r, i, created, tokens, cached: _chat_choice(  # noqa: E731
+        state, s, request, r, rid, i, created, tokens, cached)
+    async for item in _choices_stream(state, specs, rid, include_usage, choice, P.chat_completion_chunk):
+        yield item
+
+
+async def _choices_stream(state: ServerState, specs: list[GenSpec], rid: str, include_usage: bool, choice,
+                          usage_chunk) -> AsyncIterator[str]:
+    """The n choices' SSE events merged as they come (choice(spec, engine id, index, created, tokens, cached) gives
+    one choice's events and counts its tokens), then the usage chunk (usage_chunk: the API's chunk builder) and
+    [DONE]; an engine failure becomes an error event."""
     created = int(time.time())
-    model = state.model_name
     tokens = [0] * len(specs)
     cached = [0] * len(specs)  # prompt tokens each choice took from the prefix cache (the usage reports choice 0's)
     rids = engine_ids(rid, specs)
     try:
-        async for item in _merge([_chat_choice(state, s, request, r, rid, i, created, tokens, cached)
-                                  for i, (s, r) in enumerate(zip(specs, rids))]):
+        async for item in _merge([choice(s, r, i, created, tokens, cached) for i, (s, r) in enumerate(zip(specs, rids))]):
             yield item
         if include_usage:
             usage = P.usage_dict(len(specs[0].prompt_ids), sum(tokens), cached[0])
-            yield P.sse_data(P.chat_completion_chunk(rid, model, created=created, usage=usage, include_choice=False))
+            yield P.sse_data(usage_chunk(rid, state.model_name, created=created, usage=usage, include_choice=False))
     except EngineError as e:
         yield P.sse_data(P.openai_error_body(e.message, type="server_error"))
     yield P.SSE_DONE
@@ -244,21 +253,10 @@ def _prompt_entries(ids: list[int], plps: list | None) -> list:
 
 async def _completion_stream(state: ServerState, specs: list[GenSpec], request, rid: str, include_usage: bool,
                              echo: str | None) -> AsyncIterator[str]:
-    created = int(time.time())
-    model = state.model_name
-    tokens = [0] * len(specs)
-    cached = [0] * len(specs)  # prompt tokens each choice took from the prefix cache (the usage reports choice 0's)
-    rids = engine_ids(rid, specs)
-    try:
-        async for item in _merge([_completion_choice(state, s, request, r, rid, i, created, tokens, echo, cached)
-                                  for i, (s, r) in enumerate(zip(specs, rids))]):
-            yield item
-        if include_usage:
-            usage = P.usage_dict(len(specs[0].prompt_ids), sum(tokens), cached[0])
-            yield P.sse_data(P.completion_chunk(rid, model, created=created, usage=usage, include_choice=False))
-    except EngineError as e:
-        yield P.sse_data(P.openai_error_body(e.message, type="server_error"))
-    yield P.SSE_DONE
+    choice = lambda s, r, i, created, tokens, cached: _completion_choice(  # noqa: E731
+        state, s, request, r, rid, i, created, tokens, echo, cached)
+    async for item in _choices_stream(state, specs, rid, include_usage, choice, P.completion_chunk):
+        yield item
 
 
 async def _completion_choice(state: ServerState, spec: GenSpec, request, engine_rid: str, rid: str, index: int,
