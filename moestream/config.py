@@ -160,6 +160,11 @@ def _read_config(source: str | Path | dict) -> dict:
         p = p / "config.json"
     if not p.is_file():
         raise ConfigError(f"no config.json at {p}")
+    return _json_object(p)
+
+
+def _json_object(p: Path) -> dict:
+    """The JSON object in file p; ConfigError (one line) for unreadable JSON or another kind of value."""
     try:
         data = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -177,13 +182,7 @@ def _read_hf_quant_config(source: str | Path | dict) -> dict | None:
     p = (p if p.is_dir() else p.parent) / "hf_quant_config.json"
     if not p.is_file():
         return None
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot parse {p}: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p} must hold a JSON object")
-    return data
+    return _json_object(p)
 
 
 def _quantization(raw: dict, text: dict, extra: dict | None) -> dict | None:

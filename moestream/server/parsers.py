@@ -445,6 +445,17 @@ def _json_type(v: Any) -> str:
 _NO_VALUE = object()
 
 
+
+def _parse_number(s: str):
+    """An int, else a float, of the text s, or _NO_VALUE."""
+    try:
+        return int(s)
+    except ValueError:
+        try:
+            return float(s)
+        except ValueError:
+            return _NO_VALUE
+
 def _convert(text: str, typ: str) -> Any:
     s = text.strip()
     if typ == "string":
@@ -453,24 +464,13 @@ def _convert(text: str, typ: str) -> Any:
         return None if s.lower() in ("null", "none") else _NO_VALUE
     if typ == "boolean":
         return {"true": True, "false": False}.get(s.lower(), _NO_VALUE)
-    if typ == "integer":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _NO_VALUE
-            return int(f) if f.is_integer() else _NO_VALUE
-    if typ == "number":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _NO_VALUE
-            return f if f == f and abs(f) != float("inf") else _NO_VALUE
+    if typ in ("integer", "number"):
+        v = _parse_number(s)
+        if v is _NO_VALUE or isinstance(v, int):
+            return v
+        if typ == "integer":
+            return int(v) if v.is_integer() else _NO_VALUE
+        return v if v == v and abs(v) != float("inf") else _NO_VALUE
     if typ in ("object", "array"):
         try:
             v = json.loads(s)
