@@ -225,6 +225,43 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
 
 
 if triton is not None:
+    @triton.jit
+    def _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR: tl.constexpr):
+        """fetch_count(n_miss, frac) in the kernel: the integer f minimising max(f (1 - frac), (n - f) frac), in
+        float64; FRAC_PTR: the live share read from device memory (a replayed graph follows it)."""
+        nf = n_miss.to(tl.float64)
+        if FRAC_PTR:
+            fr = nf * 0.0 + tl.load(frac_ptr).to(tl.float64)
+        else:
+            fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
+        lo = tl.floor(nf * fr)
+        c0 = tl.maximum(lo * (1 - fr), (nf - lo) * fr)
+        c1 = tl.maximum((lo + 1) * (1 - fr), (nf - lo - 1) * fr)
+        return tl.minimum(tl.where(c0 <= c1, lo, lo + 1), nf).to(tl.int64)
+
+    @triton.jit
+    def _admit(e, em, base, fetch, cm, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,
+               counters, st, E, V, L, li, BLOCK_E: tl.constexpr):
+        """The fetched misses take the step's LRU victims in rank order (the rank read-and-advanced by one
+        atomic), unless a victim is routed by this very call or the victims ran out: -> (admitted mask, each
+        expert's row with the admitted ones' new slots). Evicted keys leave the table; counters ADMITTED and
+        EVICTIONS; debug_barrier orders every read of table / slot_key before the admission writes."""
+        rank = cm - 1 + tl.atomic_add(vptr, n_fetch)  # the old vptr
+        victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
+        old = tl.load(slot_key + victim, mask=em, other=-1)
+        here = (old >= base) & (old < base + E)
+        busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
+        ok = fetch & (rank < V) & ~busy
+        evict = ok & (old >= 0)
+        tl.atomic_add(counters + 2 * L + li, tl.sum(ok.to(tl.int64), 0))  # ADMITTED
+        tl.atomic_add(counters + 3 * L + li, tl.sum(evict.to(tl.int64), 0))  # EVICTIONS
+        tl.debug_barrier()
+        tl.store(table + old, tl.full([BLOCK_E], -1, tl.int64), mask=evict)
+        tl.store(table + base + e, victim, mask=ok)
+        tl.store(slot_key + victim, base + e, mask=ok)
+        tl.store(last_use + victim, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
+        return ok, tl.where(ok, victim, rows_e)
+
     @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
     def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, routed_buf, rows_buf,
                       src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
@@ -265,35 +302,14 @@ if triton is not None:
         n_fetch = n_miss
         fetch = miss
         if PARTIAL:  # hybrid: the first fetch_count(n_miss, frac) misses by id are fetched, the rest CPU's
-            nf = n_miss.to(tl.float64)
-            if FRAC_PTR:  # the live share, read at every call (a replayed graph follows it)
-                fr = nf * 0.0 + tl.load(frac_ptr).to(tl.float64)
-            else:
-                fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
-            lo = tl.floor(nf * fr)
-            c0 = tl.maximum(lo * (1 - fr), (nf - lo) * fr)
-            c1 = tl.maximum((lo + 1) * (1 - fr), (nf - lo - 1) * fr)
-            n_fetch = tl.minimum(tl.where(c0 <= c1, lo, lo + 1), nf).to(tl.int64)
+            n_fetch = _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR)
             fetch = miss & (cm - 1 < n_fetch)
         tl.atomic_add(counters + 4 * L + li, n_fetch)  # HOST_PAIRS
         rows_e = before
         ok = e < 0
         if HAS_V:
-            rank = cm - 1 + tl.atomic_add(vptr, n_fetch)  # the old vptr
-            victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
-            old = tl.load(slot_key + victim, mask=em, other=-1)
-            here = (old >= base) & (old < base + E)
-            busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
-            ok = fetch & (rank < V) & ~busy
-            evict = ok & (old >= 0)
-            tl.atomic_add(counters + 2 * L + li, tl.sum(ok.to(tl.int64), 0))  # ADMITTED
-            tl.atomic_add(counters + 3 * L + li, tl.sum(evict.to(tl.int64), 0))  # EVICTIONS
-            tl.debug_barrier()
-            tl.store(table + old, tl.full([BLOCK_E], -1, tl.int64), mask=evict)
-            tl.store(table + base + e, victim, mask=ok)
-            tl.store(slot_key + victim, base + e, mask=ok)
-            tl.store(last_use + victim, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
-            rows_e = tl.where(ok, victim, rows_e)
+            ok, rows_e = _admit(e, em, base, fetch, cm, n_fetch, rows_e, table, slot_key, last_use, victims, vptr,
+                                routed_buf, counters, st, E, V, L, li, BLOCK_E)
         spill = fetch & ~ok
         rows_e = tl.where(spill, S + tl.cumsum(spill.to(tl.int64), 0) - 1, rows_e)
         if PARTIAL:
