@@ -369,6 +369,30 @@ int main() {
     assert r.returncode == 0 and r.stdout.strip() == "0", (r.returncode, r.stdout)
 
 
+@pytest.mark.parametrize("types", [("Q8_0",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("BF16", "F16", "Q4_0")])
+@pytest.mark.parametrize("n_x", [3, 200])
+def test_layer_call_does_not_depend_on_threads(types, n_x):
+    """Rows are handed to the threads in chunks from a counter, and each thread quantizes the h rows of the experts
+    it reaches: any thread count (and any order the chunks are taken in) gives the same floats. 200 x rows take the
+    in-region x pass (a barrier), 3 rows are prepared before the threads start."""
+    banks = _banks(types, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(n_x, H, generator=gen)
+    rows = torch.randint(0, n_x, (3 * n_x,), generator=gen).numpy()
+    starts = np.array([0, n_x, n_x + n_x // 2 + 1, 3 * n_x])
+    w = np.random.default_rng(9).random(3 * n_x).astype(np.float32)
+    args = dict(experts=EXPERTS, starts=starts, rows=rows, dst=np.arange(3 * n_x)[::-1].copy(), n_out=3 * n_x)
+    got = []
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            got.append(_call(types, banks, x, w, **args))
+    finally:
+        torch.set_num_threads(1)
+    assert not got[0].isnan().any()
+    assert all(torch.equal(y, got[0]) for y in got[1:])
+
+
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_own_pool_and_openmp_agree(threads, monkeypatch):
     """The kernels' own thread pool and OpenMP (default) split rows the same way: bit-equal layer calls and

@@ -277,10 +277,14 @@ void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const voi
 
 // out[b, i] (rows os apart) = x[b] . W[i] for float32 weights W [N, K] (rows ws bytes apart): ggml type 0, which
 // ms_qmatmul does not read (an HF checkpoint's projections kept in float32)
+// Loops hand their iterations out in chunks (OpenMP dynamic schedules, about 8 per thread), as qmatmul.cpp's
+// par_for does: a thread the OS holds back takes fewer instead of keeping the others at the region's end.
+inline int64_t chunk_of(int64_t n, int threads) { return std::max<int64_t>(1, n / (8 * (int64_t)threads)); }
+
 void matmul_f32(const float* x, int64_t B, int64_t K, const float* w, int64_t N, int64_t ws, float* out, int64_t os,
                 int nt) {
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nt, N * K / 16384));
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk_of(N, threads))
   for (int64_t i = 0; i < N; ++i) {
     const float* wr = (const float*)((const char*)w + i * ws);
     for (int64_t b = 0; b < B; ++b) {
@@ -377,7 +381,7 @@ void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> sc(nh * ATT_CHUNK);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1, c = it - first[b];
       const int64_t s0 = c * ATT_CHUNK, S = std::min(kvoff[b + 1] - kvoff[b] - s0, ATT_CHUNK);
@@ -633,7 +637,7 @@ void gdn_heads(const int64_t* g, const GdnDims& n, double eps, int64_t B, const 
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> u(n.dv);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t jj = 0; jj < B * n.hv; ++jj) {
       const int64_t b = jj / n.hv, j = jj % n.hv;
       const float* pr = proj + b * n.P;
@@ -677,7 +681,7 @@ int ms_q8_0_float_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w,
                          int64_t os, int nthreads) {
   if (K % 32) return -1;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, N * K / 65536));
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk_of(N, threads))
   for (int64_t i = 0; i < N; ++i) {
     const uint8_t* wr = w + i * ws;
     for (int64_t r0 = 0; r0 < n; r0 += 4) {

@@ -184,15 +184,37 @@ void parallel(int nt, B&& body) {
 #endif
 }
 
-// f(begin, end) over [0, n) in up to nt contiguous parts of at least `grain` items each.
+// Work is handed out in chunks, several per thread, from an atomic counter (not split once into one part per
+// thread): a thread that the OS holds back (another thread of the process on its core: the launching thread,
+// the CUDA driver's, a second core that is not always ours on a small VM) computes fewer chunks instead of
+// keeping every other thread waiting at the end of the region. Which thread computes an item never changes
+// its numbers.
+constexpr int64_t CHUNKS_PER_THREAD = 8;
+
+// Chunk c of `chunks` takes the items next() hands it, c = 0, 1, ... until none is left.
+struct Chunks {
+  std::atomic<int64_t> c{0};
+  int64_t n;
+  explicit Chunks(int64_t chunks) : n(chunks) {}
+  bool next(int64_t& k) {
+    k = c.fetch_add(1, std::memory_order_relaxed);
+    return k < n;
+  }
+};
+
+// f(begin, end) over [0, n) on up to nt threads, in chunks of at least `grain` items.
 template <class F>
 void par_for(int64_t n, int64_t grain, int nt, F&& f) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nt, n / std::max<int64_t>(1, grain)));
+  grain = std::max<int64_t>(1, grain);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nt, n / grain));
   if (parts == 1) {
     f((int64_t)0, n);
     return;
   }
-  parallel((int)parts, [&](int t, int T, auto&&) { f(t * n / T, (t + 1) * n / T); });
+  Chunks chunks(std::max<int64_t>(parts, std::min<int64_t>(parts * CHUNKS_PER_THREAD, n / grain)));
+  parallel((int)parts, [&](int, int, auto&&) {
+    for (int64_t c; chunks.next(c);) f(c * n / chunks.n, (c + 1) * n / chunks.n);
+  });
 }
 
 // ggml type ids (the ones this file computes)
@@ -1364,14 +1386,21 @@ inline float act_to_float(const void* x, int64_t dtype, int64_t i) {
 }
 
 // Static share [b, e) of thread t over items weighted by cost(i) (prefix sums `cum`, cum[0] = 0).
-inline void share(const std::vector<double>& cum, int t, int nt, int64_t& b, int64_t& e) {
-  const double total = cum.back();
-  auto at = [&](int k) {
-    if (k <= 0) return (int64_t)0;
-    if (k >= nt) return (int64_t)cum.size() - 1;
-    return (int64_t)(std::lower_bound(cum.begin(), cum.end(), total * k / nt) - cum.begin());
-  };
-  b = at(t), e = at(t + 1);
+// Item bounds of `chunks` chunks of equal cost over G groups of `rows` items, group g's items costing c[g] each:
+// chunk k is items [b[k], b[k + 1]) (item g * rows + i is row i of group g). Any bounds give the same numbers.
+std::vector<int64_t> cost_chunks(const std::vector<double>& c, int64_t rows, int64_t chunks) {
+  const int64_t G = (int64_t)c.size();
+  std::vector<double> cg(G + 1, 0.0);
+  for (int64_t g = 0; g < G; ++g) cg[g + 1] = cg[g] + c[g] * (double)rows;
+  std::vector<int64_t> b(chunks + 1, 0);
+  b[chunks] = G * rows;
+  for (int64_t k = 1; k < chunks; ++k) {
+    const double at = cg[G] * (double)k / (double)chunks;
+    const int64_t g = std::min<int64_t>(G - 1, std::upper_bound(cg.begin(), cg.end(), at) - cg.begin() - 1);
+    const int64_t i = c[g] > 0 ? std::min<int64_t>(rows, (int64_t)std::ceil((at - cg[g]) / c[g])) : rows;
+    b[k] = std::max(b[k - 1], g * rows + i);
+  }
+  return b;
 }
 
 int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
@@ -1390,110 +1419,120 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   if (P == 0) return 0;
   const bool round_mm = flags & 1;  // dense experts (PairMlp): every matmul output rounded to the act dtype
   const int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
-  // per thread cost of one output row of group g: its weight bytes, plus compute per activation row
-  std::vector<double> cum1(G * I + 1), cum3(G * H + 1);
-  {
-    double c1 = 0, c3 = 0;
-    int64_t k1 = 0, k3 = 0;
-    cum1[0] = cum3[0] = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      const double n = (double)(gstart[g + 1] - gstart[g]);
-      const double r1 = n ? (double)(rbg + rbu) * (1.0 + 0.25 * n) : 0.0, r3 = n ? (double)rbd * (1.0 + 0.25 * n) : 0.0;
-      for (int64_t i = 0; i < I; ++i) cum1[++k1] = (c1 += r1);
-      for (int64_t j = 0; j < H; ++j) cum3[++k3] = (c3 += r3);
-    }
+  // the cost of one output row of group g: its weight bytes, plus compute per activation row
+  std::vector<double> c1(G), c3(G);
+  double bytes = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const double n = (double)(gstart[g + 1] - gstart[g]);
+    c1[g] = n ? (double)(rbg + rbu) * (1.0 + 0.25 * n) : 0.0, c3[g] = n ? (double)rbd * (1.0 + 0.25 * n) : 0.0;
+    bytes += c1[g] * (double)I + c3[g] * (double)H;
   }
-  const double bytes = cum1.back() + cum3.back();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
+  // gate/up and down rows in chunks of at least ~32 KiB of weights, up to CHUNKS_PER_THREAD per thread
+  auto nchunks = [&](const std::vector<double>& c, int64_t rows) {
+    double b = 0;
+    for (double v : c) b += v * (double)rows;
+    return std::max<int64_t>(nt, std::min<int64_t>(nt * CHUNKS_PER_THREAD, (int64_t)(b / (32 << 10))));
+  };
+  const std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I)), b3 = cost_chunks(c3, H, nchunks(c3, H));
+  Chunks ch1((int64_t)b1.size() - 1), ch3((int64_t)b3.size() - 1);
   // the activation forms the types read: int8 per 32 (QAct), per 256 (QActK), HF FP4's (QActF4), float
   auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t) && !is_hf_fp4(t); };
   const bool q_x = blocks32(tg) || blocks32(tu), q_h = blocks32(td);
   const bool p_x = is_hf_fp4(tg) || is_hf_fp4(tu), p_h = is_hf_fp4(td);
   const bool k_x = is_k_type(tg) || is_k_type(tu), k_h = is_k_type(td);
   std::vector<float> xf(nx * H), hbuf(P * I);
-  QAct xq, hq;
-  QActK xk, hk;
-  QActF4 xp, hp;
-  xq.K = H, xq.nb = H / QB, hq.K = I, hq.nb = I / QB;
+  QAct xq;
+  QActK xk;
+  QActF4 xp;
+  xq.K = H, xq.nb = H / QB;
   if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
-  if (q_h) hq.q.resize(P * I), hq.d.resize(P * hq.nb), hq.s.resize(P * hq.nb);
   if (k_x) xk.resize(nx, H);
-  if (k_h) hk.resize(P, I);
   if (p_x) xp.resize(nx, H);
-  if (p_h) hp.resize(P, I);
-  std::vector<int64_t> hrow(P);
-  for (int64_t p = 0; p < P; ++p) hrow[p] = p;
+  auto x_row = [&](int64_t r) {  // x row r to float32, quantized once for every expert that reads it
+    float* xr = xf.data() + r * H;
+    for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
+    if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+    if (p_x) xp.quantize(xr, r);
+    if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
+  };
+  // A decode call's few x rows are prepared here, before the threads start: one barrier less.
+  const bool x_here = nx * H <= (1 << 16);
+  if (x_here)
+    for (int64_t r = 0; r < nx; ++r) x_row(r);
 
   parallel(nt, [&](const int t, const int T, auto&& barrier) {
-    // phase 0: x rows to float32, quantized once for every expert that reads them
-    for (int64_t r = t; r < nx; r += T) {
-      float* xr = xf.data() + r * H;
-      for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
-      if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
-      if (p_x) xp.quantize(xr, r);
-      if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
+    if (!x_here) {
+      for (int64_t r = t; r < nx; r += T) x_row(r);
+      barrier();
     }
-    barrier();
-    // phase 1: gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
+    // gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
     {
-      int64_t b, e;
-      share(cum1, t, T, b, e);
       std::vector<float> go, uo;
       XSet sg, su;
       Mat mg, mu;
       int64_t cur = -1;
-      for (int64_t k = b; k < e; ++k) {
-        const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
-        if (!n) continue;
-        if (g != cur) {  // this expert's matrices and x rows, once for all its weight rows
-          cur = g;
-          go.resize(n), uo.resize(n);
-          mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
-          make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
-          make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
+      for (int64_t c; ch1.next(c);)
+        for (int64_t k = b1[c]; k < b1[c + 1]; ++k) {
+          const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
+          if (!n) continue;
+          if (g != cur) {  // this expert's matrices and x rows, once for all its weight rows
+            cur = g;
+            go.resize(n), uo.resize(n);
+            mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
+            make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
+            make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
+          }
+          row_dots(mg, i, scalar, H, sg, go.data());
+          row_dots(mu, i, scalar, H, su, uo.data());
+          for (int64_t r = 0; r < n; ++r) {
+            float gv = go[r], uv = uo[r];
+            if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
+            hbuf[(p0 + r) * I + i] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
+          }
         }
-        row_dots(mg, i, scalar, H, sg, go.data());
-        row_dots(mu, i, scalar, H, su, uo.data());
-        for (int64_t r = 0; r < n; ++r) {
-          float gv = go[r], uv = uo[r];
-          if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
-          hbuf[(p0 + r) * I + i] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
-        }
-      }
     }
     barrier();
-    // phase 2: h rows quantized for the down projection
-    if (q_h || p_h || k_h)
-      for (int64_t p = t; p < P; p += T) {
-        const float* hr = hbuf.data() + p * I;
-        if (q_h) quantize_row(hr, I, hq.q.data() + p * I, hq.d.data() + p * hq.nb, hq.s.data() + p * hq.nb);
-        if (p_h) hp.quantize(hr, p);
-        if (k_h) quantize_row_k(hr, I, hk.q.data() + p * I, hk.d.data() + p * hk.nb, hk.bs.data() + p * (I / 16));
-      }
-    barrier();
-    // phase 3: down rows, times the routing weight, into each pair's output row
+    // down rows, times the routing weight, into each pair's output row. Each thread quantizes the h rows of the
+    // experts it reaches into its own buffers (a few rows of I values: cheaper than a barrier after a shared pass).
     {
-      int64_t b, e;
-      share(cum3, t, T, b, e);
       std::vector<float> yo;
+      std::vector<int64_t> hrow;
+      QAct hq;
+      QActK hk;
+      QActF4 hp;
+      hq.K = I, hq.nb = I / QB;
       XSet sd;
       Mat md;
       int64_t cur = -1;
-      for (int64_t k = b; k < e; ++k) {
-        const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
-        if (!n) continue;
-        if (g != cur) {
-          cur = g;
-          yo.resize(n);
-          md = layer_mat(td, wptr[3 * g + 2], I);
-          make_xset(sd, td, hq, hp, hk, hbuf.data(), I, hrow.data() + p0, n);
+      for (int64_t c; ch3.next(c);)
+        for (int64_t k = b3[c]; k < b3[c + 1]; ++k) {
+          const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
+          if (!n) continue;
+          if (g != cur) {
+            cur = g;
+            yo.resize(n);
+            md = layer_mat(td, wptr[3 * g + 2], I);
+            const float* h = hbuf.data() + p0 * I;
+            if (q_h) hq.q.resize(n * I), hq.d.resize(n * hq.nb), hq.s.resize(n * hq.nb);
+            if (k_h) hk.resize(n, I);
+            if (p_h) hp.resize(n, I);
+            hrow.resize(n);
+            for (int64_t r = 0; r < n; ++r) {
+              const float* hr = h + r * I;
+              hrow[r] = r;
+              if (q_h) quantize_row(hr, I, hq.q.data() + r * I, hq.d.data() + r * hq.nb, hq.s.data() + r * hq.nb);
+              if (p_h) hp.quantize(hr, r);
+              if (k_h) quantize_row_k(hr, I, hk.q.data() + r * I, hk.d.data() + r * hk.nb, hk.bs.data() + r * (I / 16));
+            }
+            make_xset(sd, td, hq, hp, hk, h, I, hrow.data(), n);
+          }
+          row_dots(md, j, scalar, I, sd, yo.data());
+          for (int64_t r = 0; r < n; ++r) {
+            const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
+            out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
+          }
         }
-        row_dots(md, j, scalar, I, sd, yo.data());
-        for (int64_t r = 0; r < n; ++r) {
-          const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
-          out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
-        }
-      }
     }
   });
   return 0;
