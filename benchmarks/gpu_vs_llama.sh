@@ -39,6 +39,10 @@
 # vocabulary) DEVICE=cpu (moestream on the CPU, caps not applied) LLAMA_BIN=DIR (an existing llama.cpp build,
 # e.g. a CPU one; no build) NCMOE=0,2,4 GRID="fused@all;offload,cpu,auto@n2".
 #
+#   AB_TREE     another moestream tree (e.g. an earlier commit: `git archive C | tar x -C .ab/old`, .ab/ ignored and
+#               carried) run over AB_GRID on the same files after this tree's grid, into $WORK/ab; its report
+#               goes to $OUT/ab/ [none]
+#   AB_GRID     [cpu@all]
 #   BUILD_GRID  the moestream grid run while llama.cpp builds [fused@all]
 #   DURING_BUILD a shell command run after that grid if the build is still going (e.g. the CUDA tests)
 #
@@ -159,6 +163,16 @@ report() {
         --work "$WORK" --resume $SIZES ${GRID:+--grid "$GRID"} --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
         --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
       report --plot
+    fi
+    if [ "$MOE" = 1 ] && [ -n "${AB_TREE:-}" ]; then
+      echo "== $(date -u +%T) [$(left) s left] moestream from $AB_TREE on $Q"
+      LLJ=$(ls "$WORK"/llama_"$Q".json 2>/dev/null | head -1)
+      (cd "$AB_TREE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe \
+        --model "$F" --quant "$Q" --work "$WORK/ab" --resume $SIZES --grid "${AB_GRID:-cpu@all}" --device "$DEVICE" \
+        --config-s "$CONFIG_S" --measure-s "$MEASURE_S" --deadline-s "$(left)" ${LLJ:+--vram-from "$LLJ"})
+      mkdir -p "$OUT/ab"
+      timeout 120 python3 benchmarks/vs_llama.py report --work "$WORK/ab" --out "$OUT/ab" > "$WORK/ab/report.txt" 2>&1
+      cat "$WORK/ab/report.txt" | tail -20
     fi
     [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F" "$F.done"
   done

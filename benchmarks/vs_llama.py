@@ -17,8 +17,8 @@ Grid (`--grid`): `;`-separated `BACKENDS@CAPS`, caps being `all` (no cap: fused)
 at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. Default:
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
-`BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` (the CPU kernels on OpenMP threads
-instead of their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step).
+`BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
+OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
 moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
@@ -218,7 +218,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
         for b in backends.split(","):
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
-            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pyloop") and threads is None):
+            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop") and threads is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
             env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
@@ -239,8 +239,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["env"] = env
                 if threads:
                     cfg["threads"] = threads
-                if variant == "omp":  # read by the CPU kernels at each call: set inside the shared child
-                    cfg["set_env"] = {"MOESTREAM_CPU_POOL": "omp"}
+                if variant in ("omp", "pool"):  # read by the CPU kernels at each call: set inside the shared child
+                    cfg["set_env"] = {"MOESTREAM_CPU_POOL": variant}
                 if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
                 out.append(cfg)
@@ -450,6 +450,8 @@ def measure(llm, args) -> dict:
     out["pcie_mb_per_token"] = decode_bytes / max(tm["decode_tokens"], 1) / 1e6
     out["cpu_experts_per_token"] = d.get("cpu_experts", 0) / max(tm["decode_tokens"], 1)
     out["tg_stats"] = d
+    if "hybrid" in rt.stats():  # the live split after the bs1 run (moe/share.py)
+        out["hybrid"] = rt.stats()["hybrid"]
     # batch 4: four requests decoding together; its graphs recorded by a short run first
     llm.generate([prompt(8) for _ in range(4)], sp(3))
     n4 = tokens_for(max(rate, out["tg_tok_s"]), 4)

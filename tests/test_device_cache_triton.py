@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moestream.moe.device_cache import DeviceSlotCache  # noqa: E402
+from moestream.moe.device_cache import DeviceSlotCache, live_share  # noqa: E402
 from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
 
 # name -> (slots, E, T, k, layers, max_pairs, steps[, fetch fraction (hybrid: the other misses are the CPU's)])
@@ -33,10 +33,12 @@ CASES = {
     "hybrid": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6),
     "hybrid-spill": (2, 16, 2, 4, [0, 2], 8, 20, 0.35),
     "hybrid-no-victims": (0, 16, 2, 3, [0, 1], 6, 8, 0.5),
-    # hybrid's live share (moe/share.py): the route under test reads the fraction from a float32 device
-    # scalar, the reference gets the same value as a float
+    # hybrid's live share (moe/share.py): the route under test reads [fraction, fixed cost] from a float32
+    # device tensor; with no fixed cost the reference gets the fraction as a float (the two forms agree)
     "hybrid-live": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live"),
     "hybrid-live-third": (4, 16, 2, 4, [0, 2], 8, 20, 1 / 3, "live"),
+    # a CPU call's fixed cost: few misses all fetched, more split later than the bandwidths alone would
+    "hybrid-live-fixed": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live", 1.3),
 }
 STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits")
 
@@ -69,8 +71,9 @@ def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
     """Drive two caches with the same ids: one by the torch reference, one by `route(cache, layer, ids)`."""
     slots, E, T, k, layers, max_pairs, steps, *rest = spec or CASES[case]
     frac = rest[0] if rest else 1.0
+    fixed = rest[2] if len(rest) > 2 else 0.0
     dev = torch.device(device)
-    live = torch.tensor(frac, dtype=torch.float32, device=dev) if "live" in rest else None
+    live = live_share(frac, fixed, dev) if "live" in rest else None
     ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev) for _ in range(2))
     g = torch.Generator().manual_seed(len(case) * 1000 + slots)
     for step in range(steps):
@@ -79,7 +82,7 @@ def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
         calls = list(layers) + ([layers[0]] if step % 7 == 3 else [])  # a layer called twice in a step
         for layer in calls:
             ids = make_ids(case, E, max(1, T - step % 2), k, g).to(dev)  # P varies between calls
-            want = ref._route_torch(layer, ids, frac)
+            want = ref._route_torch(layer, ids, frac if not fixed else live)
             errs = compare(ref, got, want, route(got, layer, ids, frac if live is None else live))
             if frac < 1 and not errs:  # the CPU's misses: no row, after the fetched ones, not admitted
                 cpu = want[0] < 0

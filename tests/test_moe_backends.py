@@ -70,8 +70,8 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
     json.dumps(st)  # served as /v1/stats: every value JSON-serialisable
     t = st["total"]
     assert st["backend"] == backend == st["plan"]["backend"]
-    if backend == "hybrid" and kw.get("moe_decode_kernel") == "pairs":  # the live share, in [0, 1]
-        assert 0.0 <= st["hybrid"]["fetch_share"] <= 1.0 and st["hybrid"]["cpu_busy_gbs"] is not None
+    if backend == "hybrid" and kw.get("moe_decode_kernel") == "pairs":  # the live share, fitted to the CPU's calls
+        assert 0.0 <= st["hybrid"]["fetch_share"] <= 1.0 and st["hybrid"]["measured_windows"] >= 1
     # every routed expert computed exactly once, on the device or on the CPU
     assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"] > 0
     for layer in st["layers"].values():

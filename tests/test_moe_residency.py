@@ -9,6 +9,7 @@ import torch
 
 from moestream.moe.compute import moe_reference
 from moestream.moe.formats import dense_format
+from moestream.moe.device_cache import device_fetch_count, live_share
 from moestream.moe.strategies import fetch_count
 from moestream.moe.residency import CacheFull, Residency
 from moestream.moe.runtime import RuntimeOptions, build_runtime
@@ -150,6 +151,27 @@ def test_runtime_rounds_when_a_layer_needs_more_experts_than_slots():
 def test_fetch_count_balances(misses, frac):
     f = fetch_count(misses, frac)
     assert 0 <= f <= misses and abs(f - frac * misses) <= 1
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.3, 1.0, 2.5])
+@pytest.mark.parametrize("frac", [0.2, 0.5, 0.77])
+def test_fetch_count_with_a_cpu_call_cost_is_the_fastest_split(frac, fixed):
+    """hybrid's live share [frac, fixed]: f takes the least time of every split, the CPU's fixed cost paid only
+    when it gets a miss; with no fixed cost it is the bandwidth split of fetch_count."""
+    share = live_share(frac, fixed)
+    fr, fx = float(share[0]), float(share[1])
+
+    def time(n, f):
+        return max(f * (1 - fr), (n - f) * fr + fx if f < n else 0.0)
+
+    for n in range(0, 13):
+        f = int(device_fetch_count(torch.tensor(n), share))
+        assert 0 <= f <= n
+        assert time(n, f) <= min(time(n, g) for g in range(n + 1)) + 1e-12, (n, f)
+        if fixed == 0.0:
+            assert f == fetch_count(n, frac)
+    if fixed >= 1.0:  # one miss: a CPU call costs more than fetching it
+        assert int(device_fetch_count(torch.tensor(1), share)) == 1
 
 
 def test_resident_map_marks_residents_by_recency():

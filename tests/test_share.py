@@ -1,64 +1,79 @@
-"""moestream.moe.share: hybrid's live fetch share follows the CPU rate measured in running steps."""
+"""moestream.moe.share: hybrid's live split follows the CPU worker's calls measured in running steps: a line
+(seconds per expert, fixed seconds per call) fitted to them, against one expert's time over PCIe."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from moestream.moe.share import MAX_SHARE, PROBE, LiveShare, split
+from moestream.moe.device_cache import device_fetch_count
+from moestream.moe.share import PRIOR_FIXED_S, LiveShare, fit_line, split
+
+E = 3.3e6  # bytes of one Q8_0 expert of the Qwen3.6 shape: 68.75 us over 48 GB/s
+
+
+def calls(pairs) -> np.ndarray:
+    """The fit sums of calls [(experts, seconds), ...]."""
+    c = np.array([p[0] for p in pairs], dtype=np.float64)
+    t = np.array([p[1] for p in pairs], dtype=np.float64)
+    return np.array([len(c), c.sum(), t.sum(), (c * c).sum(), (c * t).sum()])
 
 
 def test_split_balances_the_two_buses():
     assert split(50.0, 50.0) == pytest.approx(0.5)
     assert split(48.0, 16.0) == pytest.approx(0.75)
-    assert split(50.0, 0.0) == MAX_SHARE  # a CPU that computes nothing still gets measured
     assert split(0.0, 0.0) == 0.5
 
 
-def test_share_moves_toward_the_measured_split_and_lives_on_the_device():
-    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, every=4)
-    cpu_bytes = cpu_s = 0.0
-    for _ in range(40):  # the CPU worker computes at 16 GB/s: the balanced share is 48 / 64
-        cpu_bytes += 16e9 * 0.001
-        cpu_s += 0.001
-        s.observe(cpu_bytes, cpu_s)
-    assert s.cpu_gbs == pytest.approx(16.0)
-    assert s.value == pytest.approx(0.75, abs=0.01)
-    assert float(s.tensor) == pytest.approx(s.value)  # what the route kernel reads
-    assert s.as_dict()["fetch_share"] == pytest.approx(s.value, abs=1e-4)
+def test_fit_line_recovers_cost_per_expert_and_fixed_cost():
+    slope, fixed = fit_line(calls([(1, 90e-6), (2, 150e-6), (3, 210e-6), (1, 90e-6)]), slope=1.0)
+    assert slope == pytest.approx(60e-6) and fixed == pytest.approx(30e-6)
+    slope, fixed = fit_line(calls([(2, 150e-6), (2, 170e-6)]), slope=50e-6)  # one count: the slope is kept
+    assert slope == 50e-6 and fixed == pytest.approx(60e-6)
 
 
-def test_an_idle_cpu_is_probed_with_a_little_work():
-    s = LiveShare(torch.device("cpu"), initial=0.9, pcie_gbs=48.0, every=2)
-    for _ in range(4):
-        s.observe(0.0, 0.0)  # no CPU pairs in these windows
-    assert s.value == pytest.approx(0.9 - 2 * PROBE)
+def test_the_prior_is_the_planners_split_and_lives_on_the_device():
+    s = LiveShare(torch.device("cpu"), initial=0.6, pcie_gbs=48.0, expert_bytes=E)
+    assert s.value == pytest.approx(0.6) and s.fixed_s == PRIOR_FIXED_S
+    assert float(s.tensor[0]) == pytest.approx(s.value) and float(s.tensor[1]) == pytest.approx(s.fixed, rel=1e-6)
+    assert s.as_dict()["measured_windows"] == 0
 
 
-def test_a_measured_share_is_kept_through_windows_without_cpu_work():
-    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, every=1)
-    s.observe(16e9 * 0.004, 0.004)  # one measured window: 16 GB/s
-    measured = s.value
-    for _ in range(5):
-        s.observe(16e9 * 0.004, 0.004)  # no new CPU work (e.g. every miss fetched, or no misses)
-    assert s.value == measured and s.cpu_gbs == pytest.approx(16.0)
+def test_the_share_follows_the_measured_calls():
+    """The worker's calls take 40 us + 80 us an expert: t_c = 80, a = 40 against t_p = 68.75 us."""
+    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, expert_bytes=E, every=2)
+    fit = np.zeros(5)
+    for _ in range(40):
+        fit = fit + calls([(c, 40e-6 + c * 80e-6) for c in (1, 2, 3, 1, 2)])
+        s.observe(fit)
+    assert s.t_cpu == pytest.approx(80e-6, rel=1e-3) and s.fixed_s == pytest.approx(40e-6, rel=1e-2)
+    unit = s.t_pcie + s.t_cpu
+    assert s.value == pytest.approx(80e-6 / unit, rel=1e-3) and s.fixed == pytest.approx(40e-6 / unit, rel=1e-2)
+    assert s.as_dict()["cpu_call_fixed_us"] == pytest.approx(40.0, abs=0.5)
+    # what the route does with it: one miss is fetched (a CPU call takes 120 us, PCIe 69), 2 to 8 are split
+    got = {n: int(device_fetch_count(torch.tensor(n), s.tensor)) for n in (1, 2, 4, 8)}
+    assert got == {1: 1, 2: 1, 4: 2, 8: 5}
 
 
-def test_a_cpu_call_slower_than_fetching_the_rest_gets_no_share():
-    """The fixed cost of a CPU layer call: one expert on the CPU taking longer than PCIe needs for the rest of
-    a call's misses makes any CPU share a loss, so the share goes to 1 (hybrid = offload) and stays."""
-    e = 3.3e6  # bytes of one Q8_0 expert of the Qwen3.6 shape; 48 GB/s: 69 us each
-    s = LiveShare(torch.device("cpu"), initial=0.7, pcie_gbs=48.0, every=1)
-    # window: 40 layer calls, 2 misses each, 30 single-expert CPU calls of 300 us, CPU at 20 GB/s in-step
-    s.observe(20e9 * 0.009, 0.009, single_calls=30, single_s=30 * 300e-6, misses=80, layer_calls=40, expert_bytes=e)
-    assert s.misses_per_call == pytest.approx(2.0) and s.one_expert_s == pytest.approx(300e-6)
-    assert s.value == 1.0 and float(s.tensor) == 1.0 and s.cpu_unhelpful and s.as_dict()["cpu_unhelpful"]
-    s.observe(20e9 * 0.02, 0.02, 60, 60 * 50e-6, 400, 80, e)  # later windows do not move it
-    assert s.value == 1.0
+def test_a_slow_cpu_call_takes_no_misses():
+    """A CPU whose calls cost 500 us plus 150 us an expert never beats PCIe for a handful of misses."""
+    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, expert_bytes=E, every=1)
+    fit = np.zeros(5)
+    for _ in range(12):
+        fit = fit + calls([(1, 650e-6), (2, 800e-6)])
+        s.observe(fit)
+    assert all(int(device_fetch_count(torch.tensor(n), s.tensor)) == n for n in range(0, 9))
 
 
-def test_a_cheap_cpu_call_keeps_the_bandwidth_split():
-    e = 3.3e6
-    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, every=1)
-    # 6 misses a call: PCIe needs 5 x 69 us for the rest, one CPU expert takes 50 us: the CPU helps
-    s.observe(16e9 * 0.004, 0.004, single_calls=10, single_s=10 * 50e-6, misses=240, layer_calls=40, expert_bytes=e)
-    assert not s.cpu_unhelpful and s.value == pytest.approx(0.5 * 0.5 + 0.5 * 0.75)
+def test_windows_without_cpu_calls_drift_back_to_the_prior():
+    """After a slow window the CPU gets nothing, so nothing new is measured: the estimates move back toward the
+    prior a quarter at a time, and the CPU is tried again."""
+    s = LiveShare(torch.device("cpu"), initial=0.5, pcie_gbs=48.0, expert_bytes=E, every=1)
+    fit = calls([(1, 2e-3), (2, 2.1e-3)])  # one noisy window: 1.9 ms fixed
+    s.observe(fit)
+    slow = s.fixed_s
+    assert slow > 10 * PRIOR_FIXED_S
+    for _ in range(20):
+        s.observe(fit)  # no new calls
+    assert s.fixed_s < 2 * PRIOR_FIXED_S < slow and s.windows == 1
+    assert int(device_fetch_count(torch.tensor(8), s.tensor)) < 8

@@ -161,7 +161,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_int]
+                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int]
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
@@ -367,7 +367,7 @@ def bridge_step(seq: int, arrays: dict, timeout_s: float) -> int:
     return mod.ms_bridge_step(a["L"], seq, a["req"], a["done"], a["meta"], a["ids"], a["hw"], a["hx"], a["xdtype"],
                               a["hy"], a["P"], a["H"], a["I"], a["wbase"].ctypes.data, a["wstep"].ctypes.data,
                               a["wtype"].ctypes.data, a["lflags"].ctypes.data, a["experts"].ctypes.data,
-                              a["secs"].ctypes.data, a["single"].ctypes.data, a["single_secs"].ctypes.data,
+                              a["secs"].ctypes.data,
                               a["cancel"].ctypes.data, float(timeout_s), _threads(mod))
 
 

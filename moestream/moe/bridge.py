@@ -73,9 +73,8 @@ class CpuBridge:
         self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
         self.cpu_seconds = [0.0] * L  # the worker's time computing them
         self.kernel_seconds = [0.0] * L  # of which inside the compiled layer call
-        # layer calls in which the worker computed exactly one expert, and their seconds: a call's fixed cost
-        # (moe/share.py weighs it against fetching that expert over PCIe)
-        self.single_calls, self.single_seconds = 0, 0.0
+        # its calls' (experts c, seconds t) summed for a line fit (moe/share.py): [calls, c, t, c^2, c t]
+        self.fit = np.zeros(5)
         self._hw = self.hw.numpy()
         self._cancel = np.zeros(1, dtype=np.int32)  # 1: stop waiting for requests (read by both worker loops)
         self._tables: dict | bool | None = None  # the compiled worker's arguments (False: not for this store)
@@ -182,9 +181,9 @@ class CpuBridge:
                             self._compute(i, layer)
                             dt = time.perf_counter() - t0
                             self.cpu_seconds[i] += dt
-                            if self.cpu_experts[i] - n0 == 1:
-                                self.single_calls += 1
-                                self.single_seconds += dt
+                            c = self.cpu_experts[i] - n0
+                            if c:
+                                self.fit += (1, c, dt, c * c, c * dt)
                     except BaseException as exc:  # noqa: BLE001 - reported by end_step, the GPU must go on
                         self.failure = exc
                         self._err[0] = 1
@@ -216,8 +215,7 @@ class CpuBridge:
                     "wstep": np.ascontiguousarray(np.stack([c.step for c in calls]), dtype=np.int64),
                     "wtype": np.ascontiguousarray(np.stack([c.tids for c in calls]), dtype=np.int64),
                     "lflags": np.array([int(c.round_mm) for c in calls], dtype=np.int64),
-                    "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "single": np.zeros(1, dtype=np.int64),
-                    "single_secs": np.zeros(1), "cancel": self._cancel,
+                    "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "cancel": self._cancel,
                     "calls": calls}  # the owners of wbase's addresses (HF FP4 descriptors), for as long as these
         return self._tables or None
 
@@ -226,15 +224,17 @@ class CpuBridge:
         counters into the per-layer statistics."""
         from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
 
-        for k in ("experts", "secs", "single", "single_secs"):
+        for k in ("experts", "secs"):
             t[k][:] = 0
         rc = bridge_step(seq, t, WORKER_TIMEOUT_S)
         for i in range(t["L"]):
             self.cpu_experts[i] += int(t["experts"][i])
             self.cpu_seconds[i] += float(t["secs"][i])
             self.kernel_seconds[i] += float(t["secs"][i])
-        self.single_calls += int(t["single"][0])
-        self.single_seconds += float(t["single_secs"][0])
+        c, s = t["experts"], t["secs"]
+        on = c > 0
+        c, s = c[on].astype(np.float64), s[on]
+        self.fit += (len(c), c.sum(), s.sum(), (c * c).sum(), (c * s).sum())
         if rc in (0, -4):  # -4: the step ended before posting every layer (it raised); nothing to report
             return
         why = "no request from the GPU in time" if rc == -5 else _LAYER_ERRORS.get(rc, f"error {rc}")

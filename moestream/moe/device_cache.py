@@ -77,9 +77,9 @@ class DeviceSlotCache:
 
         fetch_fraction < 1 (hybrid): of a call's m misses only the first f = fetch_count(m, fraction) by
         expert id are fetched (admitted or staged); the others are left to the CPU: src = -1 for their
-        pairs, no row, no victim, listed after the fetched ones (count = f). A float32 device scalar
-        tensor as fetch_fraction is read on the device at every call (a recorded graph follows changes to
-        it: hybrid's live share, strategies.BridgeDecode)."""
+        pairs, no row, no victim, listed after the fetched ones (count = f). A float32 device tensor
+        [frac, fixed] as fetch_fraction (live_share) is read on the device at every call (a recorded graph
+        follows changes to it: hybrid's live share, strategies.BridgeDecode)."""
         if topk_ids.device.type == "cuda" and triton is not None and triton_enabled():
             return route_triton(self, layer, topk_ids, fetch_fraction)
         return self._route_torch(layer, topk_ids, fetch_fraction)
@@ -179,15 +179,28 @@ class DeviceSlotCache:
 
 # ---- the single-kernel route (CUDA; CPU tensors under TRITON_INTERPRET=1) ----------------------
 def device_fetch_count(n_miss: torch.Tensor, fraction: float | torch.Tensor) -> torch.Tensor:
-    """The hybrid fetch count of n_miss misses (a tensor scalar, on any device): the integer f minimising
-    max(f * (1 - frac), (n - f) * frac), in float64 of the float32-rounded fraction (a float, or a float32
-    tensor scalar on n_miss's device), as the kernel computes it; strategies.fetch_count is its host form."""
-    frac = fraction.double() if isinstance(fraction, torch.Tensor) else _f32(fraction)
+    """The hybrid fetch count of n_miss misses (a tensor scalar, on any device), as the kernel computes it
+    (strategies.fetch_count is its host form). `fraction`: a float frac, or hybrid's live share, a float32
+    tensor [frac, fixed] on n_miss's device (moe/share.py). Times are in units of (one expert over PCIe + one
+    on the CPU): fetching f takes f (1 - frac), the CPU's n - f take (n - f) frac + fixed (its call's fixed
+    cost; no call when f = n). f is the integer minimising the slower side: of floor(n frac + fixed) and the next
+    one the first with the least time, or n when that is no slower (a tie goes to PCIe: no CPU call); float64
+    of the float32-rounded values."""
+    if isinstance(fraction, torch.Tensor):
+        frac, fixed = fraction[0].double(), fraction[1].double()
+    else:
+        frac, fixed = _f32(fraction), 0.0
     n = n_miss.double()
-    lo = torch.floor(n * frac)
-    cost = lambda f: torch.maximum(f * (1 - frac), (n - f) * frac)  # noqa: E731
-    f = torch.where(cost(lo) <= cost(lo + 1), lo, lo + 1)
-    return torch.minimum(f, n).long()
+    cost = lambda f: torch.maximum(f * (1 - frac), torch.where(f < n, (n - f) * frac + fixed, 0.0))  # noqa: E731
+    lo = torch.clamp(torch.floor(n * frac + fixed), max=n)
+    hi = torch.minimum(lo + 1, n)
+    f = torch.where(cost(lo) <= cost(hi), lo, hi)
+    return torch.where(cost(f) < cost(n), f, n).long()
+
+
+def live_share(frac: float, fixed: float = 0.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """hybrid's live share as the route reads it: float32 [frac, fixed] (see device_fetch_count)."""
+    return torch.tensor([frac, fixed], dtype=torch.float32, device=device)
 
 
 def _f32(x: float) -> float:
@@ -227,17 +240,22 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
 if triton is not None:
     @triton.jit
     def _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR: tl.constexpr):
-        """fetch_count(n_miss, frac) in the kernel: the integer f minimising max(f (1 - frac), (n - f) frac), in
-        float64; FRAC_PTR: the live share read from device memory (a replayed graph follows it)."""
+        """device_fetch_count(n_miss, frac) in the kernel, in float64; FRAC_PTR: the live share [frac, fixed]
+        read from device memory (a replayed graph follows it), else frac with no fixed cost."""
         nf = n_miss.to(tl.float64)
         if FRAC_PTR:
             fr = nf * 0.0 + tl.load(frac_ptr).to(tl.float64)
+            fx = nf * 0.0 + tl.load(frac_ptr + 1).to(tl.float64)
         else:
             fr = nf * 0.0 + frac  # frac in float64 (an exact widening of the float32 the host passes)
-        lo = tl.floor(nf * fr)
-        c0 = tl.maximum(lo * (1 - fr), (nf - lo) * fr)
-        c1 = tl.maximum((lo + 1) * (1 - fr), (nf - lo - 1) * fr)
-        return tl.minimum(tl.where(c0 <= c1, lo, lo + 1), nf).to(tl.int64)
+            fx = nf * 0.0
+        lo = tl.minimum(tl.floor(nf * fr + fx), nf)
+        hi = tl.minimum(lo + 1, nf)
+        c_lo = tl.maximum(lo * (1 - fr), tl.where(lo < nf, (nf - lo) * fr + fx, 0.0))
+        c_hi = tl.maximum(hi * (1 - fr), tl.where(hi < nf, (nf - hi) * fr + fx, 0.0))
+        f = tl.where(c_lo <= c_hi, lo, hi)
+        c_f = tl.minimum(c_lo, c_hi)
+        return tl.where(c_f < nf * (1 - fr), f, nf).to(tl.int64)
 
     @triton.jit
     def _admit(e, em, base, fetch, cm, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,

@@ -1,97 +1,96 @@
-"""hybrid's fetch share, live: the part of each decode layer call's misses fetched over PCIe (the rest is
-computed by the CPU worker), set from the rates measured in the running decode steps.
+"""hybrid's fetch share, live: how each decode layer call's misses are split between PCIe copies and the CPU
+worker, set from the rates measured in the running decode steps.
 
-A layer call's misses finish together when f * A / B_pcie = (1 - f) * A / B_cpu, i.e. f = B_pcie /
-(B_pcie + B_cpu). B_cpu is what the CPU worker achieves inside the steps (expert bytes it computed over
-the seconds it was busy: CpuBridge.cpu_experts / cpu_seconds), which is what an isolated benchmark
-misjudged (the worker shares the machine with the launching thread and waits on every layer's request);
-B_pcie is the pinned host-to-device rate (`moestream bench bw`, or a short copy measured here).
+A layer call with n misses fetches f of them and leaves n - f to the CPU. Fetching takes f t_p (t_p: one
+expert's bytes over pinned PCIe); the CPU's call takes a + (n - f) t_c when it gets any (t_c: one more expert
+on the CPU, a: the call's fixed cost: waking the threads, grouping the pairs, the barrier, the answer). Both
+run at once, so the call's experts are ready after max(f t_p, a + (n - f) t_c), least at the f the route kernel
+picks (device_cache.device_fetch_count) from the two numbers it reads at every call, a float32 device tensor
+[frac, fixed] = [t_c, a] / (t_p + t_c): recorded CUDA graphs follow it with no re-recording. A few misses then
+all go over PCIe (a CPU call for one expert costs more than fetching it), more are split.
 
-The share lives in a float32 device scalar that the route kernel reads at every call
-(device_cache.route with a tensor fraction), so recorded CUDA graphs follow it with no re-recording.
-When the CPU is slow the share goes to 1 and hybrid fetches every miss, as offload does; until the CPU
-has computed enough to be measured, the share is lowered a little once per window (a start-up probe);
-windows with too little CPU work after that keep the share.
-
-A CPU layer call also has a fixed cost the bandwidth split does not see (waking the worker, grouping the
-pairs, the call itself: tens to hundreds of µs), and a layer call's misses are few (a handful of experts at
-batch 1), so giving the CPU even one expert can make the call slower than fetching them all. The worker
-reports the seconds of its calls that computed exactly one expert; when that exceeds what PCIe needs for
-the rest of an average call's misses, the share is set to 1 (hybrid then runs as offload: measured on the
-H200, hybrid decoded 60 / 42 / 38 tok/s where offload decoded 100 / 62 / 47 with the bandwidth split alone).
-It stays there: with no CPU work there is nothing new to measure.
+t_c and a are what the CPU worker achieves inside the steps, a line fitted to its calls' (experts, seconds)
+(CpuBridge.fit: the worker shares the machine with the launching thread and waits on every layer's request,
+which an isolated benchmark misjudges); t_p comes from the pinned host-to-device rate (`moestream bench bw`, or
+a short copy measured here). Before the first measurement the prior is the planner's split (`initial`, no CPU
+fixed cost known: PRIOR_FIXED_S); each window of `every` steps with CPU calls moves the estimates halfway to its
+fit; a window without any moves them a quarter of the way back to the prior, so a CPU once measured slow (a
+noisy window) is tried again.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-MIN_BUSY_S = 0.002  # CPU seconds a window must hold before its rate is believed
-PROBE = 0.05  # share given back to the CPU by a window that measured nothing
-MAX_SHARE = 0.98
+from .device_cache import live_share
+
+PRIOR_FIXED_S = 30e-6  # a CPU layer call's fixed cost until one is measured
+MAX_CPU_GBS = 200.0  # no CPU computes an expert faster than this: bounds a fitted slope from below
 
 
 def split(pcie_gbs: float, cpu_gbs: float) -> float:
-    """f = pcie / (pcie + cpu), in [0, MAX_SHARE] (1 - MAX_SHARE keeps the CPU measured)."""
+    """The bandwidth split f = pcie / (pcie + cpu) (0.5 with neither known)."""
     if pcie_gbs <= 0 and cpu_gbs <= 0:
         return 0.5
-    return min(MAX_SHARE, pcie_gbs / (pcie_gbs + max(cpu_gbs, 0.0)))
+    return pcie_gbs / (pcie_gbs + max(cpu_gbs, 0.0))
+
+
+def fit_line(window: np.ndarray, slope: float) -> tuple[float, float]:
+    """(seconds per expert, fixed seconds) of the calls summed in window = [calls, sum c, sum t, sum c^2, sum ct];
+    with a single expert count among them the slope cannot be fitted: `slope` is kept, the intercept fitted."""
+    n, sc, st, scc, sct = (float(v) for v in window)
+    mc, mt = sc / n, st / n
+    var = scc / n - mc * mc
+    if var > 1e-3:
+        slope = (sct / n - mc * mt) / var
+    return slope, mt - slope * mc
 
 
 class LiveShare:
-    def __init__(self, device: torch.device, initial: float, pcie_gbs: float, every: int = 8):
-        self.value = min(max(initial, 0.0), MAX_SHARE)
-        self.tensor = torch.full((), self.value, dtype=torch.float32, device=device)
+    def __init__(self, device: torch.device, initial: float, pcie_gbs: float, expert_bytes: float, every: int = 4):
+        """initial: the planner's bandwidth split (the prior); expert_bytes: one expert's bytes (the layers'
+        mean)."""
         self.pcie_gbs = pcie_gbs or measure_pcie_gbs(device)
-        self.every, self.steps = every, 0
-        self.cpu_gbs: float | None = None
-        self._mark = (0.0, 0.0)  # the worker's (bytes, busy seconds) at the last update
-        self._calls = (0, 0.0, 0, 0)  # (single-expert calls, their seconds, misses, layer calls) at the last update
-        self.one_expert_s: float | None = None  # mean seconds of a CPU call computing one expert
-        self.misses_per_call: float | None = None
-        self.cpu_unhelpful = False  # the fixed cost of a CPU call exceeds fetching over PCIe: share 1
+        self.expert_bytes = float(expert_bytes)
+        self.t_pcie = expert_bytes / (self.pcie_gbs * 1e9) if self.pcie_gbs > 0 else 1e-4
+        initial = min(max(initial, 0.05), 0.95)
+        self.prior = (self.t_pcie * initial / (1 - initial), PRIOR_FIXED_S)
+        self.t_cpu, self.fixed_s = self.prior
+        self.min_t_cpu = expert_bytes / (MAX_CPU_GBS * 1e9)
+        self.tensor = live_share(0.0, 0.0, device)
+        self.every, self.steps, self.windows = every, 0, 0
+        self._mark = np.zeros(5)  # the worker's cumulative fit sums at the last window
+        self._set()
 
-    def observe(self, cpu_bytes: float, cpu_s: float, single_calls: int = 0, single_s: float = 0.0,
-                misses: int = 0, layer_calls: int = 0, expert_bytes: float = 0.0) -> None:
-        """After a decode step: the worker's cumulative expert bytes and busy seconds; optionally its
-        cumulative single-expert calls and their seconds, the runtime's cumulative misses and layer calls,
-        and the bytes of one expert (for the fixed-cost rule in the module doc)."""
+    def observe(self, fit: np.ndarray) -> None:
+        """After a decode step: the worker's cumulative per-call sums [calls, sum experts, sum seconds,
+        sum experts^2, sum experts*seconds] (CpuBridge.fit); read once per window of `every` steps."""
         self.steps += 1
-        if self.steps % self.every or self.cpu_unhelpful:
+        if self.steps % self.every:
             return
-        c = self._calls
-        if layer_calls > c[3]:
-            self.misses_per_call = (misses - c[2]) / (layer_calls - c[3])
-        if single_calls > c[0]:
-            self.one_expert_s = (single_s - c[1]) / (single_calls - c[0])
-        self._calls = (single_calls, single_s, misses, layer_calls)
-        if (self.one_expert_s is not None and self.misses_per_call is not None and expert_bytes > 0
-                and self.pcie_gbs > 0):
-            rest = max(self.misses_per_call - 1.0, 0.0) * expert_bytes / (self.pcie_gbs * 1e9)
-            if self.one_expert_s >= rest:
-                self.cpu_unhelpful = True
-                self._set(1.0)
-                return
-        db, ds = cpu_bytes - self._mark[0], cpu_s - self._mark[1]
-        if ds < MIN_BUSY_S:  # too little CPU work to measure: probe until a first rate, then keep the share
-            if self.cpu_gbs is None:
-                self._set(max(self.value - PROBE, 0.0))
-            return
-        self._mark = (cpu_bytes, cpu_s)
-        self.cpu_gbs = db / ds / 1e9
-        self._set(0.5 * self.value + 0.5 * split(self.pcie_gbs, self.cpu_gbs))  # smoothed over windows
+        window, self._mark = np.asarray(fit, dtype=np.float64) - self._mark, np.array(fit, dtype=np.float64)
+        if window[0] < 1:
+            target = self.prior
+            self.t_cpu += 0.25 * (target[0] - self.t_cpu)
+            self.fixed_s += 0.25 * (target[1] - self.fixed_s)
+        else:
+            slope, fixed = fit_line(window, self.t_cpu)
+            self.t_cpu = 0.5 * self.t_cpu + 0.5 * max(slope, self.min_t_cpu)
+            self.fixed_s = 0.5 * self.fixed_s + 0.5 * max(fixed, 0.0)
+            self.windows += 1
+        self._set()
 
-    def _set(self, value: float) -> None:
-        self.value = value
-        self.tensor.fill_(value)
+    def _set(self) -> None:
+        unit = self.t_pcie + self.t_cpu
+        self.value, self.fixed = self.t_cpu / unit, self.fixed_s / unit
+        self.tensor.copy_(live_share(self.value, self.fixed))
 
     def as_dict(self) -> dict:
-        return {"fetch_share": round(self.value, 4), "pcie_gbs": round(self.pcie_gbs, 2),
-                "cpu_busy_gbs": None if self.cpu_gbs is None else round(self.cpu_gbs, 2),
-                "one_expert_call_us": None if self.one_expert_s is None else round(self.one_expert_s * 1e6, 1),
-                "misses_per_call": None if self.misses_per_call is None else round(self.misses_per_call, 2),
-                "cpu_unhelpful": self.cpu_unhelpful}
+        return {"fetch_share": round(self.value, 4), "fixed": round(self.fixed, 4), "pcie_gbs": round(self.pcie_gbs, 2),
+                "pcie_expert_us": round(self.t_pcie * 1e6, 1), "cpu_expert_us": round(self.t_cpu * 1e6, 1),
+                "cpu_call_fixed_us": round(self.fixed_s * 1e6, 1), "measured_windows": self.windows}
 
 
 def measure_pcie_gbs(device: torch.device, chunk: int = 16 << 20, n: int = 8) -> float:

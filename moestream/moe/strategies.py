@@ -252,7 +252,9 @@ class BridgeDecode(Strategy):
         self.ctx, self.cache = ctx, cache
         self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype)
         self._bridged = False
-        self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs) if split else None
+        layers = list(ctx.store.moe_layers)
+        expert_bytes = sum(ctx.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
+        self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs, expert_bytes) if split else None
         self.device_pairs = split
         ctx.book.counters.append(self.counts)
 
@@ -307,20 +309,7 @@ class BridgeDecode(Strategy):
             self._bridged = False
             self.bridge.end_step()
         if self.share is not None and decode:
-            self._observe()
-
-    def _observe(self) -> None:
-        """After a decode step: the share counts it; once per window it reads the worker's rates."""
-        share, b, store = self.share, self.bridge, self.ctx.store
-        if (share.steps + 1) % share.every:
-            share.observe(0.0, 0.0)  # counts the step; the rates are read once per window
-            return
-        cpu_bytes = sum(b.cpu_experts[i] * store.bytes_per_expert(layer) for layer, i in b.index.items())
-        layers = list(store.moe_layers)
-        layer_calls = (share.steps + 1) * len(layers)  # decode steps so far, this one included
-        expert_bytes = sum(store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
-        share.observe(cpu_bytes, sum(b.cpu_seconds), b.single_calls, b.single_seconds,
-                      self.ctx.book.total().misses, layer_calls, expert_bytes)
+            self.share.observe(self.bridge.fit)  # the worker's calls so far, read once per window
 
     def stats(self) -> dict:
         """hybrid: the live share and the rates it follows."""

@@ -1707,13 +1707,13 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
 // ms_moe_layer (x rows hx[i] of dtype xdtype, h rounded to it; out rows hy[i, p], float32) from expert e's
 // matrices at wbase[i, j] + e * wstep[i, j] (ggml types wtype[i, j], j = gate / up / down; lflags[i] & 1:
 // PairMlp's dense rounding), then done[i] = seq (release). Per layer: experts_out[i] = distinct experts,
-// secs_out[i] = seconds in the layer call; single[0] / single_secs[0]: calls of exactly one expert and their
+// secs_out[i] = seconds in the layer call (0 experts: no call; moe/share.py fits a line to the calls).
 // seconds. A layer call error (negative) is returned after every layer was answered.
 int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, const int64_t* meta,
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
-                   const int64_t* lflags, int64_t* experts_out, double* secs_out, int64_t* single,
-                   double* single_secs, const int32_t* cancel, double timeout_s, int nthreads) {
+                   const int64_t* lflags, int64_t* experts_out, double* secs_out, const int32_t* cancel,
+                   double timeout_s, int nthreads) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
   std::vector<int64_t> pairs, gstart, prow, pdst, wptr;
   std::vector<float> pw;
@@ -1763,7 +1763,6 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       if (rc && !rc_all) rc_all = rc;
       experts_out[i] = G;
       secs_out[i] = dt;
-      if (G == 1) single[0] += 1, single_secs[0] += dt;
     }
     __atomic_store_n(&done[i], seq, __ATOMIC_RELEASE);
   }
