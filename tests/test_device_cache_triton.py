@@ -40,7 +40,7 @@ CASES = {
     # a CPU call's fixed cost: few misses all fetched, more split later than the bandwidths alone would
     "hybrid-live-fixed": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live", 1.3),
 }
-STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits")
+STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits", "last_cpu")
 
 
 def make_ids(case: str, E: int, T: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -140,8 +140,8 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
     """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts the kernel; no GPU needed."""
     from moestream.moe import device_cache as dc
 
-    ptrs = ("ids table slot_key last_use victims vptr stamp counters expert_hits routed_buf rows_buf src_out order_out "
-            "rows_out count_out").split()
+    ptrs = ("ids table slot_key last_use victims vptr stamp counters expert_hits last_cpu routed_buf rows_buf src_out "
+            "order_out rows_out count_out").split()
     consts = {"HAS_V": has_v, "PARTIAL": not has_v, "FRAC_PTR": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",
            "frac_ptr": "*fp32", **{n: "constexpr" for n in consts}}
@@ -218,3 +218,23 @@ if __name__ == "__main__":
         _worker(sys.argv[2])
     else:
         sys.exit("usage: python tests/test_device_cache_triton.py --worker OUT.json (run the tests with pytest)")
+
+
+def test_a_miss_left_to_the_cpu_is_fetched_first_when_it_comes_back():
+    """hybrid's second touch: of two misses with one to fetch, the lower id goes first, unless the other was left
+    to the CPU within SECOND_TOUCH steps; then it is fetched (and cached) and the new one is the CPU's."""
+    from moestream.moe.device_cache import SECOND_TOUCH
+
+    c = DeviceSlotCache(4, [0], 16, 8, torch.device("cpu"))
+    share = live_share(0.5)  # two misses: one fetched, one to the CPU
+    c.begin_step()
+    src, *_ = c.route(0, torch.tensor([[3, 9]]), share)
+    assert src.tolist()[0] >= 0 and src.tolist()[1] == -1  # by id: 3 fetched, 9 the CPU's
+    c.begin_step()
+    src, order, rows, count = c.route(0, torch.tensor([[2, 9]]), share)
+    assert src.tolist()[0] == -1 and src.tolist()[1] >= 0 and int(count) == 1 and int(order[0]) == 9
+    assert 9 in c.resident_rows(0) and 2 not in c.resident_rows(0)
+    for _ in range(SECOND_TOUCH + 1):  # long ago: 2 is a first-time miss again, ordered by id
+        c.begin_step()
+    src, *_ = c.route(0, torch.tensor([[2, 11]]), share)
+    assert src.tolist()[0] >= 0 and src.tolist()[1] == -1

@@ -39,6 +39,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS = range(5)
+# hybrid: a miss of an expert the CPU computed within this many steps is fetched before first-time misses, so an
+# expert that comes back is cached on its second miss (and one seen once does not displace a resident)
+SECOND_TOUCH = 64
+NEVER = -(1 << 40)
 
 
 class DeviceSlotCache:
@@ -59,6 +63,8 @@ class DeviceSlotCache:
         self.stamp = torch.zeros((), dtype=torch.long, device=device)
         self.counters = torch.zeros((5, L), dtype=torch.long, device=device)
         self.expert_hits = torch.zeros(L * num_experts, dtype=torch.long, device=device)  # hits of key i*E + e
+        # hybrid: the step at which each key was last left to the CPU (its misses then fetch first: SECOND_TOUCH)
+        self.last_cpu = torch.full((L * num_experts,), NEVER, dtype=torch.long, device=device)
         self._arange = torch.arange(num_experts, device=device)
         self._work = torch.zeros(2 * num_experts, dtype=torch.long, device=device)  # route_triton's scratch
 
@@ -95,10 +101,16 @@ class DeviceSlotCache:
         resident = table >= 0
         miss_e = routed & ~resident
         n_miss = miss_e.sum()
-        local = torch.cumsum(miss_e.long(), 0) - 1  # rank of a miss among this call's misses
+        cm = torch.cumsum(miss_e.long(), 0)
+        local = cm - 1  # a miss's fetch rank: by id, or (hybrid) second-touch misses first
         if _partial(fetch_fraction):
             n_fetch = device_fetch_count(n_miss, fetch_fraction)
+            last_cpu = self.last_cpu[i * E:(i + 1) * E]
+            again = miss_e & (last_cpu >= self.stamp - SECOND_TOUCH)
+            first = miss_e & ~again
+            local = torch.where(again, torch.cumsum(again.long(), 0) - 1, again.sum() + torch.cumsum(first.long(), 0) - 1)
             cpu_e = miss_e & (local >= n_fetch)
+            last_cpu.copy_(torch.where(cpu_e, self.stamp, last_cpu))
             miss_e = miss_e & ~cpu_e
         else:
             n_fetch, cpu_e = n_miss, None
@@ -134,7 +146,9 @@ class DeviceSlotCache:
             rows_e = torch.where(cpu_e, -1, rows_e)
             miss_e = miss_e | cpu_e
         M = min(self.scratch, E)
-        order = torch.argsort((~miss_e).to(torch.int8), stable=True)[:M]  # missed experts first
+        # missed experts first, by fetch rank (the fetched ones, then the CPU's), then the rest by id
+        pos = torch.where(miss_e, local, n_miss + self._arange - cm)
+        order = torch.argsort(pos)[:M]
         return rows_e[flat], order, rows_e[order], n_fetch
 
     # ---- host-side views (each reads device memory: not for the decode path) ---------------
@@ -228,7 +242,8 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
     live = isinstance(fetch_fraction, torch.Tensor)
     frac_ptr = fetch_fraction if live else count  # any tensor: unused unless FRAC_PTR
     _route_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims if V else cache.slot_key,
-                        cache.vptr, cache.stamp, cache.counters, cache.expert_hits, cache._work, cache._work[E:],
+                        cache.vptr, cache.stamp, cache.counters, cache.expert_hits, cache.last_cpu, cache._work,
+                        cache._work[E:],
                         src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i,
                         0.0 if live else _f32(fetch_fraction), frac_ptr,
                         HAS_V=V > 0, PARTIAL=_partial(fetch_fraction), FRAC_PTR=live,
@@ -238,6 +253,8 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
 
 
 if triton is not None:
+    _SECOND_TOUCH = tl.constexpr(SECOND_TOUCH)  # a Triton kernel reads globals only as constexpr
+
     @triton.jit
     def _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR: tl.constexpr):
         """device_fetch_count(n_miss, frac) in the kernel, in float64; FRAC_PTR: the live share [frac, fixed]
@@ -258,13 +275,14 @@ if triton is not None:
         return tl.where(c_f < nf * (1 - fr), f, nf).to(tl.int64)
 
     @triton.jit
-    def _admit(e, em, base, fetch, cm, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,
+    def _admit(e, em, base, fetch, r, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,
                counters, st, E, V, L, li, BLOCK_E: tl.constexpr):
-        """The fetched misses take the step's LRU victims in rank order (the rank read-and-advanced by one
-        atomic), unless a victim is routed by this very call or the victims ran out: -> (admitted mask, each
-        expert's row with the admitted ones' new slots). Evicted keys leave the table; counters ADMITTED and
-        EVICTIONS; debug_barrier orders every read of table / slot_key before the admission writes."""
-        rank = cm - 1 + tl.atomic_add(vptr, n_fetch)  # the old vptr
+        """The fetched misses take the step's LRU victims in rank order (r: each miss's fetch rank, plus the
+        old vptr, read-and-advanced by one atomic), unless a victim is routed by this very call or the victims
+        ran out: -> (admitted mask, each expert's row with the admitted ones' new slots). Evicted keys leave the
+        table; counters ADMITTED and EVICTIONS; debug_barrier orders every read of table / slot_key before the
+        admission writes."""
+        rank = r + tl.atomic_add(vptr, n_fetch)  # the old vptr
         victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
         old = tl.load(slot_key + victim, mask=em, other=-1)
         here = (old >= base) & (old < base + E)
@@ -281,8 +299,8 @@ if triton is not None:
         return ok, tl.where(ok, victim, rows_e)
 
     @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
-    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, routed_buf, rows_buf,
-                      src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
+    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, last_cpu, routed_buf,
+                      rows_buf, src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
                       HAS_V: tl.constexpr, PARTIAL: tl.constexpr, FRAC_PTR: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_E: tl.constexpr):
         """One layer call of the slot cache in one program: pairs p < P on one axis, experts e < E on the other.
@@ -319,14 +337,21 @@ if triton is not None:
         tl.atomic_add(counters + 1 * L + li, n_miss)  # MISSES
         n_fetch = n_miss
         fetch = miss
-        if PARTIAL:  # hybrid: the first fetch_count(n_miss, frac) misses by id are fetched, the rest CPU's
+        r = cm - 1  # a miss's fetch rank
+        if PARTIAL:  # hybrid: fetch_count(n_miss, frac) misses are fetched, second-touch ones first, the rest CPU's
             n_fetch = _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR)
-            fetch = miss & (cm - 1 < n_fetch)
+            lc = tl.load(last_cpu + base + e, mask=em, other=-1)
+            again = miss & (lc >= st - _SECOND_TOUCH)
+            first = miss & ~again
+            r = tl.where(again, tl.cumsum(again.to(tl.int64), 0) - 1,
+                         tl.sum(again.to(tl.int64), 0) + tl.cumsum(first.to(tl.int64), 0) - 1)
+            fetch = miss & (r < n_fetch)
+            tl.store(last_cpu + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=miss & ~fetch)
         tl.atomic_add(counters + 4 * L + li, n_fetch)  # HOST_PAIRS
         rows_e = before
         ok = e < 0
         if HAS_V:
-            ok, rows_e = _admit(e, em, base, fetch, cm, n_fetch, rows_e, table, slot_key, last_use, victims, vptr,
+            ok, rows_e = _admit(e, em, base, fetch, r, n_fetch, rows_e, table, slot_key, last_use, victims, vptr,
                                 routed_buf, counters, st, E, V, L, li, BLOCK_E)
         spill = fetch & ~ok
         rows_e = tl.where(spill, S + tl.cumsum(spill.to(tl.int64), 0) - 1, rows_e)
@@ -335,7 +360,7 @@ if triton is not None:
         tl.store(rows_buf + e, rows_e, mask=em)
         tl.debug_barrier()
         tl.store(src_out + p, tl.load(rows_buf + flat, mask=pm, other=0), mask=pm)
-        pos = tl.where(miss, cm - 1, n_miss + e - cm)  # a permutation of 0..E-1: misses first, stable
+        pos = tl.where(miss, r, n_miss + e - cm)  # a permutation of 0..E-1: misses first (by fetch rank)
         tl.store(order_out + pos, e.to(tl.int64), mask=em & (pos < M))
         tl.store(rows_out + pos, rows_e, mask=em & (pos < M))
         tl.store(count_out, n_fetch)
