@@ -275,6 +275,19 @@ if triton is not None:
         return tl.where(c_f < nf * (1 - fr), f, nf).to(tl.int64)
 
     @triton.jit
+    def _second_touch(miss, n_fetch, last_cpu_e, em, st, BLOCK_E: tl.constexpr):
+        """hybrid's fetch rank of each miss, misses left to the CPU within _SECOND_TOUCH steps (last_cpu) first,
+        each group by id -> (rank, fetched mask: rank < n_fetch); the misses left to the CPU now are recorded."""
+        lc = tl.load(last_cpu_e, mask=em, other=-1)
+        again = miss & (lc >= st - _SECOND_TOUCH)
+        first = miss & ~again
+        r = tl.where(again, tl.cumsum(again.to(tl.int64), 0) - 1,
+                     tl.sum(again.to(tl.int64), 0) + tl.cumsum(first.to(tl.int64), 0) - 1)
+        fetch = miss & (r < n_fetch)
+        tl.store(last_cpu_e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=miss & ~fetch)
+        return r, fetch
+
+    @triton.jit
     def _admit(e, em, base, fetch, r, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,
                counters, st, E, V, L, li, BLOCK_E: tl.constexpr):
         """The fetched misses take the step's LRU victims in rank order (r: each miss's fetch rank, plus the
@@ -340,13 +353,7 @@ if triton is not None:
         r = cm - 1  # a miss's fetch rank
         if PARTIAL:  # hybrid: fetch_count(n_miss, frac) misses are fetched, second-touch ones first, the rest CPU's
             n_fetch = _fetch_share(n_miss, frac, frac_ptr, FRAC_PTR)
-            lc = tl.load(last_cpu + base + e, mask=em, other=-1)
-            again = miss & (lc >= st - _SECOND_TOUCH)
-            first = miss & ~again
-            r = tl.where(again, tl.cumsum(again.to(tl.int64), 0) - 1,
-                         tl.sum(again.to(tl.int64), 0) + tl.cumsum(first.to(tl.int64), 0) - 1)
-            fetch = miss & (r < n_fetch)
-            tl.store(last_cpu + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=miss & ~fetch)
+            r, fetch = _second_touch(miss, n_fetch, last_cpu + base + e, em, st, BLOCK_E)
         tl.atomic_add(counters + 4 * L + li, n_fetch)  # HOST_PAIRS
         rows_e = before
         ok = e < 0
