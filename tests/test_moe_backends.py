@@ -201,6 +201,26 @@ def test_reconfigure_keeps_fused_tokens(tiny_checkpoint, fused_tokens, arch):
         assert [o.token_ids for o in llm.generate(ps, SP)] == want, backend
 
 
+def test_a_replaced_runtime_is_freed_though_llm_froze_it(tiny_checkpoint):
+    """LLM moves everything alive after load out of the cyclic collector's reach (gc.freeze); a runtime is a
+    reference cycle (the stats book holds its parts' methods), so the one built at load must be handed back to the
+    collector when it is replaced, or its device slot pool stays allocated beside the new one (on the H200: 24.5
+    GiB held at an 8.5 GiB cap). The new runtime is frozen in its place."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="hybrid", moe_cache_size=3, moe_decode_kernel="pairs", **COMMON)
+    llm.generate([[1, 2, 3]], SP)
+    assert gc.get_freeze_count() > 0
+    rt = llm.engine.runtime
+    old = [weakref.ref(p) for p in (rt, rt.cache, rt.decode, rt.prefill)]
+    del rt
+    llm.engine.reconfigure_experts(moe_backend="offload", moe_cache_size=3)
+    assert all(r() is None for r in old)
+    assert gc.get_freeze_count() > 0  # frozen again, the new runtime with it
+    llm.close()
+
+
 @pytest.mark.parametrize("prompts_", [[[1, 2, 3]], [[1, 2, 3], [7, 8, 9, 10]]])
 def test_fused_pairs_count_distinct_experts(tiny_checkpoint, prompts_):
     """fused on the pair path counts each decode layer call's distinct experts: on the device for a batch,
