@@ -231,3 +231,25 @@ def test_fused_pairs_count_distinct_experts(tiny_checkpoint, prompts_):
     for n, _, d in seen:
         assert d == {"hits": n, "expert_calls": n, "gpu_experts": n}, (d, n)
     assert seen and max(tokens for _, tokens, _ in seen) == len(prompts_)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_the_plan_counts_the_dense_bytes_a_loaded_gguf_holds(quant, tmp_path, monkeypatch):
+    """The benchmark's Qwen3.6-shaped GGUF (tiny): fusing its projections of mixed types dequantizes some of the
+    linears the plan counted as compressed; the engine plans again once they are loaded, so the slot cache
+    takes only what the budget has (on the H200 the full file's dense layers held 3.06 GiB where 2.40 were
+    planned). MOESTREAM_DENSE_QUANT=gpu takes the GPU's choice here."""
+    import sys
+    from pathlib import Path
+
+    from moestream.engine.engine import dense_bytes_held
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import make_qwen36_q4km as mk
+
+    path = tmp_path / f"{quant}.gguf"
+    mk.main([str(path), "--tiny", "--quant", quant])
+    monkeypatch.setenv("MOESTREAM_DENSE_QUANT", "gpu")
+    llm = LLM(path, device="cpu", moe_backend="offload", moe_cache_size=4, max_running_requests=2)
+    assert llm.engine.plan.bytes.dense == dense_bytes_held(llm.engine.model)
+    llm.close()

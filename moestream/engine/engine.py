@@ -223,11 +223,26 @@ class Engine:
             for block in model.moe_blocks():  # a fused router reads a view of shared_in's rows: view the moved one
                 if block.router_rows:
                     block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
+        self._replan_for_loaded(model, fmt)
         self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
             else None
         self.route_tap = self._routing_recorder(folder)
         self._start_runtime(store, model)
         return model.eval()
+
+    def _replan_for_loaded(self, model, fmt) -> None:
+        """The plan again, on the backend it chose, when the loaded dense layers hold other bytes than planned: a
+        GGUF's planned bytes assume every linear it can keep compressed stays so, but fusing projections of mixed
+        types (models/fuse.py) dequantizes some (the Qwen3.6-shaped Q8_0 GGUF: 3.06 GiB held where 2.40 was
+        planned, so the slot cache took 0.66 GiB the cap did not have)."""
+        held = dense_bytes_held(model)
+        if self.dense_bytes is None or held == self.dense_bytes:
+            return
+        log.info("dense layers hold %.2f GiB once loaded (%.2f planned): planning again", held / 2**30,
+                 self.dense_bytes / 2**30)
+        self.dense_bytes = held
+        e = self.ecfg.replace(moe_backend=self.plan.backend)
+        self.plan = dataclasses.replace(self._plan_memory(model, fmt, e=e), reason=self.plan.reason)
 
     def _routing_recorder(self, folder):
         """--record-routing FILE: a tap writing every step's expert ids (moe/trace.py); rank 0 only."""
@@ -383,8 +398,7 @@ class Engine:
         cfg, e = self.local_cfg, e or self.ecfg
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
-            dense = sum(p.numel() * p.element_size() for p in model.parameters())
-            dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
+            dense = dense_bytes_held(model)
         kv, state = self._cache_bytes(e)
         state *= e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
         sizes = model_sizes(cfg, e, dense, self.max_seq_len, kv, state,
@@ -477,3 +491,9 @@ class Engine:
             return self.model.draft(batch, hidden, step)
         finally:
             self.runtime.end_step()
+
+
+def dense_bytes_held(model) -> int:
+    """Bytes of a model's dense weights as held: its parameters and the compressed linears' stored bytes."""
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw")))
