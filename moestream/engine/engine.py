@@ -223,26 +223,28 @@ class Engine:
             for block in model.moe_blocks():  # a fused router reads a view of shared_in's rows: view the moved one
                 if block.router_rows:
                     block.gate.weight = block.shared_in.weight.detach()[:block.router_rows]
-        self._replan_for_loaded(model, fmt)
-        self.pinning = store.pin_host(self.plan.bytes.pin_budget) if self.device.type == "cuda" and home.type == "cpu" \
-            else None
+        store = self._replan_for_loaded(model, fmt, store)
+        self.pinning = store.pin_host(self.plan.bytes.pin_budget) \
+            if self.device.type == "cuda" and store.device.type == "cpu" else None
         self.route_tap = self._routing_recorder(folder)
         self._start_runtime(store, model)
         return model.eval()
 
-    def _replan_for_loaded(self, model, fmt) -> None:
-        """The plan again, on the backend it chose, when the loaded dense layers hold other bytes than planned: a
-        GGUF's planned bytes assume every linear it can keep compressed stays so, but fusing projections of mixed
-        types (models/fuse.py) dequantizes some (the Qwen3.6-shaped Q8_0 GGUF: 3.06 GiB held where 2.40 was
-        planned, so the slot cache took 0.66 GiB the cap did not have)."""
+    def _replan_for_loaded(self, model, fmt, store):
+        """The plan again when the loaded dense layers hold other bytes than planned: a GGUF's planned bytes assume
+        every linear it can keep compressed stays so, but fusing projections of mixed types (models/fuse.py)
+        dequantizes some (the Qwen3.6-shaped Q8_0 GGUF: 3.06 GiB held where 2.40 was planned, so the slot cache
+        took 0.66 GiB the cap did not have). `auto` may choose another backend then: the expert store moves to
+        that backend's home. Returns the store."""
         held = dense_bytes_held(model)
         if self.dense_bytes is None or held == self.dense_bytes:
-            return
+            return store
         log.info("dense layers hold %.2f GiB once loaded (%.2f planned): planning again", held / 2**30,
                  self.dense_bytes / 2**30)
         self.dense_bytes = held
-        e = self.ecfg.replace(moe_backend=self.plan.backend)
-        self.plan = dataclasses.replace(self._plan_memory(model, fmt, e=e), reason=self.plan.reason)
+        self.plan = self._plan_memory(model, fmt)
+        home = self.device if self.plan.backend == "fused" else torch.device("cpu")
+        return store if store.device == home else store.moved_to(home)
 
     def _routing_recorder(self, folder):
         """--record-routing FILE: a tap writing every step's expert ids (moe/trace.py); rank 0 only."""
