@@ -432,8 +432,20 @@ def measure(llm, args) -> dict:
             return args.min_tokens
         return int(max(args.min_tokens, min(args.tg, 1 + rate * args.measure_s / per_step)))
 
+    stages = out["memory_stages_gib"] = {}  # where device memory outside torch's allocator appears (CUDA only)
+
+    def stage(name: str) -> None:
+        if torch.cuda.is_available() and llm.engine.device.type == "cuda":
+            m = llm.engine.memory_report()
+            stages[name] = {"reserved": round(m["reserved"] / 2**30, 3), "device_used": round(m["device_used"] / 2**30, 3),
+                            "outside_torch": round((m["device_used"] - m["reserved"] - m["context"]) / 2**30, 3)}
+
+    stage("loaded")
     t = time.perf_counter()
-    llm.generate([prompt(8)], sp(4))  # first use: kernels, graphs, caches
+    llm.generate([prompt(8)], sp(1))  # first use: a prefill (eager)
+    stage("first_prefill")
+    llm.generate([prompt(8)], sp(4))  # decode: kernels, graphs, caches
+    stage("first_decode")
     llm.generate([prompt(8)], sp(8))  # probe the rate
     out["warm_s"] = time.perf_counter() - t
     rate = llm.last_timing["decode_tok_s"]
@@ -465,7 +477,29 @@ def measure(llm, args) -> dict:
         llm.generate([prompt(args.pp)], sp(1))
         pps.append(llm.last_timing["prefill_tok_s"])
     out.update(pp_tokens=args.pp, pp_tok_s=sum(pps) / len(pps), pp_samples=pps)
+    stage("measured")
+    out["triton_kernels"] = triton_kernel_report()
     return out
+
+
+def triton_kernel_report() -> list[dict]:
+    """Every compiled Triton kernel of moestream's modules: name, registers, spilled registers, shared memory (a
+    kernel that spills makes the driver reserve local memory for every thread the GPU can hold)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return []
+    rows = []
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("moestream.") and m is not None]:
+        for fn in vars(mod).values():
+            if not isinstance(fn, JITFunction):
+                continue
+            for cache in getattr(fn, "device_caches", {}).values():
+                for k in cache[0].values():
+                    rows.append({"kernel": fn.__name__, "n_regs": getattr(k, "n_regs", None),
+                                 "n_spills": getattr(k, "n_spills", None),
+                                 "shared": getattr(getattr(k, "metadata", None), "shared", None)})
+    return sorted(rows, key=lambda r: -(r["n_spills"] or 0))
 
 
 # ---- report -------------------------------------------------------------------------------------------
