@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moestream.moe.device_cache import device_fetch_count
-from moestream.moe.share import PRIOR_FIXED_S, LiveShare, fit_line, split
+from moestream.moe.share import PRIOR_FIXED_S, LiveShare, fit_line
 
 E = 3.3e6  # bytes of one Q8_0 expert of the Qwen3.6 shape: 68.75 us over 48 GB/s
 
@@ -17,12 +17,6 @@ def calls(pairs) -> np.ndarray:
     c = np.array([p[0] for p in pairs], dtype=np.float64)
     t = np.array([p[1] for p in pairs], dtype=np.float64)
     return np.array([len(c), c.sum(), t.sum(), (c * c).sum(), (c * t).sum()])
-
-
-def test_split_balances_the_two_buses():
-    assert split(50.0, 50.0) == pytest.approx(0.5)
-    assert split(48.0, 16.0) == pytest.approx(0.75)
-    assert split(0.0, 0.0) == 0.5
 
 
 def test_fit_line_recovers_cost_per_expert_and_fixed_cost():

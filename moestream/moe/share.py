@@ -30,13 +30,6 @@ PRIOR_FIXED_S = 30e-6  # a CPU layer call's fixed cost until one is measured
 MAX_CPU_GBS = 200.0  # no CPU computes an expert faster than this: bounds a fitted slope from below
 
 
-def split(pcie_gbs: float, cpu_gbs: float) -> float:
-    """The bandwidth split f = pcie / (pcie + cpu) (0.5 with neither known)."""
-    if pcie_gbs <= 0 and cpu_gbs <= 0:
-        return 0.5
-    return pcie_gbs / (pcie_gbs + max(cpu_gbs, 0.0))
-
-
 def fit_line(window: np.ndarray, slope: float) -> tuple[float, float]:
     """(seconds per expert, fixed seconds) of the calls summed in window = [calls, sum c, sum t, sum c^2, sum ct];
     with a single expert count among them the slope cannot be fitted: `slope` is kept, the intercept fitted."""
@@ -53,7 +46,6 @@ class LiveShare:
         """initial: the planner's bandwidth split (the prior); expert_bytes: one expert's bytes (the layers'
         mean)."""
         self.pcie_gbs = pcie_gbs or measure_pcie_gbs(device)
-        self.expert_bytes = float(expert_bytes)
         self.t_pcie = expert_bytes / (self.pcie_gbs * 1e9) if self.pcie_gbs > 0 else 1e-4
         initial = min(max(initial, 0.05), 0.95)
         self.prior = (self.t_pcie * initial / (1 - initial), PRIOR_FIXED_S)
@@ -71,10 +63,9 @@ class LiveShare:
         if self.steps % self.every:
             return
         window, self._mark = np.asarray(fit, dtype=np.float64) - self._mark, np.array(fit, dtype=np.float64)
-        if window[0] < 1:
-            target = self.prior
-            self.t_cpu += 0.25 * (target[0] - self.t_cpu)
-            self.fixed_s += 0.25 * (target[1] - self.fixed_s)
+        if window[0] < 1:  # no CPU call in the window: a quarter of the way back to the prior
+            self.t_cpu += 0.25 * (self.prior[0] - self.t_cpu)
+            self.fixed_s += 0.25 * (self.prior[1] - self.fixed_s)
         else:
             slope, fixed = fit_line(window, self.t_cpu)
             self.t_cpu = 0.5 * self.t_cpu + 0.5 * max(slope, self.min_t_cpu)
