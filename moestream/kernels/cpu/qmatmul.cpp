@@ -20,8 +20,8 @@
 // weights (ms_fp8_matmul).
 //
 // Every kernel has a scalar twin (portable C++); `force_scalar` selects it at run time, so the tests
-// check both paths from one build. Rows of W are split over `nthreads` OpenMP threads (the caller passes
-// torch.get_num_threads(); torch's own libgomp serves them); each weight row is read once for all x rows.
+// check both paths from one build. Rows of W are handed out in chunks to `nthreads` OpenMP threads (the caller
+// passes torch.get_num_threads(); torch's own libgomp serves them); each weight row is read once for all x rows.
 // Plain C ABI, no torch headers: the first build takes seconds, not the minute torch/extension.h costs.
 #include <algorithm>
 #include <array>
@@ -191,7 +191,7 @@ void parallel(int nt, B&& body) {
 // its numbers.
 constexpr int64_t CHUNKS_PER_THREAD = 8;
 
-// Chunk c of `chunks` takes the items next() hands it, c = 0, 1, ... until none is left.
+// Chunk numbers 0, 1, ..., n - 1, each handed to whichever thread asks next (next() is false once all are out).
 struct Chunks {
   std::atomic<int64_t> c{0};
   int64_t n;
