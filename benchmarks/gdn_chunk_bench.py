@@ -4,13 +4,15 @@ recurrence as one Triton launch (triton_ops.gdn_chunk_scan) vs the torch loop ov
     PYTHONPATH=$PWD python3 benchmarks/gdn_chunk_bench.py [--lengths 512,4096] [--sweep]
 
 One line per config: chunk_gated_delta_rule end to end (loop, kernel), then with --sweep the scan alone
-under other launch settings (bv, num_warps, num_stages, dot precision) than triton_ops.GDN_CHUNK_LAUNCH.
+under other launch settings (bv, num_warps, num_stages, dot precision) than triton_ops.gdn_chunk_launch's for this GPU.
 Median of --reps timed calls (CUDA events) after warm-up; the first kernel call compiles.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import subprocess
+import sys
 
 import torch
 
@@ -58,28 +60,67 @@ def bench_length(L: int, reps: int, sweep: bool) -> None:
     _, c, u0, w, qk, q_dec, k_dec, last = terms
     scan = time_ms(lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, args[-1]), reps)
     print(f"L={L} H={H} Dk={DK} Dv={DV}: loop {loop:.3f} ms, kernel {kern:.3f} ms ({loop / kern:.1f}x; "
-          f"precompute {pre:.3f} ms + scan {scan:.3f} ms, launch {triton_ops.GDN_CHUNK_LAUNCH} "
-          f"{triton_ops.GDN_CHUNK_PRECISION}), max rel err {err:.1e}", flush=True)
+          f"precompute {pre:.3f} ms + scan {scan:.3f} ms, launch "
+          f"{triton_ops.gdn_chunk_launch(torch.cuda.get_device_capability())}), max rel err {err:.1e}", flush=True)
     if sweep:
         sweep_launch(L, u0, w, q_dec, qk, k_dec, last, args[-1], reps)
 
 
+STAGES = (1,)
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+LOCAL: dict = {}
+
+
+def compiled() -> list:
+    return [k for cache in triton_ops._gdn_chunk_kernel.device_caches.values() for k in cache[0].values()]
+
+
+def local_bytes(key, n_before: int) -> int:
+    """Local memory per thread of the chunk kernel compiled for `key` (spilled registers: the driver reserves it
+    for every thread the GPU can hold, outside torch's allocator)."""
+    import ctypes
+    kernels = compiled()
+    if len(kernels) == n_before:
+        return LOCAL.get(key, -1)
+    k = kernels[-1]
+    k._init_handles()
+    v = ctypes.c_int(0)
+    ctypes.CDLL("libcuda.so.1").cuFuncGetAttribute(ctypes.byref(v), 3, ctypes.c_void_p(k.function))
+    LOCAL[key] = v.value
+    return v.value
+
+
 def sweep_launch(L, u0, w, q_dec, qk, k_dec, last, state, reps: int) -> None:
-    """The scan alone under each launch setting (a setting that does not fit reports its error)."""
-    ref, ref_s, _ = triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, precision="ieee")
-    for bv, warps, stages, prec in itertools.product((16, 32, 64), (4, 8), (1, 2), ("ieee", "tf32x3")):
-        launch = dict(bv=bv, num_warps=warps, num_stages=stages)
-        run = lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state,  # noqa: E731
-                                                precision=prec, **launch)
-        try:
-            ms = time_ms(run, reps)
-            o, s, _ = run()
-            err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o, ref), (s, ref_s)))
-            print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: {ms:.3f} ms, "
-                  f"rel err vs ieee {err:.1e}", flush=True)
-        except Exception as e:  # e.g. out of shared memory
-            print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: failed: "
-                  f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    """The scan alone under each launch setting, each in its own process (a setting that fails — out of
+    shared memory, or a fault that would poison this process's CUDA context — reports its error)."""
+    for bv, warps, stages, prec in itertools.product((16, 32, 64), (4, 8, 16), STAGES, PRECISIONS):
+        cmd = [sys.executable, __file__, "--one", f"{L},{bv},{warps},{stages},{prec}", "--reps", str(reps)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("L=")]
+        err = (p.stderr.strip().splitlines() or ["?"])[-1][:140]
+        print(line[-1] if line else f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: failed: {err}",
+              flush=True)
+
+
+def one_launch(spec: str, reps: int) -> None:
+    L, bv, warps, stages, prec = spec.split(",")
+    L, bv, warps, stages = int(L), int(bv), int(warps), int(stages)
+    args = inputs(L)
+    _, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(*args[:5], triton_ops.GDN_CHUNK)
+    state = args[-1]
+    ref, ref_s, _ = triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, precision="ieee",
+                                              bv=32, num_warps=8, num_stages=1)
+    run = lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state,  # noqa: E731
+                                            precision=prec, bv=bv, num_warps=warps, num_stages=stages)
+    n_before = len(compiled())
+    ms = time_ms(run, reps)
+    local = local_bytes((bv, warps, stages, prec), n_before)
+    o, s, _ = run()
+    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o, ref), (s, ref_s)))
+    print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: {ms:.3f} ms, "
+          f"rel err vs ieee {err:.1e}, local {local} B/thread", flush=True)
 
 
 def main() -> None:
@@ -87,9 +128,17 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,4096")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time the scan under other launch settings")
+    ap.add_argument("--stages", default="1", help="num_stages values of the sweep")
+    ap.add_argument("--precisions", default="ieee,tf32x3,tf32", help="tl.dot input precisions of the sweep")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global STAGES, PRECISIONS
+    STAGES = tuple(int(x) for x in a.stages.split(","))
+    PRECISIONS = tuple(a.precisions.split(","))
     assert torch.cuda.is_available() and triton_ops.triton is not None, "needs CUDA and triton"
     torch.backends.cuda.matmul.allow_tf32 = False  # the loop in full fp32 (torch's default)
+    if a.one:
+        return one_launch(a.one, a.reps)
     for L in (int(x) for x in a.lengths.split(",")):
         bench_length(L, a.reps, a.sweep)
 

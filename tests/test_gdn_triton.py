@@ -3,8 +3,9 @@ CUDA) against the torch loop over chunks it replaces: outputs, final state and t
 states (`states_at`, computed from the chunk-start states the kernel writes).
 
 * Interpreter: all cases run once in a subprocess with TRITON_INTERPRET=1, on CPU tensors (kernel=True).
-* sm_90: the kernel compiled by the real compiler at the Qwen3.6 shape (no GPU needed): it must fit in
-  shared memory with the default launch.
+* sm_75 / sm_86 / sm_90: the kernel compiled by the real compiler at the Qwen3.6 shape (no GPU needed) with
+  the launch chosen for that GPU: it must fit in shared memory and spill no more than the driver's default
+  stack limit.
 * CUDA: the full shape (H = 32, Dk = Dv = 128, L = 512) against the loop; skipped without a GPU.
 
 Tolerance: the largest error relative to the largest value of each tensor, 1e-4 (fp32 throughout;
@@ -22,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, interpreted_results,  # noqa: E402
+                            write_case_results)
 
 from moestream.layers import triton_ops  # noqa: E402
 from moestream.layers.gdn import _l2norm, chunk_gated_delta_rule  # noqa: E402
@@ -117,14 +119,27 @@ SM90_SHARED = 227 * 1024  # an H100/H200 block's most dynamic shared memory
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("snap,precision", [(False, None), (True, None), (True, "tf32x3")])
-def test_kernel_compiles_for_sm90_within_shared_memory(snap, precision):
-    launch = dict(triton_ops.GDN_CHUNK_LAUNCH)
+@pytest.mark.parametrize("arch", [75, 86, 90])
+@pytest.mark.parametrize("snap", [False, True])
+def test_kernel_compiles_within_shared_memory_and_without_a_big_frame(arch, snap):
+    """The launch chosen for each GPU generation fits its shared memory and spills no more than the driver's
+    default stack limit: a bigger frame would make the driver reserve frame x every thread the GPU holds
+    (1.57 GiB on an H200 at the first launch's 7.2 KB), memory no plan counts."""
+    launch = triton_ops.gdn_chunk_launch((arch // 10, arch % 10))
     consts = {"DK": 128, "DV": 128, "C": 64, "BV": launch.pop("bv"), "SNAP": snap,
-              "PREC": precision or triton_ops.GDN_CHUNK_PRECISION, "N_STATIC": 0}
-    k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, launch)
-    assert ".target sm_90" in k.asm["ptx"]
-    assert k.metadata.shared <= SM90_SHARED, k.metadata.shared
+              "PREC": launch.pop("precision"), "N_STATIC": 0}
+    k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, launch, arch=arch)
+    assert f".target sm_{arch}" in k.asm["ptx"]
+    assert k.metadata.shared <= (SM90_SHARED if arch >= 90 else 99 * 1024), k.metadata.shared
+    assert frame_bytes(k) <= triton_ops.GDN_CHUNK_MAX_FRAME, frame_bytes(k)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_frame_check_sees_a_spilling_launch():
+    """The frame test can fail: ieee (FMA) dots at bv 32 with 4 warps spill kilobytes per thread."""
+    consts = {"DK": 128, "DV": 128, "C": 64, "BV": 32, "SNAP": False, "PREC": "ieee", "N_STATIC": 0}
+    k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, {"num_warps": 4, "num_stages": 1})
+    assert frame_bytes(k) > 4 * triton_ops.GDN_CHUNK_MAX_FRAME
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -49,8 +49,9 @@ def assert_case(results: dict, case: str) -> None:
     assert r == "ok", f"{case}: {r}"
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = None):
-    """triton.compile for an H100/H200 (Triton -> PTX -> ptxas); skips where the build has no ptxas."""
+def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = None, arch: int = 90):
+    """triton.compile for an H100/H200 (Triton -> PTX -> ptxas), or another sm_`arch`; skips where the build
+    has no ptxas."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
     import triton
@@ -59,8 +60,30 @@ def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = N
 
     try:
         return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options or {})
+                              target=GPUTarget("cuda", arch, 32), options=options or {})
     except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas: {e}")
         raise
+
+
+def frame_bytes(kernel) -> int:
+    """The per-thread stack frame (spilled registers, local arrays) of a compiled kernel, as cuobjdump reads
+    it from the cubin: the figure the driver multiplies by every thread the GPU can hold when a launch needs
+    more than the context's stack limit (1 KiB by default)."""
+    import re
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        pytest.skip("no cuobjdump in this triton build")
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"frame_{os.getpid()}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    finally:
+        cubin.unlink(missing_ok=True)
+    m = re.search(r"STACK:(\d+)", out)
+    assert m, out
+    return int(m.group(1))

@@ -23,6 +23,8 @@ reference and the CPU path. tests/test_triton_layers.py compares both on a GPU.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..env import triton_enabled
@@ -232,14 +234,35 @@ def gdn_decode_ok(conv_state: torch.Tensor, K: int, dk: int, dv: int) -> bool:
 # (the columns of S evolve independently: every product below has S or u on the right).
 
 GDN_CHUNK = 64  # the chunk length the kernel is built for
-GDN_CHUNK_PRECISION = "ieee"  # tl.dot in full fp32 (the torch loop's precision); "tf32x3" is the faster option
-# Launch defaults, from compiling for sm_90 at Dk = Dv = 128 (ptxas -v; not yet timed on a GPU): 8 warps spill
-# least with fp32 (FMA) dots; one stage, as the default pipelining (3) double-buffers ~120 KB of chunk inputs
-# per stage past the 227 KB of shared memory. benchmarks/gdn_chunk_bench.py times the alternatives.
-GDN_CHUNK_LAUNCH = dict(bv=32, num_warps=8, num_stages=1)
+# None: by the GPU (gdn_chunk_launch); "ieee" (tl.dot in full fp32 FMA) or "tf32x3" (three TF32 tensor-core
+# products, fp32-accurate: 6e-7 from ieee at pp4096) forces one (tests, benchmarks)
+GDN_CHUNK_PRECISION: str | None = None
+# The per-thread frame (spilled registers) every launch must stay within: the driver's default stack limit.
+# A kernel needing more makes the driver raise the limit for the context and reserve limit x SMs x threads per
+# SM of device memory, outside torch's allocator and never given back: the first launch at (bv 32, 8 warps,
+# ieee) spilled 7.2 KB per thread on an H200, 1.57 GiB more device memory than any plan counted.
+GDN_CHUNK_MAX_FRAME = 1024
+
+
+def gdn_chunk_launch(capability: tuple[int, int]) -> dict:
+    """Launch settings of the chunk kernel for a GPU of this compute capability (tests/test_gdn_triton.py
+    compiles each for sm_75..sm_90 and checks the frame stays within GDN_CHUNK_MAX_FRAME).
+    Ampere and later: TF32x3 dots at (bv 16, 4 warps): no spill frame over 288 B, and on the H200 the fastest
+    fp32-accurate setting (scan of pp4096 0.78 ms vs 2.05 ms for the earlier ieee (32, 8) launch; pp64 0.14 vs
+    0.45 ms; benchmarks/gdn_chunk_bench.py --sweep). tf32x3 at (16, 8) and (32, 16) faulted there (illegal
+    address): not used. Turing has no TF32: ieee FMA dots at (16, 8), the one such setting within the frame."""
+    if tuple(capability) >= (8, 0):
+        return dict(bv=16, num_warps=4, num_stages=1, precision="tf32x3")
+    return dict(bv=16, num_warps=8, num_stages=1, precision="ieee")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else (9, 0)
+
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # N = 1 specialised spills more (7.2 KB vs 1.6 KB at the old launch)
     def _gdn_chunk_kernel(u0_ptr, w_ptr, qd_ptr, qk_ptr, kd_ptr, last_ptr, s0_ptr, out_ptr, sn_ptr, snap_ptr,
                           starts_ptr, N, H, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                           SNAP: tl.constexpr, PREC: tl.constexpr, N_STATIC: tl.constexpr):
@@ -281,10 +304,12 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
     [H, n, C, Dk]; qk [H, n, C, C]; last [H, n]; state [H, Dk, Dv] (all fp32, state not modified).
     snap_chunks: chunk indices whose start state is wanted. Returns (out [H, n, C, Dv], final state,
     starts [len(snap_chunks), H, Dk, Dv]: the state at the start of each chunk in snap_chunks).
-    launch: bv, num_warps, num_stages overriding GDN_CHUNK_LAUNCH (benchmarks)."""
+    launch: bv, num_warps, num_stages overriding gdn_chunk_launch's (benchmarks)."""
     H, n, C, Dv = u0.shape
     Dk = w.shape[-1]
-    launch = {**GDN_CHUNK_LAUNCH, **launch}
+    launch = {**gdn_chunk_launch(_capability(u0.device)), **launch}
+    precision = precision or GDN_CHUNK_PRECISION or launch["precision"]
+    del launch["precision"]
     bv = min(launch.pop("bv"), Dv)
     args = [t.contiguous() for t in (u0, w, q_dec, qk, k_dec, last, state)]
     out = torch.empty_like(args[0])
@@ -296,7 +321,7 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
         idx[list(snap_chunks)] = torch.arange(len(snap_chunks), dtype=torch.int32)
         snap, starts_arg = idx.to(u0.device), starts
     _gdn_chunk_kernel[(H, Dv // bv)](*args, out, final, snap, starts_arg, n, H, DK=Dk, DV=Dv, C=C, BV=bv,
-                                     SNAP=len(snap_chunks) > 0, PREC=precision or GDN_CHUNK_PRECISION,
+                                     SNAP=len(snap_chunks) > 0, PREC=precision,
                                      N_STATIC=0 if u0.is_cuda else n, **launch)
     return out, final, starts
 
