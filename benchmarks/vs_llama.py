@@ -437,8 +437,10 @@ def measure(llm, args) -> dict:
     def stage(name: str) -> None:
         if torch.cuda.is_available() and llm.engine.device.type == "cuda":
             m = llm.engine.memory_report()
+            from mem_probe import stack_limit  # the driver's local-memory reservation per thread (benchmarks/)
             stages[name] = {"reserved": round(m["reserved"] / 2**30, 3), "device_used": round(m["device_used"] / 2**30, 3),
-                            "outside_torch": round((m["device_used"] - m["reserved"] - m["context"]) / 2**30, 3)}
+                            "outside_torch": round((m["device_used"] - m["reserved"] - m["context"]) / 2**30, 3),
+                            "stack_limit": stack_limit()}
 
     stage("loaded")
     t = time.perf_counter()
