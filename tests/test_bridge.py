@@ -55,6 +55,7 @@ def one_step(bridge: CpuBridge, store: FakeStore, T: int, seed: int) -> None:
         bridge.collect(layer, y, cpu)
         checks.append((layer, x, ids, w, cpu, y))
     bridge.end_step()
+    bridge.finish_step()
     for layer, x, ids, w, cpu, y in checks:
         want = _pair_outputs_torch(x, w, ids.reshape(-1), store.bank(layer))
         torch.testing.assert_close(y[cpu], want[cpu], rtol=1e-5, atol=1e-6)
@@ -74,6 +75,17 @@ def check_protocol(kernels: bool) -> None:
         bridge._compute = lambda i, layer: (_ for _ in ()).throw(ValueError("injected"))
         with pytest.raises(RuntimeError, match="CPU experts failed.*injected"):
             one_step(bridge, store, 2, 10)
+        # end_step does not wait (the caller queues its sampling behind the step): the failure is raised by
+        # finish_step, or by the next begin_step where nobody called it
+        bridge.begin_step()
+        bridge.post(0, torch.randn(1, H), torch.tensor([[1, 2, 3]]), torch.rand(1, K), torch.ones(K, dtype=torch.bool))
+        bridge.collect(0, torch.zeros(K, H), torch.ones(K, dtype=torch.bool))
+        for layer in store.moe_layers[1:]:
+            bridge.post(layer, torch.randn(1, H), torch.tensor([[1, 2, 3]]), torch.rand(1, K),
+                        torch.zeros(K, dtype=torch.bool))
+        bridge.end_step()
+        with pytest.raises(RuntimeError, match="CPU experts failed.*injected"):
+            bridge.begin_step()
         bridge._compute = real
         one_step(bridge, store, 3, 11)
         # a step that raised after its first layer: the worker gives up on the others, nothing is reported

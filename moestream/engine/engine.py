@@ -493,6 +493,12 @@ class Engine:
             return self.model.draft(batch, hidden, step)
         finally:
             self.runtime.end_step()
+            self.runtime.finish_step()
+
+    def finish_step(self) -> None:
+        """After the caller waited for the last forward's results: the expert runtime's CPU worker is waited for
+        and raises that step's failure (forward itself does not wait, so sampling queues behind the step)."""
+        self.runtime.finish_step()
 
 
 def dense_bytes_held(model) -> int:

@@ -73,6 +73,12 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
     def run(self, sched: ScheduledBatch) -> StepResult:
         batch, rows = self.build(sched)
+        try:
+            return self._run(sched, batch, rows)
+        finally:  # the step's results are on the host (or it raised): what worked beside the GPU is waited
+            self.engine.finish_step()  # for, and its failure fails this step before any token is emitted
+
+    def _run(self, sched: ScheduledBatch, batch: ForwardBatch, rows: _Rows) -> StepResult:
         logits = self.engine.forward(batch)
         if self.spec_k:
             self._batch = batch

@@ -20,7 +20,8 @@ The sequence number is pinned host memory written by the host before each step i
 replayed graph needs no device counter. The caller posts before it stages or computes its own pairs:
 PCIe copies, GPU pairs and CPU pairs overlap. Pair outputs from either side are summed in k order by
 the caller (pairs.pair_sum), as fused sums them. A worker exception or a timeout fails the step:
-`end_step` waits for the GPU and raises.
+`end_step` only records an event, and `finish_step` (called once the caller has waited for the step's
+results, or by the next `begin_step`) waits for the worker and raises.
 
 On a CPU device post/collect are torch code on the calling thread (same protocol, worker and
 bookkeeping; the tests run it).
@@ -70,9 +71,11 @@ class CpuBridge:
         self._ids, self._meta = self.hids.numpy(), self.hmeta.numpy()
         self.seq = 0
         self.failure: BaseException | None = None
-        self.cpu_experts = [0] * L  # distinct experts the worker computed, per layer call summed
-        self.cpu_seconds = [0.0] * L  # the worker's time computing them
-        self.kernel_seconds = [0.0] * L  # of which inside the compiled layer call
+        self.cpu_experts = np.zeros(L, dtype=np.int64)  # distinct experts the worker computed, per call summed
+        self.cpu_seconds = np.zeros(L)  # the worker's time computing them
+        self.kernel_seconds = np.zeros(L)  # of which inside the compiled layer call
+        self._pending = False  # a step ended (its work launched) and not yet finished (finish_step)
+        self._step_done: torch.cuda.Event | None = None
         # its calls' (experts c, seconds t) summed for a line fit (moe/share.py): [calls, c, t, c^2, c t]
         self.fit = np.zeros(5)
         self._hw = self.hw.numpy()
@@ -90,7 +93,9 @@ class CpuBridge:
 
     # ---- host side, per step ---------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before the step's work is launched: the new sequence number, and a job for the worker."""
+        """Before the step's work is launched: the previous step finished (finish_step), the new sequence
+        number, and a job for the worker."""
+        self.finish_step()
         if not self._idle.wait(WORKER_TIMEOUT_S):
             raise RuntimeError("the CPU expert worker did not finish the previous step")
         self.seq += 1
@@ -100,12 +105,25 @@ class CpuBridge:
         self._jobs.put(self.seq)
 
     def end_step(self) -> None:
-        """After the step's work is launched: wait for it, release the worker, raise a failure."""
+        """After the step's work is launched: nothing waits here, so the caller queues the step's sampling
+        behind it and the GPU does not idle while this thread wakes and the worker files its counts. The
+        caller then calls finish_step once it has waited for the step's results (the next begin_step does,
+        where nobody did)."""
         if self.device.type == "cuda":
-            # a blocking event: the launching thread sleeps instead of spinning on a core the worker uses
-            done = torch.cuda.Event(blocking=True)
-            done.record(torch.cuda.current_stream(self.device))
-            done.synchronize()
+            # a blocking event: a thread waiting on it sleeps instead of spinning on a core the worker uses
+            self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+        self._pending = True
+
+    def finish_step(self) -> None:
+        """The last ended step is complete: wait for its GPU work (done already when the caller has read the
+        step's results), release the worker from requests that will not come, raise a failure of that step."""
+        if not self._pending:
+            return
+        self._pending = False
+        if self._step_done is not None:
+            self._step_done.synchronize()
+            self._step_done = None
         self._cancel[0] = 1  # every request of a finished step was posted; a worker still waiting
         if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
             raise RuntimeError("the CPU expert worker is stuck")
@@ -116,6 +134,7 @@ class CpuBridge:
             raise RuntimeError(f"CPU experts failed in this decode step ({why}; code {code})") from exc
 
     def close(self) -> None:
+        self._pending = False
         self._cancel[0] = 1
         self._jobs.put(None)
         self._thread.join(timeout=5)
@@ -227,11 +246,10 @@ class CpuBridge:
         for k in ("experts", "secs"):
             t[k][:] = 0
         rc = bridge_step(seq, t, WORKER_TIMEOUT_S)
-        for i in range(t["L"]):
-            self.cpu_experts[i] += int(t["experts"][i])
-            self.cpu_seconds[i] += float(t["secs"][i])
-            self.kernel_seconds[i] += float(t["secs"][i])
         c, s = t["experts"], t["secs"]
+        self.cpu_experts += c
+        self.cpu_seconds += s
+        self.kernel_seconds += s
         on = c > 0
         c, s = c[on].astype(np.float64), s[on]
         self.fit += (len(c), c.sum(), s.sum(), (c * c).sum(), (c * s).sum())

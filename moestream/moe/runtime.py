@@ -77,6 +77,9 @@ class Part:
     def end_step(self, decode: bool) -> None:
         """A step's work is issued."""
 
+    def finish_step(self) -> None:
+        """The caller waited for the last issued step's results (raises what that step's own work raised)."""
+
     def close(self) -> None:
         """The runtime is done: threads and buffers go."""
 
@@ -163,8 +166,8 @@ class ExpertRuntime:
             part.begin_step(info or {}, not self.prefill_mode)
 
     def end_step(self) -> None:
-        """A step's work is issued: the decode strategy ends first (the bridge waits for its worker and raises
-        its failure), the other parts, the book and the tap in any case."""
+        """A step's work is issued: the decode strategy ends first, the other parts, the book and the tap in
+        any case. Nothing here waits for the GPU: finish_step does, after the caller waited for the results."""
         decode = not self.prefill_mode
         last, *rest = reversed(self._parts)
         try:
@@ -175,6 +178,12 @@ class ExpertRuntime:
             self.book.end_step(decode=decode)
             if self.tap is not None:
                 self.tap.end_step()
+
+    def finish_step(self) -> None:
+        """The caller has the last issued step's results (it waited for the GPU): the parts that work beside it
+        (the bridge's CPU worker) are waited for and raise that step's failure."""
+        for part in self._parts:
+            part.finish_step()
 
     def capturable(self, info: dict | None = None) -> bool:
         """True when a decode step touches no host state that depends on the route (no host sync), so

@@ -251,7 +251,7 @@ class BridgeDecode(Strategy):
         o = ctx.options
         self.ctx, self.cache = ctx, cache
         self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype)
-        self._bridged = False
+        self._bridged = self._observe = False
         layers = list(ctx.store.moe_layers)
         expert_bytes = sum(ctx.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
         self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs, expert_bytes) if split else None
@@ -292,9 +292,9 @@ class BridgeDecode(Strategy):
         c, t, k = b.cpu_experts, b.cpu_seconds, b.kernel_seconds
         out = {}
         for layer, i in b.index.items():
-            out[layer] = {"cpu_experts": c[i], "cpu_s": t[i], "cpu_kernel_s": k[i]}
+            out[layer] = {"cpu_experts": int(c[i]), "cpu_s": float(t[i]), "cpu_kernel_s": float(k[i])}
             if self.share is None:
-                out[layer].update(misses=c[i], expert_calls=c[i])
+                out[layer].update(misses=int(c[i]), expert_calls=int(c[i]))
         return out
 
     def begin_step(self, info: dict, decode: bool) -> None:
@@ -304,11 +304,17 @@ class BridgeDecode(Strategy):
             self.bridge.begin_step()
 
     def end_step(self, decode: bool) -> None:
-        """Waits for the step's work and raises a worker failure; then hybrid's share counts the step."""
+        """The step's work is launched: the bridge notes it (finish_step waits for it)."""
         if self._bridged:
             self._bridged = False
             self.bridge.end_step()
-        if self.share is not None and decode:
+            self._observe = True
+
+    def finish_step(self) -> None:
+        """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step."""
+        self.bridge.finish_step()
+        if self.share is not None and self._observe:
+            self._observe = False
             self.share.observe(self.bridge.fit)  # the worker's calls so far, read once per window
 
     def stats(self) -> dict:
