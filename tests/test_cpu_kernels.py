@@ -574,3 +574,17 @@ def test_qlinear_takes_the_fp4_kernel(name, monkeypatch):
     y_torch = qlinear(x, fmt, raw, (E, n, k), rows=(n, 2 * n))
     assert not calls and not torch.equal(y, y_torch)
     torch.testing.assert_close(y.float(), y_torch.float(), rtol=0.05, atol=0.05 * y_torch.float().abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 1024])
+def test_one_row_of_x_gives_the_floats_it_gives_among_others(name, k):
+    """One activation row (decode) gives bit for bit the outputs it gives computed beside other rows (another
+    pass width of the kernel), whatever the number of weight rows."""
+    raw = _weights(name, 42, k, seed=3)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    both = cpu_quant.qmatmul(x, raw, name)
+    for r in range(3):
+        assert torch.equal(cpu_quant.qmatmul(x[r:r + 1], raw, name)[0], both[r]), r
+    for rows in (1, 2, 3, 5, 9):  # chunks that end before a group of four does
+        assert torch.equal(cpu_quant.qmatmul(x[:1], raw[:rows], name)[0], both[0, :rows])
