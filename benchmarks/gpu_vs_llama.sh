@@ -167,6 +167,7 @@ report() {
     if [ "$MOE" = 1 ] && [ -n "${AB_TREE:-}" ]; then
       echo "== $(date -u +%T) [$(left) s left] moestream from $AB_TREE on $Q"
       LLJ=$(ls "$WORK"/llama_"$Q".json 2>/dev/null | head -1)
+      [ -z "$LLJ" ] && [ -n "$VRAM_FROM" ] && LLJ=$(realpath "$VRAM_FROM")  # LLAMA=0: the caps of an earlier run
       (cd "$AB_TREE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe \
         --model "$F" --quant "$Q" --work "$WORK/ab" --resume $SIZES --grid "${AB_GRID:-cpu@all}" --device "$DEVICE" \
         --config-s "$CONFIG_S" --measure-s "$MEASURE_S" --deadline-s "$(left)" ${LLJ:+--vram-from "$LLJ"})
