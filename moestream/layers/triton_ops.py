@@ -241,7 +241,8 @@ GDN_CHUNK_PRECISION: str | None = None
 # A kernel needing more makes the driver raise the limit for the context and reserve limit x SMs x threads per
 # SM of device memory, outside torch's allocator and never given back: the first launch at (bv 32, 8 warps,
 # ieee) spilled 7.2 KB per thread on an H200, 1.57 GiB more device memory than any plan counted.
-GDN_CHUNK_MAX_FRAME = 1024
+DRIVER_STACK_LIMIT = 1024  # CU_LIMIT_STACK_SIZE's default: every kernel's frame must fit it (tests/test_triton_frames.py)
+GDN_CHUNK_MAX_FRAME = DRIVER_STACK_LIMIT
 
 
 def gdn_chunk_launch(capability: tuple[int, int]) -> dict:
