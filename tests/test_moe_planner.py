@@ -150,3 +150,53 @@ def test_explicit_num_tokens_is_reserved_before_expert_slots():
     assert p.kv_tokens == 32768 and b.kv == 32768 * BIG.kv_bytes_per_token
     assert p.cache_slots > BIG.top_k
     assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv <= b.budget
+
+
+def test_prefill_chunks_shrink_before_a_plan_is_refused():
+    """Where the budget cannot hold the prefill workspace of --chunked-prefill-size tokens, the planner halves the
+    chunk (down to PREFILL_CHUNK_FLOOR) before refusing; a budget that fits keeps the asked chunk, and one that
+    no chunk fits is refused with the first error."""
+    from moestream.moe.planner import PREFILL_CHUNK_FLOOR, plan_fitting_chunk
+
+    import dataclasses
+
+    def sizes_for(e):  # the workspace follows the chunk, as model_sizes computes it (1 MiB a token here)
+        return dataclasses.replace(BIG, workspace_bytes=256 * MiB + e.chunked_prefill_size * MiB)
+
+    e = EngineConfig(moe_backend="offload", chunked_prefill_size=4096)
+    plan, used = plan_fitting_chunk(sizes_for, gpu(139), e)
+    assert used is e and plan.prefill_chunk == 4096  # room for everything: nothing changes
+    with pytest.raises(ConfigError):
+        plan_memory(sizes_for(e), gpu(6), e)  # 4 GiB of workspace does not fit a 5.4 GiB budget with the rest
+    plan, used = plan_fitting_chunk(sizes_for, gpu(6), e)
+    assert used.chunked_prefill_size < 4096 and plan.prefill_chunk == used.chunked_prefill_size
+    assert plan.bytes.workspace == 256 * MiB + used.chunked_prefill_size * MiB
+    b = plan.bytes
+    assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv <= b.budget
+    assert f"prefill chunks of {used.chunked_prefill_size} tokens" in plan.describe()
+    with pytest.raises(ConfigError, match="does not cover dense weights"):
+        plan_fitting_chunk(sizes_for, gpu(1.5), e)  # dense 1.5 GiB alone: no chunk helps
+    assert PREFILL_CHUNK_FLOOR <= used.chunked_prefill_size
+
+
+def test_engine_runs_with_the_chunk_its_plan_fitted(tiny_checkpoint, monkeypatch):
+    """The engine adopts the smaller chunk its plan needed (the scheduler computes prompts in chunks of it)."""
+    import moestream.engine.engine as eng_mod
+    from moestream.moe import planner
+
+    real = planner.plan_memory
+
+    def tight(m, hw, e, bw=None):  # this model's plan "fits" only with chunks of at most 512 tokens
+        if e.chunked_prefill_size > 512:
+            raise ConfigError("the cpu budget does not cover the workspace (test)")
+        return real(m, hw, e, bw)
+
+    monkeypatch.setattr(planner, "plan_memory", tight)
+    monkeypatch.setattr(eng_mod, "plan_memory", tight)
+    llm = LLM(tiny_checkpoint("qwen3"), device="cpu", chunked_prefill_size=2048)
+    assert llm.engine.ecfg.chunked_prefill_size == 512 and llm.engine.plan.prefill_chunk == 512
+    assert llm.llm_engine.scheduler.chunk == 512
+    from moestream import SamplingParams
+
+    out = llm.generate([[5] * 300], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 2

@@ -27,7 +27,7 @@ from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
 from ..moe.formats import dense_format
-from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_memory
+from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_fitting_chunk, plan_memory
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
 from ..batch import ForwardBatch
@@ -201,7 +201,7 @@ class Engine:
                 pass
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
-        self.plan = self._plan_memory(local, fmt)
+        self.plan = self._plan_memory(local, fmt, fit_chunk=True)
         # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
         # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
         # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
@@ -242,7 +242,7 @@ class Engine:
         log.info("dense layers hold %.2f GiB once loaded (%.2f planned): planning again", held / 2**30,
                  self.dense_bytes / 2**30)
         self.dense_bytes = held
-        self.plan = self._plan_memory(model, fmt)
+        self.plan = self._plan_memory(model, fmt, fit_chunk=True)
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         return store if store.device == home else store.moved_to(home)
 
@@ -394,21 +394,35 @@ class Engine:
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 
-    def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None) -> MoePlan:
+    def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None,
+                     fit_chunk: bool = False) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged.
-        e: the options to plan for (default: this engine's)."""
+        e: the options to plan for (default: this engine's). fit_chunk (while the engine is built, before the
+        scheduler takes its chunk size): where the budget cannot hold the prefill workspace of
+        --chunked-prefill-size tokens, plan smaller chunks before refusing, and run with them."""
         cfg, e = self.local_cfg, e or self.ecfg
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = dense_bytes_held(model)
         kv, state = self._cache_bytes(e)
         state *= e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
-        sizes = model_sizes(cfg, e, dense, self.max_seq_len, kv, state,
-                            fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size))
-        if self.use_mtp:  # the MTP layers' experts are placed like any layer's
-            sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
+        per_expert = fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size)
+
+        def sizes_for(opts: EngineConfig):
+            sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert)
+            if self.use_mtp:  # the MTP layers' experts are placed like any layer's
+                sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
+            return sizes
+
         bw = Bandwidths.from_profile(load_profile(self.device))
-        plan = plan_memory(sizes, self.hardware, e, bw)
+        if fit_chunk:
+            plan, used = plan_fitting_chunk(sizes_for, self.hardware, e, bw)
+            if used.chunked_prefill_size != e.chunked_prefill_size:
+                log.warning("the budget cannot hold prefill chunks of %d tokens (--chunked-prefill-size): prompts "
+                            "are computed %d tokens per step", e.chunked_prefill_size, used.chunked_prefill_size)
+                self.ecfg = self.ecfg.replace(chunked_prefill_size=used.chunked_prefill_size)
+        else:
+            plan = plan_memory(sizes_for(e), self.hardware, e, bw)
         for line in plan.describe().splitlines() if log_it else ():
             log.info("%s", line)
         return plan

@@ -9,6 +9,7 @@ served as a dict (`as_dict`, in /v1/stats and `llm.stats()`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..core import ConfigError
@@ -17,6 +18,7 @@ from .runtime import RuntimeOptions
 GiB = 1 << 30
 KV_RESERVE_TOKENS = 8192  # KV kept for requests before expert slots take the rest of the budget
 PREFILL_MAX_ROWS = 64  # rows per half of the prefill double buffer: enough to overlap, small in VRAM
+PREFILL_CHUNK_FLOOR = 256  # prompt tokens per step the planner may lower --chunked-prefill-size to before refusing
 HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x pinned PCIe GB/s
 # Under a --gpu-memory-gb cap on a GPU, kept free beyond the CUDA context: what the running engine holds
 # outside the plan's items (recorded decode graphs' pool, prefill temporaries beyond the workspace, kernel
@@ -105,6 +107,7 @@ class MoePlan:
     kv_tokens: int
     bytes: PlanBytes
     pcie_gbs: float = 0.0  # pinned host-to-device, from the bench profile (0: not measured)
+    prefill_chunk: int = 0  # tokens per prefill chunk the workspace is sized for (--chunked-prefill-size or less)
 
     @property
     def residency(self) -> float:
@@ -130,7 +133,7 @@ class MoePlan:
             f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}",
             f"  {self.device} budget {g(b.budget)} GiB: dense {g(b.dense)} + experts {g(b.experts_device)} + "
             f"prefill {g(b.prefill_buffer)} + KV {g(b.kv)} ({self.kv_tokens} tokens) + state {g(b.state)} + "
-            f"workspace {g(b.workspace)}" + (f"; CUDA context + runtime headroom {g(b.context)} GiB outside it" if b.context else ""),
+            f"workspace {g(b.workspace)} (prefill chunks of {self.prefill_chunk} tokens)" + (f"; CUDA context + runtime headroom {g(b.context)} GiB outside it" if b.context else ""),
             f"  host expert banks {g(b.host_banks)} GiB, pin budget {g(b.pin_budget)} GiB",
         ])
 
@@ -169,7 +172,27 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0,
                         context=hw.context_bytes + CAP_HEADROOM
                         if e.gpu_memory_gb is not None and hw.device != "cpu" else 0),
-        pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0)
+        pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0, prefill_chunk=e.chunked_prefill_size)
+
+
+def plan_fitting_chunk(sizes_for: Callable, hw: Hardware, e, bw: Bandwidths | None = None):
+    """plan_memory for the options e, or, where their budget cannot hold the prefill workspace of
+    --chunked-prefill-size tokens next to the rest, the plan for halved chunks (down to PREFILL_CHUNK_FLOOR tokens)
+    before refusing with the first error. sizes_for(options) -> ModelSizes (the workspace follows the chunk).
+    Returns (plan, the options it was made for: e itself, or e with the smaller chunk)."""
+    try:
+        return plan_memory(sizes_for(e), hw, e, bw), e
+    except ConfigError as err:
+        first = err
+    chunk = e.chunked_prefill_size
+    while chunk > PREFILL_CHUNK_FLOOR:
+        chunk = max(PREFILL_CHUNK_FLOOR, chunk // 2)
+        smaller = e.replace(chunked_prefill_size=chunk)
+        try:
+            return plan_memory(sizes_for(smaller), hw, smaller, bw), smaller
+        except ConfigError:
+            continue
+    raise first
 
 
 def host_need(m: ModelSizes, hw: Hardware, backend: str) -> dict[str, int]:
