@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -146,6 +145,8 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
+    from mem_probe import run_isolated
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--caps", default="4,8,12,24")
@@ -166,15 +167,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, args.model, "--one", cap, "--prompt", str(args.prompt), "--decode",
                str(args.decode), "--backend", args.backend, "--device", args.device]
         print(f"== cap {cap} GiB", flush=True)
-        t = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("@@result ")]
-            rec = json.loads(lines[-1][9:]) if lines else {"cap_gib": float(cap), "error": p.stderr[-2000:]}
-            print("\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("@@result")), flush=True)
-        except subprocess.TimeoutExpired:
-            rec = {"cap_gib": float(cap), "error": f"timeout after {args.timeout} s"}
-        rec["wall_s"] = round(time.perf_counter() - t, 1)
+        rec = run_isolated(cmd, args.timeout, {"cap_gib": float(cap)})
         results.append(rec)
         if "error" in rec:
             print("  error:", rec["error"][-800:], flush=True)

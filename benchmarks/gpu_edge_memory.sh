@@ -5,12 +5,7 @@
 # (benchmarks/edge_memory.py). -> $OUT/edge_memory.{json,md,log}
 #   CAPS ["4,8,12,24"]  PROMPT [32768]  DECODE [32]  QUANT [q4_k_m]  BACKEND [auto]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 Q=${QUANT:-q4_k_m}; F=${GGUF_DIR:-/dev/shm}/qwen36-$Q.gguf
 [ -f "$F" ] || python3 benchmarks/make_qwen36_q4km.py "$F" --quant "$Q" --vocab-from .peer/qwen3-tokenizer-gguf-fields.json 2>&1 | tail -1
 python3 benchmarks/edge_memory.py "$F" --caps "${CAPS:-4,8,12,24}" --prompt "${PROMPT:-32768}" --decode "${DECODE:-32}" \

@@ -5,12 +5,7 @@
 #   bash benchmarks/gpu_mem_probe.sh            # -> $OUT/mem_probe_*.json, $OUT/mem_probe.log, $OUT/ptx/
 # QUANTS ["q8_0 q4_k_m"], CONFIGS_q8_0 / CONFIGS_q4_k_m (mem_probe.py --configs), HOOKS [1]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 D=${GGUF_DIR:-/dev/shm}; HOOKS=${HOOKS-1}
 CONFIGS_q8_0=${CONFIGS_q8_0:-"fused@0,fused@0:eager,offload@3,hybrid@3"}
 CONFIGS_q4_k_m=${CONFIGS_q4_k_m:-"fused@0,offload@2"}

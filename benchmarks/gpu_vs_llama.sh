@@ -53,8 +53,7 @@
 #   A. KEEP_GGUF=1 QUANTS=q8_0 BUILD_GRID="fused@all;cpu@all" DURING_BUILD="bash benchmarks/gpu_tests.sh"
 #   B. KEEP_GGUF=1 QUANTS=q8_0                         (llama.cpp at every -ncmoe, then the default grid)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/device_env.sh  # $OUT, the carried wheels, this tree on PYTHONPATH
 T0=$(date +%s)
 QUANTS=${QUANTS:-"q8_0 q4_k_m"}; BUILD=${BUILD:-1}; LLAMA=${LLAMA:-1}; MOE=${MOE:-1}
 NCMOE=${NCMOE:-0,15,29,33,40}; DEADLINE_S=${DEADLINE_S:-540}; CONFIG_S=${CONFIG_S:-150}; MEASURE_S=${MEASURE_S:-20}
@@ -64,10 +63,6 @@ SIZES="--pp ${PP:-512} --tg ${TG:-64} --reps ${REPS:-2}"  # llama-bench -p / -n 
 WORK=${WORK:-/tmp/vs_work}; LL=/tmp/llama; mkdir -p "$WORK" "$LL"
 [ -n "$LLAMA_BIN" ] && BUILD=0
 BIN=${LLAMA_BIN:-$LL/build/bin}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 VOCAB=.peer/qwen3-tokenizer-gguf-fields.json
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 

@@ -148,6 +148,21 @@ def one(args) -> dict:
     return out
 
 
+def run_isolated(cmd: list[str], timeout: float, base: dict) -> dict:
+    """`cmd` in a process of its own (a fresh CUDA context): the JSON after its `@@result ` line, its other output
+    printed; base plus the error (stderr's tail, or the timeout) when it gives none; wall_s added."""
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("@@result ")]
+        rec = json.loads(lines[-1][9:]) if lines else {**base, "error": p.stderr[-3000:]}
+        print("\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("@@result")), flush=True)
+    except subprocess.TimeoutExpired:
+        rec = {**base, "error": f"timeout after {timeout} s"}
+    rec["wall_s"] = round(time.perf_counter() - t, 1)
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -164,18 +179,10 @@ def main() -> None:
         return
     results = []
     for cfg in args.configs.split(","):
-        t = time.perf_counter()
         cmd = [sys.executable, __file__, args.model, "--one", cfg] + (["--hooks"] if args.hooks else [])
         cmd += ["--dump-dir", args.dump_dir] if args.dump_dir else []
         print(f"== {cfg}", flush=True)
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("@@result ")]
-            rec = json.loads(lines[-1][9:]) if lines else {"config": cfg, "error": p.stderr[-3000:]}
-            print("\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("@@result")), flush=True)
-        except subprocess.TimeoutExpired:
-            rec = {"config": cfg, "error": "timeout"}
-        rec["wall_s"] = round(time.perf_counter() - t, 1)
+        rec = run_isolated(cmd, args.timeout, {"config": cfg})
         results.append(rec)
         for k in rec.get("triton_kernels", [])[:8]:
             print(f"  {k['kernel']:28s} local {k['local_bytes']:6d} regs {k['n_regs']} spills {k['n_spills']} "
