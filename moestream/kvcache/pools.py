@@ -13,6 +13,7 @@ memory when the pools are on a GPU), copied by the ops the prefix cache queues.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..core import MoestreamError
@@ -120,9 +121,16 @@ class KVPool:
             self.v[:, dst * P:dst * P + n].copy_(self.v[:, src * P:src * P + n])
 
     def flat_index(self, page_table: list[int], start: int, end: int, device) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        pages = torch.tensor(page_table, dtype=torch.long)[pos // self.page_size]
-        return (pages * self.page_size + pos % self.page_size).to(device)
+        """Pool rows of positions [start, end) of a sequence whose pages are `page_table` (int64). Built with
+        numpy: every step builds it for every running sequence, and five small torch ops cost ~0.1 ms a step
+        on a CPU, a third of a small model's batch building."""
+        ps = self.page_size
+        first, last = start // ps, (end - 1) // ps + 1 if end > start else start // ps
+        pages = np.asarray(page_table[first:last], dtype=np.int64)
+        rows = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()[start - first * ps:end - first * ps]
+        if len(rows) != max(end - start, 0):
+            raise IndexError(f"positions [{start}, {end}) run past the sequence's {len(page_table)} pages")
+        return torch.from_numpy(rows).to(device)
 
 
 class StatePool:

@@ -374,9 +374,14 @@ class CpuDecodePlan:
             st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
+        booked: dict = {}  # runtime -> (its layers, their rows of ids): one booking call per runtime
         for i, layer in enumerate(m.layers):
             if self.moe[i] is not None:
-                layer.mlp.runtime.book_host_call(layer.mlp.layer, ids[i])
+                ls, rows = booked.setdefault(id(layer.mlp.runtime), (layer.mlp.runtime, [], []))[1:]
+                ls.append(layer.mlp.layer)
+                rows.append(i)
+        for rt, ls, rows in booked.values():
+            rt.book_host_calls(ls, ids[rows])
 
     def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:
         """One compiled call per described layer and MoE block, the per-op path for the others: the final hidden
