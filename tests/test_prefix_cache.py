@@ -585,3 +585,24 @@ def test_a_request_that_outgrows_the_whole_kv_pool_finishes_with_length(tiny_che
     assert short_out.finish_reason == "length" and len(short_out.token_ids) == 10
     alone = llm.generate([short], sp)[0]
     assert short_out.token_ids == alone.token_ids
+
+
+def test_flat_index_is_every_position_through_the_page_table():
+    """KVPool.flat_index (built every step for every sequence): position p of a sequence is row
+    pages[p // page_size] * page_size + p % page_size of the pool, for any range; past the pages it raises."""
+    import random
+
+    from moestream.kvcache.pools import KVPool
+
+    kv = KVPool(1, 64, 4, 1, 2, torch.float32, torch.device("cpu"))
+    ps = kv.page_size
+    rng = random.Random(0)
+    for _ in range(300):
+        pages = rng.sample(range(64), rng.randint(1, 12))
+        start = rng.randint(0, len(pages) * ps)
+        end = rng.randint(start, len(pages) * ps)
+        want = [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        got = kv.flat_index(pages, start, end, "cpu")
+        assert got.dtype == torch.int64 and got.tolist() == want, (pages, start, end)
+    with pytest.raises(IndexError):
+        kv.flat_index([3, 5], 0, 2 * ps + 1, "cpu")
