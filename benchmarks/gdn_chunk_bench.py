@@ -70,26 +70,14 @@ STAGES = (1,)
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
-LOCAL: dict = {}
+def local_bytes() -> int:
+    """Local memory per thread of the chunk kernel this process compiled (its one launch setting): spilled
+    registers, which the driver reserves for every thread the GPU can hold, outside torch's allocator."""
+    from mem_probe import CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, func_attr
 
-
-def compiled() -> list:
-    return [k for cache in triton_ops._gdn_chunk_kernel.device_caches.values() for k in cache[0].values()]
-
-
-def local_bytes(key, n_before: int) -> int:
-    """Local memory per thread of the chunk kernel compiled for `key` (spilled registers: the driver reserves it
-    for every thread the GPU can hold, outside torch's allocator)."""
-    import ctypes
-    kernels = compiled()
-    if len(kernels) == n_before:
-        return LOCAL.get(key, -1)
-    k = kernels[-1]
+    k = [k for cache in triton_ops._gdn_chunk_kernel.device_caches.values() for k in cache[0].values()][-1]
     k._init_handles()
-    v = ctypes.c_int(0)
-    ctypes.CDLL("libcuda.so.1").cuFuncGetAttribute(ctypes.byref(v), 3, ctypes.c_void_p(k.function))
-    LOCAL[key] = v.value
-    return v.value
+    return func_attr(k.function, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
 
 
 def sweep_launch(L, u0, w, q_dec, qk, k_dec, last, state, reps: int) -> None:
@@ -114,9 +102,8 @@ def one_launch(spec: str, reps: int) -> None:
                                               bv=32, num_warps=8, num_stages=1)
     run = lambda: triton_ops.gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state,  # noqa: E731
                                             precision=prec, bv=bv, num_warps=warps, num_stages=stages)
-    n_before = len(compiled())
     ms = time_ms(run, reps)
-    local = local_bytes((bv, warps, stages, prec), n_before)
+    local = local_bytes()
     o, s, _ = run()
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o, ref), (s, ref_s)))
     print(f"L={L} scan bv={bv} warps={warps} stages={stages} {prec}: {ms:.3f} ms, "

@@ -131,7 +131,7 @@ def test_kernel_compiles_within_shared_memory_and_without_a_big_frame(arch, snap
     k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, launch, arch=arch)
     assert f".target sm_{arch}" in k.asm["ptx"]
     assert k.metadata.shared <= (SM90_SHARED if arch >= 90 else 99 * 1024), k.metadata.shared
-    assert frame_bytes(k) <= triton_ops.GDN_CHUNK_MAX_FRAME, frame_bytes(k)
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT, frame_bytes(k)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -139,7 +139,7 @@ def test_frame_check_sees_a_spilling_launch():
     """The frame test can fail: ieee (FMA) dots at bv 32 with 4 warps spill kilobytes per thread."""
     consts = {"DK": 128, "DV": 128, "C": 64, "BV": 32, "SNAP": False, "PREC": "ieee", "N_STATIC": 0}
     k = compile_sm90(triton_ops._gdn_chunk_kernel, SIG, consts, {"num_warps": 4, "num_stages": 1})
-    assert frame_bytes(k) > 4 * triton_ops.GDN_CHUNK_MAX_FRAME
+    assert frame_bytes(k) > 4 * triton_ops.DRIVER_STACK_LIMIT
 
 
 # --------------------------------------------------------------------------- CUDA

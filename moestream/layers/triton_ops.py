@@ -242,12 +242,11 @@ GDN_CHUNK_PRECISION: str | None = None
 # SM of device memory, outside torch's allocator and never given back: the first launch at (bv 32, 8 warps,
 # ieee) spilled 7.2 KB per thread on an H200, 1.57 GiB more device memory than any plan counted.
 DRIVER_STACK_LIMIT = 1024  # CU_LIMIT_STACK_SIZE's default: every kernel's frame must fit it (tests/test_triton_frames.py)
-GDN_CHUNK_MAX_FRAME = DRIVER_STACK_LIMIT
 
 
 def gdn_chunk_launch(capability: tuple[int, int]) -> dict:
     """Launch settings of the chunk kernel for a GPU of this compute capability (tests/test_gdn_triton.py
-    compiles each for sm_75..sm_90 and checks the frame stays within GDN_CHUNK_MAX_FRAME).
+    compiles each for sm_75..sm_90 and checks the frame stays within DRIVER_STACK_LIMIT).
     Ampere and later: TF32x3 dots at (bv 16, 4 warps): no spill frame over 288 B, and on the H200 the fastest
     fp32-accurate setting (scan of pp4096 0.78 ms vs 2.05 ms for the earlier ieee (32, 8) launch; pp64 0.14 vs
     0.45 ms; benchmarks/gdn_chunk_bench.py --sweep). tf32x3 at (16, 8) and (32, 16) faulted there (illegal

@@ -374,14 +374,9 @@ class CpuDecodePlan:
             st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
-        booked: dict = {}  # runtime -> (its layers, their rows of ids): one booking call per runtime
-        for i, layer in enumerate(m.layers):
-            if self.moe[i] is not None:
-                ls, rows = booked.setdefault(id(layer.mlp.runtime), (layer.mlp.runtime, [], []))[1:]
-                ls.append(layer.mlp.layer)
-                rows.append(i)
-        for rt, ls, rows in booked.values():
-            rt.book_host_calls(ls, ids[rows])
+        moe = [i for i in range(len(m.layers)) if self.moe[i] is not None]
+        if moe:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
+            m.layers[moe[0]].mlp.runtime.book_host_calls([m.layers[i].mlp.layer for i in moe], ids[moe])
 
     def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:
         """One compiled call per described layer and MoE block, the per-op path for the others: the final hidden

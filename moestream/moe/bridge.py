@@ -115,11 +115,12 @@ class CpuBridge:
             self._step_done.record(torch.cuda.current_stream(self.device))
         self._pending = True
 
-    def finish_step(self) -> None:
+    def finish_step(self) -> bool:
         """The last ended step is complete: wait for its GPU work (done already when the caller has read the
-        step's results), release the worker from requests that will not come, raise a failure of that step."""
+        step's results), release the worker from requests that will not come, raise a failure of that step.
+        False when no step was pending."""
         if not self._pending:
-            return
+            return False
         self._pending = False
         if self._step_done is not None:
             self._step_done.synchronize()
@@ -132,6 +133,7 @@ class CpuBridge:
             self.failure, self._err[0] = None, 0
             why = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer from the CPU expert worker"
             raise RuntimeError(f"CPU experts failed in this decode step ({why}; code {code})") from exc
+        return True
 
     def close(self) -> None:
         self._pending = False

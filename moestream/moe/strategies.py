@@ -251,7 +251,7 @@ class BridgeDecode(Strategy):
         o = ctx.options
         self.ctx, self.cache = ctx, cache
         self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype)
-        self._bridged = self._observe = False
+        self._bridged = False
         layers = list(ctx.store.moe_layers)
         expert_bytes = sum(ctx.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
         self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs, expert_bytes) if split else None
@@ -308,13 +308,10 @@ class BridgeDecode(Strategy):
         if self._bridged:
             self._bridged = False
             self.bridge.end_step()
-            self._observe = True
 
     def finish_step(self) -> None:
         """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step."""
-        self.bridge.finish_step()
-        if self.share is not None and self._observe:
-            self._observe = False
+        if self.bridge.finish_step() and self.share is not None:
             self.share.observe(self.bridge.fit)  # the worker's calls so far, read once per window
 
     def stats(self) -> dict:
