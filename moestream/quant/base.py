@@ -497,7 +497,7 @@ def qlinear(x: torch.Tensor, fmt: "QuantFormat", raw: Raw, shape, *, rows: tuple
     slower there; the result is still rounded to ``x.dtype``). On CPU the default
     tile is ``default_tile_rows(K)`` rows, so a big matrix is never dense at once; on a GPU it is the
     whole row range (one Triton decode, one GEMM). Each output column is one GEMM dot product over
-    K, so the result does not depend on the tiling (tests/test_quant.py checks this bit for bit).
+    K, so the result depends on the tiling only through the BLAS's summation order (tests/test_quant.py).
     """
     shape = norm_shape(shape)
     k = shape[-1]
