@@ -252,6 +252,10 @@ class CpuDecodePlan:
             self.moe.append(moe[0] if moe else None)
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
             self._runtimes.append(layer.mlp.runtime if moe else None)  # whose table it is
+        # the described MoE blocks: (layer index, block), their layer ids in the runtime's book
+        self._blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if self.moe[i] is not None]
+        self._moe_idx = [i for i, _ in self._blocks]
+        self._moe_layers = [block.layer for _, block in self._blocks]
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self.stack = self._stack_arrays(model)
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
@@ -323,7 +327,8 @@ class CpuDecodePlan:
         linear-attention state slots."""
         pos = batch.positions.to(torch.int64).contiguous()
         slot = batch.kv_write_index.to(torch.int64).contiguous()
-        idx = torch.cat([s.kv_index for s in batch.seqs]).to(torch.int64).contiguous()
+        seqs = batch.seqs
+        idx = (seqs[0].kv_index if len(seqs) == 1 else torch.cat([s.kv_index for s in seqs])).to(torch.int64).contiguous()
         off = np.zeros(len(batch.seqs) + 1, dtype=np.int64)
         off[1:] = np.cumsum([s.total for s in batch.seqs])
         states = (batch.state_slots.to(torch.int64).contiguous() if batch.state_slots is not None
@@ -354,8 +359,7 @@ class CpuDecodePlan:
         x = torch.empty_like(h)
         arrays = self.step_arrays(batch)
         nthreads = cpu_quant.threads()
-        if self.stack is not None and all(self._moe_now(i, layer.mlp) for i, layer in enumerate(m.layers)
-                                          if self.moe[i] is not None):
+        if self.stack is not None and all(self._moe_now(i, block) for i, block in self._blocks):
             self._run_stack(h, x, arrays, nthreads)
             self.stack_steps += 1
             return x
@@ -374,9 +378,9 @@ class CpuDecodePlan:
             st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
-        moe = [i for i in range(len(m.layers)) if self.moe[i] is not None]
-        if moe:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
-            m.layers[moe[0]].mlp.runtime.book_host_calls([m.layers[i].mlp.layer for i in moe], ids[moe])
+        if self._blocks:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
+            self._blocks[0][1].runtime.book_host_calls(
+                self._moe_layers, ids if len(self._moe_idx) == len(ids) else ids[self._moe_idx])
 
     def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:
         """One compiled call per described layer and MoE block, the per-op path for the others: the final hidden

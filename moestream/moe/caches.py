@@ -225,9 +225,9 @@ class HostSlots(SlotPool):
         """The slot of (layer, expert), or None (no LRU update)."""
         return self.residency.lookup((layer, expert))
 
-    def note_miss(self, layer: int, expert: int) -> None:
-        """A miss computed on the CPU: counted, nothing admitted."""
-        self.residency.note_miss((layer, expert))
+    def note_misses(self, layer: int, n: int) -> None:
+        """n misses of `layer` computed on the CPU: counted, nothing admitted (no policy sees a miss)."""
+        self.residency.note_misses(layer, n)
 
     def resident_rows(self, layer: int, experts: list[int]) -> dict[int, int]:
         """expert -> slot of those of `experts` that are in the slot cache (no LRU update)."""

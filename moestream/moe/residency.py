@@ -300,9 +300,9 @@ class Residency:
                 for e in batch:
                     self.unpin((layer, e))
 
-    def note_miss(self, key: Key) -> None:
-        """A miss served without a slot (computed on CPU): counted, nothing inserted."""
-        self.counts[key[0]].misses += 1
+    def note_misses(self, layer: int, n: int) -> None:
+        """n misses of `layer` served without a slot (computed on CPU): counted, nothing inserted."""
+        self.counts[layer].misses += n
 
     def touch(self, key: Key) -> bool:
         """Mark recently used without counting (prefetch protects predicted residents this way)."""

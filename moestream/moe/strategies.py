@@ -89,8 +89,7 @@ class HostCompute:
 
     def book(self, layer: int, experts: list[int]) -> None:
         """Counts `experts` of `layer` as misses (not admitted) and CPU experts."""
-        for e in experts:
-            self.cache.note_miss(layer, e)
+        self.cache.note_misses(layer, len(experts))
         self.ctx.book[layer].cpu_experts += len(experts)
 
     def submit(self, layer: int, x, topk_w, groups: RouteGroups, experts: list[int], inline: bool = False):

@@ -358,7 +358,7 @@ void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, i
 
 // Positions per attention work item: chunks of a row's positions split the work over the threads whatever the
 // heads (flash-decoding's split: each chunk's softmax is local, the chunks are combined by their maxima).
-constexpr int64_t ATT_CHUNK = 256;
+constexpr int64_t ATT_CHUNK = 64;
 
 // attention of every row over its cached positions: att [B, nh * hd]. Work items are (row, chunk of up to
 // ATT_CHUNK positions); per head the chunks combine as sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the
