@@ -263,6 +263,34 @@ def test_threads_split_rows_without_changing_results():
     assert torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("force_scalar", [0, 1])
+def test_segments_in_one_call_equal_one_call_each(force_scalar):
+    """ms_qmatmul_segs (a layer's separate q, k, v of mixed types in one parallel region, x quantized once per
+    activation form): every segment's columns are the floats its own ms_qmatmul call gives; a type the kernels
+    lack is refused."""
+    K, mod = 512, cpu_quant.module()
+    specs = [("Q4_K", 64), ("Q6_K", 16), ("Q8_0", 24), ("BF16", 8), ("Q4_0", 8)]
+    raws = [_weights(t, n, K, seed=i) for i, (t, n) in enumerate(specs)]
+    x = torch.randn(5, K)
+    total = sum(n for _, n in specs)
+    segs = np.array([[r.data_ptr(), cpu_quant.TYPES[t], r.stride(0), n] for (t, n), r in zip(specs, raws)],
+                    dtype=np.int64)
+    out = torch.full((5, total + 3), float("nan"))
+    assert mod.ms_qmatmul_segs(x.data_ptr(), 5, K, len(specs), segs.ctypes.data, out.data_ptr(), total + 3, 2,
+                               force_scalar) == 0
+    col = 0
+    for (t, n), r in zip(specs, raws):
+        own = torch.empty(5, n)
+        assert mod.ms_qmatmul(x.data_ptr(), 5, K, r.data_ptr(), n, r.stride(0), cpu_quant.TYPES[t], own.data_ptr(), n,
+                              2, force_scalar) == 0
+        assert torch.equal(out[:, col:col + n], own), t
+        col += n
+    assert out[:, total:].isnan().all()  # nothing written past the segments' columns
+    segs[1, 1] = 99  # no such type
+    assert mod.ms_qmatmul_segs(x.data_ptr(), 5, K, len(specs), segs.ctypes.data, out.data_ptr(), total + 3, 2,
+                               force_scalar) == -1
+
+
 def test_bad_row_bytes_are_refused():
     raw = _weights("Q8_0", 4, 64)
     with pytest.raises(ValueError):

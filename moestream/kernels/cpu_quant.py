@@ -183,6 +183,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_fp4_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int,
                                   ctypes.c_int]
     lib.ms_fp4_matmul.restype = ctypes.c_int
+    lib.ms_qmatmul_segs.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.ms_qmatmul_segs.restype = ctypes.c_int
     lib.ms_dequant_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.ms_dequant_rows.restype = ctypes.c_int
     lib.ms_set_iq3s_grid.argtypes = [ptr]

@@ -35,6 +35,8 @@
 
 extern "C" int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws,
                           int64_t type, float* op, int64_t os, int nthreads, int force_scalar);
+extern "C" int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const int64_t* segs, float* op,
+                               int64_t os, int nthreads, int force_scalar);
 extern "C" int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
                             const int64_t* wptr, const int64_t* wtype, const int64_t* gstart, const int64_t* prow,
                             const float* pw, const int64_t* pdst, float* out, int64_t nout, int64_t os,
@@ -307,6 +309,29 @@ int matmul(const float* x, int64_t B, int64_t K, const void* w, int64_t N, int64
   return ms_qmatmul(x, B, K, (const uint8_t*)w, N, ws, type, out, os, nt, 0);
 }
 
+// out [B, sum rows] = x @ [W_0; ...; W_{ns-1}].T for ns weights given as (address, type, row stride) triples at w
+// (3 apart) with rows[s] rows each: one ms_qmatmul_segs call (x quantized once, one parallel region) where no weight
+// is float32 rows, else one matmul per weight. The columns are the same either way.
+int matmul_segs(const float* x, int64_t B, int64_t K, const int64_t* w, int64_t ns, const int64_t* rows, float* out,
+                int64_t os, int nt) {
+  bool f32 = false;
+  for (int64_t s = 0; s < ns; ++s) f32 = f32 || w[3 * s + 1] == 0;
+  if (ns > 1 && !f32) {
+    int64_t segs[4 * 16];
+    if (ns > 16) return -1;
+    for (int64_t s = 0; s < ns; ++s)
+      segs[4 * s] = w[3 * s], segs[4 * s + 1] = w[3 * s + 1], segs[4 * s + 2] = w[3 * s + 2], segs[4 * s + 3] = rows[s];
+    return ms_qmatmul_segs(x, B, K, ns, segs, out, os, nt, 0);
+  }
+  int64_t col = 0;
+  for (int64_t s = 0; s < ns; ++s) {
+    const int rc = matmul(x, B, K, (const void*)w[3 * s], rows[s], w[3 * s + 2], w[3 * s + 1], out + col, os, nt);
+    if (rc) return rc;
+    col += rows[s];
+  }
+  return 0;
+}
+
 int64_t seg_rows(const int64_t* d, int64_t qrows, int64_t kvrows, int s) {
   if (d[D_NSEG] == 1) return qrows + 2 * kvrows;
   return s == 0 ? qrows : kvrows;
@@ -315,16 +340,9 @@ int64_t seg_rows(const int64_t* d, int64_t qrows, int64_t kvrows, int s) {
 // q|k|v for B rows of x: qkv [B, qrows + 2 kvrows]
 int project_qkv(const int64_t* d, const float* x, int64_t B, int64_t H, int64_t qrows, int64_t kvrows, float* qkv,
                 int nt) {
-  const int64_t width = qrows + 2 * kvrows;
-  int64_t col = 0;
-  for (int s = 0; s < d[D_NSEG]; ++s) {
-    const int64_t* g = d + D_SEG0 + 3 * s;
-    const int64_t rows = seg_rows(d, qrows, kvrows, s);
-    const int rc = matmul(x, B, H, (const void*)g[0], rows, g[2], g[1], qkv + col, width, nt);
-    if (rc) return rc;
-    col += rows;
-  }
-  return 0;
+  int64_t rows[3];
+  for (int s = 0; s < d[D_NSEG]; ++s) rows[s] = seg_rows(d, qrows, kvrows, s);
+  return matmul_segs(x, B, H, d + D_SEG0, d[D_NSEG], rows, qkv, qrows + 2 * kvrows, nt);
 }
 
 // q/k norms, rotary and the KV write for row b; q_out [nh, hd] (gate split off), gate [nh, hd] or null
@@ -567,16 +585,9 @@ GdnDims gdn_dims(const int64_t* g) {
 
 // the in-projections of B rows: proj [B, P], columns [mixed q|k|v (cd) | z (vd) | b (Hv) | a (Hv)]
 int gdn_project(const int64_t* g, const GdnDims& n, const float* x, int64_t B, float* proj, int nt) {
-  const int64_t rows4[4] = {n.cd, n.vd, n.hv, n.hv};
-  int64_t col = 0;
-  for (int s = 0; s < g[G_NSEG]; ++s) {
-    const int64_t* w = g + G_SEG0 + 3 * s;
-    const int64_t rows = g[G_NSEG] == 1 ? n.P : rows4[s];
-    const int rc = matmul(x, B, n.H, (const void*)w[0], rows, w[2], w[1], proj + col, n.P, nt);
-    if (rc) return rc;
-    col += rows;
-  }
-  return 0;
+  int64_t rows[4] = {n.cd, n.vd, n.hv, n.hv};
+  if (g[G_NSEG] == 1) rows[0] = n.P;
+  return matmul_segs(x, B, n.H, g + G_SEG0, g[G_NSEG], rows, proj, n.P, nt);
 }
 
 // one row's causal depthwise conv over its window (the K-1 stored inputs, then this one; the window moves on

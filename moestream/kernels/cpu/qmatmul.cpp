@@ -1555,38 +1555,70 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
 
 // out [n, N] (rows os floats apart) = x [n, K] @ W.T for the N rows of m: x quantized once in the form m's type
 // reads, W's rows split over the threads (at least ~32 KiB of weights each, so the start-up stays small).
-void matmul(const Mat& m, const float* xf, int64_t n, int64_t K, int64_t N, float* op, int64_t os, int nthreads,
-            bool scalar) {
-  const int64_t type = m.type;
+// One segment of matmul_segs: N rows of m, written to output columns col .. col + N - 1.
+struct Seg {
+  Mat m;
+  int64_t N = 0, col = 0;
+};
+
+// out [n, sum N] (rows os floats apart) = x [n, K] @ [W_0; W_1; ...].T for segments of possibly different types
+// (a layer's q, k and v of a Q4_K_M file): x quantized once per activation form the types read, one parallel region
+// over all the rows. Each output is the product a one-segment call gives (the same rows, the same activations).
+void matmul_segs(const std::vector<Seg>& segs, const float* xf, int64_t n, int64_t K, float* op, int64_t os,
+                 int nthreads, bool scalar) {
+  bool want_q = false, want_k = false, want_f4 = false;
+  int64_t rows_total = 0, rb = 1;
+  for (const Seg& g : segs) {
+    const int64_t t = g.m.type;
+    if (is_k_type(t)) want_k = true;
+    else if (is_hf_fp4(t)) want_f4 = true;
+    else if (!is_float_type(t)) want_q = true;
+    rows_total += g.N, rb = std::max(rb, row_bytes(t, K));
+  }
   QAct qx;
   QActK qk;
   QActF4 qf;
-  if (is_float_type(type)) qx.K = K;
-  else if (is_k_type(type)) {
+  qx.K = K;
+  if (want_k) {
     qk.resize(n, K);
     par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         quantize_row_k(xf + r * K, K, qk.q.data() + r * K, qk.d.data() + r * qk.nb, qk.bs.data() + r * (K / 16));
     });
-  } else if (is_hf_fp4(type)) {
+  }
+  if (want_f4) {
     qf.resize(n, K);
     par_for(n, 16, nthreads, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) qf.quantize(xf + r * K, r);
     });
-  } else qx = quantize(xf, n, K, nthreads);
-  const int64_t grain =
-      std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, row_bytes(type, K) * std::max<int64_t>(1, n / 4)));
-  std::vector<int64_t> rows(n);
+  }
+  if (want_q) qx = quantize(xf, n, K, nthreads);
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, rb * std::max<int64_t>(1, n / 4)));
+  std::vector<int64_t> rows(n), first(segs.size() + 1, 0);
   for (int64_t r = 0; r < n; ++r) rows[r] = r;
-  XSet xs;
-  make_xset(xs, type, qx, qf, qk, xf, K, rows.data(), n);
-  par_for(N, grain, nthreads, [&](int64_t i0, int64_t i1) {
+  std::vector<XSet> xs(segs.size());
+  for (size_t j = 0; j < segs.size(); ++j) {
+    make_xset(xs[j], segs[j].m.type, qx, qf, qk, xf, K, rows.data(), n);
+    first[j + 1] = first[j] + segs[j].N;
+  }
+  par_for(rows_total, grain, nthreads, [&](int64_t i0, int64_t i1) {
     std::vector<float> o(n);
+    size_t j = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
-      row_dots(m, i, scalar, K, xs, o.data());
-      for (int64_t k = 0; k < n; ++k) op[k * os + i] = o[k];
+      while (i >= first[j + 1]) ++j;
+      const Seg& g = segs[j];
+      const int64_t li = i - first[j];
+      row_dots(g.m, li, scalar, K, xs[j], o.data());
+      for (int64_t k = 0; k < n; ++k) op[k * os + g.col + li] = o[k];
     }
   });
+}
+
+void matmul(const Mat& m, const float* xf, int64_t n, int64_t K, int64_t N, float* op, int64_t os, int nthreads,
+            bool scalar) {
+  Seg g;
+  g.m = m, g.N = N;
+  matmul_segs({g}, xf, n, K, op, os, nthreads, scalar);
 }
 
 double now_s() {
@@ -1654,6 +1686,24 @@ int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t
   Mat m;
   m.type = type, m.w = wp, m.ws = ws;
   matmul(m, xf, n, K, N, op, os, nthreads, force_scalar);
+  return 0;
+}
+
+// Several weights of K columns against the same x (a layer's separate q, k and v, of any types ms_qmatmul reads):
+// segs [nseg][4] = (address, type, row stride in bytes, rows N) each; out [n, sum N] (rows os floats apart) takes
+// the segments' columns in order. x is quantized once per activation form and all rows share one parallel region;
+// each segment's columns are what ms_qmatmul gives it. Returns 0, or -1 for a segment ms_qmatmul would refuse.
+int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const int64_t* segs, float* op, int64_t os,
+                    int nthreads, int force_scalar) {
+  std::vector<Seg> v(nseg);
+  int64_t col = 0;
+  for (int64_t j = 0; j < nseg; ++j) {
+    const int64_t* s = segs + 4 * j;
+    if (row_bytes(s[1], K) <= 0 || K % block_size(s[1]) || is_hf_fp4(s[1]) || s[3] < 0) return -1;
+    v[j].m.type = s[1], v[j].m.w = (const uint8_t*)s[0], v[j].m.ws = s[2], v[j].N = s[3], v[j].col = col;
+    col += s[3];
+  }
+  matmul_segs(v, xf, n, K, op, os, nthreads, force_scalar);
   return 0;
 }
 
