@@ -266,3 +266,33 @@ def test_fused_block_with_its_own_router(tmp_path, tiny_checkpoint, monkeypatch)
         plan = llm.engine.model.cpu_decode
     assert all(d is not None and d[M["FW"]] and not d[M["FROUTER"]] and d[M["RW"]] for d in plan.moe)
     assert plan.steps >= 7 and runs["0"] == runs["1"]
+
+
+@pytest.mark.parametrize("kind,qtype", [("qwen3", "Q8_0"), ("llama", "Q4_0"),
+                                        ("qwen35_attn", "Q8_0")])
+def test_one_call_step_gives_the_stack_calls_logits(kind, qtype, tmp_path, tiny_checkpoint):
+    """ms_decode_logits (embedding, every layer, final norm and vocabulary head in one call) against the stack call
+    followed by the head module: the same logits to the bit (top-5 log-probabilities of every step, batch of 2),
+    the same tokens; a step where not every row samples (prompt logprobs) or a plan without its stack call takes the
+    other path."""
+    from moestream import LLM, SamplingParams
+
+    path = _gguf(kind, qtype, tmp_path, tiny_checkpoint)
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, temperature=0))  # the plan is made at a decode step
+    plan = llm.engine.model.cpu_decode
+    assert plan.io is not None, "the tiny GGUF's embedding and head are ones the one-call step computes"
+    calls = []
+    one_call = plan.logits
+    plan.logits = lambda batch: calls.append(batch.input_ids.numel()) or one_call(batch)
+    runs = {}
+    for mode in ("one_call", "stack"):
+        if mode == "stack":
+            plan.logits = lambda batch: None
+        outs = llm.generate(PROMPTS[:2], sp)
+        runs[mode] = [(o.token_ids, o.logprobs) for o in outs]
+        assert all(o.logprobs and len(o.logprobs) == 6 for o in outs)
+    assert calls and max(calls) == 2  # batch-2 decode steps went through the one call
+    assert runs["one_call"] == runs["stack"]
+    llm.close()

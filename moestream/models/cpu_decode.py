@@ -30,7 +30,8 @@ from ..kernels import cpu_quant
 from ..kernels.linear import Linear
 from ..layers.attention import Attention
 from ..layers.norm import RMSNorm
-from ..layers.quant_linear import FusedQuantLinear, QuantLinear
+from ..layers.quant_linear import FusedQuantLinear, QuantEmbedding, QuantLinear
+from ..quant.base import CPU_FLOAT_KERNEL_MAX_ROWS, FLOAT_KERNEL_TYPES
 from .fuse import FusedLinear
 
 # slots of the layer description: the same order as decode.cpp's D_* enum
@@ -221,6 +222,34 @@ def _mlp_fields(mlp) -> tuple | None:
     return None if any(w is None for w in ws) else (mlp.gate_proj.out_features, ws)
 
 
+_IO_FIELDS = ["EMB_W", "EMB_T", "EMB_S", "EMB_N", "TOKENS", "HEAD_W", "HEAD_T", "HEAD_S", "HEAD_N", "LOGITS"]
+IO = {name: i for i, name in enumerate(_IO_FIELDS)}  # decode.cpp's IO_* enum (ms_decode_logits)
+Q8_0_FLOAT_HEAD = -8  # ms_decode_logits' head type for Q8_0 rows against float32 activations
+
+
+def _io_fields(model) -> tuple[np.ndarray, bool] | None:
+    """(ms_decode_logits' embedding and head fields, whether the head takes only a few rows) when the embedding and
+    the vocabulary head are ones its kernels compute as the per-op path does; else None."""
+    e, head = model.embed_tokens, model.lm_head
+    io = np.zeros(len(_IO_FIELDS), dtype=np.int64)
+    if type(e) is QuantEmbedding and e.type_id is not None and e.raw.device.type == "cpu" and e.raw.stride(1) == 1 \
+            and e.fmt.type_name not in ("IQ4_XS", "IQ3_S") and cpu_quant.supports(e.fmt.type_name):
+        io[[IO["EMB_W"], IO["EMB_T"], IO["EMB_S"], IO["EMB_N"]]] = (e.raw.data_ptr(), e.type_id, e.raw.stride(0),
+                                                                    e.num_embeddings)
+    elif type(e) is nn.Embedding and _f32(e.weight) is not None and e.weight.dim() == 2:
+        io[[IO["EMB_W"], IO["EMB_T"], IO["EMB_S"], IO["EMB_N"]]] = (e.weight.data_ptr(), 0, e.weight.stride(0) * 4,
+                                                                    e.weight.shape[0])
+    else:
+        return None
+    if type(head) is not QuantLinear or head.type_id is None or head.raw.device.type != "cpu" \
+            or not cpu_quant.supports(head.fmt.type_name):
+        return None
+    t = Q8_0_FLOAT_HEAD if head.float_activations else head.type_id
+    io[[IO["HEAD_W"], IO["HEAD_T"], IO["HEAD_S"], IO["HEAD_N"]]] = (head.raw.data_ptr(), t, head.raw.stride(0),
+                                                                    head.out_features)
+    return io, head.float_activations or head.fmt.type_name in FLOAT_KERNEL_TYPES
+
+
 class CpuDecodePlan:
     """Per layer: a description for ms_decode_layer (an attention layer, with or without its dense MLP) or for
     ms_gdn_decode (a Gated DeltaNet layer), or None (per-op path); `kinds` says which."""
@@ -258,6 +287,7 @@ class CpuDecodePlan:
         self._moe_layers = [block.layer for _, block in self._blocks]
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self.stack = self._stack_arrays(model)
+        self.io = _io_fields(model) if self.stack is not None else None  # the whole step in one call
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
         self._state = None  # the same for the linear-attention state pool
         self.steps = 0  # decode steps run through the plan
@@ -365,6 +395,44 @@ class CpuDecodePlan:
             return x
         return m.norm(self._per_layer(h, x, arrays, nthreads, batch))
 
+    def logits(self, batch) -> torch.Tensor | None:
+        """The step's logits [B, vocab] from one ms_decode_logits call (embedding, every layer, final norm, head)
+        where the plan describes all of it and every row samples; None otherwise (nothing run: `forward`)."""
+        B = batch.input_ids.shape[0]
+        li = batch.logits_index
+        if self.io is None or self.stack is None or li.numel() != B or int(li[-1]) != B - 1 or (self.io[1] and B > CPU_FLOAT_KERNEL_MAX_ROWS) \
+                or not all(self._moe_now(i, block) for i, block in self._blocks):
+            return None
+        m = self.model
+        self.steps += 1
+        self.stack_steps += 1
+        self._point_at(m.caches.kv, getattr(m.caches, "state", None))
+        pos, slot, idx, off, states = self.step_arrays(batch)
+        st, k, H = self.stack, max(1, m.cfg.top_k), m.cfg.hidden_size
+        h, x = torch.empty(B, H), torch.empty(B, H)
+        io = self.io[0].copy()
+        tokens = batch.input_ids.to(torch.int64).contiguous()
+        out = torch.empty(B, int(io[IO["HEAD_N"]]))
+        io[IO["TOKENS"]], io[IO["LOGITS"]] = tokens.data_ptr(), out.data_ptr()
+        ids = np.empty((len(self.descs), B, k), dtype=np.int64)
+        rc = cpu_quant.module().ms_decode_logits(
+            len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
+            st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(),
+            off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"], st["final_eps"].ctypes.data,
+            st["final_zc"], H, st["failed"].ctypes.data, io.ctypes.data, cpu_quant.threads())
+        if rc == -3:
+            raise IndexError(f"a token id out of the embedding's range [0, {int(io[IO['EMB_N']])})")
+        if rc:
+            where = int(st["failed"][0])
+            raise RuntimeError(f"CPU decode {'embedding or head' if where < 0 else f'layer {where}'} failed ({rc})")
+        self._book(ids)
+        return out
+
+    def _book(self, ids: np.ndarray) -> None:
+        if self._blocks:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
+            self._blocks[0][1].runtime.book_host_calls(
+                self._moe_layers, ids if len(self._moe_idx) == len(ids) else ids[self._moe_idx])
+
     def _run_stack(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Every layer and the final norm in one ms_decode_stack call (x = the normed output); routes booked."""
         pos, slot, idx, off, states = arrays
@@ -378,9 +446,7 @@ class CpuDecodePlan:
             st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
-        if self._blocks:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
-            self._blocks[0][1].runtime.book_host_calls(
-                self._moe_layers, ids if len(self._moe_idx) == len(ids) else ids[self._moe_idx])
+        self._book(ids)
 
     def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:
         """One compiled call per described layer and MoE block, the per-op path for the others: the final hidden

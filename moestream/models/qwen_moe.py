@@ -168,7 +168,10 @@ class QwenMoeModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         plan = self._cpu_plan(batch)
-        if plan is not None:  # a CPU decode step: compiled calls (the whole stack, or one per layer)
+        if plan is not None:  # a CPU decode step: compiled calls (the whole step, the stack, or one per layer)
+            logits = plan.logits(batch)
+            if logits is not None:
+                return logits
             return self.lm_head(plan.forward(batch)[batch.logits_index]).float()
         h = self.embed_tokens(batch.input_ids)
         normed = None

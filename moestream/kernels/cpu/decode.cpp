@@ -37,6 +37,8 @@ extern "C" int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* 
                           int64_t type, float* op, int64_t os, int nthreads, int force_scalar);
 extern "C" int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const int64_t* segs, float* op,
                                int64_t os, int nthreads, int force_scalar);
+extern "C" int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64_t K, const int64_t* ids,
+                               int64_t n, float* out, int nthreads);
 extern "C" int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I, int64_t G,
                             const int64_t* wptr, const int64_t* wtype, const int64_t* gstart, const int64_t* prow,
                             const float* pw, const int64_t* pdst, float* out, int64_t nout, int64_t os,
@@ -787,6 +789,44 @@ int ms_decode_stack(int64_t L, const int64_t* kinds, const int64_t* descs, const
     for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)final_norm, H, fd_final[0], final_zc, x + b * H);
   return 0;
 }
+
+// A whole decode step of B rows from token ids to logits in one call: h = the embedding rows of tokens (io[IO_EMB]:
+// float32 rows, type 0, copied; or ms_dequant_rows' types), ms_decode_stack (its arguments as there; x = the final
+// norm of h), logits [B, head N] = x @ head.T (io[IO_HEAD]: ms_qmatmul's types, or type -8: Q8_0 rows against float32
+// activations, ms_q8_0_float_matmul). The embedding and the head give the floats the per-op path's QuantEmbedding /
+// nn.Embedding and QuantLinear give (the same kernels). Returns 0, -3 for a token out of range, the embedding's or
+// the head's code (*failed = -1), or the stack's.
+enum : int { IO_EMB_W, IO_EMB_T, IO_EMB_S, IO_EMB_N, IO_TOKENS, IO_HEAD_W, IO_HEAD_T, IO_HEAD_S, IO_HEAD_N, IO_LOGITS,
+             IO_COUNT };
+int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, const int64_t* fds, const int64_t* moes,
+                     int64_t k_stride, int64_t B, float* h, float* x, const int64_t* pos, const int64_t* slot,
+                     const int64_t* kvidx, const int64_t* kvoff, const int64_t* states, int64_t* ids,
+                     int64_t final_norm, const double* fd_final, int64_t final_zc, int64_t H, int64_t* failed,
+                     const int64_t* io, int nthreads) {
+  const int64_t* tokens = (const int64_t*)io[IO_TOKENS];
+  *failed = -1;
+  for (int64_t b = 0; b < B; ++b)
+    if (tokens[b] < 0 || tokens[b] >= io[IO_EMB_N]) return -3;
+  int rc = 0;
+  if (io[IO_EMB_T] == 0)
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(h + b * H, (const char*)io[IO_EMB_W] + tokens[b] * io[IO_EMB_S], H * sizeof(float));
+  else
+    rc = ms_dequant_rows((const uint8_t*)io[IO_EMB_W], io[IO_EMB_N], io[IO_EMB_S], io[IO_EMB_T], H, tokens, B, h,
+                         nthreads);
+  if (rc) return rc;
+  rc = ms_decode_stack(L, kinds, descs, fds, moes, k_stride, B, h, x, pos, slot, kvidx, kvoff, states, ids, final_norm,
+                       fd_final, final_zc, H, failed, nthreads);
+  if (rc) return rc;
+  *failed = -1;
+  const int64_t N = io[IO_HEAD_N];
+  float* logits = (float*)io[IO_LOGITS];
+  if (io[IO_HEAD_T] == -8)
+    return ms_q8_0_float_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, nthreads);
+  return ms_qmatmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], io[IO_HEAD_T], logits, N, nthreads, 0);
+}
+
+int ms_decode_io_size() { return IO_COUNT; }
 
 int ms_decode_desc_size() { return D_COUNT; }
 
