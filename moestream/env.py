@@ -53,6 +53,13 @@ def cpu_decode_layer_enabled() -> bool:
     return os.environ.get("MOESTREAM_CPU_DECODE_LAYER", "1") != "0"
 
 
+def cpu_repack_enabled() -> bool:
+    """MOESTREAM_CPU_REPACK=0 keeps a CPU decode plan's 4-bit dense weights (Q4_K, Q4_0, Q4_1) in their GGUF layout
+    instead of an 8-row interleaved copy its one-row products read faster (models/cpu_decode.py; read when the
+    plan is built)."""
+    return os.environ.get("MOESTREAM_CPU_REPACK", "1") != "0"
+
+
 def bridge_worker_in_c() -> bool:
     """MOESTREAM_BRIDGE_C=0 runs the cpu/hybrid bridge's worker loop in Python, layer by layer, instead of one
     compiled call per decode step (moe/bridge.py; read at each step)."""

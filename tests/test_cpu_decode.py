@@ -296,3 +296,32 @@ def test_one_call_step_gives_the_stack_calls_logits(kind, qtype, tmp_path, tiny_
     assert calls and max(calls) == 2  # batch-2 decode steps went through the one call
     assert runs["one_call"] == runs["stack"]
     llm.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])  # Q4_K: tests/test_cpu_kernels.py (tiny models lack K % 256)
+def test_interleaved_dense_weights_in_the_plan(qtype, tmp_path, tiny_checkpoint, monkeypatch):
+    """A plan built with repacking on reads its 4-bit dense projections from 8-row interleaved copies (their type ids
+    in the descriptions, the bytes counted); its decode log-probabilities are the GGUF layout's to float rounding;
+    MOESTREAM_CPU_REPACK=0 keeps the GGUF bytes."""
+    from moestream import LLM, SamplingParams
+    from moestream.models.cpu_decode import D
+
+    path = _gguf("llama", qtype, tmp_path, tiny_checkpoint)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for repack in ("1", "0"):
+        monkeypatch.setenv("MOESTREAM_CPU_REPACK", repack)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        runs[repack] = llm.generate(PROMPTS[:2], sp)
+        plan = llm.engine.model.cpu_decode
+        seg_types = {int(d[D["SEG0"] + 1]) for d in plan.descs if d is not None}
+        x8 = cpu_quant.X8_TYPES[qtype][0]
+        if repack == "1":
+            assert plan.repack.nbytes > 0 and x8 in seg_types | {int(d[D["TO"]]) for d in plan.descs if d is not None}
+        else:
+            assert plan.repack is None and x8 not in seg_types
+        llm.close()
+    for a, b in zip(runs["1"], runs["0"]):
+        (lp_a, top_a), (lp_b, top_b) = a.logprobs[0], b.logprobs[0]  # the first decode step: the same context
+        assert abs(lp_a - lp_b) < 1e-3
+        assert [t for t, _ in top_a] == [t for t, _ in top_b] or max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-3

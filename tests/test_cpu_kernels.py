@@ -291,6 +291,40 @@ def test_segments_in_one_call_equal_one_call_each(force_scalar):
                                force_scalar) == -1
 
 
+@pytest.mark.parametrize("name,n,k", [("Q4_0", 64, 576), ("Q4_1", 40, 1536), ("Q4_K", 24, 512)])
+def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
+    """repack_x8 (8 rows interleaved, one row per lane of the integer products): the GGUF layout's products up to float
+    summation order, near the float64 product as closely; the SIMD and scalar paths, 1 and 2 threads, and a row alone
+    or among others give the same floats; shapes the layout cannot take are refused."""
+    raw = _weights(name, n, k)
+    arr, tid, row_bytes = cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), name)
+    assert arr.nbytes == n * row_bytes == (raw.numel() * 148 // 144 if name == "Q4_K" else raw.numel())
+    mod, x = cpu_quant.module(), torch.randn(5, k)
+    ref = x.double() @ gguf_format(name).dequantize(raw, (n, k), torch.float64).t()
+    gguf = cpu_quant.qmatmul(x, raw, name)
+    runs = {}
+    for scalar in (0, 1):
+        for nt in (1, 2):
+            y = torch.empty(5, n)
+            assert mod.ms_qmatmul(x.data_ptr(), 5, k, arr.ctypes.data, n, row_bytes, tid, y.data_ptr(), n, nt,
+                                  scalar) == 0
+            runs[scalar, nt] = y
+    y = runs[0, 1]
+    assert all(torch.equal(y, other) for other in runs.values())
+    one = torch.empty(1, n)
+    mod.ms_qmatmul(x[2:3].contiguous().data_ptr(), 1, k, arr.ctypes.data, n, row_bytes, tid, one.data_ptr(), n, 2, 0)
+    assert torch.equal(one[0], y[2])
+    scale = ref.abs().max().item()
+    assert (y.double() - gguf.double()).abs().max().item() < 1e-5 * scale  # float order only
+    assert (y.double() - ref).abs().max().item() < 1.05 * (gguf.double() - ref).abs().max().item() + 1e-5 * scale
+    with pytest.raises(ValueError):
+        cpu_quant.repack_x8(raw.data_ptr(), n - 1, k, raw.stride(0), name)  # not whole groups of 8
+    with pytest.raises(ValueError):
+        cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), "Q8_0")  # no interleaved layout
+    bad = torch.empty(1, 7)
+    assert mod.ms_qmatmul(x.data_ptr(), 1, k, arr.ctypes.data, 7, row_bytes, tid, bad.data_ptr(), 7, 1, 0) == -1
+
+
 def test_bad_row_bytes_are_refused():
     raw = _weights("Q8_0", 4, 64)
     with pytest.raises(ValueError):

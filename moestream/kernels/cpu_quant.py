@@ -75,6 +75,9 @@ TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K"
          "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # HF safetensors formats the kernels read (moestream.quant format names -> the C side's ids; not ggml ids)
 HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002}
+# The library's own layouts: Q4_K / Q4_0 / Q4_1 with 8 rows interleaved (repack_x8), type id and bytes per row of K
+X8_TYPES = {"Q4_K": (1012, lambda k: k // 256 * 148), "Q4_0": (1013, lambda k: k // 32 * 18),
+            "Q4_1": (1014, lambda k: k // 32 * 20)}
 # (values, bytes) per block
 _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
@@ -189,6 +192,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_fp4_matmul.restype = ctypes.c_int
     lib.ms_qmatmul_segs.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.ms_qmatmul_segs.restype = ctypes.c_int
+    lib.ms_repack_x8.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.ms_repack_x8.restype = ctypes.c_int
     lib.ms_dequant_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.ms_dequant_rows.restype = ctypes.c_int
     lib.ms_set_iq3s_grid.argtypes = [ptr]
@@ -505,3 +510,23 @@ def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str,
     if rc:
         raise ValueError(f"fp4_matmul: {fmt} with K={k} is not supported")
     return out
+
+
+def repack_x8(addr: int, rows: int, k: int, stride: int, type_name: str,
+              out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
+    """`rows` rows of a Q4_K / Q4_0 / Q4_1 matrix at `addr` (`stride` bytes apart, k columns) with 8 rows
+    interleaved, the kernels' layout for one-row products (qmatmul.cpp: the "8 rows interleaved" sections):
+    (uint8 array, its type id, bytes per row). `out`: an array of that many bytes to fill instead of a new one.
+    ValueError for another type, rows % 8 or k not a multiple of the block."""
+    if type_name not in X8_TYPES:
+        raise ValueError(f"no 8-row interleaved layout for {type_name}")
+    tid, row_bytes = X8_TYPES[type_name]
+    nbytes = rows * row_bytes(k)
+    if out is None:
+        out = np.empty(nbytes, dtype=np.uint8)
+    if out.nbytes != nbytes or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"interleaved {type_name}: {nbytes} contiguous bytes expected")
+    got = module().ms_repack_x8(addr, rows, k, stride, TYPES[type_name], out.ctypes.data, threads())
+    if got != tid:
+        raise ValueError(f"interleaved {type_name} needs rows % 8 == 0 and whole blocks (rows {rows}, k {k})")
+    return out, tid, row_bytes(k)

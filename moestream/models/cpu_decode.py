@@ -18,6 +18,14 @@ per sequence) with the compiled kernels on (not a prefill step), no hidden-state
 The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float rows where it multiplies
 float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
 rounding (tests/test_cpu_decode.py).
+
+Q4_K, Q4_0 and Q4_1 dense weights the plan reads (attention / Gated DeltaNet projections, dense MLPs; not routed
+experts) are copied once, when the plan is built, into the kernels' 8-row interleaved layouts
+(kernels/cpu_quant.repack_x8): a one-row product shares each block's bookkeeping among 8 rows and needs no
+horizontal sums, several times fewer instructions where a small model's step is compute-bound. The copy is host
+memory beside the checkpoint's own bytes (which the per-op and prefill paths keep reading); it is skipped, with one
+log line, where the host's available memory would drop under REPACK_RESERVE, and `MOESTREAM_CPU_REPACK=0` turns it
+off. Its products differ from the GGUF layout's in float summation order only (the integer sums are the same).
 """
 from __future__ import annotations
 
@@ -25,7 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..env import cpu_decode_layer_enabled
+import logging
+
+from ..env import cpu_decode_layer_enabled, cpu_repack_enabled
+from ..hardware import host_memory
 from ..kernels import cpu_quant
 from ..kernels.linear import Linear
 from ..layers.attention import Attention
@@ -53,12 +64,58 @@ KV_DTYPES = (torch.float32, torch.float16)  # the KV pools ms_decode_layer reads
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
 
 
+log = logging.getLogger("moestream")
+REPACK_RESERVE = 2 << 30  # host memory left available after a plan's interleaved copies, or none are made
+
+
+class _Repack:
+    """The 8-row interleaved copies of 4-bit dense weights a plan's descriptions point at, one per source matrix (kept
+    alive with the plan). Routed experts are never copied: a decode step reads them at the host's bandwidth
+    already, and they are most of a MoE model's bytes."""
+
+    def __init__(self):
+        self.arrays: dict[tuple[int, int, int], np.ndarray] = {}
+        self.nbytes = 0
+        self.refused = False
+        self.by_id = {cpu_quant.TYPES[name]: name for name in cpu_quant.X8_TYPES}
+
+    def _room(self, nbytes: int) -> bool:
+        if not self.refused and host_memory()[1] - nbytes < REPACK_RESERVE:
+            self.refused = True
+            log.info("moestream: CPU decode keeps 4-bit weights in their GGUF layout: an interleaved copy would "
+                     "leave under %.1f GiB of host memory available", REPACK_RESERVE / (1 << 30))
+        return not self.refused
+
+    def weight(self, w: tuple[int, int, int], rows: int, k: int) -> tuple[int, int, int]:
+        """A Q4_K / Q4_0 / Q4_1 matrix's fields (address, type, row stride) as its interleaved copy's; others (and
+        shapes the layout cannot take) as they are."""
+        addr, tid, stride = w
+        name = self.by_id.get(tid)
+        block = 256 if name == "Q4_K" else 32
+        if name is None or rows % 8 or k % block:
+            return w
+        key = (addr, rows, k)
+        if key not in self.arrays:
+            xt, row_bytes = cpu_quant.X8_TYPES[name]
+            if not self._room(rows * row_bytes(k)):
+                return w
+            self.arrays[key] = cpu_quant.repack_x8(addr, rows, k, stride, name)[0]
+            self.nbytes += self.arrays[key].nbytes
+        xt, row_bytes = cpu_quant.X8_TYPES[name]
+        return self.arrays[key].ctypes.data, xt, row_bytes(k)
+
+
+_REPACK: _Repack | None = None  # set while a plan is being built with repacking on
+
+
 def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
     """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
-    ms_moe_layer, which reads no float32 rows)."""
+    ms_moe_layer, which reads no float32 rows). While a plan is built with repacking on, a Q4_K / Q4_0 / Q4_1
+    matrix's fields are its interleaved copy's."""
     if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
             and not lin.float_activations:
-        return lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
+        w = lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
+        return _REPACK.weight(w, lin.out_features, lin.in_features) if _REPACK is not None else w
     w = getattr(lin, "weight", None)
     if type(lin) in (Linear, FusedLinear) and lin.bias is None and w is not None and w.dtype in _DENSE \
             and w.device.type == "cpu" and w.is_contiguous() and not (mlp and w.dtype == torch.float32):
@@ -266,6 +323,29 @@ class CpuDecodePlan:
         self._runtimes: list = []
         ok = rot is not None and rot.cos.dtype == torch.float32 and rot.cos.is_contiguous()
         state = getattr(model.caches, "state", None)
+        global _REPACK
+        self.repack = _REPACK = _Repack() if cpu_repack_enabled() and cpu_quant.available() else None
+        try:
+            self._describe(model, cfg, rot, ok, state)
+        finally:
+            _REPACK = None
+        if self.repack is not None and self.repack.nbytes:
+            log.info("moestream: CPU decode reads %.1f MiB of 4-bit dense weights as 8-row interleaved copies",
+                     self.repack.nbytes / (1 << 20))
+        # the described MoE blocks: (layer index, block), their layer ids in the runtime's book
+        self._blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if self.moe[i] is not None]
+        self._moe_idx = [i for i, _ in self._blocks]
+        self._moe_layers = [block.layer for _, block in self._blocks]
+        self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
+        self.stack = self._stack_arrays(model)
+        self.io = _io_fields(model) if self.stack is not None else None  # the whole step in one call
+        self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
+        self._state = None  # the same for the linear-attention state pool
+        self.steps = 0  # decode steps run through the plan
+        self.stack_steps = 0  # of which in one ms_decode_stack call
+
+    def _describe(self, model, cfg, rot, ok: bool, state) -> None:
+        """Every layer's description (and its MoE block's)."""
         for layer in model.layers:
             d, fd, kind = self._layer_desc(layer, cfg, rot, ok, state)
             mlp = _mlp_fields(layer.mlp) if kind == "attention" else None
@@ -281,17 +361,6 @@ class CpuDecodePlan:
             self.moe.append(moe[0] if moe else None)
             self._keep.append(moe[1] if moe else None)  # the expert table the description points into
             self._runtimes.append(layer.mlp.runtime if moe else None)  # whose table it is
-        # the described MoE blocks: (layer index, block), their layer ids in the runtime's book
-        self._blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if self.moe[i] is not None]
-        self._moe_idx = [i for i, _ in self._blocks]
-        self._moe_layers = [block.layer for _, block in self._blocks]
-        self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
-        self.stack = self._stack_arrays(model)
-        self.io = _io_fields(model) if self.stack is not None else None  # the whole step in one call
-        self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
-        self._state = None  # the same for the linear-attention state pool
-        self.steps = 0  # decode steps run through the plan
-        self.stack_steps = 0  # of which in one ms_decode_stack call
 
     @staticmethod
     def _layer_desc(layer, cfg, rot, rot_ok: bool, state) -> tuple:

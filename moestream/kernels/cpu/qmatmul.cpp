@@ -223,6 +223,10 @@ enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8
                  T_BF16 = 30, T_MXFP4 = 39 };
 // HF safetensors formats the kernels read (not ggml ids; cpu_quant.HF_TYPES): codes and scales in separate arrays
 enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002 };
+// This library's own layouts (not ggml ids): Q4_K, Q4_0 and Q4_1 with 8 rows interleaved (ms_repack_x8, the
+// "8 rows interleaved" section)
+enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014 };
+inline bool is_x8_type(int64_t type) { return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8; }
 inline bool is_hf_fp4(int64_t type) { return type == T_HF_NVFP4 || type == T_HF_MXFP4; }
 
 // Non-linear 4-bit codebooks (format constants, as int8): the IQ4_NL / IQ4_XS levels, and the e2m1 values
@@ -1175,6 +1179,9 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_Q5_0: return K / 32 * 22;
     case T_Q5_1: return K / 32 * 24;
     case T_Q4_K: return K / 256 * 144;
+    case T_Q4_K8: return K / 256 * 148;  // per row: 8 rows share a 1,184-byte block per 256 columns
+    case T_Q4_0X8: return K / 32 * 18;   // 8 rows share 144 bytes per 32 columns
+    case T_Q4_1X8: return K / 32 * 20;   // 8 rows share 160 bytes per 32 columns
     case T_Q5_K: return K / 256 * 176;
     case T_Q6_K: return K / 256 * 210;
     case T_IQ4_NL: return K / 32 * 18;
@@ -1190,7 +1197,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
 int64_t block_size(int64_t type) {
   switch (type) {
     case T_F16: case T_BF16: return 1;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: return 256;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: case T_Q4_K8: return 256;
   }
   return 32;
 }
@@ -1198,7 +1205,9 @@ int64_t block_size(int64_t type) {
 inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
 inline bool is_iq_k(int64_t type) { return type == T_IQ4_XS || type == T_IQ3_S; }
 // the types whose activations are QActK rows (one scale per 256 values)
-inline bool is_k_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || is_iq_k(type); }
+inline bool is_k_type(int64_t type) {
+  return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_Q4_K8 || is_iq_k(type);
+}
 
 // Matrix `type` of ms_moe_layer's wptr entry `ptr`, rows of K values: GGUF (or F16/BF16) rows back to back, or
 // the FP4Desc of an HF FP4 matrix.
@@ -1246,6 +1255,7 @@ inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& 
 // n activation rows (rows[] of qa / qp / qk / xf, whichever `type` reads; qp: the HF FP4 types' QActF4) as chunks
 // of up to XR_ROWS row pointers, built once per call or expert group and shared by every weight row.
 struct XSet {
+  uint64_t id = 0;  // unique per make_xset call (the Q4_K8 group cache's key)
   int64_t n = 0;
   std::vector<XR> q;
   std::vector<std::array<const float*, XR_ROWS>> f;
@@ -1253,7 +1263,9 @@ struct XSet {
 
 inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActF4& qp, const QActK& qk, const float* xf,
                       int64_t K, const int64_t* rows, int64_t n) {
+  static std::atomic<uint64_t> next_id{1};
   const int64_t nc = (n + XR_ROWS - 1) / XR_ROWS;
+  xs.id = next_id.fetch_add(1, std::memory_order_relaxed);
   xs.n = n;
   xs.q.assign(nc, XR{});
   xs.f.assign(nc, std::array<const float*, XR_ROWS>{});
@@ -1283,8 +1295,238 @@ inline void rows_dot_n(int nr, const Mat& m, int64_t i, bool scalar, int64_t K, 
   }
 }
 
+// ------------------------------------------------------------------ Q4_K8: Q4_K, 8 rows interleaved
+// A one-row product of Q4_K (dot_k_avx2<1>) spends most of its instructions per row on the block's bookkeeping:
+// unpacking the 12 bytes of 6-bit scales, broadcasting each scale, one horizontal sum. Interleaved, 8 rows share
+// it and the integer products come out one row per 32-bit lane (what llama.cpp's repacked "q4_K_8x8" layout
+// does, laid out here our own way). ms_repack_x8 writes groups of 8 rows; per group and 256 columns, 1,184 bytes:
+//   [0, 16)     d of rows 0..7 (fp16)            [16, 32)   dmin of rows 0..7 (fp16)
+//   [32, 96)    scale of sub-block j, row r at 32 + 8 j + r (6-bit values as bytes)
+//   [96, 160)   min of sub-block j, row r at 96 + 8 j + r
+//   [160, 1184) codes: for pair c (sub-blocks 2c, 2c + 1: Q4_K's 32 bytes at 16 + 32 c) and 4-byte group g,
+//               32 bytes at 160 + 256 c + 32 g: row r's bytes 4g..4g+3 of that pair at + 4 r
+// (148 bytes per row and 256 columns, 2.8% over Q4_K's 144). Products against QActK rows: per pair and row, the
+// low nibbles' and the high nibbles' integer sums (an activation's 4 bytes broadcast to the 8 lanes), times the
+// sub-blocks' integer scales; minus sum_j min_j * (activation sum of sub-block j); then per 256 columns
+// acc += tot * (d * dx), acc -= mins * (dmin * dx) as fused multiply-adds — integers exact, so the scalar twin
+// gives the same floats. (Not Q4_K's float order: dot_k_avx2 keeps 8 float lanes per row.)
+constexpr int64_t Q4K8_BLOCK = 1184;
+
+// 8 rows of Q4_K (ws bytes apart, K columns) -> K / 256 blocks of Q4K8_BLOCK bytes at out
+void repack_q4_k8(const uint8_t* w, int64_t ws, int64_t K, uint8_t* out) {
+  for (int64_t b = 0; b < K / KB; ++b) {
+    uint8_t* o = out + b * Q4K8_BLOCK;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = w + r * ws + b * 144;
+      std::memcpy(o + 2 * r, blk, 2);
+      std::memcpy(o + 16 + 2 * r, blk + 2, 2);
+      alignas(16) uint8_t sc[16], mn[16];
+      k_scales(blk + 4, sc, mn);
+      for (int j = 0; j < 8; ++j) o[32 + 8 * j + r] = sc[j], o[96 + 8 * j + r] = mn[j];
+      for (int c = 0; c < 4; ++c)
+        for (int g = 0; g < 8; ++g) std::memcpy(o + 160 + 256 * c + 32 * g + 4 * r, blk + 16 + 32 * c + 4 * g, 4);
+    }
+  }
+}
+
+// out[r] (r < 8) = row r of the group at w . one QActK row (q, d, bs)
+void dot_q4_k8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs,
+                      float* out) {
+  float acc[8] = {};
+  for (int64_t b = 0; b < K / KB; ++b, w += Q4K8_BLOCK) {
+    const int8_t* xb = xq + b * KB;
+    for (int r = 0; r < 8; ++r) {
+      int32_t tot = 0, mins = 0;
+      for (int c = 0; c < 4; ++c) {
+        int32_t lo = 0, hi = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t v = w[160 + 256 * c + 32 * g + 4 * r + k];
+            lo += (v & 15) * xb[64 * c + 4 * g + k], hi += (v >> 4) * xb[64 * c + 32 + 4 * g + k];
+          }
+        tot += lo * w[32 + 8 * (2 * c) + r] + hi * w[32 + 8 * (2 * c + 1) + r];
+        const int16_t* bs = xbs + b * 16 + 4 * c;
+        mins += w[96 + 8 * (2 * c) + r] * (bs[0] + bs[1]) + w[96 + 8 * (2 * c + 1) + r] * (bs[2] + bs[3]);
+      }
+      const float dx = xd[b];
+      acc[r] = std::fma((float)tot, half_to_float(w + 2 * r) * dx, acc[r]);
+      acc[r] = std::fma(-(float)mins, half_to_float(w + 16 + 2 * r) * dx, acc[r]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = acc[r];
+}
+
+#ifdef MS_AVX2
+void dot_q4_k8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / KB; ++b, w += Q4K8_BLOCK) {
+    const int8_t* xb = xq + b * KB;
+    __m256i tot = _mm256_setzero_si256(), mins = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      const uint8_t* q = w + 160 + 256 * c;
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * g));
+        int32_t a, h;
+        std::memcpy(&a, xb + 64 * c + 4 * g, 4);
+        std::memcpy(&h, xb + 64 * c + 32 + 4 * g, 4);
+        const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+#ifdef MS_VNNI
+        lo = _mm256_dpbusd_epi32(lo, vl, _mm256_set1_epi32(a));
+        hi = _mm256_dpbusd_epi32(hi, vh, _mm256_set1_epi32(h));
+#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
+        const __m256i one = _mm256_set1_epi16(1);
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
+#endif
+      }
+      const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 32 + 16 * c)));
+      const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 40 + 16 * c)));
+      tot = _mm256_add_epi32(tot, _mm256_add_epi32(_mm256_mullo_epi32(lo, s0), _mm256_mullo_epi32(hi, s1)));
+      const __m256i n0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 96 + 16 * c)));
+      const __m256i n1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 104 + 16 * c)));
+      const int16_t* bs = xbs + b * 16 + 4 * c;
+      mins = _mm256_add_epi32(mins, _mm256_add_epi32(_mm256_mullo_epi32(n0, _mm256_set1_epi32(bs[0] + bs[1])),
+                                                     _mm256_mullo_epi32(n1, _mm256_set1_epi32(bs[2] + bs[3]))));
+    }
+    const __m256 dx = _mm256_set1_ps(xd[b]);
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), dx);
+    const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16))), dx);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), d, acc);
+    acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, acc);
+  }
+  _mm256_storeu_ps(out, acc);
+}
+#endif
+
+// Q4_0X8 / Q4_1X8: Q4_0 / Q4_1 with 8 rows interleaved, per group of 8 rows and block of 32 columns: the fp16 d of
+// rows 0..7 (16 bytes), Q4_1's fp16 m of rows 0..7 (16 bytes), then the codes: for 4-byte group g (0..3) of the
+// block's 16 code bytes, 32 bytes at + 32 g: row r's bytes 4g..4g+3 at + 4 r (a byte's low nibble is value i, its
+// high nibble value i + 16, as in Q4_0 / Q4_1). 144 / 160 bytes: the same bytes as 8 rows of Q4_0 / Q4_1. Against one
+// QAct row (int8 per 32, scale dx, sx = dx * sum of the block's int8): per block and row, the integer sum of codes
+// times activations (the activation's 4 bytes broadcast, every row in its own lane), then acc += isum * (d * dx) and
+// accm += m * sx (Q4_0: m = -8 d) as fused multiply-adds; the row's value is acc + accm.
+template <bool MIN>
+void repack_q4x8(const uint8_t* w, int64_t ws, int64_t K, uint8_t* out) {
+  const int64_t tb = MIN ? 20 : 18, gb = MIN ? 160 : 144, qo = MIN ? 32 : 16;
+  for (int64_t b = 0; b < K / QB; ++b) {
+    uint8_t* o = out + b * gb;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = w + r * ws + b * tb;
+      std::memcpy(o + 2 * r, blk, 2);
+      if (MIN) std::memcpy(o + 16 + 2 * r, blk + 2, 2);
+      for (int g = 0; g < 4; ++g) std::memcpy(o + qo + 32 * g + 4 * r, blk + (MIN ? 4 : 2) + 4 * g, 4);
+    }
+  }
+}
+
+template <bool MIN>
+void dot_q4x8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const float* xs, float* out) {
+  const int64_t gb = MIN ? 160 : 144, qo = MIN ? 32 : 16;
+  float acc[8] = {}, accm[8] = {};
+  for (int64_t b = 0; b < K / QB; ++b, w += gb) {
+    const int8_t* xb = xq + b * QB;
+    for (int r = 0; r < 8; ++r) {
+      int32_t isum = 0;
+      for (int g = 0; g < 4; ++g)
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t v = w[qo + 32 * g + 4 * r + k];
+          isum += (v & 15) * xb[4 * g + k] + (v >> 4) * xb[16 + 4 * g + k];
+        }
+      const float d = half_to_float(w + 2 * r), m = MIN ? half_to_float(w + 16 + 2 * r) : d * -8.f;
+      acc[r] = std::fma((float)isum, d * xd[b], acc[r]);
+      accm[r] = std::fma(m, xs[b], accm[r]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = acc[r] + accm[r];
+}
+
+#ifdef MS_AVX2
+template <bool MIN>
+void dot_q4x8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const float* xs, float* out) {
+  const int64_t gb = MIN ? 160 : 144, qo = MIN ? 32 : 16;
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / QB; ++b, w += gb) {
+    const int8_t* xb = xq + b * QB;
+    __m256i isum = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + qo + 32 * g));
+      int32_t lo, hi;
+      std::memcpy(&lo, xb + 4 * g, 4);
+      std::memcpy(&hi, xb + 16 + 4 * g, 4);
+      const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+#ifdef MS_VNNI
+      isum = _mm256_dpbusd_epi32(isum, vl, _mm256_set1_epi32(lo));
+      isum = _mm256_dpbusd_epi32(isum, vh, _mm256_set1_epi32(hi));
+#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
+      const __m256i one = _mm256_set1_epi16(1);
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(lo)), one));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(hi)), one));
+#endif
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 m = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
+    accm = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), accm);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, accm));
+}
+#endif
+
+// 8 rows of group w against one activation row of xs (its QAct or QActK form, as the type reads) -> out[8]
+inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& x, int k, float* out) {
+#ifdef MS_AVX2
+  if (!scalar) {
+    if (type == T_Q4_K8) dot_q4_k8_avx2(w, K, x.q[k], x.d[k], x.bs[k], out);
+    else if (type == T_Q4_1X8) dot_q4x8_avx2<true>(w, K, x.q[k], x.d[k], x.s[k], out);
+    else dot_q4x8_avx2<false>(w, K, x.q[k], x.d[k], x.s[k], out);
+    return;
+  }
+#endif
+  if (type == T_Q4_K8) dot_q4_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
+  else if (type == T_Q4_1X8) dot_q4x8_scalar<true>(w, K, x.q[k], x.d[k], x.s[k], out);
+  else dot_q4x8_scalar<false>(w, K, x.q[k], x.d[k], x.s[k], out);
+}
+
+// The group of row i against every row of xs, kept per thread: the group's other 7 rows are then read from it.
+// Keyed by the weights, the group and the XSet's id (unique per make_xset), so no later call can see stale sums.
+// A few entries, used in turn: ms_moe_layer reads the gate and the up matrix row by row, alternately.
+struct X8Cache {
+  const uint8_t* w = nullptr;
+  int64_t g = -1;
+  uint64_t xs = 0;
+  std::vector<float> v;  // [xs.n][8]
+};
+constexpr int X8_CACHED = 4;
+
+inline void x8_row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
+  thread_local X8Cache caches[X8_CACHED];
+  thread_local int next = 0;
+  const int64_t g = i / 8;
+  X8Cache* hit = nullptr;
+  for (X8Cache& c : caches)
+    if (c.w == m.w && c.g == g && c.xs == xs.id) hit = &c;
+  if (!hit) {
+    X8Cache& cache = caches[next];
+    next = (next + 1) % X8_CACHED;
+    hit = &cache;
+    cache.v.resize(8 * xs.n);
+    const uint8_t* w = m.w + g * 8 * m.ws;
+    for (int64_t r = 0; r < xs.n; ++r)
+      dot_x8(m.type, scalar, w, K, xs.q[r / XR_ROWS], (int)(r % XR_ROWS), cache.v.data() + 8 * r);
+    cache.w = m.w, cache.g = g, cache.xs = xs.id;
+  }
+  for (int64_t r = 0; r < xs.n; ++r) out[r] = hit->v[8 * r + i % 8];
+}
+
 // Row i (K values) of m against every row of xs: out[r], r < xs.n.
 inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
+  if (is_x8_type(m.type)) {
+    x8_row_dots(m, i, scalar, K, xs, out);
+    return;
+  }
   for (size_t c = 0; c < xs.q.size(); ++c) {
     const int64_t r0 = XR_ROWS * (int64_t)c;
     rows_dot_n<XR_ROWS>((int)std::min<int64_t>(XR_ROWS, xs.n - r0), m, i, scalar, K, xs.q[c], xs.f[c].data(),
@@ -1424,7 +1666,9 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
                       int64_t flags, int nthreads, int scalar) {
   const int64_t tg = wtype[0], tu = wtype[1], td = wtype[2];
   for (int p = 0; p < 3; ++p)
-    if (row_bytes(wtype[p], p < 2 ? H : I) <= 0 || (p < 2 ? H : I) % block_size(wtype[p])) return -1;
+    if (row_bytes(wtype[p], p < 2 ? H : I) <= 0 || (p < 2 ? H : I) % block_size(wtype[p]) ||
+        (is_x8_type(wtype[p]) && (p < 2 ? I : H) % 8))
+      return -1;
   if (xdtype < 0 || xdtype > 2 || hmode < 0 || hmode > 2 || nx < 0 || G < 0) return -2;
   const int64_t P = G ? gstart[G] : 0;
   for (int64_t g = 0; g < G; ++g)
@@ -1449,7 +1693,11 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     for (double v : c) b += v * (double)rows;
     return std::max<int64_t>(nt, std::min<int64_t>(nt * CHUNKS_PER_THREAD, (int64_t)(b / (32 << 10))));
   };
-  const std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I)), b3 = cost_chunks(c3, H, nchunks(c3, H));
+  std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I)), b3 = cost_chunks(c3, H, nchunks(c3, H));
+  if (is_x8_type(tg) || is_x8_type(tu))  // an interleaved group of 8 rows within one chunk (I % 8 == 0: checked)
+    for (int64_t& k : b1) k -= k % 8;
+  if (is_x8_type(td))
+    for (int64_t& k : b3) k -= k % 8;
   Chunks ch1((int64_t)b1.size() - 1), ch3((int64_t)b3.size() - 1);
   // the activation forms the types read: int8 per 32 (QAct), per 256 (QActK), HF FP4's (QActF4), float
   auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t) && !is_hf_fp4(t); };
@@ -1601,8 +1849,13 @@ void matmul_segs(const std::vector<Seg>& segs, const float* xf, int64_t n, int64
     make_xset(xs[j], segs[j].m.type, qx, qf, qk, xf, K, rows.data(), n);
     first[j + 1] = first[j] + segs[j].N;
   }
-  par_for(rows_total, grain, nthreads, [&](int64_t i0, int64_t i1) {
+  // interleaved types compute 8 rows at once: hand out whole groups where every segment is made of them
+  bool grouped = true, any8 = false;
+  for (const Seg& g : segs) grouped = grouped && g.N % 8 == 0, any8 = any8 || is_x8_type(g.m.type);
+  const int64_t rg = grouped && any8 ? 8 : 1;
+  par_for(rows_total / rg, std::max<int64_t>(1, grain / rg), nthreads, [&](int64_t g0, int64_t g1) {
     std::vector<float> o(n);
+    const int64_t i0 = g0 * rg, i1 = g1 * rg;
     size_t j = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= first[j + 1]) ++j;
@@ -1643,7 +1896,7 @@ bool dequant_row(int64_t type, const uint8_t* w, int64_t K, float* out) {
     }
     return true;
   }
-  if (is_iq_k(type) || is_hf_fp4(type) || row_bytes(type, K) <= 0) return false;
+  if (is_iq_k(type) || is_hf_fp4(type) || is_x8_type(type) || row_bytes(type, K) <= 0) return false;
   // as the torch decoders: Q4_0 / Q5_0 scale the centred code, d * (q - 8 | 16); the types with a minimum add
   // it after the product; the others are the product alone (so zeros keep their sign, as the gguf package's)
   const int shift = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
@@ -1668,7 +1921,8 @@ extern "C" {
 // a bad K, -3 for an id out of [0, N).
 int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64_t K, const int64_t* ids, int64_t n,
                     float* out, int nthreads) {
-  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_iq_k(type) || is_hf_fp4(type)) return -1;
+  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_iq_k(type) || is_hf_fp4(type) || is_x8_type(type))
+    return -1;
   for (int64_t r = 0; r < n; ++r)
     if (ids[r] < 0 || ids[r] >= N) return -3;
   par_for(n, 8, nthreads, [&](int64_t r0, int64_t r1) {
@@ -1683,6 +1937,7 @@ int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64
 int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, int64_t type,
                float* op, int64_t os, int nthreads, int force_scalar) {
   if (row_bytes(type, K) <= 0 || K % block_size(type) || is_hf_fp4(type)) return -1;  // HF FP4: ms_fp4_matmul
+  if (is_x8_type(type) && N % 8) return -1;
   Mat m;
   m.type = type, m.w = wp, m.ws = ws;
   matmul(m, xf, n, K, N, op, os, nthreads, force_scalar);
@@ -1705,6 +1960,25 @@ int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const i
   }
   matmul_segs(v, xf, n, K, op, os, nthreads, force_scalar);
   return 0;
+}
+
+// w: N rows of Q4_K, Q4_0 or Q4_1 (`type`, K columns), `ws` bytes apart -> out: the same matrix with 8 rows
+// interleaved (Q4_K8 / Q4_0X8 / Q4_1X8, this library's own type ids 1012 / 1013 / 1014; N / 8 groups, row_bytes of the
+// new type per row; see the "8 rows interleaved" sections). Returns the new type's id, or -1 for another type, N not a
+// multiple of 8 or K not a multiple of the block.
+int ms_repack_x8(const uint8_t* w, int64_t N, int64_t K, int64_t ws, int64_t type, uint8_t* out, int nthreads) {
+  const int64_t to = type == T_Q4_K ? T_Q4_K8 : type == T_Q4_0 ? T_Q4_0X8 : type == T_Q4_1 ? T_Q4_1X8 : -1;
+  if (to < 0 || N % 8 || K <= 0 || K % block_size(to) || ws < row_bytes(type, K)) return -1;
+  const int64_t gs = 8 * row_bytes(to, K);  // bytes per group of 8 rows
+  par_for(N / 8, 16, nthreads, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* src = w + 8 * g * ws;
+      if (to == T_Q4_K8) repack_q4_k8(src, ws, K, out + g * gs);
+      else if (to == T_Q4_1X8) repack_q4x8<true>(src, ws, K, out + g * gs);
+      else repack_q4x8<false>(src, ws, K, out + g * gs);
+    }
+  });
+  return (int)to;
 }
 
 // HF FP4 weights (type 1001 NVFP4, 1002 MXFP4; see the HF FP4 section): x float32 [n, K] rows contiguous; w: N
