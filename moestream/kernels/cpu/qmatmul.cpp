@@ -1357,8 +1357,26 @@ void dot_q4_k8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float
 }
 
 #ifdef MS_AVX2
-void dot_q4_k8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs, float* out) {
+// 32 interleaved code bytes (4 per row of 8) against two activations' 4 bytes, each broadcast to the 8 lanes: the low
+// nibbles' integer products added to lo, the high nibbles' to hi, one row per 32-bit lane (lo and hi may be one sum)
+inline void x8_nibble_dots(const uint8_t* q, const int8_t* xl, const int8_t* xh, __m256i& lo, __m256i& hi) {
   const __m256i m0f = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)q);
+  int32_t a, h;
+  std::memcpy(&a, xl, 4);
+  std::memcpy(&h, xh, 4);
+  const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+#ifdef MS_VNNI
+  lo = _mm256_dpbusd_epi32(lo, vl, _mm256_set1_epi32(a));
+  hi = _mm256_dpbusd_epi32(hi, vh, _mm256_set1_epi32(h));
+#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
+  const __m256i one = _mm256_set1_epi16(1);
+  lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
+  hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
+#endif
+}
+
+void dot_q4_k8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs, float* out) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / KB; ++b, w += Q4K8_BLOCK) {
     const int8_t* xb = xq + b * KB;
@@ -1367,19 +1385,7 @@ void dot_q4_k8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* 
       __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
       const uint8_t* q = w + 160 + 256 * c;
       for (int g = 0; g < 8; ++g) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * g));
-        int32_t a, h;
-        std::memcpy(&a, xb + 64 * c + 4 * g, 4);
-        std::memcpy(&h, xb + 64 * c + 32 + 4 * g, 4);
-        const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
-#ifdef MS_VNNI
-        lo = _mm256_dpbusd_epi32(lo, vl, _mm256_set1_epi32(a));
-        hi = _mm256_dpbusd_epi32(hi, vh, _mm256_set1_epi32(h));
-#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
-        const __m256i one = _mm256_set1_epi16(1);
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
-#endif
+        x8_nibble_dots(q + 32 * g, xb + 64 * c + 4 * g, xb + 64 * c + 32 + 4 * g, lo, hi);
       }
       const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 32 + 16 * c)));
       const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 40 + 16 * c)));
@@ -1446,25 +1452,12 @@ void dot_q4x8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float*
 template <bool MIN>
 void dot_q4x8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const float* xs, float* out) {
   const int64_t gb = MIN ? 160 : 144, qo = MIN ? 32 : 16;
-  const __m256i m0f = _mm256_set1_epi8(0x0F);
   __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / QB; ++b, w += gb) {
     const int8_t* xb = xq + b * QB;
     __m256i isum = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + qo + 32 * g));
-      int32_t lo, hi;
-      std::memcpy(&lo, xb + 4 * g, 4);
-      std::memcpy(&hi, xb + 16 + 4 * g, 4);
-      const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
-#ifdef MS_VNNI
-      isum = _mm256_dpbusd_epi32(isum, vl, _mm256_set1_epi32(lo));
-      isum = _mm256_dpbusd_epi32(isum, vh, _mm256_set1_epi32(hi));
-#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
-      const __m256i one = _mm256_set1_epi16(1);
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(lo)), one));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(hi)), one));
-#endif
+      x8_nibble_dots(w + qo + 32 * g, xb + 4 * g, xb + 16 + 4 * g, isum, isum);
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
     const __m256 m = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
