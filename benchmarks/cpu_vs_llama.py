@@ -8,6 +8,9 @@ Models:
 - moe: a Qwen3-MoE GGUF written here with random but valid blocks, Q4_K_M-style (Q4_K everywhere, Q6_K
   expert down projections of every other layer): hidden 1024, 8 layers, 32 experts top-4, expert
   FFN 512, so routed experts are most of the bytes a step reads. Tokenizer: the tests' tiny one.
+- moe-mid: the same layout at a quarter of Qwen3-30B-A3B (its hidden 2048, 32 / 4 heads of 128, 128 experts top-8,
+  expert FFN 768; 12 of its 48 layers): ~4.3 GB, ~0.38 GB read per token, where a step's fixed costs weigh as
+  little as in a real model's.
 
 --kernels: instead, the CPU quant kernel alone at the Qwen3.6 expert shapes (gate/up [512, 2048], down
 [2048, 512]) at 1 row, Q8_0, Q4_K, IQ4_XS, MXFP4, IQ4_NL, IQ3_S, HF fp8_block, HF nvfp4 (ModelOpt) and
@@ -59,15 +62,20 @@ def _blocks(qtype_name: str, shape: tuple[int, ...], rng) -> np.ndarray:
     return b.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)
 
 
-def write_moe_gguf(path: Path) -> tuple[Path, int]:
-    """The Qwen3-MoE Q4_K_M-style GGUF described in the module docstring."""
+MOE_MID = dict(MOE, hidden_size=2048, num_hidden_layers=12, num_experts=128, num_experts_per_tok=8,
+               moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               intermediate_size=6144)
+
+
+def write_moe_gguf(path: Path, shape: dict = MOE) -> tuple[Path, int]:
+    """The Qwen3-MoE Q4_K_M-style GGUF described in the module docstring (shape: MOE or MOE_MID)."""
     import tiny_models
     from gguf import GGMLQuantizationType as Q, GGUFWriter
     from gguf_writer import _metadata
 
     tok_dir = tiny_models.make_qwen3_moe(Path(tempfile.mkdtemp()))  # tiny model: only its tokenizer is used
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    tc = {**MOE, "vocab_size": vocab}
+    tc = {**shape, "vocab_size": vocab}
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "qwen3moe")
     _metadata(w, "qwen3moe", tc, {"architectures": ["Qwen3MoeForCausalLM"]}, tok_dir)
@@ -365,12 +373,15 @@ def main(argv=None) -> int:
         if model == "smollm":
             path, vocab = find_gguf(default_model_path()), 49152
         else:
-            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf")
+            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf",
+                                         MOE_MID if model == "moe-mid" else MOE)
         prompt = torch.randint(10, vocab - 10, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         for engine, r in bench_pair(path, args, prompt).items():
             results[f"{model}/{engine}"] = r
             print(f"{model:7s} {engine:10s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.1f} tok/s"
                   f" (after {args.context} tokens)", flush=True)
+        if model != "smollm":
+            path.unlink()  # written here (moe-mid: 4.3 GB)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
                                           "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,

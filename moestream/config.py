@@ -124,6 +124,11 @@ class ModelConfig:
                 per_layer += 3 * H * self.intermediate_size
         return per_layer + V * H * (1 if self.tie_word_embeddings else 2)
 
+    def approx_routed_expert_params(self) -> int:
+        """The routed experts' share of approx_num_params (the shared expert not included)."""
+        n = sum(1 for i in range(len(self.layer_types)) if self.moe_layers[i])
+        return n * 3 * self.hidden_size * self.num_experts * self.moe_intermediate_size
+
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict) -> "ModelConfig":

@@ -53,14 +53,18 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device, experts_stored: bool = False) -> torch.dtype:
+    """--dtype auto: on a CPU float32 (the fastest and most exact there; the compiled decode step needs it) unless
+    the weights that take the dtype would fill over a quarter of host memory in float32 — experts_stored: routed
+    experts keep their checkpoint's quantized format (GGUF, FP8, FP4) and do not count; on a GPU the checkpoint's
+    16-bit dtype (float16 where the GPU lacks bf16 tensor cores)."""
     if name != "auto":
         return DTYPES[name]
     dt = DTYPES.get(cfg.torch_dtype, torch.bfloat16)
     if device.type == "cpu":
-        # fp32 is the fastest and most exact CPU dtype; keep 16-bit only where fp32 would not fit well.
         ram = host_memory()[0]
-        return torch.float32 if cfg.approx_num_params() * 4 < ram // 4 else torch.bfloat16
+        params = cfg.approx_num_params() - (cfg.approx_routed_expert_params() if experts_stored else 0)
+        return torch.float32 if params * 4 < ram // 4 else torch.bfloat16
     dt = torch.bfloat16 if dt == torch.float32 else dt
     if dt == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
         # Turing/Volta have no bf16 tensor cores: fp16 keeps the GEMMs on tensor cores
@@ -93,7 +97,9 @@ class Engine:
                               "this one has none")
         self.local_cfg = tp.local_config(cfg) if tp else cfg  # this rank's heads, widths and vocab rows
         self.device = resolve_device(ecfg.device)
-        self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device)
+        # a quantized checkpoint's experts stay in their format (None: they take the model dtype)
+        self.expert_fmt = expert_format_for(cfg, folder) if ecfg.moe_expert_format == "auto" else None
+        self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device, experts_stored=self.expert_fmt is not None)
         self.max_seq_len = self._max_seq_len()
         self.hardware = probe_hardware(self.device)  # before anything is allocated on the device
         if tp:
@@ -188,8 +194,7 @@ class Engine:
             local = QwenMoeModel(self.local_cfg, mtp=self.use_mtp).to(self.dtype) if self.tp else model
         moe_layers = [i for i, m in enumerate(self.cfg.moe_layers) if m]
         moe_layers += self.cfg.mtp_layer_ids if self.use_mtp else []
-        fmt = expert_format_for(self.cfg, folder) if self.ecfg.moe_expert_format == "auto" else None
-        fmt = fmt or dense_format(self.dtype)
+        fmt = self.expert_fmt or dense_format(self.dtype)
         mode = self._dense_mode()
         self.dense_bytes = None
         if mode == "gpu" and self._dense_policy() == "auto":
