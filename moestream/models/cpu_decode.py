@@ -29,11 +29,11 @@ off. Its products differ from the GGUF layout's in float summation order only (t
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
-
-import logging
 
 from ..env import cpu_decode_layer_enabled, cpu_repack_enabled
 from ..hardware import host_memory
@@ -94,14 +94,12 @@ class _Repack:
         block = 256 if name == "Q4_K" else 32
         if name is None or rows % 8 or k % block:
             return w
-        key = (addr, rows, k)
+        key, (xt, row_bytes) = (addr, rows, k), cpu_quant.X8_TYPES[name]
         if key not in self.arrays:
-            xt, row_bytes = cpu_quant.X8_TYPES[name]
             if not self._room(rows * row_bytes(k)):
                 return w
             self.arrays[key] = cpu_quant.repack_x8(addr, rows, k, stride, name)[0]
             self.nbytes += self.arrays[key].nbytes
-        xt, row_bytes = cpu_quant.X8_TYPES[name]
         return self.arrays[key].ctypes.data, xt, row_bytes(k)
 
 
