@@ -323,6 +323,8 @@ def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
         cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), "Q8_0")  # no interleaved layout
     bad = torch.empty(1, 7)
     assert mod.ms_qmatmul(x.data_ptr(), 1, k, arr.ctypes.data, 7, row_bytes, tid, bad.data_ptr(), 7, 1, 0) == -1
+    segs = np.array([[arr.ctypes.data, tid, row_bytes, 7]], dtype=np.int64)  # in one call with others: the same rule
+    assert mod.ms_qmatmul_segs(x.data_ptr(), 1, k, 1, segs.ctypes.data, bad.data_ptr(), 7, 1, 0) == -1
 
 
 def test_bad_row_bytes_are_refused():

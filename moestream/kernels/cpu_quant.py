@@ -175,7 +175,6 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_logits.argtypes = [i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64,
                                      ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.ms_decode_logits.restype = ctypes.c_int
-    lib.ms_decode_io_size.restype = ctypes.c_int
     lib.ms_gdn_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_gdn_decode.restype = ctypes.c_int
     lib.ms_moe_decode.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]

@@ -467,30 +467,27 @@ class CpuDecodePlan:
         where the plan describes all of it and every row samples; None otherwise (nothing run: `forward`)."""
         B = batch.input_ids.shape[0]
         li = batch.logits_index
-        if self.io is None or self.stack is None or li.numel() != B or int(li[-1]) != B - 1 or (self.io[1] and B > CPU_FLOAT_KERNEL_MAX_ROWS) \
+        if self.io is None or self.stack is None or li.numel() != B or int(li[-1]) != B - 1 \
+                or (self.io[1] and B > CPU_FLOAT_KERNEL_MAX_ROWS) \
                 or not all(self._moe_now(i, block) for i, block in self._blocks):
             return None
         m = self.model
         self.steps += 1
         self.stack_steps += 1
         self._point_at(m.caches.kv, getattr(m.caches, "state", None))
-        pos, slot, idx, off, states = self.step_arrays(batch)
-        st, k, H = self.stack, max(1, m.cfg.top_k), m.cfg.hidden_size
+        H = m.cfg.hidden_size
         h, x = torch.empty(B, H), torch.empty(B, H)
         io = self.io[0].copy()
         tokens = batch.input_ids.to(torch.int64).contiguous()
         out = torch.empty(B, int(io[IO["HEAD_N"]]))
         io[IO["TOKENS"]], io[IO["LOGITS"]] = tokens.data_ptr(), out.data_ptr()
-        ids = np.empty((len(self.descs), B, k), dtype=np.int64)
-        rc = cpu_quant.module().ms_decode_logits(
-            len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
-            st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(),
-            off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"], st["final_eps"].ctypes.data,
-            st["final_zc"], H, st["failed"].ctypes.data, io.ctypes.data, cpu_quant.threads())
+        arrays = self.step_arrays(batch)  # held here: the call reads them by address
+        args, ids = self._stack_args(h, x, arrays)
+        rc = cpu_quant.module().ms_decode_logits(*args, io.ctypes.data, cpu_quant.threads())
         if rc == -3:
             raise IndexError(f"a token id out of the embedding's range [0, {int(io[IO['EMB_N']])})")
         if rc:
-            where = int(st["failed"][0])
+            where = int(self.stack["failed"][0])
             raise RuntimeError(f"CPU decode {'embedding or head' if where < 0 else f'layer {where}'} failed ({rc})")
         self._book(ids)
         return out
@@ -500,19 +497,24 @@ class CpuDecodePlan:
             self._blocks[0][1].runtime.book_host_calls(
                 self._moe_layers, ids if len(self._moe_idx) == len(ids) else ids[self._moe_idx])
 
+    def _stack_args(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple) -> tuple[tuple, np.ndarray]:
+        """ms_decode_stack's arguments but the thread count (ms_decode_logits' first ones), and the routes array
+        they fill [layers, B, k]. Addresses only: the caller keeps h, x and arrays alive through the call."""
+        pos, slot, idx, off, states = arrays
+        st = self.stack
+        B, k = h.shape[0], max(1, self.model.cfg.top_k)
+        ids = np.empty((len(self.descs), B, k), dtype=np.int64)
+        return (len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
+                st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(),
+                idx.data_ptr(), off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"],
+                st["final_eps"].ctypes.data, st["final_zc"], h.shape[1], st["failed"].ctypes.data), ids
+
     def _run_stack(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Every layer and the final norm in one ms_decode_stack call (x = the normed output); routes booked."""
-        pos, slot, idx, off, states = arrays
-        st, m = self.stack, self.model
-        B, k = h.shape[0], max(1, m.cfg.top_k)
-        ids = np.empty((len(self.descs), B, k), dtype=np.int64)
-        rc = cpu_quant.module().ms_decode_stack(
-            len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
-            st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(),
-            off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"], st["final_eps"].ctypes.data,
-            st["final_zc"], h.shape[1], st["failed"].ctypes.data, nthreads)
+        args, ids = self._stack_args(h, x, arrays)
+        rc = cpu_quant.module().ms_decode_stack(*args, nthreads)
         if rc:
-            raise RuntimeError(f"CPU decode layer {int(st['failed'][0])} failed ({rc})")
+            raise RuntimeError(f"CPU decode layer {int(self.stack['failed'][0])} failed ({rc})")
         self._book(ids)
 
     def _per_layer(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int, batch) -> torch.Tensor:

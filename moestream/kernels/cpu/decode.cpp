@@ -796,8 +796,7 @@ int ms_decode_stack(int64_t L, const int64_t* kinds, const int64_t* descs, const
 // activations, ms_q8_0_float_matmul). The embedding and the head give the floats the per-op path's QuantEmbedding /
 // nn.Embedding and QuantLinear give (the same kernels). Returns 0, -3 for a token out of range, the embedding's or
 // the head's code (*failed = -1), or the stack's.
-enum : int { IO_EMB_W, IO_EMB_T, IO_EMB_S, IO_EMB_N, IO_TOKENS, IO_HEAD_W, IO_HEAD_T, IO_HEAD_S, IO_HEAD_N, IO_LOGITS,
-             IO_COUNT };
+enum : int { IO_EMB_W, IO_EMB_T, IO_EMB_S, IO_EMB_N, IO_TOKENS, IO_HEAD_W, IO_HEAD_T, IO_HEAD_S, IO_HEAD_N, IO_LOGITS };
 int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, const int64_t* fds, const int64_t* moes,
                      int64_t k_stride, int64_t B, float* h, float* x, const int64_t* pos, const int64_t* slot,
                      const int64_t* kvidx, const int64_t* kvoff, const int64_t* states, int64_t* ids,
@@ -825,8 +824,6 @@ int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, cons
     return ms_q8_0_float_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, nthreads);
   return ms_qmatmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], io[IO_HEAD_T], logits, N, nthreads, 0);
 }
-
-int ms_decode_io_size() { return IO_COUNT; }
 
 int ms_decode_desc_size() { return D_COUNT; }
 

@@ -1256,7 +1256,7 @@ inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& 
 // n activation rows (rows[] of qa / qp / qk / xf, whichever `type` reads; qp: the HF FP4 types' QActF4) as chunks
 // of up to XR_ROWS row pointers, built once per call or expert group and shared by every weight row.
 struct XSet {
-  uint64_t id = 0;  // unique per make_xset call (the Q4_K8 group cache's key)
+  uint64_t id = 0;  // unique per make_xset call (the interleaved group cache's key)
   int64_t n = 0;
   std::vector<XR> q;
   std::vector<std::array<const float*, XR_ROWS>> f;
@@ -1814,8 +1814,6 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   return 0;
 }
 
-// out [n, N] (rows os floats apart) = x [n, K] @ W.T for the N rows of m: x quantized once in the form m's type
-// reads, W's rows split over the threads (at least ~32 KiB of weights each, so the start-up stays small).
 // One segment of matmul_segs: N rows of m, written to output columns col .. col + N - 1.
 struct Seg {
   Mat m;
@@ -1881,6 +1879,15 @@ void matmul_segs(std::vector<Seg> segs, const float* xf, int64_t n, int64_t K, f
   });
 }
 
+// Whether ms_qmatmul reads N rows of `type` with K columns (HF FP4 is ms_fp4_matmul's; interleaved types come in
+// whole groups of 8 rows).
+inline bool qmatmul_reads(int64_t type, int64_t K, int64_t N) {
+  return row_bytes(type, K) > 0 && K % block_size(type) == 0 && !is_hf_fp4(type) && N >= 0 &&
+         !(is_x8_type(type) && N % 8);
+}
+
+// out [n, N] (rows os floats apart) = x [n, K] @ W.T for the N rows of m: x quantized once in the form m's type
+// reads, W's rows split over the threads (at least ~32 KiB of weights each, so the start-up stays small).
 void matmul(const Mat& m, const float* xf, int64_t n, int64_t K, int64_t N, float* op, int64_t os, int nthreads,
             bool scalar) {
   Seg g;
@@ -1950,8 +1957,7 @@ int ms_dequant_rows(const uint8_t* w, int64_t N, int64_t ws, int64_t type, int64
 // unsupported type or K.
 int ms_qmatmul(const float* xf, int64_t n, int64_t K, const uint8_t* wp, int64_t N, int64_t ws, int64_t type,
                float* op, int64_t os, int nthreads, int force_scalar) {
-  if (row_bytes(type, K) <= 0 || K % block_size(type) || is_hf_fp4(type)) return -1;  // HF FP4: ms_fp4_matmul
-  if (is_x8_type(type) && N % 8) return -1;
+  if (!qmatmul_reads(type, K, N)) return -1;
   Mat m;
   m.type = type, m.w = wp, m.ws = ws;
   matmul(m, xf, n, K, N, op, os, nthreads, force_scalar);
@@ -1968,7 +1974,7 @@ int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const i
   int64_t col = 0;
   for (int64_t j = 0; j < nseg; ++j) {
     const int64_t* s = segs + 4 * j;
-    if (row_bytes(s[1], K) <= 0 || K % block_size(s[1]) || is_hf_fp4(s[1]) || s[3] < 0) return -1;
+    if (!qmatmul_reads(s[1], K, s[3])) return -1;
     v[j].m.type = s[1], v[j].m.w = (const uint8_t*)s[0], v[j].m.ws = s[2], v[j].N = s[3], v[j].col = col;
     col += s[3];
   }
