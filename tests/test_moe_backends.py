@@ -201,6 +201,25 @@ def test_reconfigure_keeps_fused_tokens(tiny_checkpoint, fused_tokens, arch):
         assert [o.token_ids for o in llm.generate(ps, SP)] == want, backend
 
 
+def test_a_refused_reconfigure_changes_nothing(tiny_checkpoint, fused_tokens):
+    """A re-plan the budget or options cannot take raises with the reason and leaves the engine as it was: its
+    options, plan and a working runtime (the benchmarks' sweep went on with an engine that had none: every later
+    configuration failed with AttributeError on the H200)."""
+    from moestream.core import ConfigError
+
+    ps, want = fused_tokens("qwen3")
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="offload", moe_cache_size=3, **COMMON)
+    ecfg, plan = llm.engine.ecfg, llm.engine.plan
+    with pytest.raises(ConfigError, match="top-k"):
+        llm.engine.reconfigure_experts(moe_backend="offload", moe_cache_size=1)
+    assert llm.engine.ecfg == ecfg and llm.engine.plan == plan and llm.engine.runtime is not None
+    assert all(b.runtime is llm.engine.runtime for b in llm.engine.model.moe_blocks())
+    assert [o.token_ids for o in llm.generate(ps, SP)] == want
+    assert llm.engine.reconfigure_experts(moe_backend="cpu").backend == "cpu"  # and the next one works
+    assert [o.token_ids for o in llm.generate(ps, SP)] == want
+    llm.close()
+
+
 def test_a_replaced_runtime_is_freed_though_llm_froze_it(tiny_checkpoint):
     """LLM moves everything alive after load out of the cyclic collector's reach (gc.freeze); a runtime is a
     reference cycle (the stats book holds its parts' methods), so the one built at load must be handed back to the

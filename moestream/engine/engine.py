@@ -305,9 +305,15 @@ class Engine:
         """Re-plan expert placement on the loaded weights (backend, --gpu-memory-gb, cache size...):
         a new runtime over the same master copies, moved between host and device as the backend needs.
         The KV and state pools are kept as they are. Used by benchmarks to sweep without reloading."""
-        store = self._release_runtime()
-        self.ecfg = self.ecfg.replace(**changes)
-        self.plan = self._plan_memory(self.model, store.fmt)
+        store = self._release_runtime()  # first: the plan sees the device memory the old runtime held
+        old_ecfg, old_plan = self.ecfg, self.plan
+        try:
+            self.ecfg = self.ecfg.replace(**changes)
+            self.plan = self._plan_memory(self.model, store.fmt)
+        except Exception:  # refused: the engine goes on as it was (same options, same placement)
+            self.ecfg, self.plan = old_ecfg, old_plan
+            self._start_runtime(store, self.model)
+            raise
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         if store.device != home:
             store = store.moved_to(home)
