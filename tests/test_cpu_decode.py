@@ -229,6 +229,10 @@ def test_gated_deltanet_model_compiles_every_layer(backend, tmp_path, tiny_check
     assert all(d is not None for d in plan.descs) and all(d is not None for d in plan.moe) and len(plan.moe) == n
     assert all(d[M["FW"]] != 0 for d in plan.moe)  # the fused [router | shared gate | up | gate] GEMM
     assert plan.kinds.count("gdn") == 3
+    # value heads of 16 channels, half a Q8_0 block: out_proj keeps the file's tiled head order, the call gathers
+    from moestream.models.cpu_decode import F_OUT_TILED, G
+
+    assert all(d[G["FLAGS"]] & F_OUT_TILED for d, k in zip(plan.descs, plan.kinds) if k == "gdn")
     assert runs["0"] == runs["1"]
 
 

@@ -94,10 +94,21 @@ def test_compressed_projections_of_several_types_stay_compressed_and_unfused():
         else:
             assert ok and isinstance(owner.qkv, fused)
             torch.testing.assert_close(owner.qkv(x), want, rtol=1e-5, atol=1e-5)
-    owner = nn.Module()
-    owner.q, owner.k = ql("Q4_K", 64, 0), ql("Q6_K", 64, 1)
     from moestream.kernels.linear import Linear
 
+    # compressed and dense together: the compressed rows the smaller part -> densified, fused dense
+    owner = nn.Module()
+    owner.q, owner.k = ql("Q4_K", 16, 0), ql("Q6_K", 16, 1)
     owner.v = Linear(H, 64, bias=False)
+    nn.init.normal_(owner.v.weight)
+    want = x @ torch.cat([owner.q.dense(torch.float32), owner.k.dense(torch.float32), owner.v.weight]).t()
     assert _fuse(owner, [(owner, n) for n in "qkv"], "qkv")
     assert isinstance(owner.qkv, FusedLinear) and owner.qkv.weight.dtype == torch.float32
+    torch.testing.assert_close(owner.qkv(x), want, rtol=1e-4, atol=1e-4)
+    # ... the compressed rows most of the group (a Qwen3.6 GGUF's GDN in-projections: qkv, z compressed, the
+    # 32-row b and a float32): left unfused, each as it is (densified they were ~3.5x the bytes)
+    owner = nn.Module()
+    owner.q, owner.k = ql("Q4_K", 64, 0), ql("Q6_K", 64, 1)
+    owner.v = Linear(H, 16, bias=False)
+    assert not _fuse(owner, [(owner, n) for n in "qkv"], "qkv")
+    assert isinstance(owner.q, QuantLinear) and isinstance(owner.k, QuantLinear) and type(owner.v) is Linear

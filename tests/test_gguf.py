@@ -196,12 +196,17 @@ def test_gpu_dense_layout_keeps_bytes_and_logits(variant, qtype, hf_dirs, tmp_pa
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     tied = llm.model_config.tie_word_embeddings  # then the file has no output.weight: lm_head is the embedding
     assert quant and isinstance(model.lm_head, QuantLinear) != tied
-    assert not isinstance(model.embed_tokens, QuantLinear)
+    from moestream.layers.quant_linear import QuantEmbedding
+
+    assert isinstance(model.embed_tokens, QuantEmbedding) != tied  # a tied one stays the 16-bit head too
     if variant.startswith("qwen35"):
         assert any(isinstance(m, FusedQuantLinear) and len(m.sizes) == 4 for m in quant)  # GDN in_proj
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    held += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(".raw"))
+    held += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".raw", ".in_perm")))
     assert llm.engine.plan.bytes.dense == held
+    if variant == "qwen35":  # value heads of 16 channels: ssm_out stays as stored, its input gathered (in_perm)
+        outs = [layer.linear_attn.out_proj for layer in model.layers if layer.kind == "linear_attention"]
+        assert outs and all(isinstance(o, QuantLinear) and o.in_perm is not None for o in outs)
     ids = list(range(4, 44))
     ours = full_logits(llm, ids)
     theirs = tiny_models.hf_logits(ref, ids)

@@ -25,10 +25,14 @@ GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV ke
 
 class QuantLinear(nn.Module):
     """y = x @ W.T with W kept as GGUF bytes of type ``type_name`` (no bias). float_activations (Q8_0 only): the
-    CPU decode kernel multiplies float32 activations instead of rounding them to int8 (a vocabulary head)."""
+    CPU decode kernel multiplies float32 activations instead of rounding them to int8 (a vocabulary head).
+    in_perm [in_features] (optional): the stored columns are the model's in another order, stored column c being
+    the model's column in_perm[c]; x is gathered to the stored order first (y = x[..., in_perm] @ stored.T). A
+    Qwen3.6 GGUF's Gated DeltaNet out_proj: its value heads are in the file's tiled order and a head's 128
+    columns are half a 256-value K-quant block, so the bytes cannot be reordered as the model's rows are."""
 
     def __init__(self, type_name: str, raw: torch.Tensor, out_features: int, in_features: int,
-                 float_activations: bool = False):
+                 float_activations: bool = False, in_perm: torch.Tensor | None = None):
         super().__init__()
         assert not float_activations or type_name == "Q8_0", type_name
         self.float_activations = float_activations
@@ -36,12 +40,20 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("raw", raw.reshape(out_features, -1).contiguous().view(torch.uint8), persistent=False)
         self.type_id = cpu_quant.TYPES.get(type_name)
+        if in_perm is not None:
+            in_perm = torch.as_tensor(in_perm, dtype=torch.long).reshape(-1)
+            if in_perm.numel() != in_features or not torch.equal(torch.sort(in_perm).values,
+                                                                 torch.arange(in_features)):
+                raise ValueError(f"in_perm must be a permutation of {in_features} columns")
+        self.register_buffer("in_perm", in_perm, persistent=False)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
         # CPU: straight to the kernel (qlinear's dispatch costs as much as a small matmul); any row count for the
         # int8-activation kernels, a few rows for the float-activation ones (F16 / BF16 rows, the Q8_0 head)
         few = x.numel() <= CPU_FLOAT_KERNEL_MAX_ROWS * self.in_features
@@ -58,11 +70,18 @@ class QuantLinear(nn.Module):
         return qlinear(x, self.fmt, self.raw, self.shape)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group)."""
-        return self.fmt.dequantize(self.raw, self.shape, dtype)
+        """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group), in
+        the model's column order."""
+        w = self.fmt.dequantize(self.raw, self.shape, dtype)
+        if self.in_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.in_perm] = w
+        return out
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.fmt.name}"
+        return f"{self.in_features} -> {self.out_features}, {self.fmt.name}" + (
+            ", input columns permuted" if self.in_perm is not None else "")
 
 
 class FusedQuantLinear(QuantLinear):
@@ -86,7 +105,9 @@ def gpu_gemv(fmt) -> bool:
 
 
 class QuantEmbedding(nn.Module):
-    """Embedding rows dequantized from GGUF bytes at lookup (``dtype``: the model's)."""
+    """Embedding rows dequantized from GGUF bytes at lookup (``dtype``: the model's): the compiled CPU kernel, or
+    on a GPU the Triton decoder of quant/triton_dequant.py (the Qwen3.6 vocabulary's 151,936 rows: 0.16 GiB as
+    Q4_K against 0.58 GiB of bf16)."""
 
     def __init__(self, type_name: str, raw: torch.Tensor, num_embeddings: int, dim: int, dtype: torch.dtype):
         super().__init__()
@@ -99,7 +120,12 @@ class QuantEmbedding(nn.Module):
         rows = None
         if self.type_id is not None and self.raw.device.type == "cpu" and cpu_quant.cpu_kernels_enabled():
             rows = cpu_quant.dequant_rows(self.raw, self.type_id, ids, self.embedding_dim)  # one C call
+        shape = (self.num_embeddings, self.embedding_dim)
+        if rows is None and self.raw.is_cuda:
+            from ..quant import triton_dequant
+
+            if triton_dequant.supports(self.fmt):  # one Triton launch (capturable in a decode graph)
+                rows = triton_dequant.dequantize_rows(self.fmt, self.raw, shape, ids.reshape(-1), torch.float32)
         if rows is None:
-            shape = (self.num_embeddings, self.embedding_dim)
             rows = self.fmt.dequantize_rows(self.raw, shape, ids.reshape(-1), torch.float32)
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)

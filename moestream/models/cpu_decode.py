@@ -58,7 +58,15 @@ M = {name: i for i, name in enumerate(_MOE_FIELDS)}
 _GDN_FIELDS = ["H", "HK", "HV", "DK", "DV", "KW", "FLAGS", "IN_NORM", "POST_NORM", "NSEG",
                *[f"SEG{i}" for i in range(12)], "WO", "TO", "SO", "CONV_W", "A_LOG", "DT_BIAS", "NORM_W", "CONV", "REC"]
 G = {name: i for i, name in enumerate(_GDN_FIELDS)}
-F_ZERO_CENTERED, F_OUT_GATE, F_KV_F16 = 1, 2, 4
+F_ZERO_CENTERED, F_OUT_GATE, F_KV_F16, F_OUT_TILED = 1, 2, 4, 8
+
+
+def tiled_heads(hk: int, hv: int, dv: int) -> torch.Tensor:
+    """The input order of an out_proj whose value heads are tiled (head j = r * hk + k is the model's k * rep + r):
+    F_OUT_TILED's, and models/gguf_loader's in_perm for such a layer."""
+    j = torch.arange(hv)
+    head = (j % hk) * (hv // hk) + j // hk
+    return (head[:, None] * dv + torch.arange(dv)[None, :]).reshape(-1)
 KV_DTYPES = (torch.float32, torch.float16)  # the KV pools ms_decode_layer reads and writes
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
@@ -106,12 +114,12 @@ class _Repack:
 _REPACK: _Repack | None = None  # set while a plan is being built with repacking on
 
 
-def _weight(lin, mlp: bool = False) -> tuple[int, int, int] | None:
+def _weight(lin, mlp: bool = False, perm_ok: bool = False) -> tuple[int, int, int] | None:
     """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
-    ms_moe_layer, which reads no float32 rows). While a plan is built with repacking on, a Q4_K / Q4_0 / Q4_1
+    ms_moe_layer, which reads no float32 rows; perm_ok: the caller handles a QuantLinear's in_perm). While a plan is built with repacking on, a Q4_K / Q4_0 / Q4_1
     matrix's fields are its interleaved copy's."""
     if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
-            and not lin.float_activations:
+            and not lin.float_activations and (lin.in_perm is None or perm_ok):
         w = lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
         return _REPACK.weight(w, lin.out_features, lin.in_features) if _REPACK is not None else w
     w = getattr(lin, "weight", None)
@@ -252,13 +260,15 @@ def _gdn_desc(layer, state) -> tuple[np.ndarray, np.ndarray] | None:
             or (a.eps, a.zero_centered) != (b.eps, b.zero_centered) or state is None or state.conv is None \
             or _f32(state.conv) is None or _f32(state.rec) is None:
         return None
-    segs, wo = _gdn_in_proj(g), _weight(g.out_proj)
+    segs, wo = _gdn_in_proj(g), _weight(g.out_proj, perm_ok=True)
     ptrs = [_f32(t) for t in (a.weight, b.weight, g.conv1d.weight, g.A_log, g.dt_bias, g.norm.weight)]
-    if segs is None or wo is None or None in ptrs:
+    perm = getattr(g.out_proj, "in_perm", None)
+    tiled = perm is not None
+    if segs is None or wo is None or None in ptrs or (tiled and not torch.equal(perm, tiled_heads(g.hk, g.hv, g.dv))):
         return None
     d = np.zeros(len(_GDN_FIELDS), dtype=np.int64)
     d[[G["H"], G["HK"], G["HV"], G["DK"], G["DV"], G["KW"]]] = (a.weight.shape[0], g.hk, g.hv, g.dk, g.dv, g.kernel)
-    d[G["FLAGS"]] = F_ZERO_CENTERED if a.zero_centered else 0
+    d[G["FLAGS"]] = (F_ZERO_CENTERED if a.zero_centered else 0) | (F_OUT_TILED if tiled else 0)
     d[[G["IN_NORM"], G["POST_NORM"], G["CONV_W"], G["A_LOG"], G["DT_BIAS"], G["NORM_W"]]] = ptrs
     d[G["NSEG"]] = len(segs)
     for i, seg in enumerate(segs):

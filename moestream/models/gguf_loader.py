@@ -180,7 +180,7 @@ class GGUFCheckpoint(Checkpoint):
         compressed_dense: replace dense linears by modules holding the stored bytes (layers/quant_linear.py):
         "cpu" (or True): the linears and the embedding whose GGUF type the CPU kernels compute (CPU-only, one
         rank); "gpu": the linears whose type the GPU's Triton kernels read, on the model's
-        device, every architecture (the embedding stays dense: one row a token)."""
+        device, every architecture, and an untied embedding (rows decoded at lookup)."""
         params = dict(model.named_parameters())
         seen: set[str] = set()
         experts: dict[int, dict[str, torch.Tensor]] = {}
@@ -260,18 +260,29 @@ class GGUFCheckpoint(Checkpoint):
         module = model.get_submodule(path)
         if not isinstance(module, (Linear, torch.nn.Embedding)) or module.weight.dim() != 2:
             return False
-        if mode == "gpu" and (isinstance(module, torch.nn.Embedding) or path.endswith(GPU_DENSE_PARTS)):
+        if mode == "gpu" and path.endswith(GPU_DENSE_PARTS):
             return False
+        if mode == "gpu" and isinstance(module, torch.nn.Embedding):
+            # rows gathered and decoded by Triton at lookup; a tied head stays as the 16-bit matrix it also is
+            from ..quant import triton_dequant
+
+            if cfg.tie_word_embeddings or not triton_dequant.supports(gguf_format(kind)):
+                return False
         leaf = LAYER.match(t.name)[2] if LAYER.match(t.name) else t.name
         with warnings.catch_warnings():  # the mmap is read-only; we copy the bytes out of it
             warnings.simplefilter("ignore", UserWarning)
             stored = torch.from_numpy(t.data).reshape(module.weight.shape[0], -1)
         # planning (dry) only asks whether the bytes can follow the transforms: nothing is read or moved
         raw = self._move_bytes(leaf, stored, cfg, module.weight.shape[1], kind, move=not dry)
+        in_perm = None
+        if raw is None and leaf == "ssm_out.weight" and not isinstance(module, torch.nn.Embedding):
+            # value-head column groups that are not whole blocks: the bytes stay, the input is gathered
+            raw, in_perm = stored, _tiled_value_columns(cfg, module.weight.shape[1])
         if raw is None:
             return False
         if dry:
-            return raw.numel() * raw.element_size() - module.weight.numel() * module.weight.element_size()
+            return (raw.numel() * raw.element_size() - module.weight.numel() * module.weight.element_size()
+                    + (in_perm.numel() * in_perm.element_size() if in_perm is not None else 0))
         if raw.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
             raw = raw.clone()  # out of the read-only mmap (the model is moved to its device after loading)
         n, k = module.weight.shape
@@ -283,7 +294,7 @@ class GGUFCheckpoint(Checkpoint):
         elif name == "lm_head.weight" and mode == "cpu":
             new = _output_head(kind, raw, n, k)
         else:
-            new = QuantLinear(kind, raw, n, k)
+            new = QuantLinear(kind, raw, n, k, in_perm=in_perm)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         self.compressed_bytes += raw.numel() * raw.element_size()
@@ -451,6 +462,17 @@ def _output_head(kind: str, raw: torch.Tensor, n: int, k: int):
         raw = gguf_format(kind).dequantize(raw, (n, k), torch.float32).half().view(torch.uint8)
         kind = "F16"
     return QuantLinear(kind, raw, n, k)
+
+
+def _tiled_value_columns(cfg: ModelConfig, k: int) -> torch.Tensor:
+    """For a Gated DeltaNet out_proj kept in the file's column order: stored column c is the model's column
+    perm[c] (QuantLinear's in_perm). The file's value heads are tiled (head j = r*Hk + k), the model's grouped
+    (k*rep + r): _untile's mapping, by columns."""
+    from .cpu_decode import tiled_heads
+
+    hk = cfg.linear_num_key_heads or 1
+    hv = cfg.linear_num_value_heads or hk
+    return tiled_heads(hk, hv, k // hv)
 
 
 def _untile(w: torch.Tensor, dim: int, hk: int, rep: int) -> torch.Tensor:

@@ -59,7 +59,9 @@ enum : int {
   D_WG, D_TG, D_WU, D_TU, D_WD, D_TD,               // dense MLP gate / up / down: address, type
   D_COUNT
 };
-enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2, F_KV_F16 = 4 };  // F_KV_F16: the KV pool holds float16
+// F_KV_F16: the KV pool holds float16; F_OUT_TILED: a Gated DeltaNet out_proj's input columns are its value heads
+// in tiled order (stored head j = r * HK + k is the layer's head k * rep + r: a GGUF's, kept as stored)
+enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2, F_KV_F16 = 4, F_OUT_TILED = 8 };
 
 // a MoE block's description for ms_moe_decode (models/cpu_decode.py writes the same slots)
 enum : int {
@@ -757,6 +759,16 @@ int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float
   if (rc) return rc;
   for (int64_t b = 0; b < B; ++b) gdn_conv_row(g, n, proj.data() + b * n.P, slots[b], cv.data() + b * n.cd);
   gdn_heads(g, n, fd[1], B, proj.data(), cv.data(), slots, o.data(), nthreads);
+  if (g[G_FLAGS] & F_OUT_TILED) {  // the heads into out_proj's stored order
+    const int64_t hk = g[G_HK], hv = g[G_HV], rep = hv / hk, dv = g[G_DV];
+    std::vector<float> t(n.vd);
+    for (int64_t b = 0; b < B; ++b) {
+      float* ob = o.data() + b * n.vd;
+      for (int64_t j = 0; j < hv; ++j)
+        std::memcpy(t.data() + j * dv, ob + ((j % hk) * rep + j / hk) * dv, dv * sizeof(float));
+      std::memcpy(ob, t.data(), n.vd * sizeof(float));
+    }
+  }
   rc = matmul(o.data(), B, n.vd, (const void*)g[G_WO], n.H, g[G_SO], g[G_TO], y.data(), n.H, nthreads);
   if (rc) return rc;
   for (int64_t i = 0; i < B * n.H; ++i) h[i] += y[i];
