@@ -15,24 +15,28 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="the CPU kerne
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]]
 
 
-@pytest.mark.parametrize("n", [1, 3, 6])
-def test_q8_0_float_activation_matmul_is_exact(n):
-    """The vocabulary head's kernel: stored Q8_0 values times unrounded float32 activations, so the result is
-    the float64 product up to float32 summation (no int8 rounding of x, unlike the decode matmuls)."""
+@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q6_K", 512)])
+def test_float_activation_matmul_is_exact(n, qtype, K):
+    """The vocabulary head's kernel (Q8_0, or a Q4_K_M file's Q6_K head): stored values times unrounded float32
+    activations, so the result is the float64 product up to float32 rounding of the block scales and the summation
+    (no int8 rounding of x, unlike the decode matmuls)."""
     from moestream.quant import gguf_format
     from moestream.quant.synthetic import random_raw
 
-    N, K = 300, 96
-    fmt = gguf_format("Q8_0")
+    N = 300
+    fmt = gguf_format(qtype)
     raw = random_raw(fmt, (N, K), seed=3)
     w = fmt.dequantize(raw, (N, K), torch.float64)
     x = torch.randn(n, K, dtype=torch.float32)
-    got = cpu_quant.q8_0_float_matmul(x, raw.reshape(N, -1))
+    got = cpu_quant.float_act_matmul(x, raw.reshape(N, -1), cpu_quant.TYPES[qtype])
     ref = x.double() @ w.t()
     err = (got.double() - ref).abs().max().item()
     assert err < 1e-5 * ref.abs().max().item(), err
-    rounded = cpu_quant.rows_matmul(x, raw.reshape(N, -1), cpu_quant.TYPES["Q8_0"])  # int8 activations
+    rounded = cpu_quant.rows_matmul(x, raw.reshape(N, -1), cpu_quant.TYPES[qtype])  # int8 activations
     assert (rounded.double() - ref).abs().max().item() > 10 * err
+    with pytest.raises(ValueError):
+        cpu_quant.float_act_matmul(x[:, :64], raw.reshape(N, -1), cpu_quant.TYPES["Q4_K"])
 
 
 def _gguf(kind: str, qtype_name: str, tmp_path, tiny_checkpoint):

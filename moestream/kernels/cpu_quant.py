@@ -179,8 +179,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_gdn_decode.restype = ctypes.c_int
     lib.ms_moe_decode.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_moe_decode.restype = ctypes.c_int
-    lib.ms_q8_0_float_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
-    lib.ms_q8_0_float_matmul.restype = ctypes.c_int
+    lib.ms_float_act_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_int]
+    lib.ms_float_act_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
     lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
@@ -293,15 +293,18 @@ def dequant_rows(raw2d: torch.Tensor, type_id: int, ids: torch.Tensor, K: int) -
     return out if rc == 0 else None
 
 
-def q8_0_float_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int = TYPES["Q8_0"]) -> torch.Tensor:
-    """As rows_matmul for Q8_0 weights, with float32 activations (no int8 rounding; decode.cpp)."""
+FLOAT_ACT_TYPES = ("Q8_0", "Q6_K")  # types float_act_matmul reads
+
+
+def float_act_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Tensor:
+    """As rows_matmul for Q8_0 / Q6_K weights, with float32 activations (no int8 rounding; decode.cpp)."""
     n, k = x.shape
     out = torch.empty(n, raw2d.shape[0], dtype=torch.float32)
     mod = _STATE["mod"]
-    rc = mod.ms_q8_0_float_matmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0),
-                                  out.data_ptr(), raw2d.shape[0], _threads(mod))
+    rc = mod.ms_float_act_matmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0),
+                                 out.data_ptr(), raw2d.shape[0], type_id, _threads(mod))
     if rc:
-        raise ValueError(f"Q8_0 matmul: in_features {k} is not a multiple of 32")
+        raise ValueError(f"float-activation matmul: type {type_id} with in_features {k} is not supported")
     return out
 
 

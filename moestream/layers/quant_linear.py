@@ -24,7 +24,7 @@ GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV ke
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T with W kept as GGUF bytes of type ``type_name`` (no bias). float_activations (Q8_0 only): the
+    """y = x @ W.T with W kept as GGUF bytes of type ``type_name`` (no bias). float_activations (Q8_0 / Q6_K): the
     CPU decode kernel multiplies float32 activations instead of rounding them to int8 (a vocabulary head).
     in_perm [in_features] (optional): the stored columns are the model's in another order, stored column c being
     the model's column in_perm[c]; x is gathered to the stored order first (y = x[..., in_perm] @ stored.T). A
@@ -34,7 +34,7 @@ class QuantLinear(nn.Module):
     def __init__(self, type_name: str, raw: torch.Tensor, out_features: int, in_features: int,
                  float_activations: bool = False, in_perm: torch.Tensor | None = None):
         super().__init__()
-        assert not float_activations or type_name == "Q8_0", type_name
+        assert not float_activations or type_name in cpu_quant.FLOAT_ACT_TYPES, type_name
         self.float_activations = float_activations
         self.fmt = gguf_format(type_name)
         self.in_features, self.out_features = in_features, out_features
@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
         if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
                 and (few or not (self.float_activations or self.fmt.type_name in FLOAT_KERNEL_TYPES))
                 and self.raw.device.type == "cpu" and cpu_quant.available()):
-            rows = cpu_quant.q8_0_float_matmul if self.float_activations else cpu_quant.rows_matmul
+            rows = cpu_quant.float_act_matmul if self.float_activations else cpu_quant.rows_matmul
             y = rows(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)
         if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and gpu_gemv(self.fmt):

@@ -289,7 +289,6 @@ def _mlp_fields(mlp) -> tuple | None:
 
 _IO_FIELDS = ["EMB_W", "EMB_T", "EMB_S", "EMB_N", "TOKENS", "HEAD_W", "HEAD_T", "HEAD_S", "HEAD_N", "LOGITS"]
 IO = {name: i for i, name in enumerate(_IO_FIELDS)}  # decode.cpp's IO_* enum (ms_decode_logits)
-Q8_0_FLOAT_HEAD = -8  # ms_decode_logits' head type for Q8_0 rows against float32 activations
 
 
 def _io_fields(model) -> tuple[np.ndarray, bool] | None:
@@ -309,7 +308,7 @@ def _io_fields(model) -> tuple[np.ndarray, bool] | None:
     if type(head) is not QuantLinear or head.type_id is None or head.raw.device.type != "cpu" \
             or not cpu_quant.supports(head.fmt.type_name):
         return None
-    t = Q8_0_FLOAT_HEAD if head.float_activations else head.type_id
+    t = -head.type_id if head.float_activations else head.type_id  # minus: rows against float32 activations
     io[[IO["HEAD_W"], IO["HEAD_T"], IO["HEAD_S"], IO["HEAD_N"]]] = (head.raw.data_ptr(), t, head.raw.stride(0),
                                                                     head.out_features)
     return io, head.float_activations or head.fmt.type_name in FLOAT_KERNEL_TYPES

@@ -450,13 +450,14 @@ class GGUFCheckpoint(Checkpoint):
 def _output_head(kind: str, raw: torch.Tensor, n: int, k: int):
     """The vocabulary projection with float32 activations (no int8 rounding): logits pick the tokens, and
     rounding this one matmul's activations is what flips near-ties (the default model's answer to "What is
-    the capital of France?" among them). Q8_0 stays as stored (its decode kernel multiplies float32
-    activations, exact products, ~1.9x fewer bytes a token than F16); other block types become F16 (~5e-4
-    relative)."""
+    the capital of France?" among them). Q8_0 and Q6_K (a Q4_K_M file's head) stay as stored (their decode kernels
+    multiply float32 activations: exact products, 1.9x / 2.4x fewer bytes a token than F16); other block types
+    become F16 (~5e-4 relative)."""
+    from ..kernels import cpu_quant
     from ..layers.quant_linear import QuantLinear
     from ..quant import gguf_format
 
-    if kind == "Q8_0":
+    if kind in cpu_quant.FLOAT_ACT_TYPES and k % gguf_format(kind).block_size == 0:
         return QuantLinear(kind, raw, n, k, float_activations=True)
     if kind not in ("F16", "BF16"):
         raw = gguf_format(kind).dequantize(raw, (n, k), torch.float32).half().view(torch.uint8)

@@ -476,6 +476,69 @@ void q8_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
   for (int r = 0; r < NR; ++r) out[r] = acc[r];
 }
 
+// Q6_K rows (210-byte blocks of 256 values: low nibbles ql[128], high bit pairs qh[64], int8 scales[16] of 16 values,
+// fp16 d) against float32 activations: per 32 values the codes - 32 as floats times d * scale, then FMAs with x
+// (no int8 rounding of x). The order of a chunk's 32 values and their scales is dot_k's (qmatmul.cpp).
+template <int NR>
+void q6k_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
+  float acc[NR] = {};
+#ifdef MS_DECODE_AVX2
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
+  __m256 va[NR];
+  for (int r = 0; r < NR; ++r) va[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const float d = fp16(blk + 208);
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+      for (int k = 0; k < 4; ++k) {
+        const int s8 = 4 * h + k;
+        const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * (k % 2)));
+        __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
+        q = _mm256_sub_epi8(q, m32);
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m256 s0 = _mm256_set1_ps(d * sc[2 * s8]), s1 = _mm256_set1_ps(d * sc[2 * s8 + 1]);
+        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s0);
+        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s0);
+        const __m256 f2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s1);
+        const __m256 f3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s1);
+        const int64_t off = b * 256 + 32 * s8;
+        for (int r = 0; r < NR; ++r) {
+          const float* xr = x[r] + off;
+          va[r] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(xr), va[r]);
+          va[r] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xr + 8), va[r]);
+          va[r] = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xr + 16), va[r]);
+          va[r] = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xr + 24), va[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(va[r]), _mm256_extractf128_ps(va[r], 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    acc[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const float d = fp16(blk + 208);
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int j = 0; j < 32; ++j) {
+          const int s8 = 4 * h + k;
+          const uint8_t lb = blk[64 * h + 32 * (k % 2) + j], hb = blk[128 + 32 * h + j];
+          const int q = (((k / 2 ? lb >> 4 : lb) & 15) | (((hb >> (2 * k)) & 3) << 4)) - 32;
+          const float v = d * sc[2 * s8 + j / 16] * (float)q;
+          for (int r = 0; r < NR; ++r) acc[r] += v * x[r][b * 256 + 32 * s8 + j];
+        }
+  }
+#endif
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
 // softmax over E logits, the k largest probabilities (descending; ties: lowest id first), optionally
 // renormalised to sum 1: as triton_ops.route_topk_torch
 void route_row(const float* logits, int64_t E, int64_t k, bool normalize, int64_t* ids, float* w) {
@@ -689,12 +752,14 @@ int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t
   return 0;
 }
 
-// out [n, N] (rows os apart) = x [n, K] @ W.T for Q8_0 weights W (N rows of K/32 blocks, ws bytes apart) with
-// float32 activations: the products of the stored values and the activations as they are (no int8 rounding
-// of x, unlike ms_qmatmul). For a vocabulary head, whose logits pick the tokens. Returns 0, or -1 for K % 32.
-int ms_q8_0_float_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w, int64_t N, int64_t ws, float* out,
-                         int64_t os, int nthreads) {
-  if (K % 32) return -1;
+// out [n, N] (rows os apart) = x [n, K] @ W.T for weights W of ggml type `type`, 8 (Q8_0) or 14 (Q6_K), N rows ws bytes
+// apart, with float32 activations: the products of the stored values and the activations as they are (no int8 rounding
+// of x, unlike ms_qmatmul). For a vocabulary head, whose logits pick the tokens. Returns 0, -1 for another type or a K that
+// is not a multiple of the type's block.
+int ms_float_act_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w, int64_t N, int64_t ws, float* out,
+                        int64_t os, int64_t type, int nthreads) {
+  const int64_t bs = type == 8 ? 32 : type == 14 ? 256 : 0;
+  if (!bs || K % bs) return -1;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, N * K / 65536));
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk_of(N, threads))
   for (int64_t i = 0; i < N; ++i) {
@@ -704,11 +769,17 @@ int ms_q8_0_float_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w,
       float o[4];
       const int nr = (int)std::min<int64_t>(4, n - r0);
       for (int r = 0; r < nr; ++r) xs[r] = x + (r0 + r) * K;
-      switch (nr) {
+      if (type == 8) switch (nr) {
         case 4: q8_rows<4>(wr, K / 32, xs, o); break;
         case 3: q8_rows<3>(wr, K / 32, xs, o); break;
         case 2: q8_rows<2>(wr, K / 32, xs, o); break;
         default: q8_rows<1>(wr, K / 32, xs, o); break;
+      }
+      else switch (nr) {
+        case 4: q6k_rows<4>(wr, K / 256, xs, o); break;
+        case 3: q6k_rows<3>(wr, K / 256, xs, o); break;
+        case 2: q6k_rows<2>(wr, K / 256, xs, o); break;
+        default: q6k_rows<1>(wr, K / 256, xs, o); break;
       }
       for (int r = 0; r < nr; ++r) out[(r0 + r) * os + i] = o[r];
     }
@@ -804,8 +875,8 @@ int ms_decode_stack(int64_t L, const int64_t* kinds, const int64_t* descs, const
 
 // A whole decode step of B rows from token ids to logits in one call: h = the embedding rows of tokens (io[IO_EMB]:
 // float32 rows, type 0, copied; or ms_dequant_rows' types), ms_decode_stack (its arguments as there; x = the final
-// norm of h), logits [B, head N] = x @ head.T (io[IO_HEAD]: ms_qmatmul's types, or type -8: Q8_0 rows against float32
-// activations, ms_q8_0_float_matmul). The embedding and the head give the floats the per-op path's QuantEmbedding /
+// norm of h), logits [B, head N] = x @ head.T (io[IO_HEAD]: ms_qmatmul's types, or minus a type ms_float_act_matmul reads: its
+// rows against float32 activations). The embedding and the head give the floats the per-op path's QuantEmbedding /
 // nn.Embedding and QuantLinear give (the same kernels). Returns 0, -3 for a token out of range, the embedding's or
 // the head's code (*failed = -1), or the stack's.
 enum : int { IO_EMB_W, IO_EMB_T, IO_EMB_S, IO_EMB_N, IO_TOKENS, IO_HEAD_W, IO_HEAD_T, IO_HEAD_S, IO_HEAD_N, IO_LOGITS };
@@ -832,8 +903,9 @@ int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, cons
   *failed = -1;
   const int64_t N = io[IO_HEAD_N];
   float* logits = (float*)io[IO_LOGITS];
-  if (io[IO_HEAD_T] == -8)
-    return ms_q8_0_float_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, nthreads);
+  if (io[IO_HEAD_T] < 0)  // -(ggml type): rows against float32 activations
+    return ms_float_act_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, -io[IO_HEAD_T],
+                               nthreads);
   return ms_qmatmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], io[IO_HEAD_T], logits, N, nthreads, 0);
 }
 
