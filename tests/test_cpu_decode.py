@@ -333,3 +333,31 @@ def test_interleaved_dense_weights_in_the_plan(qtype, tmp_path, tiny_checkpoint,
         (lp_a, top_a), (lp_b, top_b) = a.logprobs[0], b.logprobs[0]  # the first decode step: the same context
         assert abs(lp_a - lp_b) < 1e-3
         assert [t for t, _ in top_a] == [t for t, _ in top_b] or max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-3
+
+
+def test_compressed_shared_expert_stays_compressed_and_compiles(tmp_path, tiny_checkpoint, monkeypatch):
+    """A shared expert whose three projections are all GGUF blocks (a real Qwen3.5/3.6 GGUF's: I = 512) is not
+    densified to join the router's GEMM (models/fuse.py): it stays compressed, the compiled MoE call computes it as an
+    unfused shared expert, and the tokens are the per-op path's."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM
+    from moestream.layers.quant_linear import QuantLinear
+    from moestream.models.cpu_decode import M
+
+    hf = tiny_checkpoint("qwen35_causal", shared_expert_intermediate_size=64)  # 64 columns: whole Q8_0 blocks
+    path = gguf_writer.write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0)[0]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_CPU_DECODE_LAYER", flag)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        runs[flag] = _generate(llm, 8)
+        blocks = llm.engine.model.moe_blocks()
+        assert all(b.shared_in is None and isinstance(b.shared_expert.gate_proj, QuantLinear)
+                   and isinstance(b.shared_expert.down_proj, QuantLinear) for b in blocks)
+        plan = llm.engine.model.cpu_decode
+        if flag == "1":
+            assert plan.steps >= 7 and all(d is not None and d[M["FW"]] == 0 and d[M["SI"]] == 64 for d in plan.moe)
+        llm.close()
+    assert runs["0"] == runs["1"]
