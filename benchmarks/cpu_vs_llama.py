@@ -347,7 +347,7 @@ def _bench_fp4_layer(name: str, E: int, H: int, I: int, top_k: int, picks, x, y,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", default="smollm,moe")
+    ap.add_argument("--models", default="smollm,moe", help="smollm, moe, moe-mid, file:PATH.gguf (comma-separated)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
@@ -372,6 +372,11 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         if model == "smollm":
             path, vocab = find_gguf(default_model_path()), 49152
+        elif model.startswith("file:"):  # a GGUF of your own (e.g. make_qwen36_q4km.py's), kept
+            from moestream.models.gguf_file import GGUFFile
+
+            path = Path(model[5:])
+            vocab = len(GGUFFile(path).fields["tokenizer.ggml.tokens"])
         else:
             path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf",
                                          MOE_MID if model == "moe-mid" else MOE)
@@ -380,7 +385,7 @@ def main(argv=None) -> int:
             results[f"{model}/{engine}"] = r
             print(f"{model:7s} {engine:10s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.1f} tok/s"
                   f" (after {args.context} tokens)", flush=True)
-        if model != "smollm":
+        if model in ("moe", "moe-mid"):
             path.unlink()  # written here (moe-mid: 4.3 GB)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,

@@ -18,9 +18,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 2
 @pytest.mark.parametrize("n", [1, 3, 5])
 @pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q6_K", 512)])
 def test_float_activation_matmul_is_exact(n, qtype, K):
-    """The vocabulary head's kernel (Q8_0, or a Q4_K_M file's Q6_K head): stored values times unrounded float32
-    activations, so the result is the float64 product up to float32 rounding of the block scales and the summation
-    (no int8 rounding of x, unlike the decode matmuls)."""
+    """The vocabulary head's kernel (Q8_0, or a Q4_K_M file's Q6_K head): stored values times float32 activations
+    (Q6_K: x as int16 per 256 values, within its rounding bound), so the result is the float64 product up to that and
+    float32 summation — not the int8 rounding of x of the decode matmuls, shown here to be 10x further off."""
     from moestream.quant import gguf_format
     from moestream.quant.synthetic import random_raw
 
@@ -32,7 +32,11 @@ def test_float_activation_matmul_is_exact(n, qtype, K):
     got = cpu_quant.float_act_matmul(x, raw.reshape(N, -1), cpu_quant.TYPES[qtype])
     ref = x.double() @ w.t()
     err = (got.double() - ref).abs().max().item()
-    assert err < 1e-5 * ref.abs().max().item(), err
+    bound = 1e-5 * ref.abs().max().item()
+    if qtype == "Q6_K":  # x as int16 per 256 values: each value within half a step of the block's largest / 32767
+        step = x.abs().reshape(n, -1, 256).amax(-1).double() / 32767
+        bound += (0.5 * step.repeat_interleave(256, -1) @ w.abs().t()).max().item()
+    assert err < bound, (err, bound)
     rounded = cpu_quant.rows_matmul(x, raw.reshape(N, -1), cpu_quant.TYPES[qtype])  # int8 activations
     assert (rounded.double() - ref).abs().max().item() > 10 * err
     with pytest.raises(ValueError):

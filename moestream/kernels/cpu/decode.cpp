@@ -477,50 +477,11 @@ void q8_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
 }
 
 // Q6_K rows (210-byte blocks of 256 values: low nibbles ql[128], high bit pairs qh[64], int8 scales[16] of 16 values,
-// fp16 d) against float32 activations: per 32 values the codes - 32 as floats times d * scale, then FMAs with x
-// (no int8 rounding of x). The order of a chunk's 32 values and their scales is dot_k's (qmatmul.cpp).
+// fp16 d) against float32 activations, value by value (builds without AVX2; with it, q6k_rows_i16). The order of a
+// chunk's 32 values and their scales is dot_k's (qmatmul.cpp).
 template <int NR>
-void q6k_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
+void q6k_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {  // builds without AVX2
   float acc[NR] = {};
-#ifdef MS_DECODE_AVX2
-  const __m256i m0f = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
-  __m256 va[NR];
-  for (int r = 0; r < NR; ++r) va[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 210;
-    const float d = fp16(blk + 208);
-    const int8_t* sc = (const int8_t*)(blk + 192);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
-      for (int k = 0; k < 4; ++k) {
-        const int s8 = 4 * h + k;
-        const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * (k % 2)));
-        __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
-        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
-        q = _mm256_sub_epi8(q, m32);
-        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-        const __m256 s0 = _mm256_set1_ps(d * sc[2 * s8]), s1 = _mm256_set1_ps(d * sc[2 * s8 + 1]);
-        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s0);
-        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s0);
-        const __m256 f2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s1);
-        const __m256 f3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s1);
-        const int64_t off = b * 256 + 32 * s8;
-        for (int r = 0; r < NR; ++r) {
-          const float* xr = x[r] + off;
-          va[r] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(xr), va[r]);
-          va[r] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xr + 8), va[r]);
-          va[r] = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xr + 16), va[r]);
-          va[r] = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xr + 24), va[r]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(va[r]), _mm256_extractf128_ps(va[r], 1));
-    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    acc[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-  }
-#else
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 210;
     const float d = fp16(blk + 208);
@@ -535,9 +496,68 @@ void q6k_rows(const uint8_t* w, int64_t nb, const float* const* x, float* out) {
           for (int r = 0; r < NR; ++r) acc[r] += v * x[r][b * 256 + 32 * s8 + j];
         }
   }
-#endif
   for (int r = 0; r < NR; ++r) out[r] = acc[r];
 }
+
+#ifdef MS_DECODE_AVX2
+// The same product with the activations as int16 per 256-value block (x ~ xs * xq, |xq| <= 32767: ~2^-16 of the
+// block's largest value, against int8's 2^-8 — the head's near-ties stay where float32 puts them) and the codes
+// times their scale as int16 (|q * sc| <= 4096): pmaddwd pairs into int32 lanes, 64 values summed exactly (8
+// products a lane, < 2^31), then float. ~3x fewer instructions a value than widening the codes to float.
+template <int NR>
+void q6k_rows_i16(const uint8_t* w, int64_t nb, const int16_t* const* xq, const float* const* xs, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
+  __m256 va[NR], vb[NR];
+  __m256i vi[NR];
+  for (int r = 0; r < NR; ++r) va[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    for (int r = 0; r < NR; ++r) vb[r] = _mm256_setzero_ps(), vi[r] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+      for (int k = 0; k < 4; ++k) {
+        const int s8 = 4 * h + k;
+        const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * (k % 2)));
+        __m256i q = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, m0f);
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m03), 4));
+        q = _mm256_sub_epi8(q, m32);
+        const __m256i wl = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                                              _mm256_set1_epi16(sc[2 * s8]));
+        const __m256i wh = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                              _mm256_set1_epi16(sc[2 * s8 + 1]));
+        const int64_t off = b * 256 + 32 * s8;
+        for (int r = 0; r < NR; ++r) {
+          const __m256i pl = _mm256_madd_epi16(wl, _mm256_loadu_si256((const __m256i*)(xq[r] + off)));
+          const __m256i ph = _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i*)(xq[r] + off + 16)));
+          vi[r] = _mm256_add_epi32(vi[r], _mm256_add_epi32(pl, ph));
+        }
+        if (k % 2)
+          for (int r = 0; r < NR; ++r)
+            vb[r] = _mm256_add_ps(vb[r], _mm256_cvtepi32_ps(vi[r])), vi[r] = _mm256_setzero_si256();
+      }
+    }
+    const float d = fp16(blk + 208);
+    for (int r = 0; r < NR; ++r) va[r] = _mm256_fmadd_ps(vb[r], _mm256_set1_ps(d * xs[r][b]), va[r]);
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(va[r]), _mm256_extractf128_ps(va[r], 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+}
+
+// x [K] -> int16 per 256-value block and the blocks' scales (x ~ xs[b] * xq), rounded to nearest
+void quantize_i16(const float* x, int64_t K, int16_t* xq, float* xs) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    float amax = 0;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[b * 256 + j]));
+    const float s = amax / 32767.0f, inv = amax > 0 ? 32767.0f / amax : 0.0f;
+    xs[b] = s;
+    for (int j = 0; j < 256; ++j) xq[b * 256 + j] = (int16_t)std::lrintf(x[b * 256 + j] * inv);
+  }
+}
+#endif
 
 // softmax over E logits, the k largest probabilities (descending; ties: lowest id first), optionally
 // renormalised to sum 1: as triton_ops.route_topk_torch
@@ -753,14 +773,40 @@ int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t
 }
 
 // out [n, N] (rows os apart) = x [n, K] @ W.T for weights W of ggml type `type`, 8 (Q8_0) or 14 (Q6_K), N rows ws bytes
-// apart, with float32 activations: the products of the stored values and the activations as they are (no int8 rounding
-// of x, unlike ms_qmatmul). For a vocabulary head, whose logits pick the tokens. Returns 0, -1 for another type or a K that
+// apart, without ms_qmatmul's int8 rounding of x: Q8_0 against float32 x as it is, Q6_K against x as int16 per 256
+// values (q6k_rows_i16; float32 without AVX2). For a vocabulary head, whose logits pick the tokens. Returns 0, -1 for another type or a K that
 // is not a multiple of the type's block.
 int ms_float_act_matmul(const float* x, int64_t n, int64_t K, const uint8_t* w, int64_t N, int64_t ws, float* out,
                         int64_t os, int64_t type, int nthreads) {
   const int64_t bs = type == 8 ? 32 : type == 14 ? 256 : 0;
   if (!bs || K % bs) return -1;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, N * K / 65536));
+#ifdef MS_DECODE_AVX2
+  if (type == 14) {  // Q6_K: int16 activations (q6k_rows_i16)
+    std::vector<int16_t> xq(n * K);
+    std::vector<float> xsc(n * (K / 256));
+    for (int64_t r = 0; r < n; ++r) quantize_i16(x + r * K, K, xq.data() + r * K, xsc.data() + r * (K / 256));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk_of(N, threads))
+    for (int64_t i = 0; i < N; ++i) {
+      const uint8_t* wr = w + i * ws;
+      for (int64_t r0 = 0; r0 < n; r0 += 4) {
+        const int16_t* q[4];
+        const float* sx[4];
+        float o[4];
+        const int nr = (int)std::min<int64_t>(4, n - r0);
+        for (int r = 0; r < nr; ++r) q[r] = xq.data() + (r0 + r) * K, sx[r] = xsc.data() + (r0 + r) * (K / 256);
+        switch (nr) {
+          case 4: q6k_rows_i16<4>(wr, K / 256, q, sx, o); break;
+          case 3: q6k_rows_i16<3>(wr, K / 256, q, sx, o); break;
+          case 2: q6k_rows_i16<2>(wr, K / 256, q, sx, o); break;
+          default: q6k_rows_i16<1>(wr, K / 256, q, sx, o); break;
+        }
+        for (int r = 0; r < nr; ++r) out[(r0 + r) * os + i] = o[r];
+      }
+    }
+    return 0;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk_of(N, threads))
   for (int64_t i = 0; i < N; ++i) {
     const uint8_t* wr = w + i * ws;
