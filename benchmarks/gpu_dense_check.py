@@ -39,13 +39,16 @@ def full_logits(llm, ids: list[int]) -> torch.Tensor:
     return out
 
 
+DTYPE = "auto"
+
+
 def run(path: str, mode: str, backend: str, cap: float | None, device: str) -> dict:
     from moestream import LLM, SamplingParams
     from moestream.layers.quant_linear import QuantEmbedding, QuantLinear
 
     os.environ["MOESTREAM_DENSE_QUANT"] = mode
     kw = {"gpu_memory_gb": cap} if cap else {"moe_cache_size": 96} if backend == "offload" else {}
-    llm = LLM(path, device=device, moe_backend=backend, max_running_requests=4, **kw)
+    llm = LLM(path, device=device, moe_backend=backend, max_running_requests=4, dtype=DTYPE, **kw)
     m = llm.engine.model
     gdn = [layer.linear_attn for layer in m.layers if layer.kind == "linear_attention"]
     info = {"mode": mode, "backend": backend, "cap": cap, "dense_gib": llm.engine.plan.bytes.dense / 2**30,
@@ -75,10 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--offload-cap", type=float, default=0.0, help="offload's --gpu-memory-gb (0: 96 expert slots)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the GPU's layout (MOESTREAM_DENSE_QUANT=gpu)")
+    ap.add_argument("--dtype", default="auto", help="the model dtype (float32: both layouts near-exact, so a layout bug "
+                    "shows; bf16 rounding moves a random model's routing)")
+    ap.add_argument("--backends", default="fused,offload")
     args = ap.parse_args(argv)
+    global DTYPE
+    DTYPE = args.dtype
     report = []
     ok = True
-    for backend in ("fused", "offload"):
+    for backend in args.backends.split(","):
         res = {}
         for mode in ("0", "1" if args.device == "cuda" else "gpu"):
             try:
