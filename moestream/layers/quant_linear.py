@@ -55,7 +55,7 @@ class QuantLinear(nn.Module):
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
         # CPU: straight to the kernel (qlinear's dispatch costs as much as a small matmul); any row count for the
-        # int8-activation kernels, a few rows for the float-activation ones (F16 / BF16 rows, the Q8_0 head)
+        # int8-activation kernels, a few rows for the float-activation ones (F16 / BF16 rows, a Q8_0 / Q6_K head)
         few = x.numel() <= CPU_FLOAT_KERNEL_MAX_ROWS * self.in_features
         if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
                 and (few or not (self.float_activations or self.fmt.type_name in FLOAT_KERNEL_TYPES))

@@ -158,7 +158,9 @@ def _fuse_moe_inputs(mlp) -> bool:
     so they are held once; a router whose weight is not a plain dense tensor stays its own GEMM."""
     s, router = mlp.shared_expert, mlp.gate
     names = [(s, "gate_proj"), (s, "up_proj"), (mlp, "shared_expert_gate")]
-    if all(_compressed_rows([m]) for m in (s.gate_proj, s.up_proj, s.down_proj)):
+    from ..layers.quant_linear import QuantLinear
+
+    if all(isinstance(m, QuantLinear) for m in (s.gate_proj, s.up_proj, s.down_proj)):
         # a shared expert kept compressed stays so (a GGUF on a CPU: Q4_K gate / up read 1.1 MiB a layer, densified
         # to float32 8 MiB); the GPU's loader leaves gate / up 16-bit (gguf_loader.GPU_DENSE_PARTS) to fuse them
         # with its router

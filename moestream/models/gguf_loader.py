@@ -467,13 +467,10 @@ def _output_head(kind: str, raw: torch.Tensor, n: int, k: int):
 
 def _tiled_value_columns(cfg: ModelConfig, k: int) -> torch.Tensor:
     """For a Gated DeltaNet out_proj kept in the file's column order: stored column c is the model's column
-    perm[c] (QuantLinear's in_perm). The file's value heads are tiled (head j = r*Hk + k), the model's grouped
-    (k*rep + r): _untile's mapping, by columns."""
-    from .cpu_decode import tiled_heads
-
+    perm[c] (QuantLinear's in_perm), the inverse of _untile's reorder of its k columns."""
     hk = cfg.linear_num_key_heads or 1
-    hv = cfg.linear_num_value_heads or hk
-    return tiled_heads(hk, hv, k // hv)
+    rep = (cfg.linear_num_value_heads or hk) // hk
+    return torch.argsort(_untile(torch.arange(k), 0, hk, rep))
 
 
 def _untile(w: torch.Tensor, dim: int, hk: int, rep: int) -> torch.Tensor:
