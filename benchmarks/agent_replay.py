@@ -81,8 +81,13 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list, max_
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
-def replay(url: str, args) -> list[dict]:
+def replay(url: str, args, script: list[dict] | None = None) -> list[dict]:
+    """Play the conversation(s) against `url`. With `script` (the rows of an earlier configuration's replay), the
+    model's answers are taken from it instead, so every configuration sends the same prompts, and only the turns
+    in --sample-turns are sent (all when it is empty): the rest are history, not requests."""
     client = httpx.Client(timeout=args.timeout)
+    answers = {(r["turn"], r["conversation"]): r["answer"] for r in script or [] if "turn" in r}
+    sample = {int(t) for t in args.sample_turns.split(",") if t.strip()} if script is not None else set()
     model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
     rngs = [random.Random(args.seed + c) for c in range(args.conversations)]
     convs = [[{"role": "system", "content": system_prompt(rng, args.system_words)},
@@ -91,12 +96,19 @@ def replay(url: str, args) -> list[dict]:
     rows = []
     for turn in range(args.turns):
         for c, (rng, messages) in enumerate(zip(rngs, convs)):
-            r = stream_turn(client, url, model, messages, args.max_tokens)
-            r["turn"], r["conversation"] = turn, c
-            rows.append(r)
-            print(f"  turn {turn}{f' conversation {c}' if args.conversations > 1 else ''}: prompt "
-                  f"{r['prompt_tokens']} tokens, cached {r['cached_tokens']}, TTFT {r['ttft_s']:.3f} s", flush=True)
-            messages.append({"role": "assistant", "content": r["answer"] or "ok"})
+            answer = answers.get((turn, c)) if script is not None else None
+            if script is None or not sample or turn in sample:
+                r = stream_turn(client, url, model, messages, args.max_tokens)
+                r["turn"], r["conversation"] = turn, c
+                if script is not None:  # same prompt as the scripted run: the same greedy answer is expected
+                    r["same_answer"] = r["answer"] == answer
+                    r["answer"] = answer
+                rows.append(r)
+                print(f"  turn {turn}{f' conversation {c}' if args.conversations > 1 else ''}: prompt "
+                      f"{r['prompt_tokens']} tokens, cached {r['cached_tokens']}, TTFT {r['ttft_s']:.3f} s"
+                      f"{'' if r.get('same_answer', True) else ' (answer differs from the first run)'}", flush=True)
+                answer = r["answer"]
+            messages.append({"role": "assistant", "content": answer or "ok"})
             messages.append({"role": "user",
                              "content": f"Tool output (tool_{turn % 12}):\n{text(rng, args.tool_words)}"})
     time.sleep(1.5)  # /v1/stats is a snapshot refreshed every 0.5 s
@@ -135,13 +147,14 @@ def configurations(spec: str) -> list[tuple[str, list[str]]]:
 
 
 def run_local(args) -> dict:
-    out = {}
+    out, script = {}, None
     extra = shlex.split(args.serve_args)
     for name, flags in configurations(args.compare):
         proc = start_server(args.port, extra + flags, f"{args.log_prefix}_{name}.log")
         try:
             print(f"{name}:", flush=True)
-            out[name] = replay(f"http://127.0.0.1:{args.port}", args)
+            out[name] = replay(f"http://127.0.0.1:{args.port}", args, script)
+            script = out[name] if script is None else script
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -179,6 +192,10 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=1500, help="system prompt + tools, in words (~1.3 tokens each)")
     p.add_argument("--tool-words", type=int, default=200, help="words of tool output added each turn")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens the model answers each turn")
+    p.add_argument("--sample-turns", default="",
+                   help="turns the later --compare configurations send (e.g. 0,8,16,23; all when empty): they replay "
+                        "the first configuration's answers, so a long conversation is not prefilled whole every turn "
+                        "by the cache-free baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--log-prefix", default="/tmp/agent_replay")

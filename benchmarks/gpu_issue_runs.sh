@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Device call (kind nvidia-h200, carry [".peer", ".whl"]): the GPU figures of the memory, prefix-cache and MTP issues,
+# phase by phase, each under its own time limit, into $OUT. Meant to follow benchmarks/gpu_vs_llama.sh with KEEP_GGUF=1
+# on the same warm machine (the Q4_K_M file stays in /dev/shm), or to run alone (the file is written when missing).
+#   PHASES   comma list, in order [edge,replay,mtp,tests]
+#   edge     issue 17: benchmarks/edge_memory.py on the Qwen3.6-shaped Q4_K_M GGUF at CAPS [4,8,12,24], PROMPT [32768]
+#            tokens, BACKEND [offload]  -> $OUT/edge_memory.{json,md,log}
+#   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB: an
+#            ~8k-token system prompt + tools, ~0.9k new tokens a turn (tool output + answer) for REPLAY_TURNS [27]
+#            turns (~32k at the end); the cache-free baseline measures SAMPLE [0,9,18,26] of them -> $OUT/agent_replay.*
+#   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block, scripted drafts)
+#            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload]  -> $OUT/mtp.{json,log}
+#   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
+set -uo pipefail
+source benchmarks/device_env.sh
+T0=$(date +%s)
+Q=${QUANT:-q4_k_m}; F=${GGUF_DIR:-/dev/shm}/qwen36-$Q.gguf
+need_file() {
+  [ -f "$F" ] || timeout 300 python3 benchmarks/make_qwen36_q4km.py "$F" --quant "$Q" \
+    --vocab-from .peer/qwen3-tokenizer-gguf-fields.json 2>&1 | tail -1
+}
+for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
+  echo "== $(date -u +%T) [+$(( $(date +%s) - T0 )) s] phase $P"
+  case $P in
+    edge)
+      need_file
+      timeout "${EDGE_S:-420}" python3 benchmarks/edge_memory.py "$F" --caps "${CAPS:-4,8,12,24}" --prompt "${PROMPT:-32768}" \
+        --decode "${DECODE:-32}" --backend "${BACKEND:-offload}" --timeout "${EDGE_CAP_S:-200}" \
+        --json "$OUT/edge_memory.json" --md "$OUT/edge_memory.md" 2>&1 | tee "$OUT/edge_memory.log" | grep -v "^\s*warm"
+      ;;
+    replay)
+      need_file
+      timeout "${REPLAY_S:-330}" python3 benchmarks/agent_replay.py \
+        --serve-args "--model-path $F --gpu-memory-gb ${REPLAY_GB:-12} ${REPLAY_ARGS:-}" \
+        --turns "${REPLAY_TURNS:-27}" --system-words "${SYSTEM_WORDS:-1900}" --tool-words "${TOOL_WORDS:-200}" \
+        --max-tokens 16 --sample-turns "${SAMPLE:-0,9,18,26}" --log-prefix "$OUT/agent_replay_server" \
+        --out "$OUT/agent_replay.json" 2>&1 | tee "$OUT/agent_replay.log"
+      ;;
+    mtp)
+      timeout "${MTP_S:-300}" python3 benchmarks/mtp_decode.py --caps "${MTP_CAPS:-12,24,8}" \
+        --backends "${MTP_BACKENDS:-offload}" --batch 1,4 --k "${MTP_K:-0,2}" --accept "${MTP_ACCEPT:-0.8}" \
+        --new-tokens 48 --out "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.log"
+      ;;
+    tests)
+      TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh
+      ;;
+    *) echo "unknown phase $P" ;;
+  esac
+done
+echo "== done after $(( $(date +%s) - T0 )) s"
