@@ -18,7 +18,8 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
-OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step).
+OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+pf`
+(--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
 moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
@@ -218,7 +219,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
         for b in backends.split(","):
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
-            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop") and threads is None):
+            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf")
+                                     and threads is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
             env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
@@ -243,6 +245,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["set_env"] = {"MOESTREAM_CPU_POOL": variant}
                 if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
+                if variant == "pf":  # --moe-prefetch on: the next layer's predicted experts copied ahead
+                    cfg["prefetch"] = "on"
                 out.append(cfg)
     return out
 
@@ -382,12 +386,13 @@ def run_child(args) -> None:
             if llm is None:
                 llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device.startswith("cuda") else "float32",
                           moe_backend=cfg["backend"], gpu_memory_gb=cap, max_running_requests=4,
-                          moe_cpu_threads=cfg.get("threads", 0),
+                          moe_cpu_threads=cfg.get("threads", 0), moe_prefetch=cfg.get("prefetch", "off"),
                           max_seq_len_override=max(1024, args.pp + args.tg + 64), chunked_prefill_size=2048)
                 rec["load_s"] = time.perf_counter() - t
             else:
                 llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None,
-                                               moe_cpu_threads=cfg.get("threads", 0))
+                                               moe_cpu_threads=cfg.get("threads", 0),
+                                               moe_prefetch=cfg.get("prefetch", "off"))
                 rec["load_s"] = time.perf_counter() - t
                 rec["reconfigured"] = True
             gib = lambda m: {k: round(v / 2**30, 3) for k, v in m.items()}  # noqa: E731

@@ -13,6 +13,10 @@ SP = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
 @pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}),
                                         ("offload", {"moe_cache_size": 20}),
+                                        # the next layer's predicted experts copied on a side stream (fork/join
+                                        # recorded in the graph)
+                                        ("offload", {"moe_cache_size": 20, "moe_prefetch": "on"}),
+                                        ("hybrid", {"moe_cache_size": 20, "moe_prefetch": "on"}),
                                         # CPU pairs through the bridge (moe/bridge.py), inside the graph
                                         ("cpu", {}), ("hybrid", {"moe_cache_size": 5})])
 def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint):
@@ -36,4 +40,25 @@ def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint):
             t = eng.runtime.stats()["total"]
             # hits and misses count decode calls (device cache); expert_calls also counts prefill chunks
             assert 0 < t["hits"] + t["misses"] <= t["expert_calls"] and t["misses"] > 0
+            if kw.get("moe_prefetch") == "on":
+                assert 0 < t["prefetch_hits"] <= t["prefetch_issued"]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_prefetch_gives_fused_tokens(arch, tiny_checkpoint):
+    """Offload with the lookahead prefetch (side-stream copies into slots while other slots are read) gives fused's
+    tokens under CUDA graphs, at batch 1 and 3, with a cache small enough that prefetches evict."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (5, 200, 33)]
+    outs = {}
+    for backend, kw in (("fused", {}), ("offload", {"moe_cache_size": 12, "moe_prefetch": "on"})):
+        llm = LLM(tiny_checkpoint(arch), device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4,
+                  **kw)
+        outs[backend] = ([o.token_ids for o in llm.generate(prompts[:1], SP)],
+                         [o.token_ids for o in llm.generate(prompts, SP)])
+        if backend == "offload":
+            t = llm.engine.runtime.stats()["total"]
+            assert t["prefetch_issued"] > 0 and t["evictions"] > 0 and llm.engine.graphs.replays > 0
+            llm.engine.runtime.check_integrity()
+    assert outs["offload"] == outs["fused"]

@@ -39,8 +39,15 @@ CASES = {
     "hybrid-live-third": (4, 16, 2, 4, [0, 2], 8, 20, 1 / 3, "live"),
     # a CPU call's fixed cost: few misses all fetched, more split later than the bandwidths alone would
     "hybrid-live-fixed": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "live", 1.3),
+    # lookahead prefetch (--moe-prefetch on): after each call but a step's last, the next layer's predicted experts
+    # (half of them its coming route's, so prefetches hit) are admitted; victims read in the step are passed over
+    "prefetch": (12, 32, 2, 4, [0, 1, 2], 8, 20, 1.0, "prefetch"),
+    "prefetch-tight": (3, 16, 2, 4, [0, 2, 5], 8, 20, 1.0, "prefetch"),  # victims run out: predictions dropped
+    "prefetch-hybrid": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "prefetch"),
+    "prefetch-no-victims": (0, 16, 2, 3, [0, 1], 6, 8, 1.0, "prefetch"),
 }
-STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits", "last_cpu")
+STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits", "last_cpu",
+         "pf_stamp")
 
 
 def make_ids(case: str, E: int, T: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -67,21 +74,42 @@ def compare(ref: DeviceSlotCache, got: DeviceSlotCache, out_ref, out_got) -> lis
     return errs
 
 
-def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
-    """Drive two caches with the same ids: one by the torch reference, one by `route(cache, layer, ids)`."""
+def compare_prefetch(ref: DeviceSlotCache, got: DeviceSlotCache, out_ref, out_got) -> list[str]:
+    """The admitted (expert, row) list in order (entries past count are unspecified) and every state tensor."""
+    n = int(out_ref[2])
+    errs = [] if int(out_got[2]) == n else [f"count: {int(out_got[2])} != {n}"]
+    for name, a, b in zip(("experts", "rows"), out_ref[:2], out_got[:2]):
+        if not errs and not torch.equal(a[:n], b[:n]):
+            errs.append(f"{name}: {b[:n].tolist()} != {a[:n].tolist()}")
+    return errs + compare(ref, got, (), ())
+
+
+def run_case(case: str, route, device: str = "cpu", spec=None, prefetch=None) -> list[str]:
+    """Drive two caches with the same ids: one by the torch reference, one by `route(cache, layer, ids)` (and
+    `prefetch(cache, layer, ids)` in the prefetch cases)."""
     slots, E, T, k, layers, max_pairs, steps, *rest = spec or CASES[case]
     frac = rest[0] if rest else 1.0
     fixed = rest[2] if len(rest) > 2 else 0.0
     dev = torch.device(device)
     live = live_share(frac, fixed, dev) if "live" in rest else None
-    ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev) for _ in range(2))
+    pf = "prefetch" in rest
+    if pf and prefetch is None:
+        prefetch = lambda cache, layer, ids: cache.prefetch(layer, ids)  # noqa: E731
+    ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev, prefetch=pf) for _ in range(2))
     g = torch.Generator().manual_seed(len(case) * 1000 + slots)
+    coming = None  # the prefetch cases draw each call's ids one call ahead
     for step in range(steps):
         ref.begin_step()
         got.begin_step()
         calls = list(layers) + ([layers[0]] if step % 7 == 3 else [])  # a layer called twice in a step
-        for layer in calls:
-            ids = make_ids(case, E, max(1, T - step % 2), k, g).to(dev)  # P varies between calls
+        for j, layer in enumerate(calls):
+            ids = coming if coming is not None else make_ids(case, E, max(1, T - step % 2), k, g).to(dev)
+            coming = None
+            if pf and j + 1 < len(calls) and calls[j + 1] != layer:
+                coming = make_ids(case, E, max(1, T - step % 2), k, g).to(dev)
+                # half a prediction right (the coming route's first experts), half not
+                guess = torch.cat([coming.reshape(-1)[:coming.numel() // 2],
+                                   make_ids(case, E, 1, coming.numel() - coming.numel() // 2, g).to(dev).reshape(-1)])
             want = ref._route_torch(layer, ids, frac if not fixed else live)
             errs = compare(ref, got, want, route(got, layer, ids, frac if live is None else live))
             if frac < 1 and not errs:  # the CPU's misses: no row, after the fetched ones, not admitted
@@ -90,11 +118,18 @@ def run_case(case: str, route, device: str = "cpu", spec=None) -> list[str]:
                 assert not (set(ids.reshape(-1)[cpu].tolist()) & resident)
             if errs:
                 return [f"step {step} layer {layer}: " + "; ".join(errs)]
+            if coming is not None:
+                errs = compare_prefetch(ref, got, ref._prefetch_torch(calls[j + 1], guess),
+                                        prefetch(got, calls[j + 1], guess))
+                if errs:
+                    return [f"step {step} prefetch for layer {calls[j + 1]}: " + "; ".join(errs)]
         got.check_integrity()
     if slots and slots < len(layers) * E and int(ref.counters[3].sum()) == 0:
         return ["the case never evicted"]
     if frac < 1 and int((ref.counters[1] - ref.counters[4]).sum()) == 0:
         return ["the case never left a miss to the CPU"]
+    if pf and slots >= 8 and not (int(ref.counters[5].sum()) and int(ref.counters[6].sum())):
+        return ["the case never prefetched, or no prefetch was ever hit"]
     return []
 
 
@@ -104,9 +139,15 @@ def _triton_route(cache, layer, ids, frac=1.0):
     return route_triton(cache, layer, ids, frac)
 
 
+def _triton_prefetch(cache, layer, ids):
+    from moestream.moe.device_cache import prefetch_triton
+
+    return prefetch_triton(cache, layer, ids)
+
+
 # --------------------------------------------------------------------------- interpreter
 def _worker(out_path: str) -> None:
-    write_case_results(CASES, lambda case: run_case(case, _triton_route), out_path)
+    write_case_results(CASES, lambda case: run_case(case, _triton_route, prefetch=_triton_prefetch), out_path)
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +181,46 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
     """The real compiler (Triton -> PTX -> ptxas, for an H100/H200) accepts the kernel; no GPU needed."""
     from moestream.moe import device_cache as dc
 
-    ptrs = ("ids table slot_key last_use victims vptr stamp counters expert_hits last_cpu routed_buf rows_buf src_out "
-            "order_out rows_out count_out").split()
+    ptrs = ("ids table slot_key last_use victims vptr stamp counters expert_hits last_cpu pf_stamp routed_buf rows_buf "
+            "src_out order_out rows_out count_out").split()
     consts = {"HAS_V": has_v, "PARTIAL": not has_v, "FRAC_PTR": not has_v, "BLOCK_P": block_p, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("P", "E", "S", "V", "L", "M", "li")}, "frac": "fp32",
            "frac_ptr": "*fp32", **{n: "constexpr" for n in consts}}
     k = compile_sm90(dc._route_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})
     assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("block_e,block_q", [(256, 16), (16, 16), (512, 64)])
+def test_prefetch_kernel_compiles_for_sm90(block_e, block_q):
+    from moestream.moe import device_cache as dc
+
+    ptrs = ("ids table slot_key last_use victims vptr stamp counters pf_stamp routed_buf experts_out rows_out "
+            "count_out").split()
+    consts = {"BLOCK_Q": block_q, "BLOCK_E": block_e}
+    sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("Q", "E", "S", "V", "L", "li")},
+           **{n: "constexpr" for n in consts}}
+    k = compile_sm90(dc._prefetch_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})
+    assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
+
+
+def test_prefetch_passes_over_victims_read_in_the_step():
+    """A prediction never takes a slot this step has read (the layer in flight may be reading it), is not fetched
+    when resident, and the route it was made for counts it as a prefetch hit."""
+    c = DeviceSlotCache(2, [0, 1], 8, 2, torch.device("cpu"), prefetch=True)
+    c.begin_step()
+    c.route(0, torch.tensor([[1, 2]]))  # both slots now hold layer 0's experts, read in this step
+    experts, rows, count = c.prefetch(1, torch.tensor([[5, 6]]))
+    assert int(count) == 0 and set(c.resident_rows(0)) == {1, 2}
+    c.begin_step()  # a new step: those slots are victims now
+    experts, rows, count = c.prefetch(1, torch.tensor([[5, 6]]))
+    assert int(count) == 2 and sorted(experts[:2].tolist()) == [5, 6] and set(c.resident_rows(1)) == {5, 6}
+    again = c.prefetch(1, torch.tensor([[5, 6]]))
+    assert int(again[2]) == 0  # resident: nothing to copy
+    c.route(1, torch.tensor([[6, 7]]))
+    counts = c.counts()[1]
+    assert counts[5] == 2 and counts[6] == 1  # PREFETCHED, PREFETCH_HITS
+    c.check_integrity()
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -170,7 +244,8 @@ def _wired(monkeypatch):
 def test_cuda_route_bit_exact(case, monkeypatch):
     calls, route = _wired(monkeypatch)
     spec = (120, 256, 8, 8, list(range(6)), 64, 30) if case == "qwen-256" else None
-    errs = run_case(case, route, "cuda", spec)
+    errs = run_case(case, route, "cuda", spec,
+                    prefetch=lambda cache, layer, ids: calls.append(1) or cache.prefetch(layer, ids))
     assert calls, "the CUDA path did not use the Triton kernel"
     assert not errs, f"{case}: " + "; ".join(errs)
 

@@ -51,6 +51,9 @@ def run(tiny_checkpoint, arch, backend, **kw):
     # the pair kernels' torch reference with the device-side slot cache (the CUDA decode path)
     ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
     ("offload", {"moe_cache_size": 12, "moe_decode_kernel": "pairs"}),
+    # lookahead prefetch on the pair path: the next layer's predicted experts admitted and copied ahead
+    ("offload", {"moe_cache_size": 14, "moe_decode_kernel": "pairs", "moe_prefetch": "on"}),
+    ("hybrid", {"moe_cache_size": 14, "moe_decode_kernel": "pairs", "moe_prefetch": "on"}),
     ("fused", {"moe_decode_kernel": "pairs"}),
     # CPU pairs through the bridge (moe/bridge.py): a worker thread answers each layer's posted request
     ("cpu", {"moe_decode_kernel": "pairs"}),
@@ -107,6 +110,8 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
     elif backend in ("offload", "hybrid"):
         assert t["prefetch_issued"] > 0
         assert t["prefetch_hits"] + t["prefetch_unused"] <= t["prefetch_issued"]
+        if kw.get("moe_decode_kernel") == "pairs":  # a prefetched expert is counted a hit of the call it served
+            assert 0 < t["prefetch_hits"] <= t["hits"]
 
 
 def test_hybrid_exactly_once_per_decode_step(tiny_checkpoint):

@@ -389,7 +389,8 @@ class Engine:
 
     def _start_runtime(self, store, model) -> None:
         self.runtime = build_runtime(self.plan.backend, store, self.device, self._runtime_options())
-        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()})
+        self.runtime.attach_routers({b.layer: b.gate for b in model.moe_blocks()},
+                                    draft_layers=self.cfg.mtp_layer_ids if self.use_mtp else ())
         self.runtime.attach_tap(self.route_tap)
         for block in model.moe_blocks():
             block.runtime = self.runtime

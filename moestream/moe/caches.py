@@ -6,7 +6,9 @@ HostSlots     a host-side `Residency` (victims by --moe-cache-policy) over a dev
               on the copy stream; the grouped decode path computes in rounds that fit the slots and
               prefetches the next layer's predicted experts (offload, hybrid, cpu with its empty cache)
 DeviceSlots   `DeviceSlotCache` (moe/device_cache.py) over a pool of its slots plus scratch rows: the pair
-              path's lookups, LRU and admission in device tensors, misses staged from the pinned host bank
+              path's lookups, LRU and admission in device tensors, misses staged from the pinned host bank;
+              with --moe-prefetch on, `prefetch_rows` admits the next layer's predicted experts (staged by
+              the strategy on a side stream while this layer computes)
 
 Every cache answers the same questions for the strategies (moe/strategies.py) and the runtime: its step
 hooks, `stats`, `expert_hits`, `check_integrity`, `resize` (`has_slots`), `count_replay`. The grouped path
@@ -21,7 +23,8 @@ import torch
 
 from .compute import DeviceExperts, RouteGroups, WeightRef
 from .cpu_moe import layer_table
-from .device_cache import ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, DeviceSlotCache
+from .device_cache import (ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
+                           DeviceSlotCache)
 from .pairs import stage_experts
 from .residency import Residency
 from .runtime import Part
@@ -69,6 +72,10 @@ class CacheHooks(Part):
 
     def settle_prefetch(self, layer: int, experts: list[int]) -> None:
         """Counts how the prefetch for `layer` served its call (only a cache that prefetches)."""
+
+    def prefetch_rows(self, layer: int, x: torch.Tensor):
+        """The pair path's lookahead prefetch for the layer after `layer` (only DeviceSlots prefetches)."""
+        return None
 
     def host_table(self, layer: int):
         """The CPU decode plan's expert table of `layer` (moe/cpu_moe.layer_table), or None."""
@@ -318,17 +325,32 @@ class DeviceSlots(SlotPool):
         cached = max(slots - scratch, 1)
         self.dcache = None
         self._new_pool(cached + scratch)
-        self.dcache = DeviceSlotCache(cached, store.moe_layers, store.num_experts, scratch, self.ctx.device)
+        self.dcache = DeviceSlotCache(cached, store.moe_layers, store.num_experts, scratch, self.ctx.device,
+                                      prefetch=self.ctx.options.prefetch)
 
     def counts(self) -> dict:
         """The device cache's counters as book fields."""
         out = {}
         for layer, c in self.dcache.counts().items():
             nbytes = self.ctx.store.bytes_per_expert(layer)
+            # a prefetched expert crossed PCIe once (PREFETCHED) and is a hit of the call it was predicted for
             out[layer] = {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "copies": c[ADMITTED],
-                          "bytes_h2d": c[HOST_PAIRS] * nbytes, "gpu_experts": c[HITS] + c[HOST_PAIRS],
-                          "expert_calls": c[HITS] + c[MISSES]}
+                          "bytes_h2d": (c[HOST_PAIRS] + c[PREFETCHED]) * nbytes, "gpu_experts": c[HITS] + c[HOST_PAIRS],
+                          "expert_calls": c[HITS] + c[MISSES], "prefetch_issued": c[PREFETCHED],
+                          "prefetch_hits": c[PREFETCH_HITS], "prefetch_unused": c[PREFETCHED] - c[PREFETCH_HITS]}
         return out
+
+    def prefetch_rows(self, layer: int, x: torch.Tensor) -> PairRows | None:
+        """With --moe-prefetch on: the next MoE layer's experts predicted from this layer's input x (its router
+        applied to x) admitted into the device cache -> the PairRows whose `stage()` copies them (the caller
+        runs it on a side stream before the next layer computes), or None (no next layer, no router)."""
+        ctx = self.ctx
+        nxt = ctx.lookahead.next_layer.get(layer)
+        router = ctx.lookahead.routers.get(nxt) if nxt is not None else None
+        if not ctx.options.prefetch or router is None:
+            return None
+        experts, rows, count = self.dcache.prefetch(nxt, router(x)[0])
+        return PairRows(experts, self.pool.arrays, (ctx.store.bank(nxt), experts, rows, count))
 
     def pair_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, fraction=1.0) -> PairRows:
         """Routes the call through the device cache; fraction < 1 (or a device scalar: hybrid's live share)

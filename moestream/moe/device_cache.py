@@ -18,6 +18,14 @@ target for masked scatters. Counters per layer: hits, misses (distinct experts p
 evictions (counted against the admitting layer) and host pairs (pairs read over PCIe); hits per key
 (`expert_hits`).
 
+Lookahead prefetch (`prefetch`): before layer i+1's call, the experts predicted for it (its router applied to
+layer i's input) are admitted into victims by the same rules, except that a victim read in this step (its
+last_use is the step's stamp: layer i's pairs may be reading it right now) or holding an expert predicted with
+it is passed over, and a prediction that gets no victim is dropped (no scratch row: those belong to the call in
+flight). The caller copies them on a side stream while layer i computes. Counters PREFETCHED (experts copied
+ahead) and PREFETCH_HITS (routed by the call they were predicted for: `pf_stamp`, the step that prefetched each
+key).
+
 On CUDA (Triton installed, MOESTREAM_TRITON not 0) `route` is one Triton kernel with one program
 (`route_triton`), instead of ~60 small torch ops per layer call; `_route_torch` is the reference and
 the CPU path, and the kernel equals it bit for bit in every output and state tensor except the
@@ -38,7 +46,7 @@ try:  # optional: absent on CPU-only installs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS = range(5)
+HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS, PREFETCHED, PREFETCH_HITS = range(7)
 # hybrid: a miss of an expert the CPU computed within this many steps is fetched before first-time misses, so an
 # expert that comes back is cached on its second miss (and one seen once does not displace a resident)
 SECOND_TOUCH = 64
@@ -47,8 +55,9 @@ NEVER = -(1 << 40)
 
 class DeviceSlotCache:
     def __init__(self, num_slots: int, moe_layers: list[int], num_experts: int, max_pairs: int,
-                 device: torch.device):
-        """num_slots cached rows; the pool needs num_slots + max_pairs rows (the scratch rows)."""
+                 device: torch.device, prefetch: bool = False):
+        """num_slots cached rows; the pool needs num_slots + max_pairs rows (the scratch rows); prefetch: victims
+        for a lookahead prefetch of up to max_pairs experts per layer call too."""
         self.num_slots, self.E, self.device = num_slots, num_experts, device
         self.layer_index = {layer: i for i, layer in enumerate(moe_layers)}
         L = len(moe_layers)
@@ -56,15 +65,16 @@ class DeviceSlotCache:
         self.slot_key = torch.full((num_slots + 1,), -1, dtype=torch.long, device=device)
         self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.long, device=device)
         # a step admits at most one victim per distinct routed expert per layer call
-        self.num_victims = max(0, min(num_slots, max_pairs * L))
+        self.num_victims = max(0, min(num_slots, max_pairs * L * (2 if prefetch else 1)))
         self.scratch = max_pairs
         self.victims = torch.zeros(self.num_victims, dtype=torch.long, device=device)
         self.vptr = torch.zeros((), dtype=torch.long, device=device)
         self.stamp = torch.zeros((), dtype=torch.long, device=device)
-        self.counters = torch.zeros((5, L), dtype=torch.long, device=device)
+        self.counters = torch.zeros((7, L), dtype=torch.long, device=device)
         self.expert_hits = torch.zeros(L * num_experts, dtype=torch.long, device=device)  # hits of key i*E + e
         # hybrid: the step at which each key was last left to the CPU (its misses then fetch first: SECOND_TOUCH)
         self.last_cpu = torch.full((L * num_experts,), NEVER, dtype=torch.long, device=device)
+        self.pf_stamp = torch.full((L * num_experts,), NEVER, dtype=torch.long, device=device)  # step of its prefetch
         self._arange = torch.arange(num_experts, device=device)
         self._work = torch.zeros(2 * num_experts, dtype=torch.long, device=device)  # route_triton's scratch
 
@@ -115,6 +125,7 @@ class DeviceSlotCache:
         else:
             n_fetch, cpu_e = n_miss, None
         self.counters[HITS, i] += (routed & resident).sum()
+        self.counters[PREFETCH_HITS, i] += (routed & resident & (self.pf_stamp[i * E:(i + 1) * E] == self.stamp)).sum()
         self.expert_hits[i * E:(i + 1) * E] += routed & resident
         self.counters[MISSES, i] += n_miss
         self.counters[HOST_PAIRS, i] += n_fetch
@@ -151,6 +162,52 @@ class DeviceSlotCache:
         order = torch.argsort(pos)[:M]
         return rows_e[flat], order, rows_e[order], n_fetch
 
+    def prefetch(self, layer: int, predicted: torch.Tensor):
+        """Admit the experts `predicted` [T, k] for `layer`'s coming call that are not resident (see the module
+        doc) -> (experts [Q], rows [Q], count): experts[:count] must be copied from the host bank into
+        rows[:count] before that call computes. Q = predicted.numel()."""
+        if predicted.device.type == "cuda" and triton is not None and triton_enabled():
+            return prefetch_triton(self, layer, predicted)
+        return self._prefetch_torch(layer, predicted)
+
+    def _prefetch_torch(self, layer: int, predicted: torch.Tensor):
+        """The reference of `prefetch` (any device)."""
+        i, E, S, V = self.layer_index[layer], self.E, self.num_slots, self.num_victims
+        flat = predicted.reshape(-1).long()
+        Q = flat.shape[0]
+        table = self.table[i * E:(i + 1) * E]
+        routed = torch.zeros(E, dtype=torch.bool, device=self.device).index_fill_(0, flat, True)
+        miss_e = routed & (table < 0)
+        n_miss = miss_e.sum()
+        cm = torch.cumsum(miss_e.long(), 0)
+        ok = torch.zeros_like(miss_e)
+        victim = torch.zeros(E, dtype=torch.long, device=self.device)
+        if V:
+            rank = cm - 1 + self.vptr
+            victim = self.victims[rank.clamp(0, V - 1)]
+            old = self.slot_key[victim]
+            here = (old >= i * E) & (old < (i + 1) * E)
+            busy = (here & routed[(old - i * E).clamp(0, E - 1)]) | (self.last_use[victim] == self.stamp)
+            ok = miss_e & (rank < V) & ~busy
+            self.vptr += n_miss
+            evict = ok & (old >= 0)
+            self.counters[ADMITTED, i] += ok.sum()
+            self.counters[EVICTIONS, i] += evict.sum()
+            self.counters[PREFETCHED, i] += ok.sum()
+            dummy_t, keys = self.table.shape[0] - 1, i * E + self._arange
+            self.table.scatter_(0, torch.where(evict, old, dummy_t), -1)
+            self.table.scatter_(0, torch.where(ok, keys, dummy_t), victim)
+            self.slot_key.scatter_(0, torch.where(ok, victim, S), keys)
+            self.last_use.scatter_(0, torch.where(ok, victim, S), self.stamp.expand(E))
+            pf = self.pf_stamp[i * E:(i + 1) * E]
+            pf.copy_(torch.where(ok, self.stamp, pf))
+        count = ok.sum()
+        pos = torch.where(ok, torch.cumsum(ok.long(), 0) - 1, count + self._arange - torch.cumsum(ok.long(), 0))
+        order = torch.argsort(pos)
+        experts = order[:Q] if Q <= E else torch.cat([order, order.new_zeros(Q - E)])
+        rows = victim[experts]
+        return experts, rows, count
+
     # ---- host-side views (each reads device memory: not for the decode path) ---------------
     def resident_rows(self, layer: int) -> dict[int, int]:
         i, E = self.layer_index[layer], self.E
@@ -158,7 +215,7 @@ class DeviceSlotCache:
         return {e: s for e, s in enumerate(row) if s >= 0}
 
     def counts(self) -> dict[int, list[int]]:
-        """layer -> [hits, misses, admitted, evictions, host_pairs]."""
+        """layer -> [hits, misses, admitted, evictions, host_pairs, prefetched, prefetch_hits]."""
         c = self.counters.t().tolist()
         return {layer: c[i] for layer, i in self.layer_index.items()}
 
@@ -242,7 +299,8 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
     live = isinstance(fetch_fraction, torch.Tensor)
     frac_ptr = fetch_fraction if live else count  # any tensor: unused unless FRAC_PTR
     _route_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims if V else cache.slot_key,
-                        cache.vptr, cache.stamp, cache.counters, cache.expert_hits, cache.last_cpu, cache._work,
+                        cache.vptr, cache.stamp, cache.counters, cache.expert_hits, cache.last_cpu, cache.pf_stamp,
+                        cache._work,
                         cache._work[E:],
                         src, order, rows, count, P, E, S, V, cache.counters.shape[1], M, i,
                         0.0 if live else _f32(fetch_fraction), frac_ptr,
@@ -250,6 +308,26 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
                         BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e,
                         num_warps=4 if block_e <= 256 else 8)
     return src, order, rows, count
+
+
+def prefetch_triton(cache: DeviceSlotCache, layer: int, predicted: torch.Tensor):
+    """`DeviceSlotCache.prefetch` as one Triton launch (no host reads)."""
+    if triton is None:
+        raise RuntimeError("prefetch_triton needs triton")
+    i, E, S, V = cache.layer_index[layer], cache.E, cache.num_slots, cache.num_victims
+    flat = predicted.reshape(-1)
+    Q, dev = flat.shape[0], cache.device
+    experts = torch.zeros(Q, dtype=torch.long, device=dev)
+    rows = torch.zeros(Q, dtype=torch.long, device=dev)
+    count = torch.zeros((), dtype=torch.long, device=dev)
+    if not V:
+        return experts, rows, count
+    block_e = max(16, triton.next_power_of_2(E))
+    _prefetch_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims, cache.vptr, cache.stamp,
+                           cache.counters, cache.pf_stamp, cache._work, experts, rows, count, Q, E, S, V,
+                           cache.counters.shape[1], i, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_E=block_e,
+                           num_warps=4 if block_e <= 256 else 8)
+    return experts, rows, count
 
 
 if triton is not None:
@@ -312,7 +390,8 @@ if triton is not None:
         return ok, tl.where(ok, victim, rows_e)
 
     @triton.jit(do_not_specialize=["li"])  # one compile for every layer index
-    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, last_cpu, routed_buf,
+    def _route_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, expert_hits, last_cpu, pf_stamp,
+                      routed_buf,
                       rows_buf, src_out, order_out, rows_out, count_out, P, E, S, V, L, M, li, frac, frac_ptr,
                       HAS_V: tl.constexpr, PARTIAL: tl.constexpr, FRAC_PTR: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_E: tl.constexpr):
@@ -345,6 +424,8 @@ if triton is not None:
         cm = tl.cumsum(miss.to(tl.int64), 0)  # inclusive: a miss's rank among misses is cm - 1
         n_miss = tl.sum(miss.to(tl.int64), 0)
         tl.atomic_add(counters + 0 * L + li, tl.sum((routed & resident).to(tl.int64), 0))  # HITS
+        pf = tl.load(pf_stamp + base + e, mask=em, other=-1) == st
+        tl.atomic_add(counters + 6 * L + li, tl.sum((routed & resident & pf).to(tl.int64), 0))  # PREFETCH_HITS
         eh = tl.load(expert_hits + base + e, mask=em, other=0)  # one program: no other writer
         tl.store(expert_hits + base + e, eh + (routed & resident).to(tl.int64), mask=em)
         tl.atomic_add(counters + 1 * L + li, n_miss)  # MISSES
@@ -371,3 +452,48 @@ if triton is not None:
         tl.store(order_out + pos, e.to(tl.int64), mask=em & (pos < M))
         tl.store(rows_out + pos, rows_e, mask=em & (pos < M))
         tl.store(count_out, n_fetch)
+
+    @triton.jit(do_not_specialize=["li"])
+    def _prefetch_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, pf_stamp, routed_buf,
+                         experts_out, rows_out, count_out, Q, E, S, V, L, li, BLOCK_Q: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
+        """`DeviceSlotCache._prefetch_torch` in one program (the route kernel's scheme): predicted non-residents
+        take victims in id order, passing over victims read in this step or holding a predicted expert."""
+        q = tl.arange(0, BLOCK_Q)
+        qm = q < Q
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        base = li.to(tl.int64) * E
+        flat = tl.load(ids + q, mask=qm, other=0).to(tl.int64)
+        before = tl.load(table + base + e, mask=em, other=-1)
+        st = tl.load(stamp)
+        tl.store(routed_buf + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=em)
+        tl.debug_barrier()
+        tl.store(routed_buf + flat, tl.full([BLOCK_Q], 1, tl.int64), mask=qm)
+        tl.debug_barrier()
+        routed = tl.load(routed_buf + e, mask=em, other=0) != 0
+        miss = routed & (before < 0)
+        cm = tl.cumsum(miss.to(tl.int64), 0)
+        n_miss = tl.sum(miss.to(tl.int64), 0)
+        rank = cm - 1 + tl.atomic_add(vptr, n_miss)  # the old vptr
+        victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
+        old = tl.load(slot_key + victim, mask=em, other=-1)
+        here = (old >= base) & (old < base + E)
+        busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
+        busy = busy | (tl.load(last_use + victim, mask=em, other=-1) == st)
+        ok = miss & (rank < V) & ~busy
+        evict = ok & (old >= 0)
+        n_ok = tl.sum(ok.to(tl.int64), 0)
+        tl.atomic_add(counters + 2 * L + li, n_ok)  # ADMITTED
+        tl.atomic_add(counters + 3 * L + li, tl.sum(evict.to(tl.int64), 0))  # EVICTIONS
+        tl.atomic_add(counters + 5 * L + li, n_ok)  # PREFETCHED
+        tl.debug_barrier()
+        tl.store(table + old, tl.full([BLOCK_E], -1, tl.int64), mask=evict)
+        tl.store(table + base + e, victim, mask=ok)
+        tl.store(slot_key + victim, base + e, mask=ok)
+        tl.store(last_use + victim, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
+        tl.store(pf_stamp + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
+        pos = tl.cumsum(ok.to(tl.int64), 0) - 1
+        tl.store(experts_out + pos, e.to(tl.int64), mask=ok & (pos < Q))
+        tl.store(rows_out + pos, victim, mask=ok & (pos < Q))
+        tl.store(count_out, tl.minimum(n_ok, Q))

@@ -56,6 +56,7 @@ class Lookahead:
     def __init__(self, moe_layers: list[int]):
         self.routers: dict[int, Callable] = {}
         self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+        self.draft_layers: frozenset[int] = frozenset()  # MTP blocks' layers: not called in a main decode step
 
     def predict(self, layer: int, x: torch.Tensor, limit: int) -> list[int]:
         """Experts the router of `layer` picks for x, most-routed first, at most `limit`."""
@@ -152,9 +153,11 @@ class ExpertRuntime:
         if tap is not None:
             tap.bind(self)
 
-    def attach_routers(self, routers: dict[int, Callable]) -> None:
-        """layer -> callable(x [T, H]) returning (topk ids, weights, ...): used to predict experts."""
+    def attach_routers(self, routers: dict[int, Callable], draft_layers=()) -> None:
+        """layer -> callable(x [T, H]) returning (topk ids, weights, ...): used to predict experts; draft_layers:
+        the MTP blocks' layers, which a main decode step does not call (nothing is copied ahead for them)."""
         self.ctx.lookahead.routers = dict(routers)
+        self.ctx.lookahead.draft_layers = frozenset(draft_layers)
 
     def begin_step(self, info: dict | None = None) -> None:
         """A step starts: info {"decode", "graph", "num_tokens"} from the engine (decode: no prompt rows)."""

@@ -220,21 +220,72 @@ class GroupedDecode(Strategy):
 
 
 # ---- pairs and bridge ----------------------------------------------------------------------------
+class LookaheadCopies:
+    """The pair path's lookahead prefetch (--moe-prefetch on, a device cache): after a layer call has staged its
+    own misses, the next MoE layer's predicted experts are admitted and copied on a side stream, so the copies
+    overlap this layer's expert GEMVs and the next layer's attention; the next layer's call waits for them
+    before it routes (`join`). On a CPU device the same admissions and copies run in order. Captured into
+    decode graphs as a fork and a join (every fork is joined by the next layer's call or by end_step). Tensors
+    the side stream reads are held until its join, so the allocator cannot hand them to the main stream early."""
+
+    def __init__(self, ctx, cache):
+        self.ctx, self.cache = ctx, cache
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self.pending: dict[int, tuple] = {}  # next layer -> what its copies read and wrote
+
+    def issue(self, layer: int, x: torch.Tensor) -> None:
+        if not self.ctx.options.prefetch or layer in self.ctx.lookahead.draft_layers:
+            return
+        if self.stream is None:
+            rows = self.cache.prefetch_rows(layer, x)
+            if rows is not None:
+                rows.stage()
+            return
+        la = self.ctx.lookahead
+        nxt = la.next_layer.get(layer)
+        if nxt is None or nxt in la.draft_layers or nxt not in la.routers:
+            return  # nothing to copy, or no call of this step would join the side stream
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.stream):
+            rows = self.cache.prefetch_rows(layer, x)
+            if rows is not None:
+                rows.stage()
+        self.pending[nxt] = (x, rows)
+
+    def join(self, layer: int) -> None:
+        """Before `layer` routes: the copies issued for it are done (stream order)."""
+        if self.pending.pop(layer, None) is not None:
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
+
+    def join_all(self) -> None:
+        if self.pending:
+            self.pending.clear()
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
+
+
 class PairsDecode(Strategy):
-    """Every pair reads its expert from the device row the cache gives it (misses staged first)."""
+    """Every pair reads its expert from the device row the cache gives it (misses staged first; with
+    --moe-prefetch on, the next layer's predicted experts copied meanwhile: LookaheadCopies)."""
 
     capturable = True
     device_pairs = True
 
     def __init__(self, ctx, cache):
         self.ctx, self.cache = ctx, cache
+        self.lookahead = LookaheadCopies(ctx, cache)
 
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         """y [T, H], each token's k pairs summed in k order; no host sync."""
         count_pairs(self.ctx.book, layer, topk_ids)
+        self.lookahead.join(layer)
         rows = self.cache.pair_rows(layer, x, topk_ids)
         rows.stage()
+        self.lookahead.issue(layer, x)
         return pair_moe(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+
+    def end_step(self, decode: bool) -> None:
+        """Every side-stream copy joined before the step ends (and before a captured graph closes)."""
+        self.lookahead.join_all()
 
 
 class BridgeDecode(Strategy):
@@ -255,6 +306,7 @@ class BridgeDecode(Strategy):
         expert_bytes = sum(ctx.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
         self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs, expert_bytes) if split else None
         self.device_pairs = split
+        self.lookahead = LookaheadCopies(ctx, cache)
         ctx.book.counters.append(self.counts)
 
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
@@ -276,10 +328,12 @@ class BridgeDecode(Strategy):
     def _split(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         """hybrid: the device cache's route decides; the CPU's pairs are posted before the GPU stages and
         computes its own, so PCIe, GPU and CPU overlap within the layer."""
+        self.lookahead.join(layer)
         rows = self.cache.pair_rows(layer, x, topk_ids, self.share.tensor)
         cpu = rows.src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
         rows.stage()
+        self.lookahead.issue(layer, x)
         y = pair_outputs(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype)
@@ -304,6 +358,7 @@ class BridgeDecode(Strategy):
 
     def end_step(self, decode: bool) -> None:
         """The step's work is launched: the bridge notes it (finish_step waits for it)."""
+        self.lookahead.join_all()
         if self._bridged:
             self._bridged = False
             self.bridge.end_step()
