@@ -16,7 +16,7 @@ SP = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
                                         # the next layer's predicted experts copied on a side stream (fork/join
                                         # recorded in the graph)
                                         ("offload", {"moe_cache_size": 20, "moe_prefetch": "on"}),
-                                        ("hybrid", {"moe_cache_size": 20, "moe_prefetch": "on"}),
+                                        ("hybrid", {"moe_cache_size": 5, "moe_prefetch": "on"}),
                                         # CPU pairs through the bridge (moe/bridge.py), inside the graph
                                         ("cpu", {}), ("hybrid", {"moe_cache_size": 5})])
 def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint):

@@ -152,6 +152,15 @@ def test_explicit_num_tokens_is_reserved_before_expert_slots():
     assert b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv <= b.budget
 
 
+def test_an_explicit_context_length_keeps_one_request_of_kv():
+    """--max-seq-len-override 32k: the KV pool holds one 32k-token request before expert slots take the rest (the
+    plan used to reserve 8k tokens and give the rest to slots: a 32k prompt did not fit at 8 / 12 GiB)."""
+    base = plan_memory(BIG, gpu(140), EngineConfig(moe_backend="offload", gpu_memory_gb=8))
+    p = plan_memory(BIG, gpu(140), EngineConfig(moe_backend="offload", gpu_memory_gb=8, max_seq_len_override=32816))
+    assert base.kv_tokens < 32816 <= p.kv_tokens
+    assert p.cache_slots < base.cache_slots and p.cache_slots > BIG.top_k
+
+
 def test_prefill_chunks_shrink_before_a_plan_is_refused():
     """Where the budget cannot hold the prefill workspace of --chunked-prefill-size tokens, the planner halves the
     chunk (down to PREFILL_CHUNK_FLOOR) before refusing; a budget that fits keeps the asked chunk, and one that

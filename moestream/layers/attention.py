@@ -11,6 +11,16 @@ from . import triton_ops
 from .norm import RMSNorm
 from .rotary import Rotary
 
+try:  # bottom-right causal attention without a materialised mask (flash / efficient kernels)
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:  # pragma: no cover - older torch
+    causal_lower_right = None
+
+# a prefill chunk's queries attend in slices whose [heads, queries, keys] float32 scores stay under this, so the
+# attention of a long prompt's late chunks is bounded by the plan's workspace whatever kernel SDPA picks (one with
+# a materialised score matrix included)
+SCORES_BYTES = 128 << 20
+
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -78,19 +88,35 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
-        """q [L, H, D] attends causally to k, v [cached + L, Hk, D]."""
+        """q [L, H, D] attends causally to k, v [cached + L, Hk, D]: query i (absolute position cached + i) sees
+        keys 0..cached + i. The queries go in slices of at most SCORES_BYTES of scores, each seeing only the keys
+        up to its last query; the KV heads are not repeated for the query heads that share them (enable_gqa)."""
+        L, H = q.shape[0], self.num_heads
+        step = max(16, SCORES_BYTES // (4 * H * max(cached + L, 1)))
+        if L <= step:
+            return self._attend_slice(q, k, v, cached)
+        out = torch.empty_like(q)
+        for i in range(0, L, step):
+            j = min(i + step, L)
+            out[i:j] = self._attend_slice(q[i:j], k[:cached + j], v[:cached + j], cached + i)
+        return out
+
+    def _attend_slice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
         L, S = q.shape[0], k.shape[0]
-        groups = self.num_heads // self.num_kv_heads
+        gqa = self.num_heads != self.num_kv_heads
         # [1, H, L, D]: SDPA's fused kernels take 4-D inputs only (3-D ran its math path: 5x slower for a 1,536-token
         # prompt on a CPU); a prompt with nothing cached before it is plain causal attention
         qh = q.transpose(0, 1)[None]
-        kh = k.to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-        vh = v.to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        kh = k.to(q.dtype).transpose(0, 1)[None]
+        vh = v.to(q.dtype).transpose(0, 1)[None]
         mask, causal = None, L > 1 and cached == 0
         if L > 1 and cached:
-            # query i (absolute position cached + i) sees keys 0..cached + i
-            mask = torch.arange(S, device=q.device)[None, :] <= (cached + torch.arange(L, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=self.scale)
+            if causal_lower_right is not None and q.is_cuda:  # flash / efficient kernels, no [L, S] mask
+                mask = causal_lower_right(L, S)
+            else:
+                mask = torch.arange(S, device=q.device)[None, :] <= (cached + torch.arange(L, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                           enable_gqa=gqa)
         return o[0].transpose(0, 1)
 
     def _decode_padded(self, q, idx: torch.Tensor, valid: torch.Tensor, k_cache, v_cache) -> torch.Tensor:

@@ -289,8 +289,12 @@ def _cache_slots(m: ModelSizes, e, room: int) -> int:
 
 
 def _kv_reserve(m: ModelSizes, e) -> int:
-    """KV tokens set aside before expert slots are sized: an explicit --num-tokens is honoured first."""
-    return e.num_tokens if e.num_tokens is not None else min(m.wanted_kv_tokens, KV_RESERVE_TOKENS)
+    """KV tokens set aside before expert slots are sized: an explicit --num-tokens is honoured first; else
+    KV_RESERVE_TOKENS, or one whole request of an explicit --max-seq-len-override when that is longer (a server
+    started for 32k-token prompts must hold one, not give its KV to expert slots)."""
+    if e.num_tokens is not None:
+        return e.num_tokens
+    return min(m.wanted_kv_tokens, max(KV_RESERVE_TOKENS, e.max_seq_len_override or 0))
 
 
 def _kv_tokens(m: ModelSizes, e, room: int) -> int:
