@@ -6,8 +6,9 @@
 #   edge     issue 17: benchmarks/edge_memory.py on the Qwen3.6-shaped Q4_K_M GGUF at CAPS [4,8,12,24], PROMPT [32768]
 #            tokens, BACKEND [offload]  -> $OUT/edge_memory.{json,md,log}
 #   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB: an
-#            ~8k-token system prompt + tools, ~0.9k new tokens a turn (tool output + answer) for REPLAY_TURNS [27]
-#            turns (~32k at the end); the cache-free baseline measures SAMPLE [0,9,18,26] of them -> $OUT/agent_replay.*
+#            ~8k-token system prompt + tools, ~1.4k new tokens a turn (TOOL_WORDS [300] of tool output + the answer)
+#            for REPLAY_TURNS [17] turns (~30k at the end); the cache-free baseline measures SAMPLE [0,8,16] of
+#            them -> $OUT/agent_replay.*
 #   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block, scripted drafts)
 #            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload]  -> $OUT/mtp.{json,log}
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
@@ -30,10 +31,16 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       ;;
     replay)
       need_file
-      timeout "${REPLAY_S:-330}" python3 benchmarks/agent_replay.py \
+      # the GPU image has no server packages: carried wheels (.whl/server/, e.g. `pip download --no-deps -d
+      # .whl/server fastapi starlette uvicorn h11 click anyio sniffio prometheus_client pydantic annotated-types
+      # typing-inspection typing_extensions` + pydantic_core for cp312 manylinux) on this phase's path only
+      if ls .whl/server/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_srv .whl/server/*.whl 2>&1 | grep -v "already exists"
+      fi
+      PYTHONPATH=/tmp/site_srv:$PYTHONPATH timeout "${REPLAY_S:-330}" python3 benchmarks/agent_replay.py \
         --serve-args "--model-path $F --gpu-memory-gb ${REPLAY_GB:-12} ${REPLAY_ARGS:-}" \
-        --turns "${REPLAY_TURNS:-27}" --system-words "${SYSTEM_WORDS:-1900}" --tool-words "${TOOL_WORDS:-200}" \
-        --max-tokens 16 --sample-turns "${SAMPLE:-0,9,18,26}" --log-prefix "$OUT/agent_replay_server" \
+        --turns "${REPLAY_TURNS:-17}" --system-words "${SYSTEM_WORDS:-1900}" --tool-words "${TOOL_WORDS:-300}" \
+        --max-tokens 16 --sample-turns "${SAMPLE:-0,8,16}" --log-prefix "$OUT/agent_replay_server" \
         --out "$OUT/agent_replay.json" 2>&1 | tee "$OUT/agent_replay.log"
       ;;
     mtp)

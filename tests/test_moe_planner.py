@@ -209,3 +209,30 @@ def test_engine_runs_with_the_chunk_its_plan_fitted(tiny_checkpoint, monkeypatch
 
     out = llm.generate([[5] * 300], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 2
+
+
+def test_default_prefix_snapshots_shrink_before_a_plan_is_refused():
+    """A budget that holds the model with 2 state snapshots but not the default 8: the engine's fit keeps fewer
+    snapshots instead of refusing; an explicit --prefix-cache-snapshots is honoured (refused)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from moestream.engine.engine import Engine
+
+    slot = 64 * MiB
+
+    def snapshots(e):
+        return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
+
+    def sizes_for(e):
+        return dataclasses.replace(BIG, state_bytes=slot * (e.max_running_requests + snapshots(e)),
+                                   wanted_kv_tokens=4096, min_kv_tokens=4096)
+
+    fake = SimpleNamespace(hardware=gpu(140), _snapshots=snapshots)
+    e = EngineConfig(moe_backend="offload", gpu_memory_gb=4.0, max_running_requests=4, chunked_prefill_size=256)
+    with pytest.raises(ConfigError):
+        plan_memory(sizes_for(e), fake.hardware, e)
+    plan, used = Engine._plan_fitting(fake, sizes_for, e, None)
+    assert used.prefix_cache_snapshots == 4 and plan.cache_slots >= BIG.top_k  # halved once: fits
+    with pytest.raises(ConfigError):
+        Engine._plan_fitting(fake, sizes_for, e.replace(prefix_cache_snapshots=8), None)

@@ -172,7 +172,9 @@ class Engine:
     @property
     def num_state_snapshots(self) -> int:
         """Linear-state slots kept for prefix-cache snapshots (0 without the cache or linear layers)."""
-        e = self.ecfg
+        return self._snapshots(self.ecfg)
+
+    def _snapshots(self, e: EngineConfig) -> int:
         if not e.prefix_cache or not self.cfg.linear_attention_layers:
             return 0
         return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
@@ -207,6 +209,7 @@ class Engine:
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
         self.plan = self._plan_memory(local, fmt, fit_chunk=True)
+        self._cap_torch()
         # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
         # ones) in host memory, then moved: the GPU gets the final tensors only, without the holes that
         # replaced 16-bit weights would leave in torch's cached segments (tensor parallel: the rank keeps its
@@ -314,6 +317,7 @@ class Engine:
             self.ecfg, self.plan = old_ecfg, old_plan
             self._start_runtime(store, self.model)
             raise
+        self._cap_torch()
         home = self.device if self.plan.backend == "fused" else torch.device("cpu")
         if store.device != home:
             store = store.moved_to(home)
@@ -400,6 +404,18 @@ class Engine:
             self._refreeze = False
             gc.freeze()
 
+    def _cap_torch(self) -> None:
+        """Under --gpu-memory-gb on CUDA, torch's allocator may hold at most the cap less the CUDA context, as on a
+        card of that size: past it, it frees its cached blocks and retries before an out-of-memory error, so
+        cached blocks of prefill buffers that grow chunk by chunk (attention over a long prompt) cannot take the
+        process past the cap while the plan's own items fit. No cap: the whole device."""
+        if self.device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        cap = self.ecfg.gpu_memory_gb
+        allow = total if cap is None else int(cap * 2**30) - self.hardware.context_bytes
+        torch.cuda.set_per_process_memory_fraction(min(max(allow, 0) / total, 1.0), self.device)
+
     def _runtime_options(self):
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
                                    cache_policy=self.ecfg.moe_cache_policy,
@@ -416,11 +432,11 @@ class Engine:
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = dense_bytes_held(model)
-        kv, state = self._cache_bytes(e)
-        state *= e.max_running_requests + self.num_state_snapshots + self.num_state_checkpoints
+        kv, state_slot = self._cache_bytes(e)
         per_expert = fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size)
 
         def sizes_for(opts: EngineConfig):
+            state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self.num_state_checkpoints)
             sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert)
             if self.use_mtp:  # the MTP layers' experts are placed like any layer's
                 sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
@@ -428,7 +444,11 @@ class Engine:
 
         bw = Bandwidths.from_profile(load_profile(self.device))
         if fit_chunk:
-            plan, used = plan_fitting_chunk(sizes_for, self.hardware, e, bw)
+            plan, used = self._plan_fitting(sizes_for, e, bw)
+            if used.prefix_cache_snapshots != e.prefix_cache_snapshots:
+                log.warning("the budget cannot hold %d prefix-cache state snapshots: keeping %d (a prompt resumes "
+                            "from the nearest one it finds)", self._snapshots(e), self._snapshots(used))
+                self.ecfg = self.ecfg.replace(prefix_cache_snapshots=used.prefix_cache_snapshots)
             if used.chunked_prefill_size != e.chunked_prefill_size:
                 log.warning("the budget cannot hold prefill chunks of %d tokens (--chunked-prefill-size): prompts "
                             "are computed %d tokens per step", e.chunked_prefill_size, used.chunked_prefill_size)
@@ -438,6 +458,25 @@ class Engine:
         for line in plan.describe().splitlines() if log_it else ():
             log.info("%s", line)
         return plan
+
+    def _plan_fitting(self, sizes_for, e: EngineConfig, bw):
+        """plan_fitting_chunk (smaller prefill chunks before a refusal); where even that is refused and the
+        prefix cache's snapshot count is the default, fewer snapshots (halved down to none) before the first
+        refusal is raised: on a small card a long prompt matters more than the snapshots' granularity."""
+        try:
+            return plan_fitting_chunk(sizes_for, self.hardware, e, bw)
+        except ConfigError as err:
+            first, n = err, self._snapshots(e)
+            if e.prefix_cache_snapshots is not None or not n:
+                raise
+        while n:
+            n //= 2
+            fewer = e.replace(prefix_cache_snapshots=n)
+            try:
+                return plan_fitting_chunk(sizes_for, self.hardware, fewer, bw)
+            except ConfigError:
+                continue
+        raise first
 
     def kv_dtype(self, e: EngineConfig | None = None) -> torch.dtype:
         """The KV cache's element type: --kv-cache-dtype, or the model's (auto)."""
