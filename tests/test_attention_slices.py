@@ -35,3 +35,20 @@ def test_sliced_gqa_attention_equals_reference(L, cached, budget, monkeypatch):
     if budget != attn_mod.SCORES_BYTES and L > 16:  # the slicing was taken: a wrong offset would not match
         wrong = reference(q, k, v, 0 if cached else 1, a.scale, H // Hk)
         assert not torch.allclose(got.double(), wrong, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("L,cached", [(64, 0), (512, 3000), (300, 20000)])
+def test_cuda_lower_right_gqa_attention_equals_reference(L, cached):
+    """On CUDA a chunk after cached tokens takes the bottom-right causal bias with shared KV heads (flash /
+    efficient kernels, no [L, S] mask): bf16 within rounding of the float64 reference (Qwen3.6 heads)."""
+    torch.manual_seed(L)
+    H, Hk, D = 16, 2, 256
+    a = Attention(H * D, H, Hk, D, 1e-6, False, False, True)
+    q = torch.randn(L, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(cached + L, Hk, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(cached + L, Hk, D, device="cuda", dtype=torch.bfloat16)
+    got = a._attend(q, k, v, cached).double().cpu()
+    want = reference(q.cpu(), k.cpu(), v.cpu(), cached, a.scale, H // Hk)
+    assert (got - want).abs().max() < 2e-2
