@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moestream.moe.device_cache import DeviceSlotCache, live_share  # noqa: E402
-from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, interpreted_results,  # noqa: E402
+                            write_case_results)
+from moestream.layers import triton_ops  # noqa: E402
 
 # name -> (slots, E, T, k, layers, max_pairs, steps[, fetch fraction (hybrid: the other misses are the CPU's)])
 CASES = {
@@ -202,6 +204,7 @@ def test_prefetch_kernel_compiles_for_sm90(block_e, block_q):
            **{n: "constexpr" for n in consts}}
     k = compile_sm90(dc._prefetch_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})
     assert "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"]
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT  # no spill past the driver's default stack frame
 
 
 def test_prefetch_passes_over_victims_read_in_the_step():
