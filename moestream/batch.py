@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -32,6 +33,23 @@ class SeqMeta:
     @property
     def total(self) -> int:
         return self.cached + self.length
+
+
+@dataclass
+class DecodeArrays:
+    """A CPU decode step's indices as one int64 host buffer (engine/runner.py's decode fast path; the compiled
+    decode step reads them by address, models/cpu_decode.py), laid out as B token ids, B positions, B KV write
+    slots, B linear-state slots, the B logits rows (0..B-1: every row samples), B + 1 offsets of each
+    sequence's KV rows, then those rows. The batch's tensors are views of the same memory."""
+
+    buf: np.ndarray
+    B: int
+    addr: int  # buf's address
+
+    def at(self, field: int) -> int:
+        """Address of a field: 0 ids, 1 positions, 2 write slots, 3 state slots, 4 logits rows, 5 offsets, 6 KV rows
+        (the last two start after 5 B and 6 B + 1 values)."""
+        return self.addr + 8 * (field * self.B + (1 if field == 6 else 0))
 
 
 @dataclass

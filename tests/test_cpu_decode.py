@@ -365,3 +365,39 @@ def test_compressed_shared_expert_stays_compressed_and_compiles(tmp_path, tiny_c
             assert plan.steps >= 7 and all(d is not None and d[M["FW"]] == 0 and d[M["SI"]] == 64 for d in plan.moe)
         llm.close()
     assert runs["0"] == runs["1"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35_causal"])
+def test_decode_fast_build_is_the_general_build(kind, tmp_path, tiny_checkpoint, monkeypatch):
+    """The runner's CPU decode fast path (every sequence decodes its newest token: indices in one host buffer the
+    compiled step reads by address) builds the batch the general build does — ids, positions, KV indices, write
+    slots, logits rows, state slots — for a batch of 3 sequences of different lengths crossing KV pages; and with
+    it off (the general build every step) the same tokens and log-probabilities come out."""
+    from moestream import LLM, SamplingParams
+    from moestream.engine.runner import ModelRunner
+
+    path = _gguf(kind, "Q8_0", tmp_path, tiny_checkpoint)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, prefix_cache=False)
+    runner = llm.llm_engine.runner
+    fast = ModelRunner._build_decode
+    compared = []
+
+    def check(sched, kv):
+        batch, rows = fast(sched, kv)
+        ref, ref_rows = runner._build_general(sched)
+        for name in ("input_ids", "positions", "kv_write_index", "logits_index", "state_slots"):
+            assert torch.equal(getattr(batch, name), getattr(ref, name)), name
+        assert [(q.start, q.length, q.cached, q.state_slot, q.kv_index.tolist(), q.snapshots) for q in batch.seqs] \
+            == [(q.start, q.length, q.cached, q.state_slot, q.kv_index.tolist(), q.snapshots) for q in ref.seqs]
+        assert (rows.logits, rows.sample, rows.split) == (ref_rows.logits, ref_rows.sample, ref_rows.split)
+        compared.append(len(batch.seqs))
+        return batch, rows
+
+    monkeypatch.setattr(ModelRunner, "_build_decode", staticmethod(check))
+    got = [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, sp)]
+    assert max(compared) == 3 and len(compared) >= 19
+    plan = llm.engine.model.cpu_decode
+    assert plan.stack_steps >= 19  # the one-call step read the fast path's buffer
+    monkeypatch.setattr(ModelRunner, "_build_decode", staticmethod(lambda sched, kv: runner._build_general(sched)))
+    assert [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, sp)] == got

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import accumulate
 
+import numpy as np
 import torch
 
-from ..batch import ForwardBatch, SeqMeta
+from ..batch import DecodeArrays, ForwardBatch, SeqMeta
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
 from .sampler import PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
@@ -96,6 +98,14 @@ class ModelRunner:
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
         """The ForwardBatch of a scheduled step, and where its logits rows go."""
         dev, kv = self.engine.device, self.engine.caches.kv
+        if dev.type == "cpu" and not self.spec_k and all(s.n == 1 and s.samples for s in sched.seqs) \
+                and not sched.prompt:
+            return self._build_decode(sched, kv)
+        return self._build_general(sched)
+
+    def _build_general(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
+        """build() of any step."""
+        dev, kv = self.engine.device, self.engine.caches.kv
         ids, pos, seqs, rows, start = [], [], [], _Rows(), 0
         ckpt = self.engine.caches.state.checkpoint_slots if self.spec_k else []
         for s in sched.seqs:
@@ -129,6 +139,42 @@ class ModelRunner:
             if rows.verify and len(rows.verify) + sum(1 for q in seqs if q.length == 1) == len(seqs):
                 batch.extra["decode_like"] = True  # decode and verify rows only: decode's kernels (engine)
         return batch, rows
+
+    @staticmethod
+    def _build_decode(sched: ScheduledBatch, kv) -> tuple[ForwardBatch, _Rows]:
+        """build() of a CPU step where every sequence decodes its newest token and samples after it (no prompt
+        rows, no drafts): the same batch, its indices written into one int64 buffer (DecodeArrays) whose views are
+        the batch's tensors, and which the compiled decode step reads by address; every row's logits, in order.
+        Fewer host operations than the general build, whose cost a small model's decode step pays every token."""
+        seqs = sched.seqs
+        B = len(seqs)
+        totals = [s.cached + 1 for s in seqs]
+        buf = np.empty(6 * B + 1 + sum(totals), dtype=np.int64)
+        o = 6 * B + 1
+        slots = []
+        for s, n in zip(seqs, totals):
+            buf[o:o + n] = kv.flat_rows(s.req.pages, n)
+            slots.append(int(buf[o + n - 1]))
+            o += n
+        ids = [s.req.token_at(s.cached) for s in seqs]
+        pos = [s.cached for s in seqs]
+        states = [s.req.state_slot for s in seqs]
+        buf[:5 * B] = ids + pos + slots + states + list(range(B))
+        buf[5 * B:6 * B + 1] = [0, *accumulate(totals)]
+        t = torch.from_numpy(buf)
+        metas, o = [], 6 * B + 1
+        for i, (s, n) in enumerate(zip(seqs, totals)):
+            metas.append(SeqMeta(start=i, length=1, cached=s.cached, state_slot=s.req.state_slot,
+                                 kv_index=t[o:o + n], snapshots=s.snapshots))
+            o += n
+        batch = ForwardBatch(
+            input_ids=t[:B], positions=t[B:2 * B], seqs=metas, kv_write_index=t[2 * B:3 * B],
+            logits_index=t[4 * B:5 * B], state_slots=t[3 * B:4 * B], state_resets=sched.state_resets,
+            state_loads=sched.state_loads, state_saves=sched.state_saves, kv_copies=sched.kv_copies,
+            host_copies=sched.host_copies, prompt=False)
+        batch.extra["host"] = DecodeArrays(buf, B, buf.ctypes.data)
+        rows = list(range(B))
+        return batch, _Rows(logits=rows, sample=list(rows))
 
     @staticmethod
     def _logit_rows(s, start: int, rows: _Rows) -> None:

@@ -71,6 +71,7 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
         self.num_pages = num_pages
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
         shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device) if num_layers else None
         self.v = torch.zeros(shape, dtype=dtype, device=device) if num_layers else None
@@ -119,6 +120,15 @@ class KVPool:
         for src, dst, n in copies:
             self.k[:, dst * P:dst * P + n].copy_(self.k[:, src * P:src * P + n])
             self.v[:, dst * P:dst * P + n].copy_(self.v[:, src * P:src * P + n])
+
+    def flat_rows(self, page_table: list[int], n: int) -> np.ndarray:
+        """flat_index(page_table, 0, n) as an int64 numpy array (n > 0)."""
+        ps = self.page_size
+        last = (n - 1) // ps + 1
+        if last > len(page_table):
+            raise IndexError(f"positions [0, {n}) run past the sequence's {len(page_table)} pages")
+        pages = np.asarray(page_table[:last], dtype=np.int64)
+        return (pages[:, None] * ps + self._page_offsets).ravel()[:n]
 
     def flat_index(self, page_table: list[int], start: int, end: int, device) -> torch.Tensor:
         """Pool rows of positions [start, end) of a sequence whose pages are `page_table` (int64). Built with

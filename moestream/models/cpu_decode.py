@@ -346,6 +346,13 @@ class CpuDecodePlan:
         self.eps = np.array([cfg.rms_norm_eps], dtype=np.float64)
         self.stack = self._stack_arrays(model)
         self.io = _io_fields(model) if self.stack is not None else None  # the whole step in one call
+        st, k = self.stack, max(1, cfg.top_k)
+        if st is not None:  # the stack call's fixed arguments, as addresses (the arrays are kept in self.stack)
+            self._stack_head = (len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data,
+                                st["fds"].ctypes.data, st["moes"].ctypes.data, k)
+            self._stack_tail = (st["final"], st["final_eps"].ctypes.data, st["final_zc"])
+            self._stack_failed = st["failed"].ctypes.data
+        self._hx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits(): scratch rows by batch size
         self._kv = None  # the KV pool tensors the descriptions point into (a resized pool gets new ones)
         self._state = None  # the same for the linear-attention state pool
         self.steps = 0  # decode steps run through the plan
@@ -429,8 +436,12 @@ class CpuDecodePlan:
             self._state = (state.conv, state.rec)
 
     def step_arrays(self, batch) -> tuple:
-        """Per step, shared by every layer: positions, write slots, the sequences' KV slots and offsets, and their
-        linear-attention state slots."""
+        """Per step, shared by every layer: (what to keep alive through the calls, the addresses of the positions,
+        write slots, the sequences' KV slots and offsets, and their linear-attention state slots). A batch from the
+        runner's decode fast path has them in one host buffer already (batch.extra["host"])."""
+        host = batch.extra.get("host")
+        if host is not None:
+            return host, (host.at(1), host.at(2), host.at(6), host.at(5), host.at(3))
         pos = batch.positions.to(torch.int64).contiguous()
         slot = batch.kv_write_index.to(torch.int64).contiguous()
         seqs = batch.seqs
@@ -439,19 +450,19 @@ class CpuDecodePlan:
         off[1:] = np.cumsum([s.total for s in batch.seqs])
         states = (batch.state_slots.to(torch.int64).contiguous() if batch.state_slots is not None
                   else torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.int64))
-        return pos, slot, idx, off, states
+        return (pos, slot, idx, off, states), (pos.data_ptr(), slot.data_ptr(), idx.data_ptr(), off.ctypes.data,
+                                               states.data_ptr())
 
     def run_layer(self, i: int, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Layer i's compiled part: h (residual stream) updated in place, x = the post-attention norm of h."""
-        pos, slot, idx, off, states = arrays
+        pos, slot, idx, off, states = arrays[1]
         mod = cpu_quant.module()
         if self.kinds[i] == "gdn":
             rc = mod.ms_gdn_decode(self.descs[i].ctypes.data, self.fd[i].ctypes.data, h.shape[0], h.data_ptr(),
-                                   x.data_ptr(), states.data_ptr(), nthreads)
+                                   x.data_ptr(), states, nthreads)
         else:
             rc = mod.ms_decode_layer(self.descs[i].ctypes.data, self.eps.ctypes.data, h.shape[0], h.data_ptr(),
-                                     x.data_ptr(), pos.data_ptr(), slot.data_ptr(), idx.data_ptr(), off.ctypes.data,
-                                     nthreads)
+                                     x.data_ptr(), pos, slot, idx, off, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {i} failed ({rc})")
 
@@ -474,24 +485,28 @@ class CpuDecodePlan:
     def logits(self, batch) -> torch.Tensor | None:
         """The step's logits [B, vocab] from one ms_decode_logits call (embedding, every layer, final norm, head)
         where the plan describes all of it and every row samples; None otherwise (nothing run: `forward`)."""
-        B = batch.input_ids.shape[0]
-        li = batch.logits_index
-        if self.io is None or self.stack is None or li.numel() != B or int(li[-1]) != B - 1 \
-                or (self.io[1] and B > CPU_FLOAT_KERNEL_MAX_ROWS) \
+        host = batch.extra.get("host")  # the runner's decode fast path: every row samples, indices in one buffer
+        if host is not None:
+            B = host.B
+        else:
+            B = batch.input_ids.shape[0]
+            li = batch.logits_index
+            if li.numel() != B or int(li[-1]) != B - 1:
+                return None
+        if self.io is None or self.stack is None or (self.io[1] and B > CPU_FLOAT_KERNEL_MAX_ROWS) \
                 or not all(self._moe_now(i, block) for i, block in self._blocks):
             return None
         m = self.model
         self.steps += 1
         self.stack_steps += 1
         self._point_at(m.caches.kv, getattr(m.caches, "state", None))
-        H = m.cfg.hidden_size
-        h, x = torch.empty(B, H), torch.empty(B, H)
+        h, x = self._scratch(B)
         io = self.io[0].copy()
-        tokens = batch.input_ids.to(torch.int64).contiguous()
         out = torch.empty(B, int(io[IO["HEAD_N"]]))
-        io[IO["TOKENS"]], io[IO["LOGITS"]] = tokens.data_ptr(), out.data_ptr()
+        tokens = None if host is not None else batch.input_ids.to(torch.int64).contiguous()
+        io[IO["TOKENS"]], io[IO["LOGITS"]] = host.addr if host is not None else tokens.data_ptr(), out.data_ptr()
         arrays = self.step_arrays(batch)  # held here: the call reads them by address
-        args, ids = self._stack_args(h, x, arrays)
+        args, ids = self._stack_args(h, x, arrays[1])
         rc = cpu_quant.module().ms_decode_logits(*args, io.ctypes.data, cpu_quant.threads())
         if rc == -3:
             raise IndexError(f"a token id out of the embedding's range [0, {int(io[IO['EMB_N']])})")
@@ -501,26 +516,33 @@ class CpuDecodePlan:
         self._book(ids)
         return out
 
+    def _scratch(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ms_decode_logits' residual stream and normed rows [B, H], kept from step to step (only the call reads
+        them: its output is the logits)."""
+        hx = self._hx.get(B)
+        if hx is None:
+            H = self.model.cfg.hidden_size
+            hx = self._hx[B] = (torch.empty(B, H), torch.empty(B, H))
+        return hx
+
     def _book(self, ids: np.ndarray) -> None:
         if self._blocks:  # every block runs the engine's one expert runtime (_moe_now held for each): one booking call
             self._blocks[0][1].runtime.book_host_calls(
                 self._moe_layers, ids if len(self._moe_idx) == len(ids) else ids[self._moe_idx])
 
-    def _stack_args(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple) -> tuple[tuple, np.ndarray]:
+    def _stack_args(self, h: torch.Tensor, x: torch.Tensor, addrs: tuple) -> tuple[tuple, np.ndarray]:
         """ms_decode_stack's arguments but the thread count (ms_decode_logits' first ones), and the routes array
-        they fill [layers, B, k]. Addresses only: the caller keeps h, x and arrays alive through the call."""
-        pos, slot, idx, off, states = arrays
-        st = self.stack
+        they fill [layers, B, k]. Addresses only (addrs: step_arrays'): the caller keeps h, x and the step's arrays
+        alive through the call."""
+        pos, slot, idx, off, states = addrs
         B, k = h.shape[0], max(1, self.model.cfg.top_k)
         ids = np.empty((len(self.descs), B, k), dtype=np.int64)
-        return (len(self.descs), st["kinds"].ctypes.data, st["descs"].ctypes.data, st["fds"].ctypes.data,
-                st["moes"].ctypes.data, k, B, h.data_ptr(), x.data_ptr(), pos.data_ptr(), slot.data_ptr(),
-                idx.data_ptr(), off.ctypes.data, states.data_ptr(), ids.ctypes.data, st["final"],
-                st["final_eps"].ctypes.data, st["final_zc"], h.shape[1], st["failed"].ctypes.data), ids
+        return (*self._stack_head, B, h.data_ptr(), x.data_ptr(), pos, slot, idx, off, states, ids.ctypes.data,
+                *self._stack_tail, h.shape[1], self._stack_failed), ids
 
     def _run_stack(self, h: torch.Tensor, x: torch.Tensor, arrays: tuple, nthreads: int) -> None:
         """Every layer and the final norm in one ms_decode_stack call (x = the normed output); routes booked."""
-        args, ids = self._stack_args(h, x, arrays)
+        args, ids = self._stack_args(h, x, arrays[1])
         rc = cpu_quant.module().ms_decode_stack(*args, nthreads)
         if rc:
             raise RuntimeError(f"CPU decode layer {int(self.stack['failed'][0])} failed ({rc})")

@@ -237,19 +237,18 @@ class ExpertRuntime:
         self.book_host_calls([layer], ids[None])
 
     def book_host_calls(self, layers: list[int], ids: np.ndarray) -> None:
-        """book_host_call for several layers' calls at once (ids [len(layers), T, k]): one sort for all of them
-        (a CPU decode step books every layer's route after its one compiled call)."""
+        """book_host_call for several layers' calls at once (ids [len(layers), T, k]; a CPU decode step books every
+        layer's route after its one compiled call): the distinct experts of each layer, ascending (np.unique's
+        order), from one host list (a few routes: cheaper than numpy calls per layer)."""
         n, T, k = ids.shape
-        srt = np.sort(ids.reshape(n, T * k), axis=1)
-        first = np.ones(srt.shape, dtype=bool)
-        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        for i, layer in enumerate(layers):
-            experts = srt[i][first[i]].tolist()  # the distinct experts, ascending (np.unique's order)
-            s = self.book[layer]
+        book, decode = self.book, self.decode
+        for layer, route in zip(layers, ids.reshape(n, T * k).tolist()):
+            experts = sorted(set(route))
+            s = book[layer]
             s.tokens += T
             s.routed += T * k
             s.expert_calls += len(experts)
-            self.decode.book_host(layer, experts)
+            decode.book_host(layer, experts)
 
     def expert_hits(self) -> dict[int, list[int]] | None:
         """layer -> hits of each expert (decode-path lookups that found it resident); None: not counted."""
