@@ -19,7 +19,8 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+pf`
-(--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream).
+(--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
+likeliest).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
 moestream's bf16 dense layers; a cell of an uncapped run is starred in the table.)
 
@@ -51,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
-SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C")  # settings a configuration may change inside the shared child
+SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -219,8 +220,9 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
         for b in backends.split(","):
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
+            top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
             if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf")
-                                     and threads is None):
+                                     and threads is None and top is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
             env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
@@ -245,8 +247,10 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["set_env"] = {"MOESTREAM_CPU_POOL": variant}
                 if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
-                if variant == "pf":  # --moe-prefetch on: the next layer's predicted experts copied ahead
+                if variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead
                     cfg["prefetch"] = "on"
+                if top:
+                    cfg["set_env"] = {"MOESTREAM_PREFETCH_TOP": top[1]}
                 out.append(cfg)
     return out
 

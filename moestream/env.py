@@ -75,3 +75,11 @@ def cpu_threading() -> tuple[bool, int]:
     benchmark can switch within one process."""
     spin = os.environ.get("MOESTREAM_CPU_SPIN_US", "300")
     return os.environ.get("MOESTREAM_CPU_POOL", "omp") == "pool", int(spin) if spin.isdigit() else 300
+
+
+def prefetch_top() -> int:
+    """MOESTREAM_PREFETCH_TOP=N: the lookahead prefetch of the pair path copies ahead only each token's N likeliest
+    next-layer experts (0 or unset: all top_k of them); read when a decode step is built or recorded, for A/B
+    measurements of fewer, surer predictions."""
+    v = os.environ.get("MOESTREAM_PREFETCH_TOP", "0")
+    return int(v) if v.isdigit() else 0

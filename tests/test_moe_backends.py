@@ -277,3 +277,18 @@ def test_the_plan_counts_the_dense_bytes_a_loaded_gguf_holds(quant, tmp_path, mo
     llm = LLM(path, device="cpu", moe_backend="offload", moe_cache_size=4, max_running_requests=2)
     assert llm.engine.plan.bytes.dense == dense_bytes_held(llm.engine.model)
     llm.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefetch_top_copies_fewer_and_keeps_tokens(arch, tiny_checkpoint, fused_tokens, monkeypatch):
+    """MOESTREAM_PREFETCH_TOP=1: the pair path's lookahead copies only each token's likeliest next-layer expert
+    (fewer copies than all top_k), with fused's tokens."""
+    ps, want = fused_tokens(arch)
+    kw = {"moe_cache_size": 14, "moe_decode_kernel": "pairs", "moe_prefetch": "on"}
+    issued = {}
+    for top in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_PREFETCH_TOP", top)
+        llm, got = run(tiny_checkpoint, arch, "offload", **kw)
+        assert got == want
+        issued[top] = llm.stats()["total"]["prefetch_issued"]
+    assert 0 < issued["1"] < issued["0"]

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..env import prefetch_top
 from .compute import DeviceExperts, RouteGroups, WeightRef
 from .cpu_moe import layer_table
 from .device_cache import (ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
@@ -349,7 +350,11 @@ class DeviceSlots(SlotPool):
         router = ctx.lookahead.routers.get(nxt) if nxt is not None else None
         if not ctx.options.prefetch or router is None:
             return None
-        experts, rows, count = self.dcache.prefetch(nxt, router(x)[0])
+        ids = router(x)[0]  # [T, k], likeliest first
+        top = prefetch_top()
+        if 0 < top < ids.shape[1]:
+            ids = ids[:, :top]
+        experts, rows, count = self.dcache.prefetch(nxt, ids)
         return PairRows(experts, self.pool.arrays, (ctx.store.bank(nxt), experts, rows, count))
 
     def pair_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, fraction=1.0) -> PairRows:
