@@ -132,21 +132,7 @@ class DeviceSlotCache:
         self.last_use.scatter_(0, torch.where(hit, slot, S), self.stamp.expand(flat.shape[0]))
         rows_e = table.clone()
         if self.num_victims:
-            V = self.num_victims
-            rank = local + self.vptr
-            victim = self.victims[rank.clamp(0, V - 1)]
-            old = self.slot_key[victim]
-            old_here = (old >= i * E) & (old < (i + 1) * E)
-            busy = old_here & routed[(old - i * E).clamp(0, E - 1)]
-            ok = miss_e & (rank < V) & ~busy
-            self.vptr += n_fetch
-            self.counters[ADMITTED, i] += ok.sum()
-            self.counters[EVICTIONS, i] += (ok & (old >= 0)).sum()
-            dummy_t, keys = self.table.shape[0] - 1, i * E + self._arange
-            self.table.scatter_(0, torch.where(ok & (old >= 0), old, dummy_t), -1)
-            self.table.scatter_(0, torch.where(ok, keys, dummy_t), victim)
-            self.slot_key.scatter_(0, torch.where(ok, victim, S), keys)
-            self.last_use.scatter_(0, torch.where(ok, victim, S), self.stamp.expand(E))
+            ok, victim = self._admit_torch(i, miss_e, local, n_fetch, routed)
             rows_e = torch.where(ok, victim, rows_e)
         else:
             ok = torch.zeros_like(miss_e)
@@ -162,6 +148,31 @@ class DeviceSlotCache:
         order = torch.argsort(pos)[:M]
         return rows_e[flat], order, rows_e[order], n_fetch
 
+    def _admit_torch(self, i: int, fetch: torch.Tensor, local: torch.Tensor, n_fetch, routed: torch.Tensor,
+                     skip_read: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's experts in `fetch` take the step's victims in rank order (local: each one's rank; vptr advances
+        by n_fetch), unless a victim holds an expert `routed` by this call, or (skip_read: a prefetch) was read in
+        this step, or the victims ran out -> (admitted mask, each expert's victim). Evicted keys leave the table;
+        counters ADMITTED and EVICTIONS."""
+        E, S, V = self.E, self.num_slots, self.num_victims
+        rank = local + self.vptr
+        victim = self.victims[rank.clamp(0, V - 1)]
+        old = self.slot_key[victim]
+        old_here = (old >= i * E) & (old < (i + 1) * E)
+        busy = old_here & routed[(old - i * E).clamp(0, E - 1)]
+        if skip_read:
+            busy = busy | (self.last_use[victim] == self.stamp)
+        ok = fetch & (rank < V) & ~busy
+        self.vptr += n_fetch
+        self.counters[ADMITTED, i] += ok.sum()
+        self.counters[EVICTIONS, i] += (ok & (old >= 0)).sum()
+        dummy_t, keys = self.table.shape[0] - 1, i * E + self._arange
+        self.table.scatter_(0, torch.where(ok & (old >= 0), old, dummy_t), -1)
+        self.table.scatter_(0, torch.where(ok, keys, dummy_t), victim)
+        self.slot_key.scatter_(0, torch.where(ok, victim, S), keys)
+        self.last_use.scatter_(0, torch.where(ok, victim, S), self.stamp.expand(E))
+        return ok, victim
+
     def prefetch(self, layer: int, predicted: torch.Tensor):
         """Admit the experts `predicted` [T, k] for `layer`'s coming call that are not resident (see the module
         doc) -> (experts [Q], rows [Q], count): experts[:count] must be copied from the host bank into
@@ -172,7 +183,7 @@ class DeviceSlotCache:
 
     def _prefetch_torch(self, layer: int, predicted: torch.Tensor):
         """The reference of `prefetch` (any device)."""
-        i, E, S, V = self.layer_index[layer], self.E, self.num_slots, self.num_victims
+        i, E, V = self.layer_index[layer], self.E, self.num_victims
         flat = predicted.reshape(-1).long()
         Q = flat.shape[0]
         table = self.table[i * E:(i + 1) * E]
@@ -183,22 +194,8 @@ class DeviceSlotCache:
         ok = torch.zeros_like(miss_e)
         victim = torch.zeros(E, dtype=torch.long, device=self.device)
         if V:
-            rank = cm - 1 + self.vptr
-            victim = self.victims[rank.clamp(0, V - 1)]
-            old = self.slot_key[victim]
-            here = (old >= i * E) & (old < (i + 1) * E)
-            busy = (here & routed[(old - i * E).clamp(0, E - 1)]) | (self.last_use[victim] == self.stamp)
-            ok = miss_e & (rank < V) & ~busy
-            self.vptr += n_miss
-            evict = ok & (old >= 0)
-            self.counters[ADMITTED, i] += ok.sum()
-            self.counters[EVICTIONS, i] += evict.sum()
+            ok, victim = self._admit_torch(i, miss_e, cm - 1, n_miss, routed, skip_read=True)
             self.counters[PREFETCHED, i] += ok.sum()
-            dummy_t, keys = self.table.shape[0] - 1, i * E + self._arange
-            self.table.scatter_(0, torch.where(evict, old, dummy_t), -1)
-            self.table.scatter_(0, torch.where(ok, keys, dummy_t), victim)
-            self.slot_key.scatter_(0, torch.where(ok, victim, S), keys)
-            self.last_use.scatter_(0, torch.where(ok, victim, S), self.stamp.expand(E))
             pf = self.pf_stamp[i * E:(i + 1) * E]
             pf.copy_(torch.where(ok, self.stamp, pf))
         count = ok.sum()
@@ -366,18 +363,30 @@ if triton is not None:
         return r, fetch
 
     @triton.jit
+    def _routed(routed_buf, flat, fm, e, em, BLOCK_F: tl.constexpr, BLOCK_E: tl.constexpr):
+        """routed[e]: is expert e among the ids `flat` (mask fm)? A scatter of ones into the scratch row
+        routed_buf (left there: _admit reads it by a data-dependent index)."""
+        tl.store(routed_buf + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=em)
+        tl.debug_barrier()
+        tl.store(routed_buf + flat, tl.full([BLOCK_F], 1, tl.int64), mask=fm)
+        tl.debug_barrier()
+        return tl.load(routed_buf + e, mask=em, other=0) != 0
+
+    @triton.jit
     def _admit(e, em, base, fetch, r, n_fetch, rows_e, table, slot_key, last_use, victims, vptr, routed_buf,
-               counters, st, E, V, L, li, BLOCK_E: tl.constexpr):
+               counters, st, E, V, L, li, BLOCK_E: tl.constexpr, SKIP_READ: tl.constexpr = False):
         """The fetched misses take the step's LRU victims in rank order (r: each miss's fetch rank, plus the
-        old vptr, read-and-advanced by one atomic), unless a victim is routed by this very call or the victims
-        ran out: -> (admitted mask, each expert's row with the admitted ones' new slots). Evicted keys leave the
-        table; counters ADMITTED and EVICTIONS; debug_barrier orders every read of table / slot_key before the
-        admission writes."""
+        old vptr, read-and-advanced by one atomic), unless a victim is routed by this very call, or (SKIP_READ:
+        a prefetch) was read in this step, or the victims ran out: -> (admitted mask, each expert's row with the
+        admitted ones' new slots). Evicted keys leave the table; counters ADMITTED and EVICTIONS; debug_barrier
+        orders every read of table / slot_key before the admission writes."""
         rank = r + tl.atomic_add(vptr, n_fetch)  # the old vptr
         victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
         old = tl.load(slot_key + victim, mask=em, other=-1)
         here = (old >= base) & (old < base + E)
         busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
+        if SKIP_READ:
+            busy = busy | (tl.load(last_use + victim, mask=em, other=-1) == st)
         ok = fetch & (rank < V) & ~busy
         evict = ok & (old >= 0)
         tl.atomic_add(counters + 2 * L + li, tl.sum(ok.to(tl.int64), 0))  # ADMITTED
@@ -412,11 +421,7 @@ if triton is not None:
         slot = tl.load(table + base + flat, mask=pm, other=-1)
         before = tl.load(table + base + e, mask=em, other=-1)  # rows_e starts as the table read here
         st = tl.load(stamp)
-        tl.store(routed_buf + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=em)
-        tl.debug_barrier()
-        tl.store(routed_buf + flat, tl.full([BLOCK_P], 1, tl.int64), mask=pm)
-        tl.debug_barrier()
-        routed = tl.load(routed_buf + e, mask=em, other=0) != 0
+        routed = _routed(routed_buf, flat, pm, e, em, BLOCK_P, BLOCK_E)
         hit = pm & (slot >= 0)
         tl.store(last_use + slot, tl.zeros([BLOCK_P], dtype=tl.int64) + st, mask=hit)
         resident = before >= 0
@@ -467,33 +472,16 @@ if triton is not None:
         flat = tl.load(ids + q, mask=qm, other=0).to(tl.int64)
         before = tl.load(table + base + e, mask=em, other=-1)
         st = tl.load(stamp)
-        tl.store(routed_buf + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=em)
-        tl.debug_barrier()
-        tl.store(routed_buf + flat, tl.full([BLOCK_Q], 1, tl.int64), mask=qm)
-        tl.debug_barrier()
-        routed = tl.load(routed_buf + e, mask=em, other=0) != 0
+        routed = _routed(routed_buf, flat, qm, e, em, BLOCK_Q, BLOCK_E)
         miss = routed & (before < 0)
         cm = tl.cumsum(miss.to(tl.int64), 0)
         n_miss = tl.sum(miss.to(tl.int64), 0)
-        rank = cm - 1 + tl.atomic_add(vptr, n_miss)  # the old vptr
-        victim = tl.load(victims + tl.minimum(tl.maximum(rank, 0), V - 1), mask=em, other=0)
-        old = tl.load(slot_key + victim, mask=em, other=-1)
-        here = (old >= base) & (old < base + E)
-        busy = tl.load(routed_buf + tl.minimum(tl.maximum(old - base, 0), E - 1), mask=em & here, other=0) != 0
-        busy = busy | (tl.load(last_use + victim, mask=em, other=-1) == st)
-        ok = miss & (rank < V) & ~busy
-        evict = ok & (old >= 0)
+        ok, rows_e = _admit(e, em, base, miss, cm - 1, n_miss, before, table, slot_key, last_use, victims, vptr,
+                            routed_buf, counters, st, E, V, L, li, BLOCK_E, SKIP_READ=True)
         n_ok = tl.sum(ok.to(tl.int64), 0)
-        tl.atomic_add(counters + 2 * L + li, n_ok)  # ADMITTED
-        tl.atomic_add(counters + 3 * L + li, tl.sum(evict.to(tl.int64), 0))  # EVICTIONS
         tl.atomic_add(counters + 5 * L + li, n_ok)  # PREFETCHED
-        tl.debug_barrier()
-        tl.store(table + old, tl.full([BLOCK_E], -1, tl.int64), mask=evict)
-        tl.store(table + base + e, victim, mask=ok)
-        tl.store(slot_key + victim, base + e, mask=ok)
-        tl.store(last_use + victim, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
         tl.store(pf_stamp + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
         pos = tl.cumsum(ok.to(tl.int64), 0) - 1
         tl.store(experts_out + pos, e.to(tl.int64), mask=ok & (pos < Q))
-        tl.store(rows_out + pos, victim, mask=ok & (pos < Q))
+        tl.store(rows_out + pos, rows_e, mask=ok & (pos < Q))
         tl.store(count_out, tl.minimum(n_ok, Q))
