@@ -62,3 +62,23 @@ def test_prefetch_gives_fused_tokens(arch, tiny_checkpoint):
             assert t["prefetch_issued"] > 0 and t["evictions"] > 0 and llm.engine.graphs.replays > 0
             llm.engine.runtime.check_integrity()
     assert outs["offload"] == outs["fused"]
+
+
+@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}), ("hybrid", {"moe_cache_size": 5})])
+def test_graph_verify_steps_equal_eager(backend, kw, tiny_checkpoint):
+    """--speculative mtp: verify steps (the newest token and its drafts, laid out as decode rows) are recorded and
+    replayed as CUDA graphs that keep the drafter's hidden rows, and give the eager tokens at batch 1 and 3."""
+    common = dict(device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4, speculative="mtp",
+                  num_speculative_tokens=2, **kw)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (4, 150, 23)]
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(tiny_checkpoint("qwen35_mtp"), cuda_graphs=graphs, **common)
+        outs[graphs] = ([o.token_ids for o in llm.generate(prompts[:1], SP)],
+                        [o.token_ids for o in llm.generate(prompts, SP)])
+        assert llm.stats()["speculative"]["verify_steps"] > 0
+        if graphs:
+            eng = llm.engine
+            assert any(key[2] > 1 and key[3] for key in eng.graphs.entries) and eng.graphs.replays > 10
+    assert outs[True] == outs[False]

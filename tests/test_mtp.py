@@ -2,6 +2,8 @@
 GGUF files laid out as llama.cpp's converter writes them, and speculative decoding with it."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -279,6 +281,66 @@ def test_gdn_checkpoints_hold_the_state_after_each_token():
             assert torch.allclose(r[0], got[1], atol=1e-5), i
             assert torch.allclose(c[0], got[0], atol=1e-6), i  # the projections of 2 vs 5 rows may round apart
             assert torch.allclose(ref, out[:i + 1], atol=1e-5), i
+
+
+def test_verify_as_decode_rows_equals_the_verify_pass():
+    """engine/graphs.verify_rows: two requests' verify rows as one-token sequences (the Gated DeltaNet taking them
+    position by position, the layout CUDA graphs record) give the verify pass's outputs, final states and
+    checkpoints."""
+    from moestream.batch import ForwardBatch, SeqMeta
+    from moestream.engine.graphs import verify_rows
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(1)
+    gdn = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
+    with torch.no_grad():
+        for n, p in gdn.named_parameters():
+            p.copy_(torch.rand_like(p) if n in ("A_log", "dt_bias") else torch.randn_like(p) * 0.3)
+        gdn.norm.weight.fill_(1.0)
+    n = 4
+    x = torch.randn(2 * n, 32)
+    conv, rec = torch.zeros(9, gdn.conv_dim, 3), torch.zeros(9, 4, 8, 8)
+    conv[:2], rec[:2] = torch.randn(2, gdn.conv_dim, 3), torch.randn(2, 4, 8, 8) * 0.1
+    ckpt = [[2, 3, 4], [5, 6, 7]]
+    seqs = [SeqMeta(b * n, n, 3 + b, b, torch.arange(3 + b + n) + 10 * b, checkpoints=ckpt[b]) for b in range(2)]
+    batch = ForwardBatch(torch.zeros(2 * n, dtype=torch.long), torch.arange(2 * n), seqs, torch.arange(2 * n),
+                         torch.arange(2 * n), state_slots=torch.arange(2), extra={"decode_like": True})
+    rows = verify_rows(batch)
+    assert rows.is_decode and rows.extra["verify_n"] == n and rows.extra["verify_ckpt"].tolist() == ckpt
+    assert [(r.cached, r.total, r.state_slot) for r in rows.seqs[:n]] == [(3, 4, 0), (4, 5, 0), (5, 6, 0), (6, 7, 0)]
+    assert torch.equal(rows.seqs[n + 2].kv_index, seqs[1].kv_index[:4 + 3])  # row 2 of request 1 sees 4 + 3 positions
+    with torch.no_grad():
+        c1, r1 = conv.clone(), rec.clone()
+        want = gdn(x, batch, c1, r1)
+        c2, r2 = conv.clone(), rec.clone()
+        got = gdn(x, rows, c2, r2)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(r2, r1, atol=1e-5) and torch.allclose(c2, c1, atol=1e-6)
+    assert not torch.equal(r2[2], rec[2])  # the checkpoint slots were written
+    # any other step keeps its layout: prompt rows, or requests with different row counts
+    assert verify_rows(dataclasses.replace(batch, prompt=True)) is None
+    assert verify_rows(dataclasses.replace(batch, seqs=[seqs[0], dataclasses.replace(seqs[1], length=3)])) is None
+
+
+def test_verify_steps_run_as_decode_rows(mtp_dir, plain_tokens, monkeypatch):
+    """Speculative verify steps of equal row counts take the decode-row layout (the one CUDA graphs record) and
+    give the verify pass's greedy tokens and logits, step by step."""
+    from moestream.engine import engine as engine_mod
+    from moestream.engine.graphs import verify_rows
+
+    ps, want = plain_tokens
+    taken, steps = [], []
+    for layout in (lambda b: taken.append(verify_rows(b)) or taken[-1], lambda b: None):  # None: the verify pass
+        monkeypatch.setattr(engine_mod, "verify_rows", layout)
+        llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+        forward, logits = llm.engine.forward, []
+        llm.engine.forward = lambda b: logits.append(forward(b)) or logits[-1]
+        assert tokens(llm, ps) == want
+        steps.append(logits)
+    assert sum(t is not None for t in taken) > 5
+    assert len(steps[0]) == len(steps[1])
+    for i, (a, b) in enumerate(zip(*steps)):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (i, (a - b).abs().max())  # summation orders
 
 
 # ---- the acceptance rule -------------------------------------------------------------------------

@@ -117,16 +117,12 @@ def case_gdn_raw_gates(dtype, state_dtype) -> list[str]:
     conv = torch.randn(slots_n, m.conv_dim, K - 1, generator=g).to(dtype)
     rec = (torch.randn(slots_n, m.hv, m.dk, m.dv, generator=g) * 0.1).to(state_dtype)
     slots = torch.tensor([4, 0, 2])
-
-    class Batch:
-        state_slots = slots
-
     c1, r1, o1 = conv.clone(), rec.clone(), torch.empty(B, m.hv, m.dv, dtype=dtype)
     triton_ops.gdn_decode(mixed, c1, m.conv1d.weight[:, 0, :], slots, None, None, r1, o1, m.key_dim, m.hk, m.hv,
                           m.dk, m.dv, raw_gates=(b, a, m.A_log, m.dt_bias))
     c2, r2, o2 = conv.clone(), rec.clone(), torch.empty(B, m.hv, m.dv, dtype=dtype)
     gg, beta = m._gates(b, a)
-    m._decode(mixed, gg, beta, Batch, c2, r2, o2)  # torch path: CPU tensors
+    m._decode(mixed, gg, beta, slots, c2, r2, o2)  # torch path: CPU tensors
     tol = F32 if dtype == torch.float32 and state_dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     tol = dict(rtol=1e-4, atol=1e-5) if tol is F32 else tol  # a recurrence of reductions: summation order
     errs = _close("out", o1, o2, tol) + _close("rec", r1, r2, tol) + _close("conv", c1, c2, dict(rtol=0, atol=0))

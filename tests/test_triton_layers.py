@@ -54,14 +54,11 @@ def test_gdn_decode(dtype, state_dtype, torch_path):
     g = -torch.rand(B, hv, device="cuda")
     beta = torch.rand(B, hv, device="cuda")
 
-    class Batch:
-        state_slots = slots
-
     outs = {}
     for name, run in (("triton", lambda f: f()), ("torch", torch_path)):
         c, r = conv.clone(), rec.clone()
         core = torch.empty(B, hv, dv, device="cuda", dtype=dtype)
-        run(lambda: m._decode(mixed, g, beta, Batch, c, r, core))
+        run(lambda: m._decode(mixed, g, beta, slots, c, r, core))
         outs[name] = (core, c, r)
     tol = dict(rtol=3e-2, atol=3e-2) if dtype != torch.float32 or state_dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
     for a, b in zip(outs["triton"], outs["torch"]):

@@ -31,7 +31,7 @@ from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_fitting_chunk, 
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
 from ..batch import ForwardBatch
-from .graphs import DecodeGraphs, decode_extra
+from .graphs import DecodeGraphs, decode_extra, verify_rows
 
 log = logging.getLogger("moestream.engine")
 
@@ -519,14 +519,16 @@ class Engine:
         return HostPool(kv, state, pages, snaps, pin=self.device.type == "cuda")
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        # a speculative verify step of the same number of rows a request runs as a decode step of one row a
+        # token (graphs.verify_rows): decode's kernels, and a CUDA graph (which keeps the drafter's hidden rows)
+        if batch.extra.get("decode_like") and not batch.is_decode:
+            batch = verify_rows(batch) or batch
         decode = batch.is_decode
         graphs = getattr(self, "graphs", None)
         # tensor parallel ranks run eagerly: recording NCCL all-reduces in graphs is untested here
         if graphs is None and self.device.type == "cuda" and self.ecfg.cuda_graphs and not self.tp:
             graphs = self.graphs = DecodeGraphs(self)
-        # --speculative mtp runs eagerly: the drafter reads every row's final hidden state (batch.extra
-        # "keep_hidden"), which recorded steps do not keep, and verify steps are not decode steps
-        use_graph = graphs is not None and decode and not batch.extra.get("keep_hidden") and graphs.usable(batch)
+        use_graph = graphs is not None and decode and graphs.usable(batch)
         state = self.caches.state
         for slot in batch.state_resets:  # requests admitted this step (before the host tier may fill a slot)
             state.reset(slot)

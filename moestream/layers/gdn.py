@@ -147,14 +147,16 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden]; conv_state [slots, conv_dim, K-1] and rec_state [slots, Hv, Dk, Dv] of this layer."""
         mixed, z, b, a = self._project(x)  # mixed [T, conv_dim], z [T, value_dim], b, a [T, Hv]
         core = torch.empty((x.shape[0], self.hv, self.dv), dtype=x.dtype, device=x.device)
-        if batch.is_decode and self._triton_decode(mixed, conv_state):
-            # the gate math runs inside the decode kernel (no ~8 elementwise launches)
-            triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], batch.state_slots, None, None,
-                                  rec_state, core, self.key_dim, self.hk, self.hv, self.dk, self.dv,
-                                  raw_gates=(b, a, self.A_log, self.dt_bias))
+        n = batch.extra.get("verify_n", 1) if batch.is_decode else 1
+        if n > 1:  # a verify step as decode rows (engine/graphs.verify_rows): each request's n rows in turn
+            slots, ckpt = batch.state_slots[::n].contiguous(), batch.extra.get("verify_ckpt")
+            for j in range(n):
+                core[j::n] = self._decode_rows(mixed[j::n], b[j::n], a[j::n], slots, conv_state, rec_state)
+                if ckpt is not None and j < n - 1:  # checkpoint j: the state after row j (a rejected draft's rollback)
+                    conv_state[ckpt[:, j]] = conv_state[slots]
+                    rec_state[ckpt[:, j]] = rec_state[slots]
         elif batch.is_decode:
-            g, beta = self._gates(b, a)
-            self._decode(mixed, g, beta, batch, conv_state, rec_state, core)
+            core = self._decode_rows(mixed, b, a, batch.state_slots, conv_state, rec_state)
         else:
             g, beta = self._gates(b, a)
             for s in batch.seqs:
@@ -216,8 +218,20 @@ class GatedDeltaNet(nn.Module):
         rec_state[slot] = S.to(rec_state.dtype)
         return out
 
-    def _decode(self, mixed, g, beta, batch, conv_state, rec_state, core):
-        slots = batch.state_slots
+    def _decode_rows(self, mixed, b, a, slots, conv_state, rec_state) -> torch.Tensor:
+        """One token of each sequence (state slot slots[i] for row i) -> core [B, Hv, Dv]; the states advance."""
+        core = torch.empty((mixed.shape[0], self.hv, self.dv), dtype=mixed.dtype, device=mixed.device)
+        if self._triton_decode(mixed, conv_state):
+            # the gate math runs inside the decode kernel (no ~8 elementwise launches)
+            triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], slots, None, None, rec_state, core,
+                                  self.key_dim, self.hk, self.hv, self.dk, self.dv, raw_gates=(b, a, self.A_log,
+                                                                                               self.dt_bias))
+        else:
+            g, beta = self._gates(b, a)
+            self._decode(mixed, g, beta, slots, conv_state, rec_state, core)
+        return core
+
+    def _decode(self, mixed, g, beta, slots, conv_state, rec_state, core):
         if self._triton_decode(mixed, conv_state):
             triton_ops.gdn_decode(mixed, conv_state, self.conv1d.weight[:, 0, :], slots, g, beta, rec_state, core,
                                   self.key_dim, self.hk, self.hv, self.dk, self.dv)

@@ -184,8 +184,8 @@ class QwenMoeModel(nn.Module):
         return self.lm_head(h).float()
 
     def _cpu_plan(self, batch: ForwardBatch):
-        if batch.input_ids.device.type != "cpu" or not batch.is_decode:
-            return None
+        if batch.input_ids.device.type != "cpu" or not batch.is_decode or "verify_n" in batch.extra:
+            return None  # (a verify step laid out as decode rows: its rows of a request are sequential)
         if self.cpu_decode is None:
             from .cpu_decode import CpuDecodePlan
 
