@@ -6,12 +6,17 @@ Local smoke test of the same code path on CPU with a tiny shape:
     PYTHONPATH=$PWD python benchmarks/mtp_decode.py --tiny --device cpu --backends cpu --caps 0 --k 0,2 --accept 0.8
 
 The model (with a one-layer MTP block, `mtp_num_hidden_layers: 1`) is built in memory with random bf16 weights,
-as benchmarks/decode_sweep.py does. Random weights make a random drafter, which the main model never agrees
-with, so the drafts are scripted: the block runs in full (its K/V, its router, its experts through the
-expert runtime and cache: the traffic a real block causes) and only its logits are replaced by a proposal
-that is the main model's own next token with probability --accept (else a wrong token), per draft. The
-main model's tokens are recorded first by a plain greedy run of the same prompts (k = 0), which is also the
-baseline row. Every speculative run is checked to give those tokens.
+as benchmarks/decode_sweep.py does, then made predictable (`make_predictable`), because random weights make a
+random drafter that the main model never agrees with: the embedding is scaled to an RMS of 64 per element, so
+the residual stream of any layer stays close to the input token's embedding whatever the random layers add;
+the lm_head row of token pi(t) (pi: a fixed random permutation) is t's unit embedding, so the model's greedy
+next token after t is pi(t) by a margin of ~40 logits (no near-ties for bf16 rounding, batch shape or routing to
+flip); the MTP block's fc passes its input token's normed embedding times 64 (the hidden half zero), so its
+draft after token u is pi(u): the real block drafts the main model's own tokens. Every layer and expert still
+runs on random weights (routing is the random router's), so the step's cost and the experts' traffic are
+those of the real shape. --accept below 1 makes each draft wrong with probability 1 - accept (the block's
+argmax moved to another token after it ran). The plain greedy run of the same prompts (k = 0) is the baseline
+row; every speculative run is checked to give its tokens.
 
 k = 0 runs on the engine built for the largest k (its decode buffers and pair scratch rows sized for k + 1
 rows a request, which takes a few expert slots from the cache); for the exact baseline run with --k 0
@@ -32,25 +37,38 @@ import torch
 from decode_sweep import QWEN36, TINY, delta, measure_bandwidths, totals
 
 
-def scripted_drafter(llm, seqs: list[list[int]], accept: float, seed: int = 0):
-    """Replace the MTP block's logits by proposals that are right with probability `accept` (see above)."""
-    table = {}
-    for s in seqs:
-        for j in range(len(s) - 2):
-            table[(j, s[j + 1])] = s[j + 2]
-    engine, V = llm.engine, llm.model_config.vocab_size
+def make_predictable(llm, seed: int = 0, scale: float = 64.0) -> None:
+    """The predictable model of the module docstring, in place (before any step: recorded graphs hold pointers)."""
+    m = llm.engine.model
+    E, head, fc = m.embed_tokens.weight, m.lm_head.weight, m.mtp.fc.weight
+    V, H = E.shape
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(seed)).to(E.device)
+    with torch.no_grad():
+        for r in range(0, V, 16384):  # in slices: a few MB of temporaries on a capped card
+            e = E[r:r + 16384].float()
+            e = e * (scale / e.pow(2).mean(-1, keepdim=True).sqrt())
+            E[r:r + 16384] = e.to(E.dtype)
+            head[perm[r:r + 16384]] = (e / e.norm(dim=-1, keepdim=True)).to(head.dtype)
+        fc.zero_()
+        fc[:, :H] = torch.eye(H, device=fc.device, dtype=fc.dtype) * scale
+
+
+def noisy_drafter(llm, accept: float, seed: int = 0):
+    """The real drafter, each draft made wrong with probability 1 - accept (its argmax moved to the next token id)."""
+    engine = llm.engine
     real = type(engine).draft
     g = torch.Generator().manual_seed(seed)
 
     def draft(batch, hidden, step=0):
         logits = real(engine, batch, hidden, step)
-        pos, ids = batch.positions.tolist(), batch.input_ids.tolist()
-        out = torch.full_like(logits, -1e4)
-        for i, r in enumerate(batch.logits_index.tolist()):
-            nxt = table.get((pos[r], ids[r]), 0)
-            right = float(torch.rand((), generator=g)) < accept
-            out[i, nxt if right else (nxt + 1) % V] = 0.0
-        return out
+        if accept >= 1.0:
+            return logits
+        logits = logits.clone()  # (an inference tensor: not written in place outside inference mode)
+        top = logits.argmax(-1).tolist()
+        for i, t in enumerate(top):
+            if float(torch.rand((), generator=g)) >= accept:
+                logits[i, (t + 1) % logits.shape[1]] = logits[i, t] + 1.0
+        return logits
 
     engine.draft = draft
 
@@ -61,7 +79,7 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
     runner = llm.llm_engine.runner
     runner.spec_k = k
     if k:
-        scripted_drafter(llm, [p + w for p, w in zip(prompts, want)], accept)
+        noisy_drafter(llm, accept)
     else:
         llm.engine.__dict__.pop("draft", None)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -94,7 +112,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--k", default="0,1,2,3", help="drafts per step to measure (0: no speculation)")
     ap.add_argument("--max-k", type=int, default=None, help="--num-speculative-tokens of the engine (default: max --k)")
-    ap.add_argument("--accept", default="0.6,0.8,0.9", help="probability that a scripted draft is right")
+    ap.add_argument("--accept", default="1.0,0.8,0.6", help="probability that a draft is left right (1: the real drafts)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="mtp.json")
     args = ap.parse_args()
@@ -112,6 +130,8 @@ def main() -> None:
               gpu_memory_gb=caps[0] if dev.type == "cuda" else None, max_running_requests=max(
                   int(b) for b in args.batch.split(",")), num_tokens=16384, max_seq_len_override=4096,
               speculative="mtp" if max_k else "none", num_speculative_tokens=max(max_k, 1))
+    if max_k:
+        make_predictable(llm)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": measure_bandwidths(dev), "max_k": max_k,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
