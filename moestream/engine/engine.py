@@ -414,7 +414,8 @@ class Engine:
         total = torch.cuda.get_device_properties(self.device).total_memory
         cap = self.ecfg.gpu_memory_gb
         allow = total if cap is None else int(cap * 2**30) - self.hardware.context_bytes
-        torch.cuda.set_per_process_memory_fraction(min(max(allow, 0) / total, 1.0), self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(max(allow, 0) / total, 1.0), index)
 
     def _runtime_options(self):
         return dataclasses.replace(self.plan.runtime_options(), decode_kernel=self.ecfg.moe_decode_kernel,
