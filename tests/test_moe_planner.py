@@ -236,3 +236,36 @@ def test_default_prefix_snapshots_shrink_before_a_plan_is_refused():
     assert used.prefix_cache_snapshots == 4 and plan.cache_slots >= BIG.top_k  # halved once: fits
     with pytest.raises(ConfigError):
         Engine._plan_fitting(fake, sizes_for, e.replace(prefix_cache_snapshots=8), None)
+
+
+def test_torch_allocator_capped_at_the_cap_less_the_context(monkeypatch):
+    """Engine._cap_torch: under --gpu-memory-gb torch's allocator may hold the cap less the measured CUDA context, as a
+    fraction of the card, set for the device's index (a bare 'cuda' device is refused by torch: every CUDA engine
+    failed to start when it was passed); without a cap, the whole card. Runs without a GPU (torch.cuda mocked)."""
+    import types
+
+    import torch
+
+    from moestream.engine.engine import Engine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def setter(fraction, device=None):
+        assert isinstance(device, int), device  # what torch accepts: an index (or a device with one)
+        calls.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", setter)
+    for dev, cap, want in (("cuda", 4.0, (4 * GiB - GiB // 2) / (80 * GiB)), ("cuda:1", 4.0, None),
+                           ("cuda", None, 1.0)):
+        eng = types.SimpleNamespace(device=torch.device(dev), ecfg=types.SimpleNamespace(gpu_memory_gb=cap),
+                                    hardware=types.SimpleNamespace(context_bytes=GiB // 2))
+        Engine._cap_torch(eng)
+        fraction, index = calls[-1]
+        assert index == (1 if dev == "cuda:1" else 0)
+        if want is not None:
+            assert fraction == pytest.approx(want)
+    eng = types.SimpleNamespace(device=torch.device("cpu"), ecfg=None, hardware=None)
+    Engine._cap_torch(eng)  # a CPU engine: nothing to cap
+    assert len(calls) == 3
