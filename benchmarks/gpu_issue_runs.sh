@@ -4,7 +4,8 @@
 # on the same warm machine (the Q4_K_M file stays in /dev/shm), or to run alone (the file is written when missing).
 #   PHASES   comma list, in order [edge,replay,mtp,tests]
 #   edge     issue 17: benchmarks/edge_memory.py on the Qwen3.6-shaped Q4_K_M GGUF at CAPS [4,8,12,24], PROMPT [32768]
-#            tokens, BACKEND [offload]  -> $OUT/edge_memory.{json,md,log}
+#            tokens, BACKEND [offload], EDGE_CAP_S [300] a cap (a 32k prompt at 4 GiB needs ~140 s of prefill), EDGE_S [560]
+#            -> $OUT/edge_memory.{json,md,log}
 #   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB: an
 #            ~8k-token system prompt + tools, ~1.4k new tokens a turn (TOOL_WORDS [300] of tool output + the answer)
 #            for REPLAY_TURNS [17] turns (~30k at the end); the cache-free baseline measures SAMPLE [0,8,16] of
@@ -25,8 +26,8 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
   case $P in
     edge)
       need_file
-      timeout "${EDGE_S:-420}" python3 benchmarks/edge_memory.py "$F" --caps "${CAPS:-4,8,12,24}" --prompt "${PROMPT:-32768}" \
-        --decode "${DECODE:-32}" --backend "${BACKEND:-offload}" --timeout "${EDGE_CAP_S:-200}" \
+      timeout "${EDGE_S:-560}" python3 benchmarks/edge_memory.py "$F" --caps "${CAPS:-4,8,12,24}" --prompt "${PROMPT:-32768}" \
+        --decode "${DECODE:-32}" --backend "${BACKEND:-offload}" --timeout "${EDGE_CAP_S:-300}" \
         --json "$OUT/edge_memory.json" --md "$OUT/edge_memory.md" 2>&1 | tee "$OUT/edge_memory.log" | grep -v "^\s*warm"
       ;;
     replay)
