@@ -251,17 +251,24 @@ def test_rejected_pages_are_released(mtp_dir):
     assert seen > 0 and llm.engine.caches.kv.pages.num_used == 0
 
 
-def test_gdn_checkpoints_hold_the_state_after_each_token():
-    """A verify step's per-position states equal the states after each prefix computed on its own."""
-    from moestream.batch import ForwardBatch, SeqMeta
+def small_gdn(seed: int):
+    """A Gated DeltaNet of hidden 32 (2 key / 4 value heads of 8, conv kernel 4) with random weights in range."""
     from moestream.layers.gdn import GatedDeltaNet
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     gdn = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
     with torch.no_grad():
         for n, p in gdn.named_parameters():
             p.copy_(torch.rand_like(p) if n in ("A_log", "dt_bias") else torch.randn_like(p) * 0.3)
         gdn.norm.weight.fill_(1.0)
+    return gdn
+
+
+def test_gdn_checkpoints_hold_the_state_after_each_token():
+    """A verify step's per-position states equal the states after each prefix computed on its own."""
+    from moestream.batch import ForwardBatch, SeqMeta
+
+    gdn = small_gdn(0)
     x = torch.randn(5, 32)
     conv, rec = torch.zeros(6, gdn.conv_dim, 3), torch.zeros(6, 4, 8, 8)
     conv[0], rec[0] = torch.randn(gdn.conv_dim, 3), torch.randn(4, 8, 8) * 0.1
@@ -289,14 +296,8 @@ def test_verify_as_decode_rows_equals_the_verify_pass():
     checkpoints."""
     from moestream.batch import ForwardBatch, SeqMeta
     from moestream.engine.graphs import verify_rows
-    from moestream.layers.gdn import GatedDeltaNet
 
-    torch.manual_seed(1)
-    gdn = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
-    with torch.no_grad():
-        for n, p in gdn.named_parameters():
-            p.copy_(torch.rand_like(p) if n in ("A_log", "dt_bias") else torch.randn_like(p) * 0.3)
-        gdn.norm.weight.fill_(1.0)
+    gdn = small_gdn(1)
     n = 4
     x = torch.randn(2 * n, 32)
     conv, rec = torch.zeros(9, gdn.conv_dim, 3), torch.zeros(9, 4, 8, 8)
