@@ -18,7 +18,8 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
-OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+pf`
+OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `hybrid+noarms`
+(every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
 likeliest).
 (`all` = no cap: fused in the all-resident row, cpu in the -ncmoe 40 row, where llama.cpp's VRAM may be below
@@ -52,7 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
-SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP")  # settings a configuration may change inside the shared child
+SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP", "MOESTREAM_HYBRID_ARMS")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -221,7 +222,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
             top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
-            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf")
+            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms")
                                      and threads is None and top is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
@@ -247,6 +248,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["set_env"] = {"MOESTREAM_CPU_POOL": variant}
                 if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
+                if variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)
+                    cfg["set_env"] = {"MOESTREAM_HYBRID_ARMS": "0"}
                 if variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead
                     cfg["prefetch"] = "on"
                 if top:
@@ -457,7 +460,7 @@ def measure(llm, args) -> dict:
     stage("first_prefill")
     llm.generate([prompt(8)], sp(4))  # decode: kernels, graphs, caches
     stage("first_decode")
-    llm.generate([prompt(8)], sp(8))  # probe the rate
+    llm.generate([prompt(8)], sp(32))  # probe the rate (and let hybrid's arms explore: 24 steps a batch size)
     out["warm_s"] = time.perf_counter() - t
     rate = llm.last_timing["decode_tok_s"]
     n = tokens_for(rate, 1)
@@ -475,8 +478,8 @@ def measure(llm, args) -> dict:
     out["tg_stats"] = d
     if "hybrid" in rt.stats():  # the live split after the bs1 run (moe/share.py)
         out["hybrid"] = rt.stats()["hybrid"]
-    # batch 4: four requests decoding together; its graphs recorded by a short run first
-    llm.generate([prompt(8) for _ in range(4)], sp(3))
+    # batch 4: four requests decoding together; its graphs recorded (and hybrid's arms explored) by a run first
+    llm.generate([prompt(8) for _ in range(4)], sp(28))
     n4 = tokens_for(max(rate, out["tg_tok_s"]), 4)
     llm.generate([prompt(8) for _ in range(4)], sp(n4))
     tm = llm.last_timing

@@ -83,3 +83,10 @@ def prefetch_top() -> int:
     measurements of fewer, surer predictions."""
     v = os.environ.get("MOESTREAM_PREFETCH_TOP", "0")
     return int(v) if v.isdigit() else 0
+
+
+def hybrid_arms() -> bool:
+    """MOESTREAM_HYBRID_ARMS=0 keeps hybrid on its live split in every decode step, instead of choosing per batch size
+    between the split and fetching every miss (offload's step) by the step times it measures (moe/share.py Arms).
+    Read when a hybrid runtime is built."""
+    return os.environ.get("MOESTREAM_HYBRID_ARMS", "1") != "0"

@@ -18,6 +18,7 @@ def fixed_split(monkeypatch):
 
     monkeypatch.setattr(share, "PRIOR_FIXED_S", 0.0)
     monkeypatch.setattr(share.LiveShare, "observe", lambda self, fit: None)
+    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")  # every step on the split (the arms follow step times)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
@@ -93,4 +94,36 @@ def test_graph_verify_steps_equal_eager(backend, kw, tiny_checkpoint, monkeypatc
         if graphs:
             eng = llm.engine
             assert any(key[2] > 1 and key[3] for key in eng.graphs.entries) and eng.graphs.replays > 10
+    assert outs[True] == outs[False]
+
+
+def test_graph_hybrid_arms_equal_eager(tiny_checkpoint, monkeypatch):
+    """hybrid's two step forms (the live split; every miss fetched, no CPU bridge in the step) are recorded as
+    separate graphs (the key's variant) and replayed as the arms pick them: the eager tokens. The arms alternate
+    by step count here (not by measured time), so both runs take the same forms."""
+    from moestream.moe import share, strategies
+
+    class Alternate(share.Arms):
+        n = 0
+
+        def pick(self, rows):
+            return share.SPLIT if Alternate.n % 3 else share.FETCH
+
+        def observe(self, rows, arm, seconds):
+            Alternate.n += 1
+
+    fixed_split(monkeypatch)
+    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "1")
+    monkeypatch.setattr(strategies, "Arms", Alternate)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (6, 90)]
+    outs = {}
+    for graphs in (False, True):
+        Alternate.n = 0
+        llm = LLM(tiny_checkpoint("qwen35"), device="cuda", dtype="bfloat16", moe_backend="hybrid", moe_cache_size=5,
+                  max_running_requests=4, cuda_graphs=graphs)
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, SP)]
+        if graphs:
+            assert {key[4] for key in llm.engine.graphs.entries} == {0, 1} and llm.engine.graphs.replays > 20
+        assert sum(llm.engine.runtime.bridge.cpu_experts) > 0
     assert outs[True] == outs[False]

@@ -292,3 +292,25 @@ def test_prefetch_top_copies_fewer_and_keeps_tokens(arch, tiny_checkpoint, fused
         assert got == want
         issued[top] = llm.stats()["total"]["prefetch_issued"]
     assert 0 < issued["1"] < issued["0"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoint, fused_tokens, monkeypatch):
+    """hybrid's arms (moe/share.Arms) run some decode steps as offload's (every miss fetched, no job for the CPU
+    worker) and the others on the live split: fused's tokens either way, the worker's jobs are the split's steps,
+    and the arms' counts reach the stats; MOESTREAM_HYBRID_ARMS=0 keeps every step on the split."""
+    from moestream.moe import share, strategies
+
+    monkeypatch.setattr(strategies, "Arms", lambda: share.Arms(block=1, trials=1, hold=2))
+    ps, want = fused_tokens(arch)
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
+    assert got == want
+    arms = llm.stats()["hybrid"]["arms"]
+    steps = {a: sum(d["steps"][a] for d in arms.values()) for a in (share.SPLIT, share.FETCH)}
+    assert steps[share.FETCH] > 0 and steps[share.SPLIT] > 0
+    assert any(d["explorations"] > 0 for d in arms.values()), arms
+    assert llm.engine.runtime.bridge.seq == steps[share.SPLIT]  # a fetch step gives the worker no job
+    llm.engine.runtime.check_integrity()
+    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
+    assert got == want and "arms" not in llm.stats()["hybrid"]

@@ -71,3 +71,47 @@ def test_windows_without_cpu_calls_drift_back_to_the_prior():
         s.observe(fit)  # no new calls
     assert s.fixed_s < 2 * PRIOR_FIXED_S < slow and s.windows == 1
     assert int(device_fetch_count(torch.tensor(8), s.tensor)) < 8
+
+
+# ---- the arms: the live split or offload's step, by measured step times ----------------------------
+def drive(arms, rows, times: dict, steps: int):
+    """Run `steps` decode steps of `rows` rows, each taking times[arm] seconds; the arms picked, in order."""
+    picked = []
+    for _ in range(steps):
+        arm = arms.pick(rows)
+        picked.append(arm)
+        arms.observe(rows, arm, times[arm])
+    return picked
+
+
+def test_arms_explore_in_alternating_blocks_then_hold_the_faster():
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    arms = Arms(block=2, trials=2, hold=6)
+    picked = drive(arms, 1, {SPLIT: 0.012, FETCH: 0.010}, 8 + 6)
+    assert picked[:8] == [SPLIT, SPLIT, FETCH, FETCH] * 2  # the exploration
+    assert picked[8:] == [FETCH] * 6  # offload's step was faster: held
+    d = arms.as_dict()["1"]
+    assert d["step_ms"] == {SPLIT: 12.0, FETCH: 10.0} and d["explorations"] == 1
+    assert d["steps"] == {SPLIT: 4, FETCH: 10}
+    assert d["chosen"] is None  # the hold ran out: exploring again
+    picked = drive(arms, 1, {SPLIT: 0.008, FETCH: 0.010}, 8 + 1)  # now the split is faster
+    assert picked[:8] == [SPLIT, SPLIT, FETCH, FETCH] * 2 and picked[8] == SPLIT
+    assert arms.as_dict()["1"]["explorations"] == 2
+
+
+def test_arms_per_batch_size_and_robust_to_one_slow_step():
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    arms = Arms(block=3, trials=2, hold=100)
+    drive(arms, 4, {SPLIT: 0.02, FETCH: 0.03}, 12)
+    assert arms.pick(4) == SPLIT and arms.pick(1) == SPLIT  # batch 1 has not explored yet
+    # batch 1: the split's blocks each start with a 0.5 s step (a CUDA graph recorded): medians ignore it
+    for _ in range(2):
+        for arm, t in ((SPLIT, [0.5, 0.010, 0.010]), (FETCH, [0.012] * 3)):
+            for x in t:
+                assert arms.pick(1) == arm
+                arms.observe(1, arm, x)
+    assert arms.pick(1) == SPLIT and arms.pick(4) == SPLIT
+    arms.observe(1, FETCH, 9.0)  # a step picked before a switch does not count for the held arm's block
+    assert arms.pick(1) == SPLIT

@@ -556,7 +556,7 @@ class Engine:
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
         decode = batch.is_decode
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False})
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True})
         try:
             return self.model.draft(batch, hidden, step)
         finally:

@@ -150,7 +150,7 @@ class DecodeGraphs:
             self.owner = owner
         B = len(batch.seqs)
         n, hidden = batch.extra.get("verify_n", 1), bool(batch.extra.get("keep_hidden"))
-        key = (B, kv_bucket(max(s.total for s in batch.seqs)), n, hidden)
+        key = (B, kv_bucket(max(s.total for s in batch.seqs)), n, hidden, rt.graph_variant())
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _Entry(B, key[1], self.engine.device, n, hidden)
@@ -191,4 +191,5 @@ class DecodeGraphs:
             return
         entry.graph = graph
         self.recorded += 1
-        log.debug("recorded a decode graph for %d rows, KV bucket %d, %d rows a request, hidden kept %s", *key)
+        log.debug("recorded a decode graph for %d rows, KV bucket %d, %d rows a request, hidden kept %s, variant %d",
+                  *key)

@@ -160,7 +160,8 @@ class ExpertRuntime:
         self.ctx.lookahead.draft_layers = frozenset(draft_layers)
 
     def begin_step(self, info: dict | None = None) -> None:
-        """A step starts: info {"decode", "graph", "num_tokens"} from the engine (decode: no prompt rows)."""
+        """A step starts: info {"decode", "graph", "num_tokens", "draft"} from the engine (decode: no prompt rows;
+        draft: an MTP drafter pass)."""
         self.prefill_mode = not (info or {}).get("decode", True)
         self.book.begin_step()
         if self.tap is not None:
@@ -192,6 +193,11 @@ class ExpertRuntime:
         """True when a decode step touches no host state that depends on the route (no host sync), so
         the engine may record it as a CUDA graph: the pairs and bridge strategies."""
         return self.decode.capturable
+
+    def graph_variant(self) -> int:
+        """Which form the decode strategy gives this step's layer calls (0 but for hybrid's fetch-every-miss
+        arm): part of a recorded decode graph's key."""
+        return getattr(self.decode, "variant", 0)
 
     def begin_graph_step(self) -> None:
         """The device-side part of begin_step, recorded inside a captured decode step."""

@@ -103,3 +103,66 @@ def measure_pcie_gbs(device: torch.device, chunk: int = 16 << 20, n: int = 4, ro
         torch.cuda.synchronize(device)
         best = max(best, n * chunk / (time.perf_counter() - t) / 1e9)
     return best
+
+
+SPLIT, FETCH = "split", "fetch"
+
+
+class Arms:
+    """hybrid's guard: for each decode batch size (rows), which of its two forms runs a step — SPLIT (the live
+    split above: PCIe copies and CPU calls) or FETCH (every miss over PCIe, the CPU bridge out of the step:
+    offload's step) — chosen by measured step times, so hybrid is never slower than offload for long. The line
+    fitted to the worker's calls predicts a CPU call's own time, not what it costs the GPU's critical path (the
+    post, the worker's wake-up, the polls over PCIe), which the step time does.
+
+    Per rows: an exploration runs the arms in alternating blocks of `block` steps until each has `trials`
+    blocks (alternation cancels the slow drift of step times as contexts grow); an arm's time is the median of
+    its blocks' medians (a block's first step may record a CUDA graph); the faster arm then runs `hold` steps,
+    after which the exploration starts again (the rates change with contexts, batch mix and cache state)."""
+
+    def __init__(self, block: int = 4, trials: int = 3, hold: int = 256):
+        self.block, self.trials, self.hold = block, trials, hold
+        self._rows: dict[int, dict] = {}
+
+    def _state(self, rows: int) -> dict:
+        st = self._rows.get(rows)
+        if st is None:
+            st = self._rows[rows] = {"times": {SPLIT: [], FETCH: []}, "block": [], "arm": SPLIT,
+                                     "chosen": None, "held": 0, "explorations": 0, "steps": {SPLIT: 0, FETCH: 0}}
+        return st
+
+    def pick(self, rows: int) -> str:
+        """The arm of the next decode step of `rows` rows."""
+        st = self._state(rows)
+        if st["chosen"] is not None:
+            return st["chosen"]
+        return st["arm"]
+
+    def observe(self, rows: int, arm: str, seconds: float) -> None:
+        """A decode step of `rows` rows ran `arm` in `seconds` (launch to results)."""
+        st = self._state(rows)
+        st["steps"][arm] += 1
+        if st["chosen"] is not None:
+            st["held"] += 1
+            if st["held"] >= self.hold:  # explore again
+                st.update(chosen=None, held=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []})
+            return
+        if arm != st["arm"]:  # a step picked before a switch: not this block's
+            return
+        st["block"].append(seconds)
+        if len(st["block"]) < self.block:
+            return
+        st["times"][arm].append(float(np.median(st["block"])))
+        st["block"] = []
+        st["arm"] = FETCH if arm == SPLIT else SPLIT
+        t = st["times"]
+        if len(t[SPLIT]) >= self.trials and len(t[FETCH]) >= self.trials:
+            st["chosen"] = min((SPLIT, FETCH), key=lambda a: float(np.median(t[a])))
+            st["explorations"] += 1
+            st["last"] = {a: round(float(np.median(t[a])) * 1e3, 3) for a in t}
+
+    def as_dict(self) -> dict:
+        """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, explorations,
+        steps run by each arm."""
+        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"), "explorations": st["explorations"],
+                         "steps": dict(st["steps"])} for r, st in sorted(self._rows.items())}

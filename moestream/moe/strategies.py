@@ -22,8 +22,11 @@ name them for the factory (moe/backends.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from ..env import hybrid_arms
 from .bridge import CpuBridge
 from .compute import RouteGroups, WeightRef, accumulate
 from .cpu_moe import layer_table
@@ -31,7 +34,7 @@ from .caches import pool_partials
 from .device_cache import device_fetch_count
 from .pairs import pair_moe, pair_outputs, pair_sum
 from .runtime import Part
-from .share import LiveShare
+from .share import FETCH, SPLIT, Arms, LiveShare
 from .transfer import PrefillStreamer
 
 
@@ -277,15 +280,21 @@ class PairsDecode(Strategy):
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         """y [T, H], each token's k pairs summed in k order; no host sync."""
         count_pairs(self.ctx.book, layer, topk_ids)
-        self.lookahead.join(layer)
-        rows = self.cache.pair_rows(layer, x, topk_ids)
-        rows.stage()
-        self.lookahead.issue(layer, x)
-        return pair_moe(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+        return fetched_pairs(self, layer, x, topk_ids, topk_w)
 
     def end_step(self, decode: bool) -> None:
         """Every side-stream copy joined before the step ends (and before a captured graph closes)."""
         self.lookahead.join_all()
+
+
+def fetched_pairs(strategy, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+    """Every miss staged from the host bank into the device cache, then every pair from its device row (the
+    strategy's cache and lookahead copies): offload's decode layer call."""
+    strategy.lookahead.join(layer)
+    rows = strategy.cache.pair_rows(layer, x, topk_ids)
+    rows.stage()
+    strategy.lookahead.issue(layer, x)
+    return pair_moe(x, topk_w, rows.src, rows.arrays, strategy.ctx.store.fmt.for_layer(layer))
 
 
 class BridgeDecode(Strategy):
@@ -293,7 +302,9 @@ class BridgeDecode(Strategy):
     the step waited for (and a failure raised) at its end. `split` (hybrid, over the device cache): of a
     layer call's misses the first fetch_count(m, share) by expert id are fetched into the cache while the CPU
     computes the others, the share following the PCIe and CPU rates measured in running steps (moe/share.py);
-    otherwise (cpu) every pair is the CPU's."""
+    otherwise (cpu) every pair is the CPU's. hybrid's `arms` (moe/share.Arms; MOESTREAM_HYBRID_ARMS=0: off) runs
+    some decode steps as offload's (every miss fetched, no worker job) and keeps, per batch size, whichever form
+    its measured step times say is faster; `variant` tells recorded CUDA graphs of the two forms apart."""
 
     capturable = True
 
@@ -307,13 +318,23 @@ class BridgeDecode(Strategy):
         self.share = LiveShare(ctx.device, o.hybrid_fetch_fraction, o.pcie_gbs, expert_bytes) if split else None
         self.device_pairs = split
         self.lookahead = LookaheadCopies(ctx, cache)
+        self.arms = Arms() if split and hybrid_arms() else None
+        self.arm = SPLIT
+        self._timed: tuple | None = None  # (rows, arm, start) of the decode step in flight (arms)
         ctx.book.counters.append(self.counts)
+
+    @property
+    def variant(self) -> int:
+        """The form of this step's layer calls, for the keys of recorded decode graphs (1: every miss fetched)."""
+        return int(self.arm == FETCH)
 
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         """y [T, H], GPU and CPU pair outputs summed in k order (as fused sums them); no host sync."""
         count_pairs(self.ctx.book, layer, topk_ids)
         if self.share is None:
             return self._all_on_cpu(layer, x, topk_ids, topk_w)
+        if self.arm == FETCH:
+            return fetched_pairs(self, layer, x, topk_ids, topk_w)
         return self._split(layer, x, topk_ids, topk_w)
 
     def _all_on_cpu(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
@@ -351,8 +372,14 @@ class BridgeDecode(Strategy):
         return out
 
     def begin_step(self, info: dict, decode: bool) -> None:
-        """A decode step is one job for the worker (prefill steps take the prefill strategy)."""
-        self._bridged = decode
+        """A decode step is one job for the worker (prefill steps take the prefill strategy), unless the arms
+        run it as offload's."""
+        self._bridged, self.arm, self._timed = decode, SPLIT, None
+        if decode and self.arms is not None and not info.get("draft"):  # (an MTP drafter pass: not a step)
+            rows = int(info.get("num_tokens", 0))
+            self.arm = self.arms.pick(rows)
+            self._bridged = self.arm == SPLIT
+            self._timed = (rows, self.arm, time.perf_counter())
         if self._bridged:
             self.bridge.begin_step()
 
@@ -364,13 +391,20 @@ class BridgeDecode(Strategy):
             self.bridge.end_step()
 
     def finish_step(self) -> None:
-        """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step."""
+        """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step,
+        and the arms its time from launch to results."""
+        timed, self._timed = self._timed, None
         if self.bridge.finish_step() and self.share is not None:
             self.share.observe(self.bridge.fit)  # the worker's calls so far, read once per window
+        if timed is not None:
+            rows, arm, t0 = timed
+            self.arms.observe(rows, arm, time.perf_counter() - t0)
 
     def stats(self) -> dict:
-        """hybrid: the live share and the rates it follows."""
-        return {"hybrid": self.share.as_dict()} if self.share is not None else {}
+        """hybrid: the live share and the rates it follows; the arms held per batch size."""
+        if self.share is None:
+            return {}
+        return {"hybrid": {**self.share.as_dict(), **({"arms": self.arms.as_dict()} if self.arms else {})}}
 
     def close(self) -> None:
         """Stops the worker thread."""
