@@ -90,3 +90,12 @@ def hybrid_arms() -> bool:
     between the split and fetching every miss (offload's step) by the step times it measures (moe/share.py Arms).
     Read when a hybrid runtime is built."""
     return os.environ.get("MOESTREAM_HYBRID_ARMS", "1") != "0"
+
+
+def prefill_rows() -> int:
+    """MOESTREAM_PREFILL_ROWS=N: rows per half of the prefill double buffer (at most 64, at least one layer's top-k)
+    instead of the planner's choice (a quarter of the expert slots, at most 64): for measuring long prompts at small
+    caps, where few slots leave a buffer of top-k rows and a chunk streams its experts a few at a time. 0: the
+    planner's. Read when a plan is made."""
+    v = os.environ.get("MOESTREAM_PREFILL_ROWS", "0")
+    return int(v) if v.isdigit() else 0

@@ -269,3 +269,22 @@ def test_torch_allocator_capped_at_the_cap_less_the_context(monkeypatch):
     eng = types.SimpleNamespace(device=torch.device("cpu"), ecfg=None, hardware=None)
     Engine._cap_torch(eng)  # a CPU engine: nothing to cap
     assert len(calls) == 3
+
+
+def test_prefill_rows_override(monkeypatch):
+    """MOESTREAM_PREFILL_ROWS sets the prefill double buffer's rows (within [top-k, 64]); the KV gives way for them,
+    the slots do not change (the planner reserved 64 rows' room before sizing them)."""
+    e = EngineConfig(moe_backend="offload", gpu_memory_gb=4.0)
+    hw = Hardware(device="cuda", name="t", free_bytes=80 * GiB, host_total_bytes=64 * GiB,
+                  host_available_bytes=60 * GiB, physical_cores=8, context_bytes=GiB // 2)
+    small = ModelSizes(num_moe_layers=40, num_experts=256, top_k=8, expert_bytes=2 * MiB, dense_bytes=2 * GiB,
+                       kv_bytes_per_token=20 << 10, state_bytes=256 * MiB, workspace_bytes=300 * MiB,
+                       wanted_kv_tokens=1 << 17, min_kv_tokens=512)
+    base = plan_memory(small, hw, e)
+    assert base.prefill_slots == 8 and base.cache_slots < 32  # few slots: a buffer of top-k rows
+    for rows, want in (("64", 64), ("200", 64), ("2", 8), ("16", 16)):
+        monkeypatch.setenv("MOESTREAM_PREFILL_ROWS", rows)
+        p = plan_memory(small, hw, e)
+        assert p.prefill_slots == want and p.cache_slots == base.cache_slots
+        freed = 2 * (want - base.prefill_slots) * small.expert_bytes / small.kv_bytes_per_token
+        assert abs(p.kv_tokens - (base.kv_tokens - freed)) <= 1 and p.kv_tokens >= 8192

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..core import ConfigError
+from ..env import prefill_rows
 from .runtime import RuntimeOptions
 
 GiB = 1 << 30
@@ -260,7 +261,7 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
         return 0, (top if hw.device == "cuda" else 0)
     reserve = _kv_reserve(m, e) * m.kv_bytes_per_token
     slots = _cache_slots(m, e, free - reserve - 2 * top * m.expert_bytes)
-    prefill = max(min(slots // 4, top), min(m.top_k, top))
+    prefill = max(min(prefill_rows() or slots // 4, top), min(m.top_k, top))
     need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token
     if hw.device == "cuda" and need > free:
         raise ConfigError(
