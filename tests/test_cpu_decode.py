@@ -401,3 +401,34 @@ def test_decode_fast_build_is_the_general_build(kind, tmp_path, tiny_checkpoint,
     assert plan.stack_steps >= 19  # the one-call step read the fast path's buffer
     monkeypatch.setattr(ModelRunner, "_build_decode", staticmethod(lambda sched, kv: runner._build_general(sched)))
     assert [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, sp)] == got
+
+
+def test_step_profile_counts_each_part_once_a_layer(tmp_path, tiny_checkpoint):
+    """ms_decode_profile (benchmarks/cpu_step_profile.py): with it on, a one-call step counts its embedding and head
+    once, each attention layer's parts once a layer and each MoE block's once a block; off, nothing more is counted; the same
+    tokens either way."""
+    import numpy as np
+
+    from moestream import LLM, SamplingParams
+
+    path = _gguf("qwen3", "Q8_0", tmp_path, tiny_checkpoint)
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPTS[:1], sp)[0].token_ids
+    plan, mod = llm.engine.model.cpu_decode, cpu_quant.module()
+    layers, blocks = len(plan.descs), sum(m is not None for m in plan.moe)
+    n = mod.ms_decode_profile(1, None, None)
+    steps = plan.stack_steps
+    assert llm.generate(PROMPTS[:1], sp)[0].token_ids == plain
+    steps = plan.stack_steps - steps
+    secs, counts = np.zeros(n), np.zeros(n, dtype=np.int64)
+    mod.ms_decode_profile(0, secs.ctypes.data, counts.ctypes.data)
+    assert steps == 4 and (secs >= 0).all()
+    embed, qkv, experts, head = 0, 2, 8, 15  # decode.cpp's P_EMBED, P_QKV, P_EXPERTS, P_HEAD
+    assert counts[embed] == counts[head] == steps
+    assert counts[qkv] == steps * layers and counts[experts] == steps * blocks and secs[experts] > 0 and blocks
+    llm.generate(PROMPTS[:1], sp)
+    again = np.zeros(n, dtype=np.int64)
+    mod.ms_decode_profile(0, None, again.ctypes.data)
+    assert (again == counts).all()  # off: nothing counted
+    llm.close()

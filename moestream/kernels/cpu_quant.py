@@ -169,6 +169,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
     lib.ms_decode_desc_size.restype = ctypes.c_int
+    lib.ms_decode_profile.argtypes = [ctypes.c_int, ptr, ptr]
+    lib.ms_decode_profile.restype = ctypes.c_int
     lib.ms_decode_stack.argtypes = [i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
                                     i64, i64, ptr, ctypes.c_int]
     lib.ms_decode_stack.restype = ctypes.c_int

@@ -21,6 +21,7 @@
 // ms_qmatmul / ms_moe_layer); norms, rotary, softmax and the recurrence differ from torch's only in summation order.
 // Plain C ABI, the layer described by an int64 array (the D_* slots below) and a float64 array (eps).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,6 +89,31 @@ enum : int {
                                                     // [slots, Hv, Dk, Dv]
   G_COUNT
 };
+
+// ---- per-part wall-clock profile of decode steps (ms_decode_profile; benchmarks/cpu_step_profile.py)
+// Off unless asked: one load and branch per part. On, each part's seconds and count add up on the calling thread
+// (the parts are timed between the calling thread's marks, so a parallel part includes its region's start and
+// its last barrier).
+enum : int {
+  P_EMBED, P_NORM, P_QKV, P_PREP, P_ATTN, P_O, P_ROUTER, P_TOPK, P_EXPERTS, P_SHARED, P_RESID, P_GDN_PROJ, P_GDN_REC,
+  P_GDN_OUT, P_MLP, P_HEAD, P_COUNT
+};
+int g_prof = 0;
+double g_prof_s[P_COUNT];
+int64_t g_prof_n[P_COUNT];
+
+inline double prof_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The time since t (a previous mark) is part `part`'s; t becomes now. Nothing when profiling is off.
+inline void lap(int part, double& t) {
+  if (!g_prof) return;
+  const double n = prof_now();
+  g_prof_s[part] += n - t, g_prof_n[part] += 1, t = n;
+}
+
+inline double mark() { return g_prof ? prof_now() : 0.0; }
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -759,16 +785,22 @@ extern "C" {
 int ms_moe_decode(const int64_t* m, int64_t B, const float* x, float* h, int64_t* ids, int nthreads) {
   const int64_t H = m[X_H], E = m[X_E], K = m[X_K];
   const int64_t N = m[X_FW] ? (m[X_FROUTER] ? E : 0) + 2 * m[X_SI] + 1 : 0;
+  double t = mark();
   std::vector<float> logits(B * E), w(B * K), acc(B * H), f(B * N);
   int rc = N ? matmul(x, B, H, (const void*)m[X_FW], N, m[X_FS], m[X_FT], f.data(), N, nthreads) : 0;
   if (rc || (rc = router_logits(m, B, x, f.data(), N, logits.data(), nthreads))) return rc;
+  lap(P_ROUTER, t);
   for (int64_t b = 0; b < B; ++b) route_row(logits.data() + b * E, E, K, m[X_NORMALIZE], ids + b * K, w.data() + b * K);
+  lap(P_TOPK, t);
   rc = routed(m, B, x, ids, w.data(), acc.data(), nthreads);
   if (rc) return rc;
+  lap(P_EXPERTS, t);
   if (N) rc = fused_shared(m, B, f.data(), N, acc.data(), nthreads);
   else if (m[X_SI]) rc = shared(m, B, x, acc.data(), nthreads);
   if (rc) return rc;
+  lap(P_SHARED, t);
   for (int64_t i = 0; i < B * H; ++i) h[i] += acc[i];
+  lap(P_RESID, t);
   return 0;
 }
 
@@ -844,22 +876,31 @@ int ms_decode_layer(const int64_t* d, const double* fd, int64_t B, float* h, flo
   const bool zc = d[D_FLAGS] & F_ZERO_CENTERED, og = d[D_FLAGS] & F_OUT_GATE;
   const double eps = fd[0];
   const int64_t qrows = nh * hd * (og ? 2 : 1), kvrows = nkv * hd;
+  double t = mark();
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_IN_NORM], H, eps, zc, x + b * H);
   std::vector<float> qkv(B * (qrows + 2 * kvrows)), q(B * nh * hd), gate(og ? B * nh * hd : 0), att(B * nh * hd);
+  lap(P_NORM, t);
   int rc = project_qkv(d, x, B, H, qrows, kvrows, qkv.data(), nthreads);
   if (rc) return rc;
+  lap(P_QKV, t);
   for (int64_t b = 0; b < B; ++b)
     prep_row(d, eps, qkv.data() + b * (qrows + 2 * kvrows), pos[b], slot[b], q.data() + b * nh * hd,
              og ? gate.data() + b * nh * hd : nullptr);
+  lap(P_PREP, t);
   attention(d, B, q.data(), kvidx, kvoff, att.data(), nthreads);
   if (og)
     for (int64_t i = 0; i < B * nh * hd; ++i) att[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
   std::vector<float> o(B * H);
+  lap(P_ATTN, t);
   rc = matmul(att.data(), B, nh * hd, (const void*)d[D_WO], H, d[D_SO], d[D_TO], o.data(), H, nthreads);
   if (rc) return rc;
+  lap(P_O, t);
   for (int64_t i = 0; i < B * H; ++i) h[i] += o[i];
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)d[D_POST_NORM], H, eps, zc, x + b * H);
-  return d[D_MLP_I] ? dense_mlp(d, x, B, H, h, nthreads) : 0;
+  lap(P_NORM, t);
+  rc = d[D_MLP_I] ? dense_mlp(d, x, B, H, h, nthreads) : 0;
+  lap(P_MLP, t);
+  return rc;
 }
 
 // One Gated DeltaNet decoder layer for B decode rows: x = norm_in(h); [q|k|v | z | b | a] = x @ W.T; per row the
@@ -870,12 +911,16 @@ int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float
                   int nthreads) {
   const GdnDims n = gdn_dims(g);
   const bool zc = g[G_FLAGS] & F_ZERO_CENTERED;
+  double t = mark();
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_IN_NORM], n.H, fd[0], zc, x + b * n.H);
   std::vector<float> proj(B * n.P), cv(B * n.cd), o(B * n.vd), y(B * n.H);
+  lap(P_NORM, t);
   int rc = gdn_project(g, n, x, B, proj.data(), nthreads);
   if (rc) return rc;
+  lap(P_GDN_PROJ, t);
   for (int64_t b = 0; b < B; ++b) gdn_conv_row(g, n, proj.data() + b * n.P, slots[b], cv.data() + b * n.cd);
   gdn_heads(g, n, fd[1], B, proj.data(), cv.data(), slots, o.data(), nthreads);
+  lap(P_GDN_REC, t);
   if (g[G_FLAGS] & F_OUT_TILED) {  // the heads into out_proj's stored order
     const int64_t hk = g[G_HK], hv = g[G_HV], rep = hv / hk, dv = g[G_DV];
     std::vector<float> t(n.vd);
@@ -888,8 +933,10 @@ int ms_gdn_decode(const int64_t* g, const double* fd, int64_t B, float* h, float
   }
   rc = matmul(o.data(), B, n.vd, (const void*)g[G_WO], n.H, g[G_SO], g[G_TO], y.data(), n.H, nthreads);
   if (rc) return rc;
+  lap(P_GDN_OUT, t);
   for (int64_t i = 0; i < B * n.H; ++i) h[i] += y[i];
   for (int64_t b = 0; b < B; ++b) rms_norm(h + b * n.H, (const float*)g[G_POST_NORM], n.H, fd[0], zc, x + b * n.H);
+  lap(P_NORM, t);
   return 0;
 }
 
@@ -914,8 +961,10 @@ int ms_decode_stack(int64_t L, const int64_t* kinds, const int64_t* descs, const
       return rc;
     }
   }
+  double t = mark();
   if (final_norm)
     for (int64_t b = 0; b < B; ++b) rms_norm(h + b * H, (const float*)final_norm, H, fd_final[0], final_zc, x + b * H);
+  lap(P_NORM, t);
   return 0;
 }
 
@@ -936,6 +985,7 @@ int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, cons
   for (int64_t b = 0; b < B; ++b)
     if (tokens[b] < 0 || tokens[b] >= io[IO_EMB_N]) return -3;
   int rc = 0;
+  double t = mark();
   if (io[IO_EMB_T] == 0)
     for (int64_t b = 0; b < B; ++b)
       std::memcpy(h + b * H, (const char*)io[IO_EMB_W] + tokens[b] * io[IO_EMB_S], H * sizeof(float));
@@ -943,18 +993,33 @@ int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, cons
     rc = ms_dequant_rows((const uint8_t*)io[IO_EMB_W], io[IO_EMB_N], io[IO_EMB_S], io[IO_EMB_T], H, tokens, B, h,
                          nthreads);
   if (rc) return rc;
+  lap(P_EMBED, t);
   rc = ms_decode_stack(L, kinds, descs, fds, moes, k_stride, B, h, x, pos, slot, kvidx, kvoff, states, ids, final_norm,
                        fd_final, final_zc, H, failed, nthreads);
   if (rc) return rc;
   *failed = -1;
   const int64_t N = io[IO_HEAD_N];
   float* logits = (float*)io[IO_LOGITS];
+  t = mark();
   if (io[IO_HEAD_T] < 0)  // -(ggml type): rows against float32 activations
-    return ms_float_act_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, -io[IO_HEAD_T],
-                               nthreads);
-  return ms_qmatmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], io[IO_HEAD_T], logits, N, nthreads, 0);
+    rc = ms_float_act_matmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], logits, N, -io[IO_HEAD_T],
+                             nthreads);
+  else
+    rc = ms_qmatmul(x, B, H, (const uint8_t*)io[IO_HEAD_W], N, io[IO_HEAD_S], io[IO_HEAD_T], logits, N, nthreads, 0);
+  lap(P_HEAD, t);
+  return rc;
 }
 
 int ms_decode_desc_size() { return D_COUNT; }
+
+// The per-part profile of the decode calls (the P_* parts): on 1 starts it from zero, on 0 stops it; seconds and
+// counts [P_COUNT] are copied out when non-null. Returns P_COUNT.
+int ms_decode_profile(int on, double* seconds, int64_t* counts) {
+  if (seconds) std::memcpy(seconds, g_prof_s, sizeof g_prof_s);
+  if (counts) std::memcpy(counts, g_prof_n, sizeof g_prof_n);
+  if (on) std::memset(g_prof_s, 0, sizeof g_prof_s), std::memset(g_prof_n, 0, sizeof g_prof_n);
+  g_prof = on;
+  return P_COUNT;
+}
 
 }  // extern "C"
