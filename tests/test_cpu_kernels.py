@@ -327,6 +327,58 @@ def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     assert mod.ms_qmatmul_segs(x.data_ptr(), 1, k, 1, segs.ctypes.data, bad.data_ptr(), 7, 1, 0) == -1
 
 
+@pytest.mark.parametrize("force_scalar", [0, 1])
+def test_interleaved_rows_beside_other_segments_and_in_layer_calls(force_scalar):
+    """Interleaved matrices are read a group of 8 rows at a time: in one ms_qmatmul_segs call beside a segment whose
+    rows are not whole groups (every row handed out alone) each segment's columns are its own call's floats; in
+    ms_moe_layer interleaved gate / up / down experts give the GGUF experts' outputs up to float order (several
+    rows per expert, 1 and 2 threads alike)."""
+    K, mod = 512, cpu_quant.module()
+    specs = [("Q4_K", 16), ("Q6_K", 12), ("Q4_0", 24), ("Q4_1", 8)]
+    mats = []
+    for i, (t, n) in enumerate(specs):
+        raw = _weights(t, n, K, seed=i)
+        if t in cpu_quant.X8_TYPES:
+            arr, tid, rb = cpu_quant.repack_x8(raw.data_ptr(), n, K, raw.stride(0), t)
+            mats.append((arr, arr.ctypes.data, tid, rb, n))
+        else:
+            mats.append((raw, raw.data_ptr(), cpu_quant.TYPES[t], raw.stride(0), n))
+    x = torch.randn(3, K)
+    total = sum(n for _, n in specs)
+    segs = np.array([[addr, tid, rb, n] for _, addr, tid, rb, n in mats], dtype=np.int64)
+    for nt in (1, 2):
+        out = torch.full((3, total), float("nan"))
+        assert mod.ms_qmatmul_segs(x.data_ptr(), 3, K, len(mats), segs.ctypes.data, out.data_ptr(), total, nt,
+                                   force_scalar) == 0
+        col = 0
+        for _, addr, tid, rb, n in mats:
+            own = torch.empty(3, n)
+            assert mod.ms_qmatmul(x.data_ptr(), 3, K, addr, n, rb, tid, own.data_ptr(), n, nt, force_scalar) == 0
+            assert torch.equal(out[:, col:col + n], own), tid
+            col += n
+    H, I, E = 512, 256, 3
+    banks = [[_weights("Q4_K", n, k, seed=10 + 3 * e + j) for j, (n, k) in enumerate(((I, H), (I, H), (H, I)))]
+             for e in range(E)]
+    x8 = [[cpu_quant.repack_x8(w.data_ptr(), w.shape[0], k, w.stride(0), "Q4_K")[0]
+           for w, k in zip(ws, (H, H, I))] for ws in banks]
+    xs = torch.randn(4, H)
+    starts, rows = np.array([0, 3, 4, 6]), np.array([0, 1, 3, 2, 0, 2])
+    w, dst = np.linspace(0.2, 0.7, 6).astype(np.float32), np.arange(6)
+    gguf_ptrs = np.array([[m.data_ptr() for m in ws] for ws in banks], dtype=np.int64)
+    x8_ptrs = np.array([[m.ctypes.data for m in ws] for ws in x8], dtype=np.int64)
+    tids = np.full(3, cpu_quant.X8_TYPES["Q4_K"][0], dtype=np.int64)
+    ref = cpu_quant.moe_layer(xs, gguf_ptrs, ("Q4_K",) * 3, starts, rows, w, dst, torch.empty(6, H), I)
+    runs = []
+    for nt in (1, 2):
+        y = torch.empty(6, H)
+        assert mod.ms_moe_layer(xs.data_ptr(), 0, 4, H, I, 3, x8_ptrs.ctypes.data, tids.ctypes.data, starts.ctypes.data,
+                                rows.ctypes.data, w.ctypes.data, dst.ctypes.data, y.data_ptr(), 6, H, 0, 0, nt,
+                                force_scalar) == 0
+        runs.append(y)
+    assert torch.equal(runs[0], runs[1])
+    assert (runs[0] - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
 def test_bad_row_bytes_are_refused():
     raw = _weights("Q8_0", 4, 64)
     with pytest.raises(ValueError):

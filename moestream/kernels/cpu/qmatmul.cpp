@@ -1256,7 +1256,6 @@ inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& 
 // n activation rows (rows[] of qa / qp / qk / xf, whichever `type` reads; qp: the HF FP4 types' QActF4) as chunks
 // of up to XR_ROWS row pointers, built once per call or expert group and shared by every weight row.
 struct XSet {
-  uint64_t id = 0;  // unique per make_xset call (the interleaved group cache's key)
   int64_t n = 0;
   std::vector<XR> q;
   std::vector<std::array<const float*, XR_ROWS>> f;
@@ -1264,9 +1263,7 @@ struct XSet {
 
 inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActF4& qp, const QActK& qk, const float* xf,
                       int64_t K, const int64_t* rows, int64_t n) {
-  static std::atomic<uint64_t> next_id{1};
   const int64_t nc = (n + XR_ROWS - 1) / XR_ROWS;
-  xs.id = next_id.fetch_add(1, std::memory_order_relaxed);
   xs.n = n;
   xs.q.assign(nc, XR{});
   xs.f.assign(nc, std::array<const float*, XR_ROWS>{});
@@ -1491,47 +1488,8 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
 // ran 5% slower with it.
 constexpr int64_t PREFETCH_ROWS = 2, PREFETCH_MIN_BYTES = 512 << 10;
 
-// The group of row i against every row of xs, kept per thread: the group's other 7 rows are then read from it.
-// Keyed by the weights, the group and the XSet's id (unique per make_xset), so no later call can see stale sums.
-// A few entries, used in turn: ms_moe_layer reads the gate and the up matrix row by row, alternately.
-struct X8Cache {
-  const uint8_t* w = nullptr;
-  int64_t g = -1;
-  uint64_t xs = 0;
-  std::vector<float> v;  // [xs.n][8]
-};
-constexpr int X8_CACHED = 4;
-
-inline void x8_row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
-  thread_local X8Cache caches[X8_CACHED];
-  thread_local int next = 0;
-  const int64_t g = i / 8;
-  X8Cache* hit = nullptr;
-  for (X8Cache& c : caches)
-    if (c.w == m.w && c.g == g && c.xs == xs.id) hit = &c;
-  if (!hit) {
-    X8Cache& cache = caches[next];
-    next = (next + 1) % X8_CACHED;
-    hit = &cache;
-    cache.v.resize(8 * xs.n);
-    const uint8_t* w = m.w + g * 8 * m.ws;
-#ifdef MS_AVX2
-    if (m.prefetch)  // the next group
-      for (int64_t b = 0; b < 8 * m.ws; b += 64) _mm_prefetch((const char*)w + 8 * m.ws + b, _MM_HINT_T1);
-#endif
-    for (int64_t r = 0; r < xs.n; ++r)
-      dot_x8(m.type, scalar, w, K, xs.q[r / XR_ROWS], (int)(r % XR_ROWS), cache.v.data() + 8 * r);
-    cache.w = m.w, cache.g = g, cache.xs = xs.id;
-  }
-  for (int64_t r = 0; r < xs.n; ++r) out[r] = hit->v[8 * r + i % 8];
-}
-
-// Row i (K values) of m against every row of xs: out[r], r < xs.n.
+// Row i (K values) of m against every row of xs: out[r], r < xs.n. Not for the interleaved types (block_dots).
 inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
-  if (is_x8_type(m.type)) {
-    x8_row_dots(m, i, scalar, K, xs, out);
-    return;
-  }
 #ifdef MS_AVX2
   if (m.prefetch && !is_hf_fp4(m.type)) {  // a row ahead, into L2 while this one is computed
     const char* ahead = (const char*)m.w + (i + PREFETCH_ROWS) * m.ws;
@@ -1542,6 +1500,26 @@ inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet
     const int64_t r0 = XR_ROWS * (int64_t)c;
     rows_dot_n<XR_ROWS>((int)std::min<int64_t>(XR_ROWS, xs.n - r0), m, i, scalar, K, xs.q[c], xs.f[c].data(),
                         out + r0);
+  }
+}
+
+// Rows i .. i + nb - 1 of m against every row of xs: out[r * nb + j] for row i + j and activation row r. An
+// interleaved type is read a whole group at a time (nb must be 8 and i a multiple of 8): one dot_x8 per activation
+// row; other types go row by row (row_dots, o: scratch of xs.n floats).
+inline void block_dots(const Mat& m, int64_t i, int64_t nb, bool scalar, int64_t K, const XSet& xs, float* out,
+                       float* o) {
+  if (is_x8_type(m.type)) {
+    const uint8_t* w = m.w + i * m.ws;
+#ifdef MS_AVX2
+    if (m.prefetch)  // the next group
+      for (int64_t b = 0; b < 8 * m.ws; b += 64) _mm_prefetch((const char*)w + 8 * m.ws + b, _MM_HINT_T1);
+#endif
+    for (int64_t r = 0; r < xs.n; ++r) dot_x8(m.type, scalar, w, K, xs.q[r / XR_ROWS], (int)(r % XR_ROWS), out + 8 * r);
+    return;
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    row_dots(m, i + j, scalar, K, xs, o);
+    for (int64_t r = 0; r < xs.n; ++r) out[r * nb + j] = o[r];
   }
 }
 
@@ -1740,38 +1718,42 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       for (int64_t r = t; r < nx; r += T) x_row(r);
       barrier();
     }
-    // gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype
+    // gate and up rows of every expert, h = silu(g) * u rounded to the activations' dtype; rows in blocks of 8
+    // where either matrix is interleaved (the chunks' bounds are then multiples of 8), else one by one
     {
-      std::vector<float> go, uo;
+      const int64_t nb = is_x8_type(tg) || is_x8_type(tu) ? 8 : 1;
+      std::vector<float> go, uo, o;
       XSet sg, su;
       Mat mg, mu;
       int64_t cur = -1;
       for (int64_t c; ch1.next(c);)
-        for (int64_t k = b1[c]; k < b1[c + 1]; ++k) {
+        for (int64_t k = b1[c]; k < b1[c + 1]; k += nb) {
           const int64_t g = k / I, i = k % I, p0 = gstart[g], n = gstart[g + 1] - p0;
           if (!n) continue;
           if (g != cur) {  // this expert's matrices and x rows, once for all its weight rows
             cur = g;
-            go.resize(n), uo.resize(n);
+            go.resize(n * nb), uo.resize(n * nb), o.resize(n);
             mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
             mg.prefetch = mu.prefetch = I * mg.ws >= PREFETCH_MIN_BYTES;
             make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
             make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
           }
-          row_dots(mg, i, scalar, H, sg, go.data());
-          row_dots(mu, i, scalar, H, su, uo.data());
-          for (int64_t r = 0; r < n; ++r) {
-            float gv = go[r], uv = uo[r];
-            if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
-            hbuf[(p0 + r) * I + i] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
-          }
+          block_dots(mg, i, nb, scalar, H, sg, go.data(), o.data());
+          block_dots(mu, i, nb, scalar, H, su, uo.data(), o.data());
+          for (int64_t r = 0; r < n; ++r)
+            for (int64_t j = 0; j < nb; ++j) {
+              float gv = go[r * nb + j], uv = uo[r * nb + j];
+              if (round_mm) gv = round_act(gv, hmode), uv = round_act(uv, hmode);
+              hbuf[(p0 + r) * I + i + j] = round_act(gv / (1.f + std::exp(-gv)) * uv, hmode);
+            }
         }
     }
     barrier();
     // down rows, times the routing weight, into each pair's output row. Each thread quantizes the h rows of the
     // experts it reaches into its own buffers (a few rows of I values: cheaper than a barrier after a shared pass).
     {
-      std::vector<float> yo;
+      const int64_t nb = is_x8_type(td) ? 8 : 1;
+      std::vector<float> yo, o;
       std::vector<int64_t> hrow;
       QAct hq;
       QActK hk;
@@ -1781,12 +1763,12 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
       Mat md;
       int64_t cur = -1;
       for (int64_t c; ch3.next(c);)
-        for (int64_t k = b3[c]; k < b3[c + 1]; ++k) {
+        for (int64_t k = b3[c]; k < b3[c + 1]; k += nb) {
           const int64_t g = k / H, j = k % H, p0 = gstart[g], n = gstart[g + 1] - p0;
           if (!n) continue;
           if (g != cur) {
             cur = g;
-            yo.resize(n);
+            yo.resize(n * nb), o.resize(n);
             md = layer_mat(td, wptr[3 * g + 2], I);
             md.prefetch = H * md.ws >= PREFETCH_MIN_BYTES;
             const float* h = hbuf.data() + p0 * I;
@@ -1803,11 +1785,12 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             }
             make_xset(sd, td, hq, hp, hk, h, I, hrow.data(), n);
           }
-          row_dots(md, j, scalar, I, sd, yo.data());
-          for (int64_t r = 0; r < n; ++r) {
-            const float y = round_mm ? round_act(yo[r], hmode) : yo[r];
-            out[pdst[p0 + r] * os + j] = pw ? y * pw[p0 + r] : y;
-          }
+          block_dots(md, j, nb, scalar, I, sd, yo.data(), o.data());
+          for (int64_t r = 0; r < n; ++r)
+            for (int64_t jj = 0; jj < nb; ++jj) {
+              const float y = round_mm ? round_act(yo[r * nb + jj], hmode) : yo[r * nb + jj];
+              out[pdst[p0 + r] * os + j + jj] = pw ? y * pw[p0 + r] : y;
+            }
         }
     }
   });
@@ -1866,15 +1849,23 @@ void matmul_segs(std::vector<Seg> segs, const float* xf, int64_t n, int64_t K, f
   for (const Seg& g : segs) grouped = grouped && g.N % 8 == 0, any8 = any8 || is_x8_type(g.m.type);
   const int64_t rg = grouped && any8 ? 8 : 1;
   par_for(rows_total / rg, std::max<int64_t>(1, grain / rg), nthreads, [&](int64_t g0, int64_t g1) {
-    std::vector<float> o(n);
+    std::vector<float> o(n), ob(n * 8);
     const int64_t i0 = g0 * rg, i1 = g1 * rg;
     size_t j = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
-    for (int64_t i = i0; i < i1; ++i) {
+    int64_t done = -1;  // ungrouped: the interleaved group whose rows ob holds (its first row's index)
+    for (int64_t i = i0; i < i1; i += rg) {
       while (i >= first[j + 1]) ++j;
       const Seg& g = segs[j];
       const int64_t li = i - first[j];
-      row_dots(g.m, li, scalar, K, xs[j], o.data());
-      for (int64_t k = 0; k < n; ++k) op[k * os + g.col + li] = o[k];
+      if (rg == 1 && is_x8_type(g.m.type)) {  // a row of an interleaved group: the group once per chunk
+        if (done != i - li % 8) block_dots(g.m, li - li % 8, 8, scalar, K, xs[j], ob.data(), o.data());
+        done = i - li % 8;
+        for (int64_t k = 0; k < n; ++k) op[k * os + g.col + li] = ob[k * 8 + li % 8];
+        continue;
+      }
+      block_dots(g.m, li, rg, scalar, K, xs[j], ob.data(), o.data());
+      for (int64_t k = 0; k < n; ++k)
+        for (int64_t r = 0; r < rg; ++r) op[k * os + g.col + li + r] = ob[k * rg + r];
     }
   });
 }
