@@ -5,6 +5,9 @@ every decode step's logits must agree to float32 rounding, and greedy tokens mus
 sequences of different lengths (each attends over its own KV slots)."""
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
@@ -339,6 +342,49 @@ def test_interleaved_dense_weights_in_the_plan(qtype, tmp_path, tiny_checkpoint,
         assert [t for t, _ in top_a] == [t for t, _ in top_b] or max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-3
 
 
+def test_interleaved_routed_experts_in_the_plan(tmp_path, tiny_checkpoint, monkeypatch):
+    """Routed experts' 4-bit projections are read from interleaved copies too (one type a projection: the MoE
+    descriptions' gate / up ids are the interleaved type's, a Q8_0 down projection stays as stored; every expert's
+    row of the table points into the copy); decode log-probabilities are the GGUF layout's to float rounding; where
+    the host could not keep the copy beside the file's bytes none is made."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+    from moestream.models import cpu_decode
+    from moestream.models.cpu_decode import M
+
+    path = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1,
+                                  expert_qtype=lambda layer, proj: Q.Q8_0 if proj == "down_proj" else Q.Q4_1)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)
+    x8, q8 = cpu_quant.X8_TYPES["Q4_1"][0], cpu_quant.TYPES["Q8_0"]
+    runs = {}
+    for repack in ("1", "0", "full"):
+        monkeypatch.setenv("MOESTREAM_CPU_REPACK", "0" if repack == "0" else "1")
+        if repack == "full":  # no room for any copy
+            monkeypatch.setattr(cpu_decode, "REPACK_RESERVE", 1 << 60)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        runs[repack] = llm.generate(PROMPTS[:2], sp)
+        plan = llm.engine.model.cpu_decode
+        blocks = [d for d in plan.moe if d is not None]
+        assert blocks
+        for d in blocks:
+            types = (int(d[M["TG"]]), int(d[M["TU"]]), int(d[M["TD"]]))
+            assert types == ((x8, x8, q8) if repack == "1" else (cpu_quant.TYPES["Q4_1"],) * 2 + (q8,))
+            if repack == "1":
+                table = np.ctypeslib.as_array(ctypes.cast(int(d[M["TABLE"]]), ctypes.POINTER(ctypes.c_int64)),
+                                              shape=(int(d[M["E"]]), 3))
+                held = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in plan.repack.arrays.values()]
+                assert all(any(lo <= p < hi for lo, hi in held) for p in table[:, :2].ravel().tolist())
+        llm.close()
+    for other in ("0", "full"):
+        for a, b in zip(runs["1"], runs[other]):
+            (lp_a, top_a), (lp_b, top_b) = a.logprobs[0], b.logprobs[0]  # the first decode step: the same context
+            assert abs(lp_a - lp_b) < 1e-3
+            assert [t for t, _ in top_a] == [t for t, _ in top_b] or \
+                max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-3
+
+
 def test_compressed_shared_expert_stays_compressed_and_compiles(tmp_path, tiny_checkpoint, monkeypatch):
     """A shared expert whose three projections are all GGUF blocks (a real Qwen3.5/3.6 GGUF's: I = 512) is not
     densified to join the router's GEMM (models/fuse.py): it stays compressed, the compiled MoE call computes it as an
@@ -407,8 +453,6 @@ def test_step_profile_counts_each_part_once_a_layer(tmp_path, tiny_checkpoint):
     """ms_decode_profile (benchmarks/cpu_step_profile.py): with it on, a one-call step counts its embedding and head
     once, each attention layer's parts once a layer and each MoE block's once a block; off, nothing more is counted; the same
     tokens either way."""
-    import numpy as np
-
     from moestream import LLM, SamplingParams
 
     path = _gguf("qwen3", "Q8_0", tmp_path, tiny_checkpoint)

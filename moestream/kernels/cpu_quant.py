@@ -267,6 +267,12 @@ def type_id(type_name: str) -> int:
     return TYPES[type_name] if type_name in TYPES else HF_TYPES[type_name]
 
 
+def row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of k values of a GGUF type the kernels read (k a multiple of its block)."""
+    values, nbytes = _BLOCKS[type_name]
+    return k // values * nbytes
+
+
 def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Tensor:
     """The per-step fast path (QuantLinear): x float32 contiguous [n, K], raw2d uint8 [N, row_bytes] already
     checked by the caller; returns float32 [n, N]. Skips qmatmul's conversions and checks (~10 us a call)."""

@@ -19,8 +19,9 @@ The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float
 float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
 rounding (tests/test_cpu_decode.py).
 
-Q4_K, Q4_0 and Q4_1 dense weights the plan reads (attention / Gated DeltaNet projections, dense MLPs; not routed
-experts) are copied once, when the plan is built, into the kernels' 8-row interleaved layouts
+Q4_K, Q4_0 and Q4_1 weights the plan reads (attention / Gated DeltaNet projections, dense MLPs, and routed experts
+where the host holds their copy beside the file's bytes: `_Repack.experts`) are copied once, when the plan is
+built, into the kernels' 8-row interleaved layouts
 (kernels/cpu_quant.repack_x8): a one-row product shares each block's bookkeeping among 8 rows and needs no
 horizontal sums, several times fewer instructions where a small model's step is compute-bound. The copy is host
 memory beside the checkpoint's own bytes (which the per-op and prefill paths keep reading); it is skipped, with one
@@ -77,9 +78,10 @@ REPACK_RESERVE = 2 << 30  # host memory left available after a plan's interleave
 
 
 class _Repack:
-    """The 8-row interleaved copies of 4-bit dense weights a plan's descriptions point at, one per source matrix (kept
-    alive with the plan). Routed experts are never copied: a decode step reads them at the host's bandwidth
-    already, and they are most of a MoE model's bytes."""
+    """The 8-row interleaved copies of 4-bit weights a plan's descriptions point at, one per source matrix (a layer's
+    routed experts: one per projection) kept alive with the plan. Routed experts are copied only where the host
+    keeps room for the copy beside the file's own bytes (which prefill and the other paths go on reading): they are
+    most of a MoE model's bytes."""
 
     def __init__(self):
         self.arrays: dict[tuple[int, int, int], np.ndarray] = {}
@@ -109,6 +111,30 @@ class _Repack:
             self.arrays[key] = cpu_quant.repack_x8(addr, rows, k, stride, name)[0]
             self.nbytes += self.arrays[key].nbytes
         return self.arrays[key].ctypes.data, xt, row_bytes(k)
+
+    def experts(self, ptrs: np.ndarray, types: tuple, hidden: int, inter: int) -> tuple[np.ndarray, tuple]:
+        """A layer's expert table (addresses [E, 3] of every expert's gate / up / down, their type ids) with each
+        Q4_K / Q4_0 / Q4_1 projection read from interleaved copies (one array of all E experts' rows a projection;
+        the table has one type a projection, so all of them or none), where available host memory less the copy
+        keeps REPACK_RESERVE beside as many bytes as the file holds of it; others as they are."""
+        out, tids = ptrs.copy(), list(types)
+        for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
+            name = self.by_id.get(int(types[j]))
+            if name is None or rows % 8 or k % (256 if name == "Q4_K" else 32):
+                continue
+            key, (xt, row_bytes) = (int(ptrs[0, j]), len(ptrs) * rows, k), cpu_quant.X8_TYPES[name]
+            stride = cpu_quant.row_bytes(name, k)
+            per = rows * row_bytes(k)
+            if key not in self.arrays:
+                if not self._room(len(ptrs) * (per + rows * stride)):
+                    break
+                arr = self.arrays[key] = np.empty(len(ptrs) * per, dtype=np.uint8)
+                for e, addr in enumerate(ptrs[:, j].tolist()):
+                    cpu_quant.repack_x8(addr, rows, k, stride, name, out=arr[e * per:(e + 1) * per])
+                self.nbytes += arr.nbytes
+            out[:, j] = self.arrays[key].ctypes.data + per * np.arange(len(ptrs))
+            tids[j] = xt
+        return out, tuple(tids)
 
 
 _REPACK: _Repack | None = None  # set while a plan is being built with repacking on
@@ -151,6 +177,8 @@ def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     if table is None or (router is None and not (fused and block.router_rows)):
         return None
     ptrs, types, inter = table
+    if _REPACK is not None:
+        ptrs, types = _REPACK.experts(ptrs, types, cfg.hidden_size, inter)
     d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
     d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
                                                           block.gate.top_k, int(block.gate.normalize), inter)
@@ -337,7 +365,7 @@ class CpuDecodePlan:
         finally:
             _REPACK = None
         if self.repack is not None and self.repack.nbytes:
-            log.info("moestream: CPU decode reads %.1f MiB of 4-bit dense weights as 8-row interleaved copies",
+            log.info("moestream: CPU decode reads %.1f MiB of 4-bit weights as 8-row interleaved copies",
                      self.repack.nbytes / (1 << 20))
         # the described MoE blocks: (layer index, block), their layer ids in the runtime's book
         self._blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if self.moe[i] is not None]

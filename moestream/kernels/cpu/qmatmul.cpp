@@ -1485,7 +1485,9 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
 // hardware's own prefetch keeps (a decode MoE layer of Q8_0 experts, 2 threads, 2-core VM: 16.3 -> 22.3 GB/s of the
 // VM's ~25; benchmarks/cpu_layer_ab.py). A hint: past a matrix's end it reads nothing that matters, and never faults.
 // Only for matrices of PREFETCH_MIN_BYTES or more: a tiny model's (a few hundred KB, cache-resident between steps)
-// ran 5% slower with it.
+// ran 5% slower with it. Not for interleaved groups: the next group's ~10 KB asked for at once (1 or 2 groups ahead)
+// made interleaved experts read from memory ~10% slower than without (the quarter-size Qwen3-30B-A3B MoE of
+// cpu_vs_llama.py, decode 40.2 / 39.9 vs 44.3 tok/s), where the hardware's own prefetch of the one stream keeps up.
 constexpr int64_t PREFETCH_ROWS = 2, PREFETCH_MIN_BYTES = 512 << 10;
 
 // Row i (K values) of m against every row of xs: out[r], r < xs.n. Not for the interleaved types (block_dots).
@@ -1508,12 +1510,8 @@ inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet
 // row; other types go row by row (row_dots, o: scratch of xs.n floats).
 inline void block_dots(const Mat& m, int64_t i, int64_t nb, bool scalar, int64_t K, const XSet& xs, float* out,
                        float* o) {
-  if (is_x8_type(m.type)) {
+  if (is_x8_type(m.type)) {  // no prefetch: see PREFETCH_ROWS
     const uint8_t* w = m.w + i * m.ws;
-#ifdef MS_AVX2
-    if (m.prefetch)  // the next group
-      for (int64_t b = 0; b < 8 * m.ws; b += 64) _mm_prefetch((const char*)w + 8 * m.ws + b, _MM_HINT_T1);
-#endif
     for (int64_t r = 0; r < xs.n; ++r) dot_x8(m.type, scalar, w, K, xs.q[r / XR_ROWS], (int)(r % XR_ROWS), out + 8 * r);
     return;
   }
