@@ -116,8 +116,9 @@ class _Repack:
         """A layer's expert table (addresses [E, 3] of every expert's gate / up / down, their type ids) with each
         Q4_K / Q4_0 / Q4_1 projection read from interleaved copies (one array of all E experts' rows a projection;
         the table has one type a projection, so all of them or none), where available host memory less the copy
-        keeps REPACK_RESERVE beside as many bytes as the file holds of it; others as they are."""
-        out, tids = ptrs.copy(), list(types)
+        keeps REPACK_RESERVE beside as many bytes as the file holds of it; others as they are (nothing copied: the
+        table itself)."""
+        out, tids = ptrs, list(types)
         for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
             name = self.by_id.get(int(types[j]))
             if name is None or rows % 8 or k % (256 if name == "Q4_K" else 32):
@@ -132,6 +133,7 @@ class _Repack:
                 for e, addr in enumerate(ptrs[:, j].tolist()):
                     cpu_quant.repack_x8(addr, rows, k, stride, name, out=arr[e * per:(e + 1) * per])
                 self.nbytes += arr.nbytes
+            out = out.copy() if out is ptrs else out
             out[:, j] = self.arrays[key].ctypes.data + per * np.arange(len(ptrs))
             tids[j] = xt
         return out, tuple(tids)
@@ -163,7 +165,7 @@ def _dense(w: torch.Tensor, types=_DENSE) -> tuple[int, int, int] | None:
 
 
 def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
-    """(description, its table's owner) of a MoE block ms_moe_decode computes, or None: the runtime computes
+    """(description, what its table points into) of a MoE block ms_moe_decode computes, or None: the runtime computes
     every routed expert on this CPU from host banks the kernels read, a router of float32/16-bit rows (or rows
     leading the fused GEMM), and no shared expert, an unfused one, or models/fuse.py's fused one (shared_in:
     [router |] shared gate | up | shared_expert_gate as one GEMM, the down projection its own)."""
@@ -177,7 +179,7 @@ def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     if table is None or (router is None and not (fused and block.router_rows)):
         return None
     ptrs, types, inter = table
-    if _REPACK is not None:
+    if _REPACK is not None:  # the table's own array is kept too: HF FP4's descriptors live in its buffer
         ptrs, types = _REPACK.experts(ptrs, types, cfg.hidden_size, inter)
     d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
     d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
@@ -187,7 +189,7 @@ def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     d[M["TABLE"]] = ptrs.ctypes.data
     d[[M["TG"], M["TU"], M["TD"]]] = types
     shared = _fused_shared_fields(block, d) if fused else _shared_fields(block, d)
-    return (d, ptrs) if shared else None
+    return (d, (table[0], ptrs)) if shared else None
 
 
 def _shared_fields(block, d: np.ndarray) -> bool:
