@@ -54,9 +54,10 @@ def cpu_decode_layer_enabled() -> bool:
 
 
 def cpu_repack_enabled() -> bool:
-    """MOESTREAM_CPU_REPACK=0 keeps a CPU decode plan's 4-bit dense weights (Q4_K, Q4_0, Q4_1) in their GGUF layout
-    instead of an 8-row interleaved copy its one-row products read faster (models/cpu_decode.py; read when the
-    plan is built)."""
+    """MOESTREAM_CPU_REPACK=0 keeps a CPU decode plan's 4-bit weights (Q4_K, Q4_0, Q4_1; dense layers and routed
+    experts) in their GGUF layout instead of 8-row interleaved copies its one-row products read faster
+    (models/cpu_decode.py; the experts' copies only where host memory keeps 2 GiB beside them; read when the plan
+    is built)."""
     return os.environ.get("MOESTREAM_CPU_REPACK", "1") != "0"
 
 
