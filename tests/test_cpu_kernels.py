@@ -327,6 +327,53 @@ def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     assert mod.ms_qmatmul_segs(x.data_ptr(), 1, k, 1, segs.ctypes.data, bad.data_ptr(), 7, 1, 0) == -1
 
 
+@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q4_0", 256), ("Q4_1", 384)])
+def test_interleaved_rows_against_many_activation_rows_give_each_rows_own_floats(name, k):
+    """A prefill's many activation rows against an interleaved group (several rows a pass over its codes, then 2 and
+    1 for what is left): every row's outputs are the floats the row gets alone (the one-row kernel of a decode step)
+    and the scalar twin's, for 1..19 rows (passes of 8, 4, 2, 1 and their remainders), in ms_qmatmul and in an
+    ms_moe_layer call whose experts have 1..13 rows each."""
+    n, mod = 32, cpu_quant.module()
+    raw = _weights(name, n, k, seed=3)
+    arr, tid, rb = cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), name)
+    x = torch.randn(19, k) * torch.linspace(0.1, 3.0, 19)[:, None]
+    alone = torch.empty(19, n)
+    for r in range(19):
+        assert mod.ms_qmatmul(x[r:r + 1].contiguous().data_ptr(), 1, k, arr.ctypes.data, n, rb, tid,
+                              alone[r:r + 1].data_ptr(), n, 1, 0) == 0
+    for rows in range(1, 20):
+        for scalar in (0, 1):
+            y = torch.full((rows, n), float("nan"))
+            assert mod.ms_qmatmul(x.data_ptr(), rows, k, arr.ctypes.data, n, rb, tid, y.data_ptr(), n, 2, scalar) == 0
+            assert torch.equal(y, alone[:rows]), (rows, scalar)
+    gguf = cpu_quant.qmatmul(x, raw, name)
+    assert (alone - gguf).abs().max().item() < 1e-5 * gguf.abs().max().item()  # the GGUF rows' products
+    # a layer call: gate / up [n, k] interleaved, down [k, n] in the file's layout (n = I = 32, H = k)
+    E, I, H = 3, n, k
+    ups = [_weights(name, I, H, seed=20 + e) for e in range(E)]
+    downs = [_weights("Q8_0", H, I, seed=30 + e) for e in range(E)]
+    x8 = [cpu_quant.repack_x8(u.data_ptr(), I, H, u.stride(0), name)[0] for u in ups]
+    counts = [13, 1, 6]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rows_ = np.concatenate([np.arange(c) for c in counts]).astype(np.int64)
+    P = int(starts[-1])
+    w, dst = np.linspace(0.2, 0.9, P).astype(np.float32), np.arange(P, dtype=np.int64)
+    tids = np.array([tid, tid, cpu_quant.TYPES["Q8_0"]], dtype=np.int64)
+    ptrs = np.array([[a.ctypes.data, a.ctypes.data, d.data_ptr()] for a, d in zip(x8, downs)], dtype=np.int64)
+    xs = x[:13].contiguous()
+    y = torch.empty(P, H)
+    assert mod.ms_moe_layer(xs.data_ptr(), 0, 13, H, I, E, ptrs.ctypes.data, tids.ctypes.data, starts.ctypes.data,
+                            rows_.ctypes.data, w.ctypes.data, dst.ctypes.data, y.data_ptr(), P, H, 0, 0, 2, 0) == 0
+    for p in range(P):  # each pair as a call of its own: one row, one expert
+        g = int(np.searchsorted(starts, p, side="right") - 1)
+        one = torch.empty(1, H)
+        st, r1, w1, d1 = np.array([0, 1]), np.array([rows_[p]]), w[p:p + 1].copy(), np.array([0])
+        assert mod.ms_moe_layer(xs.data_ptr(), 0, 13, H, I, 1, ptrs[g:g + 1].copy().ctypes.data, tids.ctypes.data,
+                                st.ctypes.data, r1.ctypes.data, w1.ctypes.data, d1.ctypes.data, one.data_ptr(), 1, H,
+                                0, 0, 1, 0) == 0
+        assert torch.equal(one[0], y[p]), p
+
+
 @pytest.mark.parametrize("force_scalar", [0, 1])
 def test_interleaved_rows_beside_other_segments_and_in_layer_calls(force_scalar):
     """Interleaved matrices are read a group of 8 rows at a time: in one ms_qmatmul_segs call beside a segment whose

@@ -1466,6 +1466,115 @@ void dot_q4x8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* x
 }
 #endif
 
+#ifdef MS_AVX2
+// Several activation rows against one interleaved group (a prefill's rows of an expert or a dense projection): each
+// 32-byte load of codes and its nibble masks serve NR rows, and so do the group's scale / min / d vectors. Per row
+// the integer sums and the float operations are dot_q4_k8_avx2's / dot_q4x8_avx2's, in the same order, so a row's 8
+// outputs are bit-equal to the one-row kernel's whatever rows share the call. out[8 r + j]: row j of the group
+// against activation row r. The mins' sums as madd_epi16 of (min of sub-block 2c, min of 2c + 1) pairs against the
+// activations' pair (bs sums of 16 values: |.| <= 2032 each, so a pair's sum fits int16): the same integers as
+// one-row's vpmulld.
+template <int NR>
+void dot_q4_k8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / KB; ++b, w += Q4K8_BLOCK) {
+    __m256i tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[NR], hi[NR];
+      for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      const uint8_t* q = w + 160 + 256 * c;
+      const int64_t xo = b * KB + 64 * c;
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * g));
+        const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        for (int r = 0; r < NR; ++r) {
+          int32_t a, h;
+          std::memcpy(&a, x.q[r0 + r] + xo + 4 * g, 4);
+          std::memcpy(&h, x.q[r0 + r] + xo + 32 + 4 * g, 4);
+#ifdef MS_VNNI
+          lo[r] = _mm256_dpbusd_epi32(lo[r], vl, _mm256_set1_epi32(a));
+          hi[r] = _mm256_dpbusd_epi32(hi[r], vh, _mm256_set1_epi32(h));
+#else
+          const __m256i one = _mm256_set1_epi16(1);
+          lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
+          hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
+#endif
+        }
+      }
+      const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 32 + 16 * c)));
+      const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 40 + 16 * c)));
+      for (int r = 0; r < NR; ++r)
+        tot[r] = _mm256_add_epi32(tot[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], s0), _mm256_mullo_epi32(hi[r], s1)));
+    }
+    __m256i mn[4];  // lane j: (min of sub-block 2c, min of 2c + 1) of row j, as int16
+    for (int c = 0; c < 4; ++c)
+      mn[c] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(w + 96 + 16 * c)),
+                                                     _mm_loadl_epi64((const __m128i*)(w + 104 + 16 * c))));
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
+    for (int r = 0; r < NR; ++r) {
+      const int16_t* bs = x.bs[r0 + r] + b * 16;
+      __m256i mins = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t pair = (uint16_t)(bs[4 * c] + bs[4 * c + 1]) | (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16;
+        mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mn[c], _mm256_set1_epi32((int32_t)pair)));
+      }
+      const __m256 dx = _mm256_set1_ps(x.d[r0 + r][b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d8, dx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+template <bool MIN, int NR>
+void dot_q4x8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
+  const int64_t gb = MIN ? 160 : 144, qo = MIN ? 32 : 16;
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  __m256 acc[NR], accm[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / QB; ++b, w += gb) {
+    __m256i isum[NR];
+    for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + qo + 32 * g));
+      const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+      for (int r = 0; r < NR; ++r) {
+        int32_t a, h;
+        std::memcpy(&a, x.q[r0 + r] + b * QB + 4 * g, 4);
+        std::memcpy(&h, x.q[r0 + r] + b * QB + 16 + 4 * g, 4);
+#ifdef MS_VNNI
+        isum[r] = _mm256_dpbusd_epi32(isum[r], vl, _mm256_set1_epi32(a));
+        isum[r] = _mm256_dpbusd_epi32(isum[r], vh, _mm256_set1_epi32(h));
+#else
+        const __m256i one = _mm256_set1_epi16(1);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 m = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    for (int r = 0; r < NR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r0 + r][b])), acc[r]);
+      accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[r0 + r][b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], accm[r]));
+}
+
+// Rows r0 .. r0 + NR - 1 of x against the group w (AVX2 only).
+template <int NR>
+inline void dot_x8_rows_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
+  if (type == T_Q4_K8) dot_q4_k8_rows_avx2<NR>(w, K, x, r0, out);
+  else if (type == T_Q4_1X8) dot_q4x8_rows_avx2<true, NR>(w, K, x, r0, out);
+  else dot_q4x8_rows_avx2<false, NR>(w, K, x, r0, out);
+}
+#endif
+
 // 8 rows of group w against one activation row of xs (its QAct or QActK form, as the type reads) -> out[8]
 inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& x, int k, float* out) {
 #ifdef MS_AVX2
@@ -1479,6 +1588,30 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
   if (type == T_Q4_K8) dot_q4_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
   else if (type == T_Q4_1X8) dot_q4x8_scalar<true>(w, K, x.q[k], x.d[k], x.s[k], out);
   else dot_q4x8_scalar<false>(w, K, x.q[k], x.d[k], x.s[k], out);
+}
+
+// Activation rows multi-row passes over an interleaved group take at once (X8_ROWS accumulators of each kind stay in
+// registers with AVX-512's 32; AVX2's 16 hold fewer).
+#if defined(MS_VNNI)
+constexpr int X8_ROWS = 4;
+#else
+constexpr int X8_ROWS = 2;
+#endif
+
+// The nr (<= XR_ROWS) rows of x against group w: out[8 r + j]. Bit-equal to dot_x8 row by row.
+inline void dot_x8_n(int64_t type, bool scalar, const uint8_t* w, int64_t K, const XR& x, int nr, float* out) {
+#ifdef MS_AVX2
+  if (!scalar) {
+    int r = 0;
+    for (; r + X8_ROWS <= nr; r += X8_ROWS) dot_x8_rows_avx2<X8_ROWS>(type, w, K, x, r, out + 8 * r);
+    if constexpr (X8_ROWS > 2) {
+      if (r + 2 <= nr) dot_x8_rows_avx2<2>(type, w, K, x, r, out + 8 * r), r += 2;
+    }
+    if (r < nr) dot_x8_rows_avx2<1>(type, w, K, x, r, out + 8 * r);  // at most one left
+    return;
+  }
+#endif
+  for (int r = 0; r < nr; ++r) dot_x8(type, scalar, w, K, x, r, out + 8 * r);
 }
 
 // Rows (or groups of 8) are prefetched this far ahead into L2 while one is computed: more reads in flight than the
@@ -1512,7 +1645,10 @@ inline void block_dots(const Mat& m, int64_t i, int64_t nb, bool scalar, int64_t
                        float* o) {
   if (is_x8_type(m.type)) {  // no prefetch: see PREFETCH_ROWS
     const uint8_t* w = m.w + i * m.ws;
-    for (int64_t r = 0; r < xs.n; ++r) dot_x8(m.type, scalar, w, K, xs.q[r / XR_ROWS], (int)(r % XR_ROWS), out + 8 * r);
+    for (size_t c = 0; c < xs.q.size(); ++c) {
+      const int64_t r0 = XR_ROWS * (int64_t)c;
+      dot_x8_n(m.type, scalar, w, K, xs.q[c], (int)std::min<int64_t>(XR_ROWS, xs.n - r0), out + 8 * r0);
+    }
     return;
   }
   for (int64_t j = 0; j < nb; ++j) {
