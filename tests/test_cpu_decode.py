@@ -385,6 +385,66 @@ def test_interleaved_routed_experts_in_the_plan(tmp_path, tiny_checkpoint, monke
                 max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-3
 
 
+def test_prefill_reads_the_plans_interleaved_copies(tmp_path, tiny_checkpoint, monkeypatch):
+    """Once the CPU decode plan made its interleaved copies (routed experts' Q4_1 gate / up, Q4_1 dense projections), a
+    prompt's calls read them (moe/cpu_moe.attach_x8, QuantLinear.x8): the expert layer calls name the copies' types
+    and no Q4_1 product reads the file's layout (the file's bytes of those matrices are not touched); the prompt's
+    log-probabilities are the file layout's (MOESTREAM_CPU_REPACK=0) to float rounding. Without copies the prompt
+    reads the file's layout."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream import LLM, SamplingParams
+
+    path = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1,
+                                  expert_qtype=lambda layer, proj: Q.Q8_0 if proj == "down_proj" else Q.Q4_1)[0]
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    q41 = cpu_quant.TYPES["Q4_1"]
+    seen = {"moe": [], "rows": [], "x8": 0}
+    moe_layer, rows_matmul, x8_matmul = cpu_quant.moe_layer, cpu_quant.rows_matmul, cpu_quant.x8_matmul
+
+    def rec_moe(x, wptr, types, *a, **k):
+        seen["moe"].append(tuple(types))
+        return moe_layer(x, wptr, types, *a, **k)
+
+    def rec_rows(x, raw2d, type_id):
+        seen["rows"].append(type_id)
+        return rows_matmul(x, raw2d, type_id)
+
+    def rec_x8(*a):
+        seen["x8"] += 1
+        return x8_matmul(*a)
+
+    monkeypatch.setattr(cpu_quant, "moe_layer", rec_moe)
+    monkeypatch.setattr(cpu_quant, "rows_matmul", rec_rows)
+    monkeypatch.setattr(cpu_quant, "x8_matmul", rec_x8)
+    runs = {}
+    for repack in ("1", "0"):
+        monkeypatch.setenv("MOESTREAM_CPU_REPACK", repack)
+        llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+        llm.generate([PROMPTS[1]], sp)  # the first decode step makes the plan (and the copies)
+        assert llm.engine.model.cpu_decode is not None
+        seen.update(moe=[], rows=[], x8=0)
+        runs[repack] = llm.generate([PROMPTS[2]], sp)[0]
+        assert seen["moe"], "the prompt's experts went elsewhere"
+        if repack == "1":
+            assert all(t[:2] == ("Q4_1_x8",) * 2 and t[2] == "Q8_0" for t in seen["moe"]), seen["moe"]
+            assert q41 not in seen["rows"] and seen["x8"] > 0
+        else:
+            assert all(t == ("Q4_1", "Q4_1", "Q8_0") for t in seen["moe"]) and q41 in seen["rows"] and not seen["x8"]
+        llm.close()
+    a, b = runs["1"].prompt_logprobs, runs["0"].prompt_logprobs
+    assert len(a) == len(b) == len(PROMPTS[2])
+    n = 0
+    for pa, pb in zip(a, b):
+        if pa is None or pb is None:
+            continue
+        (lp_a, top_a), (lp_b, top_b) = pa, pb
+        assert abs(lp_a - lp_b) < 1e-3
+        n += 1
+    assert n >= len(PROMPTS[2]) - 1
+
+
 def test_compressed_shared_expert_stays_compressed_and_compiles(tmp_path, tiny_checkpoint, monkeypatch):
     """A shared expert whose three projections are all GGUF blocks (a real Qwen3.5/3.6 GGUF's: I = 512) is not
     densified to join the router's GEMM (models/fuse.py): it stays compressed, the compiled MoE call computes it as an

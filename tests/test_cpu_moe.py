@@ -561,8 +561,8 @@ def test_fp4_layer_call_matches_float64_model(name, force_scalar):
     call = cpu_moe.LayerCall(bank, fmt, x.dtype)
     via_call = call(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
     assert torch.equal(via_run, out) and torch.equal(via_call, out)
-    table, tids, inter_t = cpu_moe.layer_table(bank, fmt)  # the CPU decode plan's table: every expert
-    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I
+    table, tids, inter_t, arrays = cpu_moe.layer_table(bank, fmt)  # the CPU decode plan's table: every expert
+    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I and arrays is None
 
 
 def test_fp4_expert_ptrs_check_the_bank():

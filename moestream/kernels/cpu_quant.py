@@ -78,6 +78,8 @@ HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002}
 # The library's own layouts: Q4_K / Q4_0 / Q4_1 with 8 rows interleaved (repack_x8), type id and bytes per row of K
 X8_TYPES = {"Q4_K": (1012, lambda k: k // 256 * 148), "Q4_0": (1013, lambda k: k // 32 * 18),
             "Q4_1": (1014, lambda k: k // 32 * 20)}
+# their names where a caller names the types of a call (moe_layer's `types`): the GGUF name and "_x8"
+X8_NAMES = {f"{name}_x8": tid for name, (tid, _) in X8_TYPES.items()}
 # (values, bytes) per block
 _BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
@@ -262,9 +264,12 @@ def supports(type_name: str) -> bool:
 
 
 def type_id(type_name: str) -> int:
-    """The C side's id of a GGUF type name (upper case, TYPES) or an HF FP4 format's name (lower case, HF_TYPES:
-    "mxfp4" is gpt-oss's safetensors layout, "MXFP4" GGUF's); KeyError for one it lacks."""
-    return TYPES[type_name] if type_name in TYPES else HF_TYPES[type_name]
+    """The C side's id of a GGUF type name (upper case, TYPES), an HF FP4 format's name (lower case, HF_TYPES:
+    "mxfp4" is gpt-oss's safetensors layout, "MXFP4" GGUF's) or an interleaved copy's ("Q4_K_x8", X8_NAMES);
+    KeyError for one it lacks."""
+    if type_name in TYPES:
+        return TYPES[type_name]
+    return HF_TYPES[type_name] if type_name in HF_TYPES else X8_NAMES[type_name]
 
 
 def row_bytes(type_name: str, k: int) -> int:
@@ -281,6 +286,16 @@ def rows_matmul(x: torch.Tensor, raw2d: torch.Tensor, type_id: int) -> torch.Ten
     mod = _STATE["mod"]
     mod.ms_qmatmul(x.data_ptr(), n, k, raw2d.data_ptr(), raw2d.shape[0], raw2d.stride(0), type_id,
                    out.data_ptr(), raw2d.shape[0], _threads(mod), 0)
+    return out
+
+
+def x8_matmul(x: torch.Tensor, addr: int, n_out: int, row_bytes: int, type_id: int) -> torch.Tensor:
+    """rows_matmul for an interleaved copy (repack_x8's: its address, rows, bytes per row, type id), which the
+    caller keeps alive; float32 [n, n_out]."""
+    n, k = x.shape
+    out = torch.empty(n, n_out, dtype=torch.float32)
+    mod = _STATE["mod"]
+    mod.ms_qmatmul(x.data_ptr(), n, k, addr, n_out, row_bytes, type_id, out.data_ptr(), n_out, _threads(mod), 0)
     return out
 
 

@@ -31,6 +31,10 @@ class QuantLinear(nn.Module):
     Qwen3.6 GGUF's Gated DeltaNet out_proj: its value heads are in the file's tiled order and a head's 128
     columns are half a 256-value K-quant block, so the bytes cannot be reordered as the model's rows are."""
 
+    # (array, address, type id, bytes per row) of an 8-row interleaved copy of raw (Q4_K / Q4_0 / Q4_1) that the CPU
+    # decode plan made (models/cpu_decode._weight); the CPU path reads it instead of raw, for any row count
+    x8: tuple | None = None
+
     def __init__(self, type_name: str, raw: torch.Tensor, out_features: int, in_features: int,
                  float_activations: bool = False, in_perm: torch.Tensor | None = None):
         super().__init__()
@@ -60,6 +64,10 @@ class QuantLinear(nn.Module):
         if (self.type_id is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
                 and (few or not (self.float_activations or self.fmt.type_name in FLOAT_KERNEL_TYPES))
                 and self.raw.device.type == "cpu" and cpu_quant.available()):
+            if self.x8 is not None:
+                _, addr, tid, rb = self.x8
+                y = cpu_quant.x8_matmul(x.view(-1, self.in_features), addr, self.out_features, rb, tid)
+                return y.view(*x.shape[:-1], self.out_features)
             rows = cpu_quant.float_act_matmul if self.float_activations else cpu_quant.rows_matmul
             y = rows(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)

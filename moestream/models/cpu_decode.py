@@ -24,7 +24,8 @@ where the host holds their copy beside the file's bytes: `_Repack.experts`) are 
 built, into the kernels' 8-row interleaved layouts
 (kernels/cpu_quant.repack_x8): a one-row product shares each block's bookkeeping among 8 rows and needs no
 horizontal sums, several times fewer instructions where a small model's step is compute-bound. The copy is host
-memory beside the checkpoint's own bytes (which the per-op and prefill paths keep reading); it is skipped, with one
+memory beside the checkpoint's own bytes; once made, the per-op and prefill paths read it too (QuantLinear.x8,
+moe/cpu_moe.attach_x8) and the file's bytes of a copied matrix are left alone. It is skipped, with one
 log line, where the host's available memory would drop under REPACK_RESERVE, and `MOESTREAM_CPU_REPACK=0` turns it
 off. Its products differ from the GGUF layout's in float summation order only (the integer sums are the same).
 """
@@ -112,12 +113,14 @@ class _Repack:
             self.nbytes += self.arrays[key].nbytes
         return self.arrays[key].ctypes.data, xt, row_bytes(k)
 
-    def experts(self, ptrs: np.ndarray, types: tuple, hidden: int, inter: int) -> tuple[np.ndarray, tuple]:
+    def experts(self, ptrs: np.ndarray, types: tuple, hidden: int, inter: int,
+                arrays: tuple | None = None) -> tuple[np.ndarray, tuple]:
         """A layer's expert table (addresses [E, 3] of every expert's gate / up / down, their type ids) with each
         Q4_K / Q4_0 / Q4_1 projection read from interleaved copies (one array of all E experts' rows a projection;
         the table has one type a projection, so all of them or none), where available host memory less the copy
         keeps REPACK_RESERVE beside as many bytes as the file holds of it; others as they are (nothing copied: the
-        table itself)."""
+        table itself). arrays: the bank's gate / up / down tensors, on which each copy is recorded
+        (moe/cpu_moe.attach_x8) so the layer's other calls (prefill) read it too."""
         out, tids = ptrs, list(types)
         for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
             name = self.by_id.get(int(types[j]))
@@ -133,6 +136,10 @@ class _Repack:
                 for e, addr in enumerate(ptrs[:, j].tolist()):
                     cpu_quant.repack_x8(addr, rows, k, stride, name, out=arr[e * per:(e + 1) * per])
                 self.nbytes += arr.nbytes
+                if arrays is not None:
+                    from ..moe.cpu_moe import attach_x8
+
+                    attach_x8(arrays[j], arr, name, per)
             out = out.copy() if out is ptrs else out
             out[:, j] = self.arrays[key].ctypes.data + per * np.arange(len(ptrs))
             tids[j] = xt
@@ -149,7 +156,12 @@ def _weight(lin, mlp: bool = False, perm_ok: bool = False) -> tuple[int, int, in
     if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
             and not lin.float_activations and (lin.in_perm is None or perm_ok):
         w = lin.raw.data_ptr(), lin.type_id, lin.raw.stride(0)
-        return _REPACK.weight(w, lin.out_features, lin.in_features) if _REPACK is not None else w
+        if _REPACK is None:
+            return w
+        got = _REPACK.weight(w, lin.out_features, lin.in_features)
+        if got != w:  # the module's own calls (prefill) read the copy too
+            lin.x8 = (_REPACK.arrays[w[0], lin.out_features, lin.in_features],) + got
+        return got
     w = getattr(lin, "weight", None)
     if type(lin) in (Linear, FusedLinear) and lin.bias is None and w is not None and w.dtype in _DENSE \
             and w.device.type == "cpu" and w.is_contiguous() and not (mlp and w.dtype == torch.float32):
@@ -178,9 +190,9 @@ def _moe_desc(block, cfg) -> tuple[np.ndarray, object] | None:
     router = None if fused and block.router_rows else _dense(block.gate.weight)
     if table is None or (router is None and not (fused and block.router_rows)):
         return None
-    ptrs, types, inter = table
+    ptrs, types, inter, arrays = table
     if _REPACK is not None:  # the table's own array is kept too: HF FP4's descriptors live in its buffer
-        ptrs, types = _REPACK.experts(ptrs, types, cfg.hidden_size, inter)
+        ptrs, types = _REPACK.experts(ptrs, types, cfg.hidden_size, inter, arrays)
     d = np.zeros(len(_MOE_FIELDS), dtype=np.int64)
     d[[M["H"], M["E"], M["K"], M["NORMALIZE"], M["I"]]] = (cfg.hidden_size, block.gate.weight.shape[0],
                                                           block.gate.top_k, int(block.gate.normalize), inter)

@@ -123,10 +123,28 @@ def _fp4_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -
     return ptrs
 
 
+_X8_ATTR = "_moestream_x8"  # on a bank tensor: (its address then, the interleaved copy, the copy's type name, bytes)
+
+
+def attach_x8(src: torch.Tensor, copy: np.ndarray, type_name: str, per_expert: int) -> None:
+    """Records on a layer's bank of one projection (src [E, ...], GGUF rows) its experts' 8-row interleaved copy (E
+    blocks of per_expert bytes, kernels/cpu_quant.repack_x8's layout of type_name: the CPU decode plan's), so that
+    every call of the layer's experts from here (prefill chunks as decode steps) reads the copy and none touches the
+    file's bytes of them. The tensor keeps the copy alive; a bank replaced or moved (another address) drops it."""
+    setattr(src, _X8_ATTR, (src.data_ptr(), copy, f"{type_name}_x8", per_expert))
+
+
+def x8_copy(src: torch.Tensor) -> tuple[np.ndarray, str, int] | None:
+    """(copy, its type name, bytes per expert) attach_x8 recorded on src, if still for src's bytes; else None."""
+    got = getattr(src, _X8_ATTR, None)
+    return got[1:] if got is not None and got[0] == src.data_ptr() else None
+
+
 def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple[str, str, str], int, bool]:
     """(addresses [G, 3] of gate/up/down of bank rows `experts`, types, I, round_mm) for `run`. Checks that
     every row index is in the bank and every row holds the layer's bytes, contiguous. HF FP4 experts: the
-    addresses are of descriptors that live in the returned array's buffer (keep it while they are used)."""
+    addresses are of descriptors that live in the returned array's buffer (keep it while they are used). A GGUF
+    projection with an interleaved copy (attach_x8) is read from the copy (type "<name>_x8")."""
     experts = np.asarray(experts, dtype=np.int64)
     if isinstance(fmt, HFExpertFormat) and kernel_types(fmt) is not None:
         types = kernel_types(fmt)
@@ -155,13 +173,20 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
         if a.device.type != "cpu" or _row_bytes(a) < nb:
             raise ValueError(f"expert array {j}: CPU rows of at least {nb} contiguous bytes needed")
         ptrs[:, j] = a.data_ptr() + experts * (a.stride(0) * a.element_size()) + off
+    if fmt is not None and fmt.quantized:
+        for j, a in enumerate(arrays):
+            x8 = x8_copy(a)
+            if x8 is not None:
+                ptrs[:, j] = x8[0].ctypes.data + experts * x8[2]
+                types = types[:j] + (x8[1],) + types[j + 1:]
     return ptrs, types, I, round_mm
 
 
 def layer_table(bank: dict, fmt):
-    """(addresses [E, 3] of every expert's gate/up/down, type ids, I) of a layer of GGUF or HF FP4 experts the
-    kernels read, in host memory; None otherwise (models/cpu_decode.py's one-call MoE block, which keeps the
-    address array alive: HF FP4's descriptors live in its buffer)."""
+    """(addresses [E, 3] of every expert's gate/up/down, type ids, I, the GGUF bank's gate / up / down tensors or
+    None) of a layer of GGUF or HF FP4 experts the kernels read, in host memory; None otherwise
+    (models/cpu_decode.py's one-call MoE block, which keeps the address array alive: HF FP4's descriptors live in
+    its buffer, and attaches its interleaved copies to the bank's tensors)."""
     from ..kernels.cpu_quant import type_id
 
     types = kernel_types(fmt) if fmt is not None else None
@@ -169,7 +194,8 @@ def layer_table(bank: dict, fmt):
         return None
     E = min(a.shape[0] for a in bank.values())
     ptrs, types, inter, _ = expert_ptrs(bank, fmt, np.arange(E))
-    return ptrs, tuple(type_id(t) for t in types), inter
+    arrays = tuple(bank[p] for p in GGUF_PROJS) if isinstance(fmt, GGUFExpertFormat) else None
+    return ptrs, tuple(type_id(t) for t in types), inter, arrays
 
 
 class LayerCall:
