@@ -219,7 +219,7 @@ def test_default_prefix_snapshots_shrink_before_a_plan_is_refused():
 
     from moestream.engine.engine import Engine
 
-    slot = 64 * MiB
+    slot = 128 * MiB
 
     def snapshots(e):
         return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
@@ -232,10 +232,10 @@ def test_default_prefix_snapshots_shrink_before_a_plan_is_refused():
     e = EngineConfig(moe_backend="offload", gpu_memory_gb=4.0, max_running_requests=4, chunked_prefill_size=256)
     with pytest.raises(ConfigError):
         plan_memory(sizes_for(e), fake.hardware, e)
-    plan, used = Engine._plan_fitting(fake, sizes_for, e, None)
+    plan, used = Engine._fit_snapshots(fake, sizes_for, e, None)
     assert used.prefix_cache_snapshots == 4 and plan.cache_slots >= BIG.top_k  # halved once: fits
     with pytest.raises(ConfigError):
-        Engine._plan_fitting(fake, sizes_for, e.replace(prefix_cache_snapshots=8), None)
+        Engine._fit_snapshots(fake, sizes_for, e.replace(prefix_cache_snapshots=8), None)
 
 
 def test_torch_allocator_capped_at_the_cap_less_the_context(monkeypatch):
@@ -288,3 +288,185 @@ def test_prefill_rows_override(monkeypatch):
         assert p.prefill_slots == want and p.cache_slots == base.cache_slots
         freed = 2 * (want - base.prefill_slots) * small.expert_bytes / small.kv_bytes_per_token
         assert abs(p.kv_tokens - (base.kv_tokens - freed)) <= 1 and p.kv_tokens >= 8192
+
+
+# ---- the Qwen3.6-35B-A3B-shaped Q4_K_M GGUF (benchmarks/make_qwen36_q4km.py) at small caps ----------------------
+# Built from its config and the file's quant mix, no weights: what the planner is given for the real 20.9 GB file.
+QWEN36 = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 40,
+          "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+          "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+          "num_experts_per_tok": 8, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+          "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+          "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144,
+          "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                              "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+Q_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights
+# CUDA context measured on the H200 of the 2026-12-05 Q4_K_M run (its plans: "CUDA context + runtime headroom 1.17 GiB")
+H200_CONTEXT = 686 * MiB
+
+
+def _q4km_type(name: str, n: int):
+    """The GGUF type of a dense parameter a GPU keeps compressed (Q4_K_M as llama.cpp picks it: Q6_K in the first
+    and last eighth of the layers and every third between, for the value-like projections); None: held 16-bit (F32
+    in the file, or the shared expert's gate/up, kept dense on a GPU to fuse with the router)."""
+    import re
+
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return "Q4_K" if name.startswith("embed") else "Q6_K"
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    if m is None:
+        return None
+    i, part = int(m[1]), m[2]
+    more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+    if part in ("linear_attn.in_proj_qkv", "self_attn.v_proj", "mlp.shared_expert.down_proj"):
+        return "Q6_K" if more else "Q4_K"
+    if part in ("linear_attn.in_proj_z", "linear_attn.out_proj", "self_attn.q_proj", "self_attn.k_proj",
+                "self_attn.o_proj"):
+        return "Q4_K"
+    return None
+
+
+def _qwen36_q4km():
+    """(ModelConfig, dense bytes held on a GPU, KV bytes a token, one linear-state slot's bytes, bytes of an expert)."""
+    import torch
+
+    from moestream.config import ModelConfig
+    from moestream.kvcache import KVPool, StatePool
+    from moestream.models.qwen_moe import QwenMoeModel
+
+    cfg = ModelConfig.from_hf(QWEN36)
+    with torch.device("meta"):
+        model = QwenMoeModel(cfg).to(torch.bfloat16)
+    dense = 0
+    for name, p in model.named_parameters():
+        kind = _q4km_type(name, cfg.num_layers)
+        dense += p.numel() * Q_BYTES[kind] // 256 if kind else p.numel() * 2
+        if name.endswith("linear_attn.out_proj.weight"):
+            dense += p.shape[1] * 8  # its value columns gathered at the input (in_perm, int64)
+    kv = KVPool.bytes_per_token(len(cfg.full_attention_layers), cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    slot = StatePool.bytes_per_slot(len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel,
+                                    cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                    torch.bfloat16, torch.float32)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    expert = 2 * H * I * Q_BYTES["Q4_K"] // 256 + H * I * Q_BYTES["Q6_K"] // 256  # the largest: a Q6_K down
+    return cfg, dense, kv, slot, expert
+
+
+def _qwen36_engine(context=H200_CONTEXT):
+    """What Engine._plan_fitting reads of an engine (one rank, this model's sizes), on the H200 host."""
+    from types import SimpleNamespace
+
+    from moestream.engine.engine import Engine
+    from moestream.moe.planner import model_sizes
+
+    cfg, dense, kv, slot, expert = _qwen36_q4km()
+
+    def snapshots(e):
+        return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
+
+    def sizes_for(e):
+        return model_sizes(cfg, e, dense, cfg.max_position_embeddings, kv,
+                           slot * (e.max_running_requests + snapshots(e)), expert)
+
+    hw = Hardware("cuda", "H200", 139 * GiB, 128 * GiB, 120 * GiB, 16, context_bytes=context)
+    fake = SimpleNamespace(hardware=hw, tp=None, _snapshots=snapshots)
+    fake._smaller_options = lambda e: Engine._smaller_options(fake, e)
+    return fake, sizes_for, (lambda e: Engine._plan_fitting(fake, sizes_for, e, None))
+
+
+def test_qwen36_q4km_shape_from_config():
+    """The shape the small-cap tests plan: dense 1.36 GiB held on a GPU (what the real file's GGUF dense_bytes gave:
+    1,462,091,008 bytes, and the H200 runs printed), 20 KiB of KV a token, 61.4 MiB of GDN state a request."""
+    cfg, dense, kv, slot, expert = _qwen36_q4km()
+    assert dense == 1_462_091_008 and f"{dense / GiB:.2f}" == "1.36"
+    assert kv == 20480 and slot == 64_389_120 and expert == 2_039_808
+    assert cfg.num_moe_layers * cfg.num_experts * expert / GiB == pytest.approx(19.45, abs=0.005)  # host banks
+
+
+@pytest.mark.parametrize("backend", ["cpu", "offload", "hybrid"])
+def test_qwen36_q4km_at_llamacpp_cap_refused_with_the_reason(backend):
+    """llama.cpp's -ncmoe 40 VRAM (2.22 GiB) cannot hold this model's plan: the dense layers alone (1.36 GiB) exceed
+    the cap less the H200's CUDA context (0.67) and the runtime headroom (0.34, scaled to the cap), before any
+    request state, KV or workspace. Refused with one line saying so, after every smaller option was tried."""
+    fake, sizes_for, fit = _qwen36_engine()
+    with pytest.raises(ConfigError) as err:
+        fit(EngineConfig(moe_backend=backend, gpu_memory_gb=2.22))
+    msg = str(err.value)
+    assert "the cuda budget of 1.21 GiB (the 2.22 GiB cap less the CUDA context 0.67 GiB and runtime headroom 0.34 " \
+           "GiB) does not cover dense weights (1.36 GiB), state pool (0.06 GiB) and workspace (0.28 GiB)" in msg
+    assert "refused down to 1 running request(s), 0 prefix-cache snapshots and prefill chunks of 256 tokens" in msg
+    assert "\n" not in msg
+
+
+def _plan_total(p):
+    b = p.bytes
+    return b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv + b.context
+
+
+@pytest.mark.parametrize("cap,requests,snaps", [(2.8, 1, 0), (3.0, 2, 1), (3.2, 4, 2)])
+def test_qwen36_q4km_cpu_backend_small_caps(cap, requests, snaps):
+    """--moe-backend cpu on a small card: the prefill double buffer goes first (experts on the CPU threads), then the
+    chunk, the prefix snapshots and the running requests shrink until the KV holds a useful context (4,096 tokens)
+    or nothing smaller is left; every item the plan counts, plus context and headroom, stays within the cap."""
+    import math
+
+    from moestream.moe.planner import cap_headroom
+
+    _, sizes_for, fit = _qwen36_engine()
+    plan, used = fit(EngineConfig(moe_backend="cpu", gpu_memory_gb=cap))
+    b = plan.bytes
+    assert plan.prefill_slots == 0 and b.prefill_buffer == 0 and b.experts_device == 0
+    assert "prefill buffer none" in plan.describe()
+    assert used.max_running_requests == plan.running_requests == requests
+    assert (used.prefix_cache_snapshots or 0) == snaps and used.chunked_prefill_size == 256
+    assert b.state == 64_389_120 * (requests + snaps) and b.headroom == cap_headroom(int(cap * GiB))
+    assert _plan_total(plan) <= int(cap * GiB) and b.context == H200_CONTEXT + b.headroom
+    if cap == 2.8:  # one request: the best there is, below a useful context
+        assert 1024 < plan.kv_tokens < 4096
+    else:
+        assert plan.kv_tokens >= 4096
+    assert math.isclose(b.dense / GiB, 1.3617, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_qwen36_q4km_offload_small_caps(backend):
+    """offload / hybrid at 3.0 and 3.2 GiB: at the chunk floor a small budget reserves one useful context and top-k
+    prefill rows before the slots (it used to reserve 8,192 tokens and 64 rows, leaving no slot): 2 then 4 requests
+    with >= top-k slots and >= 4,096 KV tokens."""
+    _, _, fit = _qwen36_engine()
+    for cap, requests in ((3.0, 2), (3.2, 4)):
+        plan, used = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=cap))
+        assert plan.backend == backend and used.max_running_requests == requests
+        assert plan.cache_slots >= 8 and plan.prefill_slots == 8 and plan.kv_tokens >= 4096
+        assert _plan_total(plan) <= int(cap * GiB)
+
+
+@pytest.mark.parametrize("backend,cap,want", [
+    # (backend, slots, prefill rows, KV tokens, chunk, requests) as the planner gave before the small-cap changes
+    ("offload", 4, (23, 8, 19348, 512, 4)), ("offload", 8, (2040, 64, 8260, 2048, 4)),
+    ("offload", 12, (4146, 64, 8217, 2048, 4)), ("offload", 24, (10240, 64, 30400, 2048, 4)),
+    ("hybrid", 8, (2040, 64, 8260, 2048, 4)), ("auto", 24, (0, 0, 43149, 2048, 4)),
+    ("cpu", 8, (0, 64, 131072, 2048, 4)), ("cpu", 24, (0, 64, 131072, 2048, 4)),
+    # changed: at 4 GiB the cpu backend's 64-row prefill buffer (0.24 GiB) left 1,728 KV tokens; the KV reserve now
+    # comes first and the buffer has top-k rows
+    ("cpu", 4, (0, 8, 12884, 2048, 4)),
+])
+def test_qwen36_q4km_plans_at_4_to_24_gib(backend, cap, want):
+    from moestream.moe.planner import CAP_HEADROOM
+
+    _, _, fit = _qwen36_engine()
+    plan, used = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=cap))
+    got = (plan.cache_slots, plan.prefill_slots, plan.kv_tokens, used.chunked_prefill_size, used.max_running_requests)
+    assert got == want
+    assert plan.bytes.headroom == CAP_HEADROOM  # the full headroom from 4 GiB up
+
+
+def test_cap_headroom_scales_below_4_gib():
+    from moestream.moe.planner import CAP_HEADROOM, CAP_MODULES, cap_headroom
+
+    assert cap_headroom(4 * GiB) == cap_headroom(80 * GiB) == CAP_HEADROOM
+    assert cap_headroom(0) == CAP_MODULES
+    assert CAP_MODULES < cap_headroom(2 * GiB) < cap_headroom(3 * GiB) < CAP_HEADROOM
+    p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="cpu", gpu_memory_gb=3))
+    assert p.bytes.budget == 3 * GiB - cap_headroom(3 * GiB) and p.bytes.headroom == cap_headroom(3 * GiB)

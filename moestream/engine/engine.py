@@ -27,7 +27,8 @@ from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
 from ..moe.formats import dense_format
-from ..moe.planner import Bandwidths, MoePlan, model_sizes, plan_fitting_chunk, plan_memory
+from ..moe.planner import (PREFILL_CHUNK_FLOOR, USEFUL_KV_TOKENS, Bandwidths, MoePlan, model_sizes,
+                           plan_fitting_chunk, plan_memory)
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
 from ..batch import ForwardBatch
@@ -165,9 +166,12 @@ class Engine:
     def num_state_checkpoints(self) -> int:
         """Linear-state slots holding each speculative verify step's state after every draft position but
         the last (--speculative mtp on models with linear layers): K per running request."""
+        return self._checkpoints(self.ecfg)
+
+    def _checkpoints(self, e: EngineConfig) -> int:
         if not self.use_mtp or not self.cfg.linear_attention_layers:
             return 0
-        return self.ecfg.max_running_requests * self.ecfg.num_speculative_tokens
+        return e.max_running_requests * e.num_speculative_tokens
 
     @property
     def num_state_snapshots(self) -> int:
@@ -437,7 +441,7 @@ class Engine:
         per_expert = fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size)
 
         def sizes_for(opts: EngineConfig):
-            state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self.num_state_checkpoints)
+            state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self._checkpoints(opts))
             sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert)
             if self.use_mtp:  # the MTP layers' experts are placed like any layer's
                 sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
@@ -450,6 +454,11 @@ class Engine:
                 log.warning("the budget cannot hold %d prefix-cache state snapshots: keeping %d (a prompt resumes "
                             "from the nearest one it finds)", self._snapshots(e), self._snapshots(used))
                 self.ecfg = self.ecfg.replace(prefix_cache_snapshots=used.prefix_cache_snapshots)
+            if used.max_running_requests != e.max_running_requests:
+                log.warning("the budget holds the state and a useful context (KV) of %d running requests, not %d "
+                            "(--max-running-requests): at most %d run at once, the rest wait", used.max_running_requests,
+                            e.max_running_requests, used.max_running_requests)
+                self.ecfg = self.ecfg.replace(max_running_requests=used.max_running_requests)
             if used.chunked_prefill_size != e.chunked_prefill_size:
                 log.warning("the budget cannot hold prefill chunks of %d tokens (--chunked-prefill-size): prompts "
                             "are computed %d tokens per step", e.chunked_prefill_size, used.chunked_prefill_size)
@@ -461,6 +470,57 @@ class Engine:
         return plan
 
     def _plan_fitting(self, sizes_for, e: EngineConfig, bw):
+        """The plan for e or, where it is refused or its KV holds less than a useful context (USEFUL_KV_TOKENS, or
+        all the requests can use), for smaller options, tried in this order: smaller prefill chunks (halved down to
+        PREFILL_CHUNK_FLOOR), then fewer prefix-cache snapshots (a default count halved down to none), then fewer
+        running requests (halved down to one; one rank only, as tensor-parallel ranks must agree) — so a small card
+        keeps as many requests as it can give a useful context. Where no option reaches a useful context, the fitting
+        plan with the most KV tokens. Refused with the smallest options' reason (and what was tried) when nothing
+        fits. Returns (plan, the options it was made for)."""
+        best, smallest = None, e
+        for opts in self._smaller_options(e):
+            smallest = opts
+            try:
+                plan = plan_memory(sizes_for(opts), self.hardware, opts, bw)
+            except ConfigError:
+                continue
+            if plan.kv_tokens >= min(USEFUL_KV_TOKENS, sizes_for(opts).wanted_kv_tokens):
+                return plan, opts
+            if best is None or plan.kv_tokens > best[0].kv_tokens:
+                best = (plan, opts)
+        if best is not None:
+            return best
+        try:  # the smallest options' own reason
+            plan_memory(sizes_for(smallest), self.hardware, smallest, bw)
+        except ConfigError as err:
+            if smallest is e:
+                raise
+            raise ConfigError(f"{err} (refused down to {smallest.max_running_requests} running request(s), "
+                              f"{self._snapshots(smallest)} prefix-cache snapshots and prefill chunks of "
+                              f"{smallest.chunked_prefill_size} tokens)") from None
+        raise AssertionError("unreachable: the smallest options were refused in the loop")
+
+    def _smaller_options(self, e: EngineConfig):
+        """e, then smaller options in the order _plan_fitting tries them."""
+        n = e.max_running_requests
+        while True:
+            at_n = e if n == e.max_running_requests else e.replace(max_running_requests=n)
+            snaps = self._snapshots(at_n)
+            while True:
+                with_snaps = at_n if snaps == self._snapshots(at_n) else at_n.replace(prefix_cache_snapshots=snaps)
+                chunk = e.chunked_prefill_size
+                yield with_snaps
+                while chunk > PREFILL_CHUNK_FLOOR:
+                    chunk = max(PREFILL_CHUNK_FLOOR, chunk // 2)
+                    yield with_snaps.replace(chunked_prefill_size=chunk)
+                if at_n.prefix_cache_snapshots is not None or not snaps:
+                    break
+                snaps //= 2
+            if self.tp or n <= 1:
+                return
+            n //= 2
+
+    def _fit_snapshots(self, sizes_for, e: EngineConfig, bw):
         """plan_fitting_chunk (smaller prefill chunks before a refusal); where even that is refused and the
         prefix cache's snapshot count is the default, fewer snapshots (halved down to none) before the first
         refusal is raised: on a small card a long prompt matters more than the snapshots' granularity."""

@@ -20,13 +20,24 @@ GiB = 1 << 30
 KV_RESERVE_TOKENS = 8192  # KV kept for requests before expert slots take the rest of the budget
 PREFILL_MAX_ROWS = 64  # rows per half of the prefill double buffer: enough to overlap, small in VRAM
 PREFILL_CHUNK_FLOOR = 256  # prompt tokens per step the planner may lower --chunked-prefill-size to before refusing
+# KV tokens below which a plan that fits is still too small to be useful while it could hold fewer requests' state
+# instead (the engine's fit halves --max-running-requests then: engine.Engine._plan_fitting)
+USEFUL_KV_TOKENS = 4096
 HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x pinned PCIe GB/s
 # Under a --gpu-memory-gb cap on a GPU, kept free beyond the CUDA context: what the running engine holds
 # outside the plan's items (recorded decode graphs' pool, prefill temporaries beyond the workspace, kernel
 # modules and library handles loaded after start-up). Measured on the H200 (2026-12-03, Qwen3.6-shaped Q8_0,
 # offload at 22.84 GiB): 0.28 GiB allocated beyond the plan + 0.14 GiB outside torch beyond the context +
 # 0.07 GiB torch cache = 0.49 GiB.
+# That was the whole of it at every cap until the 2.22 GiB cap of llama.cpp's -ncmoe 40 run was refused: of the 0.49
+# GiB, the 0.14 outside torch (modules and handles) does not shrink with the cap, the rest (graph pool, prefill
+# temporaries, allocator cache) follows the pools and prefill chunks a cap allows. At 4 GiB (edge_memory.py, same
+# day, Q4_K_M offload) the process used 0.02 GiB beyond the plan's items and the context once warm. So: the full
+# CAP_HEADROOM from CAP_HEADROOM_FULL_AT up, below it CAP_MODULES plus the torch-side share scaled with the cap
+# (cap_headroom).
 CAP_HEADROOM = 512 << 20
+CAP_MODULES = 144 << 20
+CAP_HEADROOM_FULL_AT = 4 << 30
 PIN_HEADROOM = 0.10  # host RAM left unpinned (at least 4 GiB) for the OS and the rest of the process
 
 
@@ -90,8 +101,10 @@ class PlanBytes:
     kv: int
     host_banks: int
     pin_budget: int
-    # CUDA context (measured) + CAP_HEADROOM, outside the budget: counted against --gpu-memory-gb only
+    # CUDA context (measured) + runtime headroom (cap_headroom), outside the budget: counted against
+    # --gpu-memory-gb only
     context: int = 0
+    headroom: int = 0  # the runtime headroom part of `context`
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,7 @@ class MoePlan:
     bytes: PlanBytes
     pcie_gbs: float = 0.0  # pinned host-to-device, from the bench profile (0: not measured)
     prefill_chunk: int = 0  # tokens per prefill chunk the workspace is sized for (--chunked-prefill-size or less)
+    running_requests: int = 0  # requests whose state (KV reserve, linear state) the plan holds at once
 
     @property
     def residency(self) -> float:
@@ -125,16 +139,24 @@ class MoePlan:
                               cpu_threads=self.cpu_threads, prefetch=self.prefetch,
                               hybrid_fetch_fraction=self.hybrid_fetch_fraction, pcie_gbs=self.pcie_gbs)
 
+    def _prefill_words(self) -> str:
+        if self.prefill_slots or self.backend != "cpu" or self.device != "cuda":
+            return f"2x{self.prefill_slots}"
+        return "none (prefill chunks' experts on the CPU threads too)"
+
     def describe(self) -> str:
         b, g = self.bytes, (lambda n: f"{n / GiB:.2f}")
         return "\n".join([
             f"expert plan: backend {self.backend} ({self.reason})",
             f"  expert slots {self.cache_slots} of {self.total_experts} ({100 * self.residency:.1f}% resident), "
-            f"prefill buffer 2x{self.prefill_slots}, prefetch {'on' if self.prefetch else 'off'}, "
-            f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}",
+            f"prefill buffer {self._prefill_words()}, prefetch {'on' if self.prefetch else 'off'}, "
+            f"cpu threads {self.cpu_threads}, hybrid fetch share {self.hybrid_fetch_fraction:.2f}, "
+            f"running requests {self.running_requests}",
             f"  {self.device} budget {g(b.budget)} GiB: dense {g(b.dense)} + experts {g(b.experts_device)} + "
             f"prefill {g(b.prefill_buffer)} + KV {g(b.kv)} ({self.kv_tokens} tokens) + state {g(b.state)} + "
-            f"workspace {g(b.workspace)} (prefill chunks of {self.prefill_chunk} tokens)" + (f"; CUDA context + runtime headroom {g(b.context)} GiB outside it" if b.context else ""),
+            f"workspace {g(b.workspace)} (prefill chunks of {self.prefill_chunk} tokens)" + (
+                f"; CUDA context + runtime headroom {g(b.context)} GiB outside it ({g(b.context - b.headroom)} + "
+                f"{g(b.headroom)})" if b.context else ""),
             f"  host expert banks {g(b.host_banks)} GiB, pin budget {g(b.pin_budget)} GiB",
         ])
 
@@ -148,9 +170,14 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
     budget = _budget(hw, e)
     free = budget - m.dense_bytes - m.state_bytes - m.workspace_bytes
     if free <= 0:
+        g = (lambda n: f"{n / GiB:.2f}")
+        capped = e.gpu_memory_gb is not None and hw.device != "cpu"
+        whence = (f" (the {e.gpu_memory_gb:g} GiB cap less the CUDA context {g(hw.context_bytes)} GiB and runtime "
+                  f"headroom {g(_headroom(hw, e))} GiB)" if capped else "")
         raise ConfigError(
-            f"the {hw.device} budget of {budget / GiB:.2f} GiB does not cover dense weights "
-            f"({m.dense_bytes / GiB:.2f} GiB), state pool and workspace: raise --gpu-memory-gb or --memory-ratio, "
+            f"the {hw.device} budget of {g(budget)} GiB{whence} does not cover dense weights "
+            f"({g(m.dense_bytes)} GiB), state pool ({g(m.state_bytes)} GiB) and workspace "
+            f"({g(m.workspace_bytes)} GiB): raise --gpu-memory-gb or --memory-ratio, "
             "or lower --max-running-requests / --chunked-prefill-size")
     if hw.device == "cpu":
         free -= m.total_experts * m.expert_bytes  # host banks live in the same memory
@@ -171,9 +198,10 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
                         prefill_buffer=2 * prefill * m.expert_bytes, kv=kv_tokens * m.kv_bytes_per_token,
                         host_banks=host if backend != "fused" or hw.device == "cpu" else 0,
                         pin_budget=_pin_budget(hw, e, host) if backend != "fused" else 0,
-                        context=hw.context_bytes + CAP_HEADROOM
-                        if e.gpu_memory_gb is not None and hw.device != "cpu" else 0),
-        pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0, prefill_chunk=e.chunked_prefill_size)
+                        context=hw.context_bytes + _headroom(hw, e) if _headroom(hw, e) else 0,
+                        headroom=_headroom(hw, e)),
+        pcie_gbs=bw.pcie_pinned_gbs if bw is not None else 0.0, prefill_chunk=e.chunked_prefill_size,
+        running_requests=e.max_running_requests)
 
 
 def plan_fitting_chunk(sizes_for: Callable, hw: Hardware, e, bw: Bandwidths | None = None):
@@ -219,11 +247,25 @@ def check_host_memory(m: ModelSizes, hw: Hardware, backend: str) -> None:
             + (", or --moe-backend fused on a GPU that holds every expert" if hw.device != "cpu" else ""))
 
 
+def cap_headroom(cap_bytes: int) -> int:
+    """GPU memory kept free beyond the CUDA context under a cap of cap_bytes (see CAP_HEADROOM): CAP_HEADROOM from
+    CAP_HEADROOM_FULL_AT up; below it CAP_MODULES plus the torch-side rest scaled with the cap."""
+    share = min(max(cap_bytes, 0), CAP_HEADROOM_FULL_AT) / CAP_HEADROOM_FULL_AT
+    return CAP_MODULES + int((CAP_HEADROOM - CAP_MODULES) * share)
+
+
+def _headroom(hw: Hardware, e) -> int:
+    """The runtime headroom this plan keeps (only under --gpu-memory-gb on a GPU)."""
+    if e.gpu_memory_gb is None or hw.device == "cpu":
+        return 0
+    return cap_headroom(int(e.gpu_memory_gb * GiB))
+
+
 def _budget(hw: Hardware, e) -> int:
     if e.gpu_memory_gb is not None:
         cap = int(e.gpu_memory_gb * GiB)
         # the cap is the whole process's GPU memory (what nvidia-smi shows): the context comes off it
-        return cap if hw.device == "cpu" else min(cap - hw.context_bytes - CAP_HEADROOM, hw.free_bytes)
+        return cap if hw.device == "cpu" else min(cap - hw.context_bytes - _headroom(hw, e), hw.free_bytes)
     return int(e.memory_ratio * hw.free_bytes)
 
 
@@ -257,17 +299,36 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
         return 0, 0
     top = min(m.num_experts, PREFILL_MAX_ROWS)
     if backend == "cpu":
-        # on a GPU, prefill chunks still run on the device through the double buffer
-        return 0, (top if hw.device == "cuda" else 0)
+        return 0, (_cpu_prefill_rows(m, e, free, top) if hw.device == "cuda" else 0)
     reserve = _kv_reserve(m, e) * m.kv_bytes_per_token
-    slots = _cache_slots(m, e, free - reserve - 2 * top * m.expert_bytes)
-    prefill = max(min(prefill_rows() or slots // 4, top), min(m.top_k, top))
+    room = free - reserve - 2 * top * m.expert_bytes
+    small = (e.moe_cache_size is None and e.moe_cache_rate is None and room < m.top_k * m.expert_bytes
+             and e.chunked_prefill_size <= PREFILL_CHUNK_FLOOR)
+    if small:
+        # a small budget, the prefill chunk already at its floor: before the slots, KV for one useful context and a
+        # prefill buffer of top-k rows, not the full reserve and 64 rows' room
+        room = free - min(reserve, USEFUL_KV_TOKENS * m.kv_bytes_per_token) - 2 * min(m.top_k, top) * m.expert_bytes
+    slots = _cache_slots(m, e, room)
+    prefill = max(min(prefill_rows() or (0 if small else slots // 4), top), min(m.top_k, top))
     need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token
     if hw.device == "cuda" and need > free:
         raise ConfigError(
             f"{slots} expert slots + prefill buffer need {need / GiB:.2f} GiB but the budget leaves "
             f"{max(free, 0) / GiB:.2f} GiB: lower --moe-cache-size/--moe-cache-rate or raise --gpu-memory-gb")
     return slots, prefill
+
+
+def _cpu_prefill_rows(m: ModelSizes, e, free: int, top: int) -> int:
+    """Rows per half of the cpu backend's prefill double buffer on a GPU: prefill chunks' experts run on the device
+    through it (64 rows, or MOESTREAM_PREFILL_ROWS), streamed over PCIe. It is a speed trade only, so the KV reserve
+    comes first: where the budget cannot hold both, top-k rows, and where not even those, none (a chunk's experts
+    are computed on the CPU threads like a decode step's, in host memory: no device expert buffer at all)."""
+    room = free - _kv_reserve(m, e) * m.kv_bytes_per_token
+    want = max(min(prefill_rows() or top, top), min(m.top_k, top))
+    for rows in (want, min(m.top_k, top)):
+        if 2 * rows * m.expert_bytes <= room:
+            return rows
+    return 0
 
 
 def _cache_slots(m: ModelSizes, e, room: int) -> int:
