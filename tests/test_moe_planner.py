@@ -470,3 +470,79 @@ def test_cap_headroom_scales_below_4_gib():
     assert CAP_MODULES < cap_headroom(2 * GiB) < cap_headroom(3 * GiB) < CAP_HEADROOM
     p = plan_memory(BIG, gpu(139), EngineConfig(moe_backend="cpu", gpu_memory_gb=3))
     assert p.bytes.budget == 3 * GiB - cap_headroom(3 * GiB) and p.bytes.headroom == cap_headroom(3 * GiB)
+
+
+def test_snapshots_the_gpu_cannot_keep_go_to_a_host_tier(monkeypatch):
+    """Where the plan kept fewer prefix-cache snapshots on the GPU than the default count (and no
+    --prefix-cache-host-gb was given), the engine builds a pinned host tier of just the others: the device keeps at
+    least one slot to take a snapshot in, and the least recently used move out to host memory instead of being
+    dropped. None on a CPU device, with tensor parallel ranks, with no device slot left, or nothing cut."""
+    import types
+
+    import torch
+
+    import moestream.engine.engine as eng_mod
+    from moestream.engine.engine import Engine
+
+    made = []
+
+    class Pool:  # records what the engine asks of kvcache.HostPool
+        split = staticmethod(eng_mod.HostPool.split)
+
+        def __new__(cls, kv, state, pages, snaps, pin):
+            made.append((pages, snaps, pin))
+            return "tier"
+
+    monkeypatch.setattr(eng_mod, "HostPool", Pool)
+
+    def fake(device="cuda", kept=2, asked=8, tp=None, host_gb=0.0):
+        return types.SimpleNamespace(device=torch.device(device), tp=tp, num_state_snapshots=kept, asked_snapshots=asked,
+                                     ecfg=EngineConfig(prefix_cache_host_gb=host_gb), _cache_bytes=lambda: (20480, 64 * MiB))
+
+    def tier(eng):
+        eng.spilled_snapshots = lambda: Engine.spilled_snapshots(eng)
+        return Engine._build_host_tier(eng, None, None)
+
+    assert tier(fake()) == "tier" and made[-1] == (0, 6, True)  # 3.2 GiB: 2 of 8 kept, 6 in host memory
+    for eng in (fake(device="cpu"), fake(kept=0), fake(asked=2), fake(tp=object())):
+        assert tier(eng) is None
+    assert len(made) == 1
+    e = fake(host_gb=1.0)  # an asked tier keeps its own split
+    e.ecfg = e.ecfg.replace(tp_size=1)
+    assert tier(e) == "tier" and made[-1][2] is True and made[-1][1] == (GiB // 2) // (64 * MiB)
+
+
+def test_a_snapshots_only_host_tier_resumes_prompts(tiny_checkpoint, monkeypatch):
+    """The tier of spilled snapshots (no pages) end to end on the hybrid tiny model, forced on a CPU (unpinned): one
+    device snapshot slot, three conversations, then the first one's next turn resumes from its snapshot fetched back
+    from host memory (without the tier: from nothing), with the cache-free tokens."""
+    import torch
+
+    import moestream.engine.engine as eng_mod
+    from moestream import SamplingParams
+    from moestream.engine.engine import Engine
+    from moestream.kvcache import HostPool
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def turns(llm):
+        V = llm.model_config.vocab_size
+        convs = [torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(30 + i)).tolist() for i in range(3)]
+        outs = [llm.generate([c], sp)[0] for c in convs]
+        nxt = convs[0] + outs[0].token_ids + [5, 6, 7]
+        return outs + [llm.generate([nxt], sp)[0]], convs + [nxt]
+
+    kw = dict(device="cpu", dtype="float32", page_size=4, num_tokens=512, prefix_cache_snapshots=1)
+    path = tiny_checkpoint("qwen35")
+    outs, _ = turns(LLM(path, **kw))
+    assert outs[-1].cached_tokens == 0  # its snapshot was pushed out by the later conversations'
+    monkeypatch.setattr(Engine, "spilled_snapshots", lambda self: 8)
+    monkeypatch.setattr(eng_mod, "HostPool", lambda kv, st, pages, snaps, pin: HostPool(kv, st, pages, snaps, pin=False))
+    llm = LLM(path, **kw)
+    assert llm.engine.caches.host.num_pages == 0 and llm.engine.caches.host.num_snaps == 8
+    outs, prompts = turns(llm)
+    ref = LLM(path, device="cpu", dtype="float32", page_size=4, num_tokens=512, prefix_cache=False)
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == ref.generate([p], sp)[0].token_ids
+    st = llm.scheduler.stats()["prefix_cache"]
+    assert outs[-1].cached_tokens > 0 and st["spilled_snapshots"] > 0 and st["fetched_snapshots"] == 1

@@ -105,6 +105,7 @@ class Engine:
         self.hardware = probe_hardware(self.device)  # before anything is allocated on the device
         if tp:
             self.hardware = tp.local_hardware(self.hardware)
+        self.asked_snapshots = self._snapshots(ecfg)  # the plan may keep fewer on the device (_plan_fitting)
         self.model = self._build_model(folder)
         self.caches = self._build_caches()
         self.model.caches = self.caches
@@ -566,12 +567,30 @@ class Engine:
                           num_snapshots=self.num_state_snapshots, num_checkpoints=self.num_state_checkpoints)
         return Caches(kv, state, self._build_host_tier(kv, state))
 
+    def spilled_snapshots(self) -> int:
+        """Prefix-cache snapshots the plan could not keep on the GPU (the default count, cut by _plan_fitting) that a
+        host tier holds instead when --prefix-cache-host-gb is not given: the device keeps at least one slot to take
+        a snapshot in before it moves out (one rank on CUDA only; 0 otherwise)."""
+        kept = self.num_state_snapshots
+        if self.device.type != "cuda" or self.tp or not kept or not self.ecfg.prefix_cache:
+            return 0
+        return max(0, getattr(self, "asked_snapshots", kept) - kept)
+
     def _build_host_tier(self, kv: KVPool, state: StatePool) -> HostPool | None:
         """The prefix cache's host tier: --prefix-cache-host-gb split over the ranks, half of it for state
-        snapshots on Qwen3.5/3.6 (HostPool.split)."""
+        snapshots on Qwen3.5/3.6 (HostPool.split); without it, where the plan cut the snapshots kept on the GPU,
+        a tier of just those snapshots (spilled_snapshots), so a small card still resumes prompts from them."""
         e = self.ecfg
-        if not e.prefix_cache or not e.prefix_cache_host_gb:
+        if not e.prefix_cache:
             return None
+        if not e.prefix_cache_host_gb:
+            spill = self.spilled_snapshots()
+            if not spill:
+                return None
+            log.info("prefix cache host tier: %d state snapshots the GPU budget cannot keep (%.2f GiB pinned host "
+                     "memory; %d stay on the device)", spill, spill * self._cache_bytes()[1] / 2**30,
+                     self.num_state_snapshots)
+            return HostPool(kv, state, 0, spill, pin=True)
         budget = int(e.prefix_cache_host_gb * 2**30) // e.tp_size
         token, snap = self._cache_bytes()
         pages, snaps = HostPool.split(budget, token * e.page_size, snap)
