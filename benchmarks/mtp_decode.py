@@ -126,6 +126,7 @@ def main() -> None:
     backends = args.backends.split(",")
     caps = [float(c) for c in args.caps.split(",")]
     t0 = time.perf_counter()
+    bandwidths = measure_bandwidths(dev)  # before the engine caps torch's allocator at the first cap
     llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=backends[0],
               gpu_memory_gb=caps[0] if dev.type == "cuda" else None, max_running_requests=max(
                   int(b) for b in args.batch.split(",")), num_tokens=16384, max_seq_len_override=4096,
@@ -133,7 +134,7 @@ def main() -> None:
     if max_k:
         make_predictable(llm)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
-    results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": measure_bandwidths(dev), "max_k": max_k,
+    results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bandwidths, "max_k": max_k,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
     V = llm.model_config.vocab_size
     for backend in backends:
