@@ -291,7 +291,7 @@ def test_segments_in_one_call_equal_one_call_each(force_scalar):
                                force_scalar) == -1
 
 
-@pytest.mark.parametrize("name,n,k", [("Q4_0", 64, 576), ("Q4_1", 40, 1536), ("Q4_K", 24, 512)])
+@pytest.mark.parametrize("name,n,k", [("Q4_0", 64, 576), ("Q4_1", 40, 1536), ("Q4_K", 24, 512), ("Q6_K", 32, 768)])
 def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     """repack_x8 (8 rows interleaved, one row per lane of the integer products): the GGUF layout's products up to float
     summation order, near the float64 product as closely; the SIMD and scalar paths, 1 and 2 threads, and a row alone
@@ -327,7 +327,7 @@ def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     assert mod.ms_qmatmul_segs(x.data_ptr(), 1, k, 1, segs.ctypes.data, bad.data_ptr(), 7, 1, 0) == -1
 
 
-@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q4_0", 256), ("Q4_1", 384)])
+@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q4_0", 256), ("Q4_1", 384), ("Q6_K", 512)])
 def test_interleaved_rows_against_many_activation_rows_give_each_rows_own_floats(name, k):
     """A prefill's many activation rows against an interleaved group (several rows a pass over its codes, then 2 and
     1 for what is left): every row's outputs are the floats the row gets alone (the one-row kernel of a decode step)
@@ -385,7 +385,7 @@ def test_interleaved_rows_beside_other_segments_and_in_layer_calls(force_scalar)
     mats = []
     for i, (t, n) in enumerate(specs):
         raw = _weights(t, n, K, seed=i)
-        if t in cpu_quant.X8_TYPES:
+        if t in cpu_quant.X8_TYPES and n % 8 == 0:  # Q6_K's 12 rows stay as stored
             arr, tid, rb = cpu_quant.repack_x8(raw.data_ptr(), n, K, raw.stride(0), t)
             mats.append((arr, arr.ctypes.data, tid, rb, n))
         else:

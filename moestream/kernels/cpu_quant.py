@@ -75,9 +75,9 @@ TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K"
          "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # HF safetensors formats the kernels read (moestream.quant format names -> the C side's ids; not ggml ids)
 HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002}
-# The library's own layouts: Q4_K / Q4_0 / Q4_1 with 8 rows interleaved (repack_x8), type id and bytes per row of K
+# The library's own layouts: Q4_K / Q4_0 / Q4_1 / Q6_K with 8 rows interleaved (repack_x8), type id and bytes per row of K
 X8_TYPES = {"Q4_K": (1012, lambda k: k // 256 * 148), "Q4_0": (1013, lambda k: k // 32 * 18),
-            "Q4_1": (1014, lambda k: k // 32 * 20)}
+            "Q4_1": (1014, lambda k: k // 32 * 20), "Q6_K": (1015, lambda k: k // 256 * 210)}
 # their names where a caller names the types of a call (moe_layer's `types`): the GGUF name and "_x8"
 X8_NAMES = {f"{name}_x8": tid for name, (tid, _) in X8_TYPES.items()}
 # (values, bytes) per block
@@ -270,6 +270,11 @@ def type_id(type_name: str) -> int:
     if type_name in TYPES:
         return TYPES[type_name]
     return HF_TYPES[type_name] if type_name in HF_TYPES else X8_NAMES[type_name]
+
+
+def block_values(type_name: str) -> int:
+    """Values per block of a GGUF type the kernels read (a row's k must be a multiple)."""
+    return _BLOCKS[type_name][0]
 
 
 def row_bytes(type_name: str, k: int) -> int:
@@ -539,7 +544,7 @@ def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str,
 
 def repack_x8(addr: int, rows: int, k: int, stride: int, type_name: str,
               out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
-    """`rows` rows of a Q4_K / Q4_0 / Q4_1 matrix at `addr` (`stride` bytes apart, k columns) with 8 rows
+    """`rows` rows of a Q4_K / Q4_0 / Q4_1 / Q6_K matrix at `addr` (`stride` bytes apart, k columns) with 8 rows
     interleaved, the kernels' layout for one-row products (qmatmul.cpp: the "8 rows interleaved" sections):
     (uint8 array, its type id, bytes per row). `out`: an array of that many bytes to fill instead of a new one.
     ValueError for another type, rows % 8 or k not a multiple of the block."""

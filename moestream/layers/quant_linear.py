@@ -31,7 +31,7 @@ class QuantLinear(nn.Module):
     Qwen3.6 GGUF's Gated DeltaNet out_proj: its value heads are in the file's tiled order and a head's 128
     columns are half a 256-value K-quant block, so the bytes cannot be reordered as the model's rows are."""
 
-    # (array, address, type id, bytes per row) of an 8-row interleaved copy of raw (Q4_K / Q4_0 / Q4_1) that the CPU
+    # (array, address, type id, bytes per row) of an 8-row interleaved copy of raw (Q4_K / Q4_0 / Q4_1 / Q6_K) that the CPU
     # decode plan made (models/cpu_decode._weight); the CPU path reads it instead of raw, for any row count
     x8: tuple | None = None
 

@@ -19,7 +19,7 @@ The products are the per-op path's own kernels (ms_qmatmul / ms_moe_layer, float
 float rows); norms, rotary, softmax and the recurrence sum in another order, so logits agree to float32
 rounding (tests/test_cpu_decode.py).
 
-Q4_K, Q4_0 and Q4_1 weights the plan reads (attention / Gated DeltaNet projections, dense MLPs, and routed experts
+Q4_K, Q4_0, Q4_1 and Q6_K weights the plan reads (attention / Gated DeltaNet projections, dense MLPs, and routed experts
 where the host holds their copy beside the file's bytes: `_Repack.experts`) are copied once, when the plan is
 built, into the kernels' 8-row interleaved layouts
 (kernels/cpu_quant.repack_x8): a one-row product shares each block's bookkeeping among 8 rows and needs no
@@ -98,12 +98,11 @@ class _Repack:
         return not self.refused
 
     def weight(self, w: tuple[int, int, int], rows: int, k: int) -> tuple[int, int, int]:
-        """A Q4_K / Q4_0 / Q4_1 matrix's fields (address, type, row stride) as its interleaved copy's; others (and
+        """A Q4_K / Q4_0 / Q4_1 / Q6_K matrix's fields (address, type, row stride) as its interleaved copy's; others (and
         shapes the layout cannot take) as they are."""
         addr, tid, stride = w
         name = self.by_id.get(tid)
-        block = 256 if name == "Q4_K" else 32
-        if name is None or rows % 8 or k % block:
+        if name is None or rows % 8 or k % cpu_quant.block_values(name):
             return w
         key, (xt, row_bytes) = (addr, rows, k), cpu_quant.X8_TYPES[name]
         if key not in self.arrays:
@@ -116,7 +115,7 @@ class _Repack:
     def experts(self, ptrs: np.ndarray, types: tuple, hidden: int, inter: int,
                 arrays: tuple | None = None) -> tuple[np.ndarray, tuple]:
         """A layer's expert table (addresses [E, 3] of every expert's gate / up / down, their type ids) with each
-        Q4_K / Q4_0 / Q4_1 projection read from interleaved copies (one array of all E experts' rows a projection;
+        Q4_K / Q4_0 / Q4_1 / Q6_K projection read from interleaved copies (one array of all E experts' rows a projection;
         the table has one type a projection, so all of them or none), where available host memory less the copy
         keeps REPACK_RESERVE beside as many bytes as the file holds of it; others as they are (nothing copied: the
         table itself). arrays: the bank's gate / up / down tensors, on which each copy is recorded
@@ -124,7 +123,7 @@ class _Repack:
         out, tids = ptrs, list(types)
         for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
             name = self.by_id.get(int(types[j]))
-            if name is None or rows % 8 or k % (256 if name == "Q4_K" else 32):
+            if name is None or rows % 8 or k % cpu_quant.block_values(name):
                 continue
             key, (xt, row_bytes) = (int(ptrs[0, j]), len(ptrs) * rows, k), cpu_quant.X8_TYPES[name]
             stride = cpu_quant.row_bytes(name, k)
@@ -151,7 +150,7 @@ _REPACK: _Repack | None = None  # set while a plan is being built with repacking
 
 def _weight(lin, mlp: bool = False, perm_ok: bool = False) -> tuple[int, int, int] | None:
     """(address, ggml type, row stride in bytes) of a projection the kernels read, or None (mlp: for
-    ms_moe_layer, which reads no float32 rows; perm_ok: the caller handles a QuantLinear's in_perm). While a plan is built with repacking on, a Q4_K / Q4_0 / Q4_1
+    ms_moe_layer, which reads no float32 rows; perm_ok: the caller handles a QuantLinear's in_perm). While a plan is built with repacking on, a Q4_K / Q4_0 / Q4_1 / Q6_K
     matrix's fields are its interleaved copy's."""
     if type(lin) in (QuantLinear, FusedQuantLinear) and lin.type_id is not None and lin.raw.device.type == "cpu" \
             and not lin.float_activations and (lin.in_perm is None or perm_ok):

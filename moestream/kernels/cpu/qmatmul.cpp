@@ -225,8 +225,10 @@ enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8
 enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002 };
 // This library's own layouts (not ggml ids): Q4_K, Q4_0 and Q4_1 with 8 rows interleaved (ms_repack_x8, the
 // "8 rows interleaved" section)
-enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014 };
-inline bool is_x8_type(int64_t type) { return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8; }
+enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014, T_Q6_K8 = 1015 };
+inline bool is_x8_type(int64_t type) {
+  return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8 || type == T_Q6_K8;
+}
 inline bool is_hf_fp4(int64_t type) { return type == T_HF_NVFP4 || type == T_HF_MXFP4; }
 
 // Non-linear 4-bit codebooks (format constants, as int8): the IQ4_NL / IQ4_XS levels, and the e2m1 values
@@ -1183,6 +1185,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_Q4_K8: return K / 256 * 148;  // per row: 8 rows share a 1,184-byte block per 256 columns
     case T_Q4_0X8: return K / 32 * 18;   // 8 rows share 144 bytes per 32 columns
     case T_Q4_1X8: return K / 32 * 20;   // 8 rows share 160 bytes per 32 columns
+    case T_Q6_K8: return K / 256 * 210;  // 8 rows share 1,680 bytes per 256 columns
     case T_Q5_K: return K / 256 * 176;
     case T_Q6_K: return K / 256 * 210;
     case T_IQ4_NL: return K / 32 * 18;
@@ -1198,7 +1201,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
 int64_t block_size(int64_t type) {
   switch (type) {
     case T_F16: case T_BF16: return 1;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: case T_Q4_K8: return 256;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: case T_Q4_K8: case T_Q6_K8: return 256;
   }
   return 32;
 }
@@ -1207,7 +1210,7 @@ inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16
 inline bool is_iq_k(int64_t type) { return type == T_IQ4_XS || type == T_IQ3_S; }
 // the types whose activations are QActK rows (one scale per 256 values)
 inline bool is_k_type(int64_t type) {
-  return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_Q4_K8 || is_iq_k(type);
+  return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_Q4_K8 || type == T_Q6_K8 || is_iq_k(type);
 }
 
 // Matrix `type` of ms_moe_layer's wptr entry `ptr`, rows of K values: GGUF (or F16/BF16) rows back to back, or
@@ -1466,6 +1469,140 @@ void dot_q4x8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* x
 }
 #endif
 
+// Q6_K8: Q6_K, 8 rows interleaved. Per group of 8 rows and 256 columns, 1,680 bytes (8 x 210, Q6_K's own size):
+//   [0, 16)      d of rows 0..7 (fp16)
+//   [16, 144)    scale of sub-block j (16 values), row r at 16 + 8 j + r (int8)
+//   [144, 1168)  low 4 bits: chunk k (0..31) is 32 bytes at 144 + 32 k, row r's 4 at + 4 r; byte b's low nibble is
+//                value 4 k + b's, its high nibble value 128 + 4 k + b's
+//   [1168, 1680) high 2 bits: chunk h (0..15) is 32 bytes at 1168 + 32 h, row r's 4 at + 4 r; byte b's bits 2 t,
+//                2 t + 1 are value 64 t + 4 h + b's (t = 0..3)
+// Codes q (0..63, the value d * sc * (q - 32)) against QActK rows: per sub-block j and row the integer sum of q times
+// the activations (an activation's 4 bytes broadcast, one row per 32-bit lane), tot = sum_j sc_j * sum_j -
+// 32 * sum_j sc_j * bs_j (the second by madd_epi16 over sub-block pairs), then acc += tot * (d * dx) as one fused
+// multiply-add a block: integers exact (|tot| < 2^29), so the scalar twin gives the same floats. Not Q6_K's order.
+constexpr int64_t Q6K8_BLOCK = 1680;
+
+// The 256 codes (0..63) of one Q6_K block (ggml's layout: ql[128], qh[64], sc[16], d)
+inline void q6_k_codes(const uint8_t* blk, uint8_t* q) {
+  for (int s = 0; s < 8; ++s) {
+    const int h = s / 4, k = s % 4;
+    const uint8_t* ql = blk + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    for (int i = 0; i < 32; ++i)
+      q[32 * s + i] = (uint8_t)(((k / 2) ? ql[i] >> 4 : ql[i] & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
+  }
+}
+
+void repack_q6_k8(const uint8_t* w, int64_t ws, int64_t K, uint8_t* out) {
+  for (int64_t b = 0; b < K / KB; ++b) {
+    uint8_t* o = out + b * Q6K8_BLOCK;
+    std::memset(o + 1168, 0, 512);
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = w + r * ws + b * 210;
+      uint8_t q[256];
+      q6_k_codes(blk, q);
+      std::memcpy(o + 2 * r, blk + 208, 2);
+      for (int j = 0; j < 16; ++j) o[16 + 8 * j + r] = blk[192 + j];
+      for (int k = 0; k < 32; ++k)
+        for (int c = 0; c < 4; ++c)
+          o[144 + 32 * k + 4 * r + c] = (uint8_t)((q[4 * k + c] & 15) | (q[128 + 4 * k + c] & 15) << 4);
+      for (int h = 0; h < 16; ++h)
+        for (int c = 0; c < 4; ++c)
+          for (int t = 0; t < 4; ++t) o[1168 + 32 * h + 4 * r + c] |= (uint8_t)((q[64 * t + 4 * h + c] >> 4) << (2 * t));
+    }
+  }
+}
+
+// out[r] (r < 8) = row r of the group at w . one QActK row (q, d, bs)
+void dot_q6_k8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs, float* out) {
+  float acc[8] = {};
+  for (int64_t b = 0; b < K / KB; ++b, w += Q6K8_BLOCK) {
+    const int8_t* xb = xq + b * KB;
+    for (int r = 0; r < 8; ++r) {
+      int32_t tot = 0, off = 0;
+      for (int j = 0; j < 16; ++j) {
+        int32_t isum = 0;
+        for (int i = 16 * j; i < 16 * j + 16; ++i) {
+          const int m = i / 4, c = i % 4;  // quad m = 16 t + h
+          const uint8_t lo = w[144 + 32 * (m % 32) + 4 * r + c];
+          const uint8_t hi = w[1168 + 32 * (m % 16) + 4 * r + c];
+          const int q = (m < 32 ? lo & 15 : lo >> 4) | ((hi >> (2 * (m / 16))) & 3) << 4;
+          isum += q * xb[i];
+        }
+        const int sc = (int8_t)w[16 + 8 * j + r];
+        tot += sc * isum, off += sc * xbs[b * 16 + j];
+      }
+      tot -= 32 * off;
+      acc[r] = std::fma((float)tot, half_to_float(w + 2 * r) * xd[b], acc[r]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = acc[r];
+}
+
+#ifdef MS_AVX2
+// Rows r0 .. r0 + NR - 1 of x against one Q6_K8 group: out[8 r + j] (the one-row product is NR = 1)
+template <int NR>
+void dot_q6_k8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / KB; ++b, w += Q6K8_BLOCK) {
+    __m256i tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_si256();
+    const int64_t xo = b * KB;
+    for (int jj = 0; jj < 4; ++jj) {  // sub-blocks jj, jj + 4, jj + 8, jj + 12: quads 4 jj .. 4 jj + 3 (+ 16 t)
+      __m256i s[4][NR];
+      for (int t = 0; t < 4; ++t)
+        for (int r = 0; r < NR; ++r) s[t][r] = _mm256_setzero_si256();
+      for (int u = 0; u < 4; ++u) {
+        const int k = 4 * jj + u;
+        const __m256i la = _mm256_loadu_si256((const __m256i*)(w + 144 + 32 * k));
+        const __m256i lb = _mm256_loadu_si256((const __m256i*)(w + 144 + 32 * (k + 16)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 1168 + 32 * k));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(la, m0f), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(lb, m0f), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m0f), _mm256_and_si256(qh, m30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m0f),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        for (int r = 0; r < NR; ++r)
+          for (int t = 0; t < 4; ++t) {
+            int32_t a;
+            std::memcpy(&a, x.q[r0 + r] + xo + 4 * (k + 16 * t), 4);
+#ifdef MS_VNNI
+            s[t][r] = _mm256_dpbusd_epi32(s[t][r], q[t], _mm256_set1_epi32(a));
+#else  // u6 * s8 pairs fit int16 (2 * 63 * 127)
+            s[t][r] = _mm256_add_epi32(s[t][r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], _mm256_set1_epi32(a)),
+                                                                  _mm256_set1_epi16(1)));
+#endif
+          }
+      }
+      for (int t = 0; t < 4; ++t) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 16 + 8 * (jj + 4 * t))));
+        for (int r = 0; r < NR; ++r) tot[r] = _mm256_add_epi32(tot[r], _mm256_mullo_epi32(s[t][r], sc));
+      }
+    }
+    __m256i scp[8];  // lane j: (scale of sub-block 2 i, of 2 i + 1) of row j, as int16
+    for (int i = 0; i < 8; ++i)
+      scp[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(w + 16 + 16 * i)),
+                                                      _mm_loadl_epi64((const __m128i*)(w + 24 + 16 * i))));
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    for (int r = 0; r < NR; ++r) {
+      const int16_t* bs = x.bs[r0 + r] + b * 16;
+      __m256i off = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, bs + 2 * i, 4);
+        off = _mm256_add_epi32(off, _mm256_madd_epi16(scp[i], _mm256_set1_epi32(pair)));
+      }
+      const __m256i t = _mm256_sub_epi32(tot[r], _mm256_slli_epi32(off, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, _mm256_set1_ps(x.d[r0 + r][b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+#endif
+
 #ifdef MS_AVX2
 // Several activation rows against one interleaved group (a prefill's rows of an expert or a dense projection): each
 // 32-byte load of codes and its nibble masks serve NR rows, and so do the group's scale / min / d vectors. Per row
@@ -1570,6 +1707,7 @@ void dot_q4x8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float*
 template <int NR>
 inline void dot_x8_rows_avx2(int64_t type, const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
   if (type == T_Q4_K8) dot_q4_k8_rows_avx2<NR>(w, K, x, r0, out);
+  else if (type == T_Q6_K8) dot_q6_k8_rows_avx2<NR>(w, K, x, r0, out);
   else if (type == T_Q4_1X8) dot_q4x8_rows_avx2<true, NR>(w, K, x, r0, out);
   else dot_q4x8_rows_avx2<false, NR>(w, K, x, r0, out);
 }
@@ -1580,12 +1718,14 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
 #ifdef MS_AVX2
   if (!scalar) {
     if (type == T_Q4_K8) dot_q4_k8_avx2(w, K, x.q[k], x.d[k], x.bs[k], out);
+    else if (type == T_Q6_K8) dot_q6_k8_rows_avx2<1>(w, K, x, k, out);
     else if (type == T_Q4_1X8) dot_q4x8_avx2<true>(w, K, x.q[k], x.d[k], x.s[k], out);
     else dot_q4x8_avx2<false>(w, K, x.q[k], x.d[k], x.s[k], out);
     return;
   }
 #endif
   if (type == T_Q4_K8) dot_q4_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
+  else if (type == T_Q6_K8) dot_q6_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
   else if (type == T_Q4_1X8) dot_q4x8_scalar<true>(w, K, x.q[k], x.d[k], x.s[k], out);
   else dot_q4x8_scalar<false>(w, K, x.q[k], x.d[k], x.s[k], out);
 }
@@ -2107,18 +2247,20 @@ int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const i
   return 0;
 }
 
-// w: N rows of Q4_K, Q4_0 or Q4_1 (`type`, K columns), `ws` bytes apart -> out: the same matrix with 8 rows
-// interleaved (Q4_K8 / Q4_0X8 / Q4_1X8, this library's own type ids 1012 / 1013 / 1014; N / 8 groups, row_bytes of the
+// w: N rows of Q4_K, Q4_0, Q4_1 or Q6_K (`type`, K columns), `ws` bytes apart -> out: the same matrix with 8 rows
+// interleaved (Q4_K8 / Q4_0X8 / Q4_1X8 / Q6_K8, this library's own type ids 1012 / 1013 / 1014 / 1015; N / 8 groups, row_bytes of the
 // new type per row; see the "8 rows interleaved" sections). Returns the new type's id, or -1 for another type, N not a
 // multiple of 8 or K not a multiple of the block.
 int ms_repack_x8(const uint8_t* w, int64_t N, int64_t K, int64_t ws, int64_t type, uint8_t* out, int nthreads) {
-  const int64_t to = type == T_Q4_K ? T_Q4_K8 : type == T_Q4_0 ? T_Q4_0X8 : type == T_Q4_1 ? T_Q4_1X8 : -1;
+  const int64_t to = type == T_Q4_K ? T_Q4_K8 : type == T_Q4_0 ? T_Q4_0X8 : type == T_Q4_1 ? T_Q4_1X8
+                     : type == T_Q6_K ? T_Q6_K8 : -1;
   if (to < 0 || N % 8 || K <= 0 || K % block_size(to) || ws < row_bytes(type, K)) return -1;
   const int64_t gs = 8 * row_bytes(to, K);  // bytes per group of 8 rows
   par_for(N / 8, 16, nthreads, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* src = w + 8 * g * ws;
       if (to == T_Q4_K8) repack_q4_k8(src, ws, K, out + g * gs);
+      else if (to == T_Q6_K8) repack_q6_k8(src, ws, K, out + g * gs);
       else if (to == T_Q4_1X8) repack_q4x8<true>(src, ws, K, out + g * gs);
       else repack_q4x8<false>(src, ws, K, out + g * gs);
     }
