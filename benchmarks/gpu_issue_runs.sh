@@ -6,10 +6,11 @@
 #   edge     issue 17: benchmarks/edge_memory.py on the Qwen3.6-shaped Q4_K_M GGUF at CAPS [4,8,12,24], PROMPT [32768]
 #            tokens, BACKEND [offload], EDGE_CAP_S [300] a cap (a 32k prompt at 4 GiB needs ~140 s of prefill), EDGE_S [560]
 #            -> $OUT/edge_memory.{json,md,log}
-#   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB: an
-#            ~8k-token system prompt + tools, ~1.4k new tokens a turn (TOOL_WORDS [300] of tool output + the answer)
-#            for REPLAY_TURNS [17] turns (~30k at the end); the cache-free baseline measures SAMPLE [0,8,16] of
-#            them -> $OUT/agent_replay.*
+#   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB
+#            (REPLAY_ARGS [--max-seq-len-override 40960]: the KV of one whole conversation): an ~8k-token system
+#            prompt + tools (SYSTEM_WORDS [4100], ~2 tokens a word), ~600 new tokens a turn (TOOL_WORDS [300] of tool
+#            output + the answer) for REPLAY_TURNS [41] turns (~32k at the end); the cache-free baseline measures
+#            SAMPLE [0,20,40] of them -> $OUT/agent_replay.*
 #   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block, scripted drafts)
 #            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload]  -> $OUT/mtp.{json,log}
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
@@ -39,9 +40,9 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_srv .whl/server/*.whl 2>&1 | grep -v "already exists"
       fi
       PYTHONPATH=/tmp/site_srv:$PYTHONPATH timeout "${REPLAY_S:-330}" python3 benchmarks/agent_replay.py \
-        --serve-args "--model-path $F --gpu-memory-gb ${REPLAY_GB:-12} ${REPLAY_ARGS:-}" \
-        --turns "${REPLAY_TURNS:-17}" --system-words "${SYSTEM_WORDS:-1900}" --tool-words "${TOOL_WORDS:-300}" \
-        --max-tokens 16 --sample-turns "${SAMPLE:-0,8,16}" --log-prefix "$OUT/agent_replay_server" \
+        --serve-args "--model-path $F --gpu-memory-gb ${REPLAY_GB:-12} ${REPLAY_ARGS:---max-seq-len-override 40960}" \
+        --turns "${REPLAY_TURNS:-41}" --system-words "${SYSTEM_WORDS:-4100}" --tool-words "${TOOL_WORDS:-300}" \
+        --max-tokens 16 --sample-turns "${SAMPLE:-0,20,40}" --log-prefix "$OUT/agent_replay_server" \
         --out "$OUT/agent_replay.json" 2>&1 | tee "$OUT/agent_replay.log"
       ;;
     mtp)

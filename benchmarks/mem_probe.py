@@ -157,8 +157,12 @@ def run_isolated(cmd: list[str], timeout: float, base: dict) -> dict:
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("@@result ")]
         rec = json.loads(lines[-1][9:]) if lines else {**base, "error": p.stderr[-3000:]}
         print("\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("@@result")), flush=True)
-    except subprocess.TimeoutExpired:
-        rec = {**base, "error": f"timeout after {timeout} s"}
+    except subprocess.TimeoutExpired as e:  # what it printed so far says how far it got (load, plan, phases)
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out, flush=True)
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rec = {**base, "error": f"timeout after {timeout} s", "stderr_tail": err[-1500:],
+               "last_output": (out.strip().splitlines() or [""])[-1][:400]}
     rec["wall_s"] = round(time.perf_counter() - t, 1)
     return rec
 
