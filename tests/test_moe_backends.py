@@ -314,3 +314,45 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
     monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
     assert got == want and "arms" not in llm.stats()["hybrid"]
+
+
+def test_reading_a_bridged_steps_results_waits_asleep_first(tiny_checkpoint, fused_tokens, monkeypatch):
+    """A decode step with a job for the CPU worker (cpu, hybrid's split) is waited for on the bridge's blocking
+    event before the runner reads its results (CpuBridge.wait_launched), so the reading thread does not spin a core
+    in a CUDA sync while the worker's threads compute: once per bridged step, while the step is pending, before
+    finish_step. On the CPU no event is recorded, so one is put where end_step leaves it."""
+    from moestream.moe.bridge import CpuBridge
+
+    log = []
+
+    class Event:
+        def synchronize(self):
+            log.append("sleep")
+
+    end, wait, finish = CpuBridge.end_step, CpuBridge.wait_launched, CpuBridge.finish_step
+
+    def end_step(self):
+        end(self)
+        self._step_done = Event()
+        log.append("end")
+
+    def wait_launched(self):
+        log.append("wait" if self._pending else "wait-idle")
+        wait(self)
+
+    def finish_step(self):
+        log.append("finish" if self._pending else "finish-idle")
+        return finish(self)
+
+    monkeypatch.setattr(CpuBridge, "end_step", end_step)
+    monkeypatch.setattr(CpuBridge, "wait_launched", wait_launched)
+    monkeypatch.setattr(CpuBridge, "finish_step", finish_step)
+    ps, want = fused_tokens("qwen3")
+    llm, got = run(tiny_checkpoint, "qwen3", "cpu", moe_decode_kernel="pairs")
+    assert got == want
+    steps = llm.engine.runtime.bridge.seq
+    assert steps > 0 and log.count("end") == steps
+    # every bridged step: launched, slept on, then finished (the event's own wait in finish_step follows)
+    busy = [x for x in log if x in ("end", "wait", "sleep", "finish")]
+    assert busy[:4] == ["end", "wait", "sleep", "finish"]
+    assert busy.count("wait") == busy.count("finish") == steps and log.count("sleep") >= steps

@@ -642,6 +642,11 @@ class Engine:
             self.runtime.end_step()
             self.runtime.finish_step()
 
+    def wait_forward(self) -> None:
+        """Before the caller reads the last forward's results: where CPU threads compute experts in that step,
+        sleep until the GPU is done instead of spinning a core in the read's sync (ExpertRuntime.wait_step)."""
+        self.runtime.wait_step()
+
     def finish_step(self) -> None:
         """After the caller waited for the last forward's results: the expert runtime's CPU worker is waited for
         and raises that step's failure (forward itself does not wait, so sampling queues behind the step)."""

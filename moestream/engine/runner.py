@@ -82,6 +82,7 @@ class ModelRunner:
 
     def _run(self, sched: ScheduledBatch, batch: ForwardBatch, rows: _Rows) -> StepResult:
         logits = self.engine.forward(batch)
+        self.engine.wait_forward()  # (cpu / hybrid on a GPU: asleep while the CPU worker computes)
         if self.spec_k:
             self._batch = batch
         failed: list[tuple[Request, str]] = []  # requests whose own work raised (_guarded): they alone fail

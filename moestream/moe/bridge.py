@@ -115,6 +115,15 @@ class CpuBridge:
             self._step_done.record(torch.cuda.current_stream(self.device))
         self._pending = True
 
+    def wait_launched(self) -> None:
+        """Sleep until the ended step's GPU work is done (its blocking event). The caller's next read of the
+        step's results would otherwise wait in a CUDA sync, which spins a core for the whole step (CUDA's default
+        with fewer contexts than cores): on a host whose every core runs one of the worker's threads, that
+        spinning thread halves one worker thread's share, and each fork/join of the worker's layer calls waits
+        for it."""
+        if self._pending and self._step_done is not None:
+            self._step_done.synchronize()
+
     def finish_step(self) -> bool:
         """The last ended step is complete: wait for its GPU work (done already when the caller has read the
         step's results), release the worker from requests that will not come, raise a failure of that step.

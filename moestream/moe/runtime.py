@@ -78,6 +78,10 @@ class Part:
     def end_step(self, decode: bool) -> None:
         """A step's work is issued."""
 
+    def wait_step(self) -> None:
+        """The caller is about to wait for the last issued step's results: a part whose CPU threads work during
+        the step may make the caller wait by sleeping rather than spinning."""
+
     def finish_step(self) -> None:
         """The caller waited for the last issued step's results (raises what that step's own work raised)."""
 
@@ -182,6 +186,11 @@ class ExpertRuntime:
             self.book.end_step(decode=decode)
             if self.tap is not None:
                 self.tap.end_step()
+
+    def wait_step(self) -> None:
+        """Before the caller waits for the last issued step's results (Part.wait_step)."""
+        for part in self._parts:
+            part.wait_step()
 
     def finish_step(self) -> None:
         """The caller has the last issued step's results (it waited for the GPU): the parts that work beside it

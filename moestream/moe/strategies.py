@@ -390,6 +390,10 @@ class BridgeDecode(Strategy):
             self._bridged = False
             self.bridge.end_step()
 
+    def wait_step(self) -> None:
+        """A step with a worker job: the caller sleeps until the GPU finished it (CpuBridge.wait_launched)."""
+        self.bridge.wait_launched()
+
     def finish_step(self) -> None:
         """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step,
         and the arms its time from launch to results."""
