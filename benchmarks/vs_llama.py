@@ -484,6 +484,8 @@ def measure(llm, args) -> dict:
     llm.generate([prompt(8) for _ in range(4)], sp(n4))
     tm = llm.last_timing
     out.update(bs4_tokens=tm["decode_tokens"], bs4_tok_s=tm["decode_tok_s"], bs4_s=tm["decode_s"])
+    if "hybrid" in rt.stats():  # again after bs4: the arm batch 4 held and the split's share by then
+        out["hybrid_after_bs4"] = rt.stats()["hybrid"]
     # prefill: pp tokens in one request, --reps times after one untimed (llama-bench: mean of -r after a warm-up)
     pps = []
     llm.generate([prompt(args.pp)], sp(1))  # untimed, as llama-bench's warm-up run
