@@ -18,6 +18,17 @@ those of the real shape. --accept below 1 makes each draft wrong with probabilit
 argmax moved to another token after it ran). The plain greedy run of the same prompts (k = 0) is the baseline
 row; every speculative run is checked to give its tokens.
 
+Routing: the random router's (uniform: the k + 1 tokens of a verify step share almost no experts, so MTP cannot
+save PCIe bytes), or with --trace synthetic:PRESET (moe/synth.py, made for this model's main layers, one stream
+per request) or --trace FILE forced by token position (moe/trace.py RouteForcer(by_position=True)): a token routes
+to the same experts whether a decode step or a verify step computes it, so the speculative runs still give the
+baseline's tokens, and consecutive tokens share experts as the trace's locality says. The MTP layer's own
+experts keep its router's choice.
+
+Time split: `draft_s` (the drafter's passes, eager) and `step_s` (the engine's forward calls, verify or decode) of
+the measured run, from wall clocks around the calls (the drafter's passes end in a host read, so their time is
+theirs; a forward returns once launched, so the sync of its results is counted in whatever reads them next).
+
 k = 0 runs on the engine built for the largest k (its decode buffers and pair scratch rows sized for k + 1
 rows a request, which takes a few expert slots from the cache); for the exact baseline run with --k 0
 --max-k 0 (a separate process, no MTP block loaded).
@@ -73,6 +84,57 @@ def noisy_drafter(llm, accept: float, seed: int = 0):
     engine.draft = draft
 
 
+def force_routes(llm, spec: str, streams: int, max_k: int) -> None:
+    """Decode and verify rows routed from a trace by token position (module doc)."""
+    from moestream.moe import synth
+    from moestream.moe.trace import RouteForcer, read_trace
+
+    mc, rt = llm.model_config, llm.engine.runtime
+    layers = [layer for layer in rt.store.moe_layers if layer not in rt.ctx.lookahead.draft_layers]
+    if spec.startswith("synthetic:"):
+        p = synth.preset(spec.split(":", 1)[1], num_layers=len(layers), num_experts=mc.num_experts, top_k=mc.top_k,
+                         bytes_per_expert=rt.store.bytes_per_expert(), batch=streams, tokens=2048)
+        trace = synth.generate(p, moe_layers=layers)
+    else:
+        trace = read_trace(spec)
+    rows = llm.engine_config.max_running_requests * (max_k + 1)
+    llm.engine.set_route_tap(RouteForcer(trace, llm.engine.device, max_rows=rows, by_position=True, streams=streams))
+    print(f"decode routing forced from {spec} by token position", flush=True)
+
+
+class Clock:
+    """Wall time inside the engine's draft and forward calls (module doc)."""
+
+    def __init__(self, engine):
+        self.engine, self.s = engine, {"draft_s": 0.0, "step_s": 0.0, "drafts": 0, "steps": 0}
+        self.real = {name: getattr(type(engine), name) for name in ("draft", "forward")}
+
+    def wrap(self):
+        e, s = self.engine, self.s
+        draft = e.__dict__.get("draft") or self.real["draft"].__get__(e)  # (noisy_drafter's, when set)
+        forward = self.real["forward"].__get__(e)
+
+        def timed(fn, key):
+            def call(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    s[key + "_s"] += time.perf_counter() - t
+                    s[key + "s"] += 1
+            return call
+
+        e.draft, e.forward = timed(draft, "draft"), timed(forward, "step")
+        return self
+
+    def unwrap(self, had_draft):
+        self.engine.__dict__.pop("forward", None)
+        if had_draft is None:
+            self.engine.__dict__.pop("draft", None)
+        else:
+            self.engine.draft = had_draft
+
+
 def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -> dict:
     from moestream import SamplingParams
 
@@ -83,9 +145,15 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
     else:
         llm.engine.__dict__.pop("draft", None)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm the cache
+    # warm: the cache, and the decode / verify graphs of every KV bucket the measured run will cross
+    llm.generate(prompts, sp)
     before, spec_before = totals(llm), json.loads(json.dumps(runner.spec_totals))
-    outs = [o.token_ids for o in llm.generate(prompts, sp)]
+    had_draft = llm.engine.__dict__.get("draft")
+    clock = Clock(llm.engine).wrap()
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts, sp)]
+    finally:
+        clock.unwrap(had_draft)
     d = delta(totals(llm), before)
     t = llm.last_timing
     spec = {key: ([a - b for a, b in zip(v, spec_before[key])] if isinstance(v, list) else v - spec_before[key])
@@ -100,7 +168,8 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
             "pcie_bytes_per_token": d.get("bytes_h2d", 0) / toks,
             "drafted_per_position": spec["drafted_at"][:k], "accepted_per_position": spec["accepted_at"][:k],
             "tokens_per_verify_step": spec["emitted"] / spec["verify_steps"] if spec["verify_steps"] else None,
-            "tokens_equal": None if want is None else outs == want, "outputs": outs}
+            "tokens_equal": None if want is None else outs == want, "outputs": outs,
+            **{key: (round(v, 4) if isinstance(v, float) else v) for key, v in clock.s.items()}}
 
 
 def main() -> None:
@@ -115,6 +184,8 @@ def main() -> None:
     ap.add_argument("--accept", default="1.0,0.8,0.6", help="probability that a draft is left right (1: the real drafts)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="mtp.json")
+    ap.add_argument("--trace", default=None, help="force routing by token position: FILE or synthetic:PRESET "
+                    "(qwen36, qwen36-skewed, uniform); default: the random router's")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from moestream import LLM
@@ -133,9 +204,11 @@ def main() -> None:
               speculative="mtp" if max_k else "none", num_speculative_tokens=max(max_k, 1))
     if max_k:
         make_predictable(llm)
+    if args.trace:
+        force_routes(llm, args.trace, max(int(b) for b in args.batch.split(",")), max_k)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bandwidths, "max_k": max_k,
-               "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
+               "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "trace": args.trace, "runs": []}
     V = llm.model_config.vocab_size
     for backend in backends:
         for cap in caps:
@@ -161,7 +234,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     print(f"\n{'backend':8} {'cap':>5} {'bs':>3} {'k':>2} {'accept':>6} {'tok/s':>8} {'x base':>6} {'MB/tok':>7} "
-          f"{'hit':>5} {'tok/verify':>10} same")
+          f"{'hit':>5} {'tok/verify':>10} {'draft s':>7} {'step s':>7} same")
     for r in results["runs"]:
         if "error" in r:
             print(f"{r['backend']:8} {r['cap_gb']:5.0f} error: {r['error'][:80]}")
@@ -169,7 +242,8 @@ def main() -> None:
         f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
         print(f"{r['backend']:8} {r['cap_gb']:5.0f} {r['bs']:3d} {r['k']:2d} {f(r['accept'], '6.2f')} "
               f"{r['decode_tok_s_agg']:8.1f} {f(r['speedup'], '6.2f')} {r['pcie_bytes_per_token'] / 1e6:7.2f} "
-              f"{f(r['hit_rate'], '5.2f')} {f(r['tokens_per_verify_step'], '10.2f')} {r['tokens_equal']}")
+              f"{f(r['hit_rate'], '5.2f')} {f(r['tokens_per_verify_step'], '10.2f')} {r['draft_s']:7.3f} "
+              f"{r['step_s']:7.3f} {r['tokens_equal']}")
 
 
 if __name__ == "__main__":

@@ -267,3 +267,48 @@ def test_follow_maps_are_the_generators_and_bound_lookahead():
     assert follow_ceiling(chain, 24) > 0.6  # every miss past layer 0 is an image of the previous layer's experts
     flat = synth.generate(synth.preset("uniform", tokens=60, num_layers=3, num_experts=32, top_k=4))
     assert follow_ceiling(flat, 24) < 0.25  # only chance overlaps (4 of 32 images)
+
+
+def test_forcer_by_position_follows_each_requests_tokens():
+    """by_position: a row reads its request's stream at its token's position, whichever step computes it; a
+    request's rows in one step (a verify step) read consecutive trace steps; requests beyond the trace's streams
+    start far apart."""
+    from moestream.batch import SeqMeta
+
+    torch = __import__("torch")
+    tr = synth.generate(synth.preset("uniform", tokens=16, batch=2, num_layers=2, num_experts=16, top_k=2))
+    grid = tr.ids.reshape(16, 2, 2, 2)
+    f = RouteForcer(tr, torch.device("cpu"), max_rows=8, by_position=True, streams=4)
+    meta = lambda slot, cached, n: SeqMeta(start=0, length=n, cached=cached, state_slot=slot,  # noqa: E731
+                                           kv_index=torch.zeros(cached + n, dtype=torch.long))
+    rows = f.rows_at(*f._positions([meta(1, 5, 3), meta(2, 9, 1)]))
+    assert np.array_equal(rows[:3], grid[5:8, 1])  # slot 1, positions 5-7: stream 1, trace steps 5-7
+    assert np.array_equal(rows[3], grid[(9 + 8) % 16, 0])  # slot 2: stream 0 from step 16 / ceil(4 / 2) = 8
+    # one row at position 6 of slot 1 reads what the 3-row step gave it: a token routes alike in any step
+    assert np.array_equal(f.rows_at(*f._positions([meta(1, 6, 1)]))[0], rows[1])
+    f.begin_step({"num_tokens": 4, "decode": True, "seqs": [meta(1, 5, 3), meta(2, 9, 1)]})
+    assert np.array_equal(f.host[:, :4].numpy().transpose(1, 0, 2), rows)
+    f.begin_step({"num_tokens": 1, "decode": True, "draft": True, "seqs": [meta(1, 8, 1)]})
+    assert f.T == 0  # an MTP drafter pass keeps the router's choice
+
+
+def test_speculative_tokens_equal_under_forced_routing_by_position(tiny_checkpoint):
+    """With routing forced by position, a verify step's rows route as the plain decode steps of the same tokens,
+    so --speculative mtp gives the greedy tokens of decoding without it, drafts accepted or not (the MTP layer
+    keeps its own router); the same forcing by step count would route the verify rows differently."""
+    cfg_llm = lambda **kw: LLM(tiny_checkpoint("qwen35_mtp"), moe_cache_size=6,  # noqa: E731
+                               **COMMON, **kw)
+    outs = {}
+    for spec in ("none", "mtp"):
+        llm = cfg_llm(speculative=spec, num_speculative_tokens=2) if spec == "mtp" else cfg_llm()
+        cfg, engine = llm.model_config, llm.engine
+        layers = [layer for layer in engine.runtime.store.moe_layers
+                  if layer not in engine.runtime.ctx.lookahead.draft_layers]
+        tr = synth.generate(synth.preset("qwen36", tokens=256, batch=2, num_layers=len(layers),
+                                         num_experts=cfg.num_experts, top_k=cfg.top_k), moe_layers=layers)
+        engine.set_route_tap(RouteForcer(tr, engine.device, max_rows=2 * 3, by_position=True, streams=2))
+        outs[spec] = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(
+            max_tokens=24, temperature=0.0, ignore_eos=True))]
+        if spec == "mtp":
+            assert llm.stats()["speculative"]["verify_steps"] > 0
+    assert outs["mtp"] == outs["none"]

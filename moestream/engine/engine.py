@@ -619,7 +619,8 @@ class Engine:
         # a speculative verify step without prompt rows is a decode step for the experts (the slot cache and
         # its LRU, the pair kernels; not prefill streaming)
         decode_like = decode or bool(batch.extra.get("decode_like"))
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph})
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph,
+                                 "seqs": batch.seqs})
         try:
             if use_graph:
                 out = graphs.run(batch)
@@ -635,7 +636,8 @@ class Engine:
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
         decode = batch.is_decode
-        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True})
+        self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True,
+                                 "seqs": batch.seqs})
         try:
             return self.model.draft(batch, hidden, step)
         finally:

@@ -164,8 +164,8 @@ class ExpertRuntime:
         self.ctx.lookahead.draft_layers = frozenset(draft_layers)
 
     def begin_step(self, info: dict | None = None) -> None:
-        """A step starts: info {"decode", "graph", "num_tokens", "draft"} from the engine (decode: no prompt rows;
-        draft: an MTP drafter pass)."""
+        """A step starts: info {"decode", "graph", "num_tokens", "draft", "seqs"} from the engine (decode: no prompt
+        rows; draft: an MTP drafter pass; seqs: the batch's SeqMeta rows, for a route tap that follows positions)."""
         self.prefill_mode = not (info or {}).get("decode", True)
         self.book.begin_step()
         if self.tap is not None:

@@ -207,11 +207,19 @@ class RouteForcer:
     --batch R), else one stream of all rows. Engine decode step i with T rows gives row j the trace's
     stream j % R at trace step i + (j // R) * stride (stride = steps / ceil(T / R): rows beyond R read far
     apart, as independent requests would), wrapping at the end. The ids live in one device buffer filled
-    before each step, so recorded CUDA graphs read the new rows."""
+    before each step, so recorded CUDA graphs read the new rows.
+
+    by_position: a row's ids follow its token instead of the step count: the row of request s (its linear-state
+    slot, else its place in the batch) at position p reads stream s % R at trace step p + (s // R) * stride
+    (stride = steps / ceil(streams / R)). So a step of several rows of one request (a speculative verify step:
+    the newest token and its drafts) reads consecutive trace steps, and a token is routed alike whichever step
+    computes it: with and without speculation the same tokens route to the same experts. MTP drafter passes
+    (their layer is not in the trace) keep the router's choice."""
 
     capturable = True
 
-    def __init__(self, trace: Trace, device: torch.device, max_rows: int):
+    def __init__(self, trace: Trace, device: torch.device, max_rows: int, by_position: bool = False,
+                 streams: int | None = None):
         if not trace.decode_tokens:
             raise ConfigError("the routing trace has no decode steps to force")
         self.trace = trace
@@ -228,11 +236,15 @@ class RouteForcer:
         self.host = torch.zeros(L, max_rows, k, dtype=torch.long, pin_memory=device.type == "cuda")
         self.pos = 0
         self.T = 0
+        self.by_position = by_position
+        self.streams = max(int(streams or max_rows), 1)  # requests spread over the trace (by_position)
 
     def bind(self, runtime) -> None:
         store = runtime.store
         h = self.trace.header
-        if list(store.moe_layers) != list(h.moe_layers) or store.num_experts != h.num_experts:
+        draft = getattr(runtime.ctx.lookahead, "draft_layers", frozenset())  # MTP layers: not in a trace of the model
+        main = [layer for layer in store.moe_layers if layer not in draft or layer in self.layer_index]
+        if main != list(h.moe_layers) or store.num_experts != h.num_experts:
             raise ConfigError(f"the routing trace is for {len(h.moe_layers)} MoE layers x {h.num_experts} experts, the "
                               f"model has {len(store.moe_layers)} x {store.num_experts}")
 
@@ -245,18 +257,35 @@ class RouteForcer:
         self.pos = (self.pos + 1) % steps
         return out
 
+    def rows_at(self, streams: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The [T, L, k] ids of rows that are token positions[i] of request streams[i] (by_position)."""
+        steps, R = self.grid.shape[:2]
+        stride = max(steps // -(-self.streams // R), 1)
+        return self.grid[(positions + (streams // R) * stride) % steps, streams % R]
+
+    def _positions(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+        streams, pos = [], []
+        for i, q in enumerate(seqs):
+            s = q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i
+            streams += [s] * q.length
+            pos += range(q.cached, q.cached + q.length)
+        return np.asarray(streams, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+
     def begin_step(self, info: dict) -> None:
         self.T = int(info.get("num_tokens", 0))
-        if not info.get("decode", True) or self.T > self.buf.shape[1]:
-            self.T = 0  # prefill: the router's own choice
+        if not info.get("decode", True) or info.get("draft") or self.T > self.buf.shape[1] \
+                or (self.by_position and info.get("seqs") is None):
+            self.T = 0  # prefill (and MTP drafter passes): the router's own choice
             return
-        self.host[:, :self.T].copy_(torch.from_numpy(self.rows_for(self.T).transpose(1, 0, 2).astype(np.int64)))
+        rows = self.rows_at(*self._positions(info["seqs"])) if self.by_position else self.rows_for(self.T)
+        self.host[:, :self.T].copy_(torch.from_numpy(rows.transpose(1, 0, 2).astype(np.int64)))
         self.buf[:, :self.T].copy_(self.host[:, :self.T], non_blocking=True)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if not self.T or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
+        i = self.layer_index.get(layer)
+        if not self.T or i is None or ids.shape[0] != self.T or ids.shape[1] != self.buf.shape[2]:
             return ids
-        return self.buf[self.layer_index[layer], :self.T].to(ids.dtype)
+        return self.buf[i, :self.T].to(ids.dtype)
 
     def end_step(self) -> None:
         pass
