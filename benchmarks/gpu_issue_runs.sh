@@ -11,10 +11,12 @@
 #            prompt + tools (SYSTEM_WORDS [4100], ~2 tokens a word), ~600 new tokens a turn (TOOL_WORDS [300] of tool
 #            output + the answer) for REPLAY_TURNS [41] turns (~32k at the end); the cache-free baseline measures
 #            SAMPLE [0,20,40] of them -> $OUT/agent_replay.*
-#   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block, scripted drafts)
-#            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload]  -> $OUT/mtp.{json,log}
+#   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block made predictable)
+#            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload], MTP_ACCEPT [1.0,0.8], routing forced by token position
+#            from MTP_TRACE [synthetic:qwen36] (empty: the random router's) -> $OUT/mtp.{json,log}
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
+MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
 source benchmarks/device_env.sh
 T0=$(date +%s)
 Q=${QUANT:-q4_k_m}; F=${GGUF_DIR:-/dev/shm}/qwen36-$Q.gguf
@@ -47,8 +49,8 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       ;;
     mtp)
       timeout "${MTP_S:-300}" python3 benchmarks/mtp_decode.py --caps "${MTP_CAPS:-12,24,8}" \
-        --backends "${MTP_BACKENDS:-offload}" --batch 1,4 --k "${MTP_K:-0,2}" --accept "${MTP_ACCEPT:-0.8}" \
-        --new-tokens 48 --out "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.log"
+        --backends "${MTP_BACKENDS:-offload}" --batch 1,4 --k "${MTP_K:-0,2}" --accept "${MTP_ACCEPT:-1.0,0.8}" \
+        --new-tokens 48 ${MTP_TRACE:+--trace "$MTP_TRACE"} --out "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.log"
       ;;
     tests)
       TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh
