@@ -148,6 +148,8 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
     # warm: the cache, and the decode / verify graphs of every KV bucket the measured run will cross
     llm.generate(prompts, sp)
     before, spec_before = totals(llm), json.loads(json.dumps(runner.spec_totals))
+    g = getattr(llm.engine, "graphs", None)
+    g0 = (g.recorded, g.replays) if g is not None else (0, 0)
     had_draft = llm.engine.__dict__.get("draft")
     clock = Clock(llm.engine).wrap()
     try:
@@ -155,6 +157,8 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
     finally:
         clock.unwrap(had_draft)
     d = delta(totals(llm), before)
+    g = getattr(llm.engine, "graphs", None)
+    graphs = {"graphs_recorded": g.recorded - g0[0], "graph_replays": g.replays - g0[1]} if g is not None else {}
     t = llm.last_timing
     spec = {key: ([a - b for a, b in zip(v, spec_before[key])] if isinstance(v, list) else v - spec_before[key])
             for key, v in runner.spec_totals.items()}
@@ -169,6 +173,7 @@ def run(llm, prompts, new_tokens: int, k: int, want=None, accept: float = 0.0) -
             "drafted_per_position": spec["drafted_at"][:k], "accepted_per_position": spec["accepted_at"][:k],
             "tokens_per_verify_step": spec["emitted"] / spec["verify_steps"] if spec["verify_steps"] else None,
             "tokens_equal": None if want is None else outs == want, "outputs": outs,
+            "prefill_streamed": d.get("prefill_streamed", 0), **graphs,
             **{key: (round(v, 4) if isinstance(v, float) else v) for key, v in clock.s.items()}}
 
 
