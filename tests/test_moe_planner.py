@@ -546,3 +546,33 @@ def test_a_snapshots_only_host_tier_resumes_prompts(tiny_checkpoint, monkeypatch
         assert o.token_ids == ref.generate([p], sp)[0].token_ids
     st = llm.scheduler.stats()["prefix_cache"]
     assert outs[-1].cached_tokens > 0 and st["spilled_snapshots"] > 0 and st["fetched_snapshots"] == 1
+
+
+def test_banks_count_each_layers_own_expert_size():
+    """A per-layer GGUF mix (Q4_K_M: Q6_K downs in some layers): host banks and fused experts on the device are each
+    layer's own bytes, slot and prefill rows the largest layer's. (The Qwen3.6 Q4_K_M file's banks are 18.16 GiB, as
+    its load reported on the H100; counted as slot rows they were 19.45 GiB, and fused was refused 1.3 GiB early.)"""
+    from types import SimpleNamespace
+
+    from moestream.moe.formats import layered_gguf_format
+    from moestream.moe.planner import bank_bytes, model_sizes
+
+    H = I = 256
+    q4, q6 = {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+    fmt = layered_gguf_format({0: q6, 1: q4, 2: q4, 3: q6}, H, I)
+    row = fmt.bytes_per_expert(H, I)
+    small, big = 3 * H * I * 144 // 256, 2 * H * I * 144 // 256 + H * I * 210 // 256
+    assert row == big
+    assert bank_bytes(fmt, H, I, [0, 1, 2, 3], 8) == 8 * (2 * small + 2 * big)
+    assert bank_bytes(fmt, H, I, [0, 1, 2, 3, 4], 8) == 8 * (2 * small + 3 * big)  # a layer it does not type: a row
+    cfg = SimpleNamespace(hidden_size=H, moe_intermediate_size=I, top_k=2, num_experts=8, num_moe_layers=4)
+    banks = bank_bytes(fmt, H, I, [0, 1, 2, 3], 8)
+    e = EngineConfig(moe_backend="offload", num_tokens=4096)
+    m = model_sizes(cfg, e, 1 * MiB, 4096, 1024, 1 * MiB, row, banks)
+    hw = Hardware("cuda", "test", 8 * GiB, 64 * GiB, 60 * GiB, 8)
+    p = plan_memory(m, hw, e)
+    assert p.bytes.host_banks == banks < 32 * row and p.bytes.prefill_buffer == 2 * p.prefill_slots * row
+    fused = plan_memory(m, hw, EngineConfig(moe_backend="fused", num_tokens=4096))
+    assert fused.bytes.experts_device == banks
+    cpu = plan_memory(m, Hardware("cpu", "test", 60 * GiB, 64 * GiB, 60 * GiB, 8), EngineConfig(num_tokens=4096))
+    assert cpu.bytes.experts_device == banks

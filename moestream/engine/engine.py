@@ -27,7 +27,7 @@ from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
 from ..moe.formats import dense_format
-from ..moe.planner import (PREFILL_CHUNK_FLOOR, USEFUL_KV_TOKENS, Bandwidths, MoePlan, model_sizes,
+from ..moe.planner import (PREFILL_CHUNK_FLOOR, USEFUL_KV_TOKENS, Bandwidths, MoePlan, bank_bytes, model_sizes,
                            plan_fitting_chunk, plan_memory)
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
@@ -440,11 +440,14 @@ class Engine:
             dense = dense_bytes_held(model)
         kv, state_slot = self._cache_bytes(e)
         per_expert = fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size)
+        # the MTP layers' experts are placed like any layer's
+        layers = [i for i, moe in enumerate(cfg.moe_layers) if moe] + (cfg.mtp_layer_ids if self.use_mtp else [])
+        banks = bank_bytes(fmt, cfg.hidden_size, cfg.moe_intermediate_size, layers, cfg.num_experts)
 
         def sizes_for(opts: EngineConfig):
             state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self._checkpoints(opts))
-            sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert)
-            if self.use_mtp:  # the MTP layers' experts are placed like any layer's
+            sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert, banks)
+            if self.use_mtp:
                 sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
             return sizes
 

@@ -53,10 +53,18 @@ class ModelSizes:
     workspace_bytes: int
     wanted_kv_tokens: int  # what the configured requests can use
     min_kv_tokens: int  # below this nothing useful runs
+    # every expert at its own layer's size (a Q4_K_M file: Q4_K and Q6_K layers); 0: total_experts slot rows.
+    # Slot and prefill rows hold any layer's expert, so they are expert_bytes (the largest layer's) each.
+    bank_bytes: int = 0
 
     @property
     def total_experts(self) -> int:
         return self.num_moe_layers * self.num_experts
+
+    @property
+    def banks(self) -> int:
+        """Bytes of every expert's bank (host banks; fused experts on the device)."""
+        return self.bank_bytes or self.total_experts * self.expert_bytes
 
 
 @dataclass(frozen=True)
@@ -180,15 +188,15 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
             f"({g(m.workspace_bytes)} GiB): raise --gpu-memory-gb or --memory-ratio, "
             "or lower --max-running-requests / --chunked-prefill-size")
     if hw.device == "cpu":
-        free -= m.total_experts * m.expert_bytes  # host banks live in the same memory
+        free -= m.banks  # host banks live in the same memory
     backend, reason = choose_backend(m, hw, e, bw, free)
     if hw.device != "cpu":
         check_host_memory(m, hw, backend)
     slots, prefill = _expert_rows(m, hw, e, backend, free)
-    expert_dev = m.total_experts * m.expert_bytes if backend == "fused" and hw.device == "cuda" else 0
+    expert_dev = m.banks if backend == "fused" and hw.device == "cuda" else 0
     expert_dev += slots * m.expert_bytes
     kv_tokens = _kv_tokens(m, e, free - expert_dev - 2 * prefill * m.expert_bytes)
-    host = m.total_experts * m.expert_bytes
+    host = m.banks
     return MoePlan(
         backend=backend, reason=reason, device=hw.device, cache_slots=slots, total_experts=m.total_experts,
         prefill_slots=prefill, cpu_threads=e.moe_cpu_threads or hw.physical_cores, prefetch=e.moe_prefetch == "on",
@@ -230,7 +238,7 @@ def host_need(m: ModelSizes, hw: Hardware, backend: str) -> dict[str, int]:
     mapped from the checkpoint file counts too: one that does not stay resident is read from disk at each use."""
     need = {"dense weights": m.dense_bytes}
     if hw.device == "cpu" or backend != "fused":
-        need["expert banks"] = m.total_experts * m.expert_bytes
+        need["expert banks"] = m.banks
     return need
 
 
@@ -276,7 +284,7 @@ def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: 
         return "fused", "dense model: no routed experts"
     if hw.device == "cpu":
         return "fused", "CPU device: experts are computed in place from host memory, a cache would only copy"
-    need = m.total_experts * m.expert_bytes + _kv_reserve(m, e) * m.kv_bytes_per_token
+    need = m.banks + _kv_reserve(m, e) * m.kv_bytes_per_token
     if need <= free:
         return "fused", f"all {m.total_experts} experts ({need / GiB:.2f} GiB with KV reserve) fit the budget"
     if bw is None or not bw.pcie_pinned_gbs:
@@ -292,9 +300,9 @@ def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: 
 def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tuple[int, int]:
     """(cache slots, prefill rows per half)."""
     if backend == "fused" or m.total_experts == 0:
-        if backend == "fused" and hw.device == "cuda" and m.total_experts * m.expert_bytes > free:
+        if backend == "fused" and hw.device == "cuda" and m.banks > free:
             raise ConfigError(
-                f"--moe-backend fused needs {m.total_experts * m.expert_bytes / GiB:.2f} GiB for experts but the "
+                f"--moe-backend fused needs {m.banks / GiB:.2f} GiB for experts but the "
                 f"budget leaves {max(free, 0) / GiB:.2f} GiB: use --moe-backend offload, hybrid or cpu")
         return 0, 0
     top = min(m.num_experts, PREFILL_MAX_ROWS)
@@ -390,8 +398,16 @@ def _pin_budget(hw: Hardware, e, host_bytes: int) -> int:
     return max(0, min(host_bytes, hw.host_available_bytes - headroom - tier))
 
 
+def bank_bytes(fmt, hidden: int, inter: int, layers, num_experts: int) -> int:
+    """Bytes of every expert of `layers` at its own layer's size: a per-layer format (moe/formats.LayeredGGUFFormat)
+    sums each layer's type; any other format is one size (its slot row)."""
+    row = fmt.bytes_per_expert(hidden, inter)
+    own = dict(getattr(fmt, "per_layer", ()) or ())
+    return num_experts * sum(own[layer].bytes_per_expert(hidden, inter) if layer in own else row for layer in layers)
+
+
 def model_sizes(cfg, e, dense_bytes: int, max_seq_len: int, kv_bytes_per_token: int,
-                state_bytes: int, expert_bytes: int) -> ModelSizes:
+                state_bytes: int, expert_bytes: int, banks: int = 0) -> ModelSizes:
     """ModelSizes from a ModelConfig and EngineConfig (pure arithmetic)."""
     wanted = e.num_tokens or min(max(max_seq_len, 4096) * e.max_running_requests, 1 << 17)
     # activations of one prefill chunk (hidden, attention, expert intermediates) in fp32, plus slack
@@ -401,4 +417,4 @@ def model_sizes(cfg, e, dense_bytes: int, max_seq_len: int, kv_bytes_per_token: 
         num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, top_k=cfg.top_k, expert_bytes=expert_bytes,
         dense_bytes=dense_bytes, kv_bytes_per_token=kv_bytes_per_token, state_bytes=state_bytes,
         workspace_bytes=workspace, wanted_kv_tokens=max(wanted, e.page_size),
-        min_kv_tokens=min(max(wanted, e.page_size), e.page_size * 2))
+        min_kv_tokens=min(max(wanted, e.page_size), e.page_size * 2), bank_bytes=banks)
