@@ -131,9 +131,10 @@ class Engine:
         out = {**process_memory(), "bank_bytes": banks, "mapped_bank_bytes": store.mapped_bytes,
                "available_at_start": self.hardware.host_available_bytes}
         g = (lambda n: f"{n / 2**30:.2f} GiB")
-        log.info("host memory at load: RSS %s (anonymous %s, file-backed %s), peak %s; expert banks %s in host "
-                 "memory, %s of them mapped from the checkpoint file", g(out.get("rss", 0)), g(out.get("rss_anon", 0)),
-                 g(out.get("rss_file", 0)), g(out.get("peak_rss", 0)), g(banks), g(store.mapped_bytes))
+        log.info("host memory at load: RSS %s (anonymous %s, file-backed %s, shared %s: pinned buffers and files on "
+                 "tmpfs), peak %s; expert banks %s in host memory, %s of them mapped from the checkpoint file",
+                 g(out.get("rss", 0)), g(out.get("rss_anon", 0)), g(out.get("rss_file", 0)),
+                 g(out.get("rss_shmem", 0)), g(out.get("peak_rss", 0)), g(banks), g(store.mapped_bytes))
         return out
 
     def memory_report(self) -> dict:

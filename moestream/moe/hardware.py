@@ -11,8 +11,9 @@ from .planner import Hardware
 def process_memory() -> dict[str, int]:
     """This process's host memory in bytes: resident set now (`rss`; `rss_anon`: its own memory, `rss_file`:
     pages of mapped files, e.g. expert banks mapped from the checkpoint, which the kernel can drop and
-    re-read) and its peak (`peak_rss`), from /proc/self/status; getrusage's peak elsewhere."""
-    keys = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    re-read; `rss_shmem`: shared memory — CUDA's pinned host allocations, and a checkpoint on tmpfs such as
+    /dev/shm) and its peak (`peak_rss`), from /proc/self/status; getrusage's peak elsewhere."""
+    keys = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
     out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
