@@ -585,3 +585,32 @@ def test_a_failed_sampling_leaves_the_verifying_requests_as_they_were(mtp_dir, m
         eng.step()
     assert spec.drafts == drafts and runner.spec_totals == totals
     assert (spec.thinking, spec.thinking_tokens) == thinking
+
+
+@pytest.mark.parametrize("backend,kw", [("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}),
+                                        ("hybrid", {"moe_cache_size": 3})])
+def test_drafter_passes_after_decode_steps_take_the_decode_path(mtp_dir, plain_tokens, backend, kw):
+    """The MTP block's pass over the positions a verify step computed (a few rows a request) runs its experts as a
+    decode step does (the slot cache and pairs; no prompt-chunk streaming), a pass after a prompt chunk as prefill;
+    the greedy tokens stay the plain model's. Drafts are scripted right so that the passes have several rows."""
+    from moestream.moe.runtime import ExpertRuntime
+
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend=backend, speculative="mtp", num_speculative_tokens=2,
+              **{**COMMON, "chunked_prefill_size": 64}, **kw)
+    script_drafter(llm, [p + w for p, w in zip(ps, want)])
+    seen, begin = [], ExpertRuntime.begin_step
+
+    def record(self, info=None):
+        if (info or {}).get("draft"):
+            seen.append((info["decode"], max(q.length for q in info["seqs"])))
+        return begin(self, info)
+
+    ExpertRuntime.begin_step = record
+    try:
+        assert tokens(llm, ps) == want
+    finally:
+        ExpertRuntime.begin_step = begin
+    few = [d for d, rows in seen if 1 < rows <= 3]
+    assert len(few) >= 2 and all(few)  # several-row passes after verify steps: decode
+    assert not any(d for d, rows in seen if rows > 3)  # passes over a prompt chunk: prefill

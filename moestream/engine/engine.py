@@ -638,8 +638,10 @@ class Engine:
             self.runtime.end_step()
 
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime."""
-        decode = batch.is_decode
+        """One pass of the MTP block (QwenMoeModel.draft), its experts through the same expert runtime: as a decode
+        step's (the slot cache, the pair kernels) where the pass covers a decode or verify step's few rows a
+        request (decode_like, set by the runner), not as a prompt chunk's (prefill streaming)."""
+        decode = batch.is_decode or bool(batch.extra.get("decode_like"))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True,
                                  "seqs": batch.seqs})
         try:

@@ -374,6 +374,8 @@ class ModelRunner:
                             positions=torch.tensor(pos, dtype=torch.long, device=dev), seqs=seqs,
                             kv_write_index=torch.cat([q.kv_index[q.cached:] for q in seqs]),
                             logits_index=torch.tensor(rows, dtype=torch.long, device=dev))
+        if all(q.length <= 1 + self.spec_k for q in seqs):  # after a decode / verify step: a few rows a request,
+            fill.extra["decode_like"] = True  # whose experts take the decode path (not a prompt chunk's streaming)
         return fill, torch.tensor(src, dtype=torch.long, device=dev), drafters, rows
 
     def _draft_step(self, live: list[tuple[Request, int]], step: int) -> None:
