@@ -107,3 +107,14 @@ def test_resize_needs_a_slot_cache_and_unknown_backends_are_refused():
     assert rt.epoch == 1 and rt.options.cache_slots == 5 and rt.stats()["cache"]["slots"] == 5
     with pytest.raises(ValueError, match="unknown MoE backend 'nope'; available: cpu, fused, hybrid, offload"):
         build_runtime("nope", store, CPU)
+
+
+def test_host_to_device_on_the_cpu_is_the_list():
+    import torch
+
+    from moestream.moe.compute import RouteGroups, host_to_device
+
+    t = host_to_device([3, -1, 2], torch.device("cpu"))
+    assert t.dtype == torch.long and t.tolist() == [3, -1, 2]
+    g = RouteGroups.of(torch.tensor([[2, 0], [2, 1]]))
+    assert g.experts == [0, 1, 2] and g.counts == [1, 1, 2] and g.counts_t.tolist() == g.counts  # the route's own

@@ -56,3 +56,19 @@ def test_cuda_bench_bw(tmp_path):
     prof = json.loads(out.read_text())
     assert prof["pcie_pinned_gbs"] > 1 and prof["pcie_pageable_gbs"] > 0 and prof["gpu_expert_gbs"] > 0
     assert prof["recommended"] in ("offload", "hybrid")
+
+
+def test_host_to_device_does_not_wait_for_the_gpu():
+    """moe/compute.host_to_device (a prefill round's expert rows, a chunk's hit counts) copies without a stream
+    sync, where torch.tensor(list, device="cuda") synchronizes (CUDA's sync debug mode raises on it)."""
+    from moestream.moe.compute import host_to_device
+
+    dev = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.tensor([1, 2, 3], device=dev)  # the mode does catch a synchronizing copy
+        t = host_to_device([4, -1, 7], dev)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert t.device.type == "cuda" and t.dtype == torch.long and t.tolist() == [4, -1, 7]

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..env import prefetch_top
-from .compute import DeviceExperts, RouteGroups, WeightRef
+from .compute import DeviceExperts, RouteGroups, WeightRef, host_to_device
 from .cpu_moe import layer_table
 from .device_cache import (ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
                            DeviceSlotCache)
@@ -137,7 +137,7 @@ class BankExperts(CacheHooks):
         s.hits += len(experts)
         s.gpu_experts += len(experts)
         if self.on_device:  # prefill chunks of a pair-path runtime
-            ids = torch.tensor(experts, dtype=torch.long, device=self.hits_e.device)
+            ids = host_to_device(experts, self.hits_e.device)  # (no wait for the prefill chunk's kernels)
             self.hits_e[self.layer_index[layer]].index_add_(0, ids, self._ones[:len(experts)])
         else:
             row = self.host_hits[layer]

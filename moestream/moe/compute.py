@@ -39,6 +39,17 @@ class WeightRef:
         return self.bank["gate_up"][self.index], self.bank["down"][self.index]
 
 
+def host_to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the GPU: `torch.tensor(values, device=cuda)`
+    copies synchronously, which waits for every kernel queued on the stream first, so a prefill layer call's
+    rounds would each drain the GPU before the next is launched. Staged in pinned memory (torch's caching host
+    allocator keeps the block until the copy has run) and copied without blocking."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
 @dataclass
 class RouteGroups:
     """The (token, k) pairs of one layer call sorted by expert. experts/counts are host lists."""
@@ -50,6 +61,8 @@ class RouteGroups:
     starts: list[int]
     # [T*k, H] pair outputs by pair id (t*k + j) written by grouped kernels (compute device, CUDA)
     pair_out: torch.Tensor | None = None
+    counts_t: torch.Tensor | None = None  # counts as the device computed them (where the route was)
+    pairs_t: torch.Tensor | None = None  # [T*k] pair id of each grouped pair, made by the first grouped call
 
     @classmethod
     def of(cls, topk_ids: torch.Tensor) -> "RouteGroups":
@@ -61,7 +74,7 @@ class RouteGroups:
         starts = [0]
         for c in counts_l[:-1]:
             starts.append(starts[-1] + c)
-        return cls(experts.tolist(), counts_l, order // k, order % k, starts)
+        return cls(experts.tolist(), counts_l, order // k, order % k, starts, counts_t=counts)
 
     def members(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.starts[i]
@@ -71,7 +84,9 @@ class RouteGroups:
         return {e: i for i, e in enumerate(self.experts)}
 
     def to(self, device: torch.device) -> "RouteGroups":
-        return RouteGroups(self.experts, self.counts, self.rows.to(device), self.pos.to(device), self.starts)
+        counts_t = self.counts_t.to(device) if self.counts_t is not None else None
+        return RouteGroups(self.experts, self.counts, self.rows.to(device), self.pos.to(device), self.starts,
+                           counts_t=counts_t)
 
 
 def partial_outputs(x: torch.Tensor, topk_w: torch.Tensor, groups: RouteGroups,
@@ -183,9 +198,14 @@ def grouped_partials(x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef])
     if groups.pair_out is None:  # the dtype of the loop's partials (y * topk_w)
         dtype = torch.promote_types(x.dtype, topk_w.dtype)
         groups.pair_out = torch.empty((x.shape[0] * k, x.shape[1]), dtype=dtype, device=dev)
-    counts = torch.tensor(groups.counts, device=dev)
-    rows = torch.tensor([refs[e].index if e in refs else -1 for e in groups.experts], device=dev)
-    pairs = (groups.rows * k + groups.pos).to(dev)
+    # no host -> device copy that waits for the GPU: the counts are the route's own device tensor, the pair ids
+    # are made once a layer call, only the rows of this call's experts cross (a prefill half's round each)
+    counts = groups.counts_t if groups.counts_t is not None and groups.counts_t.device == dev else \
+        host_to_device(groups.counts, dev)
+    if groups.pairs_t is None or groups.pairs_t.device != dev:
+        groups.pairs_t = (groups.rows * k + groups.pos).to(dev)
+    rows = host_to_device([refs[e].index if e in refs else -1 for e in groups.experts], dev)
+    pairs = groups.pairs_t
     grouped_pairs(x, topk_w, pairs, counts, rows, ref.bank, ref.fmt, scatter=True, out=groups.pair_out,
                   max_count=max(groups.counts))
     return dict.fromkeys(refs, IN_PAIR_OUT)
