@@ -118,3 +118,35 @@ def test_host_to_device_on_the_cpu_is_the_list():
     assert t.dtype == torch.long and t.tolist() == [3, -1, 2]
     g = RouteGroups.of(torch.tensor([[2, 0], [2, 1]]))
     assert g.experts == [0, 1, 2] and g.counts == [1, 1, 2] and g.counts_t.tolist() == g.counts  # the route's own
+
+
+def test_copier_moves_runs_of_experts_as_the_rows_they_are():
+    """Copier.copy takes consecutive experts into consecutive rows as one copy per array (a prefill half), and
+    rows sized for a larger per-layer type get this layer's bytes at their front, whatever the order."""
+    import torch
+
+    from moestream.moe import ExpertStore
+    from moestream.moe.formats import layered_gguf_format
+    from moestream.moe.stats import StatsBook
+    from moestream.moe.transfer import Copier, Pool, Sync, _runs
+
+    assert _runs([(0, 3, 0), (0, 4, 1), (0, 5, 2), (0, 9, 3), (0, 10, 4), (0, 2, 5)]) == \
+        [(0, 3, 0, 3), (0, 9, 3, 2), (0, 2, 5, 1)]
+    H = I = 256
+    fmt = layered_gguf_format({0: {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                               1: {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}}, H, I)
+    st = ExpertStore([0, 1], 12, H, I, fmt, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for per_layer in st.banks.values():
+        for bank in per_layer.values():
+            bank.copy_(torch.randint(0, 256, bank.shape, generator=g, dtype=torch.uint8))
+    pool = Pool(st, 8, torch.device("cpu"))
+    copier = Copier(st, Sync(torch.device("cpu")), StatsBook([0, 1]))
+    for layer in (0, 1):
+        items = [(layer, 4, 0), (layer, 5, 1), (layer, 6, 2), (layer, 7, 3), (layer, 11, 4), (layer, 1, 7)]
+        copier.copy(pool, items)
+        for _, e, row in items:
+            for name, dst in pool.arrays.items():
+                src = st.banks[name][layer][e]
+                assert torch.equal(dst[row, :src.shape[0]], src), (layer, e, row, name)
+        assert copier.stats[layer].copies == len(items)

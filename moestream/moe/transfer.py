@@ -70,6 +70,19 @@ class Pool:
         return sum(a.numel() * a.element_size() for a in self.arrays.values())
 
 
+def _runs(items: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(layer, expert, row) items as (layer, first expert, first row, n) runs of consecutive experts into
+    consecutive rows (a prefill half loads a layer's experts in ascending order: mostly one run)."""
+    runs: list[list[int]] = []
+    for lay, e, row in items:
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == lay and last[1] + last[3] == e and last[2] + last[3] == row:
+            last[3] += 1
+        else:
+            runs.append([lay, e, row, 1])
+    return [tuple(r) for r in runs]
+
+
 class Copier:
     """Issues expert copies into pools on the copy stream and records bytes and time per layer."""
 
@@ -85,12 +98,14 @@ class Copier:
         with self.sync.copy_scope():
             self.sync.copy_waits(pool.release[row] for _, _, row in items)
             t0, start = time.perf_counter(), self.sync.event(True, timing=True)
-            for lay, e, row in items:
+            for lay, e, row, n in _runs(items):
                 for name, dst in pool.arrays.items():
-                    src = self.store.banks[name][lay][e]
-                    # rows sized for a larger per-layer type take this layer's bytes at their front
-                    target = dst[row] if dst.shape[1:] == src.shape else dst[row, :src.shape[0]]
-                    target.copy_(src, non_blocking=True)
+                    src = self.store.banks[name][lay][e:e + n]
+                    if dst.shape[1:] == src.shape[1:]:  # n experts in a row, n rows in a row: one copy
+                        dst[row:row + n].copy_(src, non_blocking=True)
+                        continue
+                    for i in range(n):  # rows sized for a larger per-layer type take this layer's bytes at their front
+                        dst[row + i, :src.shape[1]].copy_(src[i], non_blocking=True)
             end = self.sync.event(True, timing=True)
         for _, _, row in items:
             pool.ready[row] = end
