@@ -614,3 +614,54 @@ def test_drafter_passes_after_decode_steps_take_the_decode_path(mtp_dir, plain_t
     few = [d for d, rows in seen if 1 < rows <= 3]
     assert len(few) >= 2 and all(few)  # several-row passes after verify steps: decode
     assert not any(d for d, rows in seen if rows > 3)  # passes over a prompt chunk: prefill
+
+
+@pytest.mark.parametrize("backend,kw", [("cpu", {}), ("hybrid", {"moe_cache_size": 3})])
+def test_drafter_passes_through_the_cpu_bridge(mtp_dir, plain_tokens, backend, kw, monkeypatch):
+    """cpu and hybrid where the pair path runs (a GPU; here its torch twin): the MTP block's passes post only their
+    layer to the CPU bridge, whose worker serves the layers in order, so it must start at that layer — waiting for
+    layer 0 it would leave the pass's CPU pairs unanswered (the step fails after the worker's timeout, cut to 5 s
+    here). Greedy tokens are the plain model's."""
+    from moestream.moe import bridge, share
+
+    monkeypatch.setattr(bridge, "WORKER_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(share, "PRIOR_FIXED_S", 0.0)  # hybrid: half of the misses to the CPU, measured or not
+    monkeypatch.setattr(share.LiveShare, "observe", lambda self, fit: None)
+    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
+    ps, want = plain_tokens
+    llm = LLM(mtp_dir, moe_backend=backend, speculative="mtp", num_speculative_tokens=2, moe_decode_kernel="pairs",
+              **COMMON, **kw)
+    b = llm.engine.runtime.bridge
+    assert b is not None
+    assert tokens(llm, ps) == want
+    mtp = b.index[llm.model_config.mtp_layer_ids[0]]
+    assert b.cpu_experts[mtp] > 0  # the block's own layer had CPU pairs, answered
+    assert llm.stats()["speculative"]["drafted"] > 0
+
+
+def test_drafter_passes_through_the_compiled_bridge_worker(mtp_gguf, monkeypatch):
+    """The same through the bridge's compiled worker (GGUF experts: ms_bridge_step), which is handed the
+    per-layer arrays from the MTP layer on: the pass's CPU pairs are answered and the greedy tokens are those
+    of decoding without drafts (one request: its rows' products do not depend on other requests)."""
+    from moestream.kernels import cpu_quant
+    from moestream.moe import bridge
+
+    if not cpu_quant.available():
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    monkeypatch.setattr(bridge, "WORKER_TIMEOUT_S", 5.0)
+    firsts, real = [], cpu_quant.bridge_step
+
+    def step(seq, arrays, timeout_s, first=0):
+        firsts.append(first)
+        return real(seq, arrays, timeout_s, first)
+
+    monkeypatch.setattr(cpu_quant, "bridge_step", step)
+    outs = {}
+    for spec in ("none", "mtp"):
+        llm = LLM(mtp_gguf, moe_backend="cpu", moe_decode_kernel="pairs", speculative=spec,
+                  num_speculative_tokens=2, **COMMON)
+        outs[spec] = tokens(llm, [[5, 6, 7, 8, 9]])
+    mtp = llm.engine.runtime.bridge.index[llm.model_config.mtp_layer_ids[0]]
+    assert 0 in firsts and mtp in firsts  # model steps from layer 0, drafter passes from the MTP layer
+    assert llm.engine.runtime.bridge.cpu_experts[mtp] > 0
+    assert outs["mtp"] == outs["none"]

@@ -643,7 +643,7 @@ class Engine:
         request (decode_like, set by the runner), not as a prompt chunk's (prefill streaming)."""
         decode = batch.is_decode or bool(batch.extra.get("decode_like"))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True,
-                                 "seqs": batch.seqs})
+                                 "seqs": batch.seqs, "draft_layer": self.cfg.num_layers + step % self.cfg.mtp_num_layers})
         try:
             return self.model.draft(batch, hidden, step)
         finally:

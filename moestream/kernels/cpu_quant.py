@@ -398,17 +398,22 @@ def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, sta
                          f"{_LAYER_ERRORS.get(rc, rc)}")
 
 
-def bridge_step(seq: int, arrays: dict, timeout_s: float) -> int:
-    """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request waited for,
-    computed and answered without the interpreter (the GIL is released for the whole step). ``arrays``:
-    moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see CpuBridge._cstep).
-    Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
+def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0) -> int:
+    """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request from index
+    `first` on waited for, computed and answered without the interpreter (the GIL is released for the whole
+    step). ``arrays``: moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see
+    CpuBridge._c_tables); `first` > 0 passes every per-layer array from that layer on (the C loop indexes them
+    from its start). Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer
+    call error."""
     mod = _STATE["mod"]
-    a = arrays
-    return mod.ms_bridge_step(a["L"], seq, a["req"], a["done"], a["meta"], a["ids"], a["hw"], a["hx"], a["xdtype"],
-                              a["hy"], a["P"], a["H"], a["I"], a["wbase"].ctypes.data, a["wstep"].ctypes.data,
-                              a["wtype"].ctypes.data, a["lflags"].ctypes.data, a["experts"].ctypes.data,
-                              a["secs"].ctypes.data,
+    a, f = arrays, first
+    P, H = a["P"], a["H"]
+    xsize = 4 if a["xdtype"] == 0 else 2  # (ms_bridge_step's esize)
+    return mod.ms_bridge_step(a["L"] - f, seq, a["req"] + 8 * f, a["done"] + 8 * f, a["meta"] + 16 * f,
+                              a["ids"] + 8 * f * P, a["hw"] + 4 * f * P, a["hx"] + xsize * f * P * H, a["xdtype"],
+                              a["hy"] + 4 * f * P * H, P, H, a["I"], a["wbase"].reshape(-1)[3 * f:].ctypes.data,
+                              a["wstep"].reshape(-1)[3 * f:].ctypes.data, a["wtype"].reshape(-1)[3 * f:].ctypes.data,
+                              a["lflags"][f:].ctypes.data, a["experts"][f:].ctypes.data, a["secs"][f:].ctypes.data,
                               a["cancel"].ctypes.data, float(timeout_s), _threads(mod))
 
 

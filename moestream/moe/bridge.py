@@ -92,9 +92,10 @@ class CpuBridge:
         self._thread.start()
 
     # ---- host side, per step ---------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, first: int = 0) -> None:
         """Before the step's work is launched: the previous step finished (finish_step), the new sequence
-        number, and a job for the worker."""
+        number, and a job for the worker, which serves the layers from index `first` on in order (an MTP
+        drafter pass calls only its block's layer, after the model's: the worker must not wait for layer 0)."""
         self.finish_step()
         if not self._idle.wait(WORKER_TIMEOUT_S):
             raise RuntimeError("the CPU expert worker did not finish the previous step")
@@ -102,7 +103,7 @@ class CpuBridge:
         self.seq_h[0] = self.seq
         self._cancel[0] = 0
         self._idle.clear()
-        self._jobs.put(self.seq)
+        self._jobs.put((self.seq, first))
 
     def end_step(self) -> None:
         """After the step's work is launched: nothing waits here, so the caller queues the step's sampling
@@ -194,15 +195,18 @@ class CpuBridge:
         if self.threads:  # OpenMP's thread count is per calling thread: set it in the thread that computes
             torch.set_num_threads(self.threads)
         while True:
-            seq = self._jobs.get()
-            if seq is None:
+            job = self._jobs.get()
+            if job is None:
                 return
+            seq, first = job
             try:
                 tables = self._c_tables()
                 if tables is not None:
-                    self._c_step(seq, tables)
+                    self._c_step(seq, tables, first)
                     continue
                 for i, layer in enumerate(self.layers):
+                    if i < first:
+                        continue
                     if not self._wait_request(i, seq):
                         break
                     try:
@@ -249,14 +253,14 @@ class CpuBridge:
                     "calls": calls}  # the owners of wbase's addresses (HF FP4 descriptors), for as long as these
         return self._tables or None
 
-    def _c_step(self, seq: int, t: dict) -> None:
-        """One decode step's layers in one compiled call (the interpreter released throughout), then its
-        counters into the per-layer statistics."""
+    def _c_step(self, seq: int, t: dict, first: int = 0) -> None:
+        """One decode step's layers (from index `first`) in one compiled call (the interpreter released
+        throughout), then its counters into the per-layer statistics."""
         from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
 
         for k in ("experts", "secs"):
             t[k][:] = 0
-        rc = bridge_step(seq, t, WORKER_TIMEOUT_S)
+        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first)
         c, s = t["experts"], t["secs"]
         self.cpu_experts += c
         self.cpu_seconds += s

@@ -375,13 +375,15 @@ class BridgeDecode(Strategy):
         """A decode step is one job for the worker (prefill steps take the prefill strategy), unless the arms
         run it as offload's."""
         self._bridged, self.arm, self._timed = decode, SPLIT, None
+        # an MTP drafter pass calls only its block's layer: the worker starts there, not at layer 0
+        first = self.bridge.index.get(info.get("draft_layer"), 0) if info.get("draft") else 0
         if decode and self.arms is not None and not info.get("draft"):  # (an MTP drafter pass: not a step)
             rows = int(info.get("num_tokens", 0))
             self.arm = self.arms.pick(rows)
             self._bridged = self.arm == SPLIT
             self._timed = (rows, self.arm, time.perf_counter())
         if self._bridged:
-            self.bridge.begin_step()
+            self.bridge.begin_step(first)
 
     def end_step(self, decode: bool) -> None:
         """The step's work is launched: the bridge notes it (finish_step waits for it)."""
