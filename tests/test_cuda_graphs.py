@@ -79,7 +79,9 @@ def test_prefetch_gives_fused_tokens(arch, tiny_checkpoint):
     assert outs["offload"] == outs["fused"]
 
 
-@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}), ("hybrid", {"moe_cache_size": 5})])
+@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}), ("hybrid", {"moe_cache_size": 5}),
+                                        # every expert through the CPU bridge, the drafter's passes too (a95b72c)
+                                        ("cpu", {})])
 def test_graph_verify_steps_equal_eager(backend, kw, tiny_checkpoint, monkeypatch):
     """--speculative mtp: verify steps (the newest token and its drafts, laid out as decode rows) are recorded and
     replayed as CUDA graphs that keep the drafter's hidden rows, and give the eager tokens at batch 1 and 3."""
