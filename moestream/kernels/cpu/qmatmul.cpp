@@ -1367,14 +1367,8 @@ inline void x8_nibble_dots(const uint8_t* q, const int8_t* xl, const int8_t* xh,
   std::memcpy(&a, xl, 4);
   std::memcpy(&h, xh, 4);
   const __m256i vl = _mm256_and_si256(v, m0f), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
-#ifdef MS_VNNI
-  lo = _mm256_dpbusd_epi32(lo, vl, _mm256_set1_epi32(a));
-  hi = _mm256_dpbusd_epi32(hi, vh, _mm256_set1_epi32(h));
-#else  // u4 * s8 pairs fit int16 (2 * 15 * 127)
-  const __m256i one = _mm256_set1_epi16(1);
-  lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
-  hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
-#endif
+  lo = dot_u8s8(lo, vl, _mm256_set1_epi32(a));  // u4 * s8 pairs fit int16 (2 * 15 * 127) without VNNI
+  hi = dot_u8s8(hi, vh, _mm256_set1_epi32(h));
 }
 
 void dot_q4_k8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const int16_t* xbs, float* out) {
@@ -1569,12 +1563,7 @@ void dot_q6_k8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float
           for (int t = 0; t < 4; ++t) {
             int32_t a;
             std::memcpy(&a, x.q[r0 + r] + xo + 4 * (k + 16 * t), 4);
-#ifdef MS_VNNI
-            s[t][r] = _mm256_dpbusd_epi32(s[t][r], q[t], _mm256_set1_epi32(a));
-#else  // u6 * s8 pairs fit int16 (2 * 63 * 127)
-            s[t][r] = _mm256_add_epi32(s[t][r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], _mm256_set1_epi32(a)),
-                                                                  _mm256_set1_epi16(1)));
-#endif
+            s[t][r] = dot_u8s8(s[t][r], q[t], _mm256_set1_epi32(a));  // u6 * s8 pairs fit int16 (2 * 63 * 127)
           }
       }
       for (int t = 0; t < 4; ++t) {
@@ -1631,14 +1620,8 @@ void dot_q4_k8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float
           int32_t a, h;
           std::memcpy(&a, x.q[r0 + r] + xo + 4 * g, 4);
           std::memcpy(&h, x.q[r0 + r] + xo + 32 + 4 * g, 4);
-#ifdef MS_VNNI
-          lo[r] = _mm256_dpbusd_epi32(lo[r], vl, _mm256_set1_epi32(a));
-          hi[r] = _mm256_dpbusd_epi32(hi[r], vh, _mm256_set1_epi32(h));
-#else
-          const __m256i one = _mm256_set1_epi16(1);
-          lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
-          hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
-#endif
+          lo[r] = dot_u8s8(lo[r], vl, _mm256_set1_epi32(a));
+          hi[r] = dot_u8s8(hi[r], vh, _mm256_set1_epi32(h));
         }
       }
       const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w + 32 + 16 * c)));
@@ -1683,14 +1666,8 @@ void dot_q4x8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float*
         int32_t a, h;
         std::memcpy(&a, x.q[r0 + r] + b * QB + 4 * g, 4);
         std::memcpy(&h, x.q[r0 + r] + b * QB + 16 + 4 * g, 4);
-#ifdef MS_VNNI
-        isum[r] = _mm256_dpbusd_epi32(isum[r], vl, _mm256_set1_epi32(a));
-        isum[r] = _mm256_dpbusd_epi32(isum[r], vh, _mm256_set1_epi32(h));
-#else
-        const __m256i one = _mm256_set1_epi16(1);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vl, _mm256_set1_epi32(a)), one));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(vh, _mm256_set1_epi32(h)), one));
-#endif
+        isum[r] = dot_u8s8(isum[r], vl, _mm256_set1_epi32(a));
+        isum[r] = dot_u8s8(isum[r], vh, _mm256_set1_epi32(h));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
