@@ -198,20 +198,26 @@ def profile_decode(llm, vocab: int, steps: int = 6) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
-def force_routes(llm, spec: str, streams: int) -> None:
-    """Drive decode routing from a trace file or a synthetic preset made for this model's shape."""
+def force_routes(llm, spec: str, streams: int, tokens: int = 1024, rows_per_request: int = 1,
+                 by_position: bool = False) -> None:
+    """Drive decode routing from a trace file or a synthetic preset made for this model's main layers (an MTP
+    block's layer keeps its router); rows_per_request > 1: verify steps' rows; by_position: RouteForcer's mode
+    that routes a token alike in any step (speculative runs)."""
     from moestream.moe import synth
     from moestream.moe.trace import RouteForcer, read_trace
 
-    mc, store = llm.model_config, llm.engine.runtime.store
+    mc, rt = llm.model_config, llm.engine.runtime
+    layers = [layer for layer in rt.store.moe_layers if layer not in rt.ctx.lookahead.draft_layers]
     if spec.startswith("synthetic:"):
-        p = synth.preset(spec.split(":", 1)[1], num_layers=len(store.moe_layers), num_experts=mc.num_experts,
-                         top_k=mc.top_k, bytes_per_expert=store.bytes_per_expert(), batch=streams, tokens=1024)
-        trace = synth.generate(p, moe_layers=store.moe_layers)
+        p = synth.preset(spec.split(":", 1)[1], num_layers=len(layers), num_experts=mc.num_experts,
+                         top_k=mc.top_k, bytes_per_expert=rt.store.bytes_per_expert(), batch=streams, tokens=tokens)
+        trace = synth.generate(p, moe_layers=layers)
     else:
         trace = read_trace(spec)
-    llm.engine.set_route_tap(RouteForcer(trace, llm.engine.device, max_rows=llm.engine_config.max_running_requests))
-    print(f"decode routing forced from {spec}", flush=True)
+    rows = llm.engine_config.max_running_requests * rows_per_request
+    llm.engine.set_route_tap(RouteForcer(trace, llm.engine.device, max_rows=rows, by_position=by_position,
+                                         streams=streams if by_position else None))
+    print(f"decode routing forced from {spec}" + (" by token position" if by_position else ""), flush=True)
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from decode_sweep import QWEN36, TINY, delta, measure_bandwidths, totals
+from decode_sweep import QWEN36, TINY, delta, force_routes, measure_bandwidths, totals
 
 
 def make_predictable(llm, seed: int = 0, scale: float = 64.0) -> None:
@@ -82,24 +82,6 @@ def noisy_drafter(llm, accept: float, seed: int = 0):
         return logits
 
     engine.draft = draft
-
-
-def force_routes(llm, spec: str, streams: int, max_k: int) -> None:
-    """Decode and verify rows routed from a trace by token position (module doc)."""
-    from moestream.moe import synth
-    from moestream.moe.trace import RouteForcer, read_trace
-
-    mc, rt = llm.model_config, llm.engine.runtime
-    layers = [layer for layer in rt.store.moe_layers if layer not in rt.ctx.lookahead.draft_layers]
-    if spec.startswith("synthetic:"):
-        p = synth.preset(spec.split(":", 1)[1], num_layers=len(layers), num_experts=mc.num_experts, top_k=mc.top_k,
-                         bytes_per_expert=rt.store.bytes_per_expert(), batch=streams, tokens=2048)
-        trace = synth.generate(p, moe_layers=layers)
-    else:
-        trace = read_trace(spec)
-    rows = llm.engine_config.max_running_requests * (max_k + 1)
-    llm.engine.set_route_tap(RouteForcer(trace, llm.engine.device, max_rows=rows, by_position=True, streams=streams))
-    print(f"decode routing forced from {spec} by token position", flush=True)
 
 
 class Clock:
@@ -210,7 +192,8 @@ def main() -> None:
     if max_k:
         make_predictable(llm)
     if args.trace:
-        force_routes(llm, args.trace, max(int(b) for b in args.batch.split(",")), max_k)
+        force_routes(llm, args.trace, max(int(b) for b in args.batch.split(",")), tokens=2048,
+                     rows_per_request=max_k + 1, by_position=True)  # (module doc)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bandwidths, "max_k": max_k,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "trace": args.trace, "runs": []}
