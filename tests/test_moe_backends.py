@@ -301,7 +301,7 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
     and the arms' counts reach the stats; MOESTREAM_HYBRID_ARMS=0 keeps every step on the split."""
     from moestream.moe import share, strategies
 
-    monkeypatch.setattr(strategies, "Arms", lambda: share.Arms(block=1, trials=1, hold=2))
+    monkeypatch.setattr(strategies, "Arms", lambda: share.Arms(block=1, trials=1, hold=2, warmup=0))
     ps, want = fused_tokens(arch)
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
     assert got == want

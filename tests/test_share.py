@@ -87,7 +87,7 @@ def drive(arms, rows, times: dict, steps: int):
 def test_arms_explore_in_alternating_blocks_then_hold_the_faster():
     from moestream.moe.share import FETCH, SPLIT, Arms
 
-    arms = Arms(block=2, trials=2, hold=6)
+    arms = Arms(block=2, trials=2, hold=6, warmup=0)
     picked = drive(arms, 1, {SPLIT: 0.012, FETCH: 0.010}, 8 + 6)
     assert picked[:8] == [SPLIT, SPLIT, FETCH, FETCH] * 2  # the exploration
     assert picked[8:] == [FETCH] * 6  # offload's step was faster: held
@@ -103,7 +103,7 @@ def test_arms_explore_in_alternating_blocks_then_hold_the_faster():
 def test_arms_per_batch_size_and_robust_to_one_slow_step():
     from moestream.moe.share import FETCH, SPLIT, Arms
 
-    arms = Arms(block=3, trials=2, hold=100)
+    arms = Arms(block=3, trials=2, hold=100, warmup=0)
     drive(arms, 4, {SPLIT: 0.02, FETCH: 0.03}, 12)
     assert arms.pick(4) == SPLIT and arms.pick(1) == SPLIT  # batch 1 has not explored yet
     # batch 1: the split's blocks each start with a 0.5 s step (a CUDA graph recorded): medians ignore it
@@ -115,3 +115,20 @@ def test_arms_per_batch_size_and_robust_to_one_slow_step():
     assert arms.pick(1) == SPLIT and arms.pick(4) == SPLIT
     arms.observe(1, FETCH, 9.0)  # a step picked before a switch does not count for the held arm's block
     assert arms.pick(1) == SPLIT
+
+
+def test_arms_time_the_split_only_after_its_share_warmed_up():
+    """Each exploration starts with `warmup` untimed split steps (the live share converging): a slow split
+    during them does not decide; after a hold on offload's step, the next exploration warms up again."""
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    arms = Arms(block=2, trials=1, hold=3, warmup=5)
+    picked = drive(arms, 1, {SPLIT: 9.0, FETCH: 0.010}, 5)  # the share at its prior: a very slow split
+    assert picked == [SPLIT] * 5 and arms.as_dict()["1"]["explorations"] == 0
+    picked = drive(arms, 1, {SPLIT: 0.008, FETCH: 0.010}, 4 + 2)  # converged: faster than offload's step
+    assert picked == [SPLIT, SPLIT, FETCH, FETCH, SPLIT, SPLIT]
+    assert arms.as_dict()["1"]["step_ms"] == {SPLIT: 8.0, FETCH: 10.0}
+    arms = Arms(block=1, trials=1, hold=2, warmup=2)
+    picked = drive(arms, 1, {SPLIT: 0.012, FETCH: 0.010}, 2 + 2 + 2 + 2)
+    assert picked == [SPLIT, SPLIT, SPLIT, FETCH, FETCH, FETCH, SPLIT, SPLIT]  # hold ran out: warms up again
+    assert arms.as_dict()["1"]["explorations"] == 1
