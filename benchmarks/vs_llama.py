@@ -39,6 +39,7 @@ Local CPU check of the moestream side (no GPU, no llama.cpp): see tests/test_vs_
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -377,6 +378,7 @@ def run_child(args) -> None:
     import torch
 
     from moestream import LLM
+    from moestream.core import ConfigError
 
     logging.basicConfig(level=logging.WARNING)
     configs = json.loads(args.configs)
@@ -390,18 +392,28 @@ def run_child(args) -> None:
         t = time.perf_counter()
         cap = cfg["cap_gb"] if args.device.startswith("cuda") else None  # on a CPU the cap would be host memory
         try:
+            if llm is not None:
+                try:
+                    llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None,
+                                                   moe_cpu_threads=cfg.get("threads", 0),
+                                                   moe_prefetch=cfg.get("prefetch", "off"))
+                    rec["load_s"] = time.perf_counter() - t
+                    rec["reconfigured"] = True
+                except ConfigError as err:
+                    # a live engine keeps its running requests' state and prefill chunk (a rebuild refuses what
+                    # they cannot fit); a fresh one plans fewer requests / smaller chunks for a small cap
+                    rec["reconfigure_refused"] = str(err)
+                    llm.close()
+                    llm = None
+                    gc.collect()
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
             if llm is None:
                 llm = LLM(args.model, device=args.device, dtype="bfloat16" if args.device.startswith("cuda") else "float32",
                           moe_backend=cfg["backend"], gpu_memory_gb=cap, max_running_requests=4,
                           moe_cpu_threads=cfg.get("threads", 0), moe_prefetch=cfg.get("prefetch", "off"),
                           max_seq_len_override=max(1024, args.pp + args.tg + 64), chunked_prefill_size=2048)
                 rec["load_s"] = time.perf_counter() - t
-            else:
-                llm.engine.reconfigure_experts(moe_backend=cfg["backend"], gpu_memory_gb=cap, moe_cache_size=None,
-                                               moe_cpu_threads=cfg.get("threads", 0),
-                                               moe_prefetch=cfg.get("prefetch", "off"))
-                rec["load_s"] = time.perf_counter() - t
-                rec["reconfigured"] = True
             gib = lambda m: {k: round(v / 2**30, 3) for k, v in m.items()}  # noqa: E731
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
