@@ -403,6 +403,7 @@ def run_child(args) -> None:
                     # a live engine keeps its running requests' state and prefill chunk (a rebuild refuses what
                     # they cannot fit); a fresh one plans fewer requests / smaller chunks for a small cap
                     rec["reconfigure_refused"] = str(err)
+                if "reconfigure_refused" in rec:  # outside the handler: its traceback's frames hold the engine
                     llm.close()
                     llm = None
                     gc.collect()
