@@ -128,6 +128,7 @@ def test_arms_time_the_split_only_after_its_share_warmed_up():
     picked = drive(arms, 1, {SPLIT: 0.008, FETCH: 0.010}, 4 + 2)  # converged: faster than offload's step
     assert picked == [SPLIT, SPLIT, FETCH, FETCH, SPLIT, SPLIT]
     assert arms.as_dict()["1"]["step_ms"] == {SPLIT: 8.0, FETCH: 10.0}
+    assert arms.as_dict()["1"]["held_ms"] == 8.0  # the two held steps' mean
     arms = Arms(block=1, trials=1, hold=2, warmup=2)
     picked = drive(arms, 1, {SPLIT: 0.012, FETCH: 0.010}, 2 + 2 + 2 + 2)
     assert picked == [SPLIT, SPLIT, SPLIT, FETCH, FETCH, FETCH, SPLIT, SPLIT]  # hold ran out: warms up again

@@ -148,8 +148,9 @@ class Arms:
         st["steps"][arm] += 1
         if st["chosen"] is not None:
             st["held"] += 1
+            st["held_s"] = st.get("held_s", 0.0) + seconds
             if st["held"] >= self.hold:  # explore again
-                st.update(chosen=None, held=0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []})
+                st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []})
             return
         if st["warm"] < self.warmup:  # the split's share converging: not timed
             st["warm"] += arm == SPLIT
@@ -169,7 +170,10 @@ class Arms:
             st["last"] = {a: round(float(np.median(t[a])) * 1e3, 3) for a in t}
 
     def as_dict(self) -> dict:
-        """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, explorations,
-        steps run by each arm."""
-        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"), "explorations": st["explorations"],
-                         "steps": dict(st["steps"])} for r, st in sorted(self._rows.items())}
+        """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, the mean step
+        ms of the steps held since (does the chosen arm keep its exploration's time?), explorations, steps run by
+        each arm."""
+        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"),
+                         "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
+                         "explorations": st["explorations"], "steps": dict(st["steps"])}
+                for r, st in sorted(self._rows.items())}
