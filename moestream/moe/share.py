@@ -119,9 +119,10 @@ class Arms:
     window of LiveShare.every steps, and drifted back to its prior while offload's step held) has converged before
     the split is judged (on the H100, 2026-12-05, the split timed at its prior lost to offload's step at every cap
     while the converged split won by 9% at batch 1 and 28-36% at batch 4); then it runs the arms in alternating
-    blocks of `block` steps until each has `trials` blocks (alternation cancels the slow drift of step times as contexts grow); an arm's time is the median of
-    its blocks' medians (a block's first step may record a CUDA graph); the faster arm then runs `hold` steps,
-    after which the exploration starts again (the rates change with contexts, batch mix and cache state)."""
+    blocks of `block` steps until each has `trials` blocks (alternation cancels the slow drift of step times as
+    contexts grow); an arm's time is the median of its blocks' medians (a block's first step may record a CUDA
+    graph); the faster arm then runs `hold` steps, after which the exploration starts again (the rates change with
+    contexts, batch mix and cache state)."""
 
     def __init__(self, block: int = 4, trials: int = 3, hold: int = 256, warmup: int = 24):
         self.block, self.trials, self.hold, self.warmup = block, trials, hold, warmup
@@ -131,7 +132,7 @@ class Arms:
         st = self._rows.get(rows)
         if st is None:
             st = self._rows[rows] = {"times": {SPLIT: [], FETCH: []}, "block": [], "arm": SPLIT,
-                                     "chosen": None, "held": 0, "warm": 0, "explorations": 0,
+                                     "chosen": None, "held": 0, "held_s": 0.0, "warm": 0, "explorations": 0,
                                      "steps": {SPLIT: 0, FETCH: 0}}
         return st
 
@@ -148,7 +149,7 @@ class Arms:
         st["steps"][arm] += 1
         if st["chosen"] is not None:
             st["held"] += 1
-            st["held_s"] = st.get("held_s", 0.0) + seconds
+            st["held_s"] += seconds
             if st["held"] >= self.hold:  # explore again
                 st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []})
             return
