@@ -67,6 +67,13 @@ def bridge_worker_in_c() -> bool:
     return os.environ.get("MOESTREAM_BRIDGE_C", "1") != "0"
 
 
+def bridge_pool() -> bool:
+    """MOESTREAM_BRIDGE_POOL=0: the cpu/hybrid bridge's compiled worker on a GPU computes its layer calls on the
+    CPU kernels' threading of cpu_threading() (default OpenMP) instead of the kernels' own pool held spinning for
+    the whole decode step (the default; read at each step)."""
+    return os.environ.get("MOESTREAM_BRIDGE_POOL", "1") != "0"
+
+
 def cpu_threading() -> tuple[bool, int]:
     """(own pool, spin microseconds) for the compiled CPU kernels' threads (kernels/cpu/qmatmul.cpp):
     MOESTREAM_CPU_POOL=pool runs them on the kernels' own pool instead of OpenMP (default `omp`: the OpenMP

@@ -330,6 +330,42 @@ def test_bridge_worker_takes_the_layer_call(monkeypatch):
     assert torch.all(y[~cpu] == 7.0)
 
 
+def test_bridge_step_on_the_held_pool_gives_the_same_rows(monkeypatch):
+    """A GPU's bridge runs its layer calls on the kernels' pool held spinning for the step (hold_pool): every row
+    bit for bit what the same calls give on OpenMP threads. The layer is large enough for several threads."""
+    from moestream.moe.formats import gguf_expert_format
+
+    if not cpu_quant.available():
+        pytest.skip("CPU kernels not built")
+    h, i, e, k, T = 512, 256, 8, 4, 3
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    cpu = torch.ones(T * k, dtype=torch.bool)
+    cpu[::5] = False
+    types = {"gate": "Q4_K", "up": "Q4_K", "down": "Q8_0"}
+    fmt = gguf_expert_format(types, h, i)
+    banks = {p: _weights(t, e * n, kk, seed=j).reshape(e, -1)
+             for j, (p, t, (n, kk)) in enumerate(zip(("gate", "up", "down"), types.values(), ((i, h), (i, h), (h, i))))}
+    store = _Store(fmt, banks)
+    store.hidden = h
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads at least, on any machine
+    real, held = cpu_quant.bridge_step, []
+
+    def step(*a, hold_pool=False, **kw):
+        held.append(want_hold)
+        return real(*a, hold_pool=want_hold, **kw)
+
+    monkeypatch.setattr(cpu_quant, "bridge_step", step)
+    out = {}
+    for want_hold in (False, True, False):
+        out[want_hold] = _bridge_step(store, x, ids, w, cpu, torch.float32)
+    assert held == [False, True, False]
+    assert torch.equal(out[True], out[False]) and torch.all(out[True][~cpu] == 7.0)
+    assert not torch.all(out[True][cpu] == 7.0)
+
+
 def test_portable_f16_rounding_matches_f16c(tmp_path):
     """Builds without AVX2 round h to float16 in portable C++: it must round exactly as the F16C instruction
     (nearest even, subnormals, overflow to inf). A small harness built with -mf16c only (so the portable path

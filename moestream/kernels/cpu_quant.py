@@ -166,7 +166,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int]
+                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int]
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
@@ -398,13 +398,14 @@ def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, sta
                          f"{_LAYER_ERRORS.get(rc, rc)}")
 
 
-def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0) -> int:
+def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_pool: bool = False) -> int:
     """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request from index
     `first` on waited for, computed and answered without the interpreter (the GIL is released for the whole
     step). ``arrays``: moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see
     CpuBridge._c_tables); `first` > 0 passes every per-layer array from that layer on (the C loop indexes them
-    from its start). Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer
-    call error."""
+    from its start). hold_pool: the layer calls run on the library's pool, whose threads spin from the step's
+    first call to its end (no wake-up per layer; for a host whose cores serve the bridge, not a shared one).
+    Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
     mod = _STATE["mod"]
     a, f = arrays, first
     P, H = a["P"], a["H"]
@@ -414,7 +415,7 @@ def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0) -> int
                               a["hy"] + 4 * f * P * H, P, H, a["I"], a["wbase"].reshape(-1)[3 * f:].ctypes.data,
                               a["wstep"].reshape(-1)[3 * f:].ctypes.data, a["wtype"].reshape(-1)[3 * f:].ctypes.data,
                               a["lflags"][f:].ctypes.data, a["experts"][f:].ctypes.data, a["secs"][f:].ctypes.data,
-                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod))
+                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool))
 
 
 def has_avx2() -> bool:

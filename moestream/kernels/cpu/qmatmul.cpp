@@ -71,6 +71,7 @@ struct Pool {
   std::atomic<int> bar_count{0};
   std::atomic<uint64_t> bar_gen{0};
   std::atomic<int64_t> spin_ns{300000};
+  std::atomic<int> hold{0};          // > 0: idle workers keep spinning (a CPU bridge step is under way)
   const std::function<void(int, int)>* job = nullptr;
   int nt = 1;
   bool stop = false;
@@ -99,9 +100,13 @@ struct Pool {
       int k = 0;
       while (gen.load(std::memory_order_acquire) == seen) {
         relax();
-        if (++k % 256 == 0 &&
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >
-                spin_ns.load(std::memory_order_relaxed)) {
+        if (++k % 256 != 0) continue;
+        if (hold.load(std::memory_order_relaxed) > 0) {  // spin through a bridge step; let others have the core
+          if (k % 4096 == 0) std::this_thread::yield();
+          continue;
+        }
+        if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >
+            spin_ns.load(std::memory_order_relaxed)) {
           std::unique_lock<std::mutex> lk(mu);
           sleepers.fetch_add(1);
           cv.wait(lk, [&] { return gen.load() != seen; });
@@ -161,6 +166,7 @@ Pool& pool() {
 }
 
 std::atomic<int> g_use_pool{0};
+thread_local int tl_use_pool = -1;  // this thread's calls: -1 follow g_use_pool, 0 OpenMP, 1 the pool
 
 // body(t, T, barrier) on up to nt threads: the pool, or OpenMP when it is off or busy.
 template <class B>
@@ -169,7 +175,7 @@ void parallel(int nt, B&& body) {
     body(0, 1, [] {});
     return;
   }
-  if (g_use_pool.load(std::memory_order_relaxed)) {
+  if (tl_use_pool >= 0 ? tl_use_pool > 0 : g_use_pool.load(std::memory_order_relaxed)) {
     Pool& p = pool();
     const std::function<void(int, int)> f = [&](int t, int T) { body(t, T, [&p, T] { p.barrier(T); }); };
     if (p.run(nt, f)) return;
@@ -2316,8 +2322,21 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
                    const int64_t* lflags, int64_t* experts_out, double* secs_out, const int32_t* cancel,
-                   double timeout_s, int nthreads) {
+                   double timeout_s, int nthreads, int hold_pool) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
+  // hold_pool: the layer calls run on the pool, whose workers spin from this step's first call to its end instead
+  // of sleeping between layers. The GPU's part of a layer (~0.1-2 ms) outlasts any fixed spin worth having on a
+  // shared machine, and waking a sleeping team costs each layer call 100-200 us (the fit of moe/share.py on a
+  // 16-core host: OpenMP's threads, with a second team in the process, sleep after ~1000 polls).
+  struct Hold {
+    int on;
+    explicit Hold(int h) : on(h) {
+      if (on) tl_use_pool = 1, pool().hold.fetch_add(1);
+    }
+    ~Hold() {
+      if (on) tl_use_pool = -1, pool().hold.fetch_sub(1);
+    }
+  } hold(hold_pool);
   std::vector<int64_t> pairs, gstart, prow, pdst, wptr;
   std::vector<float> pw;
   int rc_all = 0;
