@@ -68,9 +68,9 @@ def bridge_worker_in_c() -> bool:
 
 
 def bridge_pool() -> bool:
-    """MOESTREAM_BRIDGE_POOL=0: the cpu/hybrid bridge's compiled worker on a GPU computes its layer calls on the
-    CPU kernels' threading of cpu_threading() (default OpenMP) instead of the kernels' own pool held spinning for
-    the whole decode step (the default; read at each step)."""
+    """MOESTREAM_BRIDGE_POOL=0: the `cpu` backend's bridge worker on a GPU computes its layer calls on the CPU
+    kernels' threading of cpu_threading() (default OpenMP) instead of the kernels' own pool held spinning for the
+    whole decode step (the default there; hybrid never holds it: moe/bridge.CpuBridge; read at each step)."""
     return os.environ.get("MOESTREAM_BRIDGE_POOL", "1") != "0"
 
 

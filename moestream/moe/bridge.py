@@ -45,9 +45,15 @@ WORKER_TIMEOUT_S = 120.0
 
 class CpuBridge:
     def __init__(self, store, device: torch.device, max_pairs: int, threads: int = 0,
-                 dtype: torch.dtype | None = None):
-        """dtype: the activations' (default: the dense experts' dtype; compressed experts need it given)."""
+                 dtype: torch.dtype | None = None, hold: bool = False):
+        """dtype: the activations' (default: the dense experts' dtype; compressed experts need it given).
+        hold: on a GPU, the compiled worker's layer calls run on the kernels' pool held spinning for the whole step
+        (cpu_quant.bridge_step; MOESTREAM_BRIDGE_POOL=0 turns it off). The `cpu` backend, whose worker computes
+        every pair of every layer, asks for it: on the H100 host it decoded 49.1 tok/s against 46.1 without
+        (benchmarks/RESULTS.md, 2026-12-05, fifteenth session); hybrid's split, whose CPU share is a few experts
+        a layer beside the PCIe copies, measured its split step 18.6 ms held against 16.5 not, so it does not."""
         self.store, self.device = store, device
+        self.hold = hold
         self.threads = threads  # the worker's intra-op threads (0: torch's default for a new thread)
         self.layers = list(store.moe_layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
@@ -261,7 +267,7 @@ class CpuBridge:
 
         for k in ("experts", "secs"):
             t[k][:] = 0
-        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=self.device.type == "cuda" and bridge_pool())
+        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=self.hold and self.device.type == "cuda" and bridge_pool())
         c, s = t["experts"], t["secs"]
         self.cpu_experts += c
         self.cpu_seconds += s

@@ -311,7 +311,7 @@ class BridgeDecode(Strategy):
     def __init__(self, ctx, cache, split: bool):
         o = ctx.options
         self.ctx, self.cache = ctx, cache
-        self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype)
+        self.bridge = CpuBridge(ctx.store, ctx.device, o.max_pairs, o.cpu_threads, o.act_dtype, hold=not split)
         self._bridged = False
         layers = list(ctx.store.moe_layers)
         expert_bytes = sum(ctx.store.bytes_per_expert(layer) for layer in layers) / max(len(layers), 1)
