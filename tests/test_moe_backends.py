@@ -316,6 +316,41 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
     assert got == want and "arms" not in llm.stats()["hybrid"]
 
 
+def test_hybrid_held_split_runs_the_tuned_share(tiny_checkpoint, fused_tokens, monkeypatch):
+    """While the arms hold the split, each split step's route reads the tuner's share (Arms.share_for), written to the
+    live share tensor before the step; fused's tokens whatever the share."""
+    from moestream.moe import share, strategies
+
+    class SplitArms(share.Arms):  # the split always wins its exploration; then it is held and tuned
+        def observe(self, rows, arm, seconds):
+            super().observe(rows, arm, seconds if arm == share.SPLIT else seconds + 1.0)
+
+        def share_for(self, rows, fitted):
+            got = super().share_for(rows, fitted)
+            asked.append(got)
+            return got
+
+    asked, written = [], []
+    real_use = share.LiveShare.use
+
+    def use(self, value, fixed):
+        written.append((value, fixed))
+        real_use(self, value, fixed)
+        assert self.tensor.tolist() == pytest.approx([value, fixed])
+
+    monkeypatch.setattr(share.LiveShare, "use", use)
+    monkeypatch.setattr(strategies, "Arms", lambda: SplitArms(block=1, trials=1, hold=1000, warmup=0, tune_step=0.2))
+    ps, want = fused_tokens("qwen3")
+    llm, got = run(tiny_checkpoint, "qwen3", "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
+    assert got == want
+    tuned = [a for a in asked if a is not None]
+    assert len(tuned) >= 3 and len({a[0] for a in tuned}) >= 2  # the centre and its neighbours ran
+    for a in tuned:  # every tuned share reached the tensor
+        assert a in written
+    arms = llm.stats()["hybrid"]["arms"]
+    assert any("tuned_share" in d for d in arms.values()), arms
+
+
 def test_reading_a_bridged_steps_results_waits_asleep_first(tiny_checkpoint, fused_tokens, monkeypatch):
     """A decode step with a job for the CPU worker (cpu, hybrid's split) is waited for on the bridge's blocking
     event before the runner reads its results (CpuBridge.wait_launched), so the reading thread does not spin a core

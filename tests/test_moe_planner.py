@@ -430,6 +430,31 @@ def test_qwen36_q4km_cpu_backend_small_caps(cap, requests, snaps):
     assert math.isclose(b.dense / GiB, 1.3617, abs_tol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["offload", "hybrid", "cpu"])
+def test_qwen36_q4km_32k_context_at_4gib(backend):
+    """A 4 GiB card started for 32k-token prompts (--max-seq-len-override): the plan holds one whole request of KV
+    (the requests share it) before expert slots take the rest, shrinking snapshots and requests where it must,
+    instead of giving the KV to slots and keeping 4k tokens (the H200 run of 2026-12-05 planned 4,135 tokens and the benchmark cut its 32k prompt to 4k). Where no
+    option holds the asked context, the plan is refused with one line that says so."""
+    _, _, fit = _qwen36_engine()
+    ctx = 32768 + 32 + 16
+    plan, used = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=4, max_seq_len_override=ctx))
+    assert plan.kv_tokens >= ctx and _plan_total(plan) <= 4 * GiB
+    if backend != "cpu":
+        assert plan.cache_slots >= 8
+    short, _ = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=4))  # no context asked: 4 requests, 4k+ each
+    assert short.running_requests == 4 and 4096 <= short.kv_tokens < ctx
+    with pytest.raises(ConfigError) as err:
+        fit(EngineConfig(moe_backend=backend, gpu_memory_gb=2.9, max_seq_len_override=ctx))
+    msg = str(err.value)
+    if backend == "cpu":  # a plan fits (no slots needed), with less KV than asked
+        assert msg.startswith(f"--max-seq-len-override {ctx}: the budget holds KV for at most 6785 tokens")
+    else:  # no plan fits beside the asked KV: the planner's reason, and why
+        assert "room for 0 expert slots" in msg
+        assert f"the KV of one --max-seq-len-override {ctx}-token request, 0.63 GiB, is held before any expert slot" in msg
+    assert "\n" not in msg
+
+
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
 def test_qwen36_q4km_offload_small_caps(backend):
     """offload / hybrid at 3.0 and 3.2 GiB: at the chunk floor a small budget reserves one useful context and top-k

@@ -133,3 +133,41 @@ def test_arms_time_the_split_only_after_its_share_warmed_up():
     picked = drive(arms, 1, {SPLIT: 0.012, FETCH: 0.010}, 2 + 2 + 2 + 2)
     assert picked == [SPLIT, SPLIT, SPLIT, FETCH, FETCH, FETCH, SPLIT, SPLIT]  # hold ran out: warms up again
     assert arms.as_dict()["1"]["explorations"] == 1
+
+
+def test_held_split_share_tuned_by_step_time():
+    """While the split is held its share is tuned by step time, from the fitted share at the choice: the centre moves
+    to a faster neighbour (by more than the margin), the step halves when neither is; shares stay in [0, SHARE_MAX].
+    Step time here is a V around a share of 0.35 (what the H100's batch 4 showed: the fit drifted to 0.67 and the
+    held steps slowed by half); the tuner walks from 0.67 down to within a step of it."""
+    from moestream.moe.share import SPLIT, Arms
+
+    arms = Arms(block=2, trials=1, hold=10_000, warmup=0, tune_step=0.1, tune_min=0.025, margin=0.03)
+    drive(arms, 4, {SPLIT: 0.040, "fetch": 0.058}, 4)  # explored: the split chosen
+    assert arms.pick(4) == SPLIT and arms.share_for(1, (0.5, 1.0)) is None  # batch 1 never explored
+    seen = []
+    for _ in range(200):
+        frac, fixed = arms.share_for(4, (0.67, 1.7))  # the fit keeps saying 0.67: only the first call counts
+        assert fixed == 1.7 and 0.0 <= frac <= Arms.SHARE_MAX
+        seen.append(frac)
+        arms.observe(4, SPLIT, 0.040 * (1 + abs(frac - 0.35)))
+    d = arms.as_dict()["4"]
+    assert seen[:6] == pytest.approx([0.67, 0.67, 0.77, 0.77, 0.57, 0.57])  # centre, +d, -d in blocks of 2
+    assert abs(d["tuned_share"] - 0.35) <= 0.05 and d["tune_moves"] >= 3 and d["tune_step"] == 0.025
+    # at the top bound the clamped candidate (the centre itself) is skipped
+    arms = Arms(block=1, trials=1, hold=10_000, warmup=0)
+    drive(arms, 1, {SPLIT: 0.01, "fetch": 0.02}, 2)
+    seen = []
+    for _ in range(3):
+        frac, _ = arms.share_for(1, (0.99, 0.0))
+        seen.append(frac)
+        arms.observe(1, SPLIT, 0.01)
+    assert seen == pytest.approx([0.95, 0.85, 0.95])  # centre (clamped), -d; +d skipped; next cycle at the centre
+    # a new exploration (the hold ran out) starts the tuner again from the fit of that time
+    arms = Arms(block=1, trials=1, hold=3, warmup=0)
+    drive(arms, 1, {SPLIT: 0.01, "fetch": 0.02}, 2)
+    for _ in range(3):
+        arms.share_for(1, (0.4, 0.0))
+        arms.observe(1, SPLIT, 0.01)
+    assert arms.share_for(1, (0.3, 0.0)) is None  # exploring again: the fit's share runs
+    assert "tuned_share" not in arms.as_dict()["1"]

@@ -479,20 +479,31 @@ class Engine:
         all the requests can use), for smaller options, tried in this order: smaller prefill chunks (halved down to
         PREFILL_CHUNK_FLOOR), then fewer prefix-cache snapshots (a default count halved down to none), then fewer
         running requests (halved down to one; one rank only, as tensor-parallel ranks must agree) — so a small card
-        keeps as many requests as it can give a useful context. Where no option reaches a useful context, the fitting
-        plan with the most KV tokens. Refused with the smallest options' reason (and what was tried) when nothing
-        fits. Returns (plan, the options it was made for)."""
+        keeps as many requests as it can give a useful context. An explicit --max-seq-len-override makes one whole
+        request of it the useful context: fewer requests run before a 32k-token server holds less than 32k tokens of
+        KV, and where no option holds that much the plan is refused (a server that takes the context it was asked for
+        and then turns long prompts away would be worse). Otherwise, where no option reaches a useful context, the
+        fitting plan with the most KV tokens. Refused with the smallest options' reason (and what was tried) when
+        nothing fits. Returns (plan, the options it was made for)."""
         best, smallest = None, e
+        asked = e.max_seq_len_override
         for opts in self._smaller_options(e):
             smallest = opts
             try:
                 plan = plan_memory(sizes_for(opts), self.hardware, opts, bw)
             except ConfigError:
                 continue
-            if plan.kv_tokens >= min(USEFUL_KV_TOKENS, sizes_for(opts).wanted_kv_tokens):
+            wanted = sizes_for(opts).wanted_kv_tokens
+            if plan.kv_tokens >= min(max(USEFUL_KV_TOKENS, asked or 0), wanted):
                 return plan, opts
             if best is None or plan.kv_tokens > best[0].kv_tokens:
                 best = (plan, opts)
+        if best is not None and asked:
+            plan, opts = best
+            raise ConfigError(
+                f"--max-seq-len-override {asked}: the budget holds KV for at most {plan.kv_tokens} tokens beside the "
+                f"dense weights ({plan.bytes.dense / 2**30:.2f} GiB), {opts.max_running_requests} running request(s)' "
+                f"state and a minimal expert cache: lower --max-seq-len-override or raise --gpu-memory-gb")
         if best is not None:
             return best
         try:  # the smallest options' own reason
@@ -500,9 +511,12 @@ class Engine:
         except ConfigError as err:
             if smallest is e:
                 raise
+            kv = (f"; the KV of one --max-seq-len-override {asked}-token request, "
+                  f"{asked * sizes_for(smallest).kv_bytes_per_token / 2**30:.2f} GiB, is held before any expert slot"
+                  if asked else "")
             raise ConfigError(f"{err} (refused down to {smallest.max_running_requests} running request(s), "
                               f"{self._snapshots(smallest)} prefix-cache snapshots and prefill chunks of "
-                              f"{smallest.chunked_prefill_size} tokens)") from None
+                              f"{smallest.chunked_prefill_size} tokens{kv})") from None
         raise AssertionError("unreachable: the smallest options were refused in the loop")
 
     def _smaller_options(self, e: EngineConfig):

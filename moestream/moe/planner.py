@@ -313,9 +313,11 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
     small = (e.moe_cache_size is None and e.moe_cache_rate is None and room < m.top_k * m.expert_bytes
              and e.chunked_prefill_size <= PREFILL_CHUNK_FLOOR)
     if small:
-        # a small budget, the prefill chunk already at its floor: before the slots, KV for one useful context and a
-        # prefill buffer of top-k rows, not the full reserve and 64 rows' room
-        room = free - min(reserve, USEFUL_KV_TOKENS * m.kv_bytes_per_token) - 2 * min(m.top_k, top) * m.expert_bytes
+        # a small budget, the prefill chunk already at its floor: before the slots, KV for one useful context (or the
+        # explicit --max-seq-len-override's whole request: never traded for slots) and a prefill buffer of top-k
+        # rows, not the full reserve and 64 rows' room
+        keep = max(USEFUL_KV_TOKENS, e.max_seq_len_override or 0) * m.kv_bytes_per_token
+        room = free - min(reserve, keep) - 2 * min(m.top_k, top) * m.expert_bytes
     slots = _cache_slots(m, e, room)
     prefill = max(min(prefill_rows() or (0 if small else slots // 4), top), min(m.top_k, top))
     need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token

@@ -52,6 +52,7 @@ class LiveShare:
         self.t_cpu, self.fixed_s = self.prior
         self.min_t_cpu = expert_bytes / (MAX_CPU_GBS * 1e9)
         self.tensor = live_share(0.0, 0.0, device)
+        self._written: tuple | None = None  # the (frac, fixed) the tensor holds
         self.every, self.steps, self.windows = every, 0, 0
         self._mark = np.zeros(5)  # the worker's cumulative fit sums at the last window
         self._set()
@@ -76,7 +77,14 @@ class LiveShare:
     def _set(self) -> None:
         unit = self.t_pcie + self.t_cpu
         self.value, self.fixed = self.t_cpu / unit, self.fixed_s / unit
-        self.tensor.copy_(live_share(self.value, self.fixed))
+        self.use(self.value, self.fixed)
+
+    def use(self, value: float, fixed: float) -> None:
+        """The share the next steps' routes read: the fitted one, or the arms' tuned one (Arms.share_for); written
+        to the device only when it changes, before a step is launched (a recorded graph reads it at replay)."""
+        if self._written != (value, fixed):
+            self.tensor.copy_(live_share(value, fixed))
+            self._written = (value, fixed)
 
     def as_dict(self) -> dict:
         return {"fetch_share": round(self.value, 4), "fixed": round(self.fixed, 4), "pcie_gbs": round(self.pcie_gbs, 2),
@@ -122,10 +130,21 @@ class Arms:
     blocks of `block` steps until each has `trials` blocks (alternation cancels the slow drift of step times as
     contexts grow); an arm's time is the median of its blocks' medians (a block's first step may record a CUDA
     graph); the faster arm then runs `hold` steps, after which the exploration starts again (the rates change with
-    contexts, batch mix and cache state)."""
+    contexts, batch mix and cache state).
 
-    def __init__(self, block: int = 4, trials: int = 3, hold: int = 256, warmup: int = 24):
+    While the split is held its share is tuned by step time (`share_for`): the line fitted to the worker's calls
+    misjudges the CPU's rate where its calls and the PCIe copies share the host's memory bandwidth (on the H100 host,
+    2026-12-05, batch 4 explored the split at 40 ms a step, then the fit moved the share from 0.39 to 0.67 of the
+    misses fetched and the held steps took 59 ms, slower than offload's 58). From the fitted share at the choice,
+    blocks of `block` steps run the share, the share + d and the share - d; the centre moves to a neighbour that
+    was faster by more than `margin`, else d halves (down to `tune_min`); shares stay in [0, SHARE_MAX]."""
+
+    SHARE_MAX = 0.95  # a fetch fraction above this sends the CPU too few misses to pay for its call
+
+    def __init__(self, block: int = 4, trials: int = 3, hold: int = 256, warmup: int = 24, tune_step: float = 0.1,
+                 tune_min: float = 0.025, margin: float = 0.03):
         self.block, self.trials, self.hold, self.warmup = block, trials, hold, warmup
+        self.tune_step, self.tune_min, self.margin = tune_step, tune_min, margin
         self._rows: dict[int, dict] = {}
 
     def _state(self, rows: int) -> dict:
@@ -133,8 +152,46 @@ class Arms:
         if st is None:
             st = self._rows[rows] = {"times": {SPLIT: [], FETCH: []}, "block": [], "arm": SPLIT,
                                      "chosen": None, "held": 0, "held_s": 0.0, "warm": 0, "explorations": 0,
-                                     "steps": {SPLIT: 0, FETCH: 0}}
+                                     "steps": {SPLIT: 0, FETCH: 0}, "tune": None}
         return st
+
+    def share_for(self, rows: int, fitted: tuple[float, float]) -> tuple[float, float] | None:
+        """The (frac, fixed) share of the next split step of `rows` rows while the split is held (the tuner's
+        candidate, starting from `fitted`, the live share's own at the choice); None while exploring (the fitted
+        share runs)."""
+        st = self._rows.get(rows)
+        if st is None or st["chosen"] != SPLIT:
+            return None
+        if st["tune"] is None:
+            st["tune"] = {"centre": min(max(fitted[0], 0.0), self.SHARE_MAX), "fixed": fitted[1],
+                          "d": self.tune_step, "i": 0, "block": [], "t": {}, "moves": 0}
+        tu = st["tune"]
+        return self._candidate(tu, (0, 1, -1)[tu["i"]]), tu["fixed"]
+
+    def _candidate(self, tu: dict, sign: int) -> float:
+        return min(max(tu["centre"] + sign * tu["d"], 0.0), self.SHARE_MAX)
+
+    def _tune(self, tu: dict, seconds: float) -> None:
+        """A held split step's time, for the tuner's current candidate."""
+        tu["block"].append(seconds)
+        if len(tu["block"]) < self.block:
+            return
+        sign = (0, 1, -1)[tu["i"]]
+        tu["t"][sign] = float(np.median(tu["block"]))
+        tu["block"] = []
+        tu["i"] += 1
+        while tu["i"] < 3 and self._candidate(tu, (0, 1, -1)[tu["i"]]) == tu["centre"]:  # clamped to the centre
+            tu["i"] += 1
+        if tu["i"] < 3:
+            return
+        t = tu["t"]
+        best = min(t, key=t.get)
+        if best != 0 and t[best] < t[0] * (1 - self.margin):
+            tu["centre"] = self._candidate(tu, best)
+            tu["moves"] += 1
+        else:
+            tu["d"] = max(tu["d"] / 2, self.tune_min)
+        tu["i"], tu["t"] = 0, {}
 
     def pick(self, rows: int) -> str:
         """The arm of the next decode step of `rows` rows."""
@@ -150,8 +207,11 @@ class Arms:
         if st["chosen"] is not None:
             st["held"] += 1
             st["held_s"] += seconds
+            if st["tune"] is not None and arm == SPLIT:
+                self._tune(st["tune"], seconds)
             if st["held"] >= self.hold:  # explore again
-                st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []})
+                st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []},
+                          tune=None)
             return
         if st["warm"] < self.warmup:  # the split's share converging: not timed
             st["warm"] += arm == SPLIT
@@ -176,5 +236,7 @@ class Arms:
         each arm."""
         return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"),
                          "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
-                         "explorations": st["explorations"], "steps": dict(st["steps"])}
+                         "explorations": st["explorations"], "steps": dict(st["steps"]),
+                         **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
+                             "tune_moves": st["tune"]["moves"]} if st["tune"] else {})}
                 for r, st in sorted(self._rows.items())}
