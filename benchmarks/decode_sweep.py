@@ -199,15 +199,17 @@ def profile_decode(llm, vocab: int, steps: int = 6) -> None:
 
 
 def force_routes(llm, spec: str, streams: int, tokens: int = 1024, rows_per_request: int = 1,
-                 by_position: bool = False) -> None:
+                 by_position: bool = False, draft: bool = False) -> None:
     """Drive decode routing from a trace file or a synthetic preset made for this model's main layers (an MTP
-    block's layer keeps its router); rows_per_request > 1: verify steps' rows; by_position: RouteForcer's mode
-    that routes a token alike in any step (speculative runs)."""
+    block's layer keeps its router; draft with by_position: a synthetic trace made for the MTP layers too, which
+    then route the drafter's passes with the same locality); rows_per_request > 1: verify steps' rows;
+    by_position: RouteForcer's mode that routes a token alike in any step (speculative runs)."""
     from moestream.moe import synth
     from moestream.moe.trace import RouteForcer, read_trace
 
     mc, rt = llm.model_config, llm.engine.runtime
-    layers = [layer for layer in rt.store.moe_layers if layer not in rt.ctx.lookahead.draft_layers]
+    layers = [layer for layer in rt.store.moe_layers
+              if layer not in rt.ctx.lookahead.draft_layers or (draft and by_position)]
     if spec.startswith("synthetic:"):
         p = synth.preset(spec.split(":", 1)[1], num_layers=len(layers), num_experts=mc.num_experts,
                          top_k=mc.top_k, bytes_per_expert=rt.store.bytes_per_expert(), batch=streams, tokens=tokens)

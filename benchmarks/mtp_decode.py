@@ -22,8 +22,10 @@ Routing: the random router's (uniform: the k + 1 tokens of a verify step share a
 save PCIe bytes), or with --trace synthetic:PRESET (moe/synth.py, made for this model's main layers, one stream
 per request) or --trace FILE forced by token position (moe/trace.py RouteForcer(by_position=True)): a token routes
 to the same experts whether a decode step or a verify step computes it, so the speculative runs still give the
-baseline's tokens, and consecutive tokens share experts as the trace's locality says. The MTP layer's own
-experts keep its router's choice.
+baseline's tokens, and consecutive tokens share experts as the trace's locality says. With a synthetic trace the
+MTP layer gets a trace layer of its own (the same locality as the model's layers), so the drafter's passes route
+as a real block's would, not uniformly (--router-draft: its random router, as measured before 2026-12-05's
+fifteenth session, where its uniform misses took slots from the main layers); a trace FILE has no MTP layer.
 
 Time split: `draft_s` (the drafter's passes, eager) and `step_s` (the engine's forward calls, verify or decode) of
 the measured run, from wall clocks around the calls (the drafter's passes end in a host read, so their time is
@@ -171,6 +173,9 @@ def main() -> None:
     ap.add_argument("--accept", default="1.0,0.8,0.6", help="probability that a draft is left right (1: the real drafts)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="mtp.json")
+    ap.add_argument("--router-draft", action="store_true",
+                    help="with a synthetic trace: the MTP layer keeps its random router (uniform) instead of a trace "
+                         "layer of its own")
     ap.add_argument("--trace", default=None, help="force routing by token position: FILE or synthetic:PRESET "
                     "(qwen36, qwen36-skewed, uniform); default: the random router's")
     args = ap.parse_args()
@@ -193,7 +198,8 @@ def main() -> None:
         make_predictable(llm)
     if args.trace:
         force_routes(llm, args.trace, max(int(b) for b in args.batch.split(",")), tokens=2048,
-                     rows_per_request=max_k + 1, by_position=True)  # (module doc)
+                     rows_per_request=max_k + 1, by_position=True,
+                     draft=args.trace.startswith("synthetic:") and not args.router_draft)  # (module doc)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bandwidths, "max_k": max_k,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "trace": args.trace, "runs": []}

@@ -272,7 +272,8 @@ def test_follow_maps_are_the_generators_and_bound_lookahead():
 def test_forcer_by_position_follows_each_requests_tokens():
     """by_position: a row reads its request's stream at its token's position, whichever step computes it; a
     request's rows in one step (a verify step) read consecutive trace steps; requests beyond the trace's streams
-    start far apart."""
+    start far apart. Streams are numbered by the requests' first decode step (lowest free number), not by their
+    state slots: the next requests get the same streams in the same batch order whatever slots they get."""
     from moestream.batch import SeqMeta
 
     torch = __import__("torch")
@@ -281,15 +282,77 @@ def test_forcer_by_position_follows_each_requests_tokens():
     f = RouteForcer(tr, torch.device("cpu"), max_rows=8, by_position=True, streams=4)
     meta = lambda slot, cached, n: SeqMeta(start=0, length=n, cached=cached, state_slot=slot,  # noqa: E731
                                            kv_index=torch.zeros(cached + n, dtype=torch.long))
-    rows = f.rows_at(*f._positions([meta(1, 5, 3), meta(2, 9, 1)]))
-    assert np.array_equal(rows[:3], grid[5:8, 1])  # slot 1, positions 5-7: stream 1, trace steps 5-7
-    assert np.array_equal(rows[3], grid[(9 + 8) % 16, 0])  # slot 2: stream 0 from step 16 / ceil(4 / 2) = 8
+    rows = f.rows_at(*f._positions([meta(1, 5, 3), meta(2, 9, 1), meta(7, 2, 1)]))
+    assert np.array_equal(rows[:3], grid[5:8, 0])  # slot 1 (stream 0), positions 5-7: trace steps 5-7
+    assert np.array_equal(rows[3], grid[9, 1])  # slot 2: stream 1
+    assert np.array_equal(rows[4], grid[(2 + 8) % 16, 0])  # slot 7: stream 2, from step 16 / ceil(4 / 2) = 8
     # one row at position 6 of slot 1 reads what the 3-row step gave it: a token routes alike in any step
-    assert np.array_equal(f.rows_at(*f._positions([meta(1, 6, 1)]))[0], rows[1])
+    assert np.array_equal(f.rows_at(*f._positions([meta(1, 6, 1), meta(2, 10, 1)]))[0], rows[1])
     f.begin_step({"num_tokens": 4, "decode": True, "seqs": [meta(1, 5, 3), meta(2, 9, 1)]})
-    assert np.array_equal(f.host[:, :4].numpy().transpose(1, 0, 2), rows)
-    f.begin_step({"num_tokens": 1, "decode": True, "draft": True, "seqs": [meta(1, 8, 1)]})
-    assert f.T == 0  # an MTP drafter pass keeps the router's choice
+    assert np.array_equal(f.host[:, :4].numpy().transpose(1, 0, 2), rows[:4])
+    # new requests (their prompts computed) in slots 2 and 1, in that batch order: streams 0 and 1 again
+    f.begin_step({"num_tokens": 7, "decode": False, "seqs": [meta(2, 0, 4), meta(1, 0, 3)]})
+    again = f.rows_at(*f._positions([meta(2, 4, 1), meta(1, 3, 1)]))
+    assert np.array_equal(again[0], grid[4, 0]) and np.array_equal(again[1], grid[3, 1])
+    f.begin_step({"num_tokens": 1, "decode": True, "draft": True, "seqs": [meta(1, 8, 1)], "draft_layer": 9})
+    assert f.T == 0  # an MTP drafter pass keeps the router's choice (layer 9 is not in the trace)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    assert f(9, None, ids) is ids
+
+
+def test_forcer_routes_a_traced_draft_layer_by_position():
+    """A trace made for the main layers and the MTP layer (here layer 2 of 0-2): a drafter pass's rows read that
+    layer's trace rows at the positions the pass computes; a draft layer the trace lacks keeps the router."""
+    from moestream.batch import SeqMeta
+
+    torch = __import__("torch")
+    tr = synth.generate(synth.preset("qwen36", tokens=16, batch=2, num_layers=3, num_experts=16, top_k=2),
+                        moe_layers=[0, 1, 2])
+    grid = tr.ids.reshape(16, 2, 3, 2)
+    f = RouteForcer(tr, torch.device("cpu"), max_rows=8, by_position=True, streams=2)
+    meta = lambda slot, cached, n: SeqMeta(start=0, length=n, cached=cached, state_slot=slot,  # noqa: E731
+                                           kv_index=torch.zeros(cached + n, dtype=torch.long))
+    f.begin_step({"num_tokens": 2, "decode": True, "seqs": [meta(0, 6, 1), meta(1, 3, 1)]})  # streams 0, 1
+    f.begin_step({"num_tokens": 2, "decode": True, "draft": True, "seqs": [meta(1, 4, 1), meta(0, 7, 1)],
+                  "draft_layer": 2})
+    assert f.T == 2
+    got = f(2, None, torch.zeros(2, 2, dtype=torch.long))
+    assert np.array_equal(got.numpy(), np.stack([grid[4, 1, 2], grid[7, 0, 2]]))
+    f.begin_step({"num_tokens": 1, "decode": True, "draft": True, "seqs": [meta(1, 4, 1)], "draft_layer": 5})
+    assert f.T == 0
+
+
+def test_speculative_tokens_equal_with_the_mtp_layer_traced(tiny_checkpoint):
+    """A synthetic trace made for the main layers and the MTP layer (mtp_decode.py's default): the drafter's
+    decode-like passes route from the trace (prompt passes keep the router), and speculation still gives the tokens
+    of plain decoding on the same engine and trace."""
+    llm = LLM(tiny_checkpoint("qwen35_mtp"), moe_cache_size=6, speculative="mtp", num_speculative_tokens=2, **COMMON)
+    cfg, engine = llm.model_config, llm.engine
+    draft = engine.runtime.ctx.lookahead.draft_layers
+    layers = list(engine.runtime.store.moe_layers)
+    assert draft and set(draft) <= set(layers)
+    tr = synth.generate(synth.preset("qwen36", tokens=256, batch=2, num_layers=len(layers),
+                                     num_experts=cfg.num_experts, top_k=cfg.top_k), moe_layers=layers)
+    forced = []
+
+    class Spy(RouteForcer):  # the MTP layer's calls: (a decode-like pass, its ids replaced)
+        def __call__(self, layer, x, ids):
+            out = super().__call__(layer, x, ids)
+            if layer in draft:
+                forced.append((self.T > 0, out is not ids))
+            return out
+
+    engine.set_route_tap(Spy(tr, engine.device, max_rows=2 * 3, by_position=True, streams=2))
+    runner = llm.llm_engine.runner
+    outs = {}
+    for k in (0, 2):
+        runner.spec_k = k
+        forced.clear()
+        outs[k] = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(
+            max_tokens=24, temperature=0.0, ignore_eos=True))]
+    assert llm.stats()["speculative"]["verify_steps"] > 0
+    assert any(f for f, _ in forced) and all(f == r for f, r in forced), forced
+    assert outs[2] == outs[0]
 
 
 def test_speculative_tokens_equal_under_forced_routing_by_position(tiny_checkpoint):

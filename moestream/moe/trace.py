@@ -209,12 +209,17 @@ class RouteForcer:
     apart, as independent requests would), wrapping at the end. The ids live in one device buffer filled
     before each step, so recorded CUDA graphs read the new rows.
 
-    by_position: a row's ids follow its token instead of the step count: the row of request s (its linear-state
-    slot, else its place in the batch) at position p reads stream s % R at trace step p + (s // R) * stride
-    (stride = steps / ceil(streams / R)). So a step of several rows of one request (a speculative verify step:
+    by_position: a row's ids follow its token instead of the step count: the row of request s at position p reads
+    stream s % R at trace step p + (s // R) * stride (stride = steps / ceil(streams / R)), s being the request's
+    stream number: the lowest number no other running request holds, given at the first decode step that shows
+    the request (its linear-state slot identifies it; else its place in the batch), released once a decode step
+    goes without it or a prompt step shows its slot computing a prompt (more than one row, or from position 0: a
+    new request in that slot). The slot itself is no identity: which free slot a request gets depends on the
+    order earlier requests finished in (a speculative run after a plain one got its two requests' slots swapped). So a step of several rows of one request (a speculative verify step:
     the newest token and its drafts) reads consecutive trace steps, and a token is routed alike whichever step
-    computes it: with and without speculation the same tokens route to the same experts. MTP drafter passes
-    (their layer is not in the trace) keep the router's choice."""
+    computes it: with and without speculation the same tokens route to the same experts. MTP drafter passes keep
+    the router's choice, unless the trace has their layer (a synthetic trace made for the main and the MTP layers):
+    then by_position routes a pass's rows from it too, by the positions the pass computes."""
 
     capturable = True
 
@@ -238,6 +243,7 @@ class RouteForcer:
         self.T = 0
         self.by_position = by_position
         self.streams = max(int(streams or max_rows), 1)  # requests spread over the trace (by_position)
+        self._stream_of: dict[int, int] = {}  # running request (its state slot) -> stream number (by_position)
 
     def bind(self, runtime) -> None:
         store = runtime.store
@@ -263,21 +269,36 @@ class RouteForcer:
         stride = max(steps // -(-self.streams // R), 1)
         return self.grid[(positions + (streams // R) * stride) % steps, streams % R]
 
-    def _positions(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+    def _positions(self, seqs, main: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(stream, position) of each row; main: a main decode step, which gives and releases stream numbers (an
+        MTP drafter pass only reads them)."""
+        keys = [q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i for i, q in enumerate(seqs)]
+        if main:
+            live = set(keys)
+            self._stream_of = {k: v for k, v in self._stream_of.items() if k in live}
+            for k in keys:
+                if k not in self._stream_of:
+                    held = set(self._stream_of.values())
+                    self._stream_of[k] = next(n for n in range(len(held) + 1) if n not in held)
         streams, pos = [], []
-        for i, q in enumerate(seqs):
-            s = q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i
-            streams += [s] * q.length
+        for i, (k, q) in enumerate(zip(keys, seqs)):
+            streams += [self._stream_of.get(k, i)] * q.length
             pos += range(q.cached, q.cached + q.length)
         return np.asarray(streams, dtype=np.int64), np.asarray(pos, dtype=np.int64)
 
     def begin_step(self, info: dict) -> None:
         self.T = int(info.get("num_tokens", 0))
-        if not info.get("decode", True) or info.get("draft") or self.T > self.buf.shape[1] \
+        if self.by_position and not info.get("decode", True) and info.get("seqs") and not info.get("draft"):
+            for i, q in enumerate(info["seqs"]):  # a prompt computed: that slot's next decode is a new request's
+                if q.length > 1 or q.cached == 0:
+                    self._stream_of.pop(q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i, None)
+        traced_draft = self.by_position and info.get("draft_layer") in self.layer_index
+        if not info.get("decode", True) or (info.get("draft") and not traced_draft) or self.T > self.buf.shape[1] \
                 or (self.by_position and info.get("seqs") is None):
             self.T = 0  # prefill (and MTP drafter passes): the router's own choice
             return
-        rows = self.rows_at(*self._positions(info["seqs"])) if self.by_position else self.rows_for(self.T)
+        rows = self.rows_at(*self._positions(info["seqs"], main=not info.get("draft"))) if self.by_position \
+            else self.rows_for(self.T)
         self.host[:, :self.T].copy_(torch.from_numpy(rows.transpose(1, 0, 2).astype(np.int64)))
         self.buf[:, :self.T].copy_(self.host[:, :self.T], non_blocking=True)
 
