@@ -651,9 +651,9 @@ def test_drafter_passes_through_the_compiled_bridge_worker(mtp_gguf, monkeypatch
     monkeypatch.setattr(bridge, "WORKER_TIMEOUT_S", 5.0)
     firsts, real = [], cpu_quant.bridge_step
 
-    def step(seq, arrays, timeout_s, first=0):
+    def step(seq, arrays, timeout_s, first=0, **kw):
         firsts.append(first)
-        return real(seq, arrays, timeout_s, first)
+        return real(seq, arrays, timeout_s, first, **kw)
 
     monkeypatch.setattr(cpu_quant, "bridge_step", step)
     outs = {}
