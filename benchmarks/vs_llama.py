@@ -373,7 +373,9 @@ def summary_line(r: dict) -> str:
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     return (f"{r['name']}: backend {r['plan']['backend']}, tg bs1 {f(r['tg_tok_s'])} tok/s ({r['tg_tokens']} tok), "
             f"bs4 agg {f(r.get('bs4_tok_s'))}, pp{r.get('pp_tokens')} {f(r.get('pp_tok_s'))} tok/s, hit "
-            f"{f(r.get('hit_rate'))}, PCIe {f(r.get('pcie_mb_per_token'))} MB/token, load {r['load_s']:.0f} s")
+            f"{f(r.get('hit_rate'))}, PCIe {f(r.get('pcie_mb_per_token'))} MB/token (bs4: hit {f(r.get('bs4_hit_rate'))}, "
+            f"PCIe {f(r.get('bs4_pcie_mb_per_token'))}, CPU experts {f(r.get('bs4_cpu_experts_per_token'))} a token), "
+            f"load {r['load_s']:.0f} s")
 
 
 # ---- moestream: the child ---------------------------------------------------------------------------
@@ -499,9 +501,18 @@ def measure(llm, args) -> dict:
     # batch 4: four requests decoding together; its graphs recorded (and hybrid's arms explored) by a run first
     llm.generate([prompt(8) for _ in range(4)], sp(28))
     n4 = tokens_for(max(rate, out["tg_tok_s"]), 4)
+    before = totals()
     llm.generate([prompt(8) for _ in range(4)], sp(n4))
+    d4 = {k: v - before.get(k, 0) for k, v in totals().items() if isinstance(v, (int, float))}
     tm = llm.last_timing
     out.update(bs4_tokens=tm["decode_tokens"], bs4_tok_s=tm["decode_tok_s"], bs4_s=tm["decode_s"])
+    # the batch-4 run's own counters: its hit rate and bytes per token differ from batch 1's (4 tokens' distinct
+    # experts a layer), and they say whether a batch-4 step is bound by PCIe, the CPU, or neither
+    hits, misses = d4.get("hits", 0), d4.get("misses", 0)
+    streamed = d4.get("prefill_streamed", 0) + d4.get("prefill_lookahead", 0)
+    out.update(bs4_hit_rate=hits / (hits + misses) if hits + misses else None,
+               bs4_pcie_mb_per_token=(d4.get("bytes_h2d", 0) - streamed * bpe) / max(tm["decode_tokens"], 1) / 1e6,
+               bs4_cpu_experts_per_token=d4.get("cpu_experts", 0) / max(tm["decode_tokens"], 1), bs4_stats=d4)
     if "hybrid" in rt.stats():  # again after bs4: the arm batch 4 held and the split's share by then
         out["hybrid_after_bs4"] = rt.stats()["hybrid"]
     # prefill: pp tokens in one request, --reps times after one untimed (llama-bench: mean of -r after a warm-up)
@@ -645,7 +656,9 @@ def markdown(rep: dict) -> str:
             else:
                 details.append(f"- {name}: plan {x['plan']['backend']} ({x['plan']['reason'][:90]}), slots "
                                f"{x['plan']['cache_slots']}/{x['plan']['total_experts']}, hit {_f(x.get('hit_rate'), '.2f')}, "
-                               f"PCIe {_f(x.get('pcie_mb_per_token'), '.0f')} MB/token, nvidia-smi peak "
+                               f"PCIe {_f(x.get('pcie_mb_per_token'), '.0f')} MB/token (bs4: hit "
+                               f"{_f(x.get('bs4_hit_rate'), '.2f')}, PCIe {_f(x.get('bs4_pcie_mb_per_token'), '.0f')} "
+                               f"MB/token), nvidia-smi peak "
                                f"{_f((x.get('vram_used_mib') or 0) / 1024 or None, '.2f')} GiB, tokens tg {x['tg_tokens']} / "
                                f"bs4 {x['bs4_tokens']}, load {x['load_s']:.0f} s"
                                + (", llama.cpp build running" if x.get("concurrent_build") else ""))
