@@ -19,7 +19,8 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
 Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
-layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step), `hybrid+noarms`
+layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
+`BACKEND+x8aN` (the bridge's CPU layer calls read interleaved 8-row groups N ahead; its default is 1), `hybrid+noarms`
 (every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
 likeliest).
@@ -56,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
 SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP", "MOESTREAM_HYBRID_ARMS",
-                "MOESTREAM_BRIDGE_POOL")  # settings a configuration may change inside the shared child
+                "MOESTREAM_BRIDGE_POOL", "MOESTREAM_CPU_LAYER_TUNING")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -225,9 +226,10 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
             top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
+            x8a = re.fullmatch(r"x8a(\d+)", variant)  # +x8aN: the CPU layer calls read interleaved groups N ahead
             if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms",
                                                      "nohold")
-                                     and threads is None and top is None):
+                                     and threads is None and top is None and x8a is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
             env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
@@ -260,6 +262,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["prefetch"] = "on"
                 if top:
                     cfg["set_env"] = {"MOESTREAM_PREFETCH_TOP": top[1]}
+                if x8a:  # (the bridge's default is env.BRIDGE_X8_AHEAD; this names it)
+                    cfg["set_env"] = {"MOESTREAM_CPU_LAYER_TUNING": f"x8ahead={x8a[1]}"}
                 out.append(cfg)
     return out
 

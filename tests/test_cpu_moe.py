@@ -353,9 +353,12 @@ def test_bridge_step_on_the_held_pool_gives_the_same_rows(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads at least, on any machine
     real, held = cpu_quant.bridge_step, []
 
-    def step(*a, hold_pool=False, **kw):
+    def step(*a, hold_pool=False, x8_ahead=-1, **kw):
         held.append(want_hold)
-        return real(*a, hold_pool=want_hold, **kw)
+        aheads.append(x8_ahead)
+        return real(*a, hold_pool=want_hold, x8_ahead=x8_ahead, **kw)
+
+    aheads = []
 
     monkeypatch.setattr(cpu_quant, "bridge_step", step)
     out = {}
@@ -364,6 +367,13 @@ def test_bridge_step_on_the_held_pool_gives_the_same_rows(monkeypatch):
     assert held == [False, True, False]
     assert torch.equal(out[True], out[False]) and torch.all(out[True][~cpu] == 7.0)
     assert not torch.all(out[True][cpu] == 7.0)
+    # the bridge's layer calls read interleaved groups BRIDGE_X8_AHEAD ahead, unless the env names a read-ahead
+    from moestream.env import BRIDGE_X8_AHEAD
+
+    assert aheads == [BRIDGE_X8_AHEAD] * 3
+    monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "x8ahead=0")
+    want_hold = False
+    assert torch.equal(_bridge_step(store, x, ids, w, cpu, torch.float32), out[False]) and aheads[-1] == -1
 
 
 def test_portable_f16_rounding_matches_f16c(tmp_path):
@@ -619,3 +629,62 @@ def test_fp4_expert_ptrs_check_the_bank():
     assert cpu_moe.kernel_types(hf_expert_format(FP8_BLOCK, fp8, H, I)) is None
     odd = hf_expert_format(fmt.qfmt, dict(fmt.parts), H, 48)  # I = 48: NVFP4's 16-blocks, not the kernels' 32
     assert cpu_moe.kernel_types(odd) is None
+
+
+def _random_q4k_q6k(rows: int, k: int, kind: str, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K rows with finite, small fp16 scales (random bytes elsewhere)."""
+    nb = k // 256
+    size, d_at = (144, slice(0, 4)) if kind == "Q4_K" else (210, slice(208, 210))
+    b = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    n = d_at.stop - d_at.start
+    b[:, :, d_at] = (rng.random((rows, nb, n // 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, n)
+    return b.reshape(rows, nb * size)
+
+
+def test_layer_call_tuning_changes_no_result(monkeypatch):
+    """MOESTREAM_CPU_LAYER_TUNING (chunks a thread, least chunk bytes, interleaved groups read ahead) moves work
+    between threads and hints the caches, nothing else: the layer call's rows are bit for bit the default's under
+    every setting, on interleaved Q4_K / Q6_K experts of the Qwen3.6 shape (large enough to read ahead) and two
+    threads; a malformed setting is refused naming it."""
+    from moestream.core import ConfigError
+    from moestream.env import cpu_layer_tuning
+
+    if not cpu_quant.available():
+        pytest.skip("CPU kernels not built")
+    rng = np.random.default_rng(3)
+    Hq, Iq, E, G = 2048, 512, 6, 4
+    mats = {"gate": ("Q4_K", Iq, Hq), "up": ("Q4_K", Iq, Hq), "down": ("Q6_K", Hq, Iq)}
+    banks = {}
+    for p, (t, n, k) in mats.items():
+        banks[p] = [cpu_quant.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0]
+                    for m in (_random_q4k_q6k(n, k, t, rng) for _ in range(E))]
+    tids = np.array([cpu_quant.X8_TYPES[mats[p][0]][0] for p in ("gate", "up", "down")], dtype=np.int64)
+    experts = [4, 0, 5, 2]
+    wptr = np.array([[banks[p][e].ctypes.data for p in ("gate", "up", "down")] for e in experts], dtype=np.int64)
+    x = torch.randn(3, Hq).to(torch.bfloat16)
+    starts = np.array([0, 2, 3, 5, 6])  # pairs grouped by expert: rows of x each reads
+    rows = np.array([0, 2, 1, 0, 1, 2])
+    dst = np.arange(6)
+    w = rng.random(6).astype(np.float32)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+
+    def call():
+        out = torch.zeros(6, Hq)
+        rc = cpu_quant.module().ms_moe_layer(x.data_ptr(), 1, 3, Hq, Iq, G, wptr.ctypes.data, tids.ctypes.data,
+                                             starts.ctypes.data, rows.ctypes.data, w.ctypes.data, dst.ctypes.data,
+                                             out.data_ptr(), 6, Hq, 1, 0, cpu_quant.threads(), 0)
+        assert rc == 0
+        return out
+
+    monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING", raising=False)
+    want = call()
+    assert torch.isfinite(want).all() and want.abs().sum() > 0
+    for setting in ("chunks=1,kb=1024", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4"):
+        monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", setting)
+        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 32 << 10, 0)  # in force in the library
+        assert torch.equal(call(), want), setting
+    monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=0")
+    with pytest.raises(ConfigError, match="'chunks=0'"):
+        cpu_layer_tuning()
+    monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
+    assert cpu_layer_tuning() == (8, 32 << 10, 0) == cpu_quant.layer_tuning()  # the defaults back for later tests

@@ -65,7 +65,7 @@ import threading
 import numpy as np
 import torch
 
-from ..env import cache_dir, cpu_kernels_enabled, cpu_threading
+from ..env import cache_dir, cpu_kernels_enabled, cpu_layer_tuning, cpu_threading
 from ..hardware import cpu_flags
 
 log = logging.getLogger("moestream")
@@ -166,7 +166,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int]
+                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int, i64]
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
@@ -187,6 +187,10 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_float_act_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
+    lib.ms_set_layer_tuning.argtypes = [i64, i64, i64]
+    lib.ms_set_layer_tuning.restype = None
+    lib.ms_get_layer_tuning.argtypes = [ptr]
+    lib.ms_get_layer_tuning.restype = None
     lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                   ctypes.c_int]
     lib.ms_fp8_matmul.restype = ctypes.c_int
@@ -221,12 +225,27 @@ def _set_iq3s_grid(lib) -> None:
 
 
 def _threads(mod) -> int:
-    """torch's intra-op thread count for this call, after passing the pool setting on when it changed."""
+    """torch's intra-op thread count for this call, after passing the pool setting and the layer call's tuning
+    (env.cpu_layer_tuning) on when they changed."""
     want = cpu_threading()
     if _STATE.get("threading") != want:
         mod.ms_set_threading(int(want[0]), want[1])
         _STATE["threading"] = want
+    raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
+    if _STATE.get("tuning") != raw:  # parsed only when it changed (this runs at every kernel call)
+        mod.ms_set_layer_tuning(*cpu_layer_tuning())
+        _STATE["tuning"] = raw
     return torch.get_num_threads()
+
+
+def layer_tuning() -> tuple[int, int, int]:
+    """The MoE layer call's tuning in force in the library (chunks per thread, chunk bytes, groups read ahead),
+    after passing MOESTREAM_CPU_LAYER_TUNING on."""
+    mod = _required_module()
+    _threads(mod)
+    out = np.zeros(3, dtype=np.int64)
+    mod.ms_get_layer_tuning(out.ctypes.data)
+    return tuple(int(v) for v in out)
 
 
 def threads() -> int:
@@ -398,14 +417,16 @@ def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, sta
                          f"{_LAYER_ERRORS.get(rc, rc)}")
 
 
-def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_pool: bool = False) -> int:
+def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_pool: bool = False,
+                x8_ahead: int = -1) -> int:
     """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request from index
     `first` on waited for, computed and answered without the interpreter (the GIL is released for the whole
     step). ``arrays``: moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see
     CpuBridge._c_tables); `first` > 0 passes every per-layer array from that layer on (the C loop indexes them
     from its start). hold_pool: the layer calls run on the library's pool, whose threads spin from the step's
     first call to its end (no wake-up per layer; for a host whose cores serve the bridge, not a shared one).
-    Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
+    x8_ahead >= 0: the step's layer calls read interleaved 8-row groups that many groups ahead (-1: the library's
+    setting, env.cpu_layer_tuning). Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
     mod = _STATE["mod"]
     a, f = arrays, first
     P, H = a["P"], a["H"]
@@ -415,7 +436,8 @@ def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_p
                               a["hy"] + 4 * f * P * H, P, H, a["I"], a["wbase"].reshape(-1)[3 * f:].ctypes.data,
                               a["wstep"].reshape(-1)[3 * f:].ctypes.data, a["wtype"].reshape(-1)[3 * f:].ctypes.data,
                               a["lflags"][f:].ctypes.data, a["experts"][f:].ctypes.data, a["secs"][f:].ctypes.data,
-                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool))
+                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool),
+                              int(x8_ahead))
 
 
 def has_avx2() -> bool:

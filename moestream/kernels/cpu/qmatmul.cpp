@@ -197,6 +197,14 @@ void parallel(int nt, B&& body) {
 // its numbers.
 constexpr int64_t CHUNKS_PER_THREAD = 8;
 
+// The MoE layer call's work split and read-ahead, settable at run time (ms_set_layer_tuning) so one process can time
+// several settings on a machine (the defaults were tuned on a 2-core VM; a 16-core host's memory system may want
+// fewer, longer chunks a thread or interleaved groups read ahead): chunks per thread, the least weight bytes a
+// chunk, and how many interleaved 8-row groups ahead a thread asks for (0: none). Results do not depend on them.
+std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 << 10}, g_x8_ahead{0};
+// the calling thread's read-ahead for its layer calls (-1: g_x8_ahead); ms_bridge_step sets it for its step
+thread_local int64_t tl_x8_ahead = -1;
+
 // Chunk numbers 0, 1, ..., n - 1, each handed to whichever thread asks next (next() is false once all are out).
 struct Chunks {
   std::atomic<int64_t> c{0};
@@ -1054,6 +1062,7 @@ void dot_float_avx2(bool bf16, const uint8_t* w, const float* const* x, int64_t 
 struct Mat {
   int64_t type = 0;
   bool prefetch = false;  // rows (groups) read ahead into L2: a matrix of at least PREFETCH_MIN_BYTES
+  int64_t x8_ahead = 0;   // an interleaved type with prefetch: the group this many groups on is asked for
   const uint8_t* w = nullptr;
   int64_t ws = 0;
   const uint8_t* s = nullptr;
@@ -1766,8 +1775,15 @@ inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet
 // row; other types go row by row (row_dots, o: scratch of xs.n floats).
 inline void block_dots(const Mat& m, int64_t i, int64_t nb, bool scalar, int64_t K, const XSet& xs, float* out,
                        float* o) {
-  if (is_x8_type(m.type)) {  // no prefetch: see PREFETCH_ROWS
+  if (is_x8_type(m.type)) {  // no prefetch by default: see PREFETCH_ROWS (g_x8_ahead > 0: that many groups ahead)
     const uint8_t* w = m.w + i * m.ws;
+#ifdef MS_AVX2
+    const int64_t ahead = m.prefetch ? m.x8_ahead : 0;
+    if (ahead > 0) {  // the group `ahead` groups on, into L2 (a hint: past the matrix's end it reads nothing)
+      const char* a = (const char*)w + ahead * 8 * m.ws;
+      for (int64_t b = 0; b < 8 * m.ws; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
+    }
+#endif
     for (size_t c = 0; c < xs.q.size(); ++c) {
       const int64_t r0 = XR_ROWS * (int64_t)c;
       dot_x8_n(m.type, scalar, w, K, xs.q[c], (int)std::min<int64_t>(XR_ROWS, xs.n - r0), out + 8 * r0);
@@ -1933,11 +1949,14 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     bytes += c1[g] * (double)I + c3[g] * (double)H;
   }
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
-  // gate/up and down rows in chunks of at least ~32 KiB of weights, up to CHUNKS_PER_THREAD per thread
+  // gate/up and down rows in chunks of at least ~32 KiB of weights, up to CHUNKS_PER_THREAD per thread (the tuning)
+  const int64_t x8a = tl_x8_ahead >= 0 ? tl_x8_ahead : g_x8_ahead.load(std::memory_order_relaxed);
+  const int64_t per_thread = std::max<int64_t>(1, g_layer_chunks.load(std::memory_order_relaxed));
+  const double chunk_bytes = (double)std::max<int64_t>(1, g_layer_chunk_bytes.load(std::memory_order_relaxed));
   auto nchunks = [&](const std::vector<double>& c, int64_t rows) {
     double b = 0;
     for (double v : c) b += v * (double)rows;
-    return std::max<int64_t>(nt, std::min<int64_t>(nt * CHUNKS_PER_THREAD, (int64_t)(b / (32 << 10))));
+    return std::max<int64_t>(nt, std::min<int64_t>(nt * per_thread, (int64_t)(b / chunk_bytes)));
   };
   std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I)), b3 = cost_chunks(c3, H, nchunks(c3, H));
   if (is_x8_type(tg) || is_x8_type(tu))  // an interleaved group of 8 rows within one chunk (I % 8 == 0: checked)
@@ -1992,6 +2011,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             go.resize(n * nb), uo.resize(n * nb), o.resize(n);
             mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
             mg.prefetch = mu.prefetch = I * mg.ws >= PREFETCH_MIN_BYTES;
+            mg.x8_ahead = mu.x8_ahead = x8a;
             make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
             make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
           }
@@ -2028,6 +2048,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             yo.resize(n * nb), o.resize(n);
             md = layer_mat(td, wptr[3 * g + 2], I);
             md.prefetch = H * md.ws >= PREFETCH_MIN_BYTES;
+            md.x8_ahead = x8a;
             const float* h = hbuf.data() + p0 * I;
             if (q_h) hq.q.resize(n * I), hq.d.resize(n * hq.nb), hq.s.resize(n * hq.nb);
             if (k_h) hk.resize(n, I);
@@ -2322,7 +2343,7 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
                    const int64_t* lflags, int64_t* experts_out, double* secs_out, const int32_t* cancel,
-                   double timeout_s, int nthreads, int hold_pool) {
+                   double timeout_s, int nthreads, int hold_pool, int64_t x8_ahead) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
   // hold_pool: the layer calls run on the pool, whose workers spin from this step's first call to its end instead
   // of sleeping between layers. The GPU's part of a layer (~0.1-2 ms) outlasts any fixed spin worth having on a
@@ -2337,6 +2358,11 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       if (on) tl_use_pool = -1, pool().hold.fetch_sub(1);
     }
   } hold(hold_pool);
+  // x8_ahead >= 0: this step's layer calls read interleaved groups that far ahead (-1: the library's setting)
+  struct Ahead {
+    explicit Ahead(int64_t a) { tl_x8_ahead = a; }
+    ~Ahead() { tl_x8_ahead = -1; }
+  } ahead(x8_ahead);
   std::vector<int64_t> pairs, gstart, prow, pdst, wptr;
   std::vector<float> pw;
   int rc_all = 0;
@@ -2403,6 +2429,18 @@ void ms_set_iq3s_grid(const uint8_t* grid) {
 void ms_set_threading(int use_pool, int64_t spin_us) {
   g_use_pool.store(use_pool ? 1 : 0);
   pool().spin_ns.store(std::max<int64_t>(0, spin_us) * 1000);
+}
+
+// The MoE layer call's tuning (see g_layer_chunks): values <= 0 leave a setting as it is.
+void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t x8_ahead) {
+  if (chunks_per_thread > 0) g_layer_chunks.store(chunks_per_thread);
+  if (chunk_bytes > 0) g_layer_chunk_bytes.store(chunk_bytes);
+  if (x8_ahead >= 0) g_x8_ahead.store(x8_ahead);
+}
+
+// The tuning in force: out[0..2] = chunks per thread, chunk bytes, interleaved groups ahead.
+void ms_get_layer_tuning(int64_t* out) {
+  out[0] = g_layer_chunks.load(), out[1] = g_layer_chunk_bytes.load(), out[2] = g_x8_ahead.load();
 }
 
 // The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
