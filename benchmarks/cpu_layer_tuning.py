@@ -87,3 +87,11 @@ for setting in ("", "x8ahead=1", "", "x8ahead=1"):
     for G in (2, 8):
         t = min(run_gap(x8, inter, G, 2) for _ in range(2))
         print(f"{setting or 'default':12s} G={G} {t*1e6:.0f} us -> {G*nbytes/t/1e9:.1f} GB/s")
+print("--- the file's layout (the bridge's on a GPU host: no interleaved copies there), rows read ahead, 2 threads")
+for setting in ("", "rowsahead=4", "rowsahead=8", "rowsahead=16", "", "rowsahead=8"):
+    os.environ["MOESTREAM_CPU_LAYER_TUNING"] = setting
+    cq.threads()
+    t = min(run(banks, plain, 8, 2) for _ in range(3))
+    tg = min(run_gap(banks, plain, 2, 2) for _ in range(2))
+    print(f"{setting or 'default (2)':14s} 8 experts {8*nbytes/t/1e9:.1f} GB/s; 2 experts with gaps {2*nbytes/tg/1e9:.1f} GB/s")
+

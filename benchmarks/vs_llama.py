@@ -20,7 +20,8 @@ Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
-`BACKEND+x8aN` (the bridge's CPU layer calls read interleaved 8-row groups N ahead; its default is 1), `hybrid+noarms`
+`BACKEND+raN` / `+x8aN` (the bridge's CPU layer calls read N rows / interleaved 8-row groups ahead; its defaults are 8
+and 1; the bridge on a GPU reads the file's layout, so rows), `hybrid+noarms`
 (every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
 likeliest).
@@ -226,7 +227,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             b, plus, variant = b.partition("+")
             threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
             top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
-            x8a = re.fullmatch(r"x8a(\d+)", variant)  # +x8aN: the CPU layer calls read interleaved groups N ahead
+            x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
             if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms",
                                                      "nohold")
                                      and threads is None and top is None and x8a is None):
@@ -262,8 +263,9 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["prefetch"] = "on"
                 if top:
                     cfg["set_env"] = {"MOESTREAM_PREFETCH_TOP": top[1]}
-                if x8a:  # (the bridge's default is env.BRIDGE_X8_AHEAD; this names it)
-                    cfg["set_env"] = {"MOESTREAM_CPU_LAYER_TUNING": f"x8ahead={x8a[1]}"}
+                if x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one)
+                    key = "x8ahead" if x8a[1] == "x8a" else "rowsahead"
+                    cfg["set_env"] = {"MOESTREAM_CPU_LAYER_TUNING": f"{key}={x8a[2]}"}
                 out.append(cfg)
     return out
 

@@ -67,34 +67,37 @@ def bridge_worker_in_c() -> bool:
     return os.environ.get("MOESTREAM_BRIDGE_C", "1") != "0"
 
 
-def cpu_layer_tuning() -> tuple[int, int, int]:
-    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=32,x8ahead=0": the compiled MoE layer call's chunks per thread, least
-    KiB of weights a chunk, and interleaved 8-row groups read ahead (kernels/cpu/qmatmul.cpp, g_layer_chunks; the
-    defaults are those numbers). For timing settings on a machine (benchmarks/vs_llama.py's `+tune...` variants);
-    results do not depend on them. Read at each kernel call; a key left out keeps its default. A malformed value is a
-    ConfigError naming it."""
+def cpu_layer_tuning() -> tuple[int, int, int, int]:
+    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=32,x8ahead=0,rowsahead=2": the compiled MoE layer call's chunks per
+    thread, least KiB of weights a chunk, interleaved 8-row groups read ahead, and rows read ahead for the other types
+    (kernels/cpu/qmatmul.cpp, g_layer_chunks; the defaults are those numbers). For timing settings on a machine
+    (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` variants); results do not depend on them. Read at
+    each kernel call; a key left out keeps its default. A malformed value is a ConfigError naming it."""
     from .core import ConfigError
 
     raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
-    vals = {"chunks": 8, "kb": 32, "x8ahead": 0}
+    vals = {"chunks": 8, "kb": 32, "x8ahead": 0, "rowsahead": 2}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         key, _, v = part.partition("=")
         if key not in vals or not v.isdigit() or (key != "x8ahead" and int(v) < 1):
-            raise ConfigError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N (N >= 1) or x8ahead=N")
+            raise ConfigError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N, rowsahead=N (N >= 1) or "
+                              "x8ahead=N")
         vals[key] = int(v)
-    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"]
+    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"]
 
 
-BRIDGE_X8_AHEAD = 1  # the bridge worker's read-ahead of interleaved groups (moe/bridge.py), unless the env sets one
+BRIDGE_AHEAD = (1, 8)  # the bridge worker's read-ahead (interleaved groups, rows), unless the env sets them
 
 
-def bridge_x8_ahead() -> int:
-    """The cpu/hybrid bridge worker's read-ahead of interleaved 8-row groups: BRIDGE_X8_AHEAD, or -1 (the library's
-    setting) where MOESTREAM_CPU_LAYER_TUNING names x8ahead. Why 1 there and 0 elsewhere: layer calls of 2-8 random
-    Q4_K_M experts of the Qwen3.6 shape with 100 µs gaps between them (the bridge's pattern), 2-core VM: 16-20 ->
-    24-29 GB/s; a whole CPU-only decode of a quarter-size Qwen3-30B-A3B: no change (47.2 vs 47.1 tok/s) at 1, slower
-    at 2 (benchmarks/RESULTS.md, 2026-12-05, fifteenth session)."""
-    return -1 if "x8ahead" in os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "") else BRIDGE_X8_AHEAD
+def bridge_ahead() -> tuple[int, int]:
+    """The cpu/hybrid bridge worker's read-ahead in its layer calls: (interleaved 8-row groups, rows of the file's
+    layouts), BRIDGE_AHEAD, each -1 (the library's setting) where MOESTREAM_CPU_LAYER_TUNING names it. On a GPU host
+    the bridge reads the file's layout (no interleaved copies: those belong to the CPU-only decode plan), so rows
+    ahead is what applies there: 8 instead of the library's 2 read 2-8 random Q4_K_M experts of the Qwen3.6 shape
+    a call 5-10 % faster on the 2-core VM (benchmarks/cpu_layer_tuning.py); a whole CPU-only decode did not gain
+    from reading further ahead, so the library's defaults stay (benchmarks/RESULTS.md, fifteenth session)."""
+    raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
+    return (-1 if "x8ahead" in raw else BRIDGE_AHEAD[0]), (-1 if "rowsahead" in raw else BRIDGE_AHEAD[1])
 
 
 def bridge_pool() -> bool:

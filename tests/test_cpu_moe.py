@@ -353,10 +353,10 @@ def test_bridge_step_on_the_held_pool_gives_the_same_rows(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads at least, on any machine
     real, held = cpu_quant.bridge_step, []
 
-    def step(*a, hold_pool=False, x8_ahead=-1, **kw):
+    def step(*a, hold_pool=False, ahead=(-1, -1), **kw):
         held.append(want_hold)
-        aheads.append(x8_ahead)
-        return real(*a, hold_pool=want_hold, x8_ahead=x8_ahead, **kw)
+        aheads.append(ahead)
+        return real(*a, hold_pool=want_hold, ahead=ahead, **kw)
 
     aheads = []
 
@@ -367,13 +367,14 @@ def test_bridge_step_on_the_held_pool_gives_the_same_rows(monkeypatch):
     assert held == [False, True, False]
     assert torch.equal(out[True], out[False]) and torch.all(out[True][~cpu] == 7.0)
     assert not torch.all(out[True][cpu] == 7.0)
-    # the bridge's layer calls read interleaved groups BRIDGE_X8_AHEAD ahead, unless the env names a read-ahead
-    from moestream.env import BRIDGE_X8_AHEAD
+    # the bridge's layer calls read BRIDGE_AHEAD ahead, unless the env names a read-ahead: then the library's
+    from moestream.env import BRIDGE_AHEAD
 
-    assert aheads == [BRIDGE_X8_AHEAD] * 3
-    monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "x8ahead=0")
+    assert aheads == [BRIDGE_AHEAD] * 3 and BRIDGE_AHEAD[1] > 2
+    monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "rowsahead=2")
     want_hold = False
-    assert torch.equal(_bridge_step(store, x, ids, w, cpu, torch.float32), out[False]) and aheads[-1] == -1
+    assert torch.equal(_bridge_step(store, x, ids, w, cpu, torch.float32), out[False])
+    assert aheads[-1] == (BRIDGE_AHEAD[0], -1)
 
 
 def test_portable_f16_rounding_matches_f16c(tmp_path):
@@ -644,8 +645,8 @@ def _random_q4k_q6k(rows: int, k: int, kind: str, rng) -> np.ndarray:
 def test_layer_call_tuning_changes_no_result(monkeypatch):
     """MOESTREAM_CPU_LAYER_TUNING (chunks a thread, least chunk bytes, interleaved groups read ahead) moves work
     between threads and hints the caches, nothing else: the layer call's rows are bit for bit the default's under
-    every setting, on interleaved Q4_K / Q6_K experts of the Qwen3.6 shape (large enough to read ahead) and two
-    threads; a malformed setting is refused naming it."""
+    every setting, on Q4_K / Q6_K experts of the Qwen3.6 shape (large enough to read ahead) in the file's layout and
+    interleaved, and two threads; a malformed setting is refused naming it."""
     from moestream.core import ConfigError
     from moestream.env import cpu_layer_tuning
 
@@ -654,13 +655,16 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
     rng = np.random.default_rng(3)
     Hq, Iq, E, G = 2048, 512, 6, 4
     mats = {"gate": ("Q4_K", Iq, Hq), "up": ("Q4_K", Iq, Hq), "down": ("Q6_K", Hq, Iq)}
-    banks = {}
-    for p, (t, n, k) in mats.items():
-        banks[p] = [cpu_quant.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0]
-                    for m in (_random_q4k_q6k(n, k, t, rng) for _ in range(E))]
-    tids = np.array([cpu_quant.X8_TYPES[mats[p][0]][0] for p in ("gate", "up", "down")], dtype=np.int64)
+    plain = {p: [_random_q4k_q6k(n, k, t, rng) for _ in range(E)] for p, (t, n, k) in mats.items()}
+    x8 = {p: [cpu_quant.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0] for m in plain[p]]
+          for p, (t, n, k) in mats.items()}
+    names = ("gate", "up", "down")
     experts = [4, 0, 5, 2]
-    wptr = np.array([[banks[p][e].ctypes.data for p in ("gate", "up", "down")] for e in experts], dtype=np.int64)
+    layouts = {  # the file's rows (read ahead by rows) and the interleaved copies (by groups)
+        "plain": (np.array([[plain[p][e].ctypes.data for p in names] for e in experts], dtype=np.int64),
+                  np.array([cpu_quant.type_id(mats[p][0]) for p in names], dtype=np.int64)),
+        "x8": (np.array([[x8[p][e].ctypes.data for p in names] for e in experts], dtype=np.int64),
+               np.array([cpu_quant.X8_TYPES[mats[p][0]][0] for p in names], dtype=np.int64))}
     x = torch.randn(3, Hq).to(torch.bfloat16)
     starts = np.array([0, 2, 3, 5, 6])  # pairs grouped by expert: rows of x each reads
     rows = np.array([0, 2, 1, 0, 1, 2])
@@ -668,7 +672,8 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
     w = rng.random(6).astype(np.float32)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
-    def call():
+    def call(layout):
+        wptr, tids = layouts[layout]
         out = torch.zeros(6, Hq)
         rc = cpu_quant.module().ms_moe_layer(x.data_ptr(), 1, 3, Hq, Iq, G, wptr.ctypes.data, tids.ctypes.data,
                                              starts.ctypes.data, rows.ctypes.data, w.ctypes.data, dst.ctypes.data,
@@ -677,14 +682,15 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
         return out
 
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING", raising=False)
-    want = call()
-    assert torch.isfinite(want).all() and want.abs().sum() > 0
-    for setting in ("chunks=1,kb=1024", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4"):
+    want = {layout: call(layout) for layout in layouts}
+    assert all(torch.isfinite(y).all() and y.abs().sum() > 0 for y in want.values())
+    for setting in ("chunks=1,kb=1024", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4", "rowsahead=16"):
         monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", setting)
-        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 32 << 10, 0)  # in force in the library
-        assert torch.equal(call(), want), setting
+        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 32 << 10, 0, 2)  # in force in the library
+        for layout in layouts:
+            assert torch.equal(call(layout), want[layout]), (setting, layout)
     monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=0")
     with pytest.raises(ConfigError, match="'chunks=0'"):
         cpu_layer_tuning()
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
-    assert cpu_layer_tuning() == (8, 32 << 10, 0) == cpu_quant.layer_tuning()  # the defaults back for later tests
+    assert cpu_layer_tuning() == (8, 32 << 10, 0, 2) == cpu_quant.layer_tuning()  # the defaults back for later tests

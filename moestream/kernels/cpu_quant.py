@@ -166,7 +166,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int, i64]
+                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int, i64, i64]
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
@@ -187,7 +187,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_float_act_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
-    lib.ms_set_layer_tuning.argtypes = [i64, i64, i64]
+    lib.ms_set_layer_tuning.argtypes = [i64, i64, i64, i64]
     lib.ms_set_layer_tuning.restype = None
     lib.ms_get_layer_tuning.argtypes = [ptr]
     lib.ms_get_layer_tuning.restype = None
@@ -238,12 +238,12 @@ def _threads(mod) -> int:
     return torch.get_num_threads()
 
 
-def layer_tuning() -> tuple[int, int, int]:
-    """The MoE layer call's tuning in force in the library (chunks per thread, chunk bytes, groups read ahead),
-    after passing MOESTREAM_CPU_LAYER_TUNING on."""
+def layer_tuning() -> tuple[int, int, int, int]:
+    """The MoE layer call's tuning in force in the library (chunks per thread, chunk bytes, interleaved groups
+    read ahead, rows read ahead), after passing MOESTREAM_CPU_LAYER_TUNING on."""
     mod = _required_module()
     _threads(mod)
-    out = np.zeros(3, dtype=np.int64)
+    out = np.zeros(4, dtype=np.int64)
     mod.ms_get_layer_tuning(out.ctypes.data)
     return tuple(int(v) for v in out)
 
@@ -418,15 +418,15 @@ def moe_layer_unchecked(x: torch.Tensor, wptr: np.ndarray, tids: np.ndarray, sta
 
 
 def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_pool: bool = False,
-                x8_ahead: int = -1) -> int:
+                ahead: tuple[int, int] = (-1, -1)) -> int:
     """One decode step of the CPU bridge's worker in C (``ms_bridge_step``): every layer's request from index
     `first` on waited for, computed and answered without the interpreter (the GIL is released for the whole
     step). ``arrays``: moe/bridge.CpuBridge's pinned request/answer arrays and per-layer weight tables (see
     CpuBridge._c_tables); `first` > 0 passes every per-layer array from that layer on (the C loop indexes them
     from its start). hold_pool: the layer calls run on the library's pool, whose threads spin from the step's
     first call to its end (no wake-up per layer; for a host whose cores serve the bridge, not a shared one).
-    x8_ahead >= 0: the step's layer calls read interleaved 8-row groups that many groups ahead (-1: the library's
-    setting, env.cpu_layer_tuning). Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
+    ahead (x8, rows): the step's layer calls read interleaved 8-row groups / rows of the file's layouts that far ahead
+    (-1: the library's settings, env.cpu_layer_tuning). Returns 0, -4 (cancelled: the step ended without posting a layer), -5 (timeout) or a layer call error."""
     mod = _STATE["mod"]
     a, f = arrays, first
     P, H = a["P"], a["H"]
@@ -437,7 +437,7 @@ def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_p
                               a["wstep"].reshape(-1)[3 * f:].ctypes.data, a["wtype"].reshape(-1)[3 * f:].ctypes.data,
                               a["lflags"][f:].ctypes.data, a["experts"][f:].ctypes.data, a["secs"][f:].ctypes.data,
                               a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool),
-                              int(x8_ahead))
+                              int(ahead[0]), int(ahead[1]))
 
 
 def has_avx2() -> bool:

@@ -262,13 +262,13 @@ class CpuBridge:
     def _c_step(self, seq: int, t: dict, first: int = 0) -> None:
         """One decode step's layers (from index `first`) in one compiled call (the interpreter released
         throughout), then its counters into the per-layer statistics."""
-        from ..env import bridge_pool, bridge_x8_ahead
+        from ..env import bridge_ahead, bridge_pool
         from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
 
         for k in ("experts", "secs"):
             t[k][:] = 0
         hold = self.hold and self.device.type == "cuda" and bridge_pool()
-        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=hold, x8_ahead=bridge_x8_ahead())
+        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=hold, ahead=bridge_ahead())
         c, s = t["experts"], t["secs"]
         self.cpu_experts += c
         self.cpu_seconds += s

@@ -199,11 +199,12 @@ constexpr int64_t CHUNKS_PER_THREAD = 8;
 
 // The MoE layer call's work split and read-ahead, settable at run time (ms_set_layer_tuning) so one process can time
 // several settings on a machine (the defaults were tuned on a 2-core VM; a 16-core host's memory system may want
-// fewer, longer chunks a thread or interleaved groups read ahead): chunks per thread, the least weight bytes a
-// chunk, and how many interleaved 8-row groups ahead a thread asks for (0: none). Results do not depend on them.
-std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 << 10}, g_x8_ahead{0};
-// the calling thread's read-ahead for its layer calls (-1: g_x8_ahead); ms_bridge_step sets it for its step
-thread_local int64_t tl_x8_ahead = -1;
+// fewer, longer chunks a thread or more read ahead): chunks per thread, the least weight bytes a chunk, how many
+// interleaved 8-row groups ahead a thread asks for (0: none), and how many rows ahead for the other types (for
+// matrices of PREFETCH_MIN_BYTES or more). Results do not depend on them.
+std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 << 10}, g_x8_ahead{0}, g_rows_ahead{2};
+// the calling thread's read-ahead for its layer calls (-1: g_x8_ahead / g_rows_ahead); ms_bridge_step sets them
+thread_local int64_t tl_x8_ahead = -1, tl_rows_ahead = -1;
 
 // Chunk numbers 0, 1, ..., n - 1, each handed to whichever thread asks next (next() is false once all are out).
 struct Chunks {
@@ -1063,6 +1064,7 @@ struct Mat {
   int64_t type = 0;
   bool prefetch = false;  // rows (groups) read ahead into L2: a matrix of at least PREFETCH_MIN_BYTES
   int64_t x8_ahead = 0;   // an interleaved type with prefetch: the group this many groups on is asked for
+  int64_t rows_ahead = 2;  // another type with prefetch: the row this many rows on (PREFETCH_ROWS)
   const uint8_t* w = nullptr;
   int64_t ws = 0;
   const uint8_t* s = nullptr;
@@ -1759,7 +1761,7 @@ constexpr int64_t PREFETCH_ROWS = 2, PREFETCH_MIN_BYTES = 512 << 10;
 inline void row_dots(const Mat& m, int64_t i, bool scalar, int64_t K, const XSet& xs, float* out) {
 #ifdef MS_AVX2
   if (m.prefetch && !is_hf_fp4(m.type)) {  // a row ahead, into L2 while this one is computed
-    const char* ahead = (const char*)m.w + (i + PREFETCH_ROWS) * m.ws;
+    const char* ahead = (const char*)m.w + (i + m.rows_ahead) * m.ws;
     for (int64_t b = 0; b < m.ws; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
   }
 #endif
@@ -1951,6 +1953,8 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (int64_t)(bytes / (64 << 10))));
   // gate/up and down rows in chunks of at least ~32 KiB of weights, up to CHUNKS_PER_THREAD per thread (the tuning)
   const int64_t x8a = tl_x8_ahead >= 0 ? tl_x8_ahead : g_x8_ahead.load(std::memory_order_relaxed);
+  const int64_t rows_ahead =
+      std::max<int64_t>(1, tl_rows_ahead > 0 ? tl_rows_ahead : g_rows_ahead.load(std::memory_order_relaxed));
   const int64_t per_thread = std::max<int64_t>(1, g_layer_chunks.load(std::memory_order_relaxed));
   const double chunk_bytes = (double)std::max<int64_t>(1, g_layer_chunk_bytes.load(std::memory_order_relaxed));
   auto nchunks = [&](const std::vector<double>& c, int64_t rows) {
@@ -2012,6 +2016,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             mg = layer_mat(tg, wptr[3 * g], H), mu = layer_mat(tu, wptr[3 * g + 1], H);
             mg.prefetch = mu.prefetch = I * mg.ws >= PREFETCH_MIN_BYTES;
             mg.x8_ahead = mu.x8_ahead = x8a;
+            mg.rows_ahead = mu.rows_ahead = rows_ahead;
             make_xset(sg, tg, xq, xp, xk, xf.data(), H, prow + p0, n);
             make_xset(su, tu, xq, xp, xk, xf.data(), H, prow + p0, n);
           }
@@ -2049,6 +2054,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             md = layer_mat(td, wptr[3 * g + 2], I);
             md.prefetch = H * md.ws >= PREFETCH_MIN_BYTES;
             md.x8_ahead = x8a;
+            md.rows_ahead = rows_ahead;
             const float* h = hbuf.data() + p0 * I;
             if (q_h) hq.q.resize(n * I), hq.d.resize(n * hq.nb), hq.s.resize(n * hq.nb);
             if (k_h) hk.resize(n, I);
@@ -2343,7 +2349,7 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
                    const int64_t* lflags, int64_t* experts_out, double* secs_out, const int32_t* cancel,
-                   double timeout_s, int nthreads, int hold_pool, int64_t x8_ahead) {
+                   double timeout_s, int nthreads, int hold_pool, int64_t x8_ahead, int64_t rows_ahead) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
   // hold_pool: the layer calls run on the pool, whose workers spin from this step's first call to its end instead
   // of sleeping between layers. The GPU's part of a layer (~0.1-2 ms) outlasts any fixed spin worth having on a
@@ -2358,11 +2364,12 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       if (on) tl_use_pool = -1, pool().hold.fetch_sub(1);
     }
   } hold(hold_pool);
-  // x8_ahead >= 0: this step's layer calls read interleaved groups that far ahead (-1: the library's setting)
+  // x8_ahead >= 0 / rows_ahead > 0: this step's layer calls read interleaved groups / rows that far ahead (-1: the
+  // library's settings)
   struct Ahead {
-    explicit Ahead(int64_t a) { tl_x8_ahead = a; }
-    ~Ahead() { tl_x8_ahead = -1; }
-  } ahead(x8_ahead);
+    Ahead(int64_t a, int64_t r) { tl_x8_ahead = a, tl_rows_ahead = r; }
+    ~Ahead() { tl_x8_ahead = tl_rows_ahead = -1; }
+  } ahead(x8_ahead, rows_ahead);
   std::vector<int64_t> pairs, gstart, prow, pdst, wptr;
   std::vector<float> pw;
   int rc_all = 0;
@@ -2432,15 +2439,17 @@ void ms_set_threading(int use_pool, int64_t spin_us) {
 }
 
 // The MoE layer call's tuning (see g_layer_chunks): values <= 0 leave a setting as it is.
-void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t x8_ahead) {
+void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t x8_ahead, int64_t rows_ahead) {
   if (chunks_per_thread > 0) g_layer_chunks.store(chunks_per_thread);
   if (chunk_bytes > 0) g_layer_chunk_bytes.store(chunk_bytes);
   if (x8_ahead >= 0) g_x8_ahead.store(x8_ahead);
+  if (rows_ahead > 0) g_rows_ahead.store(rows_ahead);
 }
 
-// The tuning in force: out[0..2] = chunks per thread, chunk bytes, interleaved groups ahead.
+// The tuning in force: out[0..3] = chunks per thread, chunk bytes, interleaved groups ahead, rows ahead.
 void ms_get_layer_tuning(int64_t* out) {
   out[0] = g_layer_chunks.load(), out[1] = g_layer_chunk_bytes.load(), out[2] = g_x8_ahead.load();
+  out[3] = g_rows_ahead.load();
 }
 
 // The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
