@@ -72,15 +72,13 @@ def cpu_layer_tuning() -> tuple[int, int, int, int]:
     thread, least KiB of weights a chunk, interleaved 8-row groups read ahead, and rows read ahead for the other types
     (kernels/cpu/qmatmul.cpp, g_layer_chunks; the defaults are those numbers). For timing settings on a machine
     (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` variants); results do not depend on them. Read at
-    each kernel call; a key left out keeps its default. A malformed value is a ConfigError naming it."""
-    from .core import ConfigError
-
+    each kernel call; a key left out keeps its default. A malformed value is a ValueError naming it."""
     raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
     vals = {"chunks": 8, "kb": 32, "x8ahead": 0, "rowsahead": 2}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         key, _, v = part.partition("=")
         if key not in vals or not v.isdigit() or (key != "x8ahead" and int(v) < 1):
-            raise ConfigError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N, rowsahead=N (N >= 1) or "
+            raise ValueError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N, rowsahead=N (N >= 1) or "
                               "x8ahead=N")
         vals[key] = int(v)
     return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"]
