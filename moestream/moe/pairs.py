@@ -101,9 +101,12 @@ if triton is not None:
     _CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w)
                 for bn, bk, w in ((16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 512, 8))]
 
-    @triton.autotune(configs=_CONFIGS, key=["H", "I", "P"])
+    # autotuned per (H, I, PB), PB the pair count rounded up to a power of two (unused in the bodies): one benchmark
+    # per bucket, not per pair count (speculative verify and drafter passes give many counts, each of which cost a
+    # tuning run of every config inside a measured decode)
+    @triton.autotune(configs=_CONFIGS, key=["H", "I", "PB"])
     @triton.jit
-    def _gate_up_kernel(x_ptr, src_ptr, pool_ptr, h_ptr, H, I, P, K_TOP, BN: tl.constexpr, BK: tl.constexpr):
+    def _gate_up_kernel(x_ptr, src_ptr, pool_ptr, h_ptr, H, I, PB, K_TOP, BN: tl.constexpr, BK: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         s = tl.load(src_ptr + p)
@@ -124,9 +127,9 @@ if triton is not None:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + p * I + n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
-    @triton.autotune(configs=_CONFIGS, key=["H", "I", "P"])
+    @triton.autotune(configs=_CONFIGS, key=["H", "I", "PB"])
     @triton.jit
-    def _down_kernel(h_ptr, w_ptr, src_ptr, pool_ptr, y_ptr, H, I, P, BN: tl.constexpr, BK: tl.constexpr):
+    def _down_kernel(h_ptr, w_ptr, src_ptr, pool_ptr, y_ptr, H, I, PB, BN: tl.constexpr, BK: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         s = tl.load(src_ptr + p)
@@ -168,10 +171,11 @@ def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     I = I2 // 2
     x, src = x.contiguous(), src.contiguous()
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[lambda meta: (P, triton.cdiv(I, meta["BN"]))](x, src, gu_pool, h, H, I, P, k)
+    PB = triton.next_power_of_2(P)
+    _gate_up_kernel[lambda meta: (P, triton.cdiv(I, meta["BN"]))](x, src, gu_pool, h, H, I, PB, k)
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _down_kernel[lambda meta: (P, triton.cdiv(H, meta["BN"]))](h, topk_w.reshape(-1).contiguous(), src, d_pool, y,
-                                                               H, I, P)
+                                                               H, I, PB)
     return y
 
 
