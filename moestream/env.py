@@ -91,9 +91,10 @@ def bridge_ahead() -> tuple[int, int]:
     """The cpu/hybrid bridge worker's read-ahead in its layer calls: (interleaved 8-row groups, rows of the file's
     layouts), BRIDGE_AHEAD, each -1 (the library's setting) where MOESTREAM_CPU_LAYER_TUNING names it. On a GPU host
     the bridge reads the file's layout (no interleaved copies: those belong to the CPU-only decode plan), so rows
-    ahead is what applies there: 8 instead of the library's 2 read 2-8 random Q4_K_M experts of the Qwen3.6 shape
-    a call 5-10 % faster on the 2-core VM (benchmarks/cpu_layer_tuning.py); a whole CPU-only decode did not gain
-    from reading further ahead, so the library's defaults stay (benchmarks/RESULTS.md, fifteenth session)."""
+    ahead is what applies there: 8 instead of the library's 2 read 8 random Q4_K_M experts of the Qwen3.6 shape a
+    call 0-10 % faster on the 2-core VM, 2-expert calls within noise (benchmarks/cpu_layer_tuning.py); not measured on
+    a GPU host yet. A whole CPU-only decode did not gain from reading further ahead, so the library's defaults stay
+    (benchmarks/RESULTS.md, fifteenth session)."""
     raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
     return (-1 if "x8ahead" in raw else BRIDGE_AHEAD[0]), (-1 if "rowsahead" in raw else BRIDGE_AHEAD[1])
 
