@@ -1,5 +1,5 @@
 """The CPU MoE layer call (kernels/cpu/qmatmul.cpp ms_moe_layer) on Q4_K_M experts of the Qwen3.6 shape (gate/up Q4_K
-[512, 2048], down Q6_K [2048, 512], random blocks with sane scales), in the file's layout and 8-row interleaved, under
+[512, 2048], down Q6_K [2048, 512], quant.synthetic.random_raw's blocks), in the file's layout and 8-row interleaved, under
 the layer call's tunings (MOESTREAM_CPU_LAYER_TUNING: chunks a thread, chunk bytes, interleaved groups / rows read
 ahead): GB/s of expert bytes for random experts of 48 per call (cold: beyond the caches) at 1 and 2 threads, hot (one
 expert again and again, 1 thread), and the bridge's pattern (2 and 8 experts a call with a 100 us busy gap between
@@ -17,24 +17,17 @@ import numpy as np
 import torch
 
 from moestream.kernels import cpu_quant as cq
+from moestream.quant import gguf_format
+from moestream.quant.synthetic import random_raw
 
 H, I, E = 2048, 512, 48
 NAMES = ("gate", "up", "down")
 rng = np.random.default_rng(0)
 
 
-def random_rows(kind: str, rows: int, k: int) -> np.ndarray:
-    """Random Q4_K / Q6_K rows with finite, small fp16 scales."""
-    nb = k // 256
-    size, d_at = (144, slice(0, 4)) if kind == "Q4_K" else (210, slice(208, 210))
-    b = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
-    n = d_at.stop - d_at.start
-    b[:, :, d_at] = (rng.random((rows, nb, n // 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, n)
-    return b.reshape(rows, nb * size)
-
-
 SHAPES = {"gate": ("Q4_K", I, H), "up": ("Q4_K", I, H), "down": ("Q6_K", H, I)}
-PLAIN = {p: [random_rows(t, n, k) for _ in range(E)] for p, (t, n, k) in SHAPES.items()}
+PLAIN = {p: [m.numpy() for m in random_raw(gguf_format(t), (E, n, k), seed=j)]  # E [n, row bytes] arrays
+         for j, (p, (t, n, k)) in enumerate(SHAPES.items())}
 X8 = {p: [cq.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0] for m in PLAIN[p]] for p, (t, n, k) in SHAPES.items()}
 LAYOUTS = {"plain": (PLAIN, np.array([cq.type_id(SHAPES[p][0]) for p in NAMES], dtype=np.int64)),
            "x8": (X8, np.array([cq.X8_TYPES[SHAPES[p][0]][0] for p in NAMES], dtype=np.int64))}

@@ -632,29 +632,22 @@ def test_fp4_expert_ptrs_check_the_bank():
     assert cpu_moe.kernel_types(odd) is None
 
 
-def _random_q4k_q6k(rows: int, k: int, kind: str, rng) -> np.ndarray:
-    """Random Q4_K / Q6_K rows with finite, small fp16 scales (random bytes elsewhere)."""
-    nb = k // 256
-    size, d_at = (144, slice(0, 4)) if kind == "Q4_K" else (210, slice(208, 210))
-    b = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
-    n = d_at.stop - d_at.start
-    b[:, :, d_at] = (rng.random((rows, nb, n // 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, n)
-    return b.reshape(rows, nb * size)
-
-
 def test_layer_call_tuning_changes_no_result(monkeypatch):
     """MOESTREAM_CPU_LAYER_TUNING (chunks a thread, least chunk bytes, interleaved groups read ahead) moves work
     between threads and hints the caches, nothing else: the layer call's rows are bit for bit the default's under
     every setting, on Q4_K / Q6_K experts of the Qwen3.6 shape (large enough to read ahead) in the file's layout and
     interleaved, and two threads; a malformed setting is refused naming it."""
     from moestream.env import cpu_layer_tuning
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
 
     if not cpu_quant.available():
         pytest.skip("CPU kernels not built")
     rng = np.random.default_rng(3)
     Hq, Iq, E, G = 2048, 512, 6, 4
     mats = {"gate": ("Q4_K", Iq, Hq), "up": ("Q4_K", Iq, Hq), "down": ("Q6_K", Hq, Iq)}
-    plain = {p: [_random_q4k_q6k(n, k, t, rng) for _ in range(E)] for p, (t, n, k) in mats.items()}
+    plain = {p: [m.numpy() for m in random_raw(gguf_format(t), (E, n, k), seed=j)]  # E [n, row bytes] each
+             for j, (p, (t, n, k)) in enumerate(mats.items())}
     x8 = {p: [cpu_quant.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0] for m in plain[p]]
           for p, (t, n, k) in mats.items()}
     names = ("gate", "up", "down")

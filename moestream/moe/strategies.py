@@ -384,8 +384,7 @@ class BridgeDecode(Strategy):
             self._timed = (rows, self.arm, time.perf_counter())
         if self._bridged and self.share is not None:  # the arms' tuned share while they hold the split, else the fit's
             fitted = (self.share.value, self.share.fixed)
-            tuned = self.arms.share_for(int(info.get("num_tokens", 0)), fitted) \
-                if self.arms is not None and self._timed is not None else None
+            tuned = self.arms.share_for(self._timed[0], fitted) if self._timed is not None else None  # (arms on)
             self.share.use(*(tuned or fitted))
         if self._bridged:
             self.bridge.begin_step(first)

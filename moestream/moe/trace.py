@@ -215,8 +215,9 @@ class RouteForcer:
     the request (its linear-state slot identifies it; else its place in the batch), released once a decode step
     goes without it or a prompt step shows its slot computing a prompt (more than one row, or from position 0: a
     new request in that slot). The slot itself is no identity: which free slot a request gets depends on the
-    order earlier requests finished in (a speculative run after a plain one got its two requests' slots swapped). So a step of several rows of one request (a speculative verify step:
-    the newest token and its drafts) reads consecutive trace steps, and a token is routed alike whichever step
+    order earlier requests finished in (a speculative run after a plain one got its two requests' slots swapped).
+    So a step of several rows of one request (a speculative verify step: the newest token and its drafts) reads
+    consecutive trace steps, and a token is routed alike whichever step
     computes it: with and without speculation the same tokens route to the same experts. MTP drafter passes keep
     the router's choice, unless the trace has their layer (a synthetic trace made for the main and the MTP layers):
     then by_position routes a pass's rows from it too, by the positions the pass computes."""
@@ -269,10 +270,15 @@ class RouteForcer:
         stride = max(steps // -(-self.streams // R), 1)
         return self.grid[(positions + (streams // R) * stride) % steps, streams % R]
 
+    @staticmethod
+    def _key(i: int, q) -> int:
+        """What identifies the request of batch row i while it runs: its linear-state slot, else its place."""
+        return q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i
+
     def _positions(self, seqs, main: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(stream, position) of each row; main: a main decode step, which gives and releases stream numbers (an
         MTP drafter pass only reads them)."""
-        keys = [q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i for i, q in enumerate(seqs)]
+        keys = [self._key(i, q) for i, q in enumerate(seqs)]
         if main:
             live = set(keys)
             self._stream_of = {k: v for k, v in self._stream_of.items() if k in live}
@@ -291,7 +297,7 @@ class RouteForcer:
         if self.by_position and not info.get("decode", True) and info.get("seqs") and not info.get("draft"):
             for i, q in enumerate(info["seqs"]):  # a prompt computed: that slot's next decode is a new request's
                 if q.length > 1 or q.cached == 0:
-                    self._stream_of.pop(q.state_slot if q.state_slot is not None and q.state_slot >= 0 else i, None)
+                    self._stream_of.pop(self._key(i, q), None)
         traced_draft = self.by_position and info.get("draft_layer") in self.layer_index
         if not info.get("decode", True) or (info.get("draft") and not traced_draft) or self.T > self.buf.shape[1] \
                 or (self.by_position and info.get("seqs") is None):
