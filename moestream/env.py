@@ -36,6 +36,18 @@ def triton_enabled() -> bool:
     return os.environ.get("MOESTREAM_TRITON", "1") != "0"
 
 
+def triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1: Triton runs kernels on CPU tensors in its interpreter (the tests), read by triton at
+    import; kernels that need a different loop form there ask this."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def split_decode_enabled() -> bool:
+    """MOESTREAM_SPLIT_DECODE=0 turns the split-KV decode attention kernel off (layers/attn_decode.py): decode
+    attention then gathers the KV and calls SDPA, as before. For A/B measurements."""
+    return os.environ.get("MOESTREAM_SPLIT_DECODE", "1") != "0"
+
+
 def fuse_projections_enabled() -> bool:
     """MOESTREAM_FUSE=0 keeps the loaded projections unfused (models/fuse.py): for A/B measurements."""
     return os.environ.get("MOESTREAM_FUSE", "1") != "0"

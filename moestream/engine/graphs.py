@@ -6,8 +6,9 @@ kernels and the device-side slot cache), the step is recorded once per (batch si
 and replayed: the step's inputs are copied into static buffers, the graph runs, logits come back in a
 static buffer that the sampler reads before the next step.
 
-Attention reads its KV positions from a padded index [B, S_bucket] with a validity mask built inside
-the graph from the lengths, so one graph serves every length up to its bucket (buckets grow by x1.5
+Attention reads its KV positions from a padded index [B, S_bucket] and the lengths (the split-KV kernel of
+layers/attn_decode.py; the torch path a validity mask built inside the graph from them), so one graph serves
+every length up to its bucket (buckets grow by x1.5
 or x1.33: 256, 384, 512, 768, 1024, ...; at most `max_graphs` are kept, least recently used dropped).
 
 Speculative verify steps (--speculative mtp) are decode steps too: `verify_rows` lays a step whose every
@@ -48,8 +49,9 @@ def decode_extra(batch: ForwardBatch, width: int | None = None) -> dict:
     idx = torch.zeros((len(lengths), width), dtype=torch.long, device=dev)
     for i, s in enumerate(batch.seqs):
         idx[i, :s.total] = s.kv_index
-    valid = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
-    return {"decode_kv_index": idx, "decode_kv_valid": valid}
+    n = torch.tensor(lengths, device=dev)
+    valid = torch.arange(width, device=dev)[None, :] < n[:, None]
+    return {"decode_kv_index": idx, "decode_kv_valid": valid, "decode_kv_len": n}
 
 
 def verify_rows(batch: ForwardBatch) -> ForwardBatch | None:
@@ -108,7 +110,7 @@ class _Entry:
 
     def batch(self) -> ForwardBatch:
         valid = self.arange[None, :] < self.lengths[:, None]  # recorded: computed on every replay
-        extra = {"decode_kv_index": self.kv_index, "decode_kv_valid": valid}
+        extra = {"decode_kv_index": self.kv_index, "decode_kv_valid": valid, "decode_kv_len": self.lengths}
         if self.n > 1:
             extra.update(verify_n=self.n, verify_ckpt=self.ckpt)
         if self.keep_hidden:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..batch import ForwardBatch
 from ..kernels.linear import Linear
-from . import triton_ops
+from . import attn_decode, triton_ops
 from .norm import RMSNorm
 from .rotary import Rotary
 
@@ -73,8 +73,13 @@ class Attention(nn.Module):
             k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
             v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
         if "decode_kv_index" in batch.extra:
-            out = self._decode_padded(q, batch.extra["decode_kv_index"], batch.extra["decode_kv_valid"],
-                                      k_cache, v_cache)
+            ex = batch.extra
+            if attn_decode.usable(q, k_cache):
+                lengths = ex.get("decode_kv_len")
+                lengths = ex["decode_kv_valid"].sum(1) if lengths is None else lengths
+                out = attn_decode.decode_attention(q, k_cache, v_cache, ex["decode_kv_index"], lengths, self.scale)
+            else:
+                out = self._decode_padded(q, ex["decode_kv_index"], ex["decode_kv_valid"], k_cache, v_cache)
         elif batch.is_decode and len(batch.seqs) > 1:
             out = self._decode_batched(q, batch, k_cache, v_cache)
         else:
