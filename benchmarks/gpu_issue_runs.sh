@@ -14,9 +14,13 @@
 #   mtp      issue 22: benchmarks/mtp_decode.py (random bf16 Qwen3.6 shape with a one-layer MTP block made predictable)
 #            at MTP_CAPS [12,24,8], MTP_BACKENDS [offload], MTP_ACCEPT [1.0,0.8], routing forced by token position
 #            from MTP_TRACE [synthetic:qwen36] (empty: the random router's) -> $OUT/mtp.{json,log}
+#   locality issue 18: benchmarks/decode_sweep.py (random bf16 Qwen3.6 shape) at LOC_CAPS [12,24], LOC_BACKENDS [offload],
+#            batch 1 / 4 / 6, routing forced from LOC_TRACE [synthetic:qwen36] (empty: the random router's, uniform)
+#            -> $OUT/locality.{json,log}: batch-4 aggregate / batch 1 under locality
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
 MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
+LOC_TRACE=${LOC_TRACE-synthetic:qwen36}
 source benchmarks/device_env.sh
 T0=$(date +%s)
 Q=${QUANT:-q4_k_m}; F=${GGUF_DIR:-/dev/shm}/qwen36-$Q.gguf
@@ -51,6 +55,11 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       timeout "${MTP_S:-300}" python3 benchmarks/mtp_decode.py --caps "${MTP_CAPS:-12,24,8}" \
         --backends "${MTP_BACKENDS:-offload}" --batch 1,4 --k "${MTP_K:-0,2}" --accept "${MTP_ACCEPT:-1.0,0.8}" \
         --new-tokens 48 ${MTP_TRACE:+--trace "$MTP_TRACE"} --out "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.log"
+      ;;
+    locality)
+      timeout "${LOC_S:-420}" python3 benchmarks/decode_sweep.py --caps "${LOC_CAPS:-12,24}" \
+        --backends "${LOC_BACKENDS:-offload}" --batch 1,4,6 --no-fused --prefill 256 --new-tokens 48 \
+        ${LOC_TRACE:+--trace "$LOC_TRACE"} --out "$OUT/locality.json" 2>&1 | tee "$OUT/locality.log"
       ;;
     tests)
       TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh

@@ -281,8 +281,9 @@ def test_prefill_rows_override(monkeypatch):
                        kv_bytes_per_token=20 << 10, state_bytes=256 * MiB, workspace_bytes=300 * MiB,
                        wanted_kv_tokens=1 << 17, min_kv_tokens=512)
     base = plan_memory(small, hw, e)
-    assert base.prefill_slots == 8 and base.cache_slots < 32  # few slots: a buffer of top-k rows
-    for rows, want in (("64", 64), ("200", 64), ("2", 8), ("16", 16)):
+    # few slots: the 64 rows the planner set aside before sizing them are the buffer (it once gave them slots // 4)
+    assert base.prefill_slots == 64 and base.cache_slots < 32
+    for rows, want in (("64", 64), ("200", 64), ("2", 8), ("16", 16), ("8", 8)):
         monkeypatch.setenv("MOESTREAM_PREFILL_ROWS", rows)
         p = plan_memory(small, hw, e)
         assert p.prefill_slots == want and p.cache_slots == base.cache_slots
@@ -372,6 +373,7 @@ def _qwen36_engine(context=H200_CONTEXT):
     hw = Hardware("cuda", "H200", 139 * GiB, 128 * GiB, 120 * GiB, 16, context_bytes=context)
     fake = SimpleNamespace(hardware=hw, tp=None, _snapshots=snapshots)
     fake._smaller_options = lambda e: Engine._smaller_options(fake, e)
+    fake._options_down_to = lambda e, floor: Engine._options_down_to(fake, e, floor)
     return fake, sizes_for, (lambda e: Engine._plan_fitting(fake, sizes_for, e, None))
 
 
@@ -405,11 +407,13 @@ def _plan_total(p):
     return b.dense + b.state + b.workspace + b.experts_device + b.prefill_buffer + b.kv + b.context
 
 
-@pytest.mark.parametrize("cap,requests,snaps", [(2.8, 1, 0), (3.0, 2, 1), (3.2, 4, 2)])
-def test_qwen36_q4km_cpu_backend_small_caps(cap, requests, snaps):
+@pytest.mark.parametrize("cap,requests,snaps,chunk", [(2.8, 1, 0, 256), (3.0, 1, 0, 1024), (3.2, 4, 1, 1024)])
+def test_qwen36_q4km_cpu_backend_small_caps(cap, requests, snaps, chunk):
     """--moe-backend cpu on a small card: the prefill double buffer goes first (experts on the CPU threads), then the
-    chunk, the prefix snapshots and the running requests shrink until the KV holds a useful context (4,096 tokens)
-    or nothing smaller is left; every item the plan counts, plus context and headroom, stays within the cap."""
+    chunk down to 1,024 tokens, the prefix snapshots and the running requests, then the chunk down to 256, until the
+    KV holds a useful context (4,096 tokens) or nothing smaller is left; every item the plan counts, plus context
+    and headroom, stays within the cap. (Before PREFILL_CHUNK_KEEP: 2 requests at 3.0 GiB and 2 snapshots at 3.2,
+    each with 256-token chunks, i.e. every expert read 4x as often for a long prompt.)"""
     import math
 
     from moestream.moe.planner import cap_headroom
@@ -420,7 +424,7 @@ def test_qwen36_q4km_cpu_backend_small_caps(cap, requests, snaps):
     assert plan.prefill_slots == 0 and b.prefill_buffer == 0 and b.experts_device == 0
     assert "prefill buffer none" in plan.describe()
     assert used.max_running_requests == plan.running_requests == requests
-    assert (used.prefix_cache_snapshots or 0) == snaps and used.chunked_prefill_size == 256
+    assert (used.prefix_cache_snapshots or 0) == snaps and used.chunked_prefill_size == chunk
     assert b.state == 64_389_120 * (requests + snaps) and b.headroom == cap_headroom(int(cap * GiB))
     assert _plan_total(plan) <= int(cap * GiB) and b.context == H200_CONTEXT + b.headroom
     if cap == 2.8:  # one request: the best there is, below a useful context
@@ -441,7 +445,10 @@ def test_qwen36_q4km_32k_context_at_4gib(backend):
     plan, used = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=4, max_seq_len_override=ctx))
     assert plan.kv_tokens >= ctx and _plan_total(plan) <= 4 * GiB
     if backend != "cpu":
-        assert plan.cache_slots >= 8
+        # a 32k prompt streams every expert once per chunk: chunks of 1,024 tokens in rounds of 64 rows, with 2
+        # requests and 1 snapshot (the run of 2026-12-05 had 256-token chunks and 8 rows: TTFT 181 s on the H200)
+        assert plan.cache_slots >= 8 and plan.prefill_slots == 64 and used.chunked_prefill_size == 1024
+        assert (used.max_running_requests, used.prefix_cache_snapshots) == (2, 1)
     short, _ = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=4))  # no context asked: 4 requests, 4k+ each
     assert short.running_requests == 4 and 4096 <= short.kv_tokens < ctx
     with pytest.raises(ConfigError) as err:
@@ -470,7 +477,9 @@ def test_qwen36_q4km_offload_small_caps(backend):
 
 @pytest.mark.parametrize("backend,cap,want", [
     # (backend, slots, prefill rows, KV tokens, chunk, requests) as the planner gave before the small-cap changes
-    ("offload", 4, (23, 8, 19348, 512, 4)), ("offload", 8, (2040, 64, 8260, 2048, 4)),
+    # changed: offload at 4 GiB was (23, 8, 19348, 512, 4): the 64 rows set aside went to KV; now they are the buffer
+    # and the chunk is not halved below PREFILL_CHUNK_KEEP while snapshots can give way
+    ("offload", 4, (61, 64, 8229, 2048, 4)), ("offload", 8, (2040, 64, 8260, 2048, 4)),
     ("offload", 12, (4146, 64, 8217, 2048, 4)), ("offload", 24, (10240, 64, 30400, 2048, 4)),
     ("hybrid", 8, (2040, 64, 8260, 2048, 4)), ("auto", 24, (0, 0, 43149, 2048, 4)),
     ("cpu", 8, (0, 64, 131072, 2048, 4)), ("cpu", 24, (0, 64, 131072, 2048, 4)),

@@ -27,7 +27,7 @@ from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
 from ..moe.bench import load_profile
 from ..moe.formats import dense_format
-from ..moe.planner import (PREFILL_CHUNK_FLOOR, USEFUL_KV_TOKENS, Bandwidths, MoePlan, bank_bytes, model_sizes,
+from ..moe.planner import (PREFILL_CHUNK_FLOOR, PREFILL_CHUNK_KEEP, USEFUL_KV_TOKENS, Bandwidths, MoePlan, bank_bytes, model_sizes,
                            plan_fitting_chunk, plan_memory)
 from ..kernels import cpu_quant
 from ..moe.hardware import probe_hardware
@@ -476,10 +476,12 @@ class Engine:
 
     def _plan_fitting(self, sizes_for, e: EngineConfig, bw):
         """The plan for e or, where it is refused or its KV holds less than a useful context (USEFUL_KV_TOKENS, or
-        all the requests can use), for smaller options, tried in this order: smaller prefill chunks (halved down to
-        PREFILL_CHUNK_FLOOR), then fewer prefix-cache snapshots (a default count halved down to none), then fewer
-        running requests (halved down to one; one rank only, as tensor-parallel ranks must agree) — so a small card
-        keeps as many requests as it can give a useful context. An explicit --max-seq-len-override makes one whole
+        all the requests can use), for smaller options, tried in this order (_smaller_options): smaller prefill
+        chunks (halved down to PREFILL_CHUNK_KEEP), then fewer prefix-cache snapshots (a default count halved down
+        to none), then fewer running requests (halved down to one; one rank only, as tensor-parallel ranks must
+        agree); then all of that again with chunks down to PREFILL_CHUNK_FLOOR — so a small card keeps prefill
+        chunks that do not restream every expert each few hundred tokens, and as many requests as it can give a
+        useful context. An explicit --max-seq-len-override makes one whole
         request of it the useful context: fewer requests run before a 32k-token server holds less than 32k tokens of
         KV, and where no option holds that much the plan is refused (a server that takes the context it was asked for
         and then turns long prompts away would be worse). Otherwise, where no option reaches a useful context, the
@@ -520,7 +522,18 @@ class Engine:
         raise AssertionError("unreachable: the smallest options were refused in the loop")
 
     def _smaller_options(self, e: EngineConfig):
-        """e, then smaller options in the order _plan_fitting tries them."""
+        """e, then smaller options in the order _plan_fitting tries them: first with prefill chunks of at least
+        PREFILL_CHUNK_KEEP tokens (or e's own if smaller), then again down to PREFILL_CHUNK_FLOOR; each pass halves
+        the chunk, then the default snapshot count, then the running requests."""
+        seen = set()
+        for floor in (min(PREFILL_CHUNK_KEEP, e.chunked_prefill_size), PREFILL_CHUNK_FLOOR):
+            for opts in self._options_down_to(e, floor):
+                key = (opts.max_running_requests, opts.prefix_cache_snapshots, opts.chunked_prefill_size)
+                if key not in seen:
+                    seen.add(key)
+                    yield opts
+
+    def _options_down_to(self, e: EngineConfig, floor: int):
         n = e.max_running_requests
         while True:
             at_n = e if n == e.max_running_requests else e.replace(max_running_requests=n)
@@ -529,8 +542,8 @@ class Engine:
                 with_snaps = at_n if snaps == self._snapshots(at_n) else at_n.replace(prefix_cache_snapshots=snaps)
                 chunk = e.chunked_prefill_size
                 yield with_snaps
-                while chunk > PREFILL_CHUNK_FLOOR:
-                    chunk = max(PREFILL_CHUNK_FLOOR, chunk // 2)
+                while chunk > floor:
+                    chunk = max(floor, chunk // 2)
                     yield with_snaps.replace(chunked_prefill_size=chunk)
                 if at_n.prefix_cache_snapshots is not None or not snaps:
                     break

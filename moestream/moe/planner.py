@@ -20,6 +20,10 @@ GiB = 1 << 30
 KV_RESERVE_TOKENS = 8192  # KV kept for requests before expert slots take the rest of the budget
 PREFILL_MAX_ROWS = 64  # rows per half of the prefill double buffer: enough to overlap, small in VRAM
 PREFILL_CHUNK_FLOOR = 256  # prompt tokens per step the planner may lower --chunked-prefill-size to before refusing
+# prompt tokens per step kept while snapshots and running requests shrink (Engine._plan_fitting): a streamed prefill
+# chunk reads every expert of the model over PCIe whatever its length (18 GiB for the Qwen3.6 Q4_K_M file), so a
+# 32k-token prompt in 256-token chunks moves 128 x that; the workspace a chunk token needs is ~0.1 MiB
+PREFILL_CHUNK_KEEP = 1024
 # KV tokens below which a plan that fits is still too small to be useful while it could hold fewer requests' state
 # instead (the engine's fit halves --max-running-requests then: engine.Engine._plan_fitting)
 USEFUL_KV_TOKENS = 4096
@@ -319,7 +323,10 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
         keep = max(USEFUL_KV_TOKENS, e.max_seq_len_override or 0) * m.kv_bytes_per_token
         room = free - min(reserve, keep) - 2 * min(m.top_k, top) * m.expert_bytes
     slots = _cache_slots(m, e, room)
-    prefill = max(min(prefill_rows() or (0 if small else slots // 4), top), min(m.top_k, top))
+    # the rows `room` set aside (2 x top, or top-k where small): a prefill round streams that many experts, and a
+    # chunk streams every expert of the model in rounds of it (slots // 4 here left small budgets 8-15 rows and gave
+    # the rest of the reserve to KV beyond the asked context)
+    prefill = max(min(prefill_rows() or (0 if small else top), top), min(m.top_k, top))
     need = (slots + 2 * prefill) * m.expert_bytes + m.min_kv_tokens * m.kv_bytes_per_token
     if hw.device == "cuda" and need > free:
         raise ConfigError(
