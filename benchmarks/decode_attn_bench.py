@@ -12,26 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
 import torch
+from gdn_chunk_bench import time_ms  # CUDA-event median (this folder is on sys.path when run as a script)
 
 SHAPES = {"qwen36": (16, 2, 256), "qwen3-30b": (32, 4, 128)}  # query heads, KV heads, head dim
-
-
-def timed(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -58,8 +42,8 @@ def main() -> None:
                 idx = torch.randperm(pool, device=dev)[:B * W].view(B, W)
                 lengths = torch.full((B,), W, device=dev, dtype=torch.long)
                 valid = torch.ones(B, W, dtype=torch.bool, device=dev)
-                torch_us = timed(lambda: layer._decode_padded(q, idx, valid, k, v))
-                split_us = timed(lambda: attn_decode.decode_attention(q, k, v, idx, lengths, layer.scale))
+                torch_us = 1e3 * time_ms(lambda: layer._decode_padded(q, idx, valid, k, v), 50, 5)
+                split_us = 1e3 * time_ms(lambda: attn_decode.decode_attention(q, k, v, idx, lengths, layer.scale), 50, 5)
                 diff = (layer._decode_padded(q, idx, valid, k, v).float()
                         - attn_decode.decode_attention(q, k, v, idx, lengths, layer.scale).float()).abs().max().item()
                 kv_bytes = 2 * B * W * Hk * D * 2

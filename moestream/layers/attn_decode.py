@@ -19,6 +19,8 @@ Tests: tests/test_attn_decode.py (the kernels under TRITON_INTERPRET=1 on CPU te
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..env import split_decode_enabled, triton_enabled, triton_interpreted
@@ -122,11 +124,17 @@ if triton is not None:
         tl.store(out_ptr + b * O_SB + hq * O_SH + d, (acc / denom).to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _splits(width: int, rows: int, device: torch.device) -> tuple[int, int]:
     """(splits, keys per split) for a padded width and rows = sequences x KV heads: about two programs per SM
     in all, whole key blocks per split. Depends on shapes only (graph-stable)."""
     blocks = triton.cdiv(width, BLOCK_N)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     n = max(1, min(blocks, triton.cdiv(2 * sms, rows), MAX_SPLITS))
     keys = triton.cdiv(blocks, n) * BLOCK_N
     return triton.cdiv(width, keys), keys
