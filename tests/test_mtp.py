@@ -344,6 +344,49 @@ def test_verify_steps_run_as_decode_rows(mtp_dir, plain_tokens, monkeypatch):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (i, (a - b).abs().max())  # summation orders
 
 
+def test_decode_extra_lays_each_row_out_up_to_its_own_position():
+    """engine/graphs.decode_extra: row j of a sequence (flat row start + j) sees its KV up to cached + j + 1."""
+    from moestream.batch import ForwardBatch, SeqMeta
+    from moestream.engine.graphs import decode_extra
+
+    seqs = [SeqMeta(0, 3, 2, 0, torch.tensor([7, 8, 9, 10, 11])), SeqMeta(3, 1, 4, 1, torch.tensor([1, 2, 3, 4, 5]))]
+    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), torch.arange(4), seqs, torch.arange(4), torch.arange(4))
+    ex = decode_extra(batch)
+    assert ex["decode_kv_len"].tolist() == [3, 4, 5, 5]
+    assert ex["decode_kv_index"].tolist() == [[7, 8, 9, 0, 0], [7, 8, 9, 10, 0], [7, 8, 9, 10, 11], [1, 2, 3, 4, 5]]
+    assert ex["decode_kv_valid"].sum(1).tolist() == [3, 4, 5, 5]
+
+
+def test_drafter_passes_as_decode_rows_equal_the_per_request_passes(mtp_dir, plain_tokens, monkeypatch):
+    """The MTP block's decode-like passes laid out as decode rows (Engine.draft; on CUDA the split-KV attention
+    kernel reads them) give the per-request attention's drafts and logits, pass by pass; the greedy tokens stay the
+    plain model's. Forced here on the CPU, where the rows run the torch decode path."""
+    from moestream.engine.engine import Engine
+
+    ps, want = plain_tokens
+    runs = []
+    for rows in (True, False):
+        monkeypatch.setattr(Engine, "_draft_rows_attention", lambda self, r=rows: r)
+        llm = LLM(mtp_dir, moe_backend="fused", speculative="mtp", num_speculative_tokens=2, **COMMON)
+        draft, seen = llm.engine.draft, []
+
+        def record(batch, hidden, step=0, draft=draft, seen=seen, model=llm.engine.model):
+            out = draft(batch, hidden, step)
+            seen.append((step, max(q.length for q in batch.seqs), "decode_kv_index" in batch.extra, out,
+                         model.hidden.clone()))  # the drafting rows' outputs the next pass starts from
+            return out
+
+        llm.engine.draft = record
+        assert tokens(llm, ps) == want
+        runs.append(seen)
+    laid, plain = runs
+    assert len(laid) == len(plain) and not any(r[2] for r in plain)
+    assert any(r[2] and r[1] > 1 for r in laid) and any(r[2] and r[0] > 0 for r in laid)  # fill and later passes
+    for a, b in zip(laid, plain):
+        assert a[:2] == b[:2] and torch.allclose(a[3], b[3], atol=1e-4, rtol=1e-4), (a[:3], (a[3] - b[3]).abs().max())
+        assert torch.allclose(a[4], b[4], atol=1e-4, rtol=1e-4), (a[:3], (a[4] - b[4]).abs().max())
+
+
 # ---- the acceptance rule -------------------------------------------------------------------------
 def test_verify_drafts_greedy():
     from moestream.engine.sampler import verify_drafts

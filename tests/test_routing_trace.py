@@ -318,6 +318,13 @@ def test_forcer_routes_a_traced_draft_layer_by_position():
     assert f.T == 2
     got = f(2, None, torch.zeros(2, 2, dtype=torch.long))
     assert np.array_equal(got.numpy(), np.stack([grid[4, 1, 2], grid[7, 0, 2]]))
+    # a pass over a verify step's rows runs the block's experts for its drafting rows only (draft_rows: the last
+    # row of each request), which read the trace at their own positions
+    f.begin_step({"num_tokens": 4, "decode": True, "draft": True, "seqs": [meta(1, 4, 3), meta(0, 7, 1)],
+                  "draft_layer": 2, "draft_rows": [2, 3]})
+    assert f.T == 2
+    got = f(2, None, torch.zeros(2, 2, dtype=torch.long))
+    assert np.array_equal(got.numpy(), np.stack([grid[6, 1, 2], grid[7, 0, 2]]))
     f.begin_step({"num_tokens": 1, "decode": True, "draft": True, "seqs": [meta(1, 4, 1)], "draft_layer": 5})
     assert f.T == 0
 

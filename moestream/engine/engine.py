@@ -669,13 +669,22 @@ class Engine:
         step's (the slot cache, the pair kernels) where the pass covers a decode or verify step's few rows a
         request (decode_like, set by the runner), not as a prompt chunk's (prefill streaming)."""
         decode = batch.is_decode or bool(batch.extra.get("decode_like"))
+        if decode and self._draft_rows_attention() and "decode_kv_index" not in batch.extra:
+            # every row its own decode row: the block's attention over the whole context in one split-KV call
+            # (layers/attn_decode.py), not one SDPA call per request
+            batch.extra.update(decode_extra(batch))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode, "graph": False, "draft": True,
-                                 "seqs": batch.seqs, "draft_layer": self.cfg.num_layers + step % self.cfg.mtp_num_layers})
+                                 "seqs": batch.seqs, "draft_layer": self.cfg.num_layers + step % self.cfg.mtp_num_layers,
+                                 "draft_rows": batch.extra.get("draft_rows")})
         try:
             return self.model.draft(batch, hidden, step)
         finally:
             self.runtime.end_step()
             self.runtime.finish_step()
+
+    def _draft_rows_attention(self) -> bool:
+        """The MTP block's decode-like passes lay their rows out as decode rows (CUDA: the split-KV kernel)."""
+        return self.device.type == "cuda"
 
     def wait_forward(self) -> None:
         """Before the caller reads the last forward's results: where CPU threads compute experts in that step,

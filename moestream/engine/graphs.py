@@ -42,13 +42,19 @@ def kv_bucket(n: int) -> int:
 
 
 def decode_extra(batch: ForwardBatch, width: int | None = None) -> dict:
-    """Padded KV index [B, width] and validity mask of a decode batch (on the batch's device)."""
+    """Padded KV index [rows, width], validity mask and lengths of a batch laid out as one-token decode rows (on
+    the batch's device): row j of a sequence (flat row start + j) attends to its KV up to its own position, cached
+    + j + 1 entries. A decode step has one row a sequence; the MTP block's passes over a verify step's few rows a
+    request use the same layout (attention only: Engine.draft)."""
     dev = batch.input_ids.device
-    lengths = [s.total for s in batch.seqs]
+    rows = [(s.start + j, s.kv_index[:s.cached + j + 1]) for s in batch.seqs for j in range(s.length)]
+    lengths = [0] * len(rows)
+    for r, kv in rows:
+        lengths[r] = kv.shape[0]
     width = width or max(lengths)
-    idx = torch.zeros((len(lengths), width), dtype=torch.long, device=dev)
-    for i, s in enumerate(batch.seqs):
-        idx[i, :s.total] = s.kv_index
+    idx = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
+    for r, kv in rows:
+        idx[r, :kv.shape[0]] = kv
     n = torch.tensor(lengths, device=dev)
     valid = torch.arange(width, device=dev)[None, :] < n[:, None]
     return {"decode_kv_index": idx, "decode_kv_valid": valid, "decode_kv_len": n}

@@ -340,6 +340,7 @@ class ModelRunner:
         logits = self.engine.draft(fill, self.engine.model.hidden[src], 0)
         for req, tok in zip(drafters, torch.argmax(logits, dim=-1).tolist()):
             req.drafts = [tok]
+        rows = list(range(len(drafters)))  # the block's hidden holds the drafting rows only, in drafters' order
         for step in range(1, self.spec_k):
             live = [(r, row) for r, row in zip(drafters, rows) if room(r, r.num_computed - 1 + step)]
             if not live:
@@ -374,6 +375,8 @@ class ModelRunner:
                             positions=torch.tensor(pos, dtype=torch.long, device=dev), seqs=seqs,
                             kv_write_index=torch.cat([q.kv_index[q.cached:] for q in seqs]),
                             logits_index=torch.tensor(rows, dtype=torch.long, device=dev))
+        if rows:  # the rows the block's MLP and experts run for (QwenMoeModel.draft), as a host list for route taps
+            fill.extra["draft_rows"] = rows
         if all(q.length <= 1 + self.spec_k for q in seqs):  # after a decode / verify step: a few rows a request,
             fill.extra["decode_like"] = True  # whose experts take the decode path (not a prompt chunk's streaming)
         return fill, torch.tensor(src, dtype=torch.long, device=dev), drafters, rows

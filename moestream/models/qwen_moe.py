@@ -197,7 +197,9 @@ class QwenMoeModel(nn.Module):
         """The MTP block on a flat batch: batch.input_ids [T] are the tokens at position + 1, hidden [T, H]
         the final hidden states at the positions (the main model's, or the block's own for a further draft);
         writes the block's K/V at batch.positions. Returns logits of batch.logits_index rows; self.hidden
-        becomes the block's normed output (every row). step picks the layer (step % number of layers)."""
+        becomes the block's normed output at those rows, in that order (the MLP and its experts run for them only:
+        a pass over a verify step's rows drafts from each request's last row). With no logits rows, every row's
+        output (nothing drafts from it). step picks the layer (step % number of layers)."""
         m = self.mtp
         e = m.pre_fc_norm_embedding(self.embed_tokens(batch.input_ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
@@ -205,9 +207,12 @@ class QwenMoeModel(nn.Module):
         j = self.kv_layer[self.cfg.num_layers + step % len(m.layers)]
         a = layer.self_attn(layer.input_layernorm(x), batch, self.caches.kv.k[j], self.caches.kv.v[j], self.rotary)
         a, x = layer.post_attention_layernorm.add_forward(a, x)
+        rows = batch.logits_index
+        if rows.numel():  # the other rows' K/V are written above; their outputs feed nothing: no experts for them
+            a, x = a[rows], x[rows]
         x = x + layer.mlp(a)
         self.hidden = m.norm(x)
-        return self.lm_head(self.hidden[batch.logits_index]).float()
+        return self.lm_head(self.hidden if rows.numel() else self.hidden[rows]).float()
 
     def _layer(self, i: int, h: torch.Tensor, normed, batch: ForwardBatch):
         """Decoder layer i: h [T, H] -> (h, this layer's output already normed by layer i+1's input norm, or

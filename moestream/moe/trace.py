@@ -305,6 +305,9 @@ class RouteForcer:
             return
         rows = self.rows_at(*self._positions(info["seqs"], main=not info.get("draft"))) if self.by_position \
             else self.rows_for(self.T)
+        if info.get("draft_rows") is not None:  # the MTP block's experts run for its drafting rows only
+            rows = rows[np.asarray(info["draft_rows"], dtype=np.int64)]
+            self.T = rows.shape[0]
         self.host[:, :self.T].copy_(torch.from_numpy(rows.transpose(1, 0, 2).astype(np.int64)))
         self.buf[:, :self.T].copy_(self.host[:, :self.T], non_blocking=True)
 
