@@ -107,6 +107,30 @@ def test_cpu_tensors_and_the_switch_keep_torch(monkeypatch):
     assert not attn_decode.usable(q.cuda() if torch.cuda.is_available() else q, k)
 
 
+def test_a_kernel_that_cannot_run_falls_back_once_with_a_warning(monkeypatch, caplog):
+    """A compiler or launch error on this GPU: None (the caller's torch path serves), one warning, and `usable`
+    says no from then on; out of memory is raised as it is."""
+    pytest.importorskip("triton")
+    from moestream.layers import attn_decode
+
+    (q, k, v, idx, lens), scale = make_case("one-token")
+    monkeypatch.setattr(attn_decode, "_FAILED", [])
+    def fails(err):
+        def run(*args):
+            raise err
+        return run
+
+    monkeypatch.setattr(attn_decode, "_decode_attention", fails(torch.cuda.OutOfMemoryError("x")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        attn_decode.decode_attention(q, k, v, idx, lens, scale)
+    assert attn_decode.usable(q, k, force=True)
+    monkeypatch.setattr(attn_decode, "_decode_attention", fails(RuntimeError("no bf16 mma")))
+    with caplog.at_level("WARNING", logger="moestream.layers"):
+        assert attn_decode.decode_attention(q, k, v, idx, lens, scale) is None
+    assert "split-KV decode attention disabled" in caplog.text and "no bf16 mma" in caplog.text
+    assert not attn_decode.usable(q, k, force=True)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("D,G", [(256, 8), (128, 4)])
 def test_split_kernel_compiles_for_sm90(D, G):

@@ -73,12 +73,12 @@ class Attention(nn.Module):
             k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
             v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
         if "decode_kv_index" in batch.extra:
-            ex = batch.extra
+            ex, out = batch.extra, None
             if attn_decode.usable(q, k_cache):
                 lengths = ex.get("decode_kv_len")
                 lengths = ex["decode_kv_valid"].sum(1) if lengths is None else lengths
                 out = attn_decode.decode_attention(q, k_cache, v_cache, ex["decode_kv_index"], lengths, self.scale)
-            else:
+            if out is None:  # (also where the kernels could not run on this GPU)
                 out = self._decode_padded(q, ex["decode_kv_index"], ex["decode_kv_valid"], k_cache, v_cache)
         elif batch.is_decode and len(batch.seqs) > 1:
             out = self._decode_batched(q, batch, k_cache, v_cache)

@@ -20,6 +20,7 @@ Tests: tests/test_attn_decode.py (the kernels under TRITON_INTERPRET=1 on CPU te
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -31,6 +32,7 @@ try:  # optional: absent on CPU-only installs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+log = logging.getLogger("moestream.layers")
 BLOCK_N = 64  # keys per inner step
 
 MAX_SPLITS = 256
@@ -140,20 +142,42 @@ def _splits(width: int, rows: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(width, keys), keys
 
 
+_FAILED: list[str] = []  # the first launch's error, if the kernels could not run on this GPU (then torch for good)
+
+
 def usable(q: torch.Tensor, k_cache: torch.Tensor, force: bool = False) -> bool:
     """The kernels apply: Triton on CUDA tensors (or forced, e.g. CPU tensors under TRITON_INTERPRET=1),
-    power-of-two head size 16-256, a 16/32-bit cache with token-major rows [tokens, KV heads, head dim]."""
-    if triton is None or not (force or (q.is_cuda and triton_enabled() and split_decode_enabled())):
+    power-of-two head size 16-256, a 16/32-bit cache with token-major rows [tokens, KV heads, head dim]; a bf16
+    cache needs bf16 tensor cores (compute capability 8.0 or later: not Turing, whose fp16 and fp32 caches run)."""
+    if triton is None or _FAILED or not (force or (q.is_cuda and triton_enabled() and split_decode_enabled())):
         return False
     D = q.shape[-1]
+    if k_cache.dtype == torch.bfloat16 and k_cache.is_cuda and torch.cuda.get_device_capability(k_cache.device)[0] < 8:
+        return False
     return (D & (D - 1) == 0 and 16 <= D <= 256 and k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and k_cache.dim() == 3 and k_cache.stride(-1) == 1 and q.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
-                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                     lengths: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [B, H, D] (one token per sequence), k_cache / v_cache [tokens, Hk, D], idx [B, W] the KV rows of each
-    sequence (the first lengths[b] entries valid, lengths >= 1) -> [B, H, D] in q's dtype."""
+    sequence (the first lengths[b] entries valid, lengths >= 1) -> [B, H, D] in q's dtype. None where the kernels
+    fail to compile or launch on this GPU (the first call is eager: CUDA graphs record after one): one warning, and
+    `usable` says no from then on, so the caller's torch path serves. Out of memory is raised as it is."""
+    try:
+        return _decode_attention(q, k_cache, v_cache, idx, lengths, scale)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a compiler or launch error on this GPU: report once, use torch
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        _FAILED.append(f"{type(e).__name__}: {e}")
+        log.warning("split-KV decode attention disabled for this process (%s); decode attention falls back to "
+                    "gather + SDPA", _FAILED[0][:300])
+        return None
+
+
+def _decode_attention(q, k_cache, v_cache, idx, lengths, scale: float) -> torch.Tensor:
     B, H, D = q.shape
     Hk = k_cache.shape[1]
     G = H // Hk
