@@ -17,6 +17,8 @@
 #   locality issue 18: benchmarks/decode_sweep.py (random bf16 Qwen3.6 shape) at LOC_CAPS [12,24], LOC_BACKENDS [offload],
 #            batch 1 / 4 / 6, routing forced from LOC_TRACE [synthetic:qwen36] (empty: the random router's, uniform)
 #            -> $OUT/locality.{json,log}: batch-4 aggregate / batch 1 under locality
+#   ppprof   issue 13: benchmarks/step_profile.py --prefill PROF_TOKENS [512] on that file, PROF_BACKEND [fused]
+#            (PROF_GB: a cap) -> $OUT/prefill_profile.{json,log}: kernels by GPU time, host ops by CPU time
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
 MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
@@ -60,6 +62,12 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       timeout "${LOC_S:-420}" python3 benchmarks/decode_sweep.py --caps "${LOC_CAPS:-12,24}" \
         --backends "${LOC_BACKENDS:-offload}" --batch 1,4,6 --no-fused --prefill 256 --new-tokens 48 \
         ${LOC_TRACE:+--trace "$LOC_TRACE"} --out "$OUT/locality.json" 2>&1 | tee "$OUT/locality.log"
+      ;;
+    ppprof)
+      need_file
+      timeout "${PROF_S:-240}" python3 benchmarks/step_profile.py --model "$F" --backend "${PROF_BACKEND:-fused}" \
+        --prefill "${PROF_TOKENS:-512}" ${PROF_GB:+--gpu-memory-gb "$PROF_GB"} --out "$OUT/prefill_profile.json" \
+        2>&1 | tee "$OUT/prefill_profile.log"
       ;;
     tests)
       TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh
