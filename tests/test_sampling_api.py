@@ -110,6 +110,14 @@ def test_prompt_errors(llm):
     assert llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
 
 
+def test_a_prompt_past_the_kv_pool_says_how_to_start_for_it(tiny_checkpoint):
+    """A prompt the context allows but the KV pool cannot hold: refused with the way to plan for it; still serving."""
+    llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", num_tokens=64, max_seq_len_override=512)
+    with pytest.raises(RequestError, match=r"KV cache holds only 64; start the engine with --max-seq-len-override 101"):
+        llm.generate([[1] * 100], SamplingParams(max_tokens=2))
+    assert llm.generate([[1] * 10], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
+
+
 def test_context_limit_finishes_with_length(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", max_seq_len_override=20)
     out = llm.generate([[1] * 15], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]

@@ -418,6 +418,10 @@ def test_max_tokens_beyond_the_kv_cache_is_refused_not_cut(demo_tokenizer):
     assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code == 200
     assert http.post("/v1/messages", json={"model": "m", "messages": msgs, "max_tokens": 1000}).status_code == 200
     assert [n + m for n, m in seen] == [65, 65, 65]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 80, "max_tokens": 1})  # the prompt alone
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "KV cache holds 64" in err["message"] and "--max-seq-len-override 81 or more" in err["message"]
 
 
 def test_a_forced_tool_call_without_a_tool_parser_is_refused(demo_tokenizer):

@@ -87,7 +87,9 @@ class Scheduler:
                                f"(prompt plus at least one generated token must fit)")
         if self.kv.pages_for(n + 1) > self.kv.num_pages:
             raise RequestError(f"the prompt has {n} tokens but the KV cache holds only "
-                               f"{self.kv.num_pages * self.kv.page_size}; raise --num-tokens")
+                               f"{self.kv.num_pages * self.kv.page_size}; start the engine with "
+                               f"--max-seq-len-override {n + 1} or more (its memory plan then holds one whole "
+                               "request that long) or a larger --num-tokens")
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")

@@ -140,7 +140,9 @@ def check_prompt_fits(state: ServerState, n: int) -> None:
                        "prompt, or raise --max-seq-len-override.", param="messages", code="context_length_exceeded")
     if n + 1 > state.kv_tokens:
         raise ApiError(400, f"the prompt has {n} tokens but this server's KV cache holds {state.kv_tokens}; "
-                       "shorten the prompt or raise --num-tokens", param="messages", code="context_length_exceeded")
+                       f"shorten the prompt, or start the server with --max-seq-len-override {n + 1} or more (its "
+                       "memory plan then holds one whole request that long before expert slots) or a larger "
+                       "--num-tokens", param="messages", code="context_length_exceeded")
 
 
 def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False) -> SamplingParams:
