@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.base import cached_table
-from ..quant.gguf_formats import _IQ4NL_LEVELS
-from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, gguf_decode
+from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, gguf_decode, lut_table
 from .formats import PROJS, ExpertFormat, GGUFExpertFormat
 
 BK = 64  # preferred K step: a multiple of every GGUF sub-block (16 or 32 values), 128 bytes of bf16
@@ -309,7 +307,7 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
     max_blocks = triton.cdiv(P, bm) + counts.numel()  # sum of ceil(c / bm) <= P / bm + experts
     blocks = block_table(counts, rows, bm, max_blocks, T if max_count is None else max_count)
     h = torch.empty((P, inter), dtype=x.dtype, device=x.device)
-    lut = cached_table("iq4nl", lambda: torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32), x.device)
+    lut = lut_table(x.device)
     interp = x.device.type != "cuda"
     bn, bk = _tiles(fmt, H, inter, interp)
     opts = _launch_opts(interp)

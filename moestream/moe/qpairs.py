@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 def supports(fmt) -> bool:
     """Whether the Triton pair kernels read `fmt` (the layer format) on CUDA; other quantized formats
-    (IQ3_S, IQ2_*, TQ*, ...) run `quant_pair_outputs_torch` there."""
+    (IQ3_XXS, IQ2_*, IQ1_*, TQ*) run `quant_pair_outputs_torch` there."""
     if triton is None:
         return False
     if isinstance(fmt, GGUFExpertFormat):
@@ -407,7 +407,7 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
     bf16 = out.dtype == torch.bfloat16
     out_arg = out.view(torch.int16) if stage == "gate_up" and bf16 else out  # _store rounds bf16 itself
     if isinstance(fmt, GGUFExpertFormat):
-        lut = td.cached_table("iq4nl", lambda: torch.tensor(td._IQ4NL_LEVELS, dtype=torch.float32), a.device)
+        lut = td.lut_table(a.device)
         if stage == "gate_up":
             (qg, bsg, tsg, nsg), (qu, bsu, tsu, nsu) = _gguf_spec(fmt.quant("gate")), _gguf_spec(fmt.quant("up"))
             bv = max(bv, bsg, bsu)

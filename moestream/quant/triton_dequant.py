@@ -15,7 +15,7 @@ instead of tables), then rounds once to the output dtype, so it equals the torch
 * bfloat16 output is rounded to nearest even in integer arithmetic (``_bf16_bits``), so it is the
   same on a GPU and under Triton's CPU interpreter (whose own float->bf16 cast truncates).
 
-Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4 NVFP4,
+Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ3_S MXFP4 NVFP4,
 fp8_block (any block size) / fp8_channel / fp8_tensor, nvfp4, mxfp4; outputs float32, bfloat16,
 float16. Other formats and float64 stay on torch (``supports``).
 
@@ -35,15 +35,16 @@ import triton.language as tl
 
 from .base import QuantFormat, QuantFormatError, cached_table, norm_shape, resolve_rows
 from .fp_formats import FP8Format, MXFP4Format, NVFP4Format
-from .gguf_formats import _IQ4NL_LEVELS, GGUFFormat
+from .gguf_formats import _IQ4NL_LEVELS, GGUFFormat, iq_grid
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BIG = 1 << 30  # column unit of a part with one value per row: c // _BIG == 0 (K < 2^30)
 
 # kernel ids of the GGUF types (constexpr QT) and their sub-blocks (one scale each) per block (NS)
 _GGUF_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7,
-             "Q5_K": 8, "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "NVFP4": 13}
-_GGUF_NS = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "IQ4_XS": 8, "NVFP4": 4}
+             "Q5_K": 8, "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "NVFP4": 13, "IQ3_S": 14}
+_GGUF_NS = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "IQ4_XS": 8, "NVFP4": 4, "IQ3_S": 8}
+LUT_IQ3S = tl.constexpr(16)  # float offset of the IQ3_S grid (512 x 4 magnitudes) in `lut_table`, after the 16 IQ4 levels
 _FP8, _NVFP4, _MXFP4 = 0, 1, 2
 _ELEMS = 4096  # output values per program
 # launch options of every kernel: no FMA contraction (``d*q - m`` must round twice, as in torch)
@@ -245,6 +246,19 @@ def _iq4_xs(p, e, s, m, lut):
 
 
 @triton.jit
+def _iq3_s(p, e, s, m, lut):
+    """Blocks of 110 bytes: d, 64 grid-index low bytes, 8 bytes of their 9th bits, 32 bytes of signs, 4 bytes of
+    4-bit sub-block scales (32 values each: d * (1 + 2 scale)); a grid entry is 4 magnitudes (lut_table)."""
+    j = s
+    sc = (_ld(p, 106 + j // 2, m) >> ((j % 2) * 4)) & 0xF
+    db = _f16(p, 0, m) * (1 + 2 * sc).to(tl.float32)
+    g = e // 4
+    idx = _ld(p, 2 + g, m) | (((_ld(p, 66 + g // 8, m) >> (g % 8)) & 1) << 8)
+    v = db * tl.load(lut + LUT_IQ3S + idx * 4 + e % 4)
+    return tl.where(((_ld(p, 74 + e // 8, m) >> (e % 8)) & 1) == 1, -v, v)
+
+
+@triton.jit
 def _mxfp4_g(p, e, m):
     x = _ld(p, 0, m)
     d = tl.where(x < 2, 0x00200000 << x, (x - 1) << 23).to(tl.float32, bitcast=True)
@@ -291,8 +305,10 @@ def gguf_decode(p, e, s, m, lut, QT: tl.constexpr):
         return _iq4_xs(p, e, s, m, lut)
     elif QT == 12:
         return _mxfp4_g(p, e, m)
-    else:
+    elif QT == 13:
         return _nvfp4_g(p, e, s, m)
+    else:
+        return _iq3_s(p, e, s, m, lut)
 
 
 @triton.jit
@@ -361,6 +377,15 @@ def supports(fmt: QuantFormat, out_dtype: torch.dtype = torch.float32) -> bool:
     return isinstance(fmt, (FP8Format, NVFP4Format, MXFP4Format))
 
 
+def lut_table(device) -> torch.Tensor:
+    """The decoders' one float32 table on `device`: the 16 IQ4_NL / IQ4_XS levels, then at LUT_IQ3S the IQ3_S grid
+    (512 entries of 4 magnitudes, gguf_formats.iq_grid), for every kernel that calls `gguf_decode`."""
+    def build():
+        return torch.cat([torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32),
+                          iq_grid("IQ3_S").to(torch.float32).reshape(-1)])
+    return cached_table("gguf-lut", build, device)
+
+
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -388,8 +413,7 @@ def decode_parts(fmt: QuantFormat, parts: dict[str, torch.Tensor], shape, rows=N
             src = _rows2d(parts["data"])
             if src.dtype != torch.uint8:
                 src = src.view(torch.uint8)
-            # the IQ4 levels (the torch decoder's cached table); unused by the other types
-            lut = cached_table("iq4nl", lambda: torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32), dev)
+            lut = lut_table(dev)  # the IQ4 levels and the IQ3_S grid; unused by the other types
             bs = fmt.block_size
             nblk = k // bs
             g = max(1, _ELEMS // bs)
