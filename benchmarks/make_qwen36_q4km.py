@@ -13,7 +13,7 @@ as parameters). --vocab-from names a JSON of the tokenizer.* GGUF fields (the vo
 token list; with --tiny or --vocab N it is cut to its first N - 3 tokens plus three control tokens); without
 it a small byte-level vocabulary is made up (--vocab, default 512), enough for both engines to load the file.
 
-Quant mixes (`--quant`):
+Quant mixes (`--quant`) (and iq3_s: routed experts IQ3_S, every other tensor as in q4_k_m; file type 26):
 - q8_0: every matrix Q8_0 (general.file_type 7), norms, router, conv and the small GDN tensors F32.
 - q4_k_m (general.file_type 15), modelled on llama.cpp's Q4_K_M choice per tensor: routed and shared experts'
   gate/up Q4_K, their down Q6_K in the layers llama.cpp gives more bits (the first and last eighth, and every
@@ -108,7 +108,7 @@ def tensors(s: Shape, V: int):
 
 
 F32_ROLES = ("ones", "neg", "zeros", "rand")
-FILE_TYPES = {"q8_0": 7, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_K_M
+FILE_TYPES = {"q8_0": 7, "q4_k_m": 15, "iq3_s": 26}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_K_M / _IQ3_S
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -122,8 +122,10 @@ def quant_type(mix: str, name: str, role: str, n_layers: int) -> str:
         return "F32"
     if mix == "q8_0":
         return "Q8_0"
-    if mix != "q4_k_m":
-        raise ValueError(f"unknown quant mix {mix!r} (q8_0, q4_k_m)")
+    if mix not in ("q4_k_m", "iq3_s"):
+        raise ValueError(f"unknown quant mix {mix!r} (q8_0, q4_k_m, iq3_s)")
+    if mix == "iq3_s" and role.startswith("exps_"):
+        return "IQ3_S"  # routed experts IQ3_S, the rest as q4_k_m
     if role == "output":
         return "Q6_K"
     if role in ("attn_v", "attn_qkv", "exps_down", "shexp_down"):
@@ -133,7 +135,7 @@ def quant_type(mix: str, name: str, role: str, n_layers: int) -> str:
 
 
 # ---- valid random blocks -----------------------------------------------------------------------
-BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # (weights, bytes) per block
+BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "IQ3_S": (256, 110)}  # (weights, bytes) per block
 
 
 def _f16_bytes(d: np.ndarray) -> np.ndarray:
@@ -169,6 +171,15 @@ def make_pool(qtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
         b[:, :192] = rng.integers(0, 256, (n, 192), dtype=np.uint8)
         b[:, 192:208] = rng.integers(2, 6, (n, 16), dtype=np.int8).view(np.uint8)
         b[:, 208:210] = _f16_bytes(jitter * STD / (3.6 * 18.5))  # rms scale ~3.6, std of 6-bit codes 18.5
+        return b
+    if qtype == "IQ3_S":
+        # d (f16), 64 grid-index low bytes, 8 bytes of 9th bits, 32 bytes of signs, 4 bytes of 4-bit sub-block
+        # scales; value = d * (1 + 2 sc) * grid * sign, grid magnitudes 1..15 (rms ~9.2)
+        b = np.empty((n, 110), np.uint8)
+        b[:, 2:106] = rng.integers(0, 256, (n, 104), dtype=np.uint8)
+        lo, hi = rng.integers(2, 6, (n, 4)), rng.integers(2, 6, (n, 4))
+        b[:, 106:110] = (lo | (hi << 4)).astype(np.uint8)
+        b[:, 0:2] = _f16_bytes(jitter * STD / (8.3 * 9.2))  # rms of 1 + 2 sc over sc in 2..5: ~8.3
         return b
     raise ValueError(f"no block maker for {qtype}")
 

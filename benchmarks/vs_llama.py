@@ -769,7 +769,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
-    w.add_argument("quant", choices=["q8_0", "q4_k_m"])
+    w.add_argument("quant", choices=["q8_0", "q4_k_m", "iq3_s"])
     w.add_argument("out")
     w.add_argument("--vocab-from")
     w.add_argument("--tiny", action="store_true")

@@ -27,7 +27,7 @@ def test_q4_k_m_mix_follows_llama_cpp_rule():
     assert mk.quant_type("q8_0", "blk.5.attn_q.weight", "proj", n) == "Q8_0"
 
 
-@pytest.mark.parametrize("quant", ["q4_k_m", "q8_0"])
+@pytest.mark.parametrize("quant", ["q4_k_m", "q8_0", "iq3_s"])
 def test_tiny_file_reads_and_runs_like_its_dequantized_twin(quant, tmp_path, monkeypatch):
     import gguf
     from gguf.quants import dequantize
@@ -44,7 +44,8 @@ def test_tiny_file_reads_and_runs_like_its_dequantized_twin(quant, tmp_path, mon
     assert r.fields["general.architecture"].contents() == "qwen35moe"
     assert {t.name: t.tensor_type.name for t in r.tensors} == {k: v for k, v in types.items() if k != "_summary"}
     kinds = {t.tensor_type.name for t in r.tensors}
-    assert kinds == ({"F32", "Q4_K", "Q6_K"} if quant == "q4_k_m" else {"F32", "Q8_0"})
+    assert kinds == {"q4_k_m": {"F32", "Q4_K", "Q6_K"}, "q8_0": {"F32", "Q8_0"},
+                     "iq3_s": {"F32", "Q4_K", "Q6_K", "IQ3_S"}}[quant]
     twin_r = {t.name: t for t in gguf.GGUFReader(str(twin)).tensors}
     for t in r.tensors:
         if t.tensor_type.name != "F32":
