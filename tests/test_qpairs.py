@@ -76,6 +76,7 @@ CASES = {
     "IQ4_XS": _gguf("IQ4_XS", 256, 256, torch.bfloat16),
     "IQ3_S": _gguf("IQ3_S", 256, 256),
     "IQ3_XXS": _gguf("IQ3_XXS", 256, 256, torch.bfloat16),
+    "IQ2_XXS/IQ2_XS/IQ2_S": _gguf("IQ2_XXS/IQ2_XS/IQ2_S", 256, 256, torch.bfloat16),  # each array its own type
     "Q4_K/Q5_K/Q6_K": _gguf("Q4_K/Q5_K/Q6_K", 256, 256, torch.bfloat16),  # each array its own type
     "fp8_block": _hf(FP8_BLOCK, 256, 128, torch.bfloat16),  # 2 column blocks; down: 2 row blocks
     "fp8_block_32x64_bf16": _hf(fp8_block_format((32, 64)), 256, 96, scale_dtype=torch.bfloat16),  # partial blocks
@@ -193,8 +194,9 @@ def test_supports():
     assert qpairs.supports(make_layer("Q8_0")[0]) == HAS_TRITON
     assert qpairs.supports(make_layer("nvfp4")[0]) == HAS_TRITON
     assert qpairs.supports(gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "Q4_K"}, 256, 256)) == HAS_TRITON
-    assert not qpairs.supports(gguf_expert_format({"gate": "IQ2_XXS", "up": "IQ2_XXS", "down": "Q4_K"}, 256, 256))
-    assert not qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "IQ2_XS"}, 256, 256))
+    assert not qpairs.supports(gguf_expert_format({"gate": "IQ1_S", "up": "IQ1_S", "down": "Q4_K"}, 256, 256))
+    assert qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "IQ2_XS"}, 256, 256)) == HAS_TRITON
+    assert not qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "TQ2_0"}, 256, 256))
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -355,15 +357,15 @@ def test_cuda_qwen36_shape(types):
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
 @pytest.mark.parametrize("case", ["Q8_0", "Q4_K/Q5_K/Q6_K", "IQ4_XS", "fp8_block", "fp8_tensor", "nvfp4", "mxfp4",
-                                  "IQ3_S", "IQ3_XXS", "iq2_xxs_fallback"])
+                                  "IQ3_S", "IQ3_XXS", "iq1_s_fallback"])
 def test_cuda_graph_replay(case):
     """quant_pair_outputs recorded in a CUDA graph replays on new x / weights / src (incl. src < 0)."""
-    if case == "iq2_xxs_fallback":  # no Triton decoder: the torch fallback must be capturable too
-        pytest.importorskip("gguf", reason="IQ2_XXS's codebook comes from the gguf package")
-        CASES[case] = _gguf("IQ2_XXS", 256, 256, torch.bfloat16)
+    if case == "iq1_s_fallback":  # no Triton decoder: the torch fallback must be capturable too
+        pytest.importorskip("gguf", reason="IQ1_S's codebook comes from the gguf package")
+        CASES[case] = _gguf("IQ1_S", 256, 256, torch.bfloat16)
     try:
         fmt, pool = make_layer(case, "cuda")
-        assert qpairs.supports(fmt) == (case != "iq2_xxs_fallback")
+        assert qpairs.supports(fmt) == (case != "iq1_s_fallback")
         x, w, src = make_inputs(case, "cuda", T=2, k=4)
         qpairs.quant_pair_outputs(x, w, src, pool, fmt)  # warm up: compile, tables, allocator
         torch.cuda.synchronize()
@@ -381,7 +383,7 @@ def test_cuda_graph_replay(case):
             # y against the whole reference: h may round differently in the last bit of x.dtype
             torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     finally:
-        CASES.pop("iq2_xxs_fallback", None)
+        CASES.pop("iq1_s_fallback", None)
 
 
 @pytest.mark.cuda

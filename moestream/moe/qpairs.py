@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 def supports(fmt) -> bool:
     """Whether the Triton pair kernels read `fmt` (the layer format) on CUDA; other quantized formats
-    (IQ2_*, IQ1_*, TQ*) run `quant_pair_outputs_torch` there."""
+    (IQ1_S, IQ1_M, TQ1_0, TQ2_0) run `quant_pair_outputs_torch` there."""
     if triton is None:
         return False
     if isinstance(fmt, GGUFExpertFormat):

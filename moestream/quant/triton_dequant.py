@@ -15,7 +15,7 @@ instead of tables), then rounds once to the output dtype, so it equals the torch
 * bfloat16 output is rounded to nearest even in integer arithmetic (``_bf16_bits``), so it is the
   same on a GPU and under Triton's CPU interpreter (whose own float->bf16 cast truncates).
 
-Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ3_S IQ3_XXS MXFP4 NVFP4,
+Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ3_S IQ3_XXS IQ2_XXS IQ2_XS IQ2_S MXFP4 NVFP4,
 fp8_block (any block size) / fp8_channel / fp8_tensor, nvfp4, mxfp4; outputs float32, bfloat16,
 float16. Other formats and float64 stay on torch (``supports``).
 
@@ -43,10 +43,15 @@ _BIG = 1 << 30  # column unit of a part with one value per row: c // _BIG == 0 (
 # kernel ids of the GGUF types (constexpr QT) and their sub-blocks (one scale each) per block (NS)
 _GGUF_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7,
              "Q5_K": 8, "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "NVFP4": 13, "IQ3_S": 14,
-             "IQ3_XXS": 15}
-_GGUF_NS = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "IQ4_XS": 8, "NVFP4": 4, "IQ3_S": 8, "IQ3_XXS": 8}
+             "IQ3_XXS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18}
+_GGUF_NS = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "IQ4_XS": 8, "NVFP4": 4, "IQ3_S": 8, "IQ3_XXS": 8,
+            "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16}
 LUT_IQ3S = tl.constexpr(16)  # float offset of the IQ3_S grid (512 x 4 magnitudes) in `lut_table`, after the 16 IQ4 levels
 LUT_IQ3XXS = tl.constexpr(16 + 2048)  # then the IQ3_XXS grid (256 x 4)
+LUT_IQ2XXS = tl.constexpr(16 + 2048 + 1024)  # the IQ2_XXS grid (256 x 8)
+LUT_IQ2XS = tl.constexpr(16 + 2048 + 1024 + 2048)  # the IQ2_XS grid (512 x 8)
+LUT_IQ2S = tl.constexpr(16 + 2048 + 1024 + 2048 + 4096)  # the IQ2_S grid (1024 x 8)
+LUT_GRIDS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")  # in that order after the 16 IQ4 levels
 _FP8, _NVFP4, _MXFP4 = 0, 1, 2
 _ELEMS = 4096  # output values per program
 # launch options of every kernel: no FMA contraction (``d*q - m`` must round twice, as in torch)
@@ -261,6 +266,51 @@ def _iq3_s(p, e, s, m, lut):
 
 
 @triton.jit
+def _ksign(sidx, b):
+    """Sign bit b (0..7) of ksigns[sidx]: bits 0-6 are sidx's, bit 7 makes the count of set bits even."""
+    par = sidx ^ (sidx >> 4)
+    par = par ^ (par >> 2)
+    par = (par ^ (par >> 1)) & 1
+    return tl.where(b == 7, par, (sidx >> b) & 1)
+
+
+@triton.jit
+def _iq2_xxs(p, e, s, m, lut):
+    """66-byte blocks: d, then per sub-block of 32 values 4 grid indices (256 x 8 grid) and a uint32 of four 7-bit
+    sign indices with a 4-bit scale on top (d * (0.5 + scale) * 0.25)."""
+    q = 2 + s * 8
+    db = _f16(p, 0, m) * (0.5 + (_ld(p, q + 7, m) >> 4).to(tl.float32)) * 0.25
+    aux = _ld(p, q + 4, m) | (_ld(p, q + 5, m) << 8) | (_ld(p, q + 6, m) << 16) | (_ld(p, q + 7, m) << 24)
+    grp = (e % 32) // 8
+    v = db * tl.load(lut + LUT_IQ2XXS + _ld(p, q + grp, m) * 8 + e % 8)
+    return tl.where(_ksign((aux >> (7 * grp)) & 0x7F, e % 8) == 1, -v, v)
+
+
+@triton.jit
+def _iq2_xs(p, e, s, m, lut):
+    """74-byte blocks: d, 32 uint16 (a 9-bit index into a 512 x 8 grid, a 7-bit sign index) for 8 values each, 16
+    4-bit scales for 16 values each."""
+    sc = (_ld(p, 66 + s // 2, m) >> ((s % 2) * 4)) & 0xF
+    db = _f16(p, 0, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    g = e // 8
+    qs = _ld(p, 2 + 2 * g, m) | (_ld(p, 3 + 2 * g, m) << 8)
+    v = db * tl.load(lut + LUT_IQ2XS + (qs & 511) * 8 + e % 8)
+    return tl.where(_ksign(qs >> 9, e % 8) == 1, -v, v)
+
+
+@triton.jit
+def _iq2_s(p, e, s, m, lut):
+    """82-byte blocks: d, 32 low bytes of 10-bit indices into a 1024 x 8 grid, 256 sign bits, 32 x 2 high index
+    bits, 16 4-bit scales for 16 values each."""
+    sc = (_ld(p, 74 + s // 2, m) >> ((s % 2) * 4)) & 0xF
+    db = _f16(p, 0, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    g = e // 8
+    idx = _ld(p, 2 + g, m) | (((_ld(p, 66 + g // 4, m) >> (2 * (g % 4))) & 3) << 8)
+    v = db * tl.load(lut + LUT_IQ2S + idx * 8 + e % 8)
+    return tl.where(((_ld(p, 34 + e // 8, m) >> (e % 8)) & 1) == 1, -v, v)
+
+
+@triton.jit
 def _iq3_xxs(p, e, s, m, lut):
     """Blocks of 98 bytes: d, 64 grid indices (256-entry grid of 4 magnitudes), then per sub-block of 32 values a
     uint32: four 7-bit sign indices (ksigns: the 8th sign makes the count of set bits even) and a 4-bit scale on
@@ -270,13 +320,8 @@ def _iq3_xxs(p, e, s, m, lut):
     db = _f16(p, 0, m) * (0.5 + (_ld(p, 69 + w, m) >> 4).to(tl.float32)) * 0.5
     sw = _ld(p, 66 + w, m) | (_ld(p, 67 + w, m) << 8) | (_ld(p, 68 + w, m) << 16) | (_ld(p, 69 + w, m) << 24)
     sidx = (sw >> (7 * ((e % 32) // 8))) & 0x7F
-    par = sidx ^ (sidx >> 4)
-    par = par ^ (par >> 2)
-    par = (par ^ (par >> 1)) & 1
-    b = e % 8
-    sign = tl.where(b == 7, par, (sidx >> b) & 1)
     v = db * tl.load(lut + LUT_IQ3XXS + _ld(p, 2 + e // 4, m) * 4 + e % 4)
-    return tl.where(sign == 1, -v, v)
+    return tl.where(_ksign(sidx, e % 8) == 1, -v, v)
 
 
 @triton.jit
@@ -330,8 +375,14 @@ def gguf_decode(p, e, s, m, lut, QT: tl.constexpr):
         return _nvfp4_g(p, e, s, m)
     elif QT == 14:
         return _iq3_s(p, e, s, m, lut)
-    else:
+    elif QT == 15:
         return _iq3_xxs(p, e, s, m, lut)
+    elif QT == 16:
+        return _iq2_xxs(p, e, s, m, lut)
+    elif QT == 17:
+        return _iq2_xs(p, e, s, m, lut)
+    else:
+        return _iq2_s(p, e, s, m, lut)
 
 
 @triton.jit
@@ -402,11 +453,11 @@ def supports(fmt: QuantFormat, out_dtype: torch.dtype = torch.float32) -> bool:
 
 def lut_table(device) -> torch.Tensor:
     """The decoders' one float32 table on `device`: the 16 IQ4_NL / IQ4_XS levels, then at LUT_IQ3S the IQ3_S grid
-    (512 entries of 4 magnitudes, gguf_formats.iq_grid), at LUT_IQ3XXS the IQ3_XXS grid (256 x 4), for every
-    kernel that calls `gguf_decode`."""
+    (512 entries of 4 magnitudes, gguf_formats.iq_grid), then the IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S grids
+    (LUT_GRIDS, at the LUT_* offsets), for every kernel that calls `gguf_decode`."""
     def build():
-        return torch.cat([torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32),
-                          iq_grid("IQ3_S").to(torch.float32).reshape(-1), iq_grid("IQ3_XXS").to(torch.float32).reshape(-1)])
+        return torch.cat([torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32)]
+                         + [iq_grid(name).to(torch.float32).reshape(-1) for name in LUT_GRIDS])
     return cached_table("gguf-lut", build, device)
 
 
