@@ -44,6 +44,7 @@ CASES = {
     "IQ3_S": ("IQ3_S", "IQ3_S", 256, 256, 8, 9, 2, torch.bfloat16, 0),
     "IQ3_XXS": ("IQ3_XXS", "IQ3_S", 256, 256, 8, 7, 2, torch.bfloat16, 0),  # gate/up IQ3_XXS, down IQ3_S
     "IQ2_XS": ("IQ2_XS", "IQ2_S", 256, 256, 8, 7, 2, torch.bfloat16, 0),  # gate/up IQ2_XS, down IQ2_S
+    "IQ1_M": ("IQ1_M", "TQ1_0", 256, 256, 8, 7, 2, torch.bfloat16, 0),  # gate/up IQ1_M, down TQ1_0
     # a Q4_K_M-style layer: Q6_K down, rows of a slot pool sized for a bigger type of another layer
     "Q4_K-Q6_K-padded-rows": ("Q4_K", "Q6_K", 256, 256, 8, 21, 3, torch.bfloat16, 96),
     "block-table": None,  # the kernel's block table equals block_table_oracle
@@ -227,8 +228,7 @@ def test_supports():
     assert not supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}, 256, 128), 256, 128, bf16)
     iq3 = gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "IQ3_S"}, 2048, 512)
     assert supports(iq3, 2048, 512, bf16)
-    assert not supports(gguf_expert_format({"gate": "IQ1_S", "up": "IQ1_S", "down": "Q4_K"}, 2048, 512), 2048, 512,
-                        bf16)  # no Triton decoder for IQ1_S
+    assert supports(gguf_expert_format({"gate": "IQ1_S", "up": "IQ1_S", "down": "TQ2_0"}, 2048, 512), 2048, 512, bf16)
     assert not supports(gguf_expert_format({"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}, 2048, 512), 2048, 512, bf16)
     fp8 = hf_expert_format(FP8_BLOCK, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
                                        for n in ("weight", "weight_scale_inv")}, 2048, 512)

@@ -6,8 +6,8 @@ by fp32 GEMVs, for every format with a Triton decoder; pairs.stage_experts copie
   default launch constants. Each case is then reported as its own test.
 * sm_90: the kernels of a few formats compile for an H100/H200 with the default constants (no GPU needed).
 * CUDA (`@pytest.mark.cuda`, skipped without a GPU): every case at the default constants, the Qwen3.6
-  expert shape, `quant_pair_outputs` recorded in a CUDA graph and replayed on new inputs, the torch
-  fallback of a format without a Triton decoder, and staging compressed rows.
+  expert shape, `quant_pair_outputs` recorded in a CUDA graph and replayed on new inputs (every quantized GGUF
+  type has a Triton decoder now: no torch fallback case is left), and staging compressed rows.
 
 Pools are built as the engine builds them: one uint8 row of stored bytes per expert and array, and GGUF
 rows LONGER than the layer's bytes, padded with 0xFF (fp16 NaN: a kernel reading past a layer's bytes
@@ -77,6 +77,8 @@ CASES = {
     "IQ3_S": _gguf("IQ3_S", 256, 256),
     "IQ3_XXS": _gguf("IQ3_XXS", 256, 256, torch.bfloat16),
     "IQ2_XXS/IQ2_XS/IQ2_S": _gguf("IQ2_XXS/IQ2_XS/IQ2_S", 256, 256, torch.bfloat16),  # each array its own type
+    "IQ1_M/IQ1_S/TQ1_0": _gguf("IQ1_M/IQ1_S/TQ1_0", 256, 256, torch.bfloat16),
+    "TQ2_0": _gguf("TQ2_0", 256, 256),
     "Q4_K/Q5_K/Q6_K": _gguf("Q4_K/Q5_K/Q6_K", 256, 256, torch.bfloat16),  # each array its own type
     "fp8_block": _hf(FP8_BLOCK, 256, 128, torch.bfloat16),  # 2 column blocks; down: 2 row blocks
     "fp8_block_32x64_bf16": _hf(fp8_block_format((32, 64)), 256, 96, scale_dtype=torch.bfloat16),  # partial blocks
@@ -194,9 +196,13 @@ def test_supports():
     assert qpairs.supports(make_layer("Q8_0")[0]) == HAS_TRITON
     assert qpairs.supports(make_layer("nvfp4")[0]) == HAS_TRITON
     assert qpairs.supports(gguf_expert_format({"gate": "IQ3_S", "up": "IQ3_S", "down": "Q4_K"}, 256, 256)) == HAS_TRITON
-    assert not qpairs.supports(gguf_expert_format({"gate": "IQ1_S", "up": "IQ1_S", "down": "Q4_K"}, 256, 256))
-    assert qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "IQ2_XS"}, 256, 256)) == HAS_TRITON
-    assert not qpairs.supports(gguf_expert_format({"gate": "Q4_K", "up": "Q4_K", "down": "TQ2_0"}, 256, 256))
+    # every quantized GGUF type the loader accepts has a Triton decoder (quant/triton_dequant.py)
+    from moestream.quant.base import FORMATS
+
+    for name in sorted(f.name[5:] for f in FORMATS.values()
+                       if f.name.startswith("gguf:") and f.name[5:] not in ("F32", "F16", "BF16")):
+        fmt = gguf_expert_format({"gate": name, "up": name, "down": "Q4_K"}, 256, 256)
+        assert qpairs.supports(fmt) == HAS_TRITON, name
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -357,33 +363,27 @@ def test_cuda_qwen36_shape(types):
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
 @pytest.mark.parametrize("case", ["Q8_0", "Q4_K/Q5_K/Q6_K", "IQ4_XS", "fp8_block", "fp8_tensor", "nvfp4", "mxfp4",
-                                  "IQ3_S", "IQ3_XXS", "iq1_s_fallback"])
+                                  "IQ3_S", "IQ3_XXS", "IQ1_M/IQ1_S/TQ1_0"])
 def test_cuda_graph_replay(case):
     """quant_pair_outputs recorded in a CUDA graph replays on new x / weights / src (incl. src < 0)."""
-    if case == "iq1_s_fallback":  # no Triton decoder: the torch fallback must be capturable too
-        pytest.importorskip("gguf", reason="IQ1_S's codebook comes from the gguf package")
-        CASES[case] = _gguf("IQ1_S", 256, 256, torch.bfloat16)
-    try:
-        fmt, pool = make_layer(case, "cuda")
-        assert qpairs.supports(fmt) == (case != "iq1_s_fallback")
-        x, w, src = make_inputs(case, "cuda", T=2, k=4)
-        qpairs.quant_pair_outputs(x, w, src, pool, fmt)  # warm up: compile, tables, allocator
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = qpairs.quant_pair_outputs(x, w, src, pool, fmt)
-        for seed in (1, 2):
-            x2, w2, src2 = make_inputs(case, "cuda", T=2, k=4, seed=seed)
-            x.copy_(x2)
-            w.copy_(w2)
-            src.copy_(src2)
-            graph.replay()
-            want = qpairs.quant_pair_outputs_torch(x, w, src, pool, fmt)
-            keep = src >= 0
-            # y against the whole reference: h may round differently in the last bit of x.dtype
-            torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    finally:
-        CASES.pop("iq1_s_fallback", None)
+    fmt, pool = make_layer(case, "cuda")
+    assert qpairs.supports(fmt)
+    x, w, src = make_inputs(case, "cuda", T=2, k=4)
+    qpairs.quant_pair_outputs(x, w, src, pool, fmt)  # warm up: compile, tables, allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qpairs.quant_pair_outputs(x, w, src, pool, fmt)
+    for seed in (1, 2):
+        x2, w2, src2 = make_inputs(case, "cuda", T=2, k=4, seed=seed)
+        x.copy_(x2)
+        w.copy_(w2)
+        src.copy_(src2)
+        graph.replay()
+        want = qpairs.quant_pair_outputs_torch(x, w, src, pool, fmt)
+        keep = src >= 0
+        # y against the whole reference: h may round differently in the last bit of x.dtype
+        torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 @pytest.mark.cuda

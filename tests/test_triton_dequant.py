@@ -27,7 +27,8 @@ from moestream.quant import (  # noqa: E402
 )
 
 KERNEL_GGUF = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-               "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "MXFP4", "NVFP4"]
+               "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0",
+               "TQ2_0", "MXFP4", "NVFP4"]
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

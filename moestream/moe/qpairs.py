@@ -47,8 +47,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def supports(fmt) -> bool:
-    """Whether the Triton pair kernels read `fmt` (the layer format) on CUDA; other quantized formats
-    (IQ1_S, IQ1_M, TQ1_0, TQ2_0) run `quant_pair_outputs_torch` there."""
+    """Whether the Triton pair kernels read `fmt` (the layer format) on CUDA: every quantized GGUF type and HF FP8 /
+    NVFP4 / MXFP4 (other HF formats run `quant_pair_outputs_torch` there)."""
     if triton is None:
         return False
     if isinstance(fmt, GGUFExpertFormat):

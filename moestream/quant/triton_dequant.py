@@ -15,7 +15,7 @@ instead of tables), then rounds once to the output dtype, so it equals the torch
 * bfloat16 output is rounded to nearest even in integer arithmetic (``_bf16_bits``), so it is the
   same on a GPU and under Triton's CPU interpreter (whose own float->bf16 cast truncates).
 
-Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ3_S IQ3_XXS IQ2_XXS IQ2_XS IQ2_S MXFP4 NVFP4,
+Supported: GGUF Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ3_S IQ3_XXS IQ2_XXS IQ2_XS IQ2_S IQ1_S IQ1_M TQ1_0 TQ2_0 MXFP4 NVFP4,
 fp8_block (any block size) / fp8_channel / fp8_tensor, nvfp4, mxfp4; outputs float32, bfloat16,
 float16. Other formats and float64 stay on torch (``supports``).
 
@@ -43,15 +43,18 @@ _BIG = 1 << 30  # column unit of a part with one value per row: c // _BIG == 0 (
 # kernel ids of the GGUF types (constexpr QT) and their sub-blocks (one scale each) per block (NS)
 _GGUF_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7,
              "Q5_K": 8, "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "NVFP4": 13, "IQ3_S": 14,
-             "IQ3_XXS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18}
+             "IQ3_XXS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18,
+             "IQ1_S": 19, "IQ1_M": 20, "TQ1_0": 21, "TQ2_0": 22}
 _GGUF_NS = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "IQ4_XS": 8, "NVFP4": 4, "IQ3_S": 8, "IQ3_XXS": 8,
-            "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16}
+            "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16, "IQ1_S": 8, "IQ1_M": 16,
+            "TQ1_0": 8, "TQ2_0": 8}  # (TQ*: one scale a block; 8 "sub-blocks" let a K step hold 32 values)
 LUT_IQ3S = tl.constexpr(16)  # float offset of the IQ3_S grid (512 x 4 magnitudes) in `lut_table`, after the 16 IQ4 levels
 LUT_IQ3XXS = tl.constexpr(16 + 2048)  # then the IQ3_XXS grid (256 x 4)
 LUT_IQ2XXS = tl.constexpr(16 + 2048 + 1024)  # the IQ2_XXS grid (256 x 8)
 LUT_IQ2XS = tl.constexpr(16 + 2048 + 1024 + 2048)  # the IQ2_XS grid (512 x 8)
 LUT_IQ2S = tl.constexpr(16 + 2048 + 1024 + 2048 + 4096)  # the IQ2_S grid (1024 x 8)
-LUT_GRIDS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")  # in that order after the 16 IQ4 levels
+LUT_IQ1S = tl.constexpr(16 + 2048 + 1024 + 2048 + 4096 + 8192)  # the IQ1_S grid (2048 x 8; IQ1_M's too)
+LUT_GRIDS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")  # in that order after the 16 IQ4 levels
 _FP8, _NVFP4, _MXFP4 = 0, 1, 2
 _ELEMS = 4096  # output values per program
 # launch options of every kernel: no FMA contraction (``d*q - m`` must round twice, as in torch)
@@ -311,6 +314,58 @@ def _iq2_s(p, e, s, m, lut):
 
 
 @triton.jit
+def _iq1_s(p, e, s, m, lut):
+    """50-byte blocks: d, 32 low bytes of 11-bit indices into a 2048 x 8 grid, per sub-block of 32 values a uint16:
+    four 3-bit high index parts, a 3-bit scale (d * (2 scale + 1)) and the sign of a +-1/8 shift of the grid."""
+    qh = _ld(p, 34 + 2 * s, m) | (_ld(p, 35 + 2 * s, m) << 8)
+    dl = _f16(p, 0, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    delta = tl.where((qh & 0x8000) == 0, 0.125, -0.125)
+    grp = (e % 32) // 8
+    idx = _ld(p, 2 + s * 4 + grp, m) | (((qh >> (3 * grp)) & 7) << 8)
+    return dl * (tl.load(lut + LUT_IQ1S + idx * 8 + e % 8) + delta)
+
+
+@triton.jit
+def _iq1_m(p, e, s, m, lut):
+    """56-byte blocks: 32 low index bytes (IQ1_S's grid), 16 bytes of 4-bit high parts (3 index bits and a shift
+    sign) per group of 8, four uint16 of 3-bit sub-block scales (16 values each) whose top nibbles make d."""
+    w0 = _ld(p, 48, m) | (_ld(p, 49, m) << 8)
+    w1 = _ld(p, 50, m) | (_ld(p, 51, m) << 8)
+    w2 = _ld(p, 52, m) | (_ld(p, 53, m) << 8)
+    w3 = _ld(p, 54, m) | (_ld(p, 55, m) << 8)
+    dbits = (w0 >> 12) | ((w1 >> 8) & 0xF0) | ((w2 >> 4) & 0xF00) | (w3 & 0xF000)
+    d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    sw = _ld(p, 48 + 2 * (s // 4), m) | (_ld(p, 49 + 2 * (s // 4), m) << 8)
+    dl = d * (2 * ((sw >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
+    g = e // 8
+    nib = (_ld(p, 32 + g // 2, m) >> (4 * (g % 2))) & 0xF
+    idx = _ld(p, g, m) | ((nib & 7) << 8)
+    delta = tl.where((nib & 8) == 0, 0.125, -0.125)
+    return dl * (tl.load(lut + LUT_IQ1S + idx * 8 + e % 8) + delta)
+
+
+@triton.jit
+def _tq1_0(p, e, m):
+    """54-byte blocks: 5 (then 4) base-3 digits per byte read by multiplying the byte by 3^i (uint8 wrap) and
+    taking the top of 3x; d (f16) at byte 52; value d * (digit - 1)."""
+    r1 = e - 160
+    r2 = e - 240
+    byte = tl.where(e < 160, e % 32, tl.where(e < 240, 32 + r1 % 16, 48 + r2 % 4))
+    i = tl.where(e < 160, e // 32, tl.where(e < 240, r1 // 16, r2 // 4))
+    pw = tl.where(i == 0, 1, tl.where(i == 1, 3, tl.where(i == 2, 9, tl.where(i == 3, 27, 81))))
+    q = (_ld(p, byte, m) * pw) & 0xFF
+    return _f16(p, 52, m) * (((q * 3) >> 8) - 1).to(tl.float32)
+
+
+@triton.jit
+def _tq2_0(p, e, m):
+    """66-byte blocks: 2-bit codes (value d * (code - 1)), 4 per byte in 32-byte halves; d (f16) at byte 64."""
+    r = e % 128
+    q = (_ld(p, (e // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    return _f16(p, 64, m) * (q - 1).to(tl.float32)
+
+
+@triton.jit
 def _iq3_xxs(p, e, s, m, lut):
     """Blocks of 98 bytes: d, 64 grid indices (256-entry grid of 4 magnitudes), then per sub-block of 32 values a
     uint32: four 7-bit sign indices (ksigns: the 8th sign makes the count of set bits even) and a 4-bit scale on
@@ -381,8 +436,16 @@ def gguf_decode(p, e, s, m, lut, QT: tl.constexpr):
         return _iq2_xxs(p, e, s, m, lut)
     elif QT == 17:
         return _iq2_xs(p, e, s, m, lut)
-    else:
+    elif QT == 18:
         return _iq2_s(p, e, s, m, lut)
+    elif QT == 19:
+        return _iq1_s(p, e, s, m, lut)
+    elif QT == 20:
+        return _iq1_m(p, e, s, m, lut)
+    elif QT == 21:
+        return _tq1_0(p, e, m)
+    else:
+        return _tq2_0(p, e, m)
 
 
 @triton.jit
@@ -453,8 +516,8 @@ def supports(fmt: QuantFormat, out_dtype: torch.dtype = torch.float32) -> bool:
 
 def lut_table(device) -> torch.Tensor:
     """The decoders' one float32 table on `device`: the 16 IQ4_NL / IQ4_XS levels, then at LUT_IQ3S the IQ3_S grid
-    (512 entries of 4 magnitudes, gguf_formats.iq_grid), then the IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S grids
-    (LUT_GRIDS, at the LUT_* offsets), for every kernel that calls `gguf_decode`."""
+    (512 entries of 4 magnitudes, gguf_formats.iq_grid), then the IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S grids
+    (LUT_GRIDS, at the LUT_* offsets; 33.8k floats), for every kernel that calls `gguf_decode`."""
     def build():
         return torch.cat([torch.tensor(_IQ4NL_LEVELS, dtype=torch.float32)]
                          + [iq_grid(name).to(torch.float32).reshape(-1) for name in LUT_GRIDS])
