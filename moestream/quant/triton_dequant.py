@@ -69,10 +69,27 @@ def _ld(p, off, m):
 
 
 @triton.jit
+def _u16(p, off, m):
+    """Little-endian uint16 at byte ``off`` as int32."""
+    return _ld(p, off, m) | (_ld(p, off + 1, m) << 8)
+
+
+@triton.jit
+def _u32(p, off, m):
+    """Little-endian uint32 at byte ``off`` as int32 bits (wraps above 2^31; read with shifts and masks)."""
+    return _u16(p, off, m) | (_u16(p, off + 2, m) << 16)
+
+
+@triton.jit
+def _half(bits):
+    """fp16 bits (int32, low 16) -> float32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _f16(p, off, m):
     """Little-endian fp16 at byte ``off`` -> float32 (exact)."""
-    bits = _ld(p, off, m) | (_ld(p, off + 1, m) << 8)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _half(_u16(p, off, m))
 
 
 @triton.jit
@@ -249,7 +266,7 @@ def _iq4_nl(p, e, m, lut):
 def _iq4_xs(p, e, s, m, lut):
     j = s
     lo = (_ld(p, 4 + j // 2, m) >> ((j % 2) * 4)) & 0xF
-    hi = ((_ld(p, 2, m) | (_ld(p, 3, m) << 8)) >> (2 * j)) & 3
+    hi = (_u16(p, 2, m) >> (2 * j)) & 3
     dl = _f16(p, 0, m) * ((lo | (hi << 4)) - 32).to(tl.float32)
     q = (_ld(p, 8 + j * 16 + e % 16, m) >> (((e % 32) // 16) * 4)) & 0xF
     return dl * tl.load(lut + q)
@@ -283,7 +300,7 @@ def _iq2_xxs(p, e, s, m, lut):
     sign indices with a 4-bit scale on top (d * (0.5 + scale) * 0.25)."""
     q = 2 + s * 8
     db = _f16(p, 0, m) * (0.5 + (_ld(p, q + 7, m) >> 4).to(tl.float32)) * 0.25
-    aux = _ld(p, q + 4, m) | (_ld(p, q + 5, m) << 8) | (_ld(p, q + 6, m) << 16) | (_ld(p, q + 7, m) << 24)
+    aux = _u32(p, q + 4, m)
     grp = (e % 32) // 8
     v = db * tl.load(lut + LUT_IQ2XXS + _ld(p, q + grp, m) * 8 + e % 8)
     return tl.where(_ksign((aux >> (7 * grp)) & 0x7F, e % 8) == 1, -v, v)
@@ -296,7 +313,7 @@ def _iq2_xs(p, e, s, m, lut):
     sc = (_ld(p, 66 + s // 2, m) >> ((s % 2) * 4)) & 0xF
     db = _f16(p, 0, m) * (0.5 + sc.to(tl.float32)) * 0.25
     g = e // 8
-    qs = _ld(p, 2 + 2 * g, m) | (_ld(p, 3 + 2 * g, m) << 8)
+    qs = _u16(p, 2 + 2 * g, m)
     v = db * tl.load(lut + LUT_IQ2XS + (qs & 511) * 8 + e % 8)
     return tl.where(_ksign(qs >> 9, e % 8) == 1, -v, v)
 
@@ -317,7 +334,7 @@ def _iq2_s(p, e, s, m, lut):
 def _iq1_s(p, e, s, m, lut):
     """50-byte blocks: d, 32 low bytes of 11-bit indices into a 2048 x 8 grid, per sub-block of 32 values a uint16:
     four 3-bit high index parts, a 3-bit scale (d * (2 scale + 1)) and the sign of a +-1/8 shift of the grid."""
-    qh = _ld(p, 34 + 2 * s, m) | (_ld(p, 35 + 2 * s, m) << 8)
+    qh = _u16(p, 34 + 2 * s, m)
     dl = _f16(p, 0, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
     delta = tl.where((qh & 0x8000) == 0, 0.125, -0.125)
     grp = (e % 32) // 8
@@ -329,13 +346,9 @@ def _iq1_s(p, e, s, m, lut):
 def _iq1_m(p, e, s, m, lut):
     """56-byte blocks: 32 low index bytes (IQ1_S's grid), 16 bytes of 4-bit high parts (3 index bits and a shift
     sign) per group of 8, four uint16 of 3-bit sub-block scales (16 values each) whose top nibbles make d."""
-    w0 = _ld(p, 48, m) | (_ld(p, 49, m) << 8)
-    w1 = _ld(p, 50, m) | (_ld(p, 51, m) << 8)
-    w2 = _ld(p, 52, m) | (_ld(p, 53, m) << 8)
-    w3 = _ld(p, 54, m) | (_ld(p, 55, m) << 8)
-    dbits = (w0 >> 12) | ((w1 >> 8) & 0xF0) | ((w2 >> 4) & 0xF00) | (w3 & 0xF000)
-    d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    sw = _ld(p, 48 + 2 * (s // 4), m) | (_ld(p, 49 + 2 * (s // 4), m) << 8)
+    d = _half((_u16(p, 48, m) >> 12) | ((_u16(p, 50, m) >> 8) & 0xF0) | ((_u16(p, 52, m) >> 4) & 0xF00)
+              | (_u16(p, 54, m) & 0xF000))
+    sw = _u16(p, 48 + 2 * (s // 4), m)
     dl = d * (2 * ((sw >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
     g = e // 8
     nib = (_ld(p, 32 + g // 2, m) >> (4 * (g % 2))) & 0xF
@@ -373,7 +386,7 @@ def _iq3_xxs(p, e, s, m, lut):
     j = s
     w = j * 4
     db = _f16(p, 0, m) * (0.5 + (_ld(p, 69 + w, m) >> 4).to(tl.float32)) * 0.5
-    sw = _ld(p, 66 + w, m) | (_ld(p, 67 + w, m) << 8) | (_ld(p, 68 + w, m) << 16) | (_ld(p, 69 + w, m) << 24)
+    sw = _u32(p, 66 + w, m)
     sidx = (sw >> (7 * ((e % 32) // 8))) & 0x7F
     v = db * tl.load(lut + LUT_IQ3XXS + _ld(p, 2 + e // 4, m) * 4 + e % 4)
     return tl.where(_ksign(sidx, e % 8) == 1, -v, v)
