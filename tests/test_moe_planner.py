@@ -59,6 +59,37 @@ def test_auto_choices():
     assert plan_memory(BIG, gpu(8), EngineConfig(), slow_cpu).backend == "offload"
 
 
+def test_auto_measures_bandwidths_only_where_it_weighs_hybrid():
+    """Without a saved profile the engine hands the planner a measuring function: called once where auto must
+    weigh hybrid against offload (experts do not fit), never where they fit, nor for a backend asked by name."""
+    calls = []
+
+    def measure(bw):
+        return lambda: calls.append(1) or bw
+
+    fast, slow = Bandwidths(pcie_pinned_gbs=25.0, cpu_expert_gbs=40.0), Bandwidths(pcie_pinned_gbs=25.0, cpu_expert_gbs=2.0)
+    assert plan_memory(BIG, gpu(139), EngineConfig(), measure(fast)).backend == "fused" and not calls
+    assert plan_memory(BIG, gpu(8), EngineConfig(moe_backend="offload"), measure(fast)).backend == "offload"
+    assert not calls
+    p = plan_memory(BIG, gpu(8), EngineConfig(), measure(fast))
+    assert p.backend == "hybrid" and "CPU experts run at 40.0 GB/s" in p.reason and calls == [1]
+    assert abs(p.hybrid_fetch_fraction - 25 / 65) < 1e-9 and p.pcie_gbs == 25.0
+    assert plan_memory(BIG, gpu(8), EngineConfig(), measure(slow)).backend == "offload" and calls == [1, 1]
+
+
+def test_quick_bandwidths_measures_the_models_own_format():
+    """The load-time probe behind that function: the CPU experts' rate in the expert format given (CPU only here:
+    no PCIe figure)."""
+    import torch
+
+    from moestream.moe.bench import expert_format, quick_bandwidths
+
+    for name in ("bf16", "q4_k"):
+        fmt = expert_format(name, torch.bfloat16, 256, 256)
+        bw = quick_bandwidths(torch.device("cpu"), fmt, 256, 256, top_k=2, dtype=torch.bfloat16, cpu_threads=1)
+        assert bw.cpu_expert_gbs > 0 and bw.pcie_pinned_gbs == 0.0
+
+
 def test_gpu_memory_cap_and_rate():
     from moestream.moe.planner import CAP_HEADROOM
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ..models.loader import expert_format_for, load_weights
 from ..models.fuse import fuse_projections
 from ..models.qwen_moe import QwenMoeModel
 from ..moe import ExpertStore, build_runtime
-from ..moe.bench import load_profile
+from ..moe.bench import load_profile, quick_bandwidths
 from ..moe.formats import dense_format
 from ..moe.planner import (PREFILL_CHUNK_FLOOR, PREFILL_CHUNK_KEEP, USEFUL_KV_TOKENS, Bandwidths, MoePlan, bank_bytes, model_sizes,
                            plan_fitting_chunk, plan_memory)
@@ -429,6 +430,23 @@ class Engine:
                                    max_pairs=self.ecfg.max_running_requests * self.cfg.top_k * self.rows_per_request,
                                    act_dtype=self.dtype)
 
+    def _measure_bandwidths(self, fmt):
+        """No saved `bench bw` profile for this device: a function the planner calls when auto has to weigh hybrid
+        against offload, measuring pinned PCIe and the CPU experts in this model's format once (under a second)."""
+        if self.device.type != "cuda":
+            return None
+
+        def measure():
+            if getattr(self, "_probed_bw", None) is None:
+                cfg, t0 = self.local_cfg, time.perf_counter()
+                self._probed_bw = quick_bandwidths(self.device, fmt, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                   cfg.top_k, self.dtype, self.ecfg.moe_cpu_threads)
+                log.info("no bench profile for %s: measured pinned PCIe %.1f GB/s, CPU experts %.1f GB/s in %.2f s "
+                         "(`moestream bench bw` saves a fuller profile)", self.hardware.name,
+                         self._probed_bw.pcie_pinned_gbs, self._probed_bw.cpu_expert_gbs, time.perf_counter() - t0)
+            return self._probed_bw
+        return measure
+
     def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None,
                      fit_chunk: bool = False) -> MoePlan:
         """One budget -> dense + state + workspace + expert slots + KV (moe/planner.py); logged.
@@ -452,7 +470,7 @@ class Engine:
                 sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
             return sizes
 
-        bw = Bandwidths.from_profile(load_profile(self.device))
+        bw = Bandwidths.from_profile(load_profile(self.device)) or self._measure_bandwidths(fmt)
         if fit_chunk:
             plan, used = self._plan_fitting(sizes_for, e, bw)
             if used.prefix_cache_snapshots != e.prefix_cache_snapshots:

@@ -188,6 +188,25 @@ def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype:
     return res
 
 
+def quick_bandwidths(device: torch.device, fmt: ExpertFormat, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+                     cpu_threads: int = 0, iters: int = 3):
+    """What `--moe-backend auto` weighs when no `bench bw` profile was saved for this device: pinned PCIe and the
+    CPU experts' rate, measured in well under a second on 2 x top_k random experts stored in the model's own expert
+    format (a full profile measures 32 and repeats more). Returns planner.Bandwidths (host read and GPU experts not
+    measured: 0)."""
+    from .planner import Bandwidths
+
+    experts = 2 * top_k
+    bank = make_bank(fmt, experts, hidden, inter)
+    cpu = CpuExperts(cpu_threads)
+    try:
+        cpu_gbs = expert_gbs(bank, top_k, hidden, dtype, torch.device("cpu"), iters, cpu, fmt)
+    finally:
+        cpu.close()
+    pcie = h2d_gbs(bank, experts, device, True, iters) if device.type == "cuda" else 0.0
+    return Bandwidths(pcie_pinned_gbs=pcie, cpu_expert_gbs=cpu_gbs)
+
+
 def recommend(res: dict) -> str:
     """The backend `auto` would pick for a model whose experts do not fit the device."""
     from .planner import Bandwidths, HYBRID_MIN_CPU_SHARE

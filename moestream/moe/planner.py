@@ -174,9 +174,10 @@ class MoePlan:
 
 
 # ---- the recipe ------------------------------------------------------------------------------
-def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) -> MoePlan:
+def plan_memory(m: ModelSizes, hw: Hardware, e, bw: "Bandwidths | Callable[[], Bandwidths] | None" = None) -> MoePlan:
     """e: an EngineConfig (moe_backend, moe_cache_size/rate, memory_ratio, gpu_memory_gb, num_tokens,
-    moe_cpu_threads, moe_prefetch, pin_budget_gb)."""
+    moe_cpu_threads, moe_prefetch, pin_budget_gb). bw: the measured bandwidths, or a function that measures them,
+    called only when auto has to weigh hybrid against offload."""
     if hw.device == "cpu":  # the budget is host RAM too: say so before splitting it
         check_host_memory(m, hw, e.moe_backend)
     budget = _budget(hw, e)
@@ -193,6 +194,8 @@ def plan_memory(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None = None) ->
             "or lower --max-running-requests / --chunked-prefill-size")
     if hw.device == "cpu":
         free -= m.banks  # host banks live in the same memory
+    if callable(bw):  # measured on demand (no saved profile): only where auto must weigh hybrid against offload
+        bw = bw() if _weighs_hybrid(m, hw, e, free) else None
     backend, reason = choose_backend(m, hw, e, bw, free)
     if hw.device != "cpu":
         check_host_memory(m, hw, backend)
@@ -279,6 +282,12 @@ def _budget(hw: Hardware, e) -> int:
         # the cap is the whole process's GPU memory (what nvidia-smi shows): the context comes off it
         return cap if hw.device == "cpu" else min(cap - hw.context_bytes - _headroom(hw, e), hw.free_bytes)
     return int(e.memory_ratio * hw.free_bytes)
+
+
+def _weighs_hybrid(m: ModelSizes, hw: Hardware, e, free: int) -> bool:
+    """auto on a GPU for experts that do not fit: the case choose_backend decides by the bandwidths."""
+    return (e.moe_backend == "auto" and hw.device != "cpu" and m.total_experts > 0
+            and m.banks + _kv_reserve(m, e) * m.kv_bytes_per_token > free)
 
 
 def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: int) -> tuple[str, str]:
