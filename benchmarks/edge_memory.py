@@ -12,7 +12,8 @@ context less the decode, at most --prompt), TTFT (the prefill's seconds), decode
 prompt and at batch 4 after short prompts, and memory: peak device memory in use (all of the process: sampled
 every 20 ms by a thread calling cudaMemGetInfo, plus after each phase), torch's peak reserved bytes, the CUDA
 stack limit (a raised limit reserves memory outside torch; benchmarks/mem_probe.py), and an out-of-memory or a
-refused plan as the result when that is what happened. The target: peak <= cap, and the plan's total within 5% of
+refused plan as the result when that is what happened, and host memory at load (RSS and its parts next to the
+expert banks and how much of them is the checkpoint's mapping: `host_at_load_gib`). The target: peak <= cap, and the plan's total within 5% of
 the peak. On a CPU (a dry run) the caps are not applied and memory is not measured.
 """
 from __future__ import annotations
@@ -86,6 +87,8 @@ def one(args) -> dict:
                    "chunked_prefill_size": eng.ecfg.chunked_prefill_size, "max_seq_len": eng.max_seq_len,
                    "bytes_gib": {k: gib(v) for k, v in parts.items()}, "context_gib": gib(b.context),
                    "total_gib": gib(sum(parts.values()) + b.context)}
+    hm = getattr(eng, "host_memory", None) or {}
+    rec["host_at_load_gib"] = {k: gib(v) for k, v in hm.items() if isinstance(v, (int, float))}
     print(plan.describe(), flush=True)
     vocab = llm.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
