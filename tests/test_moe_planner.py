@@ -84,8 +84,12 @@ def test_quick_bandwidths_measures_the_models_own_format():
 
     from moestream.moe.bench import expert_format, quick_bandwidths
 
-    for name in ("bf16", "q4_k"):
-        fmt = expert_format(name, torch.bfloat16, 256, 256)
+    from moestream.moe.formats import layered_gguf_format
+
+    mix = layered_gguf_format({0: {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                               1: {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}}, 256, 256)  # Q4_K_M-style
+    assert not hasattr(mix, "types")  # per-layer types: the probe measures one layer's format
+    for fmt in (expert_format("bf16", torch.bfloat16, 256, 256), expert_format("q4_k", torch.bfloat16, 256, 256), mix):
         bw = quick_bandwidths(torch.device("cpu"), fmt, 256, 256, top_k=2, dtype=torch.bfloat16, cpu_threads=1)
         assert bw.cpu_expert_gbs > 0 and bw.pcie_pinned_gbs == 0.0
 

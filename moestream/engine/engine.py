@@ -439,12 +439,19 @@ class Engine:
         def measure():
             if getattr(self, "_probed_bw", None) is None:
                 cfg, t0 = self.local_cfg, time.perf_counter()
-                self._probed_bw = quick_bandwidths(self.device, fmt, cfg.hidden_size, cfg.moe_intermediate_size,
-                                                   cfg.top_k, self.dtype, self.ecfg.moe_cpu_threads)
+                try:
+                    self._probed_bw = quick_bandwidths(self.device, fmt, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                       cfg.top_k, self.dtype,
+                                                       self.ecfg.moe_cpu_threads or self.hardware.physical_cores)
+                except Exception as e:  # a measurement must not stop the load: auto then plans as without it
+                    log.warning("could not measure PCIe and CPU expert bandwidths (%s: %s): auto picks offload; "
+                                "`moestream bench bw` saves a profile", type(e).__name__, e)
+                    self._probed_bw = False
+                    return None
                 log.info("no bench profile for %s: measured pinned PCIe %.1f GB/s, CPU experts %.1f GB/s in %.2f s "
                          "(`moestream bench bw` saves a fuller profile)", self.hardware.name,
                          self._probed_bw.pcie_pinned_gbs, self._probed_bw.cpu_expert_gbs, time.perf_counter() - t0)
-            return self._probed_bw
+            return self._probed_bw or None
         return measure
 
     def _plan_memory(self, model, fmt, log_it: bool = True, e: EngineConfig | None = None,

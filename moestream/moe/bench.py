@@ -196,6 +196,9 @@ def quick_bandwidths(device: torch.device, fmt: ExpertFormat, hidden: int, inter
     measured: 0)."""
     from .planner import Bandwidths
 
+    per_layer = getattr(fmt, "per_layer", None)
+    if per_layer:  # per-layer GGUF types (Q4_K_M): the largest layer format, the one most layers' misses move
+        fmt = max((f for _, f in per_layer), key=lambda f: f.bytes_per_expert(hidden, inter))
     experts = 2 * top_k
     bank = make_bank(fmt, experts, hidden, inter)
     cpu = CpuExperts(cpu_threads)
