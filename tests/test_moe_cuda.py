@@ -72,3 +72,16 @@ def test_host_to_device_does_not_wait_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert t.device.type == "cuda" and t.dtype == torch.long and t.tolist() == [4, -1, 7]
+
+
+def test_cuda_auto_measures_bandwidths_without_a_profile(tiny_checkpoint, tmp_path, monkeypatch):
+    """No saved `bench bw` profile: the function the engine hands the planner measures pinned PCIe and the CPU
+    experts in the model's own expert format, once (memoized), on the real device."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="auto", **COMMON)
+    eng = llm.engine
+    measure = eng._measure_bandwidths(eng.runtime.store.fmt)
+    bw = measure()
+    assert bw.pcie_pinned_gbs > 0.1 and bw.cpu_expert_gbs > 0
+    assert measure() is bw
+    llm.engine.runtime.close()
