@@ -77,6 +77,8 @@ def measure_bandwidths(device: torch.device) -> dict:
         dst[i * chunk:(i + 1) * chunk].copy_(src[i * chunk:(i + 1) * chunk], non_blocking=True)
     torch.cuda.synchronize()
     out["pcie_gbs"] = 256 * chunk / (time.perf_counter() - t) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()  # the engine built next plans on the device's free memory
     return out
 
 
@@ -111,7 +113,7 @@ def replay_ms(llm, bs: int) -> float | None:
     rt = llm.engine.runtime
     if graphs is None or not rt.capturable() or graphs.owner != (id(rt), getattr(rt, "epoch", 0)):
         return None  # no graphs recorded for this runtime (old ones point at freed memory)
-    entries = [e for (b, _), e in graphs.entries.items() if b == bs and e.graph is not None]
+    entries = [e for (b, *_), e in graphs.entries.items() if b == bs and e.graph is not None]
     if not entries:
         return None
     g = entries[-1].graph
@@ -247,6 +249,8 @@ def main() -> None:
 
     cfg = TINY if args.tiny else QWEN36
     dev = torch.device(args.device)
+    bw = measure_bandwidths(dev)  # before any engine: a capped engine's allocator could not hold its buffers
+    print("bandwidths", json.dumps(bw), flush=True)
     t0 = time.perf_counter()
     first_backend = args.backends.split(",")[0]
     first_cap = float(args.caps.split(",")[0]) if dev.type == "cuda" and first_backend != "fused" else None
@@ -256,8 +260,6 @@ def main() -> None:
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.trace:
         force_routes(llm, args.trace, max(int(x) for x in args.batch.split(",")))
-    bw = measure_bandwidths(dev)
-    print("bandwidths", json.dumps(bw), flush=True)
     mc = llm.model_config
     store = llm.engine.runtime.store
     A = mc.top_k * mc.num_moe_layers * store.bytes_per_expert()

@@ -36,7 +36,7 @@ def load(args):
 
 def step_graph(llm):
     graphs = getattr(llm.engine, "graphs", None)
-    entries = [e for (b, _), e in (graphs.entries.items() if graphs else []) if b == 1 and e.graph is not None]
+    entries = [e for (b, *_), e in (graphs.entries.items() if graphs else []) if b == 1 and e.graph is not None]
     return entries[-1].graph if entries else None
 
 
