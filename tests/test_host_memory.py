@@ -57,6 +57,12 @@ def test_mapped_banks_pinned_for_a_gpu_are_copies_with_the_same_tokens(gguf_path
     store = llm.engine.runtime.store
     assert llm.engine.pinning["pinned_bytes"] == store.total_bytes()  # every layer page-locked...
     assert store.mapped_bytes == 0  # ...as a copy: cudaHostRegister needs writable pages
+    # exact-size copies registered in place, not blocks of torch's pinned host allocator (power-of-two sizes:
+    # 30 GiB page-locked for the 18.2 GiB of banks of the Qwen3.6-shaped Q4_K_M GGUF)
+    registered = set(store._registered)
+    for per_layer in store.banks.values():
+        for bank in per_layer.values():
+            assert bank.is_pinned() and bank.data_ptr() in registered
     prompts = [[5, 6, 7, 8], list(range(20, 45))]
     mapped = [o.token_ids for o in llm.generate(prompts, SP)]
     put_raw = ExpertStore.put_raw
