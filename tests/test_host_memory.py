@@ -146,3 +146,18 @@ def test_safetensors_pages_leave_rss_once_copied(tmp_path):
         assert torch.equal(tensors.get_tensor("w"), copy) and torch.equal(copy, w)  # read again from the file
         assert tensors.release("small") == 0  # no whole page inside it
 
+
+
+@pytest.mark.cuda
+def test_page_locked_zeros_are_exact_size_registered_memory():
+    """The prefix cache's pinned host tier: zeros page-locked in place, not a block of torch's pinned host allocator
+    (power-of-two blocks: up to twice the bytes asked)."""
+    from moestream.moe.store import page_locked_zeros
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    t = page_locked_zeros((3, 1000, 7), torch.float16)
+    assert t.shape == (3, 1000, 7) and t.is_pinned() and not t.any()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
+    d = t.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert not d.any()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core import MoestreamError
+from ..moe.store import page_locked_zeros
 
 
 class PagePool:
@@ -198,7 +199,8 @@ class HostPool:
         def like(t, n, per):  # n slots of `per` rows of t's layout along dim 1
             if t is None or n == 0:
                 return None
-            return torch.zeros((t.shape[0], n * per, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+            shape = (t.shape[0], n * per, *t.shape[2:])
+            return page_locked_zeros(shape, t.dtype) if pin else torch.zeros(shape, dtype=t.dtype)
 
         self.num_pages, self.num_snaps, self.page_size = num_pages, num_snaps, P
         self.k, self.v = like(kv.k, num_pages, P), like(kv.v, num_pages, P)

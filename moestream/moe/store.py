@@ -247,6 +247,16 @@ def _page_lock(t: torch.Tensor, registered: list[int], in_place: bool = True) ->
     return t.pin_memory()
 
 
+def page_locked_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in page-locked host memory of exactly their size (cudaHostRegister, unregistered when the tensor is
+    collected; torch's pinned allocator, whose blocks are powers of two, only where registering fails)."""
+    ptrs: list[int] = []
+    t = _page_lock(torch.zeros(shape, dtype=dtype), ptrs)
+    if ptrs:
+        weakref.finalize(t, _unregister, ptrs)
+    return t
+
+
 def _unregister(ptrs: list[int]) -> None:
     for p in ptrs:
         try:
