@@ -138,7 +138,7 @@ def check_case(case: str, device: str = "cpu") -> list[str]:
         y_wrong = grouped_moe(x.to(dev), ids.to(dev), w.to(dev), bank_d, wrong.to(dev), fmt)
         if not check(y_wrong, ref, dt, "wrong rows"):
             errs.append("rolled bank rows still pass the tolerance: the check cannot fail")
-    return errs + (check_wired_split(case, dev) if case in SPLIT else [])
+    return errs + (check_wired_split(case, dev) + check_device_prefill_same(case, dev) if case in SPLIT else [])
 
 
 def check_wired_split(case: str, dev: torch.device) -> list[str]:
@@ -157,6 +157,28 @@ def check_wired_split(case: str, dev: torch.device) -> list[str]:
         return ["grouped_partials did not write into pair_out"]
     partials.update(partial_outputs(x, w, groups, {e: refs[e] for e in groups.experts if e not in half}))
     return check(accumulate(x, groups, partials), reference(x.cpu(), ids.cpu(), w.cpu(), ref_w), x.dtype, "split")
+
+
+def check_device_prefill_same(case: str, dev: torch.device) -> list[str]:
+    """fused prefill's sync-free path (strategies.DeviceBankPrefill: grouped_moe, the route grouped on the device)
+    gives the grouped path's values bit for bit (RouteGroups on the host, grouped_partials, accumulate), with the
+    model's routing weights in the activations' dtype as the routers give them."""
+    from moestream.moe.compute import RouteGroups, WeightRef, accumulate, grouped_partials
+    from moestream.moe.grouped import grouped_moe
+
+    x, ids, w, bank, slot, fmt, _ = build_case(case)
+    x, ids, w = x.to(dev), ids.to(dev), w.to(dev).to(x.dtype)
+    bank = {n: a.to(dev) for n, a in bank.items()}
+    groups = RouteGroups.of(ids)
+    want = accumulate(x, groups, grouped_partials(x, w, groups, {e: WeightRef(bank, int(slot[e]), fmt)
+                                                                for e in groups.experts}))
+    got = grouped_moe(x, ids, w, bank, slot.to(dev), fmt, pair_dtype=torch.promote_types(x.dtype, w.dtype))
+    if not torch.equal(got, want):
+        return [f"device prefill path differs from the grouped path: max {float((got - want).abs().max()):.3e}"]
+    fp32 = grouped_moe(x, ids, w, bank, slot.to(dev), fmt)  # float32 pair outputs: a different rounding
+    if torch.equal(fp32, want):
+        return ["float32 pair outputs equal the bf16 ones: the comparison cannot tell the paths apart"]
+    return []
 
 
 # --------------------------------------------------------------------------- interpreter

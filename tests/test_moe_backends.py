@@ -391,3 +391,39 @@ def test_reading_a_bridged_steps_results_waits_asleep_first(tiny_checkpoint, fus
     busy = [x for x in log if x in ("end", "wait", "sleep", "finish")]
     assert busy[:4] == ["end", "wait", "sleep", "finish"]
     assert busy.count("wait") == busy.count("finish") == steps and log.count("sleep") >= steps
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_fused_device_prefill_wiring_and_counts(arch, tiny_checkpoint, monkeypatch):
+    """fused on the pair path prefills through strategies.DeviceBankPrefill: no host route, the call counted in
+    the pair path's device tensors. Its kernel (grouped_moe) runs on CUDA only and is held to the grouped path's
+    values bit for bit in tests/test_grouped.py; here, on the CPU, a torch twin of it stands in, and the tokens,
+    hits, expert calls and per-expert hits equal the grouped path's (the fallback this device takes)."""
+    from moestream.moe import strategies
+    from moestream.moe.compute import RouteGroups, WeightRef, accumulate, partial_outputs
+
+    prompts = [[5 + i for i in range(n)] for n in (4, 17, 30)]
+
+    def run():
+        llm = LLM(tiny_checkpoint(arch), moe_backend="fused", moe_decode_kernel="pairs", **COMMON)
+        rt = llm.engine.runtime
+        assert isinstance(rt.prefill, strategies.DeviceBankPrefill)
+        out = [o.token_ids for o in llm.generate(prompts, SP)]
+        t = llm.stats()["total"]
+        return out, {k: t[k] for k in ("hits", "expert_calls", "gpu_experts", "tokens", "routed")}, \
+            rt.cache.expert_hits()
+
+    want = run()  # CPU: every prefill call falls back to the grouped strategy
+    used = []
+
+    def twin(self, x, topk_ids, topk_w, bank, fmt):
+        used.append(topk_ids.shape[0])
+        groups = RouteGroups.of(topk_ids)
+        refs = {e: WeightRef(bank, e, fmt if fmt.quantized else None) for e in groups.experts}
+        return accumulate(x, groups, partial_outputs(x, topk_w, groups, refs))
+
+    monkeypatch.setattr(strategies, "device_prefill_ready", lambda x, bank, fmt: True)
+    monkeypatch.setattr(strategies.DeviceBankPrefill, "moe", twin)
+    got = run()
+    assert used and max(used) > 1  # prefill chunks took the device path
+    assert got == want

@@ -4,7 +4,9 @@ A runtime (moe/runtime.py) is a cache (moe/caches.py `CACHES`), a decode and a p
 (moe/strategies.py `DECODERS`, `PREFILLS`) and, for the grouped path, where the CPU computes (`PLACES`):
 
     backend  cache and decode                                     prefill              CPU computes
-    fused    none + pairs if pairs_wanted, else none + grouped    resident             nothing
+    fused    none + pairs if pairs_wanted, else none + grouped    resident (no host    nothing
+                                                                  sync on the pairs
+                                                                  path)
     offload  device + pairs if device_cache_wanted,               streamed with a      nothing
              else host + grouped                                  prefill buffer,
                                                                   else resident

@@ -172,18 +172,25 @@ class DeviceExperts:
 
 def grouped_ready(x: torch.Tensor, refs: dict[int, WeightRef]) -> bool:
     """Whether `grouped_partials` computes these refs: CUDA, Triton enabled, one bank and one format."""
+    first = next(iter(refs.values()))
+    if any(r.bank is not first.bank or r.fmt != first.fmt for r in refs.values()):
+        return False
+    return grouped_bank_ready(x, first.bank, first.fmt)
+
+
+def grouped_bank_ready(x: torch.Tensor, bank: dict, fmt) -> bool:
+    """Whether moe/grouped.py's kernels compute experts of `bank` (stored in `fmt`) for x: CUDA, Triton enabled."""
     if x.device.type != "cuda":
         return False
     from ..env import triton_enabled
 
-    first = next(iter(refs.values()))
-    if not triton_enabled() or any(r.bank is not first.bank or r.fmt != first.fmt for r in refs.values()):
+    if not triton_enabled():
         return False
     try:
         from . import grouped
     except ImportError:  # triton is optional
         return False
-    return grouped.bank_supported(first.bank, first.fmt, x)
+    return grouped.bank_supported(bank, fmt, x)
 
 
 def grouped_partials(x, topk_w, groups: RouteGroups, refs: dict[int, WeightRef]) -> dict:

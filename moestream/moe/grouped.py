@@ -321,14 +321,17 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, bank: dict,
-                rows: torch.Tensor, fmt: ExpertFormat | None = None) -> torch.Tensor:
+                rows: torch.Tensor, fmt: ExpertFormat | None = None,
+                pair_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [T, H] = sum_j topk_w[t, j] * mlp_{topk_ids[t, j]}(x[t]), every routed expert from `bank` row
-    rows[expert] (rows [E] on the device); the k pair outputs of a token are summed in k order in fp32."""
+    rows[expert] (rows [E] on the device); the k pair outputs of a token (held in pair_dtype: the runtime's
+    grouped path holds them in promote_types(x, topk_w), compute.grouped_partials) are summed in k order in fp32.
+    No host sync: the route is grouped on the device."""
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     pairs = torch.argsort(flat, stable=True)
     counts = torch.zeros(rows.numel(), dtype=torch.long, device=x.device)  # bincount would sync (its max)
     counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.long))
-    pair_out = torch.zeros((T * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    pair_out = torch.zeros((T * k, x.shape[1]), dtype=pair_dtype, device=x.device)
     grouped_pairs(x, topk_w, pairs, counts, rows.to(x.device), bank, fmt, scatter=True, out=pair_out)
     return pair_out.view(T, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
