@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--context", type=int, default=8)
     ap.add_argument("--gbs", type=float, default=26.0, help="read bandwidth for the bound column (GB/s)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype: float32 on CPU) or float16")
     args = ap.parse_args(argv)
     import cpu_vs_llama
     from moestream import LLM, SamplingParams
@@ -81,9 +82,11 @@ def main(argv=None) -> int:
     path = Path(args.model[5:]) if args.model.startswith("file:") else \
         cpu_vs_llama.write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf")[0]
     torch.set_num_threads(args.threads)
-    llm = LLM(str(path), device="cpu", moe_backend="cpu", moe_cpu_threads=args.threads, prefix_cache=False)
+    llm = LLM(str(path), device="cpu", moe_backend="cpu", moe_cpu_threads=args.threads, prefix_cache=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    prompt = list(range(10, 10 + args.context))
+    vocab = llm.model_config.vocab_size
+    prompt = [10 + i % (vocab - 10) for i in range(args.context)]  # any context length, ids in the vocabulary
     calls = []
     orig = cpu_decode.CpuDecodePlan.logits
 

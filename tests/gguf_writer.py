@@ -311,15 +311,16 @@ def _tokenizer(w: GGUFWriter, hf_dir: Path) -> None:
         w.add_string("tokenizer.chat_template", tmpl.read_text())
 
 
-def make_llama(out_dir: Path, seed: int = 0, max_position_embeddings: int = 256) -> Path:
-    """A tiny dense Llama (tied embeddings, like SmolLM2) in HF layout."""
+def make_llama(out_dir: Path, seed: int = 0, max_position_embeddings: int = 256, heads: int = 4, kv_heads: int = 2,
+               hidden: int = 64) -> Path:
+    """A tiny dense Llama (tied embeddings, like SmolLM2) in HF layout; head_dim = hidden / heads."""
     import transformers
     from moestream.demo_tokenizer import build_tokenizer
 
     out_dir = Path(out_dir)
     vocab = build_tokenizer(out_dir)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
                                    max_position_embeddings=max_position_embeddings,
                                    tie_word_embeddings=True, rope_theta=10000.0)
     torch.manual_seed(seed)

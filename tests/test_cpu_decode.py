@@ -94,18 +94,23 @@ def _both_paths(monkeypatch, diffs: list):
     monkeypatch.setattr(QwenMoeModel, "forward", both)
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16"])
-def test_long_context_attention_matches_the_per_op_path(kv, tmp_path, tiny_checkpoint, monkeypatch):
-    """Rows over more cached positions than one attention work item holds (decode.cpp ATT_CHUNK = 256: 420 and
+@pytest.mark.parametrize("kv,heads,kv_heads,hidden", [
+    ("auto", 4, 2, 64), ("float16", 4, 2, 64), ("auto", 4, 4, 64), ("auto", 6, 2, 48), ("float16", 6, 2, 48),
+    ("auto", 8, 2, 64), ("float16", 8, 2, 64), ("float16", 16, 2, 128), ("auto", 9, 1, 72), ("float16", 9, 1, 72)])
+def test_long_context_attention_matches_the_per_op_path(kv, heads, kv_heads, hidden, tmp_path, tiny_checkpoint,
+                                                        monkeypatch):
+    """Rows over more cached positions than one attention work item holds (decode.cpp ATT_CHUNK = 64: 420 and
     300 positions, split into chunks whose softmaxes are combined by their maxima) beside a short one: the
     compiled layer's logits equal the per-op path's at every step (a dense model: no router whose near-ties a
-    rounding difference could flip)."""
+    rounding difference could flip). Query heads per KV head 1 / 2 / 3 / 4 / 8 / 9 and head sizes 8 / 16 / 24 (the
+    AVX2 build's register-blocked groups, 16 or 8 value columns at once, and the plain loop beyond 8)."""
     import gguf_writer
     from gguf import GGMLQuantizationType as Q
 
     from moestream import LLM, SamplingParams
 
-    hf = gguf_writer.make_llama(tmp_path / "hf", max_position_embeddings=1024)
+    hf = gguf_writer.make_llama(tmp_path / "hf", max_position_embeddings=1024, heads=heads, kv_heads=kv_heads,
+                                hidden=hidden)
     path = gguf_writer.write_gguf(hf, tmp_path / "m.gguf", Q.Q8_0)[0]
     llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, kv_cache_dtype=kv)
     diffs = []

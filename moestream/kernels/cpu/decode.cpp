@@ -280,6 +280,114 @@ void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float
 #endif
 #pragma GCC pop_options
 
+#ifdef MS_DECODE_AVX2
+// 8 values of row `at` of a KV pool as float32 (a float16 pool widened in the register)
+template <bool F16>
+inline __m256 kv8(const void* pool, int64_t at) {
+  if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)pool + at)));
+  else return _mm256_loadu_ps((const float*)pool + at);
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// attend_chunk for a KV head's group of G query heads (G = nh / nkv <= 8), hd % 8 == 0, with the group's
+// accumulators in registers: each position's key row is read once into 8-lane partial dot products of all G heads
+// (fused multiply-adds, one horizontal sum a head and position), and each value row's 8 or 16 columns are added
+// to all G heads' outputs at once, the outputs staying in registers over the chunk's positions (the plain loop
+// loads and stores each head's output for every position). Summation order differs from `dot`'s (lanes, then
+// across them): the floats differ from the per-op path's by rounding (tests/test_cpu_decode.py bounds them).
+constexpr int64_t KV_AHEAD = 4;  // positions a key row is asked for before it is read
+
+template <int G, bool F16>
+void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc, const int64_t* idx,
+                  int64_t S, float scale, float* sc, float* o) {
+  const int64_t row_bytes = nkv * hd * (F16 ? 2 : 4);
+  for (int64_t s = 0; s < S; ++s) {  // positions in order, all kv heads of one together: the pool's row order
+    if (s + KV_AHEAD < S) {  // the key row KV_AHEAD positions on, asked for now (its page may be anywhere)
+      const char* nxt = (const char*)kc + idx[s + KV_AHEAD] * row_bytes;
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(nxt + b, _MM_HINT_T0);
+    }
+    for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+      const float* qg = q + kvh * G * hd;
+      float* scg = sc + kvh * G * S;
+      const int64_t at = (idx[s] * nkv + kvh) * hd;
+      __m256 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < hd; i += 8) {
+        const __m256 k = kv8<F16>(kc, at + i);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * hd + i), k, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) scg[g * S + s] = hsum8(acc[g]) * scale;
+    }
+  }
+}
+
+template <int G, bool F16>
+void accumulate_group(int64_t nkv, int64_t hd, const void* vc, const int64_t* idx, int64_t S, const float* sc,
+                      float* o) {
+  constexpr int W = G <= 4 ? 2 : 1;  // 8-column vectors per head held at once: 2G + 2 + 1 of 16 registers
+  const int64_t step = hd % (8 * W) == 0 ? 8 * W : 8;
+  for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+    const float* scg = sc + kvh * G * S;
+    for (int64_t i0 = 0; i0 < hd; i0 += step) {
+      const int w = (int)(step / 8);
+      __m256 acc[G][W];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < W; ++c) acc[g][c] = _mm256_setzero_ps();
+      for (int64_t s = 0; s < S; ++s) {
+        if (s + 4 * KV_AHEAD < S)
+          _mm_prefetch((const char*)vc + ((idx[s + 4 * KV_AHEAD] * nkv + kvh) * hd + i0) * (F16 ? 2 : 4), _MM_HINT_T0);
+        const int64_t at = (idx[s] * nkv + kvh) * hd + i0;
+        __m256 v[W];
+        for (int c = 0; c < W; ++c) v[c] = c < w ? kv8<F16>(vc, at + 8 * c) : _mm256_setzero_ps();
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scg + g * S + s);
+          for (int c = 0; c < W; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < w; ++c) _mm256_storeu_ps(o + (kvh * G + g) * hd + i0 + 8 * c, acc[g][c]);
+    }
+  }
+}
+
+template <int G>
+bool attend_blocked_g(bool f16, const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc,
+                      const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
+  if (f16) attend_group<G, true>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
+  else attend_group<G, false>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
+  for (int64_t h = 0; h < G * nkv; ++h) {
+    float* row = sc + h * S;
+    m[h] = *std::max_element(row, row + S);
+    l[h] = exp_sum(row, S, m[h]);
+  }
+  if (f16) accumulate_group<G, true>(nkv, hd, vc, idx, S, sc, o);
+  else accumulate_group<G, false>(nkv, hd, vc, idx, S, sc, o);
+  return true;
+}
+
+// the blocked chunk where it applies (AVX2 build, 1 <= nh / nkv <= 8, hd % 8 == 0); false: the caller's loop
+bool attend_blocked(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, bool f16,
+                    const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
+  if (nkv <= 0 || nh % nkv || hd % 8 || S <= 0) return false;
+  switch (nh / nkv) {
+    case 1: return attend_blocked_g<1>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 2: return attend_blocked_g<2>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 3: return attend_blocked_g<3>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 4: return attend_blocked_g<4>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 5: return attend_blocked_g<5>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 6: return attend_blocked_g<6>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 7: return attend_blocked_g<7>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 8: return attend_blocked_g<8>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    default: return false;
+  }
+}
+#endif
+
 // One chunk of a row's cached positions (slots idx [S]) for every query head: q [nh, hd] (head h reads kv head
 // h / grp of a float32 or float16 (f16) pool of nkv heads) -> per head the chunk's largest score m[h], the sum of
 // e^(score - m[h]) l[h] and the unnormalised output o[nh, hd] (sum of e^(score - m[h]) v). Positions are read in
@@ -287,6 +395,9 @@ void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float
 // can; a float16 row is widened once. sc: scratch [nh, S].
 void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, bool f16,
                   const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
+#ifdef MS_DECODE_AVX2
+  if (attend_blocked(q, nh, nkv, hd, kc, vc, f16, idx, S, scale, sc, m, l, o)) return;
+#endif
   const int64_t grp = nh / nkv;
   std::vector<float> tmp(8 * hd);
   int64_t s = 0;
