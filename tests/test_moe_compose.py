@@ -10,7 +10,8 @@ from moestream.moe.backends import Composition
 from moestream.moe.caches import BankExperts, DeviceSlots, HostSlots
 from moestream.moe.formats import dense_format
 from moestream.moe.store import ExpertStore
-from moestream.moe.strategies import BridgeDecode, GroupedDecode, MissSplit, OnCpu, OnDevice, PairsDecode, StreamedPrefill
+from moestream.moe.strategies import (BridgeDecode, DeviceBankPrefill, GroupedDecode, MissSplit, OnCpu, OnDevice,
+                                      PairsDecode, StreamedPrefill)
 
 CPU = torch.device("cpu")
 PAIRS = {"decode_kernel": "pairs"}
@@ -64,9 +65,13 @@ def test_the_factory_composes_each_backend(backend, kw, want):
         assert type(rt.cache) is CACHE_TYPES[comp.cache] and type(rt.decode) is DECODE_TYPES[comp.decode]
         if comp.prefill == "streamed":
             assert type(rt.prefill) is StreamedPrefill
+        elif (comp.cache, comp.decode) == ("none", "pairs"):  # fused on the pair path: the device route, which
+            # falls back to a grouped strategy of its own (not the decode one) where its kernels cannot run
+            assert type(rt.prefill) is DeviceBankPrefill and type(rt.prefill.fallback) is GroupedDecode
+            assert rt.prefill.fallback is not rt.decode and rt.prefill.cache is rt.cache
         else:  # resident: the grouped computation, the decode strategy itself when that is grouped
             assert type(rt.prefill) is GroupedDecode and (rt.prefill is rt.decode) == (comp.decode == "grouped")
-        for strategy in (rt.decode, rt.prefill):
+        for strategy in (rt.decode, rt.prefill, getattr(rt.prefill, "fallback", None)):
             if isinstance(strategy, GroupedDecode):
                 assert type(strategy.place) is PLACE_TYPES[comp.cpu]
         assert rt.capturable() == (comp.decode != "grouped")
