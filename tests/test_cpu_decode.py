@@ -97,6 +97,8 @@ def _both_paths(monkeypatch, diffs: list):
 @pytest.mark.parametrize("kv,heads,kv_heads,hidden", [
     ("auto", 4, 2, 64), ("float16", 4, 2, 64), ("auto", 4, 4, 64), ("auto", 6, 2, 48), ("float16", 6, 2, 48),
     ("auto", 8, 2, 64), ("float16", 8, 2, 64), ("float16", 16, 2, 128), ("auto", 9, 1, 72), ("float16", 9, 1, 72)])
+# (float16 4/4/64 and float32 16/2/128 are left out: there one step's 2e-7 upstream difference moves a Q8_0 int8
+# activation across a rounding boundary, 2.5e-3 in the logits; with F16 weights 2e-7 — benchmarks/RESULTS.md)
 def test_long_context_attention_matches_the_per_op_path(kv, heads, kv_heads, hidden, tmp_path, tiny_checkpoint,
                                                         monkeypatch):
     """Rows over more cached positions than one attention work item holds (decode.cpp ATT_CHUNK = 64: 420 and
