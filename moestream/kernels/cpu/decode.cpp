@@ -300,7 +300,7 @@ inline float hsum8(__m256 v) {
 // to all G heads' outputs at once, the outputs staying in registers over the chunk's positions (the plain loop
 // loads and stores each head's output for every position). Summation order differs from `dot`'s (lanes, then
 // across them): the floats differ from the per-op path's by rounding (tests/test_cpu_decode.py bounds them).
-constexpr int64_t KV_AHEAD = 4;  // positions a key row is asked for before it is read
+constexpr int64_t KV_AHEAD = 4;  // positions a key row (into L1) and its value row (into L2) are asked for ahead
 
 template <int G, bool F16>
 void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc, const int64_t* idx,
@@ -310,6 +310,8 @@ void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const
     if (s + KV_AHEAD < S) {  // the key row KV_AHEAD positions on, asked for now (its page may be anywhere)
       const char* nxt = (const char*)kc + idx[s + KV_AHEAD] * row_bytes;
       for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(nxt + b, _MM_HINT_T0);
+      const char* vn = (const char*)vc + idx[s + KV_AHEAD] * row_bytes;  // its value row too, for the second pass
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(vn + b, _MM_HINT_T1);
     }
     for (int64_t kvh = 0; kvh < nkv; ++kvh) {
       const float* qg = q + kvh * G * hd;
