@@ -422,7 +422,7 @@ def test_fused_device_prefill_wiring_and_counts(arch, tiny_checkpoint, monkeypat
         refs = {e: WeightRef(bank, e, fmt if fmt.quantized else None) for e in groups.experts}
         return accumulate(x, groups, partial_outputs(x, topk_w, groups, refs))
 
-    monkeypatch.setattr(strategies, "device_prefill_ready", lambda x, bank, fmt: True)
+    monkeypatch.setattr(strategies, "grouped_bank_ready", lambda x, bank, fmt: True)
     monkeypatch.setattr(strategies.DeviceBankPrefill, "moe", twin)
     got = run()
     assert used and max(used) > 1  # prefill chunks took the device path

@@ -27,6 +27,7 @@ from ..core import ConfigError
 from ..hardware import device_name, physical_cores
 from .compute import CpuExperts, DeviceExperts, RouteGroups, WeightRef
 from .formats import PROJS, ExpertFormat, HFExpertFormat, dense_format, gguf_expert_format, hf_expert_format
+from .store import page_locked_zeros
 
 log = logging.getLogger("moestream.bench")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -75,7 +76,9 @@ def host_read_gbs(mib: int, iters: int) -> float:
 
 def h2d_gbs(bank: dict, experts: int, device: torch.device, pinned: bool, iters: int) -> float:
     """Copy `experts` expert rows, one copy per array per expert, as the offload miss path does."""
-    src = {k: (v.pin_memory() if pinned else v) for k, v in bank.items()}
+    # page-locked at exactly their size (store.page_locked_zeros), not blocks of torch's pinned host allocator, which
+    # rounds to powers of two and keeps them for the process: the engine's load-time probe runs this too
+    src = {k: (page_locked_zeros(v.shape, v.dtype).copy_(v) if pinned else v) for k, v in bank.items()}
     dst = {k: torch.empty_like(v, device=device) for k, v in bank.items()}
 
     def run():

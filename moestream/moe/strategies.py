@@ -521,7 +521,7 @@ class DeviceBankPrefill(Strategy):
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         store = self.ctx.store
         bank, fmt = store.bank(layer), store.fmt.for_layer(layer)
-        if not device_prefill_ready(x, bank, fmt):
+        if not grouped_bank_ready(x, bank, fmt):
             return self.fallback.forward(layer, x, topk_ids, topk_w)
         count_pairs(self.ctx.book, layer, topk_ids)
         self.cache.pair_rows(layer, x, topk_ids)  # hits, expert calls, GPU experts: the call's distinct experts
@@ -540,11 +540,6 @@ class DeviceBankPrefill(Strategy):
 
     def end_step(self, decode: bool) -> None:
         self.fallback.end_step(decode)
-
-
-def device_prefill_ready(x, bank: dict, fmt) -> bool:
-    """Whether DeviceBankPrefill computes this layer call on the device (compute.grouped_bank_ready)."""
-    return grouped_bank_ready(x, bank, fmt)
 
 
 def resident_prefill(ctx, comp, cache, host, decode):
