@@ -4,6 +4,7 @@ Run on the GPU machine (device tool), from the repo root:
     PYTHONPATH=$PWD python3 benchmarks/decode_sweep.py --out $OUT/sweep.json
 Local smoke test of the same code path on CPU with a tiny shape:
     python benchmarks/decode_sweep.py --tiny --device cpu
+`--model FILE` measures a checkpoint (e.g. the Qwen3.6-shaped Q4_K_M GGUF) instead of random bf16 weights.
 Under routing locality (random weights route uniformly): `--trace synthetic:qwen36` (a preset of
 moe/synth.py made for this model's shape, one stream per request) or `--trace FILE` (a recorded trace of a
 model of this shape): every decode step's top-k ids are forced from the trace (moe/trace.py RouteForcer).
@@ -227,6 +228,7 @@ def force_routes(llm, spec: str, streams: int, tokens: int = 1024, rows_per_requ
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--model", help="a checkpoint (e.g. the Qwen3.6-shaped Q4_K_M GGUF) instead of random bf16 weights")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--caps", default="24,12,8")
     ap.add_argument("--backends", default="offload,hybrid,cpu")
@@ -254,7 +256,7 @@ def main() -> None:
     t0 = time.perf_counter()
     first_backend = args.backends.split(",")[0]
     first_cap = float(args.caps.split(",")[0]) if dev.type == "cuda" and first_backend != "fused" else None
-    llm = LLM(cfg, device=args.device, dtype="bfloat16", moe_backend=first_backend, gpu_memory_gb=first_cap,
+    llm = LLM(args.model or cfg, device=args.device, **({} if args.model else {"dtype": "bfloat16"}), moe_backend=first_backend, gpu_memory_gb=first_cap,
               max_running_requests=6, num_tokens=32768, chunked_prefill_size=2048, max_seq_len_override=8192,
               cuda_graphs=not args.eager, moe_decode_kernel=args.decode_kernel, moe_cache_policy=args.cache_policy)
     print(f"built model in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -265,7 +267,7 @@ def main() -> None:
     A = mc.top_k * mc.num_moe_layers * store.bytes_per_expert()
     embed = mc.vocab_size * mc.hidden_size * 2
     D = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) - embed
-    results = {"date": time.strftime("%Y-%m-%d"), "bandwidths": bw, "A_bytes": A, "D_bytes": D,
+    results = {"date": time.strftime("%Y-%m-%d"), "model": args.model or "random bf16", "bandwidths": bw, "A_bytes": A, "D_bytes": D,
                "trace": args.trace, "cache_policy": args.cache_policy,
                "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": []}
     threads = [int(x) for x in args.cpu_threads.split(",")]

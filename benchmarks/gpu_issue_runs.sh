@@ -2,7 +2,7 @@
 # Device call (kind nvidia-h200, carry [".peer", ".whl"]): the GPU figures of the memory, prefix-cache and MTP issues,
 # phase by phase, each under its own time limit, into $OUT. Meant to follow benchmarks/gpu_vs_llama.sh with KEEP_GGUF=1
 # on the same warm machine (the Q4_K_M file stays in /dev/shm), or to run alone (the file is written when missing).
-#   PHASES   comma list, in order [edge,replay,mtp,tests]
+#   PHASES   comma list, in order [edge,replay,mtp,tests]; also locality, ppprof, dprof
 #   edge     issue 17: benchmarks/edge_memory.py on the Qwen3.6-shaped Q4_K_M GGUF at CAPS [4,8,12,24], PROMPT [32768]
 #            tokens, BACKEND [offload], EDGE_CAP_S [300] a cap (a 32k prompt at 4 GiB needs ~140 s of prefill), EDGE_S [560]
 #            -> $OUT/edge_memory.{json,md,log}
@@ -16,9 +16,11 @@
 #            from MTP_TRACE [synthetic:qwen36] (empty: the random router's) -> $OUT/mtp.{json,log}
 #   locality issue 18: benchmarks/decode_sweep.py (random bf16 Qwen3.6 shape) at LOC_CAPS [12,24], LOC_BACKENDS [offload],
 #            batch 1 / 4 / 6, routing forced from LOC_TRACE [synthetic:qwen36] (empty: the random router's, uniform)
-#            -> $OUT/locality.{json,log}: batch-4 aggregate / batch 1 under locality
+#            -> $OUT/locality.{json,log}: batch-4 aggregate / batch 1 under locality; LOC_GGUF=1: on the GGUF file instead
 #   ppprof   issue 13: benchmarks/step_profile.py --prefill PROF_TOKENS [512] on that file, PROF_BACKEND [fused]
 #            (PROF_GB: a cap) -> $OUT/prefill_profile.{json,log}: kernels by GPU time, host ops by CPU time
+#   dprof    issue 13: benchmarks/step_profile.py (one recorded batch-1 decode step replayed, kernel by kernel) on that
+#            file for each BACKEND@GIB of DPROF [fused@0] (0: no cap) -> $OUT/decode_profile_BACKEND_GIB.{json,log}
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
 MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
@@ -59,7 +61,8 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
         --new-tokens 48 ${MTP_TRACE:+--trace "$MTP_TRACE"} --out "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.log"
       ;;
     locality)
-      timeout "${LOC_S:-420}" python3 benchmarks/decode_sweep.py --caps "${LOC_CAPS:-12,24}" \
+      [ -n "${LOC_GGUF:-}" ] && need_file
+      timeout "${LOC_S:-420}" python3 benchmarks/decode_sweep.py ${LOC_GGUF:+--model "$F"} --caps "${LOC_CAPS:-12,24}" \
         --backends "${LOC_BACKENDS:-offload}" --batch 1,4,6 --no-fused --prefill 256 --new-tokens 48 \
         ${LOC_TRACE:+--trace "$LOC_TRACE"} --out "$OUT/locality.json" 2>&1 | tee "$OUT/locality.log"
       ;;
@@ -68,6 +71,15 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       timeout "${PROF_S:-240}" python3 benchmarks/step_profile.py --model "$F" --backend "${PROF_BACKEND:-fused}" \
         --prefill "${PROF_TOKENS:-512}" ${PROF_GB:+--gpu-memory-gb "$PROF_GB"} --out "$OUT/prefill_profile.json" \
         2>&1 | tee "$OUT/prefill_profile.log"
+      ;;
+    dprof)
+      need_file
+      for C in $(echo "${DPROF:-fused@0}" | tr , ' '); do
+        B=${C%@*}; G=${C#*@}
+        timeout "${DPROF_S:-120}" python3 benchmarks/step_profile.py --model "$F" --backend "$B" \
+          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --out "$OUT/decode_profile_${B}_$G.json" \
+          2>&1 | tee "$OUT/decode_profile_${B}_$G.log" | tail -45
+      done
       ;;
     tests)
       TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh
