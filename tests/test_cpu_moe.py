@@ -612,12 +612,88 @@ def test_fp4_layer_call_matches_float64_model(name, force_scalar):
     assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I and arrays is None
 
 
-def test_fp4_expert_ptrs_check_the_bank():
-    """A part's rows shorter than the format's bytes, or an expert outside the bank, are refused before C reads
-    them; an HF format the layer call lacks (FP8, or H not a multiple of 32) is not offered to it."""
+# ---- HF FP8 experts in the layer call: e4m3 codes and float32 scales per block / row / matrix ----------------------
+def _fp8_bank(qfmt, seed: int = 0):
+    """(bank {proj.part: uint8 [E, bytes]}, its HFExpertFormat, float64 {proj: [E, n, k]}) of random FP8 experts."""
+    from moestream.moe.formats import hf_expert_format
+    from moestream.quant.synthetic import random_raw
+
+    bank, dtypes, dense = {}, {}, {}
+    for j, (proj, (n, k)) in enumerate(zip(("gate", "up", "down"), SHAPES)):
+        raws = [random_raw(qfmt, (n, k), seed=10 * (seed + j) + e) for e in range(E)]
+        dense[proj] = torch.stack([qfmt.dequantize(r, (n, k), torch.float64) for r in raws])
+        for part in raws[0]:
+            dtypes[f"{proj}.{part}"] = raws[0][part].dtype
+            bank[f"{proj}.{part}"] = torch.stack([r[part].contiguous().reshape(-1).view(torch.uint8) for r in raws])
+    return bank, hf_expert_format(qfmt, dtypes, H, I), dense
+
+
+def _fp8_formats():
+    from moestream.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, fp8_block_format
+
+    # 128 x 128 blocks (Qwen3 / DeepSeek FP8), blocks that do not divide I = 256 rows / H = 512 columns evenly
+    # (96 x 80: partial last blocks, 80 not a multiple of 16: the scalar tail), a scale per row, one per matrix
+    return {"block": FP8_BLOCK, "block_96x80": fp8_block_format((96, 80)), "channel": FP8_CHANNEL, "tensor": FP8_TENSOR}
+
+
+@pytest.mark.parametrize("force_scalar", [False, True])
+@pytest.mark.parametrize("mode", ["block", "block_96x80", "channel", "tensor"])
+def test_fp8_layer_call_matches_float64_model(mode, force_scalar):
+    """HF FP8 experts through one layer call (a descriptor of codes, scales and scale layout per matrix): float32
+    activations, so the float64 MLP of the dequantized experts to float32 accumulation error; cpu_moe.run, the
+    bridge's LayerCall and the CPU decode plan's table read the same descriptors."""
+    from moestream.moe import cpu_moe
+
+    bank, fmt, dense = _fp8_bank(_fp8_formats()[mode])
+    assert cpu_moe.kernel_types(fmt) == ("fp8",) * 3
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    w = np.random.default_rng(2).random(5).astype(np.float32)
+    ptrs, types, inter, _ = cpu_moe.expert_ptrs(bank, fmt, EXPERTS)
+    out = torch.full((5, H), float("nan"))
+    y = cpu_quant.moe_layer(x, ptrs, types, STARTS, ROWS, w, DST, out, inter, force_scalar=force_scalar).double()
+    for g in range(3):
+        e = EXPERTS[g]
+        wg, wu, wd = (dense[p][e] for p in ("gate", "up", "down"))
+        for p in range(STARTS[g], STARTS[g + 1]):
+            xr = x[ROWS[p]:ROWS[p] + 1].double()
+            true = reference(xr, wg, wu, wd)[0] * float(w[p])
+            # float32 sums of K terms: within ~K * 2^-24 of |terms|, through gate/up into h and then down
+            h = swiglu(xr @ wg.T, xr @ wu.T)
+            scale = ((h.abs() + 1e-3 * (xr.abs() @ (wg.abs() + wu.abs()).T)) @ wd.abs().T)[0] * float(w[p])
+            err = (y[DST[p]] - true).abs()
+            assert (err <= 1e-4 * scale + 1e-30).all(), (mode, p, (err / scale).max().item())
+            assert ((y[DST[p]] - true).norm() / true.norm()).item() < 1e-5
+    if force_scalar:
+        return
+    order = np.argsort(EXPERTS, kind="stable")
+    experts = EXPERTS[order].astype(np.int64)
+    counts = np.diff(STARTS)[order]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pairs = np.concatenate([np.arange(STARTS[g], STARTS[g + 1]) for g in order])
+    rows, dst, pw = ROWS[pairs].astype(np.int64), DST[pairs].astype(np.int64), w[pairs]
+    via_run = cpu_moe.run(x, bank, fmt, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    via_call = cpu_moe.LayerCall(bank, fmt, x.dtype)(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    assert torch.equal(via_run, out) and torch.equal(via_call, out)
+    table, tids, inter_t, arrays = cpu_moe.layer_table(bank, fmt)
+    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES["fp8"],) * 3 and inter_t == I and arrays is None
+
+
+def test_fp8_bf16_scales_stay_off_the_layer_call():
+    """The layer call reads float32 scales only: an FP8 checkpoint with bf16 scales keeps the per-matrix path."""
     from moestream.moe import cpu_moe
     from moestream.moe.formats import hf_expert_format
     from moestream.quant import FP8_BLOCK
+
+    dtypes = {f"{p}.{part}": dt for p in ("gate", "up", "down")
+              for part, dt in (("weight", torch.float8_e4m3fn), ("weight_scale_inv", torch.bfloat16))}
+    assert cpu_moe.kernel_types(hf_expert_format(FP8_BLOCK, dtypes, H, I)) is None
+
+
+def test_fp4_expert_ptrs_check_the_bank():
+    """A part's rows shorter than the format's bytes, or an expert outside the bank, are refused before C reads
+    them; an HF FP4 format the layer call lacks (H not a multiple of 32) is not offered to it."""
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import hf_expert_format
 
     bank, fmt, _ = _fp4_bank("nvfp4")
     with pytest.raises(IndexError):
@@ -625,9 +701,6 @@ def test_fp4_expert_ptrs_check_the_bank():
     short = {**bank, "down.weight_scale": bank["down.weight_scale"][:, :-1]}
     with pytest.raises(ValueError, match="down.weight_scale"):
         cpu_moe.expert_ptrs(short, fmt, np.array([0]))
-    fp8 = {f"{p}.{part}": dt for p in ("gate", "up", "down")
-           for part, dt in (("weight", torch.float8_e4m3fn), ("weight_scale_inv", torch.float32))}
-    assert cpu_moe.kernel_types(hf_expert_format(FP8_BLOCK, fp8, H, I)) is None
     odd = hf_expert_format(fmt.qfmt, dict(fmt.parts), H, 48)  # I = 48: NVFP4's 16-blocks, not the kernels' 32
     assert cpu_moe.kernel_types(odd) is None
 

@@ -271,7 +271,7 @@ def test_compressed_experts_every_backend(case, quantized, monkeypatch):
 
 
 def _fp4_kernel_calls(llm, counts: dict, tid: int) -> int:
-    """Compiled HF FP4 expert computations of a run: layer calls (counted by the wrappers of
+    """Compiled HF FP4 (or FP8: tid) expert computations of a run: layer calls (counted by the wrappers of
     _count_fp4_calls) plus the CPU decode plan's steps when its MoE blocks hold FP4 expert tables."""
     from moestream.models.cpu_decode import M
 
@@ -299,6 +299,27 @@ def _count_fp4_calls(monkeypatch, tid: int) -> dict:
 
         monkeypatch.setattr(cpu_quant, name, wrapped)
     return counts
+
+
+@pytest.mark.parametrize("case", [c for c, (_, scheme, _) in CASES.items() if scheme in ("fp8_block", "modelopt_fp8")])
+def test_fp8_experts_take_the_cpu_layer_call(case, quantized, monkeypatch):
+    """FP8 experts with float32 scales (block and per-tensor) on the CPU run through the compiled layer call (type
+    "fp8": one call a layer, float32 activations, not a torch dequantization a matrix) on every backend that computes
+    experts on this CPU, and give the oracle's tokens exactly: the CPU decode plan's one-call MoE blocks (fused, cpu),
+    the layer call (offload, hybrid), the CPU bridge (pairs)."""
+    from moestream.kernels import cpu_quant
+
+    qdir, refdir, _ = quantized(case)
+    tid = cpu_quant.HF_TYPES["fp8"]
+    want = _tokens(LLM(refdir, moe_backend="fused", **COMMON))
+    counts = _count_fp4_calls(monkeypatch, tid)
+    for backend, kw in BACKENDS:
+        for k in counts:
+            counts[k] = 0
+        llm = LLM(qdir, moe_backend=backend, **COMMON, **kw)
+        assert _tokens(llm) == want, (backend, kw)
+        assert _fp4_kernel_calls(llm, counts, tid) > 0, (backend, kw)  # the compiled FP8 layer call ran
+        llm.engine.runtime.close()
 
 
 @pytest.mark.parametrize("case", FP4_CASES)

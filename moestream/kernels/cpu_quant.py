@@ -16,8 +16,9 @@ levels, doubled e2m1 values) are looked up with one byte shuffle per 32 values; 
 data, handed to the library at load from the gguf package's table (without that package IQ3_S is refused
 by the C side and stays on the torch decoders, like every IQ3_S tensor).
 
-HF FP8 (``fp8_matmul``; quant/base.qlinear's CPU path for fp8_block / fp8_channel / fp8_tensor weights of up
-to CPU_FLOAT_KERNEL_MAX_ROWS rows, per expert matrix; not part of ``moe_layer``): the e4m3 bytes are decoded in
+HF FP8 (``fp8_matmul``: quant/base.qlinear's CPU path for fp8_block / fp8_channel / fp8_tensor weights of up
+to CPU_FLOAT_KERNEL_MAX_ROWS rows; and ``moe_layer``, type "fp8", each matrix a descriptor ``fp8_descriptors``): the
+e4m3 bytes are decoded in
 registers (AVX2: moved into a half's bits and converted by F16C) and multiply float32 activations, one float32
 partial sum per scale block times its scale.
 
@@ -74,7 +75,7 @@ log = logging.getLogger("moestream")
 TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
          "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # HF safetensors formats the kernels read (moestream.quant format names -> the C side's ids; not ggml ids)
-HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002}
+HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002, "fp8": 1003}
 # The library's own layouts: Q4_K / Q4_0 / Q4_1 / Q6_K with 8 rows interleaved (repack_x8), type id and bytes per row of K
 X8_TYPES = {"Q4_K": (1012, lambda k: k // 256 * 148), "Q4_0": (1013, lambda k: k // 32 * 18),
             "Q4_1": (1014, lambda k: k // 32 * 20), "Q6_K": (1015, lambda k: k // 256 * 210)}
@@ -367,8 +368,8 @@ def moe_layer(x: torch.Tensor, wptr: np.ndarray, types: tuple[str, str, str], st
     x [nx, H] float32/bf16/f16 (contiguous); G experts with pairs grouped by expert: group g is pairs
     ``starts[g]:starts[g+1]``; pair p reads x row ``rows[p]`` and writes ``out[dst[p]]`` (out: float32 [n, H],
     rows contiguous). ``wptr`` int64 [G, 3]: addresses of expert g's gate [I, H], up [I, H], down [H, I]
-    bytes (ggml ``types``, each matrix's rows contiguous; an HF FP4 type (HF_TYPES): the address of the
-    matrix's descriptor, ``fp4_descriptors``). Per pair: ``out = w * down(round(silu(gate x) *
+    bytes (ggml ``types``, each matrix's rows contiguous; an HF type (HF_TYPES): the address of the
+    matrix's descriptor, ``fp4_descriptors`` / ``fp8_descriptors``). Per pair: ``out = w * down(round(silu(gate x) *
     up x))`` with float32 matmul outputs, h rounded to ``h_dtype`` (the pair kernels' semantics; round_mm:
     every matmul output rounded too, PairMlp's dense semantics); ``weights`` float32 [P] or None (1).
     The caller keeps the weight bytes alive and sized; the rest is checked here or in C."""
@@ -530,6 +531,16 @@ def fp4_descriptors(codes: np.ndarray, scales: np.ndarray, global_scales: np.nda
     codes = np.asarray(codes, dtype=np.int64)
     g = np.zeros_like(codes) if global_scales is None else np.asarray(global_scales, dtype=np.int64)
     return np.ascontiguousarray(np.stack([codes, np.asarray(scales, dtype=np.int64), g], -1))
+
+
+def fp8_descriptors(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int], scale_stride: int) -> np.ndarray:
+    """Descriptors of HF FP8 matrices for ``moe_layer``'s wptr: int64 [..., 5] (each matrix's code bytes and float32
+    scales, then the scale layout as ``fp8_matmul`` takes it: block rows, block columns, scales per scale row;
+    qmatmul.cpp's FP8Desc; rows contiguous). The caller passes ``descriptors.ctypes.data + 40 * index`` and keeps
+    the array alive while it is used."""
+    codes = np.asarray(codes, dtype=np.int64)
+    lay = np.broadcast_to(np.array([block[0], block[1], scale_stride], dtype=np.int64), (*codes.shape, 3))
+    return np.ascontiguousarray(np.concatenate([np.stack([codes, np.asarray(scales, dtype=np.int64)], -1), lay], -1))
 
 
 def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=None,

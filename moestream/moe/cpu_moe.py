@@ -3,9 +3,9 @@
 Every CPU path of a layer call goes through here when the compiled kernels are built and the layer's
 experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 or the
 codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_K_M's Q6_K down), HF
-safetensors NVFP4 / MXFP4 experts (H and I multiples of 32; each matrix passed as a descriptor of its parts'
-addresses, built here and kept alive with the address table), and dense bf16/f16 banks (the bridge's
-PairMlp). HF FP8 experts are not here (per-matrix qlinear: quant/base.py). Callers:
+safetensors NVFP4 / MXFP4 experts (H and I multiples of 32) and FP8 experts (e4m3 with float32 scales per
+block, row or matrix; float32 activations), each matrix passed as a descriptor of its parts' addresses, built
+here and kept alive with the address table, and dense bf16/f16 banks (the bridge's PairMlp). Callers:
 
 - `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
   any row count (a prefill chunk's experts as a decode step's, as qlinear does);
@@ -36,9 +36,13 @@ FP4_PARTS = {"nvfp4": ("weight", "weight_scale", "weight_scale_2"), "mxfp4": ("b
 @lru_cache(maxsize=None)
 def kernel_types(fmt) -> tuple[str, str, str] | None:
     """(gate, up, down) type names if the compiled kernel reads this layer format, else None: GGUF type names, or
-    an HF FP4 format's name ("nvfp4" / "mxfp4", cpu_quant.HF_TYPES) three times."""
+    an HF format's name ("nvfp4" / "mxfp4" / "fp8", cpu_quant.HF_TYPES) three times."""
     from ..kernels.cpu_quant import supports
+    from ..quant.fp_formats import FP8Format
 
+    if isinstance(fmt, HFExpertFormat) and isinstance(fmt.qfmt, FP8Format):
+        scale = fmt.qfmt.parts[1].name  # the kernel reads float32 scales
+        return ("fp8",) * 3 if all(dt == torch.float32 for a, dt in fmt.parts if a.endswith("." + scale)) else None
     if isinstance(fmt, HFExpertFormat):
         name = getattr(fmt.qfmt, "name", None)
         if name not in FP4_PARTS or fmt.hidden % 32 or fmt.inter % 32:
@@ -123,6 +127,38 @@ def _fp4_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -
     return ptrs
 
 
+def _fp8_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -> np.ndarray:
+    """expert_ptrs' addresses [G, 3] for HF FP8 experts: each the address of a descriptor (cpu_quant.fp8_descriptors:
+    the matrix's codes, scales and their layout) held in the same buffer as the addresses (see _fp4_ptrs)."""
+    from ..kernels.cpu_quant import fp8_descriptors
+
+    q, sizes, logical = fmt.qfmt, fmt.shapes(fmt.hidden, fmt.inter), fmt.logical(fmt.hidden, fmt.inter)
+    scale = q.parts[1].name
+    G = len(experts)
+    descs = []
+    for proj in GGUF_PROJS:
+        n, k = logical[proj]
+        if q.mode == "block":  # [ceil(n / bn), ceil(k / bk)] per expert
+            block, stride = q.block, -(-k // q.block[1])
+        elif q.mode == "channel":
+            block, stride = (1, k), 1
+        else:
+            block, stride = (n, k), 0
+        addr = []
+        for part in ("weight", scale):
+            a, nb = bank[f"{proj}.{part}"], sizes[f"{proj}.{part}"][0]
+            if a.device.type != "cpu" or _row_bytes(a) < nb:
+                raise ValueError(f"expert array {proj}.{part}: CPU rows of at least {nb} contiguous bytes needed")
+            addr.append(a.data_ptr() + experts * (a.stride(0) * a.element_size()))
+        descs.append(fp8_descriptors(addr[0], addr[1], block, stride))  # [G, 5]
+    desc = np.stack(descs, 1)  # [G, 3, 5]
+    buf = np.empty(3 * G + desc.size, dtype=np.int64)
+    buf[3 * G:] = desc.reshape(-1)
+    ptrs = buf[:3 * G].reshape(G, 3)
+    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 40 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 5 int64
+    return ptrs
+
+
 _X8_ATTR = "_moestream_x8"  # on a bank tensor: (its address then, the interleaved copy, the copy's type name, bytes)
 
 
@@ -151,7 +187,8 @@ def expert_ptrs(bank: dict, fmt, experts: np.ndarray) -> tuple[np.ndarray, tuple
         n = min(a.shape[0] for a in bank.values())
         if len(experts) and (experts.min() < 0 or experts.max() >= n):
             raise IndexError(f"expert rows {experts.min()}..{experts.max()} outside a bank of {n}")
-        return _fp4_ptrs(bank, fmt, experts, types[0]), types, fmt.inter, False
+        ptrs = (_fp8_ptrs if types[0] == "fp8" else _fp4_ptrs)(bank, fmt, experts, types[0])
+        return ptrs, types, fmt.inter, False
     if fmt is not None and fmt.quantized:
         types, I, need = _gguf_layout(fmt)
         arrays = [bank[p] for p in GGUF_PROJS]

@@ -237,7 +237,7 @@ enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8
                  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23,
                  T_BF16 = 30, T_MXFP4 = 39 };
 // HF safetensors formats the kernels read (not ggml ids; cpu_quant.HF_TYPES): codes and scales in separate arrays
-enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002 };
+enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002, T_HF_FP8 = 1003 };
 // This library's own layouts (not ggml ids): Q4_K, Q4_0 and Q4_1 with 8 rows interleaved (ms_repack_x8, the
 // "8 rows interleaved" section)
 enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014, T_Q6_K8 = 1015 };
@@ -245,6 +245,7 @@ inline bool is_x8_type(int64_t type) {
   return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8 || type == T_Q6_K8;
 }
 inline bool is_hf_fp4(int64_t type) { return type == T_HF_NVFP4 || type == T_HF_MXFP4; }
+inline bool is_hf_fp8(int64_t type) { return type == T_HF_FP8; }
 
 // Non-linear 4-bit codebooks (format constants, as int8): the IQ4_NL / IQ4_XS levels, and the e2m1 values
 // doubled (MXFP4; its block scale is then half the e8m0 scale, e8m0_half).
@@ -1070,6 +1071,7 @@ struct Mat {
   const uint8_t* s = nullptr;
   int64_t ss = 0;
   float g = 1.f;
+  int64_t bn = 1, bk = 1;  // HF FP8: a float32 scale per bn rows x bk columns, ss scales per scale row
 };
 
 // An HF FP4 matrix in ms_moe_layer's wptr is the address of one of these (moe/cpu_moe.py builds them; rows
@@ -1190,6 +1192,81 @@ inline void fp4_rows_dot(bool nv, bool scalar, const uint8_t* w, const uint8_t* 
   dot_fp4_scalar<NR>(nv, w, s, K, x, out);
 }
 
+// ------------------------------------------------------------------ FP8 (HF checkpoints)
+// float8_e4m3fn weights (one byte per value, bias 7, S.1111.111 NaN) times float32 scales in blocks of
+// bn rows x bk columns (scale of row i, column k: s[(i / bn) * srs + k / bk]; block FP8 128 x 128, a per-row
+// scale is bn = 1, bk = K, srs = 1; one scale for all rows: bn = N, srs = 0), against float32 activations:
+// no activation rounding (like F16/BF16); per column block a float32 partial sum, times its scale.
+
+template <int NR>
+void dot_fp8_scalar(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  const std::array<float, 256>& t = e4m3_table();
+  double acc[NR] = {};
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += bk, ++b) {
+    float part[NR] = {};
+    for (int64_t k = k0; k < std::min(K, k0 + bk); ++k)
+      for (int r = 0; r < NR; ++r) part[r] += t[w[k]] * x[r][k];
+    for (int r = 0; r < NR; ++r) acc[r] += (double)srow[b] * part[r];
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
+}
+
+#ifdef MS_AVX2
+// 16 e4m3 codes -> 16 floats / 256: the code's magnitude bits moved into a half's exponent and mantissa
+// (e4m3 exponent e, bias 7, read as a half's exponent, bias 15: the value times 2^-8, subnormals too), the
+// sign bit to the half's sign bit, then F16C. NaN codes read as 480 (checkpoints hold none).
+inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+template <int NR>
+void dot_fp8_avx2(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
+  if (bk % 16) return dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t k0 = 0, b = 0;
+  for (; k0 + bk <= K; k0 += bk, ++b) {
+    __m256 part[NR];
+    for (int r = 0; r < NR; ++r) part[r] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k0 + bk; k += 16) {
+      __m256 lo, hi;
+      e4m3x16(w + k, lo, hi);
+      for (int r = 0; r < NR; ++r)
+        part[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x[r] + k + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x[r] + k), part[r]));
+    }
+    const __m256 sb = _mm256_set1_ps(srow[b] * 256.f);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(part[r], sb, acc[r]);
+  }
+  float tail[NR] = {};
+  if (k0 < K) {  // a partial last column block (K not a multiple of bk)
+    const float* xt[NR];
+    for (int r = 0; r < NR; ++r) xt[r] = x[r] + k0;
+    dot_fp8_scalar<NR>(w + k0, K - k0, srow + b, bk, xt, tail);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + tail[r];
+}
+#endif
+
+template <int NR>
+inline void fp8_rows_dot(bool scalar, const uint8_t* w, int64_t K, const float* srow, int64_t bk,
+                         const float* const* x, float* out) {
+#ifdef MS_AVX2
+  if (!scalar) return dot_fp8_avx2<NR>(w, K, srow, bk, x, out);
+#endif
+  dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
+}
+
+// An HF FP8 matrix in ms_moe_layer's wptr is the address of one of these (moe/cpu_moe.py builds them; rows
+// contiguous): its codes, its float32 scales and their layout as ms_fp8_matmul takes it (rows bn and columns bk
+// per scale, srs scales per scale row).
+struct FP8Desc {
+  int64_t w, s, bn, bk, srs;
+};
+
 int64_t row_bytes(int64_t type, int64_t K) {
   switch (type) {
     case T_F16: case T_BF16: return 2 * K;
@@ -1211,6 +1288,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_IQ3_S: return g_iq3s_ready.load(std::memory_order_acquire) ? K / 256 * 110 : -1;
     case T_HF_NVFP4: return K / 2 + K / 16;  // codes and scales: a row's cost (a Mat addresses the two)
     case T_HF_MXFP4: return K / 2 + K / 32;
+    case T_HF_FP8: return K;
   }
   return -1;
 }
@@ -1219,11 +1297,14 @@ int64_t block_size(int64_t type) {
   switch (type) {
     case T_F16: case T_BF16: return 1;
     case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_IQ3_S: case T_Q4_K8: case T_Q6_K8: return 256;
+    case T_HF_FP8: return 1;
   }
   return 32;
 }
 
 inline bool is_float_type(int64_t type) { return type == T_F16 || type == T_BF16; }
+// the types whose activations are float32 rows
+inline bool is_float_act(int64_t type) { return is_float_type(type) || is_hf_fp8(type); }
 inline bool is_iq_k(int64_t type) { return type == T_IQ4_XS || type == T_IQ3_S; }
 // the types whose activations are QActK rows (one scale per 256 values)
 inline bool is_k_type(int64_t type) {
@@ -1235,6 +1316,12 @@ inline bool is_k_type(int64_t type) {
 inline Mat layer_mat(int64_t type, int64_t ptr, int64_t K) {
   Mat m;
   m.type = type;
+  if (is_hf_fp8(type)) {
+    const FP8Desc& d = *(const FP8Desc*)ptr;
+    m.w = (const uint8_t*)d.w, m.ws = K;
+    m.s = (const uint8_t*)d.s, m.bn = d.bn, m.bk = d.bk, m.ss = d.srs;
+    return m;
+  }
   if (!is_hf_fp4(type)) {
     m.w = (const uint8_t*)ptr, m.ws = row_bytes(type, K);
     return m;
@@ -1257,6 +1344,7 @@ inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& 
     for (int r = 0; r < NR; ++r) out[r] *= m.g;
     return;
   }
+  if (is_hf_fp8(type)) return fp8_rows_dot<NR>(scalar, w, K, (const float*)m.s + (i / m.bn) * m.ss, m.bk, xf, out);
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
@@ -1290,7 +1378,7 @@ inline void make_xset(XSet& xs, int64_t type, const QAct& qa, const QActF4& qp, 
   for (int64_t c = 0; c < nc; ++c) {
     const int64_t r0 = XR_ROWS * c;
     const int nr = (int)std::min<int64_t>(XR_ROWS, n - r0);
-    if (is_float_type(type)) {
+    if (is_float_act(type)) {
       for (int k = 0; k < nr; ++k) xs.f[c][k] = xf + rows[r0 + k] * K;
     } else if (is_k_type(type)) {
       xs.q[c] = xrows(qk, rows + r0, nr);
@@ -1798,74 +1886,6 @@ inline void block_dots(const Mat& m, int64_t i, int64_t nb, bool scalar, int64_t
   }
 }
 
-// ------------------------------------------------------------------ FP8 (HF checkpoints)
-// float8_e4m3fn weights (one byte per value, bias 7, S.1111.111 NaN) times float32 scales in blocks of
-// bn rows x bk columns (scale of row i, column k: s[(i / bn) * srs + k / bk]; block FP8 128 x 128, a per-row
-// scale is bn = 1, bk = K, srs = 1; one scale for all rows: bn = N, srs = 0), against float32 activations:
-// no activation rounding (like F16/BF16); per column block a float32 partial sum, times its scale.
-
-template <int NR>
-void dot_fp8_scalar(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
-  const std::array<float, 256>& t = e4m3_table();
-  double acc[NR] = {};
-  for (int64_t k0 = 0, b = 0; k0 < K; k0 += bk, ++b) {
-    float part[NR] = {};
-    for (int64_t k = k0; k < std::min(K, k0 + bk); ++k)
-      for (int r = 0; r < NR; ++r) part[r] += t[w[k]] * x[r][k];
-    for (int r = 0; r < NR; ++r) acc[r] += (double)srow[b] * part[r];
-  }
-  for (int r = 0; r < NR; ++r) out[r] = (float)acc[r];
-}
-
-#ifdef MS_AVX2
-// 16 e4m3 codes -> 16 floats / 256: the code's magnitude bits moved into a half's exponent and mantissa
-// (e4m3 exponent e, bias 7, read as a half's exponent, bias 15: the value times 2^-8, subnormals too), the
-// sign bit to the half's sign bit, then F16C. NaN codes read as 480 (checkpoints hold none).
-inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-
-template <int NR>
-void dot_fp8_avx2(const uint8_t* w, int64_t K, const float* srow, int64_t bk, const float* const* x, float* out) {
-  if (bk % 16) return dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t k0 = 0, b = 0;
-  for (; k0 + bk <= K; k0 += bk, ++b) {
-    __m256 part[NR];
-    for (int r = 0; r < NR; ++r) part[r] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k0 + bk; k += 16) {
-      __m256 lo, hi;
-      e4m3x16(w + k, lo, hi);
-      for (int r = 0; r < NR; ++r)
-        part[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x[r] + k + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x[r] + k), part[r]));
-    }
-    const __m256 sb = _mm256_set1_ps(srow[b] * 256.f);
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(part[r], sb, acc[r]);
-  }
-  float tail[NR] = {};
-  if (k0 < K) {  // a partial last column block (K not a multiple of bk)
-    const float* xt[NR];
-    for (int r = 0; r < NR; ++r) xt[r] = x[r] + k0;
-    dot_fp8_scalar<NR>(w + k0, K - k0, srow + b, bk, xt, tail);
-  }
-  for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + tail[r];
-}
-#endif
-
-template <int NR>
-inline void fp8_rows_dot(bool scalar, const uint8_t* w, int64_t K, const float* srow, int64_t bk,
-                         const float* const* x, float* out) {
-#ifdef MS_AVX2
-  if (!scalar) return dot_fp8_avx2<NR>(w, K, srow, bk, x, out);
-#endif
-  dot_fp8_scalar<NR>(w, K, srow, bk, x, out);
-}
-
 // ------------------------------------------------------------------ the MoE layer call
 // float32 -> bf16 / f16 -> float32, round to nearest even (what torch's .to(dtype) does for finite values)
 inline float round_bf16(float f) {
@@ -1969,7 +1989,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     for (int64_t& k : b3) k -= k % 8;
   Chunks ch1((int64_t)b1.size() - 1), ch3((int64_t)b3.size() - 1);
   // the activation forms the types read: int8 per 32 (QAct), per 256 (QActK), HF FP4's (QActF4), float
-  auto blocks32 = [](int64_t t) { return !is_float_type(t) && !is_k_type(t) && !is_hf_fp4(t); };
+  auto blocks32 = [](int64_t t) { return !is_float_act(t) && !is_k_type(t) && !is_hf_fp4(t); };
   const bool q_x = blocks32(tg) || blocks32(tu), q_h = blocks32(td);
   const bool p_x = is_hf_fp4(tg) || is_hf_fp4(tu), p_h = is_hf_fp4(td);
   const bool k_x = is_k_type(tg) || is_k_type(tu), k_h = is_k_type(td);
@@ -2099,7 +2119,7 @@ void matmul_segs(std::vector<Seg> segs, const float* xf, int64_t n, int64_t K, f
     g.m.prefetch = g.N * g.m.ws >= PREFETCH_MIN_BYTES;
     if (is_k_type(t)) want_k = true;
     else if (is_hf_fp4(t)) want_f4 = true;
-    else if (!is_float_type(t)) want_q = true;
+    else if (!is_float_act(t)) want_q = true;
     rows_total += g.N, rb = std::max(rb, row_bytes(t, K));
   }
   QAct qx;
