@@ -613,14 +613,16 @@ def test_fp4_layer_call_matches_float64_model(name, force_scalar):
 
 
 # ---- HF FP8 experts in the layer call: e4m3 codes and float32 scales per block / row / matrix ----------------------
-def _fp8_bank(qfmt, seed: int = 0):
-    """(bank {proj.part: uint8 [E, bytes]}, its HFExpertFormat, float64 {proj: [E, n, k]}) of random FP8 experts."""
+def _fp8_bank(qfmt, seed: int = 0, scale_dtype=torch.float32):
+    """(bank {proj.part: uint8 [E, bytes]}, its HFExpertFormat, float64 {proj: [E, n, k]}) of random FP8 experts,
+    their scales stored as scale_dtype."""
     from moestream.moe.formats import hf_expert_format
     from moestream.quant.synthetic import random_raw
 
     bank, dtypes, dense = {}, {}, {}
     for j, (proj, (n, k)) in enumerate(zip(("gate", "up", "down"), SHAPES)):
         raws = [random_raw(qfmt, (n, k), seed=10 * (seed + j) + e) for e in range(E)]
+        raws = [{p: t.to(scale_dtype) if t.dtype == torch.float32 else t for p, t in r.items()} for r in raws]
         dense[proj] = torch.stack([qfmt.dequantize(r, (n, k), torch.float64) for r in raws])
         for part in raws[0]:
             dtypes[f"{proj}.{part}"] = raws[0][part].dtype
@@ -633,18 +635,19 @@ def _fp8_formats():
 
     # 128 x 128 blocks (Qwen3 / DeepSeek FP8), blocks that do not divide I = 256 rows / H = 512 columns evenly
     # (96 x 80: partial last blocks, 80 not a multiple of 16: the scalar tail), a scale per row, one per matrix
-    return {"block": FP8_BLOCK, "block_96x80": fp8_block_format((96, 80)), "channel": FP8_CHANNEL, "tensor": FP8_TENSOR}
+    return {"block": FP8_BLOCK, "block_96x80": fp8_block_format((96, 80)), "channel": FP8_CHANNEL, "tensor": FP8_TENSOR,
+            "block_bf16": FP8_BLOCK}
 
 
 @pytest.mark.parametrize("force_scalar", [False, True])
-@pytest.mark.parametrize("mode", ["block", "block_96x80", "channel", "tensor"])
+@pytest.mark.parametrize("mode", ["block", "block_96x80", "channel", "tensor", "block_bf16"])
 def test_fp8_layer_call_matches_float64_model(mode, force_scalar):
     """HF FP8 experts through one layer call (a descriptor of codes, scales and scale layout per matrix): float32
     activations, so the float64 MLP of the dequantized experts to float32 accumulation error; cpu_moe.run, the
     bridge's LayerCall and the CPU decode plan's table read the same descriptors."""
     from moestream.moe import cpu_moe
 
-    bank, fmt, dense = _fp8_bank(_fp8_formats()[mode])
+    bank, fmt, dense = _fp8_bank(_fp8_formats()[mode], scale_dtype=torch.bfloat16 if mode.endswith("bf16") else torch.float32)
     assert cpu_moe.kernel_types(fmt) == ("fp8",) * 3
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
     w = np.random.default_rng(2).random(5).astype(np.float32)
@@ -678,14 +681,14 @@ def test_fp8_layer_call_matches_float64_model(mode, force_scalar):
     assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES["fp8"],) * 3 and inter_t == I and arrays is None
 
 
-def test_fp8_bf16_scales_stay_off_the_layer_call():
-    """The layer call reads float32 scales only: an FP8 checkpoint with bf16 scales keeps the per-matrix path."""
+def test_fp8_scales_other_than_float32_or_bf16_stay_off_the_layer_call():
+    """The layer call reads float32 or bf16 scales: float16 ones keep the per-matrix path."""
     from moestream.moe import cpu_moe
     from moestream.moe.formats import hf_expert_format
     from moestream.quant import FP8_BLOCK
 
     dtypes = {f"{p}.{part}": dt for p in ("gate", "up", "down")
-              for part, dt in (("weight", torch.float8_e4m3fn), ("weight_scale_inv", torch.bfloat16))}
+              for part, dt in (("weight", torch.float8_e4m3fn), ("weight_scale_inv", torch.float16))}
     assert cpu_moe.kernel_types(hf_expert_format(FP8_BLOCK, dtypes, H, I)) is None
 
 

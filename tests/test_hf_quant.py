@@ -301,9 +301,9 @@ def _count_fp4_calls(monkeypatch, tid: int) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("case", [c for c, (_, scheme, _) in CASES.items() if scheme in ("fp8_block", "modelopt_fp8")])
+@pytest.mark.parametrize("case", [c for c, (_, scheme, _) in CASES.items() if "fp8" in scheme])
 def test_fp8_experts_take_the_cpu_layer_call(case, quantized, monkeypatch):
-    """FP8 experts with float32 scales (block and per-tensor) on the CPU run through the compiled layer call (type
+    """FP8 experts (128 x 128 float32 block scales, 16 x 32 bf16 ones, per-tensor) on the CPU run through the compiled layer call (type
     "fp8": one call a layer, float32 activations, not a torch dequantization a matrix) on every backend that computes
     experts on this CPU, and give the oracle's tokens exactly: the CPU decode plan's one-call MoE blocks (fused, cpu),
     the layer call (offload, hybrid), the CPU bridge (pairs)."""

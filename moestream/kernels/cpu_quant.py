@@ -533,13 +533,15 @@ def fp4_descriptors(codes: np.ndarray, scales: np.ndarray, global_scales: np.nda
     return np.ascontiguousarray(np.stack([codes, np.asarray(scales, dtype=np.int64), g], -1))
 
 
-def fp8_descriptors(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int], scale_stride: int) -> np.ndarray:
-    """Descriptors of HF FP8 matrices for ``moe_layer``'s wptr: int64 [..., 5] (each matrix's code bytes and float32
-    scales, then the scale layout as ``fp8_matmul`` takes it: block rows, block columns, scales per scale row;
-    qmatmul.cpp's FP8Desc; rows contiguous). The caller passes ``descriptors.ctypes.data + 40 * index`` and keeps
-    the array alive while it is used."""
+def fp8_descriptors(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int], scale_stride: int,
+                    bf16_scales: bool = False) -> np.ndarray:
+    """Descriptors of HF FP8 matrices for ``moe_layer``'s wptr: int64 [..., 6] (each matrix's code bytes and scales,
+    then the scale layout as ``fp8_matmul`` takes it: block rows, block columns, scales per scale row; then 1 for
+    bf16 scales, 0 for float32; qmatmul.cpp's FP8Desc; rows contiguous). The caller passes
+    ``descriptors.ctypes.data + 48 * index`` and keeps the array alive while it is used."""
     codes = np.asarray(codes, dtype=np.int64)
-    lay = np.broadcast_to(np.array([block[0], block[1], scale_stride], dtype=np.int64), (*codes.shape, 3))
+    lay = np.broadcast_to(np.array([block[0], block[1], scale_stride, int(bf16_scales)], dtype=np.int64),
+                          (*codes.shape, 4))
     return np.ascontiguousarray(np.concatenate([np.stack([codes, np.asarray(scales, dtype=np.int64)], -1), lay], -1))
 
 

@@ -3,8 +3,8 @@
 Every CPU path of a layer call goes through here when the compiled kernels are built and the layer's
 experts are in a type they read: GGUF experts of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/F16/BF16 or the
 codebook types IQ4_NL/IQ4_XS/IQ3_S/MXFP4 (gate, up and down may differ, e.g. Q4_K_M's Q6_K down), HF
-safetensors NVFP4 / MXFP4 experts (H and I multiples of 32) and FP8 experts (e4m3 with float32 scales per
-block, row or matrix; float32 activations), each matrix passed as a descriptor of its parts' addresses, built
+safetensors NVFP4 / MXFP4 experts (H and I multiples of 32) and FP8 experts (e4m3 with float32 or bf16 scales
+per block, row or matrix; float32 activations), each matrix passed as a descriptor of its parts' addresses, built
 here and kept alive with the address table, and dense bf16/f16 banks (the bridge's PairMlp). Callers:
 
 - `compute.partial_outputs` (the grouped path on a CPU device: fused, offload, cpu, hybrid), for experts of
@@ -41,8 +41,9 @@ def kernel_types(fmt) -> tuple[str, str, str] | None:
     from ..quant.fp_formats import FP8Format
 
     if isinstance(fmt, HFExpertFormat) and isinstance(fmt.qfmt, FP8Format):
-        scale = fmt.qfmt.parts[1].name  # the kernel reads float32 scales
-        return ("fp8",) * 3 if all(dt == torch.float32 for a, dt in fmt.parts if a.endswith("." + scale)) else None
+        scale = fmt.qfmt.parts[1].name  # the kernel reads float32 or bf16 scales
+        dts = {dt for a, dt in fmt.parts if a.endswith("." + scale)}
+        return ("fp8",) * 3 if len(dts) == 1 and dts <= {torch.float32, torch.bfloat16} else None
     if isinstance(fmt, HFExpertFormat):
         name = getattr(fmt.qfmt, "name", None)
         if name not in FP4_PARTS or fmt.hidden % 32 or fmt.inter % 32:
@@ -150,12 +151,13 @@ def _fp8_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -
             if a.device.type != "cpu" or _row_bytes(a) < nb:
                 raise ValueError(f"expert array {proj}.{part}: CPU rows of at least {nb} contiguous bytes needed")
             addr.append(a.data_ptr() + experts * (a.stride(0) * a.element_size()))
-        descs.append(fp8_descriptors(addr[0], addr[1], block, stride))  # [G, 5]
-    desc = np.stack(descs, 1)  # [G, 3, 5]
+        bf16 = dict(fmt.parts)[f"{proj}.{scale}"] == torch.bfloat16
+        descs.append(fp8_descriptors(addr[0], addr[1], block, stride, bf16))  # [G, 6]
+    desc = np.stack(descs, 1)  # [G, 3, 6]
     buf = np.empty(3 * G + desc.size, dtype=np.int64)
     buf[3 * G:] = desc.reshape(-1)
     ptrs = buf[:3 * G].reshape(G, 3)
-    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 40 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 5 int64
+    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 48 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 6 int64
     return ptrs
 
 

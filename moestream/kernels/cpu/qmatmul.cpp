@@ -1071,7 +1071,8 @@ struct Mat {
   const uint8_t* s = nullptr;
   int64_t ss = 0;
   float g = 1.f;
-  int64_t bn = 1, bk = 1;  // HF FP8: a float32 scale per bn rows x bk columns, ss scales per scale row
+  int64_t bn = 1, bk = 1;  // HF FP8: a scale per bn rows x bk columns, ss scales per scale row
+  bool sbf16 = false;      // HF FP8: bf16 scales (else float32)
 };
 
 // An HF FP4 matrix in ms_moe_layer's wptr is the address of one of these (moe/cpu_moe.py builds them; rows
@@ -1261,10 +1262,10 @@ inline void fp8_rows_dot(bool scalar, const uint8_t* w, int64_t K, const float* 
 }
 
 // An HF FP8 matrix in ms_moe_layer's wptr is the address of one of these (moe/cpu_moe.py builds them; rows
-// contiguous): its codes, its float32 scales and their layout as ms_fp8_matmul takes it (rows bn and columns bk
-// per scale, srs scales per scale row).
+// contiguous): its codes, its scales (float32, or bf16 where sbf16) and their layout as ms_fp8_matmul takes it
+// (rows bn and columns bk per scale, srs scales per scale row).
 struct FP8Desc {
-  int64_t w, s, bn, bk, srs;
+  int64_t w, s, bn, bk, srs, sbf16;
 };
 
 int64_t row_bytes(int64_t type, int64_t K) {
@@ -1319,7 +1320,7 @@ inline Mat layer_mat(int64_t type, int64_t ptr, int64_t K) {
   if (is_hf_fp8(type)) {
     const FP8Desc& d = *(const FP8Desc*)ptr;
     m.w = (const uint8_t*)d.w, m.ws = K;
-    m.s = (const uint8_t*)d.s, m.bn = d.bn, m.bk = d.bk, m.ss = d.srs;
+    m.s = (const uint8_t*)d.s, m.bn = d.bn, m.bk = d.bk, m.ss = d.srs, m.sbf16 = d.sbf16 != 0;
     return m;
   }
   if (!is_hf_fp4(type)) {
@@ -1344,7 +1345,22 @@ inline void rows_dot(const Mat& m, int64_t i, bool scalar, int64_t K, const XR& 
     for (int r = 0; r < NR; ++r) out[r] *= m.g;
     return;
   }
-  if (is_hf_fp8(type)) return fp8_rows_dot<NR>(scalar, w, K, (const float*)m.s + (i / m.bn) * m.ss, m.bk, xf, out);
+  if (is_hf_fp8(type)) {
+    const int64_t r = (i / m.bn) * m.ss;
+    if (!m.sbf16) return fp8_rows_dot<NR>(scalar, w, K, (const float*)m.s + r, m.bk, xf, out);
+    // bf16 scales: this row's (K / bk of them, exact in float32) widened first
+    const int64_t nb = (K + m.bk - 1) / m.bk;
+    float small[64];
+    std::vector<float> big(nb > 64 ? nb : 0);
+    float* sc = nb > 64 ? big.data() : small;
+    for (int64_t j = 0; j < nb; ++j) {
+      uint16_t b;
+      std::memcpy(&b, m.s + 2 * (r + j), 2);
+      const uint32_t u = (uint32_t)b << 16;
+      std::memcpy(sc + j, &u, 4);
+    }
+    return fp8_rows_dot<NR>(scalar, w, K, sc, m.bk, xf, out);
+  }
 #ifdef MS_AVX2
   if (!scalar) {
     if (is_float_type(type)) dot_float_avx2<NR>(type == T_BF16, w, xf, K, out);
