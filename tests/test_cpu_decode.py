@@ -68,6 +68,13 @@ def _generate(llm, n: int = 6):
     return [o.token_ids for o in outs]
 
 
+def ref_logprobs(path, sp):
+    """The compiled stack's outputs (top-2 logprobs per token) of PROMPTS: where a near tie is."""
+    from moestream import LLM
+
+    return LLM(path, device="cpu", dtype="float32", max_running_requests=4).generate(PROMPTS, sp)
+
+
 def _both_paths(monkeypatch, diffs: list):
     """QwenMoeModel.forward running every decode step per-op, then compiled (the same K/V rewritten; a Gated
     DeltaNet model's state put back between the two), the relative logit difference of each step in `diffs`."""
@@ -148,7 +155,11 @@ def test_decode_layer_logits_match_the_per_op_path(kind, qtype, kv, tmp_path, ti
     assert any(moe) == (kind != "llama")
     # qwen35: models/fuse.py's [router | shared gate | up | shared_expert_gate] GEMM, computed in the call
     assert [d[M["FW"]] != 0 for d in plan.moe if d is not None] == [kind.startswith("qwen35")] * sum(moe)
-    assert len(diffs) >= 5 and max(diffs) < 1e-4, diffs
+    # per-op and compiled sum in different orders (~1e-7 apart); a Q8_0 matmul rounds its activations to int8 per
+    # block, and on some CPUs one such difference moves a near-tied activation to the next int8 code in one step,
+    # which moves that step's logits by ~1e-3 of their range (measured 1.6e-3 on an AMD EPYC VM): at most one step
+    # may, within 5e-3; a wrong result is of order 1
+    assert len(diffs) >= 5 and sorted(diffs)[-2] < 1e-4 and max(diffs) < 5e-3, diffs
 
 
 @pytest.mark.parametrize("kind,backend", [("qwen3", "fused"), ("qwen3", "cpu"), ("qwen35_attn", "cpu")])
@@ -218,7 +229,20 @@ def test_stack_call_gives_the_per_layer_calls_tokens(kind, tmp_path, tiny_checkp
         return
     trace = tmp_path / "routing.trace"
     llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, record_routing=str(trace))
-    assert _generate(llm, 8) == runs["stack"][0]
+    # the tap's per-op MoE blocks sum in another order than the compiled ones, and Q8_0's int8 activations can turn a
+    # 1e-7 difference into a ~1e-3 one (one int8 code moved, some CPUs), which the tiny random Gated DeltaNet model
+    # carries on in its state from step to step (an AMD EPYC VM: a flip at step 6 with the top two 0.055 apart):
+    # tokens must agree up to a pick whose top two are within 0.1 nats, never at a clear margin
+    from moestream import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    tapped = [o.token_ids for o in llm.generate(PROMPTS, sp)]
+    for want, got, out in zip(runs["stack"][0], tapped, ref_logprobs(path, sp)):
+        for i, (a, b) in enumerate(zip(want, got)):
+            if a != b:
+                top = out.logprobs[i][1]
+                assert top[0][1] - top[1][1] < 0.1, (i, top)
+                break
     plan = llm.engine.model.cpu_decode
     assert plan.steps >= 7 and plan.stack_steps == 0
     llm.close()
