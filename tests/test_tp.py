@@ -223,7 +223,9 @@ def test_dense_expert_shards_sum_to_the_full_expert():
 ], ids=lambda f: f.name)
 @pytest.mark.parametrize("per_expert", [False, True])
 def test_compressed_expert_rows_sliced_between_blocks(fmt, per_expert):
-    """Each rank's compressed rows dequantize to exactly its rows of gate/up and columns of down."""
+    """Each rank's compressed rows dequantize to exactly its rows of gate/up and columns of down; the ranks' banks
+    together hold the experts once (issue 17: host RAM at tensor parallelism is the banks' size, not n copies), up to
+    the values every rank keeps whole (NVFP4's per-tensor global scale)."""
     E, H, I = 2, fmt.hidden, fmt.inter
     g = torch.Generator().manual_seed(1)
     raw = {a: torch.randint(0, 256, (E, n), generator=g, dtype=torch.uint8) for a, (n,) in fmt.shapes(H, I).items()}
@@ -237,13 +239,22 @@ def test_compressed_expert_rows_sliced_between_blocks(fmt, per_expert):
                 store.put_raw(0, a, t, a)
         return store.weights(0, torch.float32)
 
-    full_gu, full_d = fill(ExpertStore([0], E, H, I, fmt, "cpu"))
+    def held(store):
+        return sum(a.numel() * a.element_size() for a in store.bank(0).values())
+
+    full = ExpertStore([0], E, H, I, fmt, "cpu")
+    full_gu, full_d = fill(full)
     half = I // 2
+    ranks = 0
     for r in range(2):
-        gu, d = fill(ShardedExpertStore([0], E, H, I, fmt, "cpu", r, 2))
+        store = ShardedExpertStore([0], E, H, I, fmt, "cpu", r, 2)
+        gu, d = fill(store)
+        ranks += held(store)
         rows = torch.cat([torch.arange(r * half, (r + 1) * half), I + torch.arange(r * half, (r + 1) * half)])
         torch.testing.assert_close(gu, full_gu[:, rows], rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(d, full_d[:, :, r * half:(r + 1) * half], rtol=0, atol=0, equal_nan=True)
+    replicated = 3 * E * 4 if "nvfp4" in fmt.name else 0  # one float32 global scale per matrix, on both ranks
+    assert ranks == held(full) + replicated, (ranks, held(full))
 
 
 # ---- processes end together -------------------------------------------------------------------
