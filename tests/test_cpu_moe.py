@@ -568,21 +568,45 @@ def _fp4_bank(name: str, seed: int = 0):
     return bank, hf_expert_format(fmt, dtypes, H, I), dense
 
 
-@pytest.mark.parametrize("force_scalar", [False, True])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
-def test_fp4_layer_call_matches_float64_model(name, force_scalar):
-    """HF FP4 experts through one layer call (descriptors of codes / scales / global scale per matrix): the exact
-    model (x and h rounded to int8 per 16, float64 products) to float32 accumulation error, the true float64 MLP
-    within the rounding; cpu_moe.run and the bridge's LayerCall give the same bits."""
+def _hf_layer_call(bank, fmt, name: str, force_scalar: bool):
+    """(x, w, y float64, out) of one layer call of HF experts (EXPERTS / STARTS / ROWS / DST) through cpu_moe's
+    descriptors; checks the format is offered to the kernel as `name`."""
     from moestream.moe import cpu_moe
 
-    bank, fmt, dense = _fp4_bank(name)
     assert cpu_moe.kernel_types(fmt) == (name,) * 3
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
     w = np.random.default_rng(2).random(5).astype(np.float32)
     ptrs, types, inter, _ = cpu_moe.expert_ptrs(bank, fmt, EXPERTS)
     out = torch.full((5, H), float("nan"))
     y = cpu_quant.moe_layer(x, ptrs, types, STARTS, ROWS, w, DST, out, inter, force_scalar=force_scalar).double()
+    return x, w, y, out
+
+
+def _hf_same_bits_every_way(bank, fmt, name: str, x, w, out) -> None:
+    """cpu_moe.run and the bridge's LayerCall give `out`'s bits; the CPU decode plan's table covers every expert."""
+    from moestream.moe import cpu_moe
+
+    order = np.argsort(EXPERTS, kind="stable")  # run / LayerCall take experts in ascending order
+    experts = EXPERTS[order].astype(np.int64)
+    counts = np.diff(STARTS)[order]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pairs = np.concatenate([np.arange(STARTS[g], STARTS[g + 1]) for g in order])
+    rows, dst, pw = ROWS[pairs].astype(np.int64), DST[pairs].astype(np.int64), w[pairs]
+    via_run = cpu_moe.run(x, bank, fmt, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    via_call = cpu_moe.LayerCall(bank, fmt, x.dtype)(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
+    assert torch.equal(via_run, out) and torch.equal(via_call, out)
+    table, tids, inter_t, arrays = cpu_moe.layer_table(bank, fmt)
+    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I and arrays is None
+
+
+@pytest.mark.parametrize("force_scalar", [False, True])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_layer_call_matches_float64_model(name, force_scalar):
+    """HF FP4 experts through one layer call (descriptors of codes / scales / global scale per matrix): the exact
+    model (x and h rounded to int8 per 16, float64 products) to float32 accumulation error, the true float64 MLP
+    within the rounding; cpu_moe.run and the bridge's LayerCall give the same bits."""
+    bank, fmt, dense = _fp4_bank(name)
+    x, w, y, out = _hf_layer_call(bank, fmt, name, force_scalar)
     for g in range(3):
         e = EXPERTS[g]
         wg, wu, wd = (dense[p][e] for p in ("gate", "up", "down"))
@@ -596,20 +620,8 @@ def test_fp4_layer_call_matches_float64_model(name, force_scalar):
             assert (err <= 1e-4 * scale + 1e-30).all(), (name, p, (err / scale).max().item())
             true = reference(xr, wg, wu, wd) * float(w[p])
             assert ((y[DST[p]] - true[0]).norm() / true.norm()).item() < 0.05
-    if force_scalar:
-        return
-    order = np.argsort(EXPERTS, kind="stable")  # run / LayerCall take experts in ascending order
-    experts = EXPERTS[order].astype(np.int64)
-    counts = np.diff(STARTS)[order]
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    pairs = np.concatenate([np.arange(STARTS[g], STARTS[g + 1]) for g in order])
-    rows, dst, pw = ROWS[pairs].astype(np.int64), DST[pairs].astype(np.int64), w[pairs]
-    via_run = cpu_moe.run(x, bank, fmt, experts, starts, rows, pw, dst, torch.zeros(5, H))
-    call = cpu_moe.LayerCall(bank, fmt, x.dtype)
-    via_call = call(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
-    assert torch.equal(via_run, out) and torch.equal(via_call, out)
-    table, tids, inter_t, arrays = cpu_moe.layer_table(bank, fmt)  # the CPU decode plan's table: every expert
-    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES[name],) * 3 and inter_t == I and arrays is None
+    if not force_scalar:
+        _hf_same_bits_every_way(bank, fmt, name, x, w, out)
 
 
 # ---- HF FP8 experts in the layer call: e4m3 codes and float32 scales per block / row / matrix ----------------------
@@ -645,15 +657,8 @@ def test_fp8_layer_call_matches_float64_model(mode, force_scalar):
     """HF FP8 experts through one layer call (a descriptor of codes, scales and scale layout per matrix): float32
     activations, so the float64 MLP of the dequantized experts to float32 accumulation error; cpu_moe.run, the
     bridge's LayerCall and the CPU decode plan's table read the same descriptors."""
-    from moestream.moe import cpu_moe
-
     bank, fmt, dense = _fp8_bank(_fp8_formats()[mode], scale_dtype=torch.bfloat16 if mode.endswith("bf16") else torch.float32)
-    assert cpu_moe.kernel_types(fmt) == ("fp8",) * 3
-    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
-    w = np.random.default_rng(2).random(5).astype(np.float32)
-    ptrs, types, inter, _ = cpu_moe.expert_ptrs(bank, fmt, EXPERTS)
-    out = torch.full((5, H), float("nan"))
-    y = cpu_quant.moe_layer(x, ptrs, types, STARTS, ROWS, w, DST, out, inter, force_scalar=force_scalar).double()
+    x, w, y, out = _hf_layer_call(bank, fmt, "fp8", force_scalar)
     for g in range(3):
         e = EXPERTS[g]
         wg, wu, wd = (dense[p][e] for p in ("gate", "up", "down"))
@@ -666,19 +671,8 @@ def test_fp8_layer_call_matches_float64_model(mode, force_scalar):
             err = (y[DST[p]] - true).abs()
             assert (err <= 1e-4 * scale + 1e-30).all(), (mode, p, (err / scale).max().item())
             assert ((y[DST[p]] - true).norm() / true.norm()).item() < 1e-5
-    if force_scalar:
-        return
-    order = np.argsort(EXPERTS, kind="stable")
-    experts = EXPERTS[order].astype(np.int64)
-    counts = np.diff(STARTS)[order]
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    pairs = np.concatenate([np.arange(STARTS[g], STARTS[g + 1]) for g in order])
-    rows, dst, pw = ROWS[pairs].astype(np.int64), DST[pairs].astype(np.int64), w[pairs]
-    via_run = cpu_moe.run(x, bank, fmt, experts, starts, rows, pw, dst, torch.zeros(5, H))
-    via_call = cpu_moe.LayerCall(bank, fmt, x.dtype)(x, experts, starts, rows, pw, dst, torch.zeros(5, H))
-    assert torch.equal(via_run, out) and torch.equal(via_call, out)
-    table, tids, inter_t, arrays = cpu_moe.layer_table(bank, fmt)
-    assert table.shape == (E, 3) and tids == (cpu_quant.HF_TYPES["fp8"],) * 3 and inter_t == I and arrays is None
+    if not force_scalar:
+        _hf_same_bits_every_way(bank, fmt, "fp8", x, w, out)
 
 
 def test_fp8_scales_other_than_float32_or_bf16_stay_off_the_layer_call():
