@@ -55,9 +55,23 @@ def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool:
     return _pair_outputs_torch(x, topk_w, src, pool)
 
 
-def pair_sum(y: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[P, H] pair outputs -> [T, H]: each token's k pairs summed in k order (deterministic)."""
-    return y.view(-1, k, y.shape[-1]).sum(1).to(dtype)
+def pair_sum(y: torch.Tensor, k: int, dtype: torch.dtype, force: bool = False) -> torch.Tensor:
+    """[P, H] pair outputs -> [T, H]: each token's k pairs summed in k order in float32 (deterministic), rounded to
+    dtype. On CUDA (or force: Triton's interpreter) one launch, where torch's sum and cast take two a layer call."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or dtype not in _SUM_DTYPES \
+            or not (force or triton_ready(y.device)):
+        return y.view(-1, k, y.shape[-1]).sum(1).to(dtype)
+    T, N = y.shape[0] // k, y.shape[1]
+    out = torch.empty((T, N), dtype=dtype, device=y.device)
+    if T and N:
+        block = min(1024, triton.next_power_of_2(N))
+        bf16 = dtype == torch.bfloat16
+        _pair_sum_kernel[(T, triton.cdiv(N, block))](y, out.view(torch.int16) if bf16 else out, N, K_TOP=k,
+                                                     OUT_BF16=bf16, BLOCK=block)
+    return out
+
+
+_SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def stage_experts(host: dict, pool: dict, experts: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
@@ -95,6 +109,22 @@ def _pair_outputs_torch(x, topk_w, src, pool) -> torch.Tensor:
     if p is None:
         return out
     return y.index_copy_(0, p, out)
+
+
+if triton is not None:
+    from ..quant.triton_dequant import _store
+
+    @triton.jit
+    def _pair_sum_kernel(y, out, N, K_TOP: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t, d] = y[t*k, d] + y[t*k + 1, d] + ... in float32, left to right, rounded to out's dtype."""
+        t = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = d < N
+        base = y + (t * K_TOP).to(tl.int64) * N
+        acc = tl.load(base + d, mask=m, other=0.0)
+        for j in tl.static_range(1, K_TOP):
+            acc += tl.load(base + j * N + d, mask=m, other=0.0)
+        _store(out, t.to(tl.int64) * N + d, acc, m, OUT_BF16)
 
 
 if triton is not None:
