@@ -103,62 +103,55 @@ def _row_bytes(a: torch.Tensor) -> int:
     return expected * a.element_size()
 
 
+def _part_rows(bank: dict, sizes: dict, key: str, experts: np.ndarray) -> np.ndarray:
+    """Addresses of rows `experts` of the bank array `key` (an HF expert part), checked to be CPU rows of at least the
+    format's bytes, contiguous."""
+    a, nb = bank[key], sizes[key][0]
+    if a.device.type != "cpu" or _row_bytes(a) < nb:
+        raise ValueError(f"expert array {key}: CPU rows of at least {nb} contiguous bytes needed")
+    return a.data_ptr() + experts * (a.stride(0) * a.element_size())
+
+
+def _descriptor_table(desc: np.ndarray) -> np.ndarray:
+    """Addresses [G, 3] of the descriptors desc [G, 3, W] (int64 each), held in the same buffer as the addresses,
+    so whoever keeps the returned array (a view of it) keeps the descriptors."""
+    G, W = desc.shape[0], desc.shape[-1]
+    buf = np.empty(3 * G + desc.size, dtype=np.int64)
+    buf[3 * G:] = desc.reshape(-1)
+    ptrs = buf[:3 * G].reshape(G, 3)
+    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 8 * W * np.arange(3 * G).reshape(G, 3)
+    return ptrs
+
+
 def _fp4_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -> np.ndarray:
     """expert_ptrs' addresses [G, 3] for HF FP4 experts: each the address of a descriptor (cpu_quant.fp4_descriptors:
-    the matrix's codes, scales, global scale) held in the same buffer as the addresses, so whoever keeps the
-    returned array (a view of it) keeps the descriptors."""
+    the matrix's codes, scales, global scale; _descriptor_table)."""
     from ..kernels.cpu_quant import fp4_descriptors
 
     sizes = fmt.shapes(fmt.hidden, fmt.inter)
     addr = np.zeros((3, 3, len(experts)), dtype=np.int64)  # [matrix, part, expert]
     for j, proj in enumerate(GGUF_PROJS):
         for c, part in enumerate(FP4_PARTS[name]):
-            if part is None:
-                continue
-            a, nb = bank[f"{proj}.{part}"], sizes[f"{proj}.{part}"][0]
-            if a.device.type != "cpu" or _row_bytes(a) < nb:
-                raise ValueError(f"expert array {proj}.{part}: CPU rows of at least {nb} contiguous bytes needed")
-            addr[j, c] = a.data_ptr() + experts * (a.stride(0) * a.element_size())
-    desc = fp4_descriptors(addr[:, 0].T, addr[:, 1].T, addr[:, 2].T if FP4_PARTS[name][2] else None)  # [G, 3, 3]
-    G = len(experts)
-    buf = np.empty(3 * G + desc.size, dtype=np.int64)
-    buf[3 * G:] = desc.reshape(-1)
-    ptrs = buf[:3 * G].reshape(G, 3)
-    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 24 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 3 int64
-    return ptrs
+            if part is not None:
+                addr[j, c] = _part_rows(bank, sizes, f"{proj}.{part}", experts)
+    return _descriptor_table(fp4_descriptors(addr[:, 0].T, addr[:, 1].T,
+                                             addr[:, 2].T if FP4_PARTS[name][2] else None))  # [G, 3, 3]
 
 
 def _fp8_ptrs(bank: dict, fmt: HFExpertFormat, experts: np.ndarray, name: str) -> np.ndarray:
     """expert_ptrs' addresses [G, 3] for HF FP8 experts: each the address of a descriptor (cpu_quant.fp8_descriptors:
-    the matrix's codes, scales and their layout) held in the same buffer as the addresses (see _fp4_ptrs)."""
+    the matrix's codes, scales and their layout; _descriptor_table)."""
     from ..kernels.cpu_quant import fp8_descriptors
 
     q, sizes, logical = fmt.qfmt, fmt.shapes(fmt.hidden, fmt.inter), fmt.logical(fmt.hidden, fmt.inter)
     scale = q.parts[1].name
-    G = len(experts)
     descs = []
     for proj in GGUF_PROJS:
-        n, k = logical[proj]
-        if q.mode == "block":  # [ceil(n / bn), ceil(k / bk)] per expert
-            block, stride = q.block, -(-k // q.block[1])
-        elif q.mode == "channel":
-            block, stride = (1, k), 1
-        else:
-            block, stride = (n, k), 0
-        addr = []
-        for part in ("weight", scale):
-            a, nb = bank[f"{proj}.{part}"], sizes[f"{proj}.{part}"][0]
-            if a.device.type != "cpu" or _row_bytes(a) < nb:
-                raise ValueError(f"expert array {proj}.{part}: CPU rows of at least {nb} contiguous bytes needed")
-            addr.append(a.data_ptr() + experts * (a.stride(0) * a.element_size()))
+        block, stride = q.scale_layout(*logical[proj])  # per expert
+        codes, scales = (_part_rows(bank, sizes, f"{proj}.{part}", experts) for part in ("weight", scale))
         bf16 = dict(fmt.parts)[f"{proj}.{scale}"] == torch.bfloat16
-        descs.append(fp8_descriptors(addr[0], addr[1], block, stride, bf16))  # [G, 6]
-    desc = np.stack(descs, 1)  # [G, 3, 6]
-    buf = np.empty(3 * G + desc.size, dtype=np.int64)
-    buf[3 * G:] = desc.reshape(-1)
-    ptrs = buf[:3 * G].reshape(G, 3)
-    ptrs[:] = buf.ctypes.data + 8 * 3 * G + 48 * np.arange(3 * G).reshape(G, 3)  # a descriptor: 6 int64
-    return ptrs
+        descs.append(fp8_descriptors(codes, scales, block, stride, bf16))  # [G, 6]
+    return _descriptor_table(np.stack(descs, 1))  # [G, 3, 6]
 
 
 _X8_ATTR = "_moestream_x8"  # on a bank tensor: (its address then, the interleaved copy, the copy's type name, bytes)

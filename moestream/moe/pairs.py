@@ -126,8 +126,6 @@ if triton is not None:
             acc += tl.load(base + j * N + d, mask=m, other=0.0)
         _store(out, t.to(tl.int64) * N + d, acc, m, OUT_BF16)
 
-
-if triton is not None:
     _CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w)
                 for bn, bk, w in ((16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 512, 8))]
 

@@ -377,18 +377,19 @@ def _fp8_rows(fmt, raw: Mapping, shape, r0: int, r1: int):
         return None
     w = raw["weight"]
     w = (w.view(torch.uint8) if w.dtype != torch.uint8 else w).reshape(-1, k)[r0:r1]
+    block, stride = fmt.scale_layout(r1 - r0, k)
     if fmt.mode == "block":
-        bn, bk = fmt.block
+        bn = block[0]
         if (r0 - e * n) % bn:
             return None
         s = raw["weight_scale_inv"]
         s = s.reshape(-1, fmt.part_specs(shape)["weight_scale_inv"][0][-1])  # parts may come flat (expert rows)
         first = e * -(-n // bn) + (r0 - e * n) // bn  # expert e's scale rows start at e * ceil(n / bn)
-        return w, s[first:], (bn, bk), s.shape[1]
+        return w, s[first:], block, s.shape[1]
     s = raw["weight_scale"].reshape(-1)
     if fmt.mode == "channel":
-        return w, s[r0:r1], (1, k), 1
-    return w, s[e if s.numel() > 1 else 0:][:1], (r1 - r0, k), 0  # tensor: one scale (per expert)
+        return w, s[r0:r1], block, stride
+    return w, s[e if s.numel() > 1 else 0:][:1], block, stride  # tensor: one scale (per expert)
 
 
 def _cpu_fp8_linear(xs, fmt, raw: Mapping, shape, r0: int, r1: int, out):

@@ -102,6 +102,15 @@ class FP8Format(QuantFormat):
         else:
             raise ValueError(mode)
 
+    def scale_layout(self, n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
+        """((rows, columns) a scale covers, scales per scale row) of an [n_rows, n_cols] weight: the scale of row i,
+        column k is scale.flat[(i // rows) * stride + k // columns] (kernels/cpu_quant.fp8_matmul's layout)."""
+        if self.mode == "block":
+            return self.block, -(-n_cols // self.block[1])
+        if self.mode == "channel":
+            return (1, n_cols), 1
+        return (n_rows, n_cols), 0
+
     def _decode(self, parts, n_rows, n_cols, out_dtype):
         cd = compute_dtype(out_dtype)
         w = parts["weight"]
