@@ -107,6 +107,38 @@ def prefill_profile(llm, args) -> None:
             json.dump(out, f, indent=1)
 
 
+def steady(llm, args, out: dict) -> None:
+    """--steady N: end-to-end decode of N tokens at batch 1 and 4 with the graphs already recorded (tok/s, ms a
+    step, and the host's share: ms a step above the replay's GPU time), then the host ops of a batch-1 decode
+    (self CPU time per token, top 25): where a step's time outside the GPU goes."""
+    from moestream import SamplingParams
+
+    vocab = llm.model_config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    sp = SamplingParams(max_tokens=args.steady, temperature=0, ignore_eos=True)
+    for B in (1, 4):
+        prompts = [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(B)]
+        llm.generate(prompts, sp)  # this batch size's graphs recorded, kernels tuned
+        llm.generate(prompts, sp)
+        t = llm.last_timing
+        agg = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        step_ms = B / agg * 1e3 if agg else 0.0
+        out[f"steady_bs{B}"] = {"tok_s": agg, "step_ms": step_ms}
+        print(f"  steady decode bs{B}: {agg:.1f} tok/s aggregate, {step_ms:.2f} ms a step")
+    out["host_ms_bs1"] = out["steady_bs1"]["step_ms"] - out["replay_ms"]
+    print(f"  bs1 step {out['steady_bs1']['step_ms']:.2f} ms - replay {out['replay_ms']:.2f} ms = "
+          f"{out['host_ms_bs1']:.2f} ms of host time a step; bs4/bs1 "
+          f"{out['steady_bs4']['tok_s'] / max(out['steady_bs1']['tok_s'], 1e-9):.2f}")
+    n = 32
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    p = torch.randint(0, vocab, (64,), generator=g).tolist()
+    _, ops = profiled(lambda: llm.generate([p], sp), n, cpu=True)
+    out["host_ops_bs1"] = ops[:25]
+    print("  host ops of a batch-1 decode (self CPU us per token, incl. the 64-token prefill / 32):")
+    for r in ops[:25]:
+        print(f"  {r['self_cpu_us']:9.1f} us  x{r['calls']:6.1f}  {r['op']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -117,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of --prefill)")
+    ap.add_argument("--steady", type=int, default=0, help="then N-token decodes at batch 1 and 4, and their host ops")
     args = ap.parse_args()
     from moestream import SamplingParams
 
@@ -148,6 +181,8 @@ def main() -> None:
           f"{out['kernels_per_step']:.0f} kernels = {out['kernel_ms_per_step']:.2f} ms of kernel time")
     for r in rows[:30]:
         print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:6.1f}  {r['kernel']}")
+    if args.steady:
+        steady(llm, args, out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
