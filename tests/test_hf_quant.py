@@ -369,6 +369,40 @@ def test_fp4_experts_take_the_cpu_kernels(case, quantized, monkeypatch):
                 break
 
 
+@pytest.mark.parametrize("case", ["fp8_block-qwen3", "fp8_block16x32-qwen35", "modelopt_fp8-qwen3-stacked",
+                                  "nvfp4-qwen35"])
+def test_gpu_dense_layout_keeps_quantized_dense_layers(case, quantized, monkeypatch):
+    """What a GPU keeps compressed (MOESTREAM_DENSE_QUANT=gpu forces that choice on this CPU): every quantized dense
+    linear of an HF checkpoint stays as stored — an HFQuantLinear holding its codes and scales, nothing dequantized —
+    the plan's dense bytes are the bytes held (fewer than the dequantized model's), and the logits are those of the
+    model whose weights are the dequantized parts (torch tiles: MOESTREAM_CPU_KERNELS=0)."""
+    from moestream.layers.quant_linear import HFQuantLinear
+    from test_engine_parity import full_logits
+
+    qdir, refdir, qsd = quantized(case)
+    monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")
+    monkeypatch.setenv("MOESTREAM_DENSE_QUANT", "gpu")
+    llm = LLM(qdir, **COMMON)
+    model = llm.engine.model
+    kept = {n for n, m in model.named_modules() if isinstance(m, HFQuantLinear)}
+    # the checkpoint's quantized dense weights: 1-byte element codes outside the routed experts
+    want = {k.removesuffix(".weight").removeprefix(llm.model_config.weight_prefix) for k, t in qsd.items()
+            if k.endswith(".weight") and t.element_size() == 1 and not EXPERT.match(k) and ".mtp." not in k
+            and not k.startswith("mtp.")}
+    assert kept and kept == want
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                if n.endswith((".raw", ".raw_scale", ".raw_scale2")))
+    assert llm.engine.plan.bytes.dense == held
+    monkeypatch.setenv("MOESTREAM_DENSE_QUANT", "0")
+    ref = LLM(refdir, **COMMON)
+    assert ref.engine.plan.bytes.dense > held
+    ids = list(range(4, 11))  # one prefill chunk (COMMON's chunked_prefill_size)
+    ours, theirs = full_logits(llm, ids), full_logits(ref, ids)
+    assert (ours - theirs).norm() / theirs.norm() < 1e-4
+    assert _tokens(llm) == _tokens(ref)
+
+
 @pytest.mark.parametrize("case", ["fp8_block-qwen3", "mxfp4-qwen35-stacked"])
 def test_dense_expert_format_dequantizes_at_load(case, quantized):
     qdir, refdir, _ = quantized(case)

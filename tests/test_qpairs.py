@@ -243,9 +243,36 @@ def _linear_case(qtype: str) -> list[str]:
     return [f"{qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
 
 
+def _hf_linear_case(case: str) -> list[str]:
+    """qpairs.hf_quant_linear (an HF-quantized dense layer kept as stored: layers.HFQuantLinear's parts) against the
+    format's torch decoder and a float64 GEMM; N = 40 rows (a partial tile and, for 128 x 128 FP8, a partial row
+    block), K = 256, T = 3 rows of bf16 activations; same bound as _linear_case."""
+    from moestream.layers.quant_linear import HFQuantLinear
+
+    (_, (qfmt, scale_dtype)), _, _, _ = CASES[case]
+    N, K = 40, 256
+    parts = random_raw(qfmt, (N, K), seed=7)
+    if scale_dtype is not None:
+        parts = {n: t.to(scale_dtype) if t.dtype == torch.float32 and t.dim() > 1 else t for n, t in parts.items()}
+    lin = HFQuantLinear(qfmt, parts, N, K)
+    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    efmt = qpairs.hf_linear_format(qfmt, lin.dtypes, N, K)
+    got = qpairs.hf_quant_linear(x, efmt, lin._pool(), (N, K)).double()
+    W = lin.dense(torch.float64)
+    want = x.double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    bad = (got - want).abs() > tol
+    return [f"{case}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
+
+
+HF_LINEAR_CASES = ("fp8_block", "fp8_block_32x64_bf16", "fp8_channel", "fp8_tensor", "nvfp4", "mxfp4")
+
+
 def _worker_case(case: str) -> list[str]:
     if case == "stage":
         return _stage_case()
+    if case.startswith("hflinear:"):
+        return _hf_linear_case(case.split(":")[1])
     if case.startswith("linear:"):
         return _linear_case(case.split(":")[1])
     if case.endswith(":default"):
@@ -254,7 +281,7 @@ def _worker_case(case: str) -> list[str]:
 
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "linear:Q8_0", "linear:Q4_K",
-                "linear:Q6_K"]
+                "linear:Q6_K", *(f"hflinear:{c}" for c in HF_LINEAR_CASES)]
 
 
 @pytest.fixture(scope="module")
@@ -455,6 +482,38 @@ def test_cuda_quant_linear_module(rows):
     assert not ((got.double() - want).abs() > tol).any()
     a, b = lin.split(got)
     assert a.shape[-1] == 1024 and b.shape[-1] == 2048
+    if rows <= GPU_GEMV_ROWS:
+        g = torch.cuda.CUDAGraph()
+        static = x.clone()
+        lin(static)
+        with torch.cuda.graph(g):
+            out = lin(static)
+        static.copy_(x.flip(0))
+        g.replay()
+        torch.testing.assert_close(out, lin(x.flip(0)), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("case", ["fp8_block", "fp8_tensor", "nvfp4"])
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_cuda_hf_quant_linear_module(case, rows):
+    """layers.HFQuantLinear on a GPU (a dense layer of an HF FP8 / NVFP4 checkpoint kept as stored): decode rows
+    through the HF pair kernel (recordable in a CUDA graph), a prefill's rows through a decoded weight and one GEMM;
+    both equal the dequantized weight's product (the same bound as the GGUF module's test)."""
+    from moestream.layers.quant_linear import GPU_GEMV_ROWS, HFQuantLinear
+
+    (_, (qfmt, _)), _, _, _ = CASES[case]
+    N, K = 3072, 2048
+    parts = {n: t.cuda() for n, t in random_raw(qfmt, (N, K), seed=5).items()}
+    lin = HFQuantLinear(qfmt, parts, N, K)
+    x = (torch.randn(rows, K, device="cuda") * 0.5).to(torch.bfloat16)
+    W = lin.dense(torch.float64)
+    want = x.double() @ W.t()
+    got = lin(x)
+    assert got.shape == (rows, N) and got.dtype == torch.bfloat16
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+    assert not ((got.double() - want).abs() > tol).any()
     if rows <= GPU_GEMV_ROWS:
         g = torch.cuda.CUDAGraph()
         static = x.clone()

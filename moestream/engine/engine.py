@@ -725,4 +725,5 @@ class Engine:
 def dense_bytes_held(model) -> int:
     """Bytes of a model's dense weights as held: its parameters and the compressed linears' stored bytes."""
     return (sum(p.numel() * p.element_size() for p in model.parameters())
-            + sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".raw", ".in_perm"))))
+            + sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                  if n.endswith((".raw", ".raw_scale", ".raw_scale2", ".in_perm"))))

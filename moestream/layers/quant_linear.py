@@ -104,6 +104,70 @@ class FusedQuantLinear(QuantLinear):
         return torch.split(y, self.sizes, dim=-1)
 
 
+class HFQuantLinear(nn.Module):
+    """y = x @ W.T with W kept in an HF safetensors quantization (FP8 e4m3 with 128 x 128 block, per-row or per-tensor
+    scales; NVFP4; MXFP4): `raw` holds the element codes [out_features, bytes] (uint8), `raw_scale` the scales as
+    stored, `raw_scale2` NVFP4's global scale. Decode rows on a GPU go through the HF pair "down" kernel of
+    moe/qpairs.py (codes decoded in registers, fp32 accumulation, capturable in a CUDA graph); other row counts and
+    devices through quant.qlinear (a GPU decodes the weight once per call and runs one GEMM; a CPU its compiled FP8 /
+    FP4 kernels or row tiles). The weight is held at its stored size: FP8 dense layers of a Qwen3.6-35B-A3B-shaped
+    checkpoint are 1.4 GB instead of 2.9 GB of bf16."""
+
+    def __init__(self, qfmt, parts: dict, out_features: int, in_features: int):
+        super().__init__()
+        self.qfmt, self.in_features, self.out_features = qfmt, in_features, out_features
+        names = [p.name for p in qfmt.parts]
+        self.part_names = tuple(names)
+        self.dtypes = {n: parts[n].dtype for n in names}
+        codes = parts[names[0]]
+        codes = codes.view(torch.uint8) if codes.dtype != torch.uint8 and codes.element_size() == 1 else codes
+        self.register_buffer("raw", codes.reshape(out_features, -1).contiguous(), persistent=False)
+        self.register_buffer("raw_scale", parts[names[1]].contiguous(), persistent=False)
+        self.register_buffer("raw_scale2", parts[names[2]].contiguous() if len(names) > 2 else None,
+                             persistent=False)
+        self._efmt = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def parts(self) -> dict:
+        """The weight's parts by the format's names, as quant.qlinear / QuantFormat.dequantize read them."""
+        out = {self.part_names[0]: self.raw, self.part_names[1]: self.raw_scale}
+        if self.raw_scale2 is not None:
+            out[self.part_names[2]] = self.raw_scale2
+        return out
+
+    def _pool(self) -> dict:
+        """{"down.<part>": uint8 [1, bytes]}: the pair kernel's one expert row of each part."""
+        return {f"down.{n}": t.reshape(1, -1).view(torch.uint8) for n, t in self.parts().items()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and hf_gpu_gemv(self.qfmt):
+            from ..moe.qpairs import hf_linear_format, hf_quant_linear
+
+            if self._efmt is None:
+                self._efmt = hf_linear_format(self.qfmt, self.dtypes, self.out_features, self.in_features)
+            return hf_quant_linear(x, self._efmt, self._pool(), self.shape)
+        return qlinear(x, self.qfmt, self.parts(), self.shape)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qfmt.dequantize(self.parts(), self.shape, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.qfmt.name}"
+
+
+def hf_gpu_gemv(qfmt) -> bool:
+    """Whether the GPU decode kernel reads this HF format (FP8, NVFP4, MXFP4: the HF pair kernels')."""
+    from ..env import triton_enabled
+    from ..quant.fp_formats import FP8Format, MXFP4Format, NVFP4Format
+
+    from ..moe import qpairs
+
+    return qpairs.triton is not None and triton_enabled() and isinstance(qfmt, (FP8Format, NVFP4Format, MXFP4Format))
+
+
 def gpu_gemv(fmt) -> bool:
     """Whether the GPU decode kernel reads this GGUF type (the Triton pair kernels' types)."""
     from ..env import triton_enabled

@@ -140,7 +140,8 @@ class HFCheckpoint(Checkpoint):
 
     def load(self, model: torch.nn.Module, store: ExpertStore, cfg: ModelConfig,
              compressed_dense: bool | str = False) -> set[str]:
-        """compressed_dense: GGUF only (quantized HF dense weights are dequantized at load)."""
+        """compressed_dense "gpu": quantized dense weights the GPU decode kernel reads stay as stored
+        (hf_quant.QuantizedParts.keeps_compressed); otherwise they are dequantized at load."""
         from .hf_quant import QuantizedParts
         from .safetensors_shards import ShardTensors, safetensors_files
 
@@ -148,15 +149,48 @@ class HFCheckpoint(Checkpoint):
         params = dict(model.named_parameters())
         seen: set[str] = set()
         total = sum(f.stat().st_size for f in files)
+        mode = compressed_dense if isinstance(compressed_dense, str) else None
         with ShardTensors(files) as tensors, tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
                                                   disable=total < (1 << 30)) as bar:
-            quant = QuantizedParts(cfg, tensors) if cfg.quantization is not None else None
+            quant = QuantizedParts(cfg, tensors, model, mode) if cfg.quantization is not None else None
             for f, keys in tensors.files:
                 for key in keys:
                     _load_one(key, tensors, cfg, params, store, seen, quant)
                     tensors.release(key)  # copied: its file pages leave RSS (a scale read later is read again)
                 bar.update(f.stat().st_size)
         return seen
+
+
+    def dense_bytes(self, model: torch.nn.Module, cfg: ModelConfig, mode: str) -> int | None:
+        """With mode "gpu" and a quantized checkpoint: the parameters' bytes less those of the dense weights that
+        will stay compressed, plus their stored parts' (model: the unloaded tree on meta). None otherwise."""
+        from .hf_quant import Q_PER_EXPERT, Q_STACKED, QuantizedParts, _is_quantized
+        from .safetensors_shards import ShardTensors, safetensors_files
+
+        if mode != "gpu" or cfg.quantization is None:
+            return None
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        with ShardTensors(safetensors_files(self.path)) as tensors:
+            quant = QuantizedParts(cfg, tensors, model, mode)
+            for _, keys in tensors.files:
+                for key in keys:
+                    name = _local_name(key, cfg)
+                    if name is None or any(p.search(key) for p in IGNORED) or not name.endswith("." + quant.first):
+                        continue
+                    ename = _expert_name(name, cfg)
+                    if Q_PER_EXPERT.match(ename) or Q_STACKED.match(ename) or not _is_quantized(tensors.dtype(key)):
+                        continue
+                    path = name.removesuffix("." + quant.first)
+                    try:
+                        module = model.get_submodule(path)
+                    except AttributeError:
+                        continue
+                    if quant.keeps_compressed(module):
+                        w = module.weight
+                        total += (quant.compressed_bytes(tuple(w.shape), quant._keys(key[:-len(quant.first) - 1],
+                                                                                      False))
+                                  - w.numel() * w.element_size())
+        return total
 
 
 def _local_name(key: str, cfg: ModelConfig) -> str | None:

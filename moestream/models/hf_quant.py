@@ -5,8 +5,10 @@ ModelOpt FP8 and NVFP4, MXFP4), read through `ShardTensors`.
 from the file headers (`moe.formats.hf_expert_format`); `QuantizedParts.load` hands each projection's
 parts (`weight`, `weight_scale_inv`, ...; stacked `gate_up_proj`, `gate_up_proj_scale_inv`,
 `gate_up_proj_blocks`, ...) to the expert store as bytes, or dequantized with --moe-expert-format dense.
-Quantized dense (non-expert) weights are dequantized at load into the model dtype: a deliberate choice,
-they are a small share of an MoE's bytes and every dense GEMM then runs without a dequantizing kernel.
+Quantized dense (non-expert) weights are dequantized at load into the model dtype, or, with
+`compressed_dense="gpu"` (the engine's choice on a GPU where the experts do not all fit beside 16-bit dense
+layers), kept as stored in `layers.quant_linear.HFQuantLinear` modules (FP8, NVFP4, MXFP4: the GPU decode
+kernel reads their codes): a Qwen3.6-35B-A3B-shaped FP8 checkpoint's dense layers are then 1.4 GB, not 2.9 GB.
 Modules the config excludes (modules_to_not_convert / exclude_modules / ignore) must be stored
 unquantized. Activation and KV scales (input_scale, k_scale, v_scale) are not used: activations and the
 KV cache stay in the model dtype.
@@ -41,10 +43,14 @@ class QuantizedParts:
     (`...experts.gate_up_proj`, `..._scale_inv`, `..._blocks`, `..._scales`), as transformers names them.
     """
 
-    def __init__(self, cfg: ModelConfig, tensors: ShardTensors):
+    def __init__(self, cfg: ModelConfig, tensors: ShardTensors, model: torch.nn.Module | None = None,
+                 compressed_dense: str | None = None):
+        """model, compressed_dense ("gpu"): the model whose plain dense Linears of a quantized weight are swapped
+        for HFQuantLinears holding the stored parts (`keeps_compressed`); None: dequantized into the parameters."""
         from ..quant import hf_quant_format
 
         self.cfg, self.tensors, self.exclude = cfg, tensors, cfg.quantization["exclude"]
+        self.model = model if compressed_dense == "gpu" else None
         self.qfmt = hf_quant_format(cfg.quantization)
         self.first = self.qfmt.parts[0].name  # the element codes: weight (fp8, nvfp4) or blocks (mxfp4)
 
@@ -155,14 +161,55 @@ class QuantizedParts:
         except QuantFormatError as e:
             raise CheckpointError(f"tensor {key} is not a {self.qfmt.name} weight of shape {shape}: {e}") from None
 
+    def keeps_compressed(self, module) -> bool:
+        """Whether a dense module stays compressed (HFQuantLinear) rather than dequantized: a plain Linear without
+        bias, in a format the GPU decode kernel reads, when the loader was asked to keep them."""
+        from ..kernels.linear import Linear
+        from ..layers.quant_linear import hf_gpu_gemv
+
+        return (self.model is not None and type(module) is Linear and module.bias is None
+                and module.weight.dim() == 2 and hf_gpu_gemv(self.qfmt))
+
+    def compressed_bytes(self, shape: tuple[int, int], keys: dict) -> int:
+        """Bytes an [N, K] weight keeps as stored (its parts' numel times their stored sizes)."""
+        total = 0
+        for part, (pshape, _) in self.qfmt.part_specs(shape).items():
+            n = 1
+            for d in pshape:
+                n *= d
+            total += n * self.tensors.dtype(keys[part]).itemsize
+        return total
+
     def _load_dense(self, pname: str, key: str, parts: dict, params, seen: set[str]) -> None:
         param = params.get(pname)
         if param is None:
             raise CheckpointError(f"unexpected tensor {key}: the {self.cfg.architecture} model has no parameter "
                                   f"{pname}")
+        path = pname.removesuffix(".weight")
+        module = self.model.get_submodule(path) if self.model is not None else None
+        if module is not None and self.keeps_compressed(module):
+            self._keep(path, module, parts, key)
+            seen.add(pname)
+            return
         with torch.no_grad():
             param.copy_(self._dequant(parts, tuple(param.shape), key))
         seen.add(pname)
+
+    def _keep(self, path: str, module, parts: dict, key: str) -> None:
+        """Swap `module` (model path `path`) for an HFQuantLinear holding copies of the weight's stored parts."""
+        from ..layers.quant_linear import HFQuantLinear
+
+        n, k = module.weight.shape
+        for part, (pshape, _) in self.qfmt.part_specs((n, k)).items():
+            want = 1
+            for d in pshape:
+                want *= d
+            if parts[part].numel() != want:
+                raise CheckpointError(f"tensor {key} is not a {self.qfmt.name} weight of shape {(n, k)}: its "
+                                      f"{part} has {parts[part].numel()} values, expected {want}")
+        kept = {part: t.contiguous().clone() for part, t in parts.items()}  # out of the file's pages
+        parent, _, child = path.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, HFQuantLinear(self.qfmt, kept, n, k))
 
     def _bytes(self, store: ExpertStore, array: str, t: torch.Tensor, key: str) -> torch.Tensor:
         want = dict(store.fmt.parts)[array]

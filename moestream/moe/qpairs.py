@@ -186,6 +186,31 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
+def hf_linear_format(qfmt, dtypes: dict, N: int, K: int):
+    """The one-expert HFExpertFormat whose "down" projection is a dense [N, K] weight of HF format qfmt (dtypes: part
+    name -> stored dtype), for hf_quant_linear; made once per (format, dtypes, N, K)."""
+    from .formats import hf_expert_format
+
+    key = (qfmt.name, tuple(sorted((k, str(v)) for k, v in dtypes.items())), N, K)
+    efmt = _LINEAR_FORMATS.get(key)
+    if efmt is None:
+        efmt = _LINEAR_FORMATS[key] = hf_expert_format(
+            qfmt, {f"{p}.{n}": dt for p in PROJS for n, dt in dtypes.items()}, hidden=N, inter=K)
+    return efmt
+
+
+def hf_quant_linear(x: torch.Tensor, efmt, pool: dict, shape) -> torch.Tensor:
+    """quant_linear for a dense layer kept in an HF quantization (FP8 block / channel / tensor scales, NVFP4, MXFP4):
+    efmt from hf_linear_format, pool {"down.<part>": uint8 [1, bytes]} (the weight's parts). The HF pair "down"
+    kernel with one expert row holding the whole matrix (capturable; TRITON_INTERPRET=1 on CPU in the tests)."""
+    N, K = int(shape[-2]), int(shape[-1])
+    xs = x.reshape(-1, K).contiguous()
+    src, w = _unit_pairs(xs.shape[0], x.device)
+    y = torch.empty((xs.shape[0], N), dtype=torch.float32, device=x.device)
+    down_triton(xs, w, src, pool, efmt, y)
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
 _LINEAR_FORMATS: dict = {}
 _UNIT_PAIRS: dict = {}
 
