@@ -21,8 +21,9 @@
 #   ppprof   issue 13: benchmarks/step_profile.py --prefill PROF_TOKENS [512] on that file, PROF_BACKEND [fused]
 #            (PROF_GB: a cap) -> $OUT/prefill_profile.{json,log}: kernels by GPU time, host ops by CPU time
 #   dprof    issue 13: benchmarks/step_profile.py (one recorded batch-1 decode step replayed, kernel by kernel) on that
-#            file for each BACKEND@GIB[@q] of DPROF [fused@0] (0: no cap; @q: dense layers kept compressed) ->
-#            $OUT/decode_profile_BACKEND_GIB[_q].{json,log}; STEADY=N: then N-token decodes at batch 1 / 4 and host ops
+#            file for each BACKEND@GIB[@FLAGS] of DPROF [fused@0] (0: no cap; FLAGS q: dense layers kept compressed, s:
+#            no overlapped decode) -> $OUT/decode_profile_BACKEND_GIB[_FLAGS].{json,log}; STEADY=N: then N-token
+#            decodes at batch 1 / 4 and host ops
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
 MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
@@ -87,11 +88,13 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       ;;
     dprof)
       need_file
-      # BACKEND@GIB[@q]: @q keeps the dense layers compressed (MOESTREAM_DENSE_QUANT=1) where `auto` would not
+      # BACKEND@GIB[@FLAGS]: FLAGS q keeps the dense layers compressed (MOESTREAM_DENSE_QUANT=1) where `auto` would
+      # not; s steps without overlap (--overlap-schedule off)
       for C in $(echo "${DPROF:-fused@0}" | tr , ' '); do
-        B=${C%%@*}; R=${C#*@}; G=${R%%@*}; Dq=$( [ "$R" != "$G" ] && echo 1 || echo auto ); S=${B}_$G$( [ "$Dq" = 1 ] && echo _q )
+        B=${C%%@*}; R=${C#*@}; G=${R%%@*}; FL=$( [ "$R" != "$G" ] && echo "${R#*@}" ); S=${B}_$G${FL:+_$FL}
+        Dq=$( [[ "$FL" == *q* ]] && echo 1 || echo auto ); Ov=$( [[ "$FL" == *s* ]] && echo off || echo auto )
         MOESTREAM_DENSE_QUANT=$Dq timeout "${DPROF_S:-120}" python3 benchmarks/step_profile.py --model "$F" --backend "$B" \
-          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --steady "${STEADY:-0}" --out "$OUT/decode_profile_$S.json" \
+          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" --out "$OUT/decode_profile_$S.json" \
           2>&1 | tee "$OUT/decode_profile_$S.log" | tail -75
       done
       ;;

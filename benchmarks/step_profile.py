@@ -24,7 +24,7 @@ import torch
 def load(args):
     from moestream import LLM
 
-    kw = dict(device=args.device, moe_backend=args.backend, max_running_requests=4)
+    kw = dict(device=args.device, moe_backend=args.backend, max_running_requests=4, overlap_schedule=args.overlap)
     if args.gpu_memory_gb:
         kw["gpu_memory_gb"] = args.gpu_memory_gb
     if args.random:
@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of --prefill)")
+    ap.add_argument("--overlap", default="auto", help="--overlap-schedule (auto, on, off)")
     ap.add_argument("--steady", type=int, default=0, help="then N-token decodes at batch 1 and 4, and their host ops")
     args = ap.parse_args()
     from moestream import SamplingParams

@@ -387,6 +387,7 @@ SPECULATIVE = ("none", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
 MOE_CACHE_POLICIES = ("lru", "lfu", "lrfu", "wlfu")  # moe/residency.py POLICIES
 ON_OFF = ("on", "off")
+AUTO_ON_OFF = ("auto", "on", "off")
 MOE_EXPERT_FORMATS = ("auto", "dense")
 MOE_DECODE_KERNELS = ("auto", "pairs", "grouped")
 
@@ -437,6 +438,11 @@ class EngineConfig:
     # decode steps replayed as CUDA graphs where the expert backend allows it (fused, offload)
     cuda_graphs: bool = option(True, "run decode steps eagerly instead of replaying CUDA graphs",
                                flag="--disable-cuda-graph", action="store_false")
+    # decode step N + 1 launched (its input tokens read on the device from step N's argmax) before step N's tokens
+    # are read on the host: the host's per-step work (~1 ms a step on an H100) then runs beside the GPU's
+    overlap_schedule: str = option("auto", "decode: launch the next step before reading this step's tokens (greedy "
+                                   "requests without logprobs, penalties or grammars; fused and offload): auto = on "
+                                   "CUDA where decode replays CUDA graphs, on = also on a CPU, off", choices=AUTO_ON_OFF)
     # how decode computes routed experts: pairs = one kernel over (token, expert) pairs with a device-side
     # slot table (no host sync; CUDA default), grouped = per-expert loop with host routing (CPU default)
     moe_decode_kernel: str = option("auto", "decode expert kernel: pairs (device-side routing, CUDA graphs), "
@@ -504,6 +510,8 @@ class EngineConfig:
             raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.overlap_schedule not in AUTO_ON_OFF:
+            raise ConfigError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.prefix_cache_prompt_snapshot not in ON_OFF:
             raise ConfigError("--prefix-cache-prompt-snapshot must be on or off, got "
                               f"{self.prefix_cache_prompt_snapshot!r}")

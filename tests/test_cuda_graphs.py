@@ -132,3 +132,34 @@ def test_graph_hybrid_arms_equal_eager(tiny_checkpoint, monkeypatch):
             assert {key[4] for key in llm.engine.graphs.entries} == {0, 1} and llm.engine.graphs.replays > 20
         assert sum(llm.engine.runtime.bridge.cpu_experts) > 0
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5})])
+def test_overlapped_decode_equals_stepwise(arch, backend, kw, tiny_checkpoint, monkeypatch):
+    """--overlap-schedule auto on CUDA (graphs replaying; each step launched before the last one's tokens are read,
+    its input ids taken on the device) gives the tokens of --overlap-schedule off, one request stopped early by a
+    stop token (a wasted row after its last token), batch 1 and 3; and the steps were overlapped."""
+    common = dict(device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4, **kw)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 300, 17)]
+    outs, chained = {}, []
+    for mode in ("off", "auto"):
+        llm = LLM(tiny_checkpoint(arch), overlap_schedule=mode, **common)
+        runner, orig = llm.llm_engine.runner, llm.llm_engine.runner.launch
+        n = [0]
+
+        def launch(sched, prev=None, orig=orig, n=n):
+            n[0] += prev is not None
+            return orig(sched, prev)
+
+        monkeypatch.setattr(runner, "launch", launch)
+        one = [o.token_ids for o in llm.generate(prompts[:1], SP)]
+        stop = one[0][9]
+        sps = [SP, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]), SP]
+        many = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, sps)]
+        llm.scheduler.check_integrity()
+        outs[mode] = (one, many)
+        chained.append(n[0])
+    assert outs["auto"] == outs["off"]
+    assert chained[0] == 0 and chained[1] > 40

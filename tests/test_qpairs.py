@@ -512,7 +512,10 @@ def test_cuda_hf_quant_linear_module(case, rows):
     want = x.double() @ W.t()
     got = lin(x)
     assert got.shape == (rows, N) and got.dtype == torch.bfloat16
-    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+    terms = x.double().abs() @ W.abs().t()
+    tol = _bound(terms, K) + 2.0 ** -7 * want.abs() + 1e-2
+    if rows > GPU_GEMV_ROWS:  # the weight decoded to bf16 (each value within 2^-8 relative) before the GEMM
+        tol = tol + 2.0 ** -8 * terms
     assert not ((got.double() - want).abs() > tol).any()
     if rows <= GPU_GEMV_ROWS:
         g = torch.cuda.CUDAGraph()

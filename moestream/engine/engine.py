@@ -711,6 +711,17 @@ class Engine:
         """The MTP block's decode-like passes lay their rows out as decode rows (CUDA: the split-KV kernel)."""
         return self.device.type == "cuda"
 
+    def overlap_ok(self) -> bool:
+        """Whether decode steps may overlap (LLMEngine.step launches the next before reading this one's tokens):
+        --overlap-schedule on (any device) or auto on CUDA where a decode step has no host synchronisation (the
+        runtime is capturable); one rank, no MTP drafter, and an expert backend without CPU threads in the step."""
+        mode = self.ecfg.overlap_schedule
+        if mode == "off" or self.tp or self.use_mtp or self.plan.backend not in ("fused", "offload"):
+            return False
+        if self.device.type == "cuda":
+            return self.runtime.capturable()
+        return mode == "on"
+
     def wait_forward(self) -> None:
         """Before the caller reads the last forward's results: where CPU threads compute experts in that step,
         sleep until the GPU is done instead of spinning a core in the read's sync (ExpertRuntime.wait_step)."""

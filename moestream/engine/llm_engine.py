@@ -52,6 +52,8 @@ class LLMEngine:
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self._markup = None  # KeepMarkup view of the tokenizer, made at the first request that keeps markup
         self.last_step: dict = {}  # the last step's counts and seconds (LLM timing, server log lines)
+        self._inflight = None  # runner.Inflight: an overlapped decode step launched, its tokens not yet read
+        self._carry: list[StepOutput] = []  # outputs read between steps (drain), returned by the next step
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: Request, keep_markup: bool = False) -> None:
@@ -120,7 +122,7 @@ class LLMEngine:
         return self.scheduler.abort(req_id, reason)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.compiling)
+        return self.scheduler.has_work() or bool(self.compiling) or self._inflight is not None or bool(self._carry)
 
     def stats(self) -> dict:
         """The scheduler's occupancy and prefix-cache counters (the requests whose grammar is compiling
@@ -134,8 +136,21 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One step of every request that can run (last_step: its counts, {} when none could); with only
-        grammars compiling, a short wait for one of them instead (callers loop on has_work: no busy loop)."""
+        grammars compiling, a short wait for one of them instead (callers loop on has_work: no busy loop).
+
+        Overlapped decode (--overlap-schedule, Engine.overlap_ok): a decode step of greedy plain requests is launched
+        and left running; the next call plans and launches the step after it (its input tokens read on the device)
+        before it reads the first one's tokens, so the host's part of a step (planning, batch building, launching,
+        emitting text) runs while the GPU computes. A request's tokens then come one call later; one that stops
+        (EOS, a stop string) has one wasted row computed after its last token. Any other step first reads the step
+        in flight."""
         outputs = self._add_compiled() if self.compiling else []
+        if self._carry:
+            outputs, self._carry = self._carry + outputs, []
+        if self._inflight is not None:
+            if self.scheduler.overlap_room() and all(map(self.runner.overlappable, self.scheduler.running)):
+                return outputs + self._overlapped_step()
+            outputs += self._read_inflight()
         batch = self.scheduler.schedule()
         if batch is None:
             self.last_step = {}
@@ -144,6 +159,15 @@ class LLMEngine:
                 wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
             return outputs
         t0 = time.perf_counter()
+        if self._starts_overlap(batch):
+            try:
+                self._inflight = self.runner.launch(batch)
+            except BaseException:
+                self.scheduler.step_failed(batch)
+                raise
+            self.scheduler.advance(batch)
+            self.last_step = self._step_stats(batch, outputs, time.perf_counter() - t0)
+            return outputs
         try:
             result = self.runner.run(batch)
         except BaseException:
@@ -155,6 +179,50 @@ class LLMEngine:
             self._draft(batch)
         self.last_step = self._step_stats(batch, outputs, time.perf_counter() - t0)
         return outputs
+
+    # ---- overlapped decode ---------------------------------------------------------------------
+    def _starts_overlap(self, batch) -> bool:
+        """A decode step that may be launched and read a step later: every sequence decodes one token of an
+        overlappable request, nothing else is in the step, and the engine allows it (Engine.overlap_ok)."""
+        return (not batch.forks and not batch.prompt and not self.runner.spec_k and self.engine_overlap()
+                and all(s.n == 1 and s.samples and not s.prefill and not s.verify and self.runner.overlappable(s.req)
+                        for s in batch.seqs))
+
+    def engine_overlap(self) -> bool:
+        ok = getattr(self.engine, "overlap_ok", None)
+        return bool(ok and ok())
+
+    def _overlapped_step(self) -> list[StepOutput]:
+        """Plan and launch the next step (the pending tokens read on the device), then read the step in flight and
+        emit its tokens; the launched step becomes the one in flight."""
+        t0 = time.perf_counter()
+        prev = self._inflight
+        batch = self.scheduler.schedule()
+        try:
+            launched = self.runner.launch(batch, prev)
+        except BaseException:
+            self._inflight = None
+            self.scheduler.step_failed(batch)
+            raise
+        self._inflight = None
+        outputs = self.scheduler.resolve(self.runner.read(prev))  # raises: the caller isolates the requests
+        self._inflight = launched
+        self.scheduler.advance(batch)
+        if not launched.live():  # every request of the launched step stopped at the token just read
+            self._read_inflight()
+        self.last_step = self._step_stats(batch, outputs, time.perf_counter() - t0)
+        return outputs
+
+    def _read_inflight(self) -> list[StepOutput]:
+        """Read the step in flight and emit its tokens (nothing is in flight after)."""
+        prev, self._inflight = self._inflight, None
+        return self.scheduler.resolve(self.runner.read(prev))
+
+    def drain(self) -> None:
+        """Between steps, before the caches or requests are changed from outside the step loop (a cache rebuild):
+        the step in flight is read; its outputs come with the next step()."""
+        if self._inflight is not None:
+            self._carry += self._read_inflight()
 
     def _draft(self, batch) -> None:
         try:
@@ -183,6 +251,7 @@ class LLMEngine:
         value this server cannot take, ConfigError (with the reason) when the plan does not fit the memory
         budget or the requests in flight could not go on."""
         t0 = time.perf_counter()
+        self.drain()
         sched, old = self.scheduler, self.engine.plan
         kv, P = sched.kv, sched.kv.page_size
         for name, v in (("KV tokens", kv_tokens), ("expert slots", None if moe_slots == "auto" else moe_slots)):

@@ -56,6 +56,22 @@ def _guarded(failed: list, req: Request, fn, *args) -> bool:
         return False
 
 
+@dataclass
+class Inflight:
+    """An overlapped decode step (LLMEngine): launched, its greedy tokens sampled on the device (`tokens`, one per
+    sequence in `sched`'s order), copied to `host` behind an `event`; read by ModelRunner.read."""
+
+    sched: ScheduledBatch
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: object = None
+    rows: dict = field(default_factory=dict)  # request id -> its row in tokens
+
+    def live(self) -> bool:
+        """Some request of this step still runs (its token is wanted)."""
+        return any(s.req.status == Status.RUNNING for s in self.sched.seqs)
+
+
 class ModelRunner:
     def __init__(self, engine, eos: set[int], tokenizer=None):
         """engine: an Engine (or parallel.TPEngine); eos: the stop token ids, shared with the scheduler."""
@@ -190,6 +206,64 @@ class ModelRunner:
             if not rows.logits or rows.logits[-1] != start + n - 1:
                 rows.logits.append(start + n - 1)
             rows.sample.append(len(rows.logits) - 1)
+
+    # ---- overlapped decode -------------------------------------------------------------------------
+    @staticmethod
+    def overlappable(req: Request) -> bool:
+        """A request whose tokens may be sampled on the device and read a step later: greedy, and nothing read or
+        changed on the host between its logits and its token (penalties, bias, min_tokens, grammar, logprobs,
+        forced tokens, a thinking budget, drafts)."""
+        p = req.params
+        return (p.greedy and not p.needs_processing and req.matcher is None and p.logprobs is None
+                and not req.forced and not (req.thinking and p.max_thinking_tokens is not None) and not req.drafts)
+
+    def launch(self, sched: ScheduledBatch, prev: Inflight | None = None) -> Inflight:
+        """Launch a decode step (one token of every sequence, all overlappable) without waiting for it: rows whose
+        newest token is still pending take it from `prev`'s device tokens; the step's greedy tokens are computed on
+        the device and copied to host memory behind an event (read: `read`)."""
+        batch, _ = self.build(sched)
+        if prev is not None:
+            rows = [prev.rows[s.req.id] for s in sched.seqs]
+            idx = torch.tensor(rows, dtype=torch.long).to(prev.tokens.device, non_blocking=True)
+            batch.input_ids.copy_(prev.tokens.index_select(0, idx))  # in place: a CPU step reads the ids by address
+        logits = self.engine.forward(batch)
+        tokens = torch.argmax(logits, dim=-1)
+        B = len(sched.seqs)
+        event = None
+        if tokens.is_cuda:
+            host = self._host_tokens(B)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        return Inflight(sched, tokens, host, event, {s.req.id: i for i, s in enumerate(sched.seqs)})
+
+    def _host_tokens(self, B: int) -> torch.Tensor:
+        """A pinned host buffer for B tokens: two in turn (the step in flight and the one being read)."""
+        bufs = getattr(self, "_pinned", None)
+        if bufs is None or bufs[0].shape[0] < B:
+            n = max(B, self.engine.ecfg.max_running_requests)
+            bufs = self._pinned = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._turn = 0
+        self._turn ^= 1
+        return bufs[self._turn][:B]
+
+    def read(self, inf: Inflight) -> list[tuple[Request, int]]:
+        """Wait for an overlapped step's tokens: (request, token) in its order, the reasoning bookkeeping done."""
+        try:
+            if inf.event is not None:
+                self.engine.wait_forward()
+                inf.event.synchronize()
+            toks = inf.host.tolist()
+        finally:
+            self.engine.finish_step()
+        out = []
+        for s, tok in zip(inf.sched.seqs, toks):
+            if s.req.status == Status.RUNNING:
+                self._track(s.req, tok)
+            out.append((s.req, tok))
+        return out
 
     # ---- sampling ------------------------------------------------------------------------------
     def _sample(self, sched: ScheduledBatch, logits: torch.Tensor,

@@ -53,6 +53,9 @@ class Request:
     parent: str | None = None  # n > 1: the sibling whose prefill this request copies instead of computing
     drafts: list[int] = field(default_factory=list)  # --speculative: tokens proposed after the newest one
     penalties: object = None  # engine.sampler.PenaltyState of a request with logit_bias or penalties
+    # overlapped decode (LLMEngine): the last output id is PENDING, a token a launched step samples on the device and
+    # the next step reads there; Scheduler.resolve puts the real one in its place (and _release drops it)
+    pending: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -80,6 +83,9 @@ class Request:
         p = self.params
         return not (p.needs_processing or self.matcher is not None or p.logprobs is not None or self.forced
                     or (self.thinking and p.max_thinking_tokens is not None))
+
+
+PENDING = -1  # the placeholder of a pending token (Request.pending)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ..core import ConfigError, FinishReason, RequestError
 from ..kvcache.prefix import PrefixCache
 from .batch import ScheduledBatch, ScheduledSeq, StepResult
-from .request import Request, Status, StepOutput
+from .request import PENDING, Request, Status, StepOutput
 
 log = logging.getLogger("moestream.scheduler")
 
@@ -373,6 +373,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         req.drafts = []
+        if req.pending:  # a token a launched step was still sampling: never emitted, so never generated
+            req.output_ids.pop()
+            req.pending = False
         if self.prefix is not None:
             # pages in the tree stay cached (unreferenced ones are evicted when pages run short)
             own = [p for p in req.pages if p not in self.prefix.owned]
@@ -495,6 +498,54 @@ class Scheduler:
         now = time.perf_counter()
         outs += [self._emit_guarded(req, tok, lp, now) for req, tok, lp in result.sampled]
         return outs + [self.fail(req, why) for req, why in result.failed]
+
+    # ---- overlapped decode (engine/llm_engine.py): a step launched before the last one's tokens are known ---------
+    def advance(self, batch: ScheduledBatch) -> None:
+        """`batch` (one decoded token per request) is launched and its tokens are still on the device: each request
+        that runs advances past the token it computed and gets a PENDING placeholder for the one being sampled, so
+        the next schedule() plans the step after (whose input the engine reads on the device). `resolve` puts the
+        token in; the bookkeeping of postprocess runs now (pages into the prefix tree, snapshots attached)."""
+        for s in batch.seqs:
+            if s.req.status != Status.RUNNING:
+                continue
+            s.req.num_computed += s.n
+            if self.prefix is not None:
+                self._cache_pages(s.req)
+        if self._pending_snaps:
+            self._attach_snapshots()
+        for s in batch.seqs:
+            if s.req.status == Status.RUNNING:
+                s.req.output_ids.append(PENDING)
+                s.req.pending = True
+
+    def resolve(self, sampled: list[tuple[Request, int]]) -> list[StepOutput]:
+        """The tokens of an advanced batch, now read: each running request's PENDING placeholder becomes its token
+        (emitted: text, stops, finishing). Requests that ended meanwhile (aborted, or stopped by the token before)
+        dropped their placeholder when released; their token is discarded."""
+        outs, now = [], time.perf_counter()
+        for req, tok in sampled:
+            if req.status != Status.RUNNING or not req.pending:
+                continue
+            req.output_ids.pop()
+            req.pending = False
+            outs.append(self._emit_guarded(req, tok, None, now))
+        return outs
+
+    def overlap_room(self) -> bool:
+        """Whether the next step of every running request can be planned before its pending token is known: no
+        admissions or held children waiting, every running request decoding with a pending token, none at its
+        length limit (its pending token may be its last), and free pages for every next position (no preemption,
+        which would recompute a placeholder)."""
+        if self.waiting or self.held or self.suspects or not self.running:
+            return False
+        need, limit = 0, self._token_limit()
+        for r in self.running:
+            if r.status != Status.RUNNING or not r.pending or r.in_prefill or r.drafts:
+                return False
+            if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= limit:
+                return False
+            need += len(r.pages) < self.kv.pages_for(r.num_tokens)
+        return need <= self.kv.pages.num_free
 
     def _cache_pages(self, req: Request) -> None:
         """Put req's newly filled pages into the tree (or share the node another request made first)."""

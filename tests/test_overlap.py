@@ -1,0 +1,130 @@
+"""Overlapped decode (--overlap-schedule, engine/llm_engine.py): a decode step is launched before the last one's
+tokens are read, its input tokens taken on the device from the last step's argmax, and the tokens are emitted one
+step later. Whatever the overlap, every request gets exactly the tokens, stops, finish reasons and texts of the
+same run without it; the scheduler's pages, slots and prefix tree stay consistent (check_integrity), no
+placeholder token is ever visible, and steps really are overlapped (counted). On CUDA the same path runs with the
+graphs (tests/test_cuda_graphs.py covers the graph replay itself); here the CPU runs it with --overlap-schedule on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.scheduler.request import PENDING, Request
+
+COMMON = dict(device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=32, moe_cpu_threads=1)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _prompts(vocab: int, n: int = 4):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (int(L),), generator=g).tolist() for L in (5, 19, 40, 9)[:n]]
+
+
+def _count_launches(llm, monkeypatch) -> dict:
+    """Counts of overlapped launches that read a step in flight (prev) and that start one (no prev)."""
+    runner = llm.llm_engine.runner
+    counts = {"chained": 0, "started": 0}
+    orig = runner.launch
+
+    def launch(sched, prev=None):
+        counts["chained" if prev is not None else "started"] += 1
+        return orig(sched, prev)
+
+    monkeypatch.setattr(runner, "launch", launch)
+    return counts
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    llm.scheduler.check_integrity()
+    assert llm.llm_engine._inflight is None and not llm.scheduler.running
+    return [(o.token_ids, o.finish_reason, o.text) for o in outs]
+
+
+@pytest.mark.parametrize("variant, backend, kw", [
+    ("qwen3", "fused", {}),
+    ("qwen35", "fused", {}),  # Gated DeltaNet state, prefix-cache snapshots at page boundaries
+    ("qwen35", "offload", {"moe_cache_size": 3}),
+])
+def test_overlapped_decode_gives_the_same_tokens(variant, backend, kw, tiny_checkpoint, monkeypatch):
+    """Greedy requests of different lengths, one stopped by a stop token mid-run, one by max_tokens, in one batch and
+    then again (prefix-cache hits): the overlapped run equals the run without overlap, and it overlapped."""
+    path = tiny_checkpoint(variant)
+    ref = LLM(path, moe_backend=backend, overlap_schedule="off", **COMMON, **kw)
+    prompts = _prompts(ref.model_config.vocab_size)
+    base = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (12, 7, 16, 1)]
+    want = _run(ref, prompts, base)
+    stop_tok = want[2][0][5]  # request 2 stops at its 6th token (or earlier where that token comes before)
+    params = list(base)
+    params[2] = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])
+    want = _run(ref, prompts, params)
+    assert want[2][1] == "stop" and len(want[2][0]) <= 6
+    llm = LLM(path, moe_backend=backend, overlap_schedule="on", **COMMON, **kw)
+    counts = _count_launches(llm, monkeypatch)
+    for _ in range(2):  # the second time the prompts hit the prefix cache
+        got = _run(llm, prompts, params)
+        assert got == want
+        assert all(PENDING not in toks for toks, _, _ in got)
+    assert counts["started"] >= 2 and counts["chained"] >= 10
+
+
+def test_non_greedy_and_logprob_requests_step_without_overlap(tiny_checkpoint, monkeypatch):
+    """A batch holding a sampled (temperature > 0) or logprobs request is not overlapped (its token is needed on the
+    host, or drawn there); seeded sampling and greedy requests beside it give the tokens of a run without overlap."""
+    path = tiny_checkpoint("qwen3")
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)]
+    ref = LLM(path, overlap_schedule="off", **COMMON)
+    prompts = _prompts(ref.model_config.vocab_size, 3)
+    want = _run(ref, prompts, params)
+    llm = LLM(path, overlap_schedule="on", **COMMON)
+    counts = _count_launches(llm, monkeypatch)
+    assert _run(llm, prompts, params) == want
+    assert counts["started"] == counts["chained"] == 0
+    # greedy alone overlaps; the first request's tokens are the same as in the mixed batch
+    assert _run(llm, prompts[:1], params[:1])[0] == want[0]
+    assert counts["chained"] > 0
+
+
+def test_abort_and_drain_while_a_step_is_in_flight(tiny_checkpoint):
+    """Through LLMEngine: one request aborted while an overlapped step holds its pending token (its tokens are those
+    emitted, no placeholder left, pages and slot freed), a drain between steps (the step's tokens come with the next
+    step), a new request admitted later (the step in flight is read first): every other request gets the tokens of a
+    run without overlap."""
+    path = tiny_checkpoint("qwen35")
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    ref = LLM(path, overlap_schedule="off", **COMMON)
+    prompts = _prompts(ref.model_config.vocab_size, 3)
+    want = [o.token_ids for o in ref.generate(prompts, sp)]
+    llm = LLM(path, overlap_schedule="on", **COMMON)
+    eng = llm.llm_engine
+    reqs = [Request(f"r{i}", list(p), sp) for i, p in enumerate(prompts[:2])]
+    for r in reqs:
+        eng.add_request(r)
+    got: dict[str, list[int]] = {r.id: [] for r in reqs}
+
+    def step():
+        for o in eng.step():
+            if o.new_token is not None:
+                got.setdefault(o.request.id, []).append(o.new_token)
+
+    for _ in range(5):
+        step()
+    assert eng._inflight is not None and reqs[0].pending
+    assert eng.abort("r0")
+    assert PENDING not in reqs[0].output_ids and reqs[0].pages == [] and reqs[0].state_slot == -1
+    assert reqs[0].output_ids == got["r0"] == want[0][:len(got["r0"])]
+    step()
+    eng.drain()
+    assert eng._inflight is None and eng.has_work()
+    late = Request("r2", list(prompts[2]), sp)
+    eng.add_request(late)
+    while eng.has_work():
+        step()
+    llm.scheduler.check_integrity()
+    assert got["r1"] == want[1] and got["r2"] == want[2]
+    assert reqs[1].output_ids == want[1] and late.output_ids == want[2]
