@@ -128,3 +128,40 @@ def test_abort_and_drain_while_a_step_is_in_flight(tiny_checkpoint):
     llm.scheduler.check_integrity()
     assert got["r1"] == want[1] and got["r2"] == want[2]
     assert reqs[1].output_ids == want[1] and late.output_ids == want[2]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_cuda_decode_build_on_a_cpu(overlap, tiny_checkpoint, monkeypatch):
+    """The CUDA decode steps' batch (runner._build_decode_cuda: one host buffer, one copy; the pending rows' places in
+    the last step's tokens carried in it), made here on a CPU for every decode step, gives the tokens of the CPU's own
+    decode build, with and without overlap; and its tensors equal the general build's."""
+    from moestream.engine.runner import ModelRunner
+
+    path = tiny_checkpoint("qwen35")
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = LLM(path, overlap_schedule="off", **COMMON)
+    prompts = _prompts(ref.model_config.vocab_size)
+    want = [o.token_ids for o in ref.generate(prompts, sp)]
+    llm = LLM(path, overlap_schedule=overlap, **COMMON)
+    runner = llm.llm_engine.runner
+    built = [0]
+
+    def build(self, sched, prev=None):
+        if not self.spec_k and all(s.n == 1 and s.samples for s in sched.seqs) and not sched.prompt:
+            batch, rows = self._build_decode_cuda(sched, self.engine.caches.kv, prev)
+            general, _ = self._build_general(sched)
+            if prev is None:
+                assert torch.equal(batch.input_ids, general.input_ids)
+            for name in ("positions", "kv_write_index", "state_slots", "logits_index"):
+                assert torch.equal(getattr(batch, name), getattr(general, name)), name
+            assert [torch.equal(a.kv_index, b.kv_index) for a, b in zip(batch.seqs, general.seqs)] == \
+                [True] * len(batch.seqs)
+            assert batch.extra["decode_lengths"].tolist() == [q.total for q in general.seqs]
+            built[0] += 1
+            return batch, rows
+        return self._build_general(sched)
+
+    monkeypatch.setattr(ModelRunner, "build", build)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert built[0] >= 11
+    llm.scheduler.check_integrity()

@@ -108,7 +108,10 @@ class _Entry:
         self.write.copy_(batch.kv_write_index, non_blocking=True)
         if batch.state_slots is not None:
             self.slots.copy_(batch.state_slots, non_blocking=True)
-        self.lengths.copy_(torch.tensor([s.total for s in batch.seqs]), non_blocking=True)
+        lengths = batch.extra.get("decode_lengths")  # on the device already (runner._build_decode_cuda): no copy
+        if lengths is None:  # from pageable memory: waits for the stream's queued work first
+            lengths = torch.tensor([s.total for s in batch.seqs])
+        self.lengths.copy_(lengths, non_blocking=True)
         for i, s in enumerate(batch.seqs):
             self.kv_index[i, :s.total].copy_(s.kv_index, non_blocking=True)
         if self.ckpt is not None and "verify_ckpt" in batch.extra:

@@ -112,12 +112,16 @@ class ModelRunner:
                                failed)
         return StepResult(self._verify(logits, rows.verify, failed), sampled, failed)
 
-    def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
-        """The ForwardBatch of a scheduled step, and where its logits rows go."""
+    def build(self, sched: ScheduledBatch, prev: "Inflight | None" = None) -> tuple[ForwardBatch, _Rows]:
+        """The ForwardBatch of a scheduled step, and where its logits rows go. prev: the overlapped step in flight
+        whose tokens this step's pending rows read (a CUDA decode step then carries their rows in prev's tokens,
+        extra "prev_rows")."""
         dev, kv = self.engine.device, self.engine.caches.kv
-        if dev.type == "cpu" and not self.spec_k and all(s.n == 1 and s.samples for s in sched.seqs) \
-                and not sched.prompt:
-            return self._build_decode(sched, kv)
+        if not self.spec_k and all(s.n == 1 and s.samples for s in sched.seqs) and not sched.prompt:
+            if dev.type == "cpu":
+                return self._build_decode(sched, kv)
+            if dev.type == "cuda":
+                return self._build_decode_cuda(sched, kv, prev)
         return self._build_general(sched)
 
     def _build_general(self, sched: ScheduledBatch) -> tuple[ForwardBatch, _Rows]:
@@ -193,6 +197,59 @@ class ModelRunner:
         rows = list(range(B))
         return batch, _Rows(logits=rows, sample=list(rows))
 
+    def _build_decode_cuda(self, sched: ScheduledBatch, kv, prev) -> tuple[ForwardBatch, _Rows]:
+        """build() of a CUDA step where every sequence decodes its newest token and samples after it: the step's
+        indices (ids, positions, KV write slots, state slots, logits rows, KV lengths, rows in prev's tokens, then
+        each sequence's KV rows) written into one pinned int64 host buffer and copied to the device with ONE
+        asynchronous copy; the batch's tensors are views of the device copy. A copy from pageable memory (what
+        torch.tensor(..., device=) does) first waits for everything queued on the stream, which would make an
+        overlapped step wait for the step in flight."""
+        seqs = sched.seqs
+        B = len(seqs)
+        totals = [s.cached + 1 for s in seqs]
+        n = 7 * B + sum(totals)
+        host = self._pinned_batch(n)
+        buf = host.numpy()
+        o, metas_at, writes = 7 * B, [], []
+        for s, t in zip(seqs, totals):
+            buf[o:o + t] = kv.flat_rows(s.req.pages, t)
+            writes.append(int(buf[o + t - 1]))
+            metas_at.append(o)
+            o += t
+        buf[:B] = [s.req.token_at(s.cached) for s in seqs]
+        buf[B:2 * B] = [s.cached for s in seqs]
+        buf[2 * B:3 * B] = writes
+        buf[3 * B:4 * B] = [s.req.state_slot for s in seqs]
+        buf[4 * B:5 * B] = range(B)
+        buf[5 * B:6 * B] = totals
+        buf[6 * B:7 * B] = [prev.rows[s.req.id] for s in seqs] if prev is not None else 0
+        t = host[:n].to(self.engine.device, non_blocking=True)
+        metas = [SeqMeta(start=i, length=1, cached=s.cached, state_slot=s.req.state_slot, kv_index=t[a:a + n_],
+                         snapshots=s.snapshots) for i, (s, a, n_) in enumerate(zip(seqs, metas_at, totals))]
+        batch = ForwardBatch(
+            input_ids=t[:B], positions=t[B:2 * B], seqs=metas, kv_write_index=t[2 * B:3 * B],
+            logits_index=t[4 * B:5 * B], state_slots=t[3 * B:4 * B], state_resets=sched.state_resets,
+            state_loads=sched.state_loads, state_saves=sched.state_saves, kv_copies=sched.kv_copies,
+            host_copies=sched.host_copies, prompt=False)
+        batch.extra["decode_lengths"] = t[5 * B:6 * B]
+        if prev is not None:
+            batch.extra["prev_rows"] = t[6 * B:7 * B]
+        rows = list(range(B))
+        return batch, _Rows(logits=rows, sample=list(rows))
+
+    def _pinned_batch(self, n: int) -> torch.Tensor:
+        """A pinned int64 host buffer of at least n values for _build_decode_cuda: two in turn, so the one written
+        now is not the one a copy still queued behind the step in flight reads (that copy was queued before the
+        event the last read waited for)."""
+        bufs = getattr(self, "_batch_bufs", None)
+        if bufs is None or bufs[0].shape[0] < n:
+            size = max(n, 4096, 2 * (bufs[0].shape[0] if bufs else 0))
+            pin = self.engine.device.type == "cuda"
+            bufs = self._batch_bufs = [torch.empty(size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+            self._batch_turn = 0
+        self._batch_turn ^= 1
+        return bufs[self._batch_turn]
+
     @staticmethod
     def _logit_rows(s, start: int, rows: _Rows) -> None:
         """The logits rows of a prefill chunk or decode token: its prompt logprob rows, and its last row
@@ -221,10 +278,11 @@ class ModelRunner:
         """Launch a decode step (one token of every sequence, all overlappable) without waiting for it: rows whose
         newest token is still pending take it from `prev`'s device tokens; the step's greedy tokens are computed on
         the device and copied to host memory behind an event (read: `read`)."""
-        batch, _ = self.build(sched)
+        batch, _ = self.build(sched, prev)
         if prev is not None:
-            rows = [prev.rows[s.req.id] for s in sched.seqs]
-            idx = torch.tensor(rows, dtype=torch.long).to(prev.tokens.device, non_blocking=True)
+            idx = batch.extra.get("prev_rows")
+            if idx is None:
+                idx = torch.tensor([prev.rows[s.req.id] for s in sched.seqs], dtype=torch.long)
             batch.input_ids.copy_(prev.tokens.index_select(0, idx))  # in place: a CPU step reads the ids by address
         logits = self.engine.forward(batch)
         tokens = torch.argmax(logits, dim=-1)
