@@ -71,23 +71,28 @@ def test_overlapped_decode_gives_the_same_tokens(variant, backend, kw, tiny_chec
     assert counts["started"] >= 2 and counts["chained"] >= 10
 
 
-def test_non_greedy_and_logprob_requests_step_without_overlap(tiny_checkpoint, monkeypatch):
-    """A batch holding a sampled (temperature > 0) or logprobs request is not overlapped (its token is needed on the
-    host, or drawn there); seeded sampling and greedy requests beside it give the tokens of a run without overlap."""
+def test_sampled_requests_overlap_and_logprob_requests_do_not(tiny_checkpoint, monkeypatch):
+    """Sampled requests (seeded, temperature / top-k / top-p / min-p) overlap like greedy ones — their draws are made
+    on the device with each request's generator in the same order — and give the tokens of a run without overlap; a
+    batch holding a logprobs request (read on the host between logits and token) steps without overlap."""
     path = tiny_checkpoint("qwen3")
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)]
+    sampled = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=9, temperature=1.3, top_k=7, top_p=0.9, seed=9, ignore_eos=True),
+               SamplingParams(max_tokens=11, temperature=0.7, min_p=0.05, seed=2, ignore_eos=True)]
     ref = LLM(path, overlap_schedule="off", **COMMON)
-    prompts = _prompts(ref.model_config.vocab_size, 3)
-    want = _run(ref, prompts, params)
+    prompts = _prompts(ref.model_config.vocab_size)
+    want = _run(ref, prompts, sampled)
     llm = LLM(path, overlap_schedule="on", **COMMON)
     counts = _count_launches(llm, monkeypatch)
-    assert _run(llm, prompts, params) == want
-    assert counts["started"] == counts["chained"] == 0
-    # greedy alone overlaps; the first request's tokens are the same as in the mixed batch
-    assert _run(llm, prompts[:1], params[:1])[0] == want[0]
-    assert counts["chained"] > 0
+    assert _run(llm, prompts, sampled) == want
+    assert counts["chained"] >= 6
+    lp = [sampled[0], SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)]  # all end together
+    want = _run(ref, prompts[:3], lp)
+    before = dict(counts)
+    assert _run(llm, prompts[:3], lp) == want
+    assert counts == before
 
 
 def test_abort_and_drain_while_a_step_is_in_flight(tiny_checkpoint):

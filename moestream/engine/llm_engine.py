@@ -138,7 +138,7 @@ class LLMEngine:
         """One step of every request that can run (last_step: its counts, {} when none could); with only
         grammars compiling, a short wait for one of them instead (callers loop on has_work: no busy loop).
 
-        Overlapped decode (--overlap-schedule, Engine.overlap_ok): a decode step of greedy plain requests is launched
+        Overlapped decode (--overlap-schedule, Engine.overlap_ok): a decode step of plain requests (greedy or sampled) is launched
         and left running; the next call plans and launches the step after it (its input tokens read on the device)
         before it reads the first one's tokens, so the host's part of a step (planning, batch building, launching,
         emitting text) runs while the GPU computes. A request's tokens then come one call later; one that stops

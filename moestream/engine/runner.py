@@ -22,7 +22,8 @@ import torch
 from ..batch import DecodeArrays, ForwardBatch, SeqMeta
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
-from .sampler import PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, verify_drafts
+from .sampler import (PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, sample_device,
+                      verify_drafts)
 
 log = logging.getLogger("moestream.engine")
 
@@ -58,7 +59,7 @@ def _guarded(failed: list, req: Request, fn, *args) -> bool:
 
 @dataclass
 class Inflight:
-    """An overlapped decode step (LLMEngine): launched, its greedy tokens sampled on the device (`tokens`, one per
+    """An overlapped decode step (LLMEngine): launched, its tokens sampled on the device (`tokens`, one per
     sequence in `sched`'s order), copied to `host` behind an `event`; read by ModelRunner.read."""
 
     sched: ScheduledBatch
@@ -267,17 +268,17 @@ class ModelRunner:
     # ---- overlapped decode -------------------------------------------------------------------------
     @staticmethod
     def overlappable(req: Request) -> bool:
-        """A request whose tokens may be sampled on the device and read a step later: greedy, and nothing read or
-        changed on the host between its logits and its token (penalties, bias, min_tokens, grammar, logprobs,
-        forced tokens, a thinking budget, drafts)."""
+        """A request whose tokens may be sampled on the device and read a step later (sampler.sample_device: greedy
+        or drawn with its generator): nothing read or changed on the host between its logits and its token
+        (penalties, bias, min_tokens, grammar, logprobs, forced tokens, a thinking budget, drafts)."""
         p = req.params
-        return (p.greedy and not p.needs_processing and req.matcher is None and p.logprobs is None
+        return (not p.needs_processing and req.matcher is None and p.logprobs is None
                 and not req.forced and not (req.thinking and p.max_thinking_tokens is not None) and not req.drafts)
 
     def launch(self, sched: ScheduledBatch, prev: Inflight | None = None) -> Inflight:
         """Launch a decode step (one token of every sequence, all overlappable) without waiting for it: rows whose
-        newest token is still pending take it from `prev`'s device tokens; the step's greedy tokens are computed on
-        the device and copied to host memory behind an event (read: `read`)."""
+        newest token is still pending take it from `prev`'s device tokens; the step's tokens are sampled on the
+        device (sampler.sample_device) and copied to host memory behind an event (read: `read`)."""
         batch, _ = self.build(sched, prev)
         if prev is not None:
             idx = batch.extra.get("prev_rows")
@@ -285,7 +286,8 @@ class ModelRunner:
                 idx = torch.tensor([prev.rows[s.req.id] for s in sched.seqs], dtype=torch.long)
             batch.input_ids.copy_(prev.tokens.index_select(0, idx))  # in place: a CPU step reads the ids by address
         logits = self.engine.forward(batch)
-        tokens = torch.argmax(logits, dim=-1)
+        reqs = [s.req for s in sched.seqs]
+        tokens = sample_device(logits, [r.params for r in reqs], [r.generator for r in reqs])
         B = len(sched.seqs)
         event = None
         if tokens.is_cuda:

@@ -41,12 +41,26 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] fp32 -> one token id per row."""
+    return sample_device(logits, params, generators).tolist()
+
+
+def sample_device(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] fp32 -> [B] token ids on the logits' device, without waiting for them (an overlapped decode
+    step samples before the host reads anything): greedy rows the argmax, the others one draw each from their
+    tempered, filtered distribution with the request's generator, in row order. A row with nothing finite left to
+    draw gives its best token (a draw is still made from a uniform stand-in, so a request's generator advances
+    the same way whatever its logits)."""
     out = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        out[i] = sample_row(logits[i], p, generators[i])
-    return out.tolist()
+        probs = torch.softmax(filter_logits(logits[i], p), -1)
+        ok = torch.isfinite(probs).all() & (probs.sum() > 0.0)
+        best = torch.argmax(torch.nan_to_num(logits[i], nan=float("-inf")))
+        draw = torch.multinomial(torch.where(ok, probs, torch.ones_like(probs)), 1, generator=generators[i])[0]
+        out[i] = torch.where(ok, draw, best)
+    return out
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
