@@ -215,6 +215,11 @@ class Engine:
                 pass
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
+        self.host_embedding = self._embedding_on_host(local, fmt, folder)
+        if self.host_embedding:  # planned without the table's device bytes
+            w = local.embed_tokens.weight
+            held = self.dense_bytes if self.dense_bytes is not None else dense_bytes_held(local)
+            self.dense_bytes = held - w.numel() * w.element_size()
         self.plan = self._plan_memory(local, fmt, fit_chunk=True)
         self._cap_torch()
         # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
@@ -234,6 +239,8 @@ class Engine:
                 # one GEMM per group of projections reading the same input (tensor parallel: shard.py slices
                 # the unfused modules by heads, so ranks stay unfused)
                 log.debug("fused projections: %s", fuse_projections(model))
+            if self.host_embedding:
+                self._place_embedding(model)
             model = model.to(self.device)
             for block in model.moe_blocks():  # a fused router reads a view of shared_in's rows: view the moved one
                 if block.router_rows:
@@ -244,6 +251,49 @@ class Engine:
         self.route_tap = self._routing_recorder(folder)
         self._start_runtime(store, model)
         return model.eval()
+
+    def _embedding_on_host(self, local, fmt, folder) -> bool:
+        """Whether the token embedding stays in pinned host memory (layers/host_embedding.py) instead of VRAM: on CUDA,
+        one rank, a plain 16-bit table (an HF checkpoint's or random weights'; a GGUF's stays compressed on the
+        device), the gather kernel available, and the experts not all fitting in VRAM with the table there (its bytes
+        then buy expert slots, or make a small card's plan fit). MOESTREAM_HOST_EMBEDDING: auto (default), 1
+        (whenever it can), 0 (never)."""
+        import os
+
+        from ..layers import host_embedding
+        from ..models.gguf_loader import find_gguf
+
+        env = os.environ.get("MOESTREAM_HOST_EMBEDDING", "auto")
+        if env == "0" or self.device.type != "cuda" or self.tp or type(local.embed_tokens) is not torch.nn.Embedding:
+            return False
+        if (folder is not None and find_gguf(folder) is not None) or not host_embedding.available():
+            return False
+        if env == "1":
+            return True
+        try:
+            return self._plan_memory(local, fmt, log_it=False).backend != "fused"
+        except ConfigError:  # refused with the table on the device: try without it
+            return True
+
+    def _place_embedding(self, model) -> None:
+        """Swap the loaded embedding for a HostEmbedding, after a check of the gather kernel on three of its rows;
+        where the check fails the table stays (and the loaded model's bytes are planned again)."""
+        from ..layers.host_embedding import HostEmbedding
+
+        w = model.embed_tokens.weight.detach()
+        emb = HostEmbedding(w, self.device)
+        ids = torch.tensor([0, w.shape[0] // 2, w.shape[0] - 1])
+        try:
+            ok = torch.equal(emb(ids.to(self.device)).cpu(), w[ids])
+            why = "rows differ"
+        except Exception as e:  # a kernel that cannot read host memory here
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            log.warning("the embedding stays on the device: its host-memory gather failed a check (%s)", why)
+            self.host_embedding = False
+            return
+        model.embed_tokens = emb
+        log.info("token embedding in pinned host memory (%.2f GiB of VRAM freed)", w.numel() * w.element_size() / 2**30)
 
     def _replan_for_loaded(self, model, fmt, store):
         """The plan again when the loaded dense layers hold other bytes than planned: a GGUF's planned bytes assume
