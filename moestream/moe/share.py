@@ -137,7 +137,11 @@ class Arms:
     2026-12-05, batch 4 explored the split at 40 ms a step, then the fit moved the share from 0.39 to 0.67 of the
     misses fetched and the held steps took 59 ms, slower than offload's 58). From the fitted share at the choice,
     blocks of `block` steps run the share, the share + d and the share - d; the centre moves to a neighbour that
-    was faster by more than `margin`, else d halves (down to `tune_min`); shares stay in [0, SHARE_MAX]."""
+    was faster by more than `margin`, else d halves (down to `tune_min`); shares stay in [0, SHARE_MAX]. Each round
+    also runs one block with every miss on the CPU (share 0 and no CPU fixed cost in the route's sum: `cpu` backend's
+    step over hybrid's cache), which a local search from the fitted share need not reach: on the H100 host at 4.16 GiB
+    (2026-12-06) the split held 0.39 of the misses fetched at 23.3 ms a step while the `cpu` backend took 19.4 ms. When
+    it wins by the margin the centre moves there (share 0, fixed 0); its neighbours are then small fetch shares."""
 
     SHARE_MAX = 0.95  # a fetch fraction above this sends the CPU too few misses to pay for its call
 
@@ -166,28 +170,39 @@ class Arms:
             st["tune"] = {"centre": min(max(fitted[0], 0.0), self.SHARE_MAX), "fixed": fitted[1],
                           "d": self.tune_step, "i": 0, "block": [], "t": {}, "moves": 0}
         tu = st["tune"]
-        return self._candidate(tu, (0, 1, -1)[tu["i"]]), tu["fixed"]
+        c = self._CANDS[tu["i"]]
+        return (0.0, 0.0) if c == "cpu" else (self._candidate(tu, c), tu["fixed"])
+
+    _CANDS = (0, 1, -1, "cpu")  # the centre, its neighbours, every miss on the CPU
 
     def _candidate(self, tu: dict, sign: int) -> float:
         return min(max(tu["centre"] + sign * tu["d"], 0.0), self.SHARE_MAX)
+
+    def _skipped(self, tu: dict, c) -> bool:
+        """A candidate that would rerun the centre: a neighbour clamped to it, or all-CPU where the centre is."""
+        if c == "cpu":
+            return tu["centre"] == 0.0 and tu["fixed"] == 0.0
+        return self._candidate(tu, c) == tu["centre"]
 
     def _tune(self, tu: dict, seconds: float) -> None:
         """A held split step's time, for the tuner's current candidate."""
         tu["block"].append(seconds)
         if len(tu["block"]) < self.block:
             return
-        sign = (0, 1, -1)[tu["i"]]
-        tu["t"][sign] = float(np.median(tu["block"]))
+        tu["t"][self._CANDS[tu["i"]]] = float(np.median(tu["block"]))
         tu["block"] = []
         tu["i"] += 1
-        while tu["i"] < 3 and self._candidate(tu, (0, 1, -1)[tu["i"]]) == tu["centre"]:  # clamped to the centre
+        while tu["i"] < len(self._CANDS) and self._skipped(tu, self._CANDS[tu["i"]]):
             tu["i"] += 1
-        if tu["i"] < 3:
+        if tu["i"] < len(self._CANDS):
             return
         t = tu["t"]
         best = min(t, key=t.get)
         if best != 0 and t[best] < t[0] * (1 - self.margin):
-            tu["centre"] = self._candidate(tu, best)
+            if best == "cpu":
+                tu["centre"], tu["fixed"] = 0.0, 0.0
+            else:
+                tu["centre"] = self._candidate(tu, best)
             tu["moves"] += 1
         else:
             tu["d"] = max(tu["d"] / 2, self.tune_min)
