@@ -486,7 +486,11 @@ def measure(llm, args) -> dict:
     stage("first_prefill")
     llm.generate([prompt(8)], sp(4))  # decode: kernels, graphs, caches
     stage("first_decode")
-    llm.generate([prompt(8)], sp(32))  # probe the rate (and let hybrid's arms explore: 24 steps a batch size)
+    # probe the rate; hybrid's arms (moe/share.Arms) first run 24 untimed split steps, then 24 steps exploring split
+    # vs offload's step, then tune the held split's share in rounds of 4 blocks of 4 steps: measured before that
+    # settles, hybrid's figure mixes in the exploration (the steady state is what a server runs)
+    warm = 32 if plan["backend"] != "hybrid" else 112
+    llm.generate([prompt(8)], sp(warm))
     out["warm_s"] = time.perf_counter() - t
     rate = llm.last_timing["decode_tok_s"]
     n = tokens_for(rate, 1)
@@ -505,7 +509,7 @@ def measure(llm, args) -> dict:
     if "hybrid" in rt.stats():  # the live split after the bs1 run (moe/share.py)
         out["hybrid"] = rt.stats()["hybrid"]
     # batch 4: four requests decoding together; its graphs recorded (and hybrid's arms explored) by a run first
-    llm.generate([prompt(8) for _ in range(4)], sp(28))
+    llm.generate([prompt(8) for _ in range(4)], sp(28 if plan["backend"] != "hybrid" else 96))
     n4 = tokens_for(max(rate, out["tg_tok_s"]), 4)
     before = totals()
     llm.generate([prompt(8) for _ in range(4)], sp(n4))
