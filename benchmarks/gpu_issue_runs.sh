@@ -24,6 +24,8 @@
 #            file for each BACKEND@GIB[@FLAGS] of DPROF [fused@0] (0: no cap; FLAGS q: dense layers kept compressed, s:
 #            no overlapped decode) -> $OUT/decode_profile_BACKEND_GIB[_FLAGS].{json,log}; STEADY=N: then N-token
 #            decodes at batch 1 / 4 and host ops
+#   qlinear  issue 13: benchmarks/qlinear_gpu.py (the compressed dense GEMVs' launch constants vs cuBLAS bf16, the
+#            Q4_K_M file's dense shapes) -> $OUT/qlinear.{json,log}
 #   tests    benchmarks/gpu_tests.sh  -> $OUT/gpu_tests.log
 set -uo pipefail
 MTP_TRACE=${MTP_TRACE-synthetic:qwen36}
@@ -97,6 +99,9 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
           $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" --out "$OUT/decode_profile_$S.json" \
           2>&1 | tee "$OUT/decode_profile_$S.log" | tail -75
       done
+      ;;
+    qlinear)
+      timeout "${QLIN_S:-150}" python3 benchmarks/qlinear_gpu.py --out "$OUT/qlinear.json" 2>&1 | tee "$OUT/qlinear.log"
       ;;
     tests)
       TESTS_S=${TESTS_S:-170} TESTS2_S=${TESTS2_S:-50} TESTS_LOG=$OUT/gpu_tests.log bash benchmarks/gpu_tests.sh

@@ -328,8 +328,12 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
     c_gu = dict(H=H, I=I, QG=qt, BSG=bs, TSG=ts, NSG=ns, QU=qt, BSU=bs, TSU=ts, NSU=ns, BN=bn, BV=max(bv, bs),
                 H_BF16=True)
     bn, bv, _ = qpairs.default_config("down", H, I, P)
-    c_d = dict(H=H, I=I, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs))
-    return (qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d)
+    c_d = dict(H=H, I=I, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs), Y_BF16=False)
+    # a dense layer kept compressed: the same kernel storing its bf16 output itself (quant_linear)
+    bn, bv, _ = qpairs.default_config("down", 8192, H, 1)
+    c_lin = dict(H=8192, I=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs), Y_BF16=True)
+    return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
+            (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin))
 
 
 def _hf_compile_args(qfmt, H: int, I: int, P: int):
@@ -342,8 +346,11 @@ def _hf_compile_args(qfmt, H: int, I: int, P: int):
     bn, bv, _ = qpairs.default_config("gate_up", I, H, P)
     c_gu = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]), H_BF16=True)
     bn, bv, _ = qpairs.default_config("down", H, I, P)
-    c_d = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]))
-    return (qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d)
+    c_d = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]), Y_BF16=False)
+    bn, bv, _ = qpairs.default_config("down", 8192, H, 1)
+    c_lin = dict(H=8192, I=H, **consts, BN=bn, BV=max(bv, consts["GS"]), Y_BF16=True)
+    return ((qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d),
+            (qpairs._hf_down_kernel, {**sig_d, "y": "*i16"}, c_lin))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -181,8 +181,8 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor
         efmt = _LINEAR_FORMATS[key] = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
     xs = x.reshape(-1, K).contiguous()
     src, w = _unit_pairs(xs.shape[0], x.device)
-    y = torch.empty((xs.shape[0], N), dtype=torch.float32, device=x.device)
-    down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y)
+    y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
+    down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -206,9 +206,31 @@ def hf_quant_linear(x: torch.Tensor, efmt, pool: dict, shape) -> torch.Tensor:
     N, K = int(shape[-2]), int(shape[-1])
     xs = x.reshape(-1, K).contiguous()
     src, w = _unit_pairs(xs.shape[0], x.device)
-    y = torch.empty((xs.shape[0], N), dtype=torch.float32, device=x.device)
-    down_triton(xs, w, src, pool, efmt, y)
+    y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
+    down_triton(xs, w, src, pool, efmt, y, linear_config(N, K, xs.shape[0]))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _linear_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """A dense layer's output as the kernel stores it: bf16 rounded in the kernel (round to nearest even, what
+    torch's cast of the float32 sums gives: one launch fewer per layer, 164 a Qwen3.6 decode step), else float32
+    (cast after where x is fp16)."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
+def linear_config(N: int, K: int, T: int):
+    """Launch constants (BN, BV, warps) of a dense layer's GEMV (quant_linear / hf_quant_linear): the pair kernels'
+    default (None), or MOESTREAM_QLINEAR_CFG="BN,BV,WARPS" (benchmarks/qlinear_gpu.py sweeps them; read once)."""
+    cfg = _QLINEAR_CFG.get("v", False)
+    if cfg is False:
+        import os
+
+        env = os.environ.get("MOESTREAM_QLINEAR_CFG", "")
+        cfg = _QLINEAR_CFG["v"] = tuple(int(v) for v in env.split(",")) if env else None
+    return cfg
+
+
+_QLINEAR_CFG: dict = {}
 
 
 _LINEAR_FORMATS: dict = {}
@@ -328,14 +350,14 @@ if triton is not None:
     @triton.jit
     def _gguf_down_kernel(h, tw, src, dw, d_stride, y, lut, H: tl.constexpr, I: tl.constexpr,
                           QD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr,
-                          BN: tl.constexpr, BV: tl.constexpr):
+                          BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
             n = tl.program_id(1) * BN + tl.arange(0, BN)
             nmask = n < H
             acc = _gguf_dot(dw + r * d_stride, n, nmask, h + p.to(tl.int64) * I, I, lut, QD, BSD, TSD, NSD, BN, BV)
-            tl.store(y + p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), mask=nmask)
+            _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
 
     @triton.jit
     def _hf_gate_up_kernel(x, src, gw, gw_stride, gs, gs_stride, gg, gg_stride,
@@ -358,7 +380,7 @@ if triton is not None:
     @triton.jit
     def _hf_down_kernel(h, tw, src, dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H: tl.constexpr, I: tl.constexpr,
                         KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                        GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+                        GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
@@ -367,7 +389,7 @@ if triton is not None:
             r = r.to(tl.int64)
             acc = _hf_dot(dw + r * dw_stride, ds + r * ds_stride, dg + r * dg_stride, n, nmask,
                           h + p.to(tl.int64) * I, I, KIND, SMODE, RB, CB, GS, BN, BV)
-            tl.store(y + p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), mask=nmask)
+            _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
 
 
 def _pow2(n: int) -> int:
@@ -430,7 +452,7 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
     bn, bv, warps = cfg or default_config(stage, N, K, P)
     grid = (P, triton.cdiv(N, bn))
     bf16 = out.dtype == torch.bfloat16
-    out_arg = out.view(torch.int16) if stage == "gate_up" and bf16 else out  # _store rounds bf16 itself
+    out_arg = out.view(torch.int16) if bf16 else out  # _store rounds bf16 itself
     if isinstance(fmt, GGUFExpertFormat):
         lut = td.lut_table(a.device)
         if stage == "gate_up":
@@ -441,8 +463,9 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
                                        TSU=tsu, NSU=nsu, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
         else:
             qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
-            _gguf_down_kernel[grid](a, w, src, pool["down"], pool["down"].stride(0), out, lut, N, K,
-                                    QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), num_warps=warps)
+            _gguf_down_kernel[grid](a, w, src, pool["down"], pool["down"].stride(0), out_arg, lut, N, K,
+                                    QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), Y_BF16=bf16,
+                                    num_warps=warps)
         return out
     consts = _hf_consts(fmt)
     bv = max(bv, consts["GS"])
@@ -450,6 +473,6 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
         _hf_gate_up_kernel[grid](a, src, *_hf_parts(pool, fmt, "gate", a.device), *_hf_parts(pool, fmt, "up", a.device),
                                  out_arg, K, N, k, **consts, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
     else:
-        _hf_down_kernel[grid](a, w, src, *_hf_parts(pool, fmt, "down", a.device), out, N, K, **consts, BN=bn, BV=bv,
-                              num_warps=warps)
+        _hf_down_kernel[grid](a, w, src, *_hf_parts(pool, fmt, "down", a.device), out_arg, N, K, **consts, BN=bn,
+                              BV=bv, Y_BF16=bf16, num_warps=warps)
     return out

@@ -1,0 +1,94 @@
+"""Dense layers kept compressed on a GPU (moe/qpairs.quant_linear): launch constants against cuBLAS on bf16.
+
+CUDA only. From the repo root on the GPU machine:
+    PYTHONPATH=$PWD python3 benchmarks/qlinear_gpu.py [--rows 1,4] [--out results.json]
+
+At a capped configuration the dense layers of a GGUF stay compressed and a decode step runs ~200 of these GEMVs
+(H100, 2026-12-06, offload at 11.3 GiB on the Qwen3.6 Q4_K_M file: ~1.6 ms of an 11.5 ms step, ~0.6 TB/s of
+compressed bytes where cuBLAS reads bf16 at ~1.7 TB/s). For each shape of that model's dense layers (type as the
+Q4_K_M file stores it) and each (BN rows, BV columns, warps) of CONFIGS, --calls launches with different weights (so
+the bytes come from HBM, not L2) are recorded in one CUDA graph and replayed; reported: µs per GEMV, GB/s of stored
+bytes, and the bf16 cuBLAS GEMV of the same shape. The fastest configuration per shape is what
+MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from moestream.moe import qpairs
+from moestream.quant import gguf_format
+from moestream.quant.synthetic import random_raw
+
+# (name, GGUF type, N rows, K columns): the Qwen3.6-35B-A3B Q4_K_M file's dense layers (benchmarks/make_qwen36_q4km.py)
+SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 4096, 2048),
+          ("gdn out_proj", "Q6_K", 2048, 4096), ("attn q_proj", "Q4_K", 8192, 2048),
+          ("shared gate", "Q4_K", 512, 2048), ("shared down", "Q6_K", 2048, 512), ("lm_head", "Q6_K", 151936, 2048)]
+CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
+
+
+def timed(fn, calls: int, iters: int) -> float:
+    """µs per call of fn(i) for i in range(calls), recorded as one graph, replayed iters times."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    for name, qtype, N, K in SHAPES:
+        q = gguf_format(qtype)
+        calls = args.calls if N * K < 1 << 26 else 2  # the head: 0.24 GB a copy
+        raws = [random_raw(q, (N, K), dev, seed=i) for i in range(calls)]
+        stored = raws[0].numel()
+        dense = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(calls, 4))]
+        for T in (int(t) for t in args.rows.split(",")):
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            row = {"layer": name, "type": qtype, "N": N, "K": K, "rows": T, "stored_mb": stored / 1e6}
+            us = timed(lambda i: x @ dense[i % len(dense)].t(), calls, args.iters)
+            row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
+            row["configs"] = {}
+            for cfg in CONFIGS:
+                qpairs._QLINEAR_CFG["v"] = cfg
+                try:
+                    us = timed(lambda i: qpairs.quant_linear(x, q, raws[i], (N, K)), calls, args.iters)
+                except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+                    row["configs"][str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
+                    continue
+                row["configs"][str(cfg)] = {"us": round(us, 2), "gbs": round(stored / us / 1e3, 1)}
+            ok = {k: v for k, v in row["configs"].items() if isinstance(v, dict)}
+            best = min(ok, key=lambda k: ok[k]["us"])
+            row["best"] = best
+            print(f"{name:16s} {qtype} {N}x{K} rows {T}: cuBLAS bf16 {row['cublas_bf16_us']:.1f} us "
+                  f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us; best {best} "
+                  f"{ok[best]['us']} us ({ok[best]['gbs']} GB/s of stored bytes)")
+            results.append(row)
+    qpairs._QLINEAR_CFG.pop("v", None)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
