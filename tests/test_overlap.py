@@ -170,3 +170,38 @@ def test_cuda_decode_build_on_a_cpu(overlap, tiny_checkpoint, monkeypatch):
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert built[0] >= 11
     llm.scheduler.check_integrity()
+
+
+def test_a_failed_overlapped_step_leaves_no_placeholder(tiny_checkpoint, monkeypatch):
+    """A launch that raises while a step is in flight: the step raises, nothing is left in flight, and once the
+    server's handler sends the requests back to the queue (Scheduler.isolate_running) no request holds a pending
+    placeholder, the pages and slots add up, and the requests finish with the tokens of a run without overlap."""
+    path = tiny_checkpoint("qwen3")
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = LLM(path, overlap_schedule="off", **COMMON)
+    prompts = _prompts(ref.model_config.vocab_size, 2)
+    want = [o.token_ids for o in ref.generate(prompts, sp)]
+    llm = LLM(path, overlap_schedule="on", **COMMON)
+    eng = llm.llm_engine
+    reqs = [Request(f"r{i}", list(p), sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None
+    orig = eng.runner.launch
+
+    def boom(sched, prev=None):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(eng.runner, "launch", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert eng._inflight is None
+    eng.scheduler.isolate_running()
+    assert all(not r.pending and PENDING not in r.output_ids for r in reqs)
+    eng.scheduler.check_integrity()
+    monkeypatch.setattr(eng.runner, "launch", orig)
+    while eng.has_work():
+        eng.step()
+    assert [r.output_ids for r in reqs] == want

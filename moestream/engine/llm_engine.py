@@ -198,14 +198,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev = self._inflight
         batch = self.scheduler.schedule()
+        self._inflight = None
         try:
             launched = self.runner.launch(batch, prev)
-        except BaseException:
-            self._inflight = None
+            outputs = self.scheduler.resolve(self.runner.read(prev))
+        except BaseException:  # the caller isolates or ends the requests (their pending tokens are dropped then)
             self.scheduler.step_failed(batch)
             raise
-        self._inflight = None
-        outputs = self.scheduler.resolve(self.runner.read(prev))  # raises: the caller isolates the requests
         self._inflight = launched
         self.scheduler.advance(batch)
         if not launched.live():  # every request of the launched step stopped at the token just read
