@@ -54,6 +54,7 @@ class LLMEngine:
         self.last_step: dict = {}  # the last step's counts and seconds (LLM timing, server log lines)
         self._inflight = None  # runner.Inflight: an overlapped decode step launched, its tokens not yet read
         self._carry: list[StepOutput] = []  # outputs read between steps (drain), returned by the next step
+        self.overlapped = 0  # decode steps launched while the one before was in flight
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: Request, keep_markup: bool = False) -> None:
@@ -129,6 +130,7 @@ class LLMEngine:
         count as queued), and speculative decoding's."""
         out = self.scheduler.stats()
         out["queued"] += len(self.compiling)
+        out["overlapped_steps"] = self.overlapped  # decode steps launched before the last one's tokens were read
         if self.runner.spec_k:
             out["speculative"] = self.runner.spec_stats()
         return out
@@ -206,6 +208,7 @@ class LLMEngine:
             self.scheduler.step_failed(batch)
             raise
         self._inflight = launched
+        self.overlapped += 1
         self.scheduler.advance(batch)
         if not launched.live():  # every request of the launched step stopped at the token just read
             self._read_inflight()

@@ -310,6 +310,7 @@ def stats_body(state: ServerState) -> dict:
             "requests": requests, "experts": engine.get("experts"),
             "experts_hit_rate": engine.get("experts_hit_rate"), "memory_plan": engine.get("memory_plan"),
             "prefix_cache": engine.get("prefix_cache"), "speculative": engine.get("speculative"),
+            "overlapped_steps": engine.get("overlapped_steps", 0),
             "engine_totals": engine.get("totals"), "host_memory": engine.get("host_memory"),
             "cache_rebuilds": engine.get("cache_rebuilds")}
 
