@@ -129,12 +129,20 @@ def steady(llm, args, out: dict) -> None:
     print(f"  bs1 step {out['steady_bs1']['step_ms']:.2f} ms - replay {out['replay_ms']:.2f} ms = "
           f"{out['host_ms_bs1']:.2f} ms of host time a step; bs4/bs1 "
           f"{out['steady_bs4']['tok_s'] / max(out['steady_bs1']['tok_s'], 1e-9):.2f}")
+    from moestream.scheduler.request import Request
+
     n = 32
-    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    p = torch.randint(0, vocab, (64,), generator=g).tolist()
-    _, ops = profiled(lambda: llm.generate([p], sp), n, cpu=True)
+    eng = llm.llm_engine
+    req = Request("host-ops", torch.randint(0, vocab, (64,), generator=g).tolist(),
+                  SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
+    eng.add_request(req)
+    while len(req.output_ids) < 2:  # the prefill and the first decode steps (an overlapped step started) first
+        eng.step()
+    _, ops = profiled(lambda: [eng.step() for _ in range(n)], n, cpu=True)
+    while eng.has_work():
+        eng.step()
     out["host_ops_bs1"] = ops[:25]
-    print("  host ops of a batch-1 decode (self CPU us per token, incl. the 64-token prefill / 32):")
+    print("  host ops of batch-1 decode steps alone (self CPU us a step, 32 steps):")
     for r in ops[:25]:
         print(f"  {r['self_cpu_us']:9.1f} us  x{r['calls']:6.1f}  {r['op']}")
 
