@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_e2e import start_server, stop_server
+from test_server_e2e import chat_stream, start_server, stop_server
 
 KEY = "overlap-key"
 MODEL = "tiny"
@@ -34,12 +34,7 @@ def servers(tiny_checkpoint):
 
 
 def _stream(oai, **kw):
-    content, finish, usage = "", None, None
-    for chunk in oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
-        usage = chunk.usage or usage
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            finish = ch.finish_reason or finish
+    content, finish, usage = chat_stream(oai, **kw)
     return content, finish, usage.completion_tokens
 
 
