@@ -206,13 +206,14 @@ def test_supports():
 
 
 # --------------------------------------------------------------------------- interpreter
-def _stage_case() -> list[str]:
-    """pairs._stage_triton copies every array of a compressed pool, host rows shorter than pool rows."""
+def _stage_case(case: str = "Q4_K", pad: int = PAD) -> list[str]:
+    """pairs._stage_triton copies every array of a compressed pool (one launch: 3 GGUF arrays, 6 FP8 parts, 9 NVFP4
+    ones; more than the kernel's slots: one launch an array), host rows shorter than pool rows."""
     from moestream.moe import pairs
 
-    fmt, host = make_layer("Q4_K")
+    fmt, host = make_layer(case)
     host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous() for n, t in host.items()}  # exact rows
-    pool = {n: torch.zeros((4, t.shape[1] + PAD), dtype=torch.uint8) for n, t in host.items()}
+    pool = {n: torch.zeros((4, t.shape[1] + pad), dtype=torch.uint8) for n, t in host.items()}
     experts, rows, count = torch.tensor([3, 1, 4]), torch.tensor([2, 0, 1]), torch.tensor(2)
     pairs._stage_triton(host, pool, experts, rows, count)
     errs = []
@@ -220,7 +221,20 @@ def _stage_case() -> list[str]:
         want = torch.zeros_like(t)
         want[2, :host[n].shape[1]], want[0, :host[n].shape[1]] = host[n][3], host[n][1]
         if not torch.equal(t, want):
-            errs.append(f"{n}: staged rows differ")
+            errs.append(f"{case} {n}: staged rows differ")
+    return errs
+
+
+def _stage_cases() -> list[str]:
+    from moestream.moe import pairs
+
+    errs = _stage_case("Q4_K") + _stage_case("fp8_block") + _stage_case("nvfp4", pad=3)  # pad 3: 1-byte words
+    slots = pairs.STAGE_ARRAYS
+    try:  # fewer slots than arrays: the per-array launches
+        pairs.STAGE_ARRAYS = 2
+        errs += _stage_case("Q4_K")
+    finally:
+        pairs.STAGE_ARRAYS = slots
     return errs
 
 
@@ -270,7 +284,7 @@ HF_LINEAR_CASES = ("fp8_block", "fp8_block_32x64_bf16", "fp8_channel", "fp8_tens
 
 def _worker_case(case: str) -> list[str]:
     if case == "stage":
-        return _stage_case()
+        return _stage_cases()
     if case.startswith("hflinear:"):
         return _hf_linear_case(case.split(":")[1])
     if case.startswith("linear:"):
@@ -531,3 +545,20 @@ def test_cuda_hf_quant_linear_module(case, rows):
     assert not ((got.double() - want).abs() > tol).any()
     if rows <= GPU_GEMV_ROWS:
         _replays_like_eager(lin, x)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_stage_all_kernel_compiles_for_sm90_within_the_default_frame():
+    """The one-launch staging kernel (every array of a layer's misses; 8-byte words, 9 array slots) compiles for an
+    H100/H200 and needs no local memory past the driver's default stack frame (tests/test_triton_frames.py says why)."""
+    from moestream.layers import triton_ops
+    from moestream.moe import pairs
+    from triton_harness import frame_bytes
+
+    sig = {}
+    for j in range(pairs.STAGE_ARRAYS):
+        sig.update({f"h{j}": "*i64", f"p{j}": "*i64", f"n{j}": "i32", f"hs{j}": "i32", f"ps{j}": "i32"})
+    sig.update({"experts_ptr": "*i64", "rows_ptr": "*i64", "count_ptr": "*i64", "CHUNK": "constexpr",
+                "BLOCK": "constexpr"})
+    k = compile_sm90(pairs._stage_all_kernel, sig, {"CHUNK": 8192, "BLOCK": 1024}, {"num_warps": 4})
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT

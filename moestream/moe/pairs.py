@@ -191,6 +191,53 @@ if triton is not None:
                 tl.store(pool_ptr + r * pool_stride + o, v, mask=m)
 
 
+    @triton.jit
+    def _stage_row(host_ptr, pool_ptr, e, r, N, host_stride, pool_stride, start, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+        """Chunk [start, start + CHUNK) of host row e (N words) to the front of pool row r."""
+        for off in range(0, CHUNK, BLOCK):
+            o = start + off + tl.arange(0, BLOCK)
+            m = o < N
+            v = tl.load(host_ptr + e * host_stride + o, mask=m)
+            tl.store(pool_ptr + r * pool_stride + o, v, mask=m)
+
+    @triton.jit
+    def _stage_all_kernel(h0, p0, n0, hs0, ps0, h1, p1, n1, hs1, ps1, h2, p2, n2, hs2, ps2,
+                          h3, p3, n3, hs3, ps3, h4, p4, n4, hs4, ps4, h5, p5, n5, hs5, ps5,
+                          h6, p6, n6, hs6, ps6, h7, p7, n7, hs7, ps7, h8, p8, n8, hs8, ps8,
+                          experts_ptr, rows_ptr, count_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (i, c, a) copies chunk c of array a's host row experts[i] to the front of its pool row rows[i]:
+        every array of a layer's misses in ONE launch (up to 9: an NVFP4 layer's three parts of three projections),
+        so their copies overlap on PCIe and a call with no miss costs one near-empty launch, not one per array."""
+        i = tl.program_id(0)
+        if i < tl.load(count_ptr):
+            e = tl.load(experts_ptr + i)
+            r = tl.load(rows_ptr + i)
+            start = tl.program_id(1) * CHUNK
+            a = tl.program_id(2)
+            if a == 0:
+                _stage_row(h0, p0, e, r, n0, hs0, ps0, start, CHUNK, BLOCK)
+            elif a == 1:
+                _stage_row(h1, p1, e, r, n1, hs1, ps1, start, CHUNK, BLOCK)
+            elif a == 2:
+                _stage_row(h2, p2, e, r, n2, hs2, ps2, start, CHUNK, BLOCK)
+            elif a == 3:
+                _stage_row(h3, p3, e, r, n3, hs3, ps3, start, CHUNK, BLOCK)
+            elif a == 4:
+                _stage_row(h4, p4, e, r, n4, hs4, ps4, start, CHUNK, BLOCK)
+            elif a == 5:
+                _stage_row(h5, p5, e, r, n5, hs5, ps5, start, CHUNK, BLOCK)
+            elif a == 6:
+                _stage_row(h6, p6, e, r, n6, hs6, ps6, start, CHUNK, BLOCK)
+            elif a == 7:
+                _stage_row(h7, p7, e, r, n7, hs7, ps7, start, CHUNK, BLOCK)
+            elif a == 8:
+                _stage_row(h8, p8, e, r, n8, hs8, ps8, start, CHUNK, BLOCK)
+
+
+STAGE_ARRAYS = 9  # arrays _stage_all_kernel takes in one launch
+
+
 def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     T, k = topk_w.shape
     P = T * k
@@ -221,6 +268,17 @@ def _word_size(*ts: torch.Tensor) -> int:
 
 def _stage_triton(host, pool, experts, rows, count) -> None:
     M = experts.shape[0]
+    names = list(pool)
+    if 0 < len(names) <= STAGE_ARRAYS:  # one launch for every array, in words all their rows divide into
+        size = _word_size(*(host[n] for n in names), *(pool[n] for n in names))
+        chunk, args, chunks = 8192, [], 1
+        for n in names:
+            src, dst = _words(host[n], size), _words(pool[n], size)
+            args += [src, dst, src.shape[1], src.stride(0), dst.stride(0)]
+            chunks = max(chunks, triton.cdiv(src.shape[1], chunk))
+        args += args[:5] * (STAGE_ARRAYS - len(names))  # slots never reached (program axis 2 < len(names))
+        _stage_all_kernel[(M, chunks, len(names))](*args, experts, rows, count, CHUNK=chunk, BLOCK=1024)
+        return
     for name, dst_t in pool.items():
         size = _word_size(host[name], dst_t)
         src, dst = _words(host[name], size), _words(dst_t, size)
