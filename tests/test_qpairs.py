@@ -282,7 +282,35 @@ def _hf_linear_case(case: str) -> list[str]:
 HF_LINEAR_CASES = ("fp8_block", "fp8_block_32x64_bf16", "fp8_channel", "fp8_tensor", "nvfp4", "mxfp4")
 
 
+def _count_case() -> list[str]:
+    """pairs._count_routed_kernel (the fused pair path's per-layer counts of a batched call) equals the torch
+    counts: every distinct expert once, repeats and experts past the top of the ids included, P not a power of two."""
+    from moestream.moe import pairs
+
+    errs = []
+    for P, E in ((32, 256), (12, 384), (5, 64)):
+        g = torch.Generator().manual_seed(P)
+        ids = torch.randint(0, E, (P,), generator=g)
+        ids[1] = ids[0]  # a repeat
+        hits, distinct = torch.randint(0, 5, (E,), generator=g), torch.tensor([7])
+        want_h, want_d = hits.clone(), distinct.clone()
+        routed = torch.zeros(E, dtype=torch.bool)
+        routed[ids] = True
+        want_h += routed
+        want_d += routed.sum()
+        pairs._count_routed_kernel[(1,)](ids, hits, distinct, E, P=P, BLOCK_E=triton_next_pow2(E))
+        if not (torch.equal(hits, want_h) and torch.equal(distinct, want_d)):
+            errs.append(f"P={P} E={E}: counts differ")
+    return errs
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _worker_case(case: str) -> list[str]:
+    if case == "count":
+        return _count_case()
     if case == "stage":
         return _stage_cases()
     if case.startswith("hflinear:"):
@@ -294,7 +322,7 @@ def _worker_case(case: str) -> list[str]:
     return _check(case, cfg=INTERP_CFG)
 
 
-WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "linear:Q8_0", "linear:Q4_K",
+WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "linear:Q8_0", "linear:Q4_K",
                 "linear:Q6_K", *(f"hflinear:{c}" for c in HF_LINEAR_CASES)]
 
 
@@ -561,4 +589,18 @@ def test_stage_all_kernel_compiles_for_sm90_within_the_default_frame():
     sig.update({"experts_ptr": "*i64", "rows_ptr": "*i64", "count_ptr": "*i64", "CHUNK": "constexpr",
                 "BLOCK": "constexpr"})
     k = compile_sm90(pairs._stage_all_kernel, sig, {"CHUNK": 8192, "BLOCK": 1024}, {"num_warps": 4})
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("P, E", [(32, 256), (256, 512)])
+def test_count_routed_kernel_compiles_for_sm90_within_the_default_frame(P, E):
+    """The fused pair path's one-launch counts compile for an H100/H200 without local memory past the default frame,
+    at batch 4 of top-8 over 256 experts and at its largest call."""
+    from moestream.layers import triton_ops
+    from moestream.moe import pairs
+    from triton_harness import frame_bytes
+
+    sig = {"ids": "*i64", "hits": "*i64", "distinct": "*i64", "E": "i32", "P": "constexpr", "BLOCK_E": "constexpr"}
+    k = compile_sm90(pairs._count_routed_kernel, sig, {"P": P, "BLOCK_E": E}, {"num_warps": 4})
     assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT

@@ -26,7 +26,7 @@ from .compute import DeviceExperts, RouteGroups, WeightRef, host_to_device
 from .cpu_moe import layer_table
 from .device_cache import (ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
                            DeviceSlotCache)
-from .pairs import stage_experts
+from .pairs import count_routed, stage_experts
 from .residency import Residency
 from .runtime import Part
 from .transfer import Pool
@@ -125,10 +125,7 @@ class BankExperts(CacheHooks):
                 self.single[li] += topk_ids.shape[1]
             self.hits_e[li].index_add_(0, topk_ids.reshape(-1).long(), self._ones[:topk_ids.shape[1]])
         else:
-            routed = torch.zeros(self.ctx.store.num_experts, dtype=torch.bool, device=x.device)
-            routed.index_fill_(0, topk_ids.reshape(-1), True)
-            self.distinct[li] += routed.sum()
-            self.hits_e[li] += routed
+            count_routed(topk_ids.long(), self.hits_e[li], self.distinct[li:li + 1])
         return PairRows(topk_ids.reshape(-1).long(), self.ctx.store.bank(layer))
 
     def book(self, layer: int, experts: list[int]) -> None:

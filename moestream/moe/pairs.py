@@ -237,6 +237,39 @@ if triton is not None:
 
 STAGE_ARRAYS = 9  # arrays _stage_all_kernel takes in one launch
 
+if triton is not None:
+
+    @triton.jit
+    def _count_routed_kernel(ids, hits, distinct, E, P: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One program: the distinct experts among ids[:P] each add one to hits[e], and their number to distinct[0]
+        (a [BLOCK_E] mask built one id at a time: no [P, E] tile in registers)."""
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        routed = tl.zeros([BLOCK_E], dtype=tl.int64)
+        for i in range(P):
+            routed = tl.maximum(routed, (e == tl.load(ids + i)).to(tl.int64))
+        h = tl.load(hits + e, mask=em, other=0)
+        tl.store(hits + e, h + routed, mask=em)
+        tl.store(distinct, tl.load(distinct) + tl.sum(routed, axis=0))
+
+
+COUNT_MAX_PAIRS = 256  # beyond (a prompt-sized call), the torch ops: the kernel's loop runs one id at a time
+
+
+def count_routed(ids: torch.Tensor, hits: torch.Tensor, distinct: torch.Tensor) -> None:
+    """hits [E] += 1 for each distinct expert among ids (any shape, int64), distinct (a one-element int64 view) +=
+    their number: the fused pair path's per-layer counts of a batched decode call, one launch on CUDA (torch: five),
+    no host sync (recordable in a decode graph)."""
+    flat = ids.reshape(-1)
+    if triton_ready(flat.device) and flat.numel() <= COUNT_MAX_PAIRS:
+        E = hits.shape[0]
+        _count_routed_kernel[(1,)](flat, hits, distinct, E, P=flat.numel(), BLOCK_E=triton.next_power_of_2(E))
+        return
+    routed = torch.zeros(hits.shape[0], dtype=torch.bool, device=hits.device)
+    routed.index_fill_(0, flat, True)
+    distinct += routed.sum()
+    hits += routed
+
 
 def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:
     T, k = topk_w.shape
