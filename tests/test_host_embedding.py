@@ -89,3 +89,17 @@ def test_cuda_engine_with_the_embedding_in_host_memory(arch, tiny_checkpoint, mo
     assert got == want
     V, H = llm.model_config.vocab_size, llm.model_config.hidden_size
     assert dense_dev - dense_host == V * H * 2
+
+
+def test_gather_kernel_compiles_for_sm90_within_the_default_frame():
+    """The gather compiles for an H100/H200 (a bf16 table, Qwen3.6's 2,048-value rows in two blocks) with no local
+    memory past the driver's default stack frame."""
+    from triton_harness import HAS_TRITON, compile_sm90, frame_bytes
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from moestream.layers import host_embedding, triton_ops
+
+    sig = {"table": "*bf16", "ids": "*i64", "out": "*bf16", "D": "i32", "stride": "i32", "BLOCK": "constexpr"}
+    k = compile_sm90(host_embedding._gather_rows_kernel, sig, {"BLOCK": 1024}, {"num_warps": 4})
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT
