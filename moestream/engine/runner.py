@@ -163,29 +163,29 @@ class ModelRunner:
         return batch, rows
 
     @staticmethod
-    def _build_decode(sched: ScheduledBatch, kv) -> tuple[ForwardBatch, _Rows]:
-        """build() of a CPU step where every sequence decodes its newest token and samples after it (no prompt
-        rows, no drafts): the same batch, its indices written into one int64 buffer (DecodeArrays) whose views are
-        the batch's tensors, and which the compiled decode step reads by address; every row's logits, in order.
-        Fewer host operations than the general build, whose cost a small model's decode step pays every token."""
+    def _decode_fields(sched: ScheduledBatch, kv, buf: np.ndarray, rows_at: int) -> None:
+        """The decode builders' shared layout: each sequence's KV rows back to back from buf[rows_at], and the first
+        5 B values B token ids, B positions, B KV write slots (each sequence's last row), B state slots, the B
+        logits rows 0..B-1 (every row samples)."""
+        seqs = sched.seqs
+        o, writes = rows_at, []
+        for s in seqs:
+            n = s.cached + 1
+            buf[o:o + n] = kv.flat_rows(s.req.pages, n)
+            writes.append(int(buf[o + n - 1]))
+            o += n
+        B = len(seqs)
+        buf[:5 * B] = ([s.req.token_at(s.cached) for s in seqs] + [s.cached for s in seqs] + writes
+                       + [s.req.state_slot for s in seqs] + list(range(B)))
+
+    @staticmethod
+    def _decode_batch(sched: ScheduledBatch, t: torch.Tensor, rows_at: int) -> tuple[ForwardBatch, _Rows]:
+        """The ForwardBatch whose tensors are views of t, laid out by _decode_fields."""
         seqs = sched.seqs
         B = len(seqs)
-        totals = [s.cached + 1 for s in seqs]
-        buf = np.empty(6 * B + 1 + sum(totals), dtype=np.int64)
-        o = 6 * B + 1
-        slots = []
-        for s, n in zip(seqs, totals):
-            buf[o:o + n] = kv.flat_rows(s.req.pages, n)
-            slots.append(int(buf[o + n - 1]))
-            o += n
-        ids = [s.req.token_at(s.cached) for s in seqs]
-        pos = [s.cached for s in seqs]
-        states = [s.req.state_slot for s in seqs]
-        buf[:5 * B] = ids + pos + slots + states + list(range(B))
-        buf[5 * B:6 * B + 1] = [0, *accumulate(totals)]
-        t = torch.from_numpy(buf)
-        metas, o = [], 6 * B + 1
-        for i, (s, n) in enumerate(zip(seqs, totals)):
+        metas, o = [], rows_at
+        for i, s in enumerate(seqs):
+            n = s.cached + 1
             metas.append(SeqMeta(start=i, length=1, cached=s.cached, state_slot=s.req.state_slot,
                                  kv_index=t[o:o + n], snapshots=s.snapshots))
             o += n
@@ -194,49 +194,46 @@ class ModelRunner:
             logits_index=t[4 * B:5 * B], state_slots=t[3 * B:4 * B], state_resets=sched.state_resets,
             state_loads=sched.state_loads, state_saves=sched.state_saves, kv_copies=sched.kv_copies,
             host_copies=sched.host_copies, prompt=False)
-        batch.extra["host"] = DecodeArrays(buf, B, buf.ctypes.data)
         rows = list(range(B))
         return batch, _Rows(logits=rows, sample=list(rows))
 
+    @staticmethod
+    def _build_decode(sched: ScheduledBatch, kv) -> tuple[ForwardBatch, _Rows]:
+        """build() of a CPU step where every sequence decodes its newest token and samples after it (no prompt
+        rows, no drafts): the same batch, its indices written into one int64 buffer (DecodeArrays: _decode_fields,
+        then the B + 1 offsets of each sequence's KV rows) whose views are the batch's tensors, and which the
+        compiled decode step reads by address. Fewer host operations than the general build, whose cost a small
+        model's decode step pays every token."""
+        B = len(sched.seqs)
+        totals = [s.cached + 1 for s in sched.seqs]
+        buf = np.empty(6 * B + 1 + sum(totals), dtype=np.int64)
+        ModelRunner._decode_fields(sched, kv, buf, 6 * B + 1)
+        buf[5 * B:6 * B + 1] = [0, *accumulate(totals)]
+        batch, rows = ModelRunner._decode_batch(sched, torch.from_numpy(buf), 6 * B + 1)
+        batch.extra["host"] = DecodeArrays(buf, B, buf.ctypes.data)
+        return batch, rows
+
     def _build_decode_cuda(self, sched: ScheduledBatch, kv, prev) -> tuple[ForwardBatch, _Rows]:
         """build() of a CUDA step where every sequence decodes its newest token and samples after it: the step's
-        indices (ids, positions, KV write slots, state slots, logits rows, KV lengths, rows in prev's tokens, then
-        each sequence's KV rows) written into one pinned int64 host buffer and copied to the device with ONE
-        asynchronous copy; the batch's tensors are views of the device copy. A copy from pageable memory (what
-        torch.tensor(..., device=) does) first waits for everything queued on the stream, which would make an
-        overlapped step wait for the step in flight."""
+        indices (_decode_fields, then the B KV lengths and the B rows in prev's tokens) written into one pinned int64
+        host buffer and copied to the device with ONE asynchronous copy; the batch's tensors are views of the device
+        copy. A copy from pageable memory (what torch.tensor(..., device=) does) first waits for everything queued on
+        the stream, which would make an overlapped step wait for the step in flight."""
         seqs = sched.seqs
         B = len(seqs)
         totals = [s.cached + 1 for s in seqs]
         n = 7 * B + sum(totals)
         host = self._pinned_batch(n)
         buf = host.numpy()
-        o, metas_at, writes = 7 * B, [], []
-        for s, t in zip(seqs, totals):
-            buf[o:o + t] = kv.flat_rows(s.req.pages, t)
-            writes.append(int(buf[o + t - 1]))
-            metas_at.append(o)
-            o += t
-        buf[:B] = [s.req.token_at(s.cached) for s in seqs]
-        buf[B:2 * B] = [s.cached for s in seqs]
-        buf[2 * B:3 * B] = writes
-        buf[3 * B:4 * B] = [s.req.state_slot for s in seqs]
-        buf[4 * B:5 * B] = range(B)
+        self._decode_fields(sched, kv, buf, 7 * B)
         buf[5 * B:6 * B] = totals
         buf[6 * B:7 * B] = [prev.rows[s.req.id] for s in seqs] if prev is not None else 0
         t = host[:n].to(self.engine.device, non_blocking=True)
-        metas = [SeqMeta(start=i, length=1, cached=s.cached, state_slot=s.req.state_slot, kv_index=t[a:a + n_],
-                         snapshots=s.snapshots) for i, (s, a, n_) in enumerate(zip(seqs, metas_at, totals))]
-        batch = ForwardBatch(
-            input_ids=t[:B], positions=t[B:2 * B], seqs=metas, kv_write_index=t[2 * B:3 * B],
-            logits_index=t[4 * B:5 * B], state_slots=t[3 * B:4 * B], state_resets=sched.state_resets,
-            state_loads=sched.state_loads, state_saves=sched.state_saves, kv_copies=sched.kv_copies,
-            host_copies=sched.host_copies, prompt=False)
+        batch, rows = self._decode_batch(sched, t, 7 * B)
         batch.extra["decode_lengths"] = t[5 * B:6 * B]
         if prev is not None:
             batch.extra["prev_rows"] = t[6 * B:7 * B]
-        rows = list(range(B))
-        return batch, _Rows(logits=rows, sample=list(rows))
+        return batch, rows
 
     def _pinned_batch(self, n: int) -> torch.Tensor:
         """A pinned int64 host buffer of at least n values for _build_decode_cuda: two in turn, so the one written
