@@ -604,3 +604,14 @@ def test_count_routed_kernel_compiles_for_sm90_within_the_default_frame(P, E):
     sig = {"ids": "*i64", "hits": "*i64", "distinct": "*i64", "E": "i32", "P": "constexpr", "BLOCK_E": "constexpr"}
     k = compile_sm90(pairs._count_routed_kernel, sig, {"P": P, "BLOCK_E": E}, {"num_warps": 4})
     assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT
+
+
+@pytest.mark.parametrize("env, want", [("16,256,4", (16, 256, 4)), ("", None), ("16,256", None), ("x,1,1", None),
+                                       ("12,256,4", None), ("16,256,0", None)])
+def test_qlinear_launch_constants_from_the_environment(env, want, monkeypatch, caplog):
+    """MOESTREAM_QLINEAR_CFG sets the dense GEMVs' launch constants (benchmarks/qlinear_gpu.py); a malformed value is
+    a warning and the defaults, never a failed step."""
+    monkeypatch.setenv("MOESTREAM_QLINEAR_CFG", env)
+    monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})
+    assert qpairs.linear_config(8192, 2048, 1) == want
+    assert ("not BN,BV,WARPS" in caplog.text) == (bool(env) and want is None)

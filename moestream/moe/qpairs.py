@@ -226,7 +226,19 @@ def linear_config(N: int, K: int, T: int):
         import os
 
         env = os.environ.get("MOESTREAM_QLINEAR_CFG", "")
-        cfg = _QLINEAR_CFG["v"] = tuple(int(v) for v in env.split(",")) if env else None
+        cfg = None
+        if env:
+            try:
+                cfg = tuple(int(v) for v in env.split(","))
+                if len(cfg) != 3 or min(cfg) < 1 or any(v & (v - 1) for v in cfg[:2]):
+                    raise ValueError
+            except ValueError:
+                import logging
+
+                logging.getLogger("moestream.moe").warning(
+                    "MOESTREAM_QLINEAR_CFG=%r is not BN,BV,WARPS (powers of two for BN and BV): using the defaults", env)
+                cfg = None
+        _QLINEAR_CFG["v"] = cfg
     return cfg
 
 
