@@ -22,7 +22,7 @@
 #            (PROF_GB: a cap) -> $OUT/prefill_profile.{json,log}: kernels by GPU time, host ops by CPU time
 #   dprof    issue 13: benchmarks/step_profile.py (one recorded batch-1 decode step replayed, kernel by kernel) on that
 #            file for each BACKEND@GIB[@FLAGS] of DPROF [fused@0] (0: no cap; FLAGS q: dense layers kept compressed, s:
-#            no overlapped decode) -> $OUT/decode_profile_BACKEND_GIB[_FLAGS].{json,log}; STEADY=N: then N-token
+#            no overlapped decode, t: STEPS whole steps profiled, for cpu / hybrid) -> $OUT/decode_profile_BACKEND_GIB[_FLAGS].{json,log}; STEADY=N: then N-token
 #            decodes at batch 1 / 4 and host ops
 #   qlinear  issue 13: benchmarks/qlinear_gpu.py (the compressed dense GEMVs' launch constants vs cuBLAS bf16, the
 #            Q4_K_M file's dense shapes) -> $OUT/qlinear.{json,log}
@@ -91,12 +91,14 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
     dprof)
       need_file
       # BACKEND@GIB[@FLAGS]: FLAGS q keeps the dense layers compressed (MOESTREAM_DENSE_QUANT=1) where `auto` would
-      # not; s steps without overlap (--overlap-schedule off)
+      # not; s steps without overlap (--overlap-schedule off); t whole steps profiled instead of a replay (--steps STEPS
+      # [32]: cpu and hybrid, whose graph waits on the CPU worker)
       for C in $(echo "${DPROF:-fused@0}" | tr , ' '); do
         B=${C%%@*}; R=${C#*@}; G=${R%%@*}; FL=$( [ "$R" != "$G" ] && echo "${R#*@}" ); S=${B}_$G${FL:+_$FL}
         Dq=$( [[ "$FL" == *q* ]] && echo 1 || echo auto ); Ov=$( [[ "$FL" == *s* ]] && echo off || echo auto )
+        St=$( [[ "$FL" == *t* ]] && echo "--steps ${STEPS:-32}" )
         MOESTREAM_DENSE_QUANT=$Dq timeout "${DPROF_S:-120}" python3 benchmarks/step_profile.py --model "$F" --backend "$B" \
-          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" --out "$OUT/decode_profile_$S.json" \
+          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" $St --out "$OUT/decode_profile_$S.json" \
           2>&1 | tee "$OUT/decode_profile_$S.log" | tail -75
       done
       ;;

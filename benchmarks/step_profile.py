@@ -8,6 +8,9 @@ Decodes a few tokens (so the batch-1 step of its KV bucket is recorded as a CUDA
 that graph alone N times: under CUDA events (the step's GPU time) and under the torch profiler (every
 kernel inside the graph, by name: launches per step, µs per step). The gap between the step's time and
 the sum of its kernels' times is the per-kernel overhead of the graph (launch latency, tails).
+--steps N profiles N whole batch-1 decode steps instead of a replay (any backend; cpu and hybrid need it: their
+graph waits on the CPU expert worker, which only a real step serves): wall ms a step, kernels by name, the CPU
+worker's compute ms a step, and what is left (the GPU waiting for the CPU beyond its compute, handoffs, host).
 --prefill N profiles one N-token prompt instead (kernels by GPU time, host ops by self CPU time): where the
 all-resident Q4_K_M prefill (2,895 tok/s against llama.cpp's 4,955 on the H200) spends its time.
 """
@@ -54,7 +57,8 @@ def profiled(run, reps: int, cpu: bool = False) -> tuple[list[dict], list[dict]]
     self CPU time per rep) of run() under the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    gpu = torch.cuda.is_available()
+    acts = ([ProfilerActivity.CUDA] if gpu else []) + ([ProfilerActivity.CPU] if cpu or not gpu else [])
     with profile(activities=acts) as prof:
         run()
         sync()
@@ -147,6 +151,64 @@ def steady(llm, args, out: dict) -> None:
         print(f"  {r['self_cpu_us']:9.1f} us  x{r['calls']:6.1f}  {r['op']}")
 
 
+def stepped_profile(llm, args) -> dict:
+    """--steps N: N batch-1 decode steps of one request, end to end, under the torch profiler (GPU kernels), after
+    they ran once unprofiled for their wall time; the MoE runtime's counters over the same steps. The kernels that
+    wait on the CPU worker (the bridge's collect) are totalled apart: their time is the worker's compute plus the
+    handoffs; the rest of the kernel time is the GPU's own work."""
+    from moestream import SamplingParams
+    from moestream.scheduler.request import Request
+
+    vocab = llm.model_config.vocab_size
+    g = torch.Generator().manual_seed(6)
+    eng, rt, n = llm.llm_engine, llm.engine.runtime, args.steps
+
+    def run_steps(tag: str, profile: bool):
+        req = Request(tag, torch.randint(0, vocab, (64,), generator=g).tolist(),
+                      SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
+        eng.add_request(req)
+        while len(req.output_ids) < 3:  # the prefill and the first decode steps (graphs recorded, overlap started)
+            eng.step()
+        sync()
+        before = dict(rt.stats()["total"])
+        t0 = time.perf_counter()
+        if profile:
+            rows, _ = profiled(lambda: [eng.step() for _ in range(n)], n)
+        else:
+            for _ in range(n):
+                eng.step()
+            rows = []
+        sync()
+        wall = (time.perf_counter() - t0) / n
+        after = dict(rt.stats()["total"])
+        while eng.has_work():
+            eng.step()
+        delta = {k: (after[k] - before.get(k, 0)) / n for k in after if isinstance(after[k], (int, float))}
+        return wall, rows, delta
+
+    llm.generate([torch.randint(0, vocab, (64,), generator=g).tolist()],  # warm: graphs, tuning, hybrid's share
+                 SamplingParams(max_tokens=max(n, 160), temperature=0, ignore_eos=True))  # (its exploration: ~112 steps)
+    wall, _, delta = run_steps("steps-wall", False)
+    pwall, rows, _ = run_steps("steps-prof", True)
+    kernel_ms = sum(r["us_per_step"] for r in rows) / 1e3
+    wait_ms = sum(r["us_per_step"] for r in rows if "collect" in r["kernel"]) / 1e3
+    cpu_ms = delta.get("cpu_s", 0.0) * 1e3
+    out = {"backend": args.backend, "cap_gb": args.gpu_memory_gb, "steps": n, "step_ms": wall * 1e3,
+           "tok_s": 1 / wall, "profiled_step_ms": pwall * 1e3, "kernel_ms": kernel_ms,
+           "kernels_per_step": sum(r["per_step"] for r in rows), "collect_ms": wait_ms,
+           "gpu_own_ms": kernel_ms - wait_ms, "cpu_compute_ms": cpu_ms,
+           "handoff_ms": wait_ms - cpu_ms if wait_ms else 0.0, "gpu_idle_ms": pwall * 1e3 - kernel_ms,
+           "per_step_counters": delta, "top": rows[:30]}
+    print(f"{args.backend} cap={args.gpu_memory_gb}: {n} batch-1 steps, {out['step_ms']:.2f} ms a step "
+          f"({out['tok_s']:.1f} tok/s; {out['profiled_step_ms']:.2f} profiled); kernels {kernel_ms:.2f} ms "
+          f"({out['kernels_per_step']:.0f}) = GPU's own {out['gpu_own_ms']:.2f} + collect (waiting on the CPU) "
+          f"{wait_ms:.2f}; CPU worker computing {cpu_ms:.2f} ms; GPU without a kernel {out['gpu_idle_ms']:.2f} ms")
+    print("  counters a step: " + ", ".join(f"{k} {v:.4g}" for k, v in delta.items() if v))
+    for r in rows[:30]:
+        print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:6.1f}  {r['kernel']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -159,12 +221,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of --prefill)")
     ap.add_argument("--overlap", default="auto", help="--overlap-schedule (auto, on, off)")
     ap.add_argument("--steady", type=int, default=0, help="then N-token decodes at batch 1 and 4, and their host ops")
+    ap.add_argument("--steps", type=int, default=0, help="profile N whole decode steps instead of a replay (cpu, hybrid)")
     args = ap.parse_args()
     from moestream import SamplingParams
 
     llm = load(args)
     if args.prefill:
         prefill_profile(llm, args)
+        return
+    if args.steps:
+        out = stepped_profile(llm, args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
         return
     vocab = llm.model_config.vocab_size
     ids = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(3)).tolist()
