@@ -9,7 +9,9 @@ compressed bytes where cuBLAS reads bf16 at ~1.7 TB/s). For each shape of that m
 Q4_K_M file stores it) and each (BN rows, BV columns, warps) of CONFIGS, --calls launches with different weights (so
 the bytes come from HBM, not L2) are recorded in one CUDA graph and replayed; reported: µs per GEMV, GB/s of stored
 bytes, and the bf16 cuBLAS GEMV of the same shape. The fastest configuration per shape is what
-MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default.
+MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default. Rows > 1 time the multi-row
+kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG) beside "pairs", the pair kernel's one
+program per row that it replaced.
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
           ("gdn out_proj", "Q6_K", 2048, 4096), ("attn q_proj", "Q4_K", 8192, 2048),
           ("shared gate", "Q4_K", 512, 2048), ("shared down", "Q6_K", 2048, 512), ("lm_head", "Q6_K", 151936, 2048)]
 CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
+# rows > 1: the multi-row kernel's (BN, BV, warps) (MOESTREAM_QLINEAR_ROWS_CFG), beside "pairs" (one pair-kernel program
+# per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
+ROWS_CONFIGS = ["pairs", None, (4, 256, 4), (8, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 256, 8),
+                (1, 1024, 4)]
 
 
 def timed(fn, calls: int, iters: int) -> float:
@@ -69,8 +75,10 @@ def main() -> None:
             us = timed(lambda i: x @ dense[i % len(dense)].t(), calls, args.iters)
             row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
             row["configs"] = {}
-            for cfg in CONFIGS:
-                qpairs._QLINEAR_CFG["v"] = cfg
+            for cfg in (CONFIGS if T == 1 else ROWS_CONFIGS):
+                qpairs._QLINEAR_CFG["v"] = None if T > 1 else cfg
+                qpairs._QLINEAR_CFG["rows_on"] = cfg != "pairs"
+                qpairs._QLINEAR_CFG["rows_cfg"] = None if cfg == "pairs" else cfg
                 try:
                     us = timed(lambda i: qpairs.quant_linear(x, q, raws[i], (N, K)), calls, args.iters)
                 except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
@@ -81,10 +89,11 @@ def main() -> None:
             best = min(ok, key=lambda k: ok[k]["us"])
             row["best"] = best
             print(f"{name:16s} {qtype} {N}x{K} rows {T}: cuBLAS bf16 {row['cublas_bf16_us']:.1f} us "
-                  f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us; best {best} "
+                  f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us"
+                  f"{'; pairs ' + str(ok.get('pairs', {}).get('us')) + ' us' if T > 1 else ''}; best {best} "
                   f"{ok[best]['us']} us ({ok[best]['gbs']} GB/s of stored bytes)")
             results.append(row)
-    qpairs._QLINEAR_CFG.pop("v", None)
+    qpairs._QLINEAR_CFG.clear()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -238,16 +238,26 @@ def _stage_cases() -> list[str]:
     return errs
 
 
-def _linear_case(qtype: str) -> list[str]:
+def _linear_rows(T: int, how: str):
+    """(T, whether the multi-row kernel is on) of a dense case: how "pairs" runs T rows through the pair kernel, one
+    program per row (MOESTREAM_QLINEAR_ROWS=0); else the multi-row kernel where T > 1."""
+    on = how != "pairs"
+    qpairs._QLINEAR_CFG["rows_on"] = on
+    assert qpairs._rows_kernel(T) == (on and T > 1)
+
+
+def _linear_case(qtype: str, T: int = 3, how: str = "") -> list[str]:
     """qpairs.quant_linear (a dense layer kept compressed) against the torch decoder and a float64 GEMM;
-    K = 512 (two K-quant super-blocks), N = 40 (a partial tile), T = 3 rows of bf16 activations."""
+    K = 512 (two K-quant super-blocks), N = 40 (a partial tile), T rows of bf16 activations (3: one partial block of
+    the multi-row kernel's 4; 9: a full block of 8 and a partial one; 1: the pair kernel)."""
     from moestream.quant import gguf_format
     from moestream.quant.synthetic import random_raw
 
     q = gguf_format(qtype)
     N, K = 40, 512
     raw = random_raw(q, (N, K), "cpu", seed=3)
-    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    _linear_rows(T, how)
     got = qpairs.quant_linear(x, q, raw, (N, K)).double()
     W = q.dequantize(raw, (N, K), torch.float64)
     want = x.double() @ W.t()
@@ -257,7 +267,7 @@ def _linear_case(qtype: str) -> list[str]:
     return [f"{qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
 
 
-def _hf_linear_case(case: str) -> list[str]:
+def _hf_linear_case(case: str, T: int = 3, how: str = "") -> list[str]:
     """qpairs.hf_quant_linear (an HF-quantized dense layer kept as stored: layers.HFQuantLinear's parts) against the
     format's torch decoder and a float64 GEMM; N = 40 rows (a partial tile and, for 128 x 128 FP8, a partial row
     block), K = 256, T = 3 rows of bf16 activations; same bound as _linear_case."""
@@ -269,7 +279,8 @@ def _hf_linear_case(case: str) -> list[str]:
     if scale_dtype is not None:
         parts = {n: t.to(scale_dtype) if t.dtype == torch.float32 and t.dim() > 1 else t for n, t in parts.items()}
     lin = HFQuantLinear(qfmt, parts, N, K)
-    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    _linear_rows(T, how)
     efmt = qpairs.hf_linear_format(qfmt, lin.dtypes, N, K)
     got = qpairs.hf_quant_linear(x, efmt, lin._pool(), (N, K)).double()
     W = lin.dense(torch.float64)
@@ -313,17 +324,19 @@ def _worker_case(case: str) -> list[str]:
         return _count_case()
     if case == "stage":
         return _stage_cases()
-    if case.startswith("hflinear:"):
-        return _hf_linear_case(case.split(":")[1])
-    if case.startswith("linear:"):
-        return _linear_case(case.split(":")[1])
+    if case.startswith(("hflinear:", "linear:")):  # linear:TYPE[:T[:pairs]]
+        kind, what, *rest = case.split(":")
+        T, how = int(rest[0]) if rest else 3, rest[1] if len(rest) > 1 else ""
+        return (_hf_linear_case if kind == "hflinear" else _linear_case)(what, T, how)
     if case.endswith(":default"):
         return _check(case.split(":")[0])
     return _check(case, cfg=INTERP_CFG)
 
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "linear:Q8_0", "linear:Q4_K",
-                "linear:Q6_K", *(f"hflinear:{c}" for c in HF_LINEAR_CASES)]
+                "linear:Q6_K", "linear:Q4_K:9", "linear:Q6_K:1", "linear:Q4_K:3:pairs", "linear:IQ4_XS:2",
+                *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
+                "hflinear:mxfp4:3:pairs"]
 
 
 @pytest.fixture(scope="module")
@@ -374,8 +387,13 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
     # a dense layer kept compressed: the same kernel storing its bf16 output itself (quant_linear)
     bn, bv, _ = qpairs.default_config("down", 8192, H, 1)
     c_lin = dict(H=8192, I=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs), Y_BF16=True)
+    rows = []
+    for T in (4, 8):  # the multi-row dense kernel at batch 4 and 8 (RT 4 and 8)
+        bn, bv, _, rt = qpairs.linear_rows_config(8192, H, T, bs)
+        rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32", "T": "i32"},
+                     dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True)))
     return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
-            (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin))
+            (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
 
 def _hf_compile_args(qfmt, H: int, I: int, P: int):
@@ -391,8 +409,14 @@ def _hf_compile_args(qfmt, H: int, I: int, P: int):
     c_d = dict(H=H, I=I, **consts, BN=bn, BV=max(bv, consts["GS"]), Y_BF16=False)
     bn, bv, _ = qpairs.default_config("down", 8192, H, 1)
     c_lin = dict(H=8192, I=H, **consts, BN=bn, BV=max(bv, consts["GS"]), Y_BF16=True)
+    rows = []
+    for T in (4, 8):
+        bn, bv, _, rt = qpairs.linear_rows_config(8192, H, T, consts["GS"])
+        rows.append((qpairs._hf_linear_kernel, {"x": "*bf16", "dw": "*u8", "ds": sdt, "dg": "*fp32", "y": "*i16",
+                                                "T": "i32"},
+                     dict(N=8192, K=H, **consts, BN=bn, BV=bv, RT=rt, Y_BF16=True)))
     return ((qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d),
-            (qpairs._hf_down_kernel, {**sig_d, "y": "*i16"}, c_lin))
+            (qpairs._hf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -615,3 +639,24 @@ def test_qlinear_launch_constants_from_the_environment(env, want, monkeypatch, c
     monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})
     assert qpairs.linear_config(8192, 2048, 1) == want
     assert ("not BN,BV,WARPS" in caplog.text) == (bool(env) and want is None)
+
+
+@pytest.mark.parametrize("T, bs, env, want", [(4, 256, "8,256,4", (8, 256, 4, 4)), (3, 256, "", None),
+                                              (9, 32, "", None), (2, 256, "4,128,4", (4, 256, 4, 2)),
+                                              (16, 32, "4,256", None)])
+def test_qlinear_rows_launch_constants(T, bs, env, want, monkeypatch):
+    """The multi-row dense kernel's constants: RT = T rounded up to a power of two, at most LINEAR_MAX_RT; BV holds a
+    whole block; by default ~8K products a step; MOESTREAM_QLINEAR_ROWS_CFG sets BN, BV, warps (malformed: defaults);
+    MOESTREAM_QLINEAR_ROWS=0 sends T > 1 rows back to the pair kernel."""
+    monkeypatch.setenv("MOESTREAM_QLINEAR_ROWS_CFG", env)
+    monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})
+    bn, bv, warps, rt = got = qpairs.linear_rows_config(8192, 2048, T, bs)
+    assert rt == min(1 << (T - 1).bit_length(), qpairs.LINEAR_MAX_RT) and bv >= bs and bv % bs == 0
+    if want is not None:
+        assert got == want
+    else:
+        assert bn * bv * rt <= 8192 and warps == 4
+    assert qpairs._rows_kernel(T) and not qpairs._rows_kernel(1)
+    monkeypatch.setenv("MOESTREAM_QLINEAR_ROWS", "0")
+    monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})
+    assert not qpairs._rows_kernel(T)

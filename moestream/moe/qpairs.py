@@ -180,9 +180,12 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor
     if efmt is None:
         efmt = _LINEAR_FORMATS[key] = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
     xs = x.reshape(-1, K).contiguous()
-    src, w = _unit_pairs(xs.shape[0], x.device)
     y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
-    down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
+    if _rows_kernel(xs.shape[0]):
+        _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K)
+    else:
+        src, w = _unit_pairs(xs.shape[0], x.device)
+        down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -205,9 +208,12 @@ def hf_quant_linear(x: torch.Tensor, efmt, pool: dict, shape) -> torch.Tensor:
     kernel with one expert row holding the whole matrix (capturable; TRITON_INTERPRET=1 on CPU in the tests)."""
     N, K = int(shape[-2]), int(shape[-1])
     xs = x.reshape(-1, K).contiguous()
-    src, w = _unit_pairs(xs.shape[0], x.device)
     y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
-    down_triton(xs, w, src, pool, efmt, y, linear_config(N, K, xs.shape[0]))
+    if _rows_kernel(xs.shape[0]):
+        _launch_linear_rows(pool, efmt, xs, y, N, K)
+    else:
+        src, w = _unit_pairs(xs.shape[0], x.device)
+        down_triton(xs, w, src, pool, efmt, y, linear_config(N, K, xs.shape[0]))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -223,26 +229,64 @@ def linear_config(N: int, K: int, T: int):
     default (None), or MOESTREAM_QLINEAR_CFG="BN,BV,WARPS" (benchmarks/qlinear_gpu.py sweeps them; read once)."""
     cfg = _QLINEAR_CFG.get("v", False)
     if cfg is False:
-        import os
-
-        env = os.environ.get("MOESTREAM_QLINEAR_CFG", "")
-        cfg = None
-        if env:
-            try:
-                cfg = tuple(int(v) for v in env.split(","))
-                if len(cfg) != 3 or min(cfg) < 1 or any(v & (v - 1) for v in cfg[:2]):
-                    raise ValueError
-            except ValueError:
-                import logging
-
-                logging.getLogger("moestream.moe").warning(
-                    "MOESTREAM_QLINEAR_CFG=%r is not BN,BV,WARPS (powers of two for BN and BV): using the defaults", env)
-                cfg = None
-        _QLINEAR_CFG["v"] = cfg
+        cfg = _QLINEAR_CFG["v"] = _env_cfg("MOESTREAM_QLINEAR_CFG")
     return cfg
 
 
 _QLINEAR_CFG: dict = {}
+
+LINEAR_MAX_RT = 8  # activation rows one program of the multi-row dense kernel reads each decoded weight tile for
+
+
+def _rows_kernel(T: int) -> bool:
+    """A dense layer's GEMV of T > 1 rows goes through the multi-row kernel (each weight block decoded once for up
+    to LINEAR_MAX_RT rows) unless MOESTREAM_QLINEAR_ROWS=0 (then one pair-kernel program per row, each decoding the
+    whole matrix: a batch-4 GEMV cost ~3.2x a batch-1 one on an H100, benchmarks/RESULTS.md 2026-12-06)."""
+    if T < 2:
+        return False
+    on = _QLINEAR_CFG.get("rows_on")
+    if on is None:
+        import os
+
+        on = _QLINEAR_CFG["rows_on"] = os.environ.get("MOESTREAM_QLINEAR_ROWS", "1") != "0"
+    return on
+
+
+def linear_rows_config(N: int, K: int, T: int, bs: int) -> tuple[int, int, int, int]:
+    """(BN output rows, BV columns a step, warps, RT activation rows) of the multi-row dense kernel for T rows of K
+    columns (bs: the weight's block size, which BV must hold): RT = T rounded up to a power of two (at most
+    LINEAR_MAX_RT); ~8K products a step per program (BN x BV weight values decoded, times RT rows).
+    MOESTREAM_QLINEAR_ROWS_CFG="BN,BV,WARPS" (or benchmarks/qlinear_gpu.py's sweep) sets the first three."""
+    rt = min(_pow2(T), LINEAR_MAX_RT)
+    cfg = _QLINEAR_CFG.get("rows_cfg", False)
+    if cfg is False:
+        cfg = _QLINEAR_CFG["rows_cfg"] = _env_cfg("MOESTREAM_QLINEAR_ROWS_CFG")
+    if cfg is not None:
+        return cfg[0], max(cfg[1], bs), cfg[2], rt
+    bv = max(bs, min(512, _pow2(K)))
+    bn = max(1, min(_pow2(N), 8192 // (bv * rt)))
+    return bn, bv, 4, rt
+
+
+def _env_cfg(name: str):
+    """A "BN,BV,WARPS" launch triple from the environment (powers of two for BN and BV), None when unset; a malformed
+    value is one warning and None (the defaults)."""
+    import os
+
+    env = os.environ.get(name, "")
+    if not env:
+        return None
+    try:
+        cfg = tuple(int(v) for v in env.split(","))
+        if len(cfg) != 3 or min(cfg) < 1 or any(v & (v - 1) for v in cfg[:2]):
+            raise ValueError
+        return cfg
+    except ValueError:
+        import logging
+
+        logging.getLogger("moestream.moe").warning(
+            "%s=%r is not BN,BV,WARPS (powers of two for BN and BV): using the defaults", name, env)
+        return None
 
 
 _LINEAR_FORMATS: dict = {}
@@ -402,6 +446,120 @@ if triton is not None:
             acc = _hf_dot(dw + r * dw_stride, ds + r * ds_stride, dg + r * dg_stride, n, nmask,
                           h + p.to(tl.int64) * I, I, KIND, SMODE, RB, CB, GS, BN, BV)
             _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
+
+
+    # ---- dense layers of several rows (quant_linear / hf_quant_linear at T > 1): a program computes BN output
+    # columns for RT activation rows, each weight tile decoded once and dotted with every row ([RT, BN, ...]
+    # products); grid (cdiv(N, BN), cdiv(T, RT)). Same decoders and fp32 accumulation as the pair kernels.
+    @triton.jit
+    def _gguf_rows_dot(w, n, nmask, x, t, tmask, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr,
+                       TS: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, RT: tl.constexpr):
+        """[RT, BN] fp32: rows n of a GGUF matrix (rows of K // BS blocks of TS bytes at w) dot x rows t ([T, K])."""
+        nblk = K // BS
+        rowp = w + n.to(tl.int64) * (nblk * TS)
+        s = tl.arange(0, NS)[None, None, :, None]
+        e = s * (BS // NS) + tl.arange(0, BS // NS)[None, None, None, :]
+        xr = x + (t.to(tl.int64) * K)[:, None, None, None, None]
+        tm = tmask[:, None, None, None, None]
+        acc = tl.zeros([RT, BN, BV // BS], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            b = k0 // BS + tl.arange(0, BV // BS)
+            bm = b < nblk
+            p = (rowp[:, None] + b[None, :] * TS)[:, :, None, None]
+            m = (nmask[:, None] & bm[None, :])[:, :, None, None]
+            v = gguf_decode(p, e, s, m, lut, QT)  # [BN, BKB, NS, SS], decoded once
+            xo = ((b * BS)[None, :, None, None] + e)[None, :, :, :, :]
+            xv = tl.load(xr + xo, mask=tm & bm[None, None, :, None, None], other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(v[None, :, :, :, :] * xv, axis=4), axis=3)
+        return tl.sum(acc, axis=2)
+
+    @triton.jit
+    def _gguf_linear_kernel(x, dw, y, lut, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
+                            BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr, BN: tl.constexpr,
+                            BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        t = tl.program_id(1) * RT + tl.arange(0, RT)
+        tmask = t < T
+        acc = _gguf_rows_dot(dw, n, nmask, x, t, tmask, K, lut, QD, BSD, TSD, NSD, BN, BV, RT)
+        _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
+
+    @triton.jit
+    def _hf_rows_dot(w, sc, gsc, n, nmask, x, t, tmask, K: tl.constexpr, KIND: tl.constexpr, SMODE: tl.constexpr,
+                     RB: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr,
+                     RT: tl.constexpr):
+        """[RT, BN] fp32: _hf_dot's rows n of an FP8 / NVFP4 / MXFP4 matrix [N, K] dot x rows t ([T, K]), each group
+        of codes and its scale decoded once for the RT rows."""
+        nn = n.to(tl.int64)[:, None]
+        mrow = nmask[:, None]
+        g0 = tl.arange(0, BV // GS)[None, :] * GS
+        xr = x + (t.to(tl.int64) * K)[:, None, None, None]
+        tm = tmask[:, None, None, None]
+        acc = tl.zeros([RT, BN, BV // GS], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            cg = k0 + g0
+            mg = mrow & (cg < K)
+            if KIND == 0:
+                c = cg[:, :, None] + tl.arange(0, GS)[None, None, :]
+                v = _e4m3(_ld(w + nn[:, :, None] * K, c, mg[:, :, None] & (c < K)))
+                xv = tl.load(xr + c[None, :, :, :], mask=tm & (c < K)[None, :, :, :], other=0.0).to(tl.float32)
+                part = tl.sum(v[None, :, :, :] * xv, axis=3)
+            else:
+                c2 = cg[:, :, None] // 2 + tl.arange(0, GS // 2)[None, None, :]
+                b = _ld(w + nn[:, :, None] * (K // 2), c2, mg[:, :, None] & (2 * c2 < K))
+                cm = tm & (2 * c2 < K)[None, :, :, :]
+                xe = tl.load(xr + 2 * c2[None, :, :, :], mask=cm, other=0.0).to(tl.float32)
+                xo = tl.load(xr + 2 * c2[None, :, :, :] + 1, mask=cm, other=0.0).to(tl.float32)
+                part = tl.sum(_e2m1(b & 0xF)[None, :, :, :] * xe + _e2m1(b >> 4)[None, :, :, :] * xo, axis=3)
+            if KIND == 0:
+                if SMODE == 0:
+                    sv = tl.load(sc + (nn // RB) * tl.cdiv(K, CB) + cg // CB, mask=mg, other=0.0).to(tl.float32)
+                    part = part * sv[None, :, :]
+            elif KIND == 1:
+                part = part * _e4m3(_ld(sc + nn * (K // 16), cg // 16, mg))[None, :, :]
+            else:
+                part = part * _e8m0(_ld(sc + nn * (K // 32), cg // 32, mg))[None, :, :]
+            acc += part
+        out = tl.sum(acc, axis=2)
+        if KIND == 0:
+            if SMODE == 1:
+                out = out * tl.load(sc + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            elif SMODE == 2:
+                out = out * tl.load(sc).to(tl.float32)
+        elif KIND == 1:
+            out = out * tl.load(gsc).to(tl.float32)
+        return out
+
+    @triton.jit
+    def _hf_linear_kernel(x, dw, ds, dg, y, T, N: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr,
+                          SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr,
+                          BN: tl.constexpr, BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        t = tl.program_id(1) * RT + tl.arange(0, RT)
+        tmask = t < T
+        acc = _hf_rows_dot(dw, ds, dg, n, nmask, x, t, tmask, K, KIND, SMODE, RB, CB, GS, BN, BV, RT)
+        _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
+
+
+def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """y [T, N] = xs [T, K] @ W.T through the multi-row dense kernel (pool: the weight's "down" parts, one row)."""
+    T = xs.shape[0]
+    bf16 = y.dtype == torch.bfloat16
+    out_arg = y.view(torch.int16) if bf16 else y
+    if isinstance(fmt, GGUFExpertFormat):
+        qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
+        bn, bv, warps, rt = linear_rows_config(N, K, T, bsd)
+        _gguf_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
+            xs, pool["down"], out_arg, td.lut_table(xs.device), T, N, K, QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn,
+            BV=bv, RT=rt, Y_BF16=bf16, num_warps=warps)
+        return y
+    consts = _hf_consts(fmt)
+    bn, bv, warps, rt = linear_rows_config(N, K, T, consts["GS"])
+    dw, _, ds, _, dg, _ = _hf_parts(pool, fmt, "down", xs.device)
+    _hf_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
+        xs, dw, ds, dg, out_arg, T, N, K, **consts, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, num_warps=warps)
+    return y
 
 
 def _pow2(n: int) -> int:
