@@ -42,6 +42,7 @@ Local CPU check of the moestream side (no GPU, no llama.cpp): see tests/test_vs_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -229,7 +230,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
             x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
             if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms",
-                                                     "nohold")
+                                                     "nohold", "noov")
                                      and threads is None and top is None and x8a is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
@@ -257,6 +258,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
                 if variant == "nohold":  # the bridge's layer calls on OpenMP's team, not the pool held for the step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_POOL": "0"}
+                if variant == "noov":  # decode steps not overlapped (--overlap-schedule off)
+                    cfg["overlap"] = "off"
                 if variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)
                     cfg["set_env"] = {"MOESTREAM_HYBRID_ARMS": "0"}
                 if variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead
@@ -428,6 +431,8 @@ def run_child(args) -> None:
                           moe_cpu_threads=cfg.get("threads", 0), moe_prefetch=cfg.get("prefetch", "off"),
                           max_seq_len_override=max(1024, args.pp + args.tg + 64), chunked_prefill_size=2048)
                 rec["load_s"] = time.perf_counter() - t
+            # --overlap-schedule of this configuration (read by the engine at each step; the child's engine is shared)
+            llm.engine.ecfg = dataclasses.replace(llm.engine.ecfg, overlap_schedule=cfg.get("overlap", "auto"))
             gib = lambda m: {k: round(v / 2**30, 3) for k, v in m.items()}  # noqa: E731
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()

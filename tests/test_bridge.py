@@ -40,10 +40,11 @@ class FakeStore:
         return self.banks[layer]
 
 
-def one_step(bridge: CpuBridge, store: FakeStore, T: int, seed: int) -> None:
-    """A step over every layer: the CPU's rows equal the reference, the GPU's rows keep their sentinel."""
+def one_step(bridge: CpuBridge, store: FakeStore, T: int, seed: int, keep: int = 0, finish: bool = True):
+    """A step over every layer: the CPU's rows equal the reference, the GPU's rows keep their sentinel. keep=1: begun
+    while the step before it is still pending (overlapped decode); finish=False: left pending, its checks returned."""
     g = torch.Generator().manual_seed(seed)
-    bridge.begin_step()
+    bridge.begin_step(keep=keep)
     checks = []
     for layer in store.moe_layers:
         x = torch.randn(T, H, generator=g)
@@ -55,7 +56,13 @@ def one_step(bridge: CpuBridge, store: FakeStore, T: int, seed: int) -> None:
         bridge.collect(layer, y, cpu)
         checks.append((layer, x, ids, w, cpu, y))
     bridge.end_step()
+    if not finish:
+        return checks
     bridge.finish_step()
+    check_rows(store, checks)
+
+
+def check_rows(store: FakeStore, checks) -> None:
     for layer, x, ids, w, cpu, y in checks:
         want = _pair_outputs_torch(x, w, ids.reshape(-1), store.bank(layer))
         torch.testing.assert_close(y[cpu], want[cpu], rtol=1e-5, atol=1e-6)
@@ -70,6 +77,17 @@ def check_protocol(kernels: bool) -> None:
         for step, T in enumerate((1, 4, 2, 4)):
             one_step(bridge, store, T, step)
         assert bridge.seq == 4 and sum(bridge.cpu_experts) > 0
+        # overlapped: each step begun while the one before is pending; finish_step finishes the oldest, in order
+        first = one_step(bridge, store, 2, 20, finish=False)
+        for seed in (21, 22):
+            nxt = one_step(bridge, store, 3, seed, keep=1, finish=False)
+            assert len(bridge._pending) == 2 and bridge.finish_step()
+            assert [s for s, _ in bridge._pending] == [bridge.seq]  # the newest still pending
+            check_rows(store, first)
+            first = nxt
+        assert bridge.finish_step() and not bridge.finish_step()
+        check_rows(store, first)
+        assert bridge.seq == 7
         # a worker exception fails that step (the collects still return) and the next step is whole again
         real = bridge._compute
         bridge._compute = lambda i, layer: (_ for _ in ()).throw(ValueError("injected"))

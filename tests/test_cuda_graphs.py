@@ -135,11 +135,13 @@ def test_graph_hybrid_arms_equal_eager(tiny_checkpoint, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
-@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5})])
+@pytest.mark.parametrize("backend,kw", [("fused", {}), ("offload", {"moe_cache_size": 5}), ("cpu", {}),
+                                        ("hybrid", {"moe_cache_size": 5})])
 def test_overlapped_decode_equals_stepwise(arch, backend, kw, tiny_checkpoint, monkeypatch):
     """--overlap-schedule auto on CUDA (graphs replaying; each step launched before the last one's tokens are read,
     its input ids taken on the device) gives the tokens of --overlap-schedule off, one request stopped early by a
-    stop token (a wasted row after its last token), batch 1 and 3; and the steps were overlapped."""
+    stop token (a wasted row after its last token), batch 1 and 3; and the steps were overlapped (cpu and hybrid: the
+    CPU worker serving the launched step's job after the pending one's)."""
     common = dict(device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4, **kw)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 300, 17)]
@@ -163,3 +165,5 @@ def test_overlapped_decode_equals_stepwise(arch, backend, kw, tiny_checkpoint, m
         chained.append(n[0])
     assert outs["auto"] == outs["off"]
     assert chained[0] == 0 and chained[1] > 40
+    if backend in ("cpu", "hybrid"):
+        assert sum(llm.engine.runtime.bridge.cpu_experts) > 0 and not llm.engine.runtime.bridge._pending

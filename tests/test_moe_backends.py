@@ -368,7 +368,7 @@ def test_reading_a_bridged_steps_results_waits_asleep_first(tiny_checkpoint, fus
 
     def end_step(self):
         end(self)
-        self._step_done = Event()
+        self._pending[-1] = (self._pending[-1][0], Event())
         log.append("end")
 
     def wait_launched(self):

@@ -726,7 +726,7 @@ class Engine:
         # its LRU, the pair kernels; not prefill streaming)
         decode_like = decode or bool(batch.extra.get("decode_like"))
         self.runtime.begin_step({"num_tokens": batch.num_tokens, "decode": decode_like, "graph": use_graph,
-                                 "seqs": batch.seqs})
+                                 "seqs": batch.seqs, "overlapped": bool(batch.extra.get("overlapped"))})
         try:
             if use_graph:
                 out = graphs.run(batch)
@@ -764,9 +764,11 @@ class Engine:
     def overlap_ok(self) -> bool:
         """Whether decode steps may overlap (LLMEngine.step launches the next before reading this one's tokens):
         --overlap-schedule on (any device) or auto on CUDA where a decode step has no host synchronisation (the
-        runtime is capturable); one rank, no MTP drafter, and an expert backend without CPU threads in the step."""
+        runtime is capturable); one rank, no MTP drafter. On CUDA every backend (cpu and hybrid: the CPU worker serves
+        the launched step's job after the pending one's, moe/bridge.py); on a CPU fused and offload only."""
         mode = self.ecfg.overlap_schedule
-        if mode == "off" or self.tp or self.use_mtp or self.plan.backend not in ("fused", "offload"):
+        backends = ("fused", "offload", "cpu", "hybrid") if self.device.type == "cuda" else ("fused", "offload")
+        if mode == "off" or self.tp or self.use_mtp or self.plan.backend not in backends:
             return False
         if self.device.type == "cuda":
             return self.runtime.capturable()

@@ -277,6 +277,7 @@ class ModelRunner:
         newest token is still pending take it from `prev`'s device tokens; the step's tokens are sampled on the
         device (sampler.sample_device) and copied to host memory behind an event (read: `read`)."""
         batch, _ = self.build(sched, prev)
+        batch.extra["overlapped"] = prev is not None  # prev is still pending (the expert runtime keeps its job)
         if prev is not None:
             idx = batch.extra.get("prev_rows")
             if idx is None:

@@ -16,8 +16,10 @@ that both address (unified addressing):
                     (at most SPIN_LIMIT polls: then it raises the error flag and goes on), then copies its
                     row of y into the step's pair outputs; a GPU pair's program returns at once
 
-The sequence number is pinned host memory written by the host before each step is launched, so a
-replayed graph needs no device counter. The caller posts before it stages or computes its own pairs:
+The sequence number the kernels read is a device word the host sets before each step is launched (a fill
+ordered in the stream before the step's work), so a replayed graph needs no counter of its own and a step may be
+launched while the one before it still runs (overlapped decode): the worker serves its jobs in order, and
+`finish_step` finishes the oldest step launched, not the newest. The caller posts before it stages or computes its own pairs:
 PCIe copies, GPU pairs and CPU pairs overlap. Pair outputs from either side are summed in k order by
 the caller (pairs.pair_sum), as fused sums them. A worker exception or a timeout fails the step:
 `end_step` only records an event, and `finish_step` (called once the caller has waited for the step's
@@ -31,6 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -71,6 +74,7 @@ class CpuBridge:
         self.req = torch.zeros(L, dtype=torch.long, pin_memory=pin)
         self.done = torch.zeros(L, dtype=torch.long, pin_memory=pin)
         self.seq_h = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.dseq = torch.zeros(1, dtype=torch.long, device=device)  # the step's sequence number the kernels read
         self.err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._req, self._done, self._err = self.req.numpy(), self.done.numpy(), self.err.numpy()
         self.kernels = triton_ready(device)  # else torch on this thread (tests: either)
@@ -80,35 +84,37 @@ class CpuBridge:
         self.cpu_experts = np.zeros(L, dtype=np.int64)  # distinct experts the worker computed, per call summed
         self.cpu_seconds = np.zeros(L)  # the worker's time computing them
         self.kernel_seconds = np.zeros(L)  # of which inside the compiled layer call
-        self._pending = False  # a step ended (its work launched) and not yet finished (finish_step)
-        self._step_done: torch.cuda.Event | None = None
+        # steps ended (their work launched) and not yet finished (finish_step), oldest first: (seq, blocking
+        # event after the step's work, None on a CPU); two while an overlapped step is launched before the last is read
+        self._pending: deque = deque()
+        self._finished = 0  # the last job the worker finished (every job before it too)
+        self._cv = threading.Condition()
         # its calls' (experts c, seconds t) summed for a line fit (moe/share.py): [calls, c, t, c^2, c t]
         self.fit = np.zeros(5)
         self._hw = self.hw.numpy()
-        self._cancel = np.zeros(1, dtype=np.int32)  # 1: stop waiting for requests (read by both worker loops)
+        # the newest step whose requests not posted by now never will be (its work is done): a worker waiting for a
+        # request of that step or an older one gives up (read by both worker loops)
+        self._cancel = np.zeros(1, dtype=np.int64)
         self._tables: dict | bool | None = None  # the compiled worker's arguments (False: not for this store)
         self._calls: dict = {}
         self._calls_enabled = None
         self.mlp = PairMlp(P)
         self.qmlp = QuantPairMlp()
-        self._idle = threading.Event()
-        self._idle.set()
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="moestream-cpu-bridge", daemon=True)
         self._thread.start()
 
     # ---- host side, per step ---------------------------------------------------------------
-    def begin_step(self, first: int = 0) -> None:
-        """Before the step's work is launched: the previous step finished (finish_step), the new sequence
-        number, and a job for the worker, which serves the layers from index `first` on in order (an MTP
-        drafter pass calls only its block's layer, after the model's: the worker must not wait for layer 0)."""
-        self.finish_step()
-        if not self._idle.wait(WORKER_TIMEOUT_S):
-            raise RuntimeError("the CPU expert worker did not finish the previous step")
+    def begin_step(self, first: int = 0, keep: int = 0) -> None:
+        """Before the step's work is launched: the earlier steps finished (finish_step) but the newest `keep` (1: an
+        overlapped decode step launched before the last step is read), the new sequence number, and a job for the
+        worker, which serves the layers from index `first` on in order (an MTP drafter pass calls only its block's
+        layer, after the model's: the worker must not wait for layer 0)."""
+        while len(self._pending) > keep:
+            self.finish_step()
         self.seq += 1
         self.seq_h[0] = self.seq
-        self._cancel[0] = 0
-        self._idle.clear()
+        self.dseq.fill_(self.seq)  # in the stream: after the step before it, before this step's posts
         self._jobs.put((self.seq, first))
 
     def end_step(self) -> None:
@@ -116,34 +122,36 @@ class CpuBridge:
         behind it and the GPU does not idle while this thread wakes and the worker files its counts. The
         caller then calls finish_step once it has waited for the step's results (the next begin_step does,
         where nobody did)."""
+        done = None
         if self.device.type == "cuda":
             # a blocking event: a thread waiting on it sleeps instead of spinning on a core the worker uses
-            self._step_done = torch.cuda.Event(blocking=True)
-            self._step_done.record(torch.cuda.current_stream(self.device))
-        self._pending = True
+            done = torch.cuda.Event(blocking=True)
+            done.record(torch.cuda.current_stream(self.device))
+        self._pending.append((self.seq, done))
 
     def wait_launched(self) -> None:
-        """Sleep until the ended step's GPU work is done (its blocking event). The caller's next read of the
+        """Sleep until the oldest ended step's GPU work is done (its blocking event). The caller's next read of the
         step's results would otherwise wait in a CUDA sync, which spins a core for the whole step (CUDA's default
         with fewer contexts than cores): on a host whose every core runs one of the worker's threads, that
         spinning thread halves one worker thread's share, and each fork/join of the worker's layer calls waits
-        for it."""
-        if self._pending and self._step_done is not None:
-            self._step_done.synchronize()
+        for it. (The oldest: an overlapped step launched after it is not waited for.)"""
+        if self._pending and self._pending[0][1] is not None:
+            self._pending[0][1].synchronize()
 
     def finish_step(self) -> bool:
-        """The last ended step is complete: wait for its GPU work (done already when the caller has read the
-        step's results), release the worker from requests that will not come, raise a failure of that step.
-        False when no step was pending."""
+        """The oldest ended step is complete: wait for its GPU work (done already when the caller has read the
+        step's results), release the worker from requests of it that will not come, wait for the worker's job, raise
+        a failure. False when no step was pending."""
         if not self._pending:
             return False
-        self._pending = False
-        if self._step_done is not None:
-            self._step_done.synchronize()
-            self._step_done = None
-        self._cancel[0] = 1  # every request of a finished step was posted; a worker still waiting
-        if not self._idle.wait(WORKER_TIMEOUT_S):  # for one belongs to a step that raised
-            raise RuntimeError("the CPU expert worker is stuck")
+        seq, done = self._pending.popleft()
+        if done is not None:
+            done.synchronize()
+        # every request of a finished step was posted; a worker still waiting for one belongs to a step that raised
+        self._cancel[0] = max(int(self._cancel[0]), seq)
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._finished >= seq, WORKER_TIMEOUT_S):
+                raise RuntimeError("the CPU expert worker is stuck")
         if self._err[0] or self.failure is not None:
             exc, code = self.failure, int(self._err[0])
             self.failure, self._err[0] = None, 0
@@ -152,8 +160,8 @@ class CpuBridge:
         return True
 
     def close(self) -> None:
-        self._pending = False
-        self._cancel[0] = 1
+        self._pending.clear()
+        self._cancel[0] = np.iinfo(np.int64).max
         self._jobs.put(None)
         self._thread.join(timeout=5)
 
@@ -168,7 +176,7 @@ class CpuBridge:
         ids, w = topk_ids.reshape(-1), topk_w.reshape(-1)
         if self.kernels:
             _post_kernel[(1,)](x.contiguous(), ids, w, cpu, self.hx[i], self.hids[i], self.hw[i], self.hmeta[i],
-                               self.req[i:], self.seq_h, T, T * x.shape[1], P, BLOCK=1024,
+                               self.req[i:], self.dseq, T, T * x.shape[1], P, BLOCK=1024,
                                NB=triton.cdiv(T * x.shape[1], 1024), BLOCK_P=triton.next_power_of_2(P))
             return
         self.hx[i, :T].copy_(x)
@@ -182,7 +190,7 @@ class CpuBridge:
         i = self.index[layer]
         P, H = y.shape
         if self.kernels:
-            _collect_kernel[(P,)](y, cpu, self.hy[i], self.done[i:], self.seq_h, self.err, H, SPIN_LIMIT,
+            _collect_kernel[(P,)](y, cpu, self.hy[i], self.done[i:], self.dseq, self.err, H, SPIN_LIMIT,
                                   BLOCK=1024, NB=triton.cdiv(H, 1024))
             return
         mask = cpu.bool()
@@ -229,7 +237,9 @@ class CpuBridge:
                         self._err[0] = 1
                     self._done[i] = seq
             finally:
-                self._idle.set()
+                with self._cv:
+                    self._finished = seq
+                    self._cv.notify_all()
 
     def _c_tables(self) -> dict | None:
         """The compiled worker's arguments (kernels/cpu_quant.bridge_step) when every layer's experts are
@@ -284,7 +294,7 @@ class CpuBridge:
 
     def _wait_request(self, i: int, seq: int) -> bool:
         while self._req[i] != seq:
-            if self._cancel[0]:
+            if self._cancel[0] >= seq:
                 return False
             time.sleep(0)  # lets the launching thread have the interpreter
         return True

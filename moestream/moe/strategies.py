@@ -23,6 +23,7 @@ name them for the factory (moe/backends.py).
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -320,7 +321,9 @@ class BridgeDecode(Strategy):
         self.lookahead = LookaheadCopies(ctx, cache)
         self.arms = Arms() if split and hybrid_arms() else None
         self.arm = SPLIT
-        self._timed: tuple | None = None  # (rows, arm, start) of the decode step in flight (arms)
+        # each step launched and not yet finished, oldest first: (whether it gave the worker a job, (rows, arm, start)
+        # for the arms or None); two while an overlapped step is launched before the last is read
+        self._steps: deque = deque()
         ctx.book.counters.append(self.counts)
 
     @property
@@ -373,21 +376,31 @@ class BridgeDecode(Strategy):
 
     def begin_step(self, info: dict, decode: bool) -> None:
         """A decode step is one job for the worker (prefill steps take the prefill strategy), unless the arms
-        run it as offload's."""
-        self._bridged, self.arm, self._timed = decode, SPLIT, None
+        run it as offload's. info "overlapped": the step is launched before the last one is read (that one stays
+        pending; every step is finished in launch order)."""
+        keep = 1 if info.get("overlapped") else 0
+        while len(self._steps) > keep:  # a step nobody finished (its launch raised): its job waited for, not timed
+            if self._steps.popleft()[0]:
+                self.bridge.finish_step()
+        self._bridged, self.arm, timed = decode, SPLIT, None
         # an MTP drafter pass calls only its block's layer: the worker starts there, not at layer 0
         first = self.bridge.index.get(info.get("draft_layer"), 0) if info.get("draft") else 0
         if decode and self.arms is not None and not info.get("draft"):  # (an MTP drafter pass: not a step)
             rows = int(info.get("num_tokens", 0))
             self.arm = self.arms.pick(rows)
             self._bridged = self.arm == SPLIT
-            self._timed = (rows, self.arm, time.perf_counter())
+            timed = (rows, self.arm, time.perf_counter())
+        self._steps.append((self._bridged, timed))
         if self._bridged and self.share is not None:  # the arms' tuned share while they hold the split, else the fit's
             fitted = (self.share.value, self.share.fixed)
-            tuned = self.arms.share_for(self._timed[0], fitted) if self._timed is not None else None  # (arms on)
-            self.share.use(*(tuned or fitted))
+            tuned = self.arms.share_for(timed[0], fitted) if timed is not None else None  # (arms on)
+            frac, fixed = tuned or fitted
+            self.share.use(frac, fixed)
+            # every miss on the CPU (share 0): the worker's pool held through the step, as the cpu backend's is
+            # (a split step, whose CPU share is a few experts a layer beside the PCIe copies, is faster without)
+            self.bridge.hold = frac <= 0.0
         if self._bridged:
-            self.bridge.begin_step(first)
+            self.bridge.begin_step(first, keep)
 
     def end_step(self, decode: bool) -> None:
         """The step's work is launched: the bridge notes it (finish_step waits for it)."""
@@ -403,8 +416,8 @@ class BridgeDecode(Strategy):
     def finish_step(self) -> None:
         """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step,
         and the arms its time from launch to results."""
-        timed, self._timed = self._timed, None
-        if self.bridge.finish_step() and self.share is not None:
+        bridged, timed = self._steps.popleft() if self._steps else (True, None)
+        if bridged and self.bridge.finish_step() and self.share is not None:
             self.share.observe(self.bridge.fit)  # the worker's calls so far, read once per window
         if timed is not None:
             rows, arm, t0 = timed

@@ -2374,7 +2374,7 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
 }
 
 // The CPU bridge's worker for one decode step (moe/bridge.py), every MoE layer in order, without Python:
-// for layer i, wait until req[i] == seq (the GPU's post; *cancel set: return -4, timeout_s: -5), group
+// for layer i, wait until req[i] == seq (the GPU's post; *cancel >= seq: return -4, timeout_s: -5), group
 // layer i's CPU pairs (ids[i, p] >= 0 of its meta[i] = (T, P') pairs) by expert, compute them with
 // ms_moe_layer (x rows hx[i] of dtype xdtype, h rounded to it; out rows hy[i, p], float32) from expert e's
 // matrices at wbase[i, j] + e * wstep[i, j] (ggml types wtype[i, j], j = gate / up / down; lflags[i] & 1:
@@ -2384,7 +2384,7 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
 int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, const int64_t* meta,
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
-                   const int64_t* lflags, int64_t* experts_out, double* secs_out, const int32_t* cancel,
+                   const int64_t* lflags, int64_t* experts_out, double* secs_out, const int64_t* cancel,
                    double timeout_s, int nthreads, int hold_pool, int64_t x8_ahead, int64_t rows_ahead) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
   // hold_pool: the layer calls run on the pool, whose workers spin from this step's first call to its end instead
@@ -2413,7 +2413,7 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
     const double t_wait = now_s();
     int64_t spins = 0;
     while (__atomic_load_n(&req[i], __ATOMIC_ACQUIRE) != seq) {
-      if (__atomic_load_n(cancel, __ATOMIC_ACQUIRE)) return -4;
+      if (__atomic_load_n(cancel, __ATOMIC_ACQUIRE) >= seq) return -4;
       if (++spins < 20000) {
         Pool::relax();
       } else {
