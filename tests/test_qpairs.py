@@ -240,8 +240,8 @@ def _stage_cases() -> list[str]:
 
 def _linear_rows(T: int, how: str):
     """(T, whether the multi-row kernel is on) of a dense case: how "pairs" runs T rows through the pair kernel, one
-    program per row (MOESTREAM_QLINEAR_ROWS=0); else the multi-row kernel where T > 1."""
-    on = how != "pairs"
+    program per row (MOESTREAM_QLINEAR_ROWS=0); else the multi-row kernel where T > 1 (or a permuted layer's rows)."""
+    on = "pairs" not in how
     qpairs._QLINEAR_CFG["rows_on"] = on
     assert qpairs._rows_kernel(T) == (on and T > 1)
 
@@ -258,9 +258,12 @@ def _linear_case(qtype: str, T: int = 3, how: str = "") -> list[str]:
     raw = random_raw(q, (N, K), "cpu", seed=3)
     x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
     _linear_rows(T, how)
-    got = qpairs.quant_linear(x, q, raw, (N, K)).double()
+    # "perm": stored column c is the model's column perm[c] (layers.QuantLinear's in_perm), read in the kernel (or
+    # gathered first, with the multi-row kernel off)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(5)) if "perm" in how else None
+    got = qpairs.quant_linear(x, q, raw, (N, K), perm).double()
     W = q.dequantize(raw, (N, K), torch.float64)
-    want = x.double() @ W.t()
+    want = (x if perm is None else x[:, perm]).double() @ W.t()
     # fp32 accumulation in any order (bounded by _bound), then one bf16 rounding of the output
     tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
     bad = (got - want).abs() > tol
@@ -335,6 +338,8 @@ def _worker_case(case: str) -> list[str]:
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "linear:Q8_0", "linear:Q4_K",
                 "linear:Q6_K", "linear:Q4_K:9", "linear:Q6_K:1", "linear:Q4_K:3:pairs", "linear:IQ4_XS:2",
+                "linear:Q6_K:1:perm", "linear:Q4_K:3:perm", "linear:Q8_0:9:perm", "linear:Q4_K:3:permpairs",
+                "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
                 "hflinear:mxfp4:3:pairs"]
 
@@ -388,10 +393,11 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
     bn, bv, _ = qpairs.default_config("down", 8192, H, 1)
     c_lin = dict(H=8192, I=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=max(bv, bs), Y_BF16=True)
     rows = []
-    for T in (4, 8):  # the multi-row dense kernel at batch 4 and 8 (RT 4 and 8)
-        bn, bv, _, rt = qpairs.linear_rows_config(8192, H, T, bs)
-        rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32", "T": "i32"},
-                     dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True)))
+    for T, perm in ((4, False), (8, False), (1, True), (4, True)):  # the multi-row dense kernel (RT 4, 8, 1), with
+        bn, bv, _, rt = qpairs.linear_rows_config(8192, H, T, bs)  # the columns read through a permutation or not
+        rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
+                                                  "perm": "*i64", "T": "i32"},
+                     dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True, PERM=perm)))
     return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
             (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
@@ -567,6 +573,32 @@ def test_cuda_quant_linear_module(rows):
     assert not ((got.double() - want).abs() > tol).any()
     a, b = lin.split(got)
     assert a.shape[-1] == 1024 and b.shape[-1] == 2048
+    if rows <= GPU_GEMV_ROWS:
+        _replays_like_eager(lin, x)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_cuda_quant_linear_module_permuted_input(rows):
+    """layers.QuantLinear with in_perm (a GGUF's GDN out projection, value heads reordered) on a GPU: decode rows read
+    x through the permutation inside the GEMV kernel (no gather; recordable in a CUDA graph), prefill rows gathered
+    then one GEMM; both equal x[:, in_perm] @ W.T of the dequantized weight."""
+    from moestream.layers.quant_linear import GPU_GEMV_ROWS, QuantLinear
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q6_K")
+    N, K = 2048, 4096
+    raw = random_raw(q, (N, K), "cuda", seed=6)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(8))
+    lin = QuantLinear("Q6_K", raw, N, K, in_perm=perm).cuda()
+    x = (torch.randn(rows, K, device="cuda") * 0.5).to(torch.bfloat16)
+    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
+    want = x[:, perm.cuda()].double() @ W.t()
+    got = lin(x)
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+    assert got.shape == (rows, N) and not ((got.double() - want).abs() > tol).any()
     if rows <= GPU_GEMV_ROWS:
         _replays_like_eager(lin, x)
 

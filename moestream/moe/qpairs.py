@@ -167,10 +167,12 @@ def linear_supported(fmt) -> bool:
     return isinstance(fmt, GGUFFormat) and fmt.type_name in td._GGUF_IDS
 
 
-def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape, perm: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, N] (x.dtype) = x [T, K] @ W.T for a dense layer kept compressed (GGUF bytes, N rows of
     K // block_size blocks): the pair "down" kernel with one expert row holding the whole matrix, every
-    pair reading it with weight 1 (fp32 accumulation, no dense copy of W). For decode-sized T on CUDA
+    pair reading it with weight 1 (fp32 accumulation, no dense copy of W); T > 1 rows through the multi-row kernel.
+    perm [K] (layers.QuantLinear's in_perm): the stored columns are x's in another order (y = x[:, perm] @ W.T); the
+    multi-row kernel reads x through it (no gather launch), else x is gathered first. For decode-sized T on CUDA
     (capturable: shapes decide everything); under TRITON_INTERPRET=1 on CPU tensors in the tests."""
     from .formats import PROJS, gguf_expert_format
 
@@ -181,8 +183,16 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape) -> torch.Tensor
         efmt = _LINEAR_FORMATS[key] = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
     xs = x.reshape(-1, K).contiguous()
     y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
-    if _rows_kernel(xs.shape[0]):
-        _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K)
+    if perm is not None and _rows_on():  # any T: the permutation read in the kernel
+        _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K, perm)
+    elif _rows_kernel(xs.shape[0]) or perm is not None:
+        if perm is not None:
+            xs = xs.index_select(-1, perm)
+        if _rows_kernel(xs.shape[0]):
+            _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K)
+        else:
+            src, w = _unit_pairs(xs.shape[0], x.device)
+            down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
     else:
         src, w = _unit_pairs(xs.shape[0], x.device)
         down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
@@ -242,8 +252,11 @@ def _rows_kernel(T: int) -> bool:
     """A dense layer's GEMV of T > 1 rows goes through the multi-row kernel (each weight block decoded once for up
     to LINEAR_MAX_RT rows) unless MOESTREAM_QLINEAR_ROWS=0 (then one pair-kernel program per row, each decoding the
     whole matrix: a batch-4 GEMV cost ~3.2x a batch-1 one on an H100, benchmarks/RESULTS.md 2026-12-06)."""
-    if T < 2:
-        return False
+    return T >= 2 and _rows_on()
+
+
+def _rows_on() -> bool:
+    """The multi-row dense kernel is in use (MOESTREAM_QLINEAR_ROWS, read once; default on)."""
     on = _QLINEAR_CFG.get("rows_on")
     if on is None:
         import os
@@ -258,6 +271,9 @@ def linear_rows_config(N: int, K: int, T: int, bs: int) -> tuple[int, int, int, 
     LINEAR_MAX_RT); ~8K products a step per program (BN x BV weight values decoded, times RT rows).
     MOESTREAM_QLINEAR_ROWS_CFG="BN,BV,WARPS" (or benchmarks/qlinear_gpu.py's sweep) sets the first three."""
     rt = min(_pow2(T), LINEAR_MAX_RT)
+    if rt == 1:  # one row (a permuted layer's decode GEMV): the pair kernel's constants
+        bn, bv, warps = linear_config(N, K, 1) or default_config("down", N, K, 1)
+        return bn, max(bv, bs), warps, 1
     cfg = _QLINEAR_CFG.get("rows_cfg", False)
     if cfg is False:
         cfg = _QLINEAR_CFG["rows_cfg"] = _env_cfg("MOESTREAM_QLINEAR_ROWS_CFG")
@@ -453,8 +469,10 @@ if triton is not None:
     # products); grid (cdiv(N, BN), cdiv(T, RT)). Same decoders and fp32 accumulation as the pair kernels.
     @triton.jit
     def _gguf_rows_dot(w, n, nmask, x, t, tmask, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr,
-                       TS: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, RT: tl.constexpr):
-        """[RT, BN] fp32: rows n of a GGUF matrix (rows of K // BS blocks of TS bytes at w) dot x rows t ([T, K])."""
+                       TS: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, RT: tl.constexpr,
+                       perm, PERM: tl.constexpr):
+        """[RT, BN] fp32: rows n of a GGUF matrix (rows of K // BS blocks of TS bytes at w) dot x rows t ([T, K]);
+        PERM: stored column c reads x's column perm[c]."""
         nblk = K // BS
         rowp = w + n.to(tl.int64) * (nblk * TS)
         s = tl.arange(0, NS)[None, None, :, None]
@@ -468,20 +486,23 @@ if triton is not None:
             p = (rowp[:, None] + b[None, :] * TS)[:, :, None, None]
             m = (nmask[:, None] & bm[None, :])[:, :, None, None]
             v = gguf_decode(p, e, s, m, lut, QT)  # [BN, BKB, NS, SS], decoded once
-            xo = ((b * BS)[None, :, None, None] + e)[None, :, :, :, :]
+            cols = (b * BS)[None, :, None, None] + e
+            if PERM:
+                cols = tl.load(perm + cols, mask=bm[None, :, None, None], other=0)
+            xo = cols[None, :, :, :, :]
             xv = tl.load(xr + xo, mask=tm & bm[None, None, :, None, None], other=0.0).to(tl.float32)
             acc += tl.sum(tl.sum(v[None, :, :, :, :] * xv, axis=4), axis=3)
         return tl.sum(acc, axis=2)
 
     @triton.jit
-    def _gguf_linear_kernel(x, dw, y, lut, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
+    def _gguf_linear_kernel(x, dw, y, lut, perm, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
                             BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr, BN: tl.constexpr,
-                            BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr):
+                            BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         t = tl.program_id(1) * RT + tl.arange(0, RT)
         tmask = t < T
-        acc = _gguf_rows_dot(dw, n, nmask, x, t, tmask, K, lut, QD, BSD, TSD, NSD, BN, BV, RT)
+        acc = _gguf_rows_dot(dw, n, nmask, x, t, tmask, K, lut, QD, BSD, TSD, NSD, BN, BV, RT, perm, PERM)
         _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
 
     @triton.jit
@@ -542,8 +563,10 @@ if triton is not None:
         _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
 
 
-def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """y [T, N] = xs [T, K] @ W.T through the multi-row dense kernel (pool: the weight's "down" parts, one row)."""
+def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K: int,
+                        perm: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, N] = xs [T, K] @ W.T through the multi-row dense kernel (pool: the weight's "down" parts, one row);
+    perm (GGUF only): xs's columns read in the stored order."""
     T = xs.shape[0]
     bf16 = y.dtype == torch.bfloat16
     out_arg = y.view(torch.int16) if bf16 else y
@@ -551,8 +574,8 @@ def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K:
         qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
         bn, bv, warps, rt = linear_rows_config(N, K, T, bsd)
         _gguf_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
-            xs, pool["down"], out_arg, td.lut_table(xs.device), T, N, K, QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn,
-            BV=bv, RT=rt, Y_BF16=bf16, num_warps=warps)
+            xs, pool["down"], out_arg, td.lut_table(xs.device), xs if perm is None else perm, T, N, K, QD=qd, BSD=bsd,
+            TSD=tsd, NSD=nsd, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None, num_warps=warps)
         return y
     consts = _hf_consts(fmt)
     bn, bv, warps, rt = linear_rows_config(N, K, T, consts["GS"])
