@@ -43,7 +43,7 @@
 #               carried) run over AB_GRID on the same files after this tree's grid, into $WORK/ab; its report
 #               goes to $OUT/ab/ [none]
 #   AB_GRID     [cpu@all]
-#   BUILD_GRID  the moestream grid run while llama.cpp builds [fused@all]
+#   BUILD_GRID  the moestream grid run while llama.cpp builds [fused@all]; none: nothing
 #   DURING_BUILD a shell command run after that grid if the build is still going (e.g. the CUDA tests)
 #
 # The build runs in its own session (setsid): it outlives the call, and a later call on the same warm
@@ -128,7 +128,7 @@ report() {
       timeout 300 python3 benchmarks/vs_llama.py write "$Q" "$F" $WARGS --work "$WORK" || { echo "write failed"; continue; }
     fi
     report
-    if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && building; then
+    if [ "$MOE" = 1 ] && [ -n "$BUILD_PID" ] && building && [ "${BUILD_GRID:-}" != none ]; then
       # while llama.cpp builds: only the configurations that need no llama.cpp VRAM figure (fused, fixed caps)
       echo "== $(date -u +%T) [$(left) s left] moestream during the build (fused)"
       timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe --model "$F" --quant "$Q" \
