@@ -279,7 +279,9 @@ def linear_rows_config(N: int, K: int, T: int, bs: int) -> tuple[int, int, int, 
         cfg = _QLINEAR_CFG["rows_cfg"] = _env_cfg("MOESTREAM_QLINEAR_ROWS_CFG")
     if cfg is not None:
         return cfg[0], max(cfg[1], bs), cfg[2], rt
-    bv = max(bs, min(512, _pow2(K)))
+    # BV 1024 up to K = 2048, else 512 (and at most K): the H100 sweep of 2026-12-06 (benchmarks/RESULTS.md, batch 4,
+    # the Q4_K_M file's shapes) had (2, 1024) best or within 1 % at K = 2048, (4, 512) best at K = 4096 and 512
+    bv = max(bs, min(_pow2(K), 1024 if K <= 2048 else 512))
     bn = max(1, min(_pow2(N), 8192 // (bv * rt)))
     return bn, bv, 4, rt
 
