@@ -427,3 +427,41 @@ def test_fused_device_prefill_wiring_and_counts(arch, tiny_checkpoint, monkeypat
     got = run()
     assert used and max(used) > 1  # prefill chunks took the device path
     assert got == want
+
+
+def test_hybrid_overlapped_steps_finish_in_launch_order(tiny_checkpoint, monkeypatch):
+    """Overlapped decode over hybrid's arms (CUDA overlaps cpu and hybrid; the step hooks are the same here): each
+    step is begun while the one before is pending, and a fetch step (no job for the worker) sits between split steps.
+    wait_step sleeps on the bridge only when the oldest step launched gave the worker a job (else the bridge's oldest
+    pending step is a newer one), finish_step finishes the bridge's step only for a split step, and nothing stays
+    pending; a worker job whose step never posted its layers is released, not waited for."""
+    from moestream.moe import share
+
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="hybrid", moe_cache_size=3, moe_decode_kernel="pairs", **COMMON)
+    strat = llm.engine.runtime.decode
+    bridge = strat.bridge
+    arms = iter([share.SPLIT, share.FETCH, share.SPLIT])
+    monkeypatch.setattr(strat.arms, "pick", lambda rows: next(arms))
+    monkeypatch.setattr(strat.arms, "observe", lambda *a: None)
+    log = []
+    wait = bridge.wait_launched
+    monkeypatch.setattr(bridge, "wait_launched", lambda: (log.append("wait"), wait())[1])
+    info = lambda overlapped: {"decode": True, "num_tokens": 1, "overlapped": overlapped}  # noqa: E731
+    seq0 = bridge.seq
+    strat.begin_step(info(False), True)  # A: split
+    strat.end_step(True)
+    strat.begin_step(info(True), True)  # B: fetch, launched while A is pending
+    strat.end_step(True)
+    assert [b for b, _ in strat._steps] == [True, False] and len(bridge._pending) == 1
+    strat.wait_step()
+    strat.finish_step()  # A read
+    assert log == ["wait"] and not bridge._pending
+    strat.begin_step(info(True), True)  # C: split, launched while B is pending
+    strat.end_step(True)
+    strat.wait_step()
+    strat.finish_step()  # B read: nothing of the bridge's
+    assert log == ["wait"] and [s for s, _ in bridge._pending] == [seq0 + 2]
+    strat.wait_step()
+    strat.finish_step()  # C read
+    assert log == ["wait", "wait"] and not bridge._pending and not strat._steps and bridge.seq == seq0 + 2
+    llm.close()

@@ -410,8 +410,11 @@ class BridgeDecode(Strategy):
             self.bridge.end_step()
 
     def wait_step(self) -> None:
-        """A step with a worker job: the caller sleeps until the GPU finished it (CpuBridge.wait_launched)."""
-        self.bridge.wait_launched()
+        """A step with a worker job: the caller sleeps until the GPU finished it (CpuBridge.wait_launched). The oldest
+        step launched is the one to be read: where it gave the worker no job (hybrid's fetch arm), nothing here waits
+        (the bridge's oldest pending step is a newer one, launched after it)."""
+        if not self._steps or self._steps[0][0]:
+            self.bridge.wait_launched()
 
     def finish_step(self) -> None:
         """The step's results were waited for: the worker's failure raised; then hybrid's share counts the step,
