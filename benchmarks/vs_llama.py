@@ -246,7 +246,11 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     else:
                         cfg = {"backend": b, "cap_gb": caps[n], "ncmoe": n}
                 else:
-                    cfg = {"backend": b, "cap_gb": float(c), "ncmoe": None}
+                    try:
+                        cfg = {"backend": b, "cap_gb": float(c), "ncmoe": None}
+                    except ValueError:
+                        raise SystemExit(f"--grid {part!r}: {c!r} is not all, nN or a cap in GiB (a grid part is "
+                                         "BACKEND[,BACKEND...]@WHERE[,WHERE...]; parts are split by ';')") from None
                 cfg["name"] = f"{b}{plus}{variant}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
                 if env:
                     cfg["env"] = env
