@@ -198,11 +198,14 @@ def stepped_profile(llm, args) -> dict:
            "kernels_per_step": sum(r["per_step"] for r in rows), "collect_ms": wait_ms,
            "gpu_own_ms": kernel_ms - wait_ms, "cpu_compute_ms": cpu_ms,
            "handoff_ms": wait_ms - cpu_ms if wait_ms else 0.0, "gpu_idle_ms": pwall * 1e3 - kernel_ms,
+           # the worker's side: waiting for the GPU's requests, and its own grouping + answering around each call
+           "cpu_wait_ms": delta.get("cpu_wait_s", 0.0) * 1e3, "cpu_handoff_ms": delta.get("cpu_handoff_s", 0.0) * 1e3,
            "per_step_counters": delta, "top": rows[:30]}
     print(f"{args.backend} cap={args.gpu_memory_gb}: {n} batch-1 steps, {out['step_ms']:.2f} ms a step "
           f"({out['tok_s']:.1f} tok/s; {out['profiled_step_ms']:.2f} profiled); kernels {kernel_ms:.2f} ms "
           f"({out['kernels_per_step']:.0f}) = GPU's own {out['gpu_own_ms']:.2f} + collect (waiting on the CPU) "
-          f"{wait_ms:.2f}; CPU worker computing {cpu_ms:.2f} ms; GPU without a kernel {out['gpu_idle_ms']:.2f} ms")
+          f"{wait_ms:.2f}; CPU worker computing {cpu_ms:.2f} ms, waiting for requests {out['cpu_wait_ms']:.2f}, "
+          f"grouping / answering {out['cpu_handoff_ms']:.2f}; GPU without a kernel {out['gpu_idle_ms']:.2f} ms")
     print("  counters a step: " + ", ".join(f"{k} {v:.4g}" for k, v in delta.items() if v))
     for r in rows[:30]:
         print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:6.1f}  {r['kernel']}")

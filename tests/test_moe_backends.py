@@ -105,6 +105,10 @@ def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_to
         assert bridge is not None and bridge.seq > 0 and sum(bridge.cpu_experts) > 0  # decode went through it
         assert t["cpu_s"] >= sum(bridge.cpu_seconds) > 0  # the worker's compute time reaches the stats
         assert 0 <= t["cpu_kernel_s"] <= t["cpu_s"] and t["cpu_kernel_s"] == pytest.approx(sum(bridge.kernel_seconds))
+        # the worker's waits for the GPU's requests and its handoffs reach the stats too (on a CPU device the posts
+        # come from this thread: the worker waits between them)
+        assert t["cpu_wait_s"] == pytest.approx(sum(bridge.wait_seconds)) and t["cpu_wait_s"] > 0
+        assert t["cpu_handoff_s"] == pytest.approx(sum(bridge.handoff_seconds)) and t["cpu_handoff_s"] >= 0
     if kw.get("moe_prefetch", "off") == "off":
         assert t["prefetch_issued"] == 0 and t["prefill_lookahead"] == 0
     elif backend in ("offload", "hybrid"):

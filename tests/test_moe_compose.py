@@ -96,9 +96,10 @@ def test_the_hybrid_bridge_counts_what_its_cache_does_not():
             fields[backend] = [sorted(c()[0]) for c in rt.book.counters]
         finally:
             rt.close()
-    assert fields["cpu"] == [["cpu_experts", "cpu_kernel_s", "cpu_s", "expert_calls", "misses"]]
+    assert fields["cpu"] == [["cpu_experts", "cpu_handoff_s", "cpu_kernel_s", "cpu_s", "cpu_wait_s", "expert_calls",
+                              "misses"]]
     cache, bridge = fields["hybrid"]
-    assert bridge == ["cpu_experts", "cpu_kernel_s", "cpu_s"] and not set(cache) & set(bridge)
+    assert bridge == ["cpu_experts", "cpu_handoff_s", "cpu_kernel_s", "cpu_s", "cpu_wait_s"] and not set(cache) & set(bridge)
     assert {"hits", "misses", "expert_calls"} <= set(cache)
 
 

@@ -167,7 +167,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_has_avx2.restype = ctypes.c_int
     lib.ms_isa.restype = ctypes.c_int
     lib.ms_bridge_step.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int, i64, i64]
+                                   ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_int, ctypes.c_int, i64, i64]
     lib.ms_bridge_step.restype = ctypes.c_int
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
@@ -437,7 +437,7 @@ def bridge_step(seq: int, arrays: dict, timeout_s: float, first: int = 0, hold_p
                               a["hy"] + 4 * f * P * H, P, H, a["I"], a["wbase"].reshape(-1)[3 * f:].ctypes.data,
                               a["wstep"].reshape(-1)[3 * f:].ctypes.data, a["wtype"].reshape(-1)[3 * f:].ctypes.data,
                               a["lflags"][f:].ctypes.data, a["experts"][f:].ctypes.data, a["secs"][f:].ctypes.data,
-                              a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool),
+                              a["waits"][2 * f:].ctypes.data, a["cancel"].ctypes.data, float(timeout_s), _threads(mod), int(hold_pool),
                               int(ahead[0]), int(ahead[1]))
 
 

@@ -84,6 +84,8 @@ class CpuBridge:
         self.cpu_experts = np.zeros(L, dtype=np.int64)  # distinct experts the worker computed, per call summed
         self.cpu_seconds = np.zeros(L)  # the worker's time computing them
         self.kernel_seconds = np.zeros(L)  # of which inside the compiled layer call
+        self.wait_seconds = np.zeros(L)  # the worker's time waiting for the GPU's request of the layer
+        self.handoff_seconds = np.zeros(L)  # from seeing it to the layer call, and from the call to the answer
         # steps ended (their work launched) and not yet finished (finish_step), oldest first: (seq, blocking
         # event after the step's work, None on a CPU); two while an overlapped step is launched before the last is read
         self._pending: deque = deque()
@@ -221,8 +223,10 @@ class CpuBridge:
                 for i, layer in enumerate(self.layers):
                     if i < first:
                         continue
+                    t_wait = time.perf_counter()
                     if not self._wait_request(i, seq):
                         break
+                    self.wait_seconds[i] += time.perf_counter() - t_wait
                     try:
                         if self.failure is None:
                             t0, n0 = time.perf_counter(), self.cpu_experts[i]
@@ -265,7 +269,8 @@ class CpuBridge:
                     "wstep": np.ascontiguousarray(np.stack([c.step for c in calls]), dtype=np.int64),
                     "wtype": np.ascontiguousarray(np.stack([c.tids for c in calls]), dtype=np.int64),
                     "lflags": np.array([int(c.round_mm) for c in calls], dtype=np.int64),
-                    "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "cancel": self._cancel,
+                    "experts": np.zeros(L, dtype=np.int64), "secs": np.zeros(L), "waits": np.zeros(2 * L),
+                    "cancel": self._cancel,
                     "calls": calls}  # the owners of wbase's addresses (HF FP4 descriptors), for as long as these
         return self._tables or None
 
@@ -275,7 +280,7 @@ class CpuBridge:
         from ..env import bridge_ahead, bridge_pool
         from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
 
-        for k in ("experts", "secs"):
+        for k in ("experts", "secs", "waits"):
             t[k][:] = 0
         hold = self.hold and self.device.type == "cuda" and bridge_pool()
         rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=hold, ahead=bridge_ahead())
@@ -283,6 +288,8 @@ class CpuBridge:
         self.cpu_experts += c
         self.cpu_seconds += s
         self.kernel_seconds += s
+        self.wait_seconds += t["waits"][0::2]
+        self.handoff_seconds += t["waits"][1::2]
         on = c > 0
         c, s = c[on].astype(np.float64), s[on]
         self.fit += (len(c), c.sum(), s.sum(), (c * c).sum(), (c * s).sum())

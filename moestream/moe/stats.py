@@ -7,6 +7,9 @@ bytes_h2d, copies host -> device (slot pool or prefill buffer) bytes and expert 
 gpu_experts       expert computations from device memory; cpu_experts: from host banks on CPU
 cpu_s             seconds the CPU expert worker of a decode step spent computing (moe/bridge.py); of which
 cpu_kernel_s      inside cpu_moe.run (argument checks and the compiled layer call; the rest: the worker's Python)
+cpu_wait_s        seconds the worker waited for the GPU's requests (the GPU's own work between its layer calls and the
+                  post's way to host memory; a step's first layer also waits for the step to reach it)
+cpu_handoff_s     seconds from seeing a request to the layer call and from its end to the answer (the compiled worker)
 expert_calls      distinct experts routed per layer call, summed: == gpu_experts + cpu_experts always
 prefetch_*        issued (copies started), hits (routed and resident thanks to a prefetch),
                   unused (prefetched and not routed by the layer it was predicted for)
@@ -31,6 +34,8 @@ class LayerStats:
     cpu_experts: int = 0
     cpu_s: float = 0.0
     cpu_kernel_s: float = 0.0
+    cpu_wait_s: float = 0.0
+    cpu_handoff_s: float = 0.0
     expert_calls: int = 0
     routed: int = 0  # (token, expert) pairs
     tokens: int = 0

@@ -369,7 +369,8 @@ class BridgeDecode(Strategy):
         c, t, k = b.cpu_experts, b.cpu_seconds, b.kernel_seconds
         out = {}
         for layer, i in b.index.items():
-            out[layer] = {"cpu_experts": int(c[i]), "cpu_s": float(t[i]), "cpu_kernel_s": float(k[i])}
+            out[layer] = {"cpu_experts": int(c[i]), "cpu_s": float(t[i]), "cpu_kernel_s": float(k[i]),
+                          "cpu_wait_s": float(b.wait_seconds[i]), "cpu_handoff_s": float(b.handoff_seconds[i])}
             if self.share is None:
                 out[layer].update(misses=int(c[i]), expert_calls=int(c[i]))
         return out

@@ -2379,12 +2379,15 @@ int ms_moe_layer(const void* x, int64_t xdtype, int64_t nx, int64_t H, int64_t I
 // ms_moe_layer (x rows hx[i] of dtype xdtype, h rounded to it; out rows hy[i, p], float32) from expert e's
 // matrices at wbase[i, j] + e * wstep[i, j] (ggml types wtype[i, j], j = gate / up / down; lflags[i] & 1:
 // PairMlp's dense rounding), then done[i] = seq (release). Per layer: experts_out[i] = distinct experts,
-// secs_out[i] = seconds in the layer call (0 experts: no call; moe/share.py fits a line to the calls).
+// secs_out[i] = seconds in the layer call (0 experts: no call; moe/share.py fits a line to the calls);
+// wait_out[2 i] = seconds waiting for the layer's request, wait_out[2 i + 1] = seconds from seeing it to the call
+// (grouping the pairs) plus answering after it (where a step's time between the GPU and the worker goes).
 // seconds. A layer call error (negative) is returned after every layer was answered.
 int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, const int64_t* meta,
                    const int64_t* ids, const float* hw, const void* hx, int64_t xdtype, float* hy, int64_t P,
                    int64_t H, int64_t I, const int64_t* wbase, const int64_t* wstep, const int64_t* wtype,
-                   const int64_t* lflags, int64_t* experts_out, double* secs_out, const int64_t* cancel,
+                   const int64_t* lflags, int64_t* experts_out, double* secs_out, double* wait_out,
+                   const int64_t* cancel,
                    double timeout_s, int nthreads, int hold_pool, int64_t x8_ahead, int64_t rows_ahead) {
   const int64_t esize = xdtype == 0 ? 4 : 2;
   // hold_pool: the layer calls run on the pool, whose workers spin from this step's first call to its end instead
@@ -2421,6 +2424,9 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
         if (spins % 1024 == 0 && now_s() - t_wait > timeout_s) return -5;
       }
     }
+    const double t_seen = now_s();
+    wait_out[2 * i] = t_seen - t_wait;
+    double t_call = 0.0;
     const int64_t T = meta[2 * i], Pn = meta[2 * i + 1];
     const int64_t* id = ids + i * P;
     pairs.clear();
@@ -2447,6 +2453,7 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       gstart.push_back((int64_t)pairs.size());
       const int64_t G = (int64_t)gstart.size() - 1;
       const double t0 = now_s();
+      t_call = t0;
       const int rc = ms_moe_layer_impl((const char*)hx + i * P * H * esize, xdtype, T, H, I, G, wptr.data(),
                                        wtype + 3 * i, gstart.data(), prow.data(), pw.data(), pdst.data(),
                                        hy + i * P * H, P, H, xdtype, lflags[i] & 1, nthreads, 0);
@@ -2456,6 +2463,8 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       secs_out[i] = dt;
     }
     __atomic_store_n(&done[i], seq, __ATOMIC_RELEASE);
+    wait_out[2 * i + 1] = now_s() - t_seen - secs_out[i];
+    (void)t_call;
   }
   return rc_all;
 }
