@@ -230,7 +230,7 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
             top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
             x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
             if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms",
-                                                     "nohold", "noov")
+                                                     "nohold", "noov", "ov")
                                      and threads is None and top is None and x8a is None):
                 raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
             # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
@@ -262,8 +262,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
                 if variant == "nohold":  # the bridge's layer calls on OpenMP's team, not the pool held for the step
                     cfg["set_env"] = {"MOESTREAM_BRIDGE_POOL": "0"}
-                if variant == "noov":  # decode steps not overlapped (--overlap-schedule off)
-                    cfg["overlap"] = "off"
+                if variant in ("noov", "ov"):  # --overlap-schedule off / on (auto overlaps fused and offload only)
+                    cfg["overlap"] = "off" if variant == "noov" else "on"
                 if variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)
                     cfg["set_env"] = {"MOESTREAM_HYBRID_ARMS": "0"}
                 if variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead

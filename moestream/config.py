@@ -441,8 +441,8 @@ class EngineConfig:
     # decode step N + 1 launched (its input tokens read on the device from step N's argmax) before step N's tokens
     # are read on the host: the host's per-step work (~1 ms a step on an H100) then runs beside the GPU's
     overlap_schedule: str = option("auto", "decode: launch the next step before reading this step's tokens "
-                                   "(requests without logprobs, penalties or grammars): auto = on CUDA where a decode step "
-                                   "has no host sync (every backend), on = also on a CPU (fused, offload), off", choices=AUTO_ON_OFF)
+                                   "(requests without logprobs, penalties or grammars): auto = fused and offload on CUDA, "
+                                   "on = also cpu and hybrid on CUDA and fused / offload on a CPU, off", choices=AUTO_ON_OFF)
     # how decode computes routed experts: pairs = one kernel over (token, expert) pairs with a device-side
     # slot table (no host sync; CUDA default), grouped = per-expert loop with host routing (CPU default)
     moe_decode_kernel: str = option("auto", "decode expert kernel: pairs (device-side routing, CUDA graphs), "

@@ -764,10 +764,14 @@ class Engine:
     def overlap_ok(self) -> bool:
         """Whether decode steps may overlap (LLMEngine.step launches the next before reading this one's tokens):
         --overlap-schedule on (any device) or auto on CUDA where a decode step has no host synchronisation (the
-        runtime is capturable); one rank, no MTP drafter. On CUDA every backend (cpu and hybrid: the CPU worker serves
-        the launched step's job after the pending one's, moe/bridge.py); on a CPU fused and offload only."""
+        runtime is capturable); one rank, no MTP drafter. fused and offload; on CUDA also cpu and hybrid with `on` (the
+        CPU worker serves the launched step's job after the pending one's, moe/bridge.py) — not under `auto` until an
+        A/B on a GPU host shows the host's work beside the worker's threads does not slow their layer calls more than
+        it saves."""
         mode = self.ecfg.overlap_schedule
-        backends = ("fused", "offload", "cpu", "hybrid") if self.device.type == "cuda" else ("fused", "offload")
+        backends = ("fused", "offload")
+        if self.device.type == "cuda" and mode == "on":
+            backends += ("cpu", "hybrid")
         if mode == "off" or self.tp or self.use_mtp or self.plan.backend not in backends:
             return False
         if self.device.type == "cuda":
