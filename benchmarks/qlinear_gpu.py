@@ -31,8 +31,8 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
 CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
 # rows > 1: the multi-row kernel's (BN, BV, warps) (MOESTREAM_QLINEAR_ROWS_CFG), beside "pairs" (one pair-kernel program
 # per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
-ROWS_CONFIGS = ["pairs", None, (4, 256, 4), (8, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 256, 8),
-                (1, 1024, 4)]
+ROWS_CONFIGS = ["pairs", None, (4, 512, 4), (2, 1024, 4), (2, 1024, 8), (1, 2048, 4), (2, 2048, 8), (4, 1024, 4),
+                (4, 1024, 8), (1, 1024, 4), (1, 1024, 2), (8, 512, 8)]
 
 
 def timed(fn, calls: int, iters: int) -> float:
