@@ -11,7 +11,7 @@ the bytes come from HBM, not L2) are recorded in one CUDA graph and replayed; re
 bytes, and the bf16 cuBLAS GEMV of the same shape. The fastest configuration per shape is what
 MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default. Rows > 1 time the multi-row
 kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG) beside "pairs", the pair kernel's one
-program per row that it replaced.
+program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
 CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
 # rows > 1: the multi-row kernel's (BN, BV, warps) (MOESTREAM_QLINEAR_ROWS_CFG), beside "pairs" (one pair-kernel program
 # per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
-ROWS_CONFIGS = ["pairs", None, (4, 512, 4), (2, 1024, 4), (2, 1024, 8), (1, 2048, 4), (2, 2048, 8), (4, 1024, 4),
+ROWS_CONFIGS = ["pairs", "mma", None, (4, 512, 4), (2, 1024, 4), (2, 1024, 8), (1, 2048, 4), (2, 2048, 8), (4, 1024, 4),
                 (4, 1024, 8), (1, 1024, 4), (1, 1024, 2), (8, 512, 8)]
 
 
@@ -78,7 +78,8 @@ def main() -> None:
             for cfg in (CONFIGS if T == 1 else ROWS_CONFIGS):
                 qpairs._QLINEAR_CFG["v"] = None if T > 1 else cfg
                 qpairs._QLINEAR_CFG["rows_on"] = cfg != "pairs"
-                qpairs._QLINEAR_CFG["rows_cfg"] = None if cfg == "pairs" else cfg
+                qpairs._QLINEAR_CFG["mma_on"] = cfg == "mma"  # the tensor-core experiment (MOESTREAM_QLINEAR_MMA=1)
+                qpairs._QLINEAR_CFG["rows_cfg"] = None if cfg in ("pairs", "mma") else cfg
                 try:
                     us = timed(lambda i: qpairs.quant_linear(x, q, raws[i], (N, K)), calls, args.iters)
                 except Exception as e:  # a configuration the compiler refuses (registers, shared memory)

@@ -270,6 +270,30 @@ def _linear_case(qtype: str, T: int = 3, how: str = "") -> list[str]:
     return [f"{qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
 
 
+def _mma_case(qtype: str, T: int, how: str = "") -> list[str]:
+    """The tensor-core experiment (MOESTREAM_QLINEAR_MMA=1) of a GGUF dense layer: its tiles, column order,
+    permutation and masks, with the dot in float32 (the interpreter's bf16 dot is not exact numpy; on a GPU the
+    weights are rounded to bf16 and the kernel is compiled below). Same bound as _linear_case."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format(qtype)
+    N, K = 40, 512
+    raw = random_raw(q, (N, K), "cpu", seed=3)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(5)) if how == "perm" else None
+    qpairs._QLINEAR_CFG.update(rows_on=True, mma_on=True, mma_fp32=True)
+    try:
+        got = qpairs.quant_linear(x, q, raw, (N, K), perm).double()
+    finally:
+        qpairs._QLINEAR_CFG.update(mma_on=False, mma_fp32=False)
+    W = q.dequantize(raw, (N, K), torch.float64)
+    want = (x if perm is None else x[:, perm]).double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    bad = (got - want).abs() > tol
+    return [f"mma {qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
+
+
 def _hf_linear_case(case: str, T: int = 3, how: str = "") -> list[str]:
     """qpairs.hf_quant_linear (an HF-quantized dense layer kept as stored: layers.HFQuantLinear's parts) against the
     format's torch decoder and a float64 GEMM; N = 40 rows (a partial tile and, for 128 x 128 FP8, a partial row
@@ -327,6 +351,9 @@ def _worker_case(case: str) -> list[str]:
         return _count_case()
     if case == "stage":
         return _stage_cases()
+    if case.startswith("mma:"):  # mma:TYPE:T[:perm]
+        _, what, T, *how = case.split(":")
+        return _mma_case(what, int(T), *how)
     if case.startswith(("hflinear:", "linear:")):  # linear:TYPE[:T[:pairs]]
         kind, what, *rest = case.split(":")
         T, how = int(rest[0]) if rest else 3, rest[1] if len(rest) > 1 else ""
@@ -341,7 +368,7 @@ WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "
                 "linear:Q6_K:1:perm", "linear:Q4_K:3:perm", "linear:Q8_0:9:perm", "linear:Q4_K:3:permpairs",
                 "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
-                "hflinear:mxfp4:3:pairs"]
+                "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2"]
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +407,8 @@ def test_torch_stage_copies_compressed_rows():
 
 # --------------------------------------------------------------------------- sm_90 compile
 def _gguf_compile_args(types: str, H: int, I: int, P: int):
+    import triton.language as tl
+
     sig_gu = {"x": "*bf16", "src": "*i64", "gw": "*u8", "g_stride": "i64", "uw": "*u8", "u_stride": "i64",
               "h": "*i16", "lut": "*fp32", "K_TOP": "i32"}
     sig_d = {"h": "*bf16", "tw": "*fp32", "src": "*i64", "dw": "*u8", "d_stride": "i64", "y": "*fp32", "lut": "*fp32"}
@@ -398,6 +427,10 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
         rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
                                                   "perm": "*i64", "T": "i32"},
                      dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True, PERM=perm)))
+    rows.append((qpairs._gguf_linear_mma_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
+                                                  "perm": "*i64", "T": "i32"},
+                 dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=16, BV=max(bs, 64), Y_BF16=True, PERM=False,
+                      DOT_T=tl.bfloat16)))
     return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
             (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
@@ -438,6 +471,8 @@ def test_kernels_compile_for_sm90(fmt):
     for kernel, sig, consts in launches:
         k = compile_sm90(kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4})
         assert "ld.global" in k.asm["ptx"]
+        if kernel is getattr(qpairs, "_gguf_linear_mma_kernel", None):  # the tensor-core experiment: bf16 mma
+            assert "mma.sync" in k.asm["ptx"]
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -255,6 +255,17 @@ def _rows_kernel(T: int) -> bool:
     return T >= 2 and _rows_on()
 
 
+def _mma_on() -> bool:
+    """MOESTREAM_QLINEAR_MMA=1: GGUF dense GEMVs of 2-16 rows through the tensor-core experiment (weights rounded to
+    bf16 before the dot: not the fp32 products of the other kernels; off by default, not measured on a GPU yet)."""
+    on = _QLINEAR_CFG.get("mma_on")
+    if on is None:
+        import os
+
+        on = _QLINEAR_CFG["mma_on"] = os.environ.get("MOESTREAM_QLINEAR_MMA", "0") == "1"
+    return on
+
+
 def _rows_on() -> bool:
     """The multi-row dense kernel is in use (MOESTREAM_QLINEAR_ROWS, read once; default on)."""
     on = _QLINEAR_CFG.get("rows_on")
@@ -508,6 +519,39 @@ if triton is not None:
         _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
 
     @triton.jit
+    def _gguf_linear_mma_kernel(x, dw, y, lut, perm, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
+                                BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr, BN: tl.constexpr,
+                                BV: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr,
+                                DOT_T: tl.constexpr = tl.bfloat16):
+        """The multi-row dense GEMV with a tensor-core dot (MOESTREAM_QLINEAR_MMA=1, an experiment): a program decodes
+        a [BN, BV] weight tile once, rounds it to bf16 and multiplies it with 16 activation rows (T <= 16, the rest
+        masked) by tl.dot, fp32 accumulation. grid (cdiv(N, BN), cdiv(T, 16)); BN >= 16, BV >= 16. DOT_T float32: the
+        same products unrounded (the tests under the interpreter, whose bf16 dot is not exact numpy)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        t = tl.program_id(1) * 16 + tl.arange(0, 16)
+        tmask = t < T
+        nblk = K // BSD
+        rowp = dw + n.to(tl.int64) * (nblk * TSD)
+        s = tl.arange(0, NSD)[None, None, :, None]
+        e = s * (BSD // NSD) + tl.arange(0, BSD // NSD)[None, None, None, :]
+        acc = tl.zeros([16, BN], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            b = k0 // BSD + tl.arange(0, BV // BSD)
+            bm = b < nblk
+            p = (rowp[:, None] + b[None, :] * TSD)[:, :, None, None]
+            m = (nmask[:, None] & bm[None, :])[:, :, None, None]
+            v = tl.reshape(gguf_decode(p, e, s, m, lut, QD), [BN, BV]).to(DOT_T)
+            cols = tl.reshape((b * BSD)[None, :, None, None] + e, [BV])
+            cm = tl.reshape((bm[None, :, None, None] & (e >= 0)), [BV])
+            if PERM:
+                cols = tl.load(perm + cols, mask=cm, other=0)
+            xv = tl.load(x + (t.to(tl.int64) * K)[:, None] + cols[None, :], mask=tmask[:, None] & cm[None, :],
+                         other=0.0).to(DOT_T)
+            acc = tl.dot(xv, tl.trans(v), acc)
+        _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
+
+    @triton.jit
     def _hf_rows_dot(w, sc, gsc, n, nmask, x, t, tmask, K: tl.constexpr, KIND: tl.constexpr, SMODE: tl.constexpr,
                      RB: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr,
                      RT: tl.constexpr):
@@ -574,6 +618,13 @@ def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K:
     out_arg = y.view(torch.int16) if bf16 else y
     if isinstance(fmt, GGUFExpertFormat):
         qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
+        if T > 1 and _mma_on():  # the tensor-core experiment (bf16 weights; T <= 16 a program)
+            bn, bv = 16, max(bsd, 64)
+            _gguf_linear_mma_kernel[(triton.cdiv(N, bn), triton.cdiv(T, 16))](
+                xs, pool["down"], out_arg, td.lut_table(xs.device), xs if perm is None else perm, T, N, K, QD=qd,
+                BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=bv, Y_BF16=bf16, PERM=perm is not None,
+                DOT_T=tl.float32 if _QLINEAR_CFG.get("mma_fp32") else tl.bfloat16, num_warps=4)
+            return y
         bn, bv, warps, rt = linear_rows_config(N, K, T, bsd)
         _gguf_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
             xs, pool["down"], out_arg, td.lut_table(xs.device), xs if perm is None else perm, T, N, K, QD=qd, BSD=bsd,
