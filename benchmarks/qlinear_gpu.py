@@ -11,7 +11,8 @@ the bytes come from HBM, not L2) are recorded in one CUDA graph and replayed; re
 bytes, and the bf16 cuBLAS GEMV of the same shape. The fastest configuration per shape is what
 MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default. Rows > 1 time the multi-row
 kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG) beside "pairs", the pair kernel's one
-program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only).
+program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only); one Q4_K
+row also times "words", the word-load experiment (a 32-bit load per 8 codes).
 """
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def main() -> None:
             us = timed(lambda i: x @ dense[i % len(dense)].t(), calls, args.iters)
             row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
             row["configs"] = {}
-            for cfg in (CONFIGS if T == 1 else ROWS_CONFIGS):
-                qpairs._QLINEAR_CFG["v"] = None if T > 1 else cfg
+            ones = CONFIGS + (["words"] if qtype == "Q4_K" else [])  # one row: + the word-load experiment
+            for cfg in (ones if T == 1 else ROWS_CONFIGS):
+                qpairs._QLINEAR_CFG["words_on"] = cfg == "words"  # (MOESTREAM_QLINEAR_WORDS=1)
+                qpairs._QLINEAR_CFG["v"] = None if T > 1 or cfg == "words" else cfg
                 qpairs._QLINEAR_CFG["rows_on"] = cfg != "pairs"
                 qpairs._QLINEAR_CFG["mma_on"] = cfg == "mma"  # the tensor-core experiment (MOESTREAM_QLINEAR_MMA=1)
                 qpairs._QLINEAR_CFG["rows_cfg"] = None if cfg in ("pairs", "mma") else cfg

@@ -270,6 +270,29 @@ def _linear_case(qtype: str, T: int = 3, how: str = "") -> list[str]:
     return [f"{qtype}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
 
 
+def _words_case(K: int, how: str = "") -> list[str]:
+    """The word-load experiment (MOESTREAM_QLINEAR_WORDS=1) of a one-row Q4_K dense layer against the torch decoder
+    and a float64 GEMV: K = 768 (three blocks: a partial second step of two), 1024, 2048; with a permutation."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q4_K")
+    N = 40
+    raw = random_raw(q, (N, K), "cpu", seed=3)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(5)) if how == "perm" else None
+    qpairs._QLINEAR_CFG.update(words_on=True)
+    try:
+        got = qpairs.quant_linear(x, q, raw, (N, K), perm).double()
+    finally:
+        qpairs._QLINEAR_CFG.update(words_on=False)
+    W = q.dequantize(raw, (N, K), torch.float64)
+    want = (x if perm is None else x[:, perm]).double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    bad = (got - want).abs() > tol
+    return [f"words K={K}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
+
+
 def _mma_case(qtype: str, T: int, how: str = "") -> list[str]:
     """The tensor-core experiment (MOESTREAM_QLINEAR_MMA=1) of a GGUF dense layer: its tiles, column order,
     permutation and masks, with the dot in float32 (the interpreter's bf16 dot is not exact numpy; on a GPU the
@@ -351,6 +374,9 @@ def _worker_case(case: str) -> list[str]:
         return _count_case()
     if case == "stage":
         return _stage_cases()
+    if case.startswith("words:"):  # words:K[:perm]
+        _, K, *how = case.split(":")
+        return _words_case(int(K), *how)
     if case.startswith("mma:"):  # mma:TYPE:T[:perm]
         _, what, T, *how = case.split(":")
         return _mma_case(what, int(T), *how)
@@ -368,7 +394,8 @@ WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "
                 "linear:Q6_K:1:perm", "linear:Q4_K:3:perm", "linear:Q8_0:9:perm", "linear:Q4_K:3:permpairs",
                 "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
-                "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2"]
+                "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2", "words:768", "words:2048",
+                "words:1024:perm"]
 
 
 @pytest.fixture(scope="module")
@@ -427,6 +454,9 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
         rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
                                                   "perm": "*i64", "T": "i32"},
                      dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True, PERM=perm)))
+    if types == "Q4_K":  # the word-load experiment (one row)
+        rows.append((qpairs._q4k_linear_words_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "perm": "*i64"},
+                     dict(N=8192, K=H, BN=4, BKB=4, Y_BF16=True, PERM=False)))
     rows.append((qpairs._gguf_linear_mma_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
                                                   "perm": "*i64", "T": "i32"},
                  dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=16, BV=max(bs, 64), Y_BF16=True, PERM=False,

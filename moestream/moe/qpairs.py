@@ -41,7 +41,7 @@ try:  # optional: absent on CPU-only installs (the torch reference runs there)
     import triton.language as tl
 
     from ..quant import triton_dequant as td
-    from ..quant.triton_dequant import _e2m1, _e4m3, _e8m0, _ld, _store, gguf_decode
+    from ..quant.triton_dequant import _e2m1, _e4m3, _e8m0, _f16, _ld, _store, gguf_decode
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -183,7 +183,12 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape, perm: torch.Ten
         efmt = _LINEAR_FORMATS[key] = gguf_expert_format({p: fmt.type_name for p in PROJS}, hidden=N, inter=K)
     xs = x.reshape(-1, K).contiguous()
     y = torch.empty((xs.shape[0], N), dtype=_linear_out_dtype(x), device=x.device)
-    if perm is not None and _rows_on():  # any T: the permutation read in the kernel
+    if xs.shape[0] == 1 and fmt.type_name == "Q4_K" and _words_on():  # the word-load experiment
+        bf16 = y.dtype == torch.bfloat16
+        _q4k_linear_words_kernel[(triton.cdiv(N, 4),)](
+            xs, raw.reshape(-1), y.view(torch.int16) if bf16 else y, xs if perm is None else perm, N, K, BN=4,
+            BKB=1 << (max(1, min(4, K // 256)).bit_length() - 1), Y_BF16=bf16, PERM=perm is not None, num_warps=4)
+    elif perm is not None and _rows_on():  # any T: the permutation read in the kernel
         _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K, perm)
     elif _rows_kernel(xs.shape[0]) or perm is not None:
         if perm is not None:
@@ -253,6 +258,17 @@ def _rows_kernel(T: int) -> bool:
     to LINEAR_MAX_RT rows) unless MOESTREAM_QLINEAR_ROWS=0 (then one pair-kernel program per row, each decoding the
     whole matrix: a batch-4 GEMV cost ~3.2x a batch-1 one on an H100, benchmarks/RESULTS.md 2026-12-06)."""
     return T >= 2 and _rows_on()
+
+
+def _words_on() -> bool:
+    """MOESTREAM_QLINEAR_WORDS=1: one-row Q4_K dense GEMVs through the word-load experiment (_q4k_words_dot: one
+    32-bit load per 8 codes instead of a byte load per value; off by default, not measured on a GPU yet)."""
+    on = _QLINEAR_CFG.get("words_on")
+    if on is None:
+        import os
+
+        on = _QLINEAR_CFG["words_on"] = os.environ.get("MOESTREAM_QLINEAR_WORDS", "0") == "1"
+    return on
 
 
 def _mma_on() -> bool:
@@ -517,6 +533,53 @@ if triton is not None:
         tmask = t < T
         acc = _gguf_rows_dot(dw, n, nmask, x, t, tmask, K, lut, QD, BSD, TSD, NSD, BN, BV, RT, perm, PERM)
         _store(y, t.to(tl.int64)[:, None] * N + n[None, :], acc, tmask[:, None] & nmask[None, :], Y_BF16)
+
+    @triton.jit
+    def _q4k_words_dot(w, n, nmask, xrow, perm, K: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr,
+                       PERM: tl.constexpr):
+        """[BN] fp32: rows n of a Q4_K matrix (K // 256 blocks of 144 bytes a row) dot xrow [K], the 4-bit codes read
+        as 32-bit words (one load per 4 bytes, 8 values) instead of a byte load per value; each block's 8 scales and
+        mins once. Tile [BN, BKB blocks, 8 sub-blocks, 8 words, 4 bytes]: sub-block s is the low (s even) or high
+        nibble of the 32 bytes of group s // 2, so its value 4 w + b is byte b of word w, the block's value
+        32 s + 4 w + b. PERM: stored column c reads x's column perm[c]."""
+        nblk = K // 256
+        rowp = w + n.to(tl.int64) * (nblk * 144)
+        s = tl.arange(0, 8)[None, None, :, None, None]
+        wi = tl.arange(0, 8)[None, None, None, :, None]
+        bi = tl.arange(0, 4)[None, None, None, None, :]
+        s3 = tl.arange(0, 8)[None, None, :]
+        acc = tl.zeros([BN, BKB], dtype=tl.float32)
+        for k0 in range(0, K, BKB * 256):
+            b = k0 // 256 + tl.arange(0, BKB)
+            bm = b < nblk
+            p = rowp[:, None] + b[None, :] * 144
+            m = nmask[:, None] & bm[None, :]
+            p3, m3 = p[:, :, None], m[:, :, None]
+            a = _ld(p3, 4 + s3 % 4, m3)
+            mm = _ld(p3, 8 + s3 % 4, m3)
+            md = _ld(p3, 12 + s3 % 4, m3)
+            sc = tl.where(s3 < 4, a & 0x3F, (md & 0xF) | ((a >> 2) & 0x30))
+            mn = tl.where(s3 < 4, mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30))
+            dl = (_f16(p, 0, m)[:, :, None] * sc.to(tl.float32))[:, :, :, None, None]
+            ml = (_f16(p, 2, m)[:, :, None] * mn.to(tl.float32))[:, :, :, None, None]
+            wp = (p[:, :, None, None, None] + 16 + (s // 2) * 32 + wi * 4).to(tl.pointer_type(tl.int32))
+            word = tl.load(wp, mask=m[:, :, None, None, None], other=0)
+            v = dl * ((word >> ((s % 2) * 4 + bi * 8)) & 0xF).to(tl.float32) - ml
+            e = (b * 256)[None, :, None, None, None] + s * 32 + wi * 4 + bi
+            em = bm[None, :, None, None, None]
+            if PERM:
+                e = tl.load(perm + e, mask=em, other=0)
+            xv = tl.load(xrow + e, mask=em, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(tl.sum(v * xv, axis=4), axis=3), axis=2)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _q4k_linear_words_kernel(x, dw, y, perm, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                                 BKB: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr):
+        """One row of a Q4_K dense layer through _q4k_words_dot (MOESTREAM_QLINEAR_WORDS=1, an experiment)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        _store(y, n, _q4k_words_dot(dw, n, nmask, x, perm, K, BN, BKB, PERM), nmask, Y_BF16)
 
     @triton.jit
     def _gguf_linear_mma_kernel(x, dw, y, lut, perm, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
