@@ -24,6 +24,7 @@ import torch
 from moestream.moe import qpairs
 from moestream.quant import gguf_format
 from moestream.quant.synthetic import random_raw
+from qpair_bench import time_graph  # (benchmarks/: the launches recorded in one CUDA graph, replayed)
 
 # (name, GGUF type, N rows, K columns): the Qwen3.6-35B-A3B Q4_K_M file's dense layers (benchmarks/make_qwen36_q4km.py)
 SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 4096, 2048),
@@ -34,25 +35,6 @@ CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256
 # per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
 ROWS_CONFIGS = ["pairs", "mma", None, (4, 512, 4), (2, 1024, 4), (2, 1024, 8), (1, 2048, 4), (2, 2048, 8), (4, 1024, 4),
                 (4, 1024, 8), (1, 1024, 4), (1, 1024, 2), (8, 512, 8)]
-
-
-def timed(fn, calls: int, iters: int) -> float:
-    """µs per call of fn(i) for i in range(calls), recorded as one graph, replayed iters times."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * calls)
 
 
 def main() -> None:
@@ -73,7 +55,7 @@ def main() -> None:
         for T in (int(t) for t in args.rows.split(",")):
             x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
             row = {"layer": name, "type": qtype, "N": N, "K": K, "rows": T, "stored_mb": stored / 1e6}
-            us = timed(lambda i: x @ dense[i % len(dense)].t(), calls, args.iters)
+            us = time_graph(lambda i: x @ dense[i % len(dense)].t(), range(calls), args.iters)
             row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
             row["configs"] = {}
             ones = CONFIGS + (["words"] if qtype == "Q4_K" else [])  # one row: + the word-load experiment
@@ -84,7 +66,7 @@ def main() -> None:
                 qpairs._QLINEAR_CFG["mma_on"] = cfg == "mma"  # the tensor-core experiment (MOESTREAM_QLINEAR_MMA=1)
                 qpairs._QLINEAR_CFG["rows_cfg"] = None if cfg in ("pairs", "mma") else cfg
                 try:
-                    us = timed(lambda i: qpairs.quant_linear(x, q, raws[i], (N, K)), calls, args.iters)
+                    us = time_graph(lambda i: qpairs.quant_linear(x, q, raws[i], (N, K)), range(calls), args.iters)
                 except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
                     row["configs"][str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
                     continue

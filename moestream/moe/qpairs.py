@@ -190,17 +190,14 @@ def quant_linear(x: torch.Tensor, fmt, raw: torch.Tensor, shape, perm: torch.Ten
             BKB=1 << (max(1, min(4, K // 256)).bit_length() - 1), Y_BF16=bf16, PERM=perm is not None, num_warps=4)
     elif perm is not None and _rows_on():  # any T: the permutation read in the kernel
         _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K, perm)
-    elif _rows_kernel(xs.shape[0]) or perm is not None:
-        if perm is not None:
+    else:
+        if perm is not None:  # the multi-row kernel off: x gathered first
             xs = xs.index_select(-1, perm)
         if _rows_kernel(xs.shape[0]):
             _launch_linear_rows({"down": raw.reshape(1, -1)}, efmt, xs, y, N, K)
         else:
             src, w = _unit_pairs(xs.shape[0], x.device)
             down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
-    else:
-        src, w = _unit_pairs(xs.shape[0], x.device)
-        down_triton(xs, w, src, {"down": raw.reshape(1, -1)}, efmt, y, linear_config(N, K, xs.shape[0]))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 

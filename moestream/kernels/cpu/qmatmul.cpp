@@ -2426,7 +2426,6 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
     }
     const double t_seen = now_s();
     wait_out[2 * i] = t_seen - t_wait;
-    double t_call = 0.0;
     const int64_t T = meta[2 * i], Pn = meta[2 * i + 1];
     const int64_t* id = ids + i * P;
     pairs.clear();
@@ -2453,7 +2452,6 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
       gstart.push_back((int64_t)pairs.size());
       const int64_t G = (int64_t)gstart.size() - 1;
       const double t0 = now_s();
-      t_call = t0;
       const int rc = ms_moe_layer_impl((const char*)hx + i * P * H * esize, xdtype, T, H, I, G, wptr.data(),
                                        wtype + 3 * i, gstart.data(), prow.data(), pw.data(), pdst.data(),
                                        hy + i * P * H, P, H, xdtype, lflags[i] & 1, nthreads, 0);
@@ -2464,7 +2462,6 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
     }
     __atomic_store_n(&done[i], seq, __ATOMIC_RELEASE);
     wait_out[2 * i + 1] = now_s() - t_seen - secs_out[i];
-    (void)t_call;
   }
   return rc_all;
 }
