@@ -7,6 +7,8 @@ graphs (tests/test_cuda_graphs.py covers the graph replay itself); here the CPU 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -205,3 +207,28 @@ def test_a_failed_overlapped_step_leaves_no_placeholder(tiny_checkpoint, monkeyp
     while eng.has_work():
         eng.step()
     assert [r.output_ids for r in reqs] == want
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hybrid"])
+def test_cpu_and_hybrid_overlap_on_cuda_only_when_asked(backend, tiny_checkpoint, monkeypatch):
+    """Engine.overlap_ok: on a CUDA device cpu and hybrid (the bridge's worker) overlap with --overlap-schedule on
+    only — auto leaves them stepwise until measured — while fused and offload overlap under auto; on a CPU device
+    cpu and hybrid never do. (The device is stood in for: the rule reads its type and the runtime's capturability.)"""
+    from types import SimpleNamespace
+
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend=backend, moe_cache_size=3, moe_decode_kernel="pairs",
+              max_running_requests=4)
+    eng = llm.engine
+    assert eng.runtime.capturable()  # the bridge path: no host sync in a decode step
+    for mode, cpu_want, cuda_want in (("auto", False, False), ("on", False, True), ("off", False, False)):
+        monkeypatch.setattr(eng, "ecfg", dataclasses.replace(eng.ecfg, overlap_schedule=mode))
+        assert eng.overlap_ok() is cpu_want, mode
+        monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+        assert eng.overlap_ok() is cuda_want, mode
+        monkeypatch.undo()
+    plan = eng.plan
+    monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(eng, "plan", dataclasses.replace(plan, backend="offload") if dataclasses.is_dataclass(plan)
+                        else SimpleNamespace(backend="offload"))
+    assert eng.overlap_ok()  # offload under auto on CUDA
+    llm.close()
