@@ -34,6 +34,9 @@
 #   GGUF_DIR    [/dev/shm, or /tmp when it has no room]; KEEP_GGUF=1 keeps the files
 #   BENCHBW=1   `moestream bench bw` first, so `auto` can weigh hybrid [0]
 #   BUILD_CORES cores the build may use while moestream runs [2-15]
+#   LLAMA_PACK=1  the build's programs and libraries also into $OUT/llama-bin.tar.xz[.part-*] [0]
+#   LLAMA_PREBUILT  such a pack, used instead of building [.peer/llama-bin.tar.xz when present]
+#   PLOT=0      no vs_llama.png [1]
 #   PP, TG, REPS  prompt / generated tokens / repetitions [512, 64, 2]
 # For a dry run without a GPU (what was checked on the development machine): TINY=1 (tiny files, made-up
 # vocabulary) DEVICE=cpu (moestream on the CPU, caps not applied) LLAMA_BIN=DIR (an existing llama.cpp build,
@@ -60,6 +63,7 @@ NCMOE=${NCMOE:-0,15,29,33,40}; DEADLINE_S=${DEADLINE_S:-540}; CONFIG_S=${CONFIG_
 VRAM_FROM=${VRAM_FROM:-}; MERGE=${MERGE:-$VRAM_FROM}; BUILD_CORES=${BUILD_CORES:-2-15}
 DEVICE=${DEVICE:-cuda}; TINY=${TINY:-0}; LLAMA_BIN=${LLAMA_BIN:-}
 SIZES="--pp ${PP:-512} --tg ${TG:-64} --reps ${REPS:-2}"  # llama-bench -p / -n / -r and moestream's pp / tg / reps
+PLOT=$([ "${PLOT:-1}" = 1 ] && echo --plot)  # PLOT=0: no vs_llama.png (the device returns at most 8 files)
 WORK=${WORK:-/tmp/vs_work}; LL=/tmp/llama; mkdir -p "$WORK" "$LL"
 [ -n "$LLAMA_BIN" ] && BUILD=0
 BIN=${LLAMA_BIN:-$LL/build/bin}
@@ -77,10 +81,40 @@ build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama
        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   && taskset -c "$BUILD_CORES" cmake --build "$LL/build" --target llama-bench llama-batched-bench -j "$(nproc)"
   local rc=$?
+  if [ $rc = 0 ] && [ "${LLAMA_PACK:-0}" = 1 ]; then pack; fi
   rm -f "$LL/BUILDING"
   echo "build rc $rc after $(( $(date +%s) - T0 )) s"
   return $rc
 }
+
+# LLAMA_PACK=1: the two programs and their shared libraries, xz-compressed, into $OUT/llama-bin.tar.xz (split into
+# 15 MiB parts .part-aa, -ab, ... when larger: the device tool returns files of at most 16 MiB). Joined here
+# (`cat llama-bin.tar.xz.part-* > .peer/llama-bin.tar.xz`), a later call carries it and skips the 5-6 minute build
+# (LLAMA_PREBUILT, below). A build output for timing only: never committed.
+pack() {
+  local t=$(date +%s)
+  local stage="$WORK/llama-bin"; rm -rf "$stage"; mkdir -p "$stage"
+  cp "$LL/build/bin/llama-bench" "$LL/build/bin/llama-batched-bench" "$stage/"
+  find "$LL/build" -name "lib*.so*" ! -path "$stage/*" -exec cp -P {} "$stage/" \;
+  (cd "$stage" && XZ_OPT="-T0 -6" tar -cJf "$WORK/llama-bin.tar.xz" .)
+  local n=$(stat -c %s "$WORK/llama-bin.tar.xz")
+  if [ "$n" -gt $((15 * 1024 * 1024)) ]; then split -b 15M "$WORK/llama-bin.tar.xz" "$OUT/llama-bin.tar.xz.part-"
+  else cp "$WORK/llama-bin.tar.xz" "$OUT/"; fi
+  echo "packed llama.cpp's build: $n bytes in $(( $(date +%s) - t )) s"
+}
+
+# LLAMA_PREBUILT (default .peer/llama-bin.tar.xz when present): a build of an earlier call (LLAMA_PACK=1), unpacked
+# where the build would put it; used when every library it needs resolves, else the source is built as usual.
+prebuilt() {
+  local tarball=${LLAMA_PREBUILT:-.peer/llama-bin.tar.xz}
+  [ -f "$tarball" ] || return 1
+  mkdir -p "$LL/build/bin" && tar -xJf "$tarball" -C "$LL/build/bin" || return 1
+  if LD_LIBRARY_PATH="$LL/build/bin" ldd "$LL/build/bin/llama-bench" | grep -q "not found"; then
+    echo "prebuilt llama.cpp $tarball: libraries missing, building instead"; rm -f "$LL/build/bin/llama-bench"; return 1
+  fi
+  echo "llama.cpp from $tarball (prebuilt by an earlier call; $(cat .peer/llama-bin.txt 2>/dev/null || echo 'no note'))"
+}
+export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # a prebuilt's libraries (a build's have an RPATH)
 
 building() { [ -f "$LL/BUILDING" ]; }
 wait_build() {  # until the build ends or $1 seconds pass; 0 if llama-bench is there
@@ -104,6 +138,7 @@ report() {
   python3 -c "import gguf" 2>/dev/null || echo "WARNING: no gguf package (carry .whl/gguf-*.whl): the file writer needs it"
   [ -f "$VOCAB" ] || echo "WARNING: $VOCAB missing (copy ../shared/data/qwen3-tokenizer-gguf-fields.json into .peer/)"
   BUILD_PID=
+  if [ "$BUILD" = 1 ] && [ ! -x "$BIN/llama-bench" ] && [ ! -f "$LL/BUILDING" ] && [ -z "${LLAMA_SRC:-}" ]; then prebuilt; fi
   if [ "$BUILD" = 1 ] && [ -x "$BIN/llama-bench" ]; then
     echo "llama.cpp already built in $BIN (an earlier call on this machine)"
   elif [ "$BUILD" = 1 ] && [ -f "$LL/BUILDING" ]; then
@@ -157,7 +192,7 @@ report() {
       timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/vs_llama.py moe --model "$F" --quant "$Q" \
         --work "$WORK" --resume $SIZES ${GRID:+--grid "$GRID"} --device "$DEVICE" --config-s "$CONFIG_S" --measure-s "$MEASURE_S" \
         --deadline-s "$(left)" ${VRAM_FROM:+--vram-from "$VRAM_FROM"}
-      report --plot
+      report $PLOT
     fi
     if [ "$MOE" = 1 ] && [ -n "${AB_TREE:-}" ]; then
       echo "== $(date -u +%T) [$(left) s left] moestream from $AB_TREE on $Q"
@@ -173,7 +208,7 @@ report() {
     [ "${KEEP_GGUF:-0}" = 1 ] || rm -f "$F" "$F.done"
   done
   [ -n "${BUILD_PID:-}" ] && { building && echo "llama.cpp build still running (it goes on after this call)"; tail -3 "$WORK/build.log"; }
-  report --plot
+  report $PLOT
   cat "$WORK/report.txt"
   echo "== done after $(( $(date +%s) - T0 )) s"
 } 2>&1 | tee "$OUT/vs_llama.log"

@@ -42,11 +42,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--calls", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="results JSON, rewritten after every shape (a run stopped at its limit keeps them)")
+    ap.add_argument("--shapes", help="comma list of layer names (default: all), e.g. 'gdn in_proj_qkv,lm_head'")
     args = ap.parse_args()
+    pick = {n.strip() for n in args.shapes.split(",")} if args.shapes else None
     dev = torch.device("cuda")
     results = []
     for name, qtype, N, K in SHAPES:
+        if pick is not None and name not in pick:
+            continue
         q = gguf_format(qtype)
         calls = args.calls if N * K < 1 << 26 else 2  # the head: 0.24 GB a copy
         raws = [random_raw(q, (N, K), dev, seed=i) for i in range(calls)]
@@ -74,15 +78,16 @@ def main() -> None:
             ok = {k: v for k, v in row["configs"].items() if isinstance(v, dict)}
             best = min(ok, key=lambda k: ok[k]["us"])
             row["best"] = best
+            named = "".join(f"; {k} {row['configs'][k]['us'] if k in ok else row['configs'][k]}"
+                            for k in ("pairs", "mma", "words") if k in row["configs"])
             print(f"{name:16s} {qtype} {N}x{K} rows {T}: cuBLAS bf16 {row['cublas_bf16_us']:.1f} us "
-                  f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us"
-                  f"{'; pairs ' + str(ok.get('pairs', {}).get('us')) + ' us' if T > 1 else ''}; best {best} "
+                  f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us{named}; best {best} "
                   f"{ok[best]['us']} us ({ok[best]['gbs']} GB/s of stored bytes)")
             results.append(row)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     qpairs._QLINEAR_CFG.clear()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

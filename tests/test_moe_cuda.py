@@ -56,6 +56,9 @@ def test_cuda_bench_bw(tmp_path):
     prof = json.loads(out.read_text())
     assert prof["pcie_pinned_gbs"] > 1 and prof["pcie_pageable_gbs"] > 0 and prof["gpu_expert_gbs"] > 0
     assert prof["recommended"] in ("offload", "hybrid")
+    both = prof["concurrent"]  # host reads and pinned copies at once: both ran, the sum is theirs
+    assert both["cpu_gbs"] > 0 and both["pcie_gbs"] > 1
+    assert abs(both["sum_gbs"] - both["cpu_gbs"] - both["pcie_gbs"]) < 0.02
 
 
 def test_host_to_device_does_not_wait_for_the_gpu():

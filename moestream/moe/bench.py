@@ -3,6 +3,9 @@
 host_read_gbs        reading host memory (a sum over a buffer larger than the caches)
 pcie_pinned_gbs      host -> device copies of expert-sized rows from pinned memory (CUDA only)
 pcie_pageable_gbs    the same from pageable memory (CUDA only)
+concurrent           host reads by the CPU threads while pinned host -> device copies run (CUDA only): the two
+                     rates at once and their sum. Where the sum is near host_read_gbs, the host's memory (not
+                     each bus) is the limit, and hybrid's PCIe copies take bandwidth from its CPU experts
 cpu_expert_gbs       expert weight bytes per second the CPU path (compute.CpuExperts) gets through at bs=1
 gpu_expert_gbs       the same for the device path (compute.DeviceExperts; CUDA only)
 
@@ -88,6 +91,34 @@ def h2d_gbs(bank: dict, experts: int, device: torch.device, pinned: bool, iters:
 
     t = _best_time(run, iters, lambda: torch.cuda.synchronize(device))
     return experts * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
+
+
+def concurrent_gbs(device: torch.device, mib: int = 512, copy_mib: int = 256, copies: int = 24) -> dict:
+    """Host memory read by the CPU threads (a sum, as host_read_gbs) while pinned host -> device copies of copy_mib
+    MiB each run (queued at once, `copies` of them: ~0.1 s on a PCIe 5 card): {"cpu_gbs", "pcie_gbs", "sum_gbs"},
+    each rate over the copies' own time (the CPU sums until the last copy is done)."""
+    buf = torch.ones(mib << 18, dtype=torch.float32)
+    src = page_locked_zeros((copy_mib << 20,), torch.uint8)
+    dst = torch.empty(copy_mib << 20, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # warm: the copy engine and the first touch of both buffers
+    buf.sum()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    parts = buf.view(8, -1)  # summed an eighth at a time: the CPU's last sum overruns the copies by little
+    sums, t0 = 0, time.perf_counter()
+    while not end.query():
+        parts[sums % 8].sum()
+        sums += 1
+    cpu_s = time.perf_counter() - t0
+    end.synchronize()
+    pcie_s = start.elapsed_time(end) / 1e3
+    cpu = sums * parts[0].numel() * 4 / cpu_s / 1e9
+    pcie = copies * (copy_mib << 20) / pcie_s / 1e9
+    return {"cpu_gbs": round(cpu, 2), "pcie_gbs": round(pcie, 2), "sum_gbs": round(cpu + pcie, 2)}
 
 
 HF_FORMATS = {"fp8": "fp8_block", "fp8_block": "fp8_block", "fp8_channel": "fp8_channel",
@@ -182,6 +213,7 @@ def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype:
         "host_read_gbs": host_read_gbs(host_mib, iters),
         "pcie_pinned_gbs": h2d_gbs(bank, experts, device, True, iters) if cuda else None,
         "pcie_pageable_gbs": h2d_gbs(bank, experts, device, False, iters) if cuda else None,
+        "concurrent": concurrent_gbs(device) if cuda else None,
         "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu, fmt),
         "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None, fmt)
                            if cuda else None),
@@ -234,6 +266,10 @@ def format_table(res: dict) -> str:
              f"top-k {g['top_k']}, cpu threads {res['cpu_threads']}",
              f"{'measure':<28}{'GB/s':>10}"]
     lines += [f"{name:<28}{('n/a' if v is None else f'{v:.2f}'):>10}" for name, v in rows]
+    both = res.get("concurrent")
+    if both:
+        lines.append(f"{'host read + H2D at once':<28}{both['sum_gbs']:>10.2f}  (CPU {both['cpu_gbs']:.2f} + PCIe "
+                     f"{both['pcie_gbs']:.2f}: what hybrid's CPU experts and PCIe copies can share)")
     lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}")
     return "\n".join(lines)
 
