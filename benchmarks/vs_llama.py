@@ -16,7 +16,7 @@ each subcommand also runs alone:
 Grid (`--grid`): `;`-separated `BACKENDS@CAPS`, caps being `all` (no cap: fused), `nN` (llama.cpp's measured VRAM
 at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. Default:
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
-Variants: `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
+Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
@@ -220,22 +220,51 @@ def vram_caps(args) -> dict[int, float]:
     return caps
 
 
+def _variant(variant: str, cfg: dict) -> bool:
+    """One `+VARIANT` of a grid entry into cfg (see the module docstring); False for an unknown one."""
+    def set_env(key, value):
+        cfg.setdefault("set_env", {})[key] = value
+
+    threads = re.fullmatch(r"t(\d+)", variant)  # +tN: --moe-cpu-threads N
+    top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
+    x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
+    if variant in ("qdense", "bf16dense"):  # the GGUF's dense layers kept compressed on the GPU, or bf16 at load
+        cfg["env"] = {"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
+    elif threads:
+        cfg["threads"] = int(threads[1])
+    elif variant in ("omp", "pool"):  # read by the CPU kernels at each call: set inside the shared child
+        set_env("MOESTREAM_CPU_POOL", variant)
+    elif variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
+        set_env("MOESTREAM_BRIDGE_C", "0")
+    elif variant == "nohold":  # the bridge's layer calls on OpenMP's team, not the pool held for the step
+        set_env("MOESTREAM_BRIDGE_POOL", "0")
+    elif variant in ("noov", "ov"):  # --overlap-schedule off / on (auto overlaps fused and offload only)
+        cfg["overlap"] = "off" if variant == "noov" else "on"
+    elif variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)
+        set_env("MOESTREAM_HYBRID_ARMS", "0")
+    elif variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead
+        cfg["prefetch"] = "on"
+        if top:
+            set_env("MOESTREAM_PREFETCH_TOP", top[1])
+    elif x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one)
+        set_env("MOESTREAM_CPU_LAYER_TUNING", f"{'x8ahead' if x8a[1] == 'x8a' else 'rowsahead'}={x8a[2]}")
+    else:
+        return False
+    return True
+
+
 def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
     out = []
     for part in filter(None, (p.strip() for p in grid.split(";"))):
         backends, _, where = part.partition("@")
-        for b in backends.split(","):
-            b, plus, variant = b.partition("+")
-            threads = int(variant[1:]) if re.fullmatch(r"t\d+", variant) else None  # +tN: --moe-cpu-threads N
-            top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
-            x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
-            if b not in BACKENDS or (variant not in ("", "qdense", "bf16dense", "omp", "pool", "pyloop", "pf", "noarms",
-                                                     "nohold", "noov", "ov")
-                                     and threads is None and top is None and x8a is None):
-                raise SystemExit(f"unknown backend {b + plus + variant!r} in --grid")
-            # variants: the GGUF's dense layers kept compressed on the GPU, or dequantized to bf16 at load
-            env = ({"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
-                   if variant in ("qdense", "bf16dense") else {})
+        for spec in backends.split(","):
+            b, *variants = spec.split("+")  # BACKEND[+VARIANT...], e.g. cpu+ov+t15
+            if b not in BACKENDS:
+                raise SystemExit(f"unknown backend {spec!r} in --grid")
+            opts: dict = {}
+            for variant in variants:
+                if not _variant(variant, opts):
+                    raise SystemExit(f"unknown variant {variant!r} of {spec!r} in --grid")
             for c in (where or "all").split(","):
                 if c == "all":  # no cap: fused and auto sit in the all-resident row, cpu in the no-experts row
                     cfg = {"backend": b, "cap_gb": None, "ncmoe": 40 if b == "cpu" else 0}
@@ -251,28 +280,8 @@ def parse_grid(grid: str, caps: dict[int, float]) -> list[dict]:
                     except ValueError:
                         raise SystemExit(f"--grid {part!r}: {c!r} is not all, nN or a cap in GiB (a grid part is "
                                          "BACKEND[,BACKEND...]@WHERE[,WHERE...]; parts are split by ';')") from None
-                cfg["name"] = f"{b}{plus}{variant}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
-                if env:
-                    cfg["env"] = env
-                if threads:
-                    cfg["threads"] = threads
-                if variant in ("omp", "pool"):  # read by the CPU kernels at each call: set inside the shared child
-                    cfg["set_env"] = {"MOESTREAM_CPU_POOL": variant}
-                if variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
-                    cfg["set_env"] = {"MOESTREAM_BRIDGE_C": "0"}
-                if variant == "nohold":  # the bridge's layer calls on OpenMP's team, not the pool held for the step
-                    cfg["set_env"] = {"MOESTREAM_BRIDGE_POOL": "0"}
-                if variant in ("noov", "ov"):  # --overlap-schedule off / on (auto overlaps fused and offload only)
-                    cfg["overlap"] = "off" if variant == "noov" else "on"
-                if variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)
-                    cfg["set_env"] = {"MOESTREAM_HYBRID_ARMS": "0"}
-                if variant == "pf" or top:  # --moe-prefetch on: the next layer's predicted experts copied ahead
-                    cfg["prefetch"] = "on"
-                if top:
-                    cfg["set_env"] = {"MOESTREAM_PREFETCH_TOP": top[1]}
-                if x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one)
-                    key = "x8ahead" if x8a[1] == "x8a" else "rowsahead"
-                    cfg["set_env"] = {"MOESTREAM_CPU_LAYER_TUNING": f"{key}={x8a[2]}"}
+                cfg["name"] = f"{spec}@{'all' if cfg['cap_gb'] is None and not cfg.get('skip') else c}"
+                cfg.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in opts.items()})
                 out.append(cfg)
     return out
 
