@@ -57,6 +57,13 @@ def test_auto_choices():
     assert p.backend == "hybrid" and abs(p.hybrid_fetch_fraction - 25 / 65) < 1e-9
     slow_cpu = Bandwidths(pcie_pinned_gbs=25.0, cpu_expert_gbs=2.0)
     assert plan_memory(BIG, gpu(8), EngineConfig(), slow_cpu).backend == "offload"
+    # a budget whose hybrid cache would hold under 2 % of the experts (or not one layer's top-k): every expert on the CPU
+    for gb, slots in ((4.0, 107), (3.3, 0)):
+        if slots:
+            assert plan_memory(BIG, gpu(gb), EngineConfig(moe_backend="hybrid"), fast_cpu).cache_slots == slots
+        tiny = plan_memory(BIG, gpu(gb), EngineConfig(), fast_cpu)
+        assert tiny.backend == "cpu" and f"leaves hybrid {slots} cache slots" in tiny.reason, tiny.reason
+    assert plan_memory(BIG, gpu(4.8), EngineConfig(), fast_cpu).backend == "hybrid"  # 230 slots, 2.2 % of the experts
 
 
 def test_auto_measures_bandwidths_only_where_it_weighs_hybrid():

@@ -753,6 +753,9 @@ def test_qlinear_rows_launch_constants(T, bs, env, want, monkeypatch):
         assert got == want
     else:
         assert bn * bv * rt <= 8192 and warps == 4
+    if not env:  # Q4_K's programs take twice the rows (the H100 sweep)
+        q4 = qpairs.linear_rows_config(8192, 2048, T, bs, "Q4_K")
+        assert q4[1:] == got[1:] and q4[0] == min(2 * bn, 8192)
     assert qpairs._rows_kernel(T) and not qpairs._rows_kernel(1)
     monkeypatch.setenv("MOESTREAM_QLINEAR_ROWS", "0")
     monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})

@@ -28,6 +28,11 @@ PREFILL_CHUNK_KEEP = 1024
 # instead (the engine's fit halves --max-running-requests then: engine.Engine._plan_fitting)
 USEFUL_KV_TOKENS = 4096
 HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x pinned PCIe GB/s
+# ... and its cache would hold at least this share of the experts; below it auto picks cpu. A cache that small hits
+# little, and the split's PCIe copies take host memory bandwidth from the CPU experts: on H100 hosts at 4.16 GiB
+# (Qwen3.6 Q4_K_M, 19 slots of 10,240) hybrid decoded 43.1 tok/s where cpu decoded 48.1 in the same run, the CPU
+# experts at 28 GB/s beside the copies against 44 alone (benchmarks/RESULTS.md, 2026-12-06, twenty-first session)
+HYBRID_MIN_RESIDENCY = 0.02
 # Under a --gpu-memory-gb cap on a GPU, kept free beyond the CUDA context: what the running engine holds
 # outside the plan's items (recorded decode graphs' pool, prefill temporaries beyond the workspace, kernel
 # modules and library handles loaded after start-up). Measured on the H200 (2026-12-03, Qwen3.6-shaped Q8_0,
@@ -304,8 +309,16 @@ def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: 
         return "offload", "experts do not fit; no bench profile (run `moestream bench bw` to let auto weigh hybrid)"
     share = bw.cpu_expert_gbs / bw.pcie_pinned_gbs
     if share >= HYBRID_MIN_CPU_SHARE:
-        return "hybrid", (f"experts do not fit; CPU experts run at {bw.cpu_expert_gbs:.1f} GB/s, "
-                          f"{share:.2f}x pinned PCIe ({bw.pcie_pinned_gbs:.1f} GB/s)")
+        fast = (f"CPU experts run at {bw.cpu_expert_gbs:.1f} GB/s, {share:.2f}x pinned PCIe "
+                f"({bw.pcie_pinned_gbs:.1f} GB/s)")
+        try:
+            slots = _expert_rows(m, hw, e, "hybrid", free)[0]
+        except ConfigError:  # not even one layer's top-k of slots
+            slots = 0
+        if slots < HYBRID_MIN_RESIDENCY * m.total_experts:
+            return "cpu", (f"experts do not fit; {fast}; the budget leaves hybrid {slots} cache slots "
+                           f"({slots / m.total_experts:.1%} of the experts): every expert on the CPU")
+        return "hybrid", f"experts do not fit; {fast}"
     return "offload", (f"experts do not fit; CPU experts ({bw.cpu_expert_gbs:.1f} GB/s) add little to pinned "
                        f"PCIe ({bw.pcie_pinned_gbs:.1f} GB/s)")
 

@@ -289,10 +289,11 @@ def _rows_on() -> bool:
     return on
 
 
-def linear_rows_config(N: int, K: int, T: int, bs: int) -> tuple[int, int, int, int]:
+def linear_rows_config(N: int, K: int, T: int, bs: int, qtype: str | None = None) -> tuple[int, int, int, int]:
     """(BN output rows, BV columns a step, warps, RT activation rows) of the multi-row dense kernel for T rows of K
-    columns (bs: the weight's block size, which BV must hold): RT = T rounded up to a power of two (at most
-    LINEAR_MAX_RT); ~8K products a step per program (BN x BV weight values decoded, times RT rows).
+    columns (bs: the weight's block size, which BV must hold; qtype: its GGUF type): RT = T rounded up to a power of
+    two (at most LINEAR_MAX_RT); ~8K products a step per program (BN x BV weight values decoded, times RT rows), 16K
+    for Q4_K.
     MOESTREAM_QLINEAR_ROWS_CFG="BN,BV,WARPS" (or benchmarks/qlinear_gpu.py's sweep) sets the first three."""
     rt = min(_pow2(T), LINEAR_MAX_RT)
     if rt == 1:  # one row (a permuted layer's decode GEMV): the pair kernel's constants
@@ -306,7 +307,9 @@ def linear_rows_config(N: int, K: int, T: int, bs: int) -> tuple[int, int, int, 
     # BV 1024 up to K = 2048, else 512 (and at most K): the H100 sweep of 2026-12-06 (benchmarks/RESULTS.md, batch 4,
     # the Q4_K_M file's shapes) had (2, 1024) best or within 1 % at K = 2048, (4, 512) best at K = 4096 and 512
     bv = max(bs, min(_pow2(K), 1024 if K <= 2048 else 512))
-    bn = max(1, min(_pow2(N), 8192 // (bv * rt)))
+    # Q4_K: twice the rows a program. Two H100 sweeps (2026-12-06, batch 4, K = 2048) timed (4, 1024) at 29.3 us for
+    # 8192 x 2048 where (2, 1024) took 37.5, and 4.3 against 4.6 us for 512 x 2048; Q6_K's lm_head was 10 % slower so
+    bn = max(1, min(_pow2(N), (16384 if qtype == "Q4_K" else 8192) // (bv * rt)))
     return bn, bv, 4, rt
 
 
@@ -685,7 +688,7 @@ def _launch_linear_rows(pool, fmt, xs: torch.Tensor, y: torch.Tensor, N: int, K:
                 BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=bv, Y_BF16=bf16, PERM=perm is not None,
                 DOT_T=tl.float32 if _QLINEAR_CFG.get("mma_fp32") else tl.bfloat16, num_warps=4)
             return y
-        bn, bv, warps, rt = linear_rows_config(N, K, T, bsd)
+        bn, bv, warps, rt = linear_rows_config(N, K, T, bsd, fmt.quant("down").type_name)
         _gguf_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
             xs, pool["down"], out_arg, td.lut_table(xs.device), xs if perm is None else perm, T, N, K, QD=qd, BSD=bsd,
             TSD=tsd, NSD=nsd, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None, num_warps=warps)
