@@ -90,7 +90,8 @@ build() {  # llama-bench and llama-batched-bench from the carried, trimmed llama
 # LLAMA_PACK=1: the two programs and their shared libraries, xz-compressed, into $OUT/llama-bin.tar.xz (split into
 # 15 MiB parts .part-aa, -ab, ... when larger: the device tool returns files of at most 16 MiB). Joined here
 # (`cat llama-bin.tar.xz.part-* > .peer/llama-bin.tar.xz`), a later call carries it and skips the 5-6 minute build
-# (LLAMA_PREBUILT, below). A build output for timing only: never committed.
+# (LLAMA_PREBUILT, below; note its origin in .peer/llama-bin.txt, which the report names, and leave the 9 MB source out
+# of .peer/ then: the carried tree must stay under 64 MiB). A build output for timing only: never committed.
 pack() {
   local t=$(date +%s)
   local stage="$WORK/llama-bin"; rm -rf "$stage"; mkdir -p "$stage"

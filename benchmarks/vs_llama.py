@@ -768,8 +768,8 @@ def run_env(args) -> None:
         pass
     p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     info["commit"] = p.stdout.strip() or os.environ.get("MOESTREAM_COMMIT", "?")
-    src = ROOT / ".peer" / "llama.cpp-src.txt"
-    info["llama_cpp"] = src.read_text().strip() if src.exists() else "?"
+    src = next((p for p in (ROOT / ".peer" / "llama.cpp-src.txt", ROOT / ".peer" / "llama-bin.txt") if p.exists()), None)
+    info["llama_cpp"] = src.read_text().strip() if src else "?"  # the source built, or the prebuilt pack's note
     Path(args.work).mkdir(parents=True, exist_ok=True)
     save(Path(args.work) / "env.json", info)
     log(json.dumps(info))
