@@ -155,6 +155,8 @@ def test_held_split_share_tuned_by_step_time():
     # centre, +d, -d, then every miss on the CPU (share 0, fixed 0), in blocks of 2
     assert seen[:8] == pytest.approx([0.67, 0.67, 0.77, 0.77, 0.57, 0.57, 0.0, 0.0])
     assert abs(d["tuned_share"] - 0.35) <= 0.05 and d["tune_moves"] >= 3 and d["tune_step"] == 0.025
+    # converged (a round at the finest step without a move): the centre alone runs until the next exploration
+    assert d["tune_converged"] and len(set(seen[-40:])) == 1 and seen[-1] == pytest.approx(d["tuned_share"], abs=1e-4)
     # at the top bound the clamped candidate (the centre itself) is skipped
     arms = Arms(block=1, trials=1, hold=10_000, warmup=0)
     drive(arms, 1, {SPLIT: 0.01, "fetch": 0.02}, 2)

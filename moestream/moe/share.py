@@ -137,7 +137,10 @@ class Arms:
     2026-12-05, batch 4 explored the split at 40 ms a step, then the fit moved the share from 0.39 to 0.67 of the
     misses fetched and the held steps took 59 ms, slower than offload's 58). From the fitted share at the choice,
     blocks of `block` steps run the share, the share + d and the share - d; the centre moves to a neighbour that
-    was faster by more than `margin`, else d halves (down to `tune_min`); shares stay in [0, SHARE_MAX]. Each round
+    was faster by more than `margin`, else d halves (down to `tune_min`; a round there without a move ends the tuning:
+    the centre is held alone until the next exploration, since every round also runs three other shares, one of them
+    possibly far slower — on the H100 host at 7.79 GiB the tuned split held 12.6 ms a step where it was explored at
+    10.9); shares stay in [0, SHARE_MAX]. Each round
     also runs one block with every miss on the CPU (share 0 and no CPU fixed cost in the route's sum: `cpu` backend's
     step over hybrid's cache), which a local search from the fitted share need not reach: on the H100 host at 4.16 GiB
     (2026-12-06) the split held 0.39 of the misses fetched at 23.3 ms a step while the `cpu` backend took 19.4 ms. When
@@ -168,8 +171,10 @@ class Arms:
             return None
         if st["tune"] is None:
             st["tune"] = {"centre": min(max(fitted[0], 0.0), self.SHARE_MAX), "fixed": fitted[1],
-                          "d": self.tune_step, "i": 0, "block": [], "t": {}, "moves": 0}
+                          "d": self.tune_step, "i": 0, "block": [], "t": {}, "moves": 0, "converged": False}
         tu = st["tune"]
+        if tu["converged"]:
+            return tu["centre"], tu["fixed"]
         c = self._CANDS[tu["i"]]
         return (0.0, 0.0) if c == "cpu" else (self._candidate(tu, c), tu["fixed"])
 
@@ -186,6 +191,8 @@ class Arms:
 
     def _tune(self, tu: dict, seconds: float) -> None:
         """A held split step's time, for the tuner's current candidate."""
+        if tu["converged"]:
+            return
         tu["block"].append(seconds)
         if len(tu["block"]) < self.block:
             return
@@ -204,6 +211,8 @@ class Arms:
             else:
                 tu["centre"] = self._candidate(tu, best)
             tu["moves"] += 1
+        elif tu["d"] <= self.tune_min:  # no neighbour at the finest step beat the centre: hold it until the next
+            tu["converged"] = True      # exploration (each round runs three other shares, one possibly far slower)
         else:
             tu["d"] = max(tu["d"] / 2, self.tune_min)
         tu["i"], tu["t"] = 0, {}
@@ -253,5 +262,6 @@ class Arms:
                          "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
                          "explorations": st["explorations"], "steps": dict(st["steps"]),
                          **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
-                             "tune_moves": st["tune"]["moves"]} if st["tune"] else {})}
+                             "tune_moves": st["tune"]["moves"], "tune_converged": st["tune"]["converged"]}
+                            if st["tune"] else {})}
                 for r, st in sorted(self._rows.items())}
