@@ -12,7 +12,8 @@ bytes, and the bf16 cuBLAS GEMV of the same shape. The fastest configuration per
 MOESTREAM_QLINEAR_CFG=BN,BV,WARPS (moe/qpairs.linear_config) would then make the default. Rows > 1 time the multi-row
 kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG) beside "pairs", the pair kernel's one
 program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only); one Q4_K
-row also times "words", the word-load experiment (a 32-bit load per 8 codes).
+row also times "words", the word-load experiment (a 32-bit load per 8 codes), and Q4_K rows "repack", the layout
+experiment (repack_q4k: codes as words in column order, scales unpacked; "gbs" counts the Q4_K bytes).
 """
 from __future__ import annotations
 
@@ -75,11 +76,19 @@ def main() -> None:
                     row["configs"][str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
                     continue
                 row["configs"][str(cfg)] = {"us": round(us, 2), "gbs": round(stored / us / 1e3, 1)}
+            if qtype == "Q4_K":  # the repacked-layout experiment: repack_q4k, then its kernel
+                packed = [qpairs.repack_q4k(r, N, K) for r in raws]
+                try:
+                    us = time_graph(lambda i: qpairs.q4k_repacked_linear(x, packed[i], N, K), range(calls), args.iters)
+                    row["configs"]["repack"] = {"us": round(us, 2), "gbs": round(stored / us / 1e3, 1)}
+                except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep
+                    row["configs"]["repack"] = f"{type(e).__name__}: {str(e)[:80]}"
+                del packed
             ok = {k: v for k, v in row["configs"].items() if isinstance(v, dict)}
             best = min(ok, key=lambda k: ok[k]["us"])
             row["best"] = best
             named = "".join(f"; {k} {row['configs'][k]['us'] if k in ok else row['configs'][k]}"
-                            for k in ("pairs", "mma", "words") if k in row["configs"])
+                            for k in ("pairs", "mma", "words", "repack") if k in row["configs"])
             print(f"{name:16s} {qtype} {N}x{K} rows {T}: cuBLAS bf16 {row['cublas_bf16_us']:.1f} us "
                   f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us{named}; best {best} "
                   f"{ok[best]['us']} us ({ok[best]['gbs']} GB/s of stored bytes)")

@@ -293,6 +293,31 @@ def _words_case(K: int, how: str = "") -> list[str]:
     return [f"words K={K}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []
 
 
+def _repack_case(K: int, T: int) -> list[str]:
+    """The repacked Q4_K experiment (MOESTREAM_QLINEAR_REPACK=1): repack_q4k keeps the stored values exactly (its
+    layout decoded in torch equals the Q4_K decoder), and the kernel over it equals a float64 GEMM (quant_linear's
+    bound): K = 768 (three 256-column steps), 2048 (two 1024-column steps); T = 1, 3 (a partial row block), 9."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q4_K")
+    N = 40
+    raw = random_raw(q, (N, K), "cpu", seed=3)
+    packed = qpairs.repack_q4k(raw, N, K)
+    W = q.dequantize(raw, (N, K), torch.float64)
+    codes = ((packed["q"][:, :, None] >> (4 * torch.arange(8))) & 0xF).reshape(N, K // 32, 32).double()
+    dl = (packed["sc"].double().reshape(N, K // 256, 8) * packed["d"].double()[:, :, None]).reshape(N, K // 32, 1)
+    ml = (packed["mn"].double().reshape(N, K // 256, 8) * packed["dm"].double()[:, :, None]).reshape(N, K // 32, 1)
+    errs = [] if torch.equal((codes * dl - ml).reshape(N, K), W) else [f"repack K={K}: values differ"]
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    got = qpairs.q4k_repacked_linear(x, packed, N, K)
+    want = x.double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    bad = (got.double() - want).abs() > tol
+    return errs + ([f"repack K={K} T={T}: {int(bad.sum())} of {bad.numel()} off"] if bad.any() else []) + (
+        [] if got.dtype == torch.bfloat16 and got.shape == (T, N) else [f"repack: {got.dtype} {tuple(got.shape)}"])
+
+
 def _mma_case(qtype: str, T: int, how: str = "") -> list[str]:
     """The tensor-core experiment (MOESTREAM_QLINEAR_MMA=1) of a GGUF dense layer: its tiles, column order,
     permutation and masks, with the dot in float32 (the interpreter's bf16 dot is not exact numpy; on a GPU the
@@ -377,6 +402,9 @@ def _worker_case(case: str) -> list[str]:
     if case.startswith("words:"):  # words:K[:perm]
         _, K, *how = case.split(":")
         return _words_case(int(K), *how)
+    if case.startswith("repack:"):  # repack:K:T
+        _, K, T = case.split(":")
+        return _repack_case(int(K), int(T))
     if case.startswith("mma:"):  # mma:TYPE:T[:perm]
         _, what, T, *how = case.split(":")
         return _mma_case(what, int(T), *how)
@@ -395,7 +423,7 @@ WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "
                 "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
                 "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2", "words:768", "words:2048",
-                "words:1024:perm"]
+                "words:1024:perm", "repack:768:1", "repack:2048:3", "repack:1024:9"]
 
 
 @pytest.fixture(scope="module")
@@ -454,9 +482,14 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
         rows.append((qpairs._gguf_linear_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
                                                   "perm": "*i64", "T": "i32"},
                      dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=bn, BV=bv, RT=rt, Y_BF16=True, PERM=perm)))
-    if types == "Q4_K":  # the word-load experiment (one row)
+    if types == "Q4_K":  # the word-load experiment (one row); the repacked layout (1 and 4 rows)
         rows.append((qpairs._q4k_linear_words_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "perm": "*i64"},
                      dict(N=8192, K=H, BN=4, BKB=4, Y_BF16=True, PERM=False)))
+        for T in (1, 4):
+            bn, bv, _, rt = qpairs.repacked_config(8192, H, T)
+            rows.append((qpairs._q4kr_linear_kernel, {"x": "*bf16", "qw": "*i32", "sc": "*u8", "mn": "*u8",
+                                                      "d": "*fp16", "dm": "*fp16", "y": "*i16", "T": "i32"},
+                         dict(N=8192, K=H, BN=bn, BV=bv, RT=rt, Y_BF16=True)))
     rows.append((qpairs._gguf_linear_mma_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "lut": "*fp32",
                                                   "perm": "*i64", "T": "i32"},
                  dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=16, BV=max(bs, 64), Y_BF16=True, PERM=False,
@@ -597,6 +630,26 @@ def test_cuda_quant_linear(qtype):
     raw = random_raw(q, (N, K), "cuda", seed=3)
     x = (torch.randn(4, K, device="cuda") * 0.5).to(torch.bfloat16)
     got = qpairs.quant_linear(x, q, raw, (N, K)).double()
+    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
+    want = x.double() @ W.t()
+    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
+    assert not ((got - want).abs() > tol).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_cuda_q4k_repacked_linear(T):
+    """The repacked Q4_K experiment on the GPU (the decode shapes' constants: words, 16-byte loads): the float64
+    GEMM of the stored values, within quant_linear's bound."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q4_K")
+    N, K = 4096, 2048
+    raw = random_raw(q, (N, K), "cuda", seed=3)
+    x = (torch.randn(T, K, device="cuda") * 0.5).to(torch.bfloat16)
+    got = qpairs.q4k_repacked_linear(x, qpairs.repack_q4k(raw, N, K), N, K).double()
     W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
     want = x.double() @ W.t()
     tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()

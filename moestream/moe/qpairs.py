@@ -279,6 +279,52 @@ def _mma_on() -> bool:
     return on
 
 
+def repack_q4k(raw: torch.Tensor, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A Q4_K matrix [N, K] (raw: its N * K / 256 blocks of 144 bytes) in the layout of _q4kr_linear_kernel, on
+    raw's device: "q" [N, K / 8] int32 (column 8w + c at bits 4c..4c+3 of word w), "sc" / "mn"
+    [N, K / 32] uint8 (each sub-block's six-bit scale and min, unpacked), "d" / "dm" [N, K / 256] fp16 (the
+    blocks' d and dmin). 148 bytes per 256 values where Q4_K stores 144; the values are the stored ones exactly."""
+    from ..quant import gguf_formats as gf
+
+    if K % 256:
+        raise ValueError(f"Q4_K rows hold whole 256-value blocks, not {K} columns")
+    b = raw.reshape(N * (K // 256), 144)
+    nb = b.shape[0]
+    sc, mn = gf._k_scale_min(b[:, 4:16])
+    q = gf._fields(b[:, 16:144].reshape(nb, 4, 32), (0, 4), 2, 0x0F).reshape(N, K)
+    v = (q.reshape(N, K // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=raw.device))).sum(-1)  # < 2^32
+    return {"q": torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32), "sc": sc.reshape(N, K // 32).contiguous(),
+            "mn": mn.reshape(N, K // 32).contiguous(),
+            "d": b[:, 0:2].contiguous().view(torch.float16).reshape(N, K // 256),
+            "dm": b[:, 2:4].contiguous().view(torch.float16).reshape(N, K // 256)}
+
+
+def repacked_config(N: int, K: int, T: int) -> tuple[int, int, int, int]:
+    """(BN, BV, warps, RT) of _q4kr_linear_kernel: BV the largest of 1024 / 512 / 256 dividing K; one row ~4K
+    values a step per program, several rows ~8K products (the multi-row kernel's budget);
+    _QLINEAR_CFG["repack_cfg"] = (BN, BV, warps) (benchmarks/qlinear_gpu.py's sweep) sets the first three."""
+    rt = min(_pow2(T), LINEAR_MAX_RT)
+    cfg = _QLINEAR_CFG.get("repack_cfg")
+    if cfg is not None:
+        return cfg[0], cfg[1], cfg[2], rt
+    bv = next(v for v in (1024, 512, 256) if K % v == 0)
+    bn = max(1, min(_pow2(N), (4096 if rt == 1 else 8192) // (bv * rt)))
+    return bn, bv, 4, rt
+
+
+def q4k_repacked_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], N: int, K: int) -> torch.Tensor:
+    """y [T, N] (x's dtype rules of quant_linear) = x [T, K] @ W.T for a Q4_K matrix in repack_q4k's layout."""
+    xs = x.reshape(-1, K).contiguous()
+    T = xs.shape[0]
+    y = torch.empty((T, N), dtype=_linear_out_dtype(x), device=x.device)
+    bf16 = y.dtype == torch.bfloat16
+    bn, bv, warps, rt = repacked_config(N, K, T)
+    _q4kr_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
+        xs, packed["q"], packed["sc"], packed["mn"], packed["d"], packed["dm"], y.view(torch.int16) if bf16 else y,
+        T, N, K, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, num_warps=warps)
+    return y
+
+
 def _rows_on() -> bool:
     """The multi-row dense kernel is in use (MOESTREAM_QLINEAR_ROWS, read once; default on)."""
     on = _QLINEAR_CFG.get("rows_on")
@@ -580,6 +626,43 @@ if triton is not None:
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         _store(y, n, _q4k_words_dot(dw, n, nmask, x, perm, K, BN, BKB, PERM), nmask, Y_BF16)
+
+    @triton.jit
+    def _q4kr_linear_kernel(x, qw, sc, mn, d, dm, y, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                            BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr):
+        """T rows of a Q4_K dense layer repacked (repack_q4k; an experiment timed by benchmarks/qlinear_gpu.py, not yet wired into QuantLinear): the
+        codes as int32 words of 8 columns (column c of a word at bits 4c..4c+3), each sub-block's six-bit scale and
+        min a byte of their own, the fp16 d and dmin per 256 columns. A step loads [BN, BV / 8] words and x's [RT, BV]
+        contiguously (16-byte vector loads), turns each nibble into a float by its bits (2^23 + q, minus 2^23: exact,
+        no int-to-float conversion), decodes with one scale and min per 32 columns, and accumulates products
+        elementwise; one reduction at the end. No per-value index arithmetic, no six-bit unpacking.
+        grid (cdiv(N, BN), cdiv(T, RT)); BV divides K, BV >= 256."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        nn = n.to(tl.int64)[:, None]
+        t = tl.program_id(1) * RT + tl.arange(0, RT)
+        tmask = t < T
+        shift = (4 * tl.arange(0, 8))[None, None, :]
+        acc = tl.zeros([RT, BN, BV], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            wd = tl.load(qw + nn * (K // 8) + (k0 // 8 + tl.arange(0, BV // 8))[None, :], mask=nmask[:, None],
+                         other=0)  # [BN, BV / 8] int32
+            nib = (wd[:, :, None] >> shift) & 0xF  # [BN, BV / 8, 8]
+            q = tl.reshape((nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, [BN, BV // 32, 32])
+            sb = (k0 // 32 + tl.arange(0, BV // 32))[None, :]
+            scv = tl.load(sc + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)  # [BN, BV / 32]
+            mnv = tl.load(mn + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
+            db = (k0 // 256 + tl.arange(0, BV // 256))[None, :]
+            dv = tl.load(d + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, BV / 256]
+            dmv = tl.load(dm + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
+            dl = tl.reshape(tl.reshape(scv, [BN, BV // 256, 8]) * dv[:, :, None], [BN, BV // 32])
+            ml = tl.reshape(tl.reshape(mnv, [BN, BV // 256, 8]) * dmv[:, :, None], [BN, BV // 32])
+            w = tl.reshape(q * dl[:, :, None] - ml[:, :, None], [BN, BV])
+            xv = tl.load(x + t.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BV))[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float32)  # [RT, BV]
+            acc += w[None, :, :] * xv[:, None, :]
+        _store(y, t.to(tl.int64)[:, None] * N + n[None, :], tl.sum(acc, axis=2), tmask[:, None] & nmask[None, :],
+               Y_BF16)
 
     @triton.jit
     def _gguf_linear_mma_kernel(x, dw, y, lut, perm, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
