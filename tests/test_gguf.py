@@ -211,3 +211,12 @@ def test_gpu_dense_layout_keeps_bytes_and_logits(variant, qtype, hf_dirs, tmp_pa
     ours = full_logits(llm, ids)
     theirs = tiny_models.hf_logits(ref, ids)
     assert (ours - theirs).norm() / theirs.norm() < 1e-4
+    if variant == "qwen35":
+        # GatedDeltaNet.absorb_out_perm (done on a GPU at the first call): the gated norm writes the value heads in
+        # out_proj's stored order and out_proj reads x as it comes — the same logits, to the bit
+        gdn = [layer.linear_attn for layer in model.layers if layer.kind == "linear_attention"]
+        assert all(g.absorb_out_perm() for g in gdn)
+        assert all(g.out_proj.in_perm is None and sorted(g.out_dest.tolist()) == list(range(g.hv)) for g in gdn)
+        assert any(g.out_dest.tolist() != list(range(g.hv)) for g in gdn)
+        assert torch.equal(full_logits(llm, ids), ours)
+        assert not gdn[0].absorb_out_perm()  # nothing left to absorb

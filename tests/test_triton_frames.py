@@ -48,3 +48,14 @@ def test_the_record_covers_the_decode_and_prefill_kernels():
                  "_collect_kernel", "_gate_up_kernel", "_down_kernel", "_gdn_decode_kernel", "_rms_kernel"):
         assert name in kernels, name
     assert all(r["h200"]["local_bytes"] == 0 for r in LAUNCHES)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_gated_norm_with_head_map_compiles_within_the_frame():
+    """The gated norm writing a Gated DeltaNet's value heads in out_proj's stored order (MAPPED, after
+    GatedDeltaNet.absorb_out_perm; recorded after the launches above) compiles for sm_90 within the default frame."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*i32", "h_ptr": "*bf16",
+           "N": "i32", "eps": "fp32", "G_INNER": "i32", "G_STRIDE": "i32"}
+    consts = dict(ZERO_CENTERED=False, GATED=True, ADD=False, BLOCK=128, MAPPED=True, D_GROUP=32)
+    k = compile_sm90(triton_ops._rms_kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4})
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT

@@ -37,6 +37,19 @@ def test_rms_norm(zc, dtype, torch_path):
     torch.testing.assert_close(g(x, gate), torch_path(lambda: g(x, gate)), rtol=2e-2, atol=2e-2)
 
 
+def test_gated_rms_norm_writes_heads_where_told(torch_path):
+    """GatedRMSNorm with dest (GatedDeltaNet.absorb_out_perm): head g of each token written at head dest[g], in the
+    kernel as by the torch path, and the values of the plain norm moved."""
+    g = GatedRMSNorm(128, 1e-6).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(g.weight, 1.0, 0.2)
+    x = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    dest = torch.randperm(8, generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
+    got, plain = g(x, gate, dest), g(x, gate)
+    assert torch.equal(got[:, dest.long()], plain)
+    torch.testing.assert_close(got, torch_path(lambda: g(x, gate, dest)), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                (torch.bfloat16, torch.bfloat16)])
 def test_gdn_decode(dtype, state_dtype, torch_path):

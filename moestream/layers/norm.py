@@ -49,11 +49,16 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """dest [G] (optional): x [..., G, dim]'s rows g written to rows dest[g] of the output (same shape)."""
         if triton_ops.enabled(x):
-            return triton_ops.rms_norm(x, self.weight, self.eps, False, gate)
+            return triton_ops.rms_norm(x, self.weight, self.eps, False, gate, dest)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        y = (self.weight * xf.to(dtype) * F.silu(gate.float())).to(dtype)
+        if dest is None:
+            return y
+        out = torch.empty_like(y)
+        out[..., dest.long(), :] = y
+        return out

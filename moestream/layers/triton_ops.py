@@ -44,7 +44,10 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _rms_kernel(x_ptr, w_ptr, g_ptr, y_ptr, r_ptr, h_ptr, N, eps, G_INNER, G_STRIDE, ZERO_CENTERED: tl.constexpr,
-                    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, MAPPED: tl.constexpr = False,
+                    D_GROUP: tl.constexpr = 1):
+        """MAPPED (not with ADD): r_ptr is an int32 [D_GROUP] table, row g of each group of D_GROUP rows written to
+        the group's row r_ptr[g]."""
         row = tl.program_id(0)
         o = tl.arange(0, BLOCK)
         m = o < N
@@ -65,7 +68,10 @@ if triton is not None:
             g_row = g_ptr + (row // G_INNER) * G_STRIDE + (row % G_INNER) * N
             g = tl.load(g_row + o, mask=m, other=0.0).to(tl.float32)
             y = y * (g / (1.0 + tl.exp(-g)))
-        tl.store(y_ptr + row * N + o, y.to(out_ty), mask=m)
+        out_row = row
+        if MAPPED:  # rows in groups of D_GROUP (a token's heads), each written to its group's row d_ptr[row % D_GROUP]
+            out_row = (row // D_GROUP) * D_GROUP + tl.load(r_ptr + row % D_GROUP)
+        tl.store(y_ptr + out_row * N + o, y.to(out_ty), mask=m)
 
     @triton.jit
     def _window(conv_base, mixed_row, c, taps, KW: tl.constexpr):
@@ -160,15 +166,18 @@ if triton is not None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-             gate: torch.Tensor | None = None) -> torch.Tensor:
+             gate: torch.Tensor | None = None, dest: torch.Tensor | None = None) -> torch.Tensor:
+    """dest [G] int32 (optional): x's rows in groups of G (x [..., G, N]); row g of a group is written to the
+    group's row dest[g] (a Gated DeltaNet's value heads in the order its out_proj stores them)."""
     shape = x.shape
     N = shape[-1]
     x2 = x.reshape(-1, N).contiguous()
     y = torch.empty_like(x2)
     g3 = _gate_rows(gate, N) if gate is not None else x2.view(1, -1, N)
-    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, x2, y, N, eps, g3.shape[1], g3.stride(0),
-                                ZERO_CENTERED=zero_centered, GATED=gate is not None, ADD=False,
-                                BLOCK=triton.next_power_of_2(N))
+    _rms_kernel[(x2.shape[0],)](x2, weight, g3, y, dest if dest is not None else x2, y, N, eps, g3.shape[1],
+                                g3.stride(0), ZERO_CENTERED=zero_centered, GATED=gate is not None, ADD=False,
+                                BLOCK=triton.next_power_of_2(N), MAPPED=dest is not None,
+                                D_GROUP=dest.numel() if dest is not None else 1)
     return y.view(shape)
 
 

@@ -297,6 +297,7 @@ def _gdn_desc(layer, state) -> tuple[np.ndarray, np.ndarray] | None:
 
     g, a, b = layer.linear_attn, layer.input_layernorm, layer.post_attention_layernorm
     if type(g) is not GatedDeltaNet or type(g.norm) is not GatedRMSNorm or g.kernel < 2 or g.hv % g.hk \
+            or g.out_dest is not None \
             or g.conv1d.bias is not None or type(a) is not RMSNorm or type(b) is not RMSNorm \
             or (a.eps, a.zero_centered) != (b.eps, b.zero_centered) or state is None or state.conv is None \
             or _f32(state.conv) is None or _f32(state.rec) is None:
