@@ -469,3 +469,31 @@ def test_hybrid_overlapped_steps_finish_in_launch_order(tiny_checkpoint, monkeyp
     strat.finish_step()  # C read
     assert log == ["wait", "wait"] and not bridge._pending and not strat._steps and bridge.seq == seq0 + 2
     llm.close()
+
+
+@pytest.mark.parametrize("backend,kw", [("cpu", {}), ("hybrid", {"moe_cache_size": 3})])
+def test_shared_expert_runs_while_the_worker_computes(backend, kw, tiny_checkpoint, fused_tokens, monkeypatch):
+    """cpu / hybrid decode through the bridge: a block's shared expert (its down projection) is issued after the
+    layer's request is posted and before its answer is collected — on a GPU it runs while the worker computes —
+    and the tokens stay fused's."""
+    from moestream.moe import bridge as bridge_mod
+
+    events = []
+    for name in ("post", "collect"):
+        orig = getattr(bridge_mod.CpuBridge, name)
+        monkeypatch.setattr(bridge_mod.CpuBridge, name,
+                            lambda self, layer, *a, _o=orig, _n=name: (events.append((_n, layer)), _o(self, layer, *a))[1])
+    llm, got = run(tiny_checkpoint, "qwen35", backend, moe_decode_kernel="pairs", **kw)
+    assert got == fused_tokens("qwen35")[1]
+    blocks = [b for b in llm.engine.model.moe_blocks() if b.shared_in is not None]
+    assert blocks
+    for b in blocks:
+        down = b.shared_expert.down_proj
+        orig_fwd = down.forward
+        monkeypatch.setattr(down, "forward", lambda x, _f=orig_fwd, _l=b.layer: (events.append(("shared", _l)), _f(x))[1])
+    events.clear()
+    llm.generate([[5, 6, 7]], SP)
+    order = [e for e in events if e[1] == blocks[0].layer]
+    decode = [order[i:i + 3] for i in range(len(order) - 2) if order[i][0] == "post"]
+    assert decode and all(w == [("post", blocks[0].layer), ("shared", blocks[0].layer), ("collect", blocks[0].layer)]
+                          for w in decode), order[:12]

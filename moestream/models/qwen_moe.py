@@ -87,10 +87,11 @@ class SparseMoeBlock(nn.Module):
         e = self.router_rows
         ids, w, _ = self.gate.route(out[:, :e]) if e else self.gate(x)
         ids = self.runtime.routed(self.layer, x, ids)
-        y = self.runtime.forward(self.layer, x, ids, w)
         gu = out[:, e:]  # [T, 2I + 1]
         inter = self.shared_in.sizes[-2]
-        shared = self.shared_expert.down_proj(triton_ops.silu_mul(gu, inter))  # down(silu(gate) * up)
+        # down(silu(gate) * up), launched where it hides best (on the GPU while the CPU computes cpu / hybrid's pairs)
+        y, shared = self.runtime.forward_beside(
+            self.layer, x, ids, w, lambda: self.shared_expert.down_proj(triton_ops.silu_mul(gu, inter)))
         gate = gu[:, 2 * inter:]
         if next_norm is None:
             return triton_ops.gated_combine(y, shared, gate, residual)

@@ -145,6 +145,16 @@ class ExpertRuntime:
         strategy = self.prefill if self.prefill_mode else self.decode
         return strategy.forward(layer, x, topk_ids, topk_w)
 
+    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                       beside: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward's y, beside()): device work of the caller's that does not need y (a block's shared expert),
+        issued where it hides best — between the CPU bridge's post and collect, while the worker computes the
+        layer's experts (cpu, hybrid decode); after the routed experts elsewhere, as before."""
+        run = None if self.prefill_mode else getattr(self.decode, "forward_beside", None)
+        if run is not None:
+            return run(layer, x, topk_ids, topk_w, beside)
+        return self.forward(layer, x, topk_ids, topk_w), beside()
+
     def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The route the layer call computes with: the router's, or the tap's (moe/trace.py); x is the
         layer's input (a recorder applies the next layer's router to it: the prefetcher's prediction)."""

@@ -333,23 +333,29 @@ class BridgeDecode(Strategy):
 
     def forward(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
         """y [T, H], GPU and CPU pair outputs summed in k order (as fused sums them); no host sync."""
+        return self.forward_beside(layer, x, topk_ids, topk_w, None)[0]
+
+    def forward_beside(self, layer: int, x, topk_ids, topk_w, beside):
+        """(y, beside()): the caller's device work (ExpertRuntime.forward_beside) launched after the post, before
+        the collect, so the GPU runs it while the worker computes (None: nothing)."""
         count_pairs(self.ctx.book, layer, topk_ids)
         if self.share is None:
-            return self._all_on_cpu(layer, x, topk_ids, topk_w)
+            return self._all_on_cpu(layer, x, topk_ids, topk_w, beside)
         if self.arm == FETCH:
-            return fetched_pairs(self, layer, x, topk_ids, topk_w)
-        return self._split(layer, x, topk_ids, topk_w)
+            return fetched_pairs(self, layer, x, topk_ids, topk_w), beside() if beside is not None else None
+        return self._split(layer, x, topk_ids, topk_w, beside)
 
-    def _all_on_cpu(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+    def _all_on_cpu(self, layer: int, x, topk_ids, topk_w, beside=None):
         """cpu: every pair posted to the worker, its rows collected."""
         P, k = topk_ids.numel(), topk_ids.shape[1]
         cpu = torch.ones(P, dtype=torch.bool, device=x.device)
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)
+        extra = beside() if beside is not None else None
         y = torch.empty(P, x.shape[1], dtype=torch.float32, device=x.device)
         self.bridge.collect(layer, y, cpu)
-        return pair_sum(y, k, x.dtype)
+        return pair_sum(y, k, x.dtype), extra
 
-    def _split(self, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
+    def _split(self, layer: int, x, topk_ids, topk_w, beside=None):
         """hybrid: the device cache's route decides; the CPU's pairs are posted before the GPU stages and
         computes its own, so PCIe, GPU and CPU overlap within the layer."""
         self.lookahead.join(layer)
@@ -359,8 +365,9 @@ class BridgeDecode(Strategy):
         rows.stage()
         self.lookahead.issue(layer, x)
         y = pair_outputs(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+        extra = beside() if beside is not None else None
         self.bridge.collect(layer, y, cpu)
-        return pair_sum(y, topk_ids.shape[1], x.dtype)
+        return pair_sum(y, topk_ids.shape[1], x.dtype), extra
 
     def counts(self) -> dict:
         """The worker's counts as book fields; with no device cache (cpu) its experts are also the misses and
