@@ -17,6 +17,7 @@ Grid (`--grid`): `;`-separated `BACKENDS@CAPS`, caps being `all` (no cap: fused)
 at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. Default:
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
+`BACKEND+repack` (MOESTREAM_QLINEAR_REPACK=1: compressed Q4_K dense layers in moe/qpairs.repack_q4k's layout),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
@@ -229,7 +230,9 @@ def _variant(variant: str, cfg: dict) -> bool:
     top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
     x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
     if variant in ("qdense", "bf16dense"):  # the GGUF's dense layers kept compressed on the GPU, or bf16 at load
-        cfg["env"] = {"MOESTREAM_DENSE_QUANT": "1" if variant == "qdense" else "0"}
+        cfg.setdefault("env", {})["MOESTREAM_DENSE_QUANT"] = "1" if variant == "qdense" else "0"
+    elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)
+        cfg.setdefault("env", {})["MOESTREAM_QLINEAR_REPACK"] = "1"
     elif threads:
         cfg["threads"] = int(threads[1])
     elif variant in ("omp", "pool"):  # read by the CPU kernels at each call: set inside the shared child

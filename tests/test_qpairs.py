@@ -309,6 +309,8 @@ def _repack_case(K: int, T: int) -> list[str]:
     dl = (packed["sc"].double().reshape(N, K // 256, 8) * packed["d"].double()[:, :, None]).reshape(N, K // 32, 1)
     ml = (packed["mn"].double().reshape(N, K // 256, 8) * packed["dm"].double()[:, :, None]).reshape(N, K // 32, 1)
     errs = [] if torch.equal((codes * dl - ml).reshape(N, K), W) else [f"repack K={K}: values differ"]
+    if not torch.equal(qpairs.q4k_repacked_dense(packed, N, K, torch.float32).double(), W):  # a prefill's operand
+        errs.append(f"repack K={K}: the dense decode differs")
     x = (torch.randn(T, K, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
     got = qpairs.q4k_repacked_linear(x, packed, N, K)
     want = x.double() @ W.t()
@@ -485,6 +487,8 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
     if types == "Q4_K":  # the word-load experiment (one row); the repacked layout (1 and 4 rows)
         rows.append((qpairs._q4k_linear_words_kernel, {"x": "*bf16", "dw": "*u8", "y": "*i16", "perm": "*i64"},
                      dict(N=8192, K=H, BN=4, BKB=4, Y_BF16=True, PERM=False)))
+        rows.append((qpairs._q4kr_dequant_kernel, {"qw": "*i32", "sc": "*u8", "mn": "*u8", "d": "*fp16", "dm": "*fp16",
+                                                    "w": "*bf16"}, dict(N=8192, K=H, BN=4, BV=1024)))
         for T in (1, 4):
             bn, bv, _, rt = qpairs.repacked_config(8192, H, T)
             rows.append((qpairs._q4kr_linear_kernel, {"x": "*bf16", "qw": "*i32", "sc": "*u8", "mn": "*u8",
@@ -654,6 +658,32 @@ def test_cuda_q4k_repacked_linear(T):
     want = x.double() @ W.t()
     tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
     assert not ((got - want).abs() > tol).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+def test_cuda_quant_linear_module_repacked(monkeypatch):
+    """MOESTREAM_QLINEAR_REPACK=1: a Q4_K QuantLinear on a GPU repacks at its first decode call (raw released), then
+    reads the repacked weight for decode rows (recordable in a CUDA graph) and for a prefill's rows (one dense decode,
+    one GEMM); both equal the dequantized weight's product (quant_linear's bound)."""
+    from moestream.layers.quant_linear import QuantLinear
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    monkeypatch.setitem(qpairs._QLINEAR_CFG, "repack_on", True)
+    q = gguf_format("Q4_K")
+    N, K = 3072, 2048
+    raw = random_raw(q, (N, K), "cuda", seed=5)
+    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
+    lin = QuantLinear("Q4_K", raw, N, K)
+    for rows in (1, 4, 40):
+        x = (torch.randn(rows, K, device="cuda") * 0.5).to(torch.bfloat16)
+        got = lin(x)
+        assert lin.packed is not None and lin.raw.numel() == 0 and got.shape == (rows, N)
+        want = x.double() @ W.t()
+        tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+        assert not ((got.double() - want).abs() > tol).any(), rows
+    _replays_like_eager(lin, (torch.randn(4, K, device="cuda") * 0.5).to(torch.bfloat16))
 
 
 def _replays_like_eager(lin, x) -> None:

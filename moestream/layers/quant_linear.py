@@ -55,10 +55,19 @@ class QuantLinear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and gpu_gemv(self.fmt):
-            from ..moe.qpairs import quant_linear
+    # MOESTREAM_QLINEAR_REPACK=1 (an experiment): a GPU's Q4_K weight in moe.qpairs.repack_q4k's layout, which then
+    # replaces raw (148 bytes per 256 values instead of 144)
+    packed: dict | None = None
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self._packed_forward(x)
+        if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * self.in_features and gpu_gemv(self.fmt):
+            from ..moe.qpairs import quant_linear, repack_wanted
+
+            if self.fmt.type_name == "Q4_K" and self.in_perm is None and repack_wanted() \
+                    and not torch.cuda.is_current_stream_capturing():
+                return self.repack()._packed_forward(x)
             # the permutation, if any, read inside the kernel (no gather launch: 30 a Qwen3.6 decode step)
             return quant_linear(x, self.fmt, self.raw, self.shape, self.in_perm)
         if self.in_perm is not None:
@@ -77,6 +86,23 @@ class QuantLinear(nn.Module):
             y = rows(x.view(-1, self.in_features), self.raw, self.type_id)
             return y.view(*x.shape[:-1], self.out_features)
         return qlinear(x, self.fmt, self.raw, self.shape)
+
+    def repack(self) -> "QuantLinear":
+        """Q4_K on a GPU: the weight moved to the repacked layout (its decode GEMV and a prefill's dense operand read
+        it); raw is released. The values are the stored ones exactly."""
+        from ..moe.qpairs import repack_q4k
+
+        self.packed = repack_q4k(self.raw, self.out_features, self.in_features)
+        self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
+        return self
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..moe.qpairs import q4k_repacked_dense, q4k_repacked_linear
+
+        N, K = self.shape
+        if x.numel() <= GPU_GEMV_ROWS * K:
+            return q4k_repacked_linear(x, self.packed, N, K)
+        return torch.nn.functional.linear(x, q4k_repacked_dense(self.packed, N, K, x.dtype))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group), in
@@ -151,6 +177,23 @@ class HFQuantLinear(nn.Module):
                 self._efmt = hf_linear_format(self.qfmt, self.dtypes, self.out_features, self.in_features)
             return hf_quant_linear(x, self._efmt, self._pool(), self.shape)
         return qlinear(x, self.qfmt, self.parts(), self.shape)
+
+    def repack(self) -> "QuantLinear":
+        """Q4_K on a GPU: the weight moved to the repacked layout (its decode GEMV and a prefill's dense operand read
+        it); raw is released. The values are the stored ones exactly."""
+        from ..moe.qpairs import repack_q4k
+
+        self.packed = repack_q4k(self.raw, self.out_features, self.in_features)
+        self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
+        return self
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..moe.qpairs import q4k_repacked_dense, q4k_repacked_linear
+
+        N, K = self.shape
+        if x.numel() <= GPU_GEMV_ROWS * K:
+            return q4k_repacked_linear(x, self.packed, N, K)
+        return torch.nn.functional.linear(x, q4k_repacked_dense(self.packed, N, K, x.dtype))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qfmt.dequantize(self.parts(), self.shape, dtype)

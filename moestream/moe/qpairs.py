@@ -312,6 +312,26 @@ def repacked_config(N: int, K: int, T: int) -> tuple[int, int, int, int]:
     return bn, bv, 4, rt
 
 
+def repack_wanted() -> bool:
+    """MOESTREAM_QLINEAR_REPACK=1: a GPU's Q4_K dense layers (layers.QuantLinear) repacked at their first decode call
+    and read through q4k_repacked_linear (an experiment, off by default until an H100 sweep says it wins)."""
+    on = _QLINEAR_CFG.get("repack_on")
+    if on is None:
+        import os
+
+        on = _QLINEAR_CFG["repack_on"] = os.environ.get("MOESTREAM_QLINEAR_REPACK", "0") == "1"
+    return on
+
+
+def q4k_repacked_dense(packed: dict[str, torch.Tensor], N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """The repacked Q4_K matrix as a dense [N, K] tensor of `dtype` (one Triton launch; a prefill's GEMM operand)."""
+    w = torch.empty((N, K), dtype=dtype, device=packed["q"].device)
+    bv = next(v for v in (1024, 512, 256) if K % v == 0)
+    _q4kr_dequant_kernel[(triton.cdiv(N, 4), K // bv)](packed["q"], packed["sc"], packed["mn"], packed["d"],
+                                                        packed["dm"], w, N, K, BN=4, BV=bv, num_warps=4)
+    return w
+
+
 def q4k_repacked_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], N: int, K: int) -> torch.Tensor:
     """y [T, N] (x's dtype rules of quant_linear) = x [T, K] @ W.T for a Q4_K matrix in repack_q4k's layout."""
     xs = x.reshape(-1, K).contiguous()
@@ -322,7 +342,7 @@ def q4k_repacked_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], N: int
     _q4kr_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, rt))](
         xs, packed["q"], packed["sc"], packed["mn"], packed["d"], packed["dm"], y.view(torch.int16) if bf16 else y,
         T, N, K, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, num_warps=warps)
-    return y
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 def _rows_on() -> bool:
@@ -663,6 +683,28 @@ if triton is not None:
             acc += w[None, :, :] * xv[:, None, :]
         _store(y, t.to(tl.int64)[:, None] * N + n[None, :], tl.sum(acc, axis=2), tmask[:, None] & nmask[None, :],
                Y_BF16)
+
+    @triton.jit
+    def _q4kr_dequant_kernel(qw, sc, mn, d, dm, w, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                             BV: tl.constexpr):
+        """The repacked Q4_K matrix as 16-bit rows w [N, K] (a prefill's GEMM operand): the GEMV's decode, stored."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        nn = n.to(tl.int64)[:, None]
+        k0 = tl.program_id(1) * BV
+        wd = tl.load(qw + nn * (K // 8) + (k0 // 8 + tl.arange(0, BV // 8))[None, :], mask=nmask[:, None], other=0)
+        nib = (wd[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+        q = tl.reshape((nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, [BN, BV // 32, 32])
+        sb = (k0 // 32 + tl.arange(0, BV // 32))[None, :]
+        scv = tl.load(sc + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
+        mnv = tl.load(mn + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
+        db = (k0 // 256 + tl.arange(0, BV // 256))[None, :]
+        dv = tl.load(d + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
+        dmv = tl.load(dm + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
+        dl = tl.reshape(tl.reshape(scv, [BN, BV // 256, 8]) * dv[:, :, None], [BN, BV // 32])
+        ml = tl.reshape(tl.reshape(mnv, [BN, BV // 256, 8]) * dmv[:, :, None], [BN, BV // 32])
+        v = tl.reshape(q * dl[:, :, None] - ml[:, :, None], [BN, BV])
+        tl.store(w + nn * K + (k0 + tl.arange(0, BV))[None, :], v.to(w.dtype.element_ty), mask=nmask[:, None])
 
     @triton.jit
     def _gguf_linear_mma_kernel(x, dw, y, lut, perm, T, N: tl.constexpr, K: tl.constexpr, QD: tl.constexpr,
