@@ -324,6 +324,7 @@ class BridgeDecode(Strategy):
         # each step launched and not yet finished, oldest first: (whether it gave the worker a job, (rows, arm, start)
         # for the arms or None); two while an overlapped step is launched before the last is read
         self._steps: deque = deque()
+        self._all_cpu: dict = {}  # (pairs, device) -> an all-True mask: cpu's, made once (no fill kernel a layer)
         ctx.book.counters.append(self.counts)
 
     @property
@@ -348,7 +349,13 @@ class BridgeDecode(Strategy):
     def _all_on_cpu(self, layer: int, x, topk_ids, topk_w, beside=None):
         """cpu: every pair posted to the worker, its rows collected."""
         P, k = topk_ids.numel(), topk_ids.shape[1]
-        cpu = torch.ones(P, dtype=torch.bool, device=x.device)
+        cpu = self._all_cpu.get((P, x.device))
+        if cpu is None:
+            cpu = torch.ones(P, dtype=torch.bool, device=x.device)
+            # kept when made outside a capture (a step's eager run comes before a graph of its size is recorded); one
+            # made inside is filled only when the graph replays
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._all_cpu[(P, x.device)] = cpu
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)
         extra = beside() if beside is not None else None
         y = torch.empty(P, x.shape[1], dtype=torch.float32, device=x.device)
