@@ -131,6 +131,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = None  # models/fuse.py: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a in one GEMM
         # absorb_out_perm: value head h of the norm's output written at head out_dest[h] (out_proj's stored order)
         self.out_dest: torch.Tensor | None = None
+        self._out_perm_checked = False  # tried once on a GPU (a permutation that moves no whole heads stays as it is)
 
     def absorb_out_perm(self) -> bool:
         """A compressed out_proj whose stored columns are the value heads in another order (a Qwen3.6 GGUF's tiled
@@ -141,11 +142,11 @@ class GatedDeltaNet(nn.Module):
         perm = getattr(self.out_proj, "in_perm", None)
         if perm is None or perm.numel() != self.value_dim:
             return False
-        heads = perm.view(self.hv, self.dv)
+        heads = perm.view(self.hv, self.dv).cpu()  # (once: a GPU's copy waits for it, before any graph is recorded)
         order = heads[:, 0] // self.dv  # stored head j holds the model's head order[j]
-        if not torch.equal(heads, order[:, None] * self.dv + torch.arange(self.dv, device=perm.device)):
+        if not torch.equal(heads, order[:, None] * self.dv + torch.arange(self.dv)):
             return False
-        self.out_dest = torch.argsort(order).to(torch.int32)
+        self.out_dest = torch.argsort(order).to(torch.int32).to(perm.device)
         self.out_proj.in_perm = None
         return True
 
@@ -183,8 +184,8 @@ class GatedDeltaNet(nn.Module):
                 core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state,
                                              s.checkpoints, s.snapshots)
         # z stays a (strided) view: [T, Hv, Dv] rows of the fused product, normed with core [T, Hv, Dv]
-        if self.out_dest is None and x.is_cuda and getattr(self.out_proj, "in_perm", None) is not None \
-                and not torch.cuda.is_current_stream_capturing():
+        if not self._out_perm_checked and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+            self._out_perm_checked = True
             self.absorb_out_perm()  # on a GPU, at the first (eager) call: the GEMV without the permutation
         out = self.norm(core, z.unflatten(-1, (self.hv, self.dv)), self.out_dest).reshape(x.shape[0], -1)
         return self.out_proj(out)
