@@ -178,23 +178,6 @@ class HFQuantLinear(nn.Module):
             return hf_quant_linear(x, self._efmt, self._pool(), self.shape)
         return qlinear(x, self.qfmt, self.parts(), self.shape)
 
-    def repack(self) -> "QuantLinear":
-        """Q4_K on a GPU: the weight moved to the repacked layout (its decode GEMV and a prefill's dense operand read
-        it); raw is released. The values are the stored ones exactly."""
-        from ..moe.qpairs import repack_q4k
-
-        self.packed = repack_q4k(self.raw, self.out_features, self.in_features)
-        self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
-        return self
-
-    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..moe.qpairs import q4k_repacked_dense, q4k_repacked_linear
-
-        N, K = self.shape
-        if x.numel() <= GPU_GEMV_ROWS * K:
-            return q4k_repacked_linear(x, self.packed, N, K)
-        return torch.nn.functional.linear(x, q4k_repacked_dense(self.packed, N, K, x.dtype))
-
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qfmt.dequantize(self.parts(), self.shape, dtype)
 

@@ -69,7 +69,7 @@ if triton is not None:
             g = tl.load(g_row + o, mask=m, other=0.0).to(tl.float32)
             y = y * (g / (1.0 + tl.exp(-g)))
         out_row = row
-        if MAPPED:  # rows in groups of D_GROUP (a token's heads), each written to its group's row d_ptr[row % D_GROUP]
+        if MAPPED:  # rows in groups of D_GROUP (a token's heads), each written to its group's row r_ptr[row % D_GROUP]
             out_row = (row // D_GROUP) * D_GROUP + tl.load(r_ptr + row % D_GROUP)
         tl.store(y_ptr + out_row * N + o, y.to(out_ty), mask=m)
 
