@@ -626,18 +626,7 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_cuda_quant_linear(qtype):
     """A dense layer kept compressed, on the GPU, equals the torch decoder + float64 GEMM (same bound)."""
-    from moestream.quant import gguf_format
-    from moestream.quant.synthetic import random_raw
-
-    q = gguf_format(qtype)
-    N, K = 4096, 2048
-    raw = random_raw(q, (N, K), "cuda", seed=3)
-    x = (torch.randn(4, K, device="cuda") * 0.5).to(torch.bfloat16)
-    got = qpairs.quant_linear(x, q, raw, (N, K)).double()
-    W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
-    want = x.double() @ W.t()
-    tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
-    assert not ((got - want).abs() > tol).any()
+    _check_cuda_linear(qtype, 4, lambda x, q, raw, N, K: qpairs.quant_linear(x, q, raw, (N, K)))
 
 
 @pytest.mark.cuda
@@ -646,18 +635,24 @@ def test_cuda_quant_linear(qtype):
 def test_cuda_q4k_repacked_linear(T):
     """The repacked Q4_K experiment on the GPU (the decode shapes' constants: words, 16-byte loads): the float64
     GEMM of the stored values, within quant_linear's bound."""
+    _check_cuda_linear("Q4_K", T, lambda x, q, raw, N, K: qpairs.q4k_repacked_linear(x, qpairs.repack_q4k(raw, N, K),
+                                                                                      N, K))
+
+
+def _check_cuda_linear(qtype: str, T: int, run) -> None:
+    """run(x, format, raw, N, K) -> y for a 4096 x 2048 matrix of qtype and T rows: within the float64 GEMM's bound."""
     from moestream.quant import gguf_format
     from moestream.quant.synthetic import random_raw
 
-    q = gguf_format("Q4_K")
+    q = gguf_format(qtype)
     N, K = 4096, 2048
     raw = random_raw(q, (N, K), "cuda", seed=3)
     x = (torch.randn(T, K, device="cuda") * 0.5).to(torch.bfloat16)
-    got = qpairs.q4k_repacked_linear(x, qpairs.repack_q4k(raw, N, K), N, K).double()
+    got = run(x, q, raw, N, K).double()
     W = q.dequantize(raw.cpu(), (N, K), torch.float64).cuda()
     want = x.double() @ W.t()
     tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -8 * want.abs()
-    assert not ((got - want).abs() > tol).any()
+    assert got.shape == (T, N) and not ((got - want).abs() > tol).any()
 
 
 @pytest.mark.cuda
