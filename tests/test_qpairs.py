@@ -320,6 +320,33 @@ def _repack_case(K: int, T: int) -> list[str]:
         [] if got.dtype == torch.bfloat16 and got.shape == (T, N) else [f"repack: {got.dtype} {tuple(got.shape)}"])
 
 
+def _repack_module_case() -> list[str]:
+    """layers.QuantLinear.repack (what MOESTREAM_QLINEAR_REPACK=1 does at a GPU layer's first decode call): raw released,
+    decode rows through the repacked GEMV and a prefill's 40 rows through the dense decode + GEMM, both within
+    quant_linear's bound of the stored weight's product."""
+    from moestream.layers.quant_linear import QuantLinear
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    q = gguf_format("Q4_K")
+    N, K = 24, 512
+    raw = random_raw(q, (N, K), "cpu", seed=7)
+    W = q.dequantize(raw, (N, K), torch.float64)
+    lin = QuantLinear("Q4_K", raw.clone(), N, K).repack()
+    errs = [] if lin.raw.numel() == 0 and lin.packed is not None else ["repack kept raw"]
+    for rows in (3, 40):
+        x = (torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)) * 0.5).to(torch.bfloat16)
+        got = lin(x).double()
+        want = x.double() @ W.t()
+        mag = x.double().abs() @ W.abs().t()
+        # a prefill's rows multiply the weight decoded to x's dtype (as quant.qlinear's GPU path does): each weight
+        # rounded to bf16, half an ulp (2^-9) relative, on top of the GEMV's bound
+        tol = _bound(mag, K) + 2.0 ** -7 * want.abs() + 1e-2 + (2.0 ** -8 * mag if rows > 16 else 0)
+        if got.shape != (rows, N) or ((got - want).abs() > tol).any():
+            errs.append(f"repacked module, {rows} rows: {int(((got - want).abs() > tol).sum())} off")
+    return errs
+
+
 def _mma_case(qtype: str, T: int, how: str = "") -> list[str]:
     """The tensor-core experiment (MOESTREAM_QLINEAR_MMA=1) of a GGUF dense layer: its tiles, column order,
     permutation and masks, with the dot in float32 (the interpreter's bf16 dot is not exact numpy; on a GPU the
@@ -404,6 +431,8 @@ def _worker_case(case: str) -> list[str]:
     if case.startswith("words:"):  # words:K[:perm]
         _, K, *how = case.split(":")
         return _words_case(int(K), *how)
+    if case == "repackmod":
+        return _repack_module_case()
     if case.startswith("repack:"):  # repack:K:T
         _, K, T = case.split(":")
         return _repack_case(int(K), int(T))
@@ -425,7 +454,7 @@ WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "
                 "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
                 "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2", "words:768", "words:2048",
-                "words:1024:perm", "repack:768:1", "repack:2048:3", "repack:1024:9"]
+                "words:1024:perm", "repack:768:1", "repack:2048:3", "repack:1024:9", "repackmod"]
 
 
 @pytest.fixture(scope="module")
@@ -676,7 +705,8 @@ def test_cuda_quant_linear_module_repacked(monkeypatch):
         got = lin(x)
         assert lin.packed is not None and lin.raw.numel() == 0 and got.shape == (rows, N)
         want = x.double() @ W.t()
-        tol = _bound(x.double().abs() @ W.abs().t(), K) + 2.0 ** -7 * want.abs() + 1e-2
+        mag = x.double().abs() @ W.abs().t()  # prefill rows: the weight decoded to bf16 (_repack_module_case)
+        tol = _bound(mag, K) + 2.0 ** -7 * want.abs() + 1e-2 + (2.0 ** -8 * mag if rows > 16 else 0)
         assert not ((got.double() - want).abs() > tol).any(), rows
     _replays_like_eager(lin, (torch.randn(4, K, device="cuda") * 0.5).to(torch.bfloat16))
 
