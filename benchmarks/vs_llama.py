@@ -18,6 +18,7 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+repack` (MOESTREAM_QLINEAR_REPACK=1: compressed Q4_K dense layers in moe/qpairs.repack_q4k's layout),
+`BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
@@ -251,6 +252,8 @@ def _variant(variant: str, cfg: dict) -> bool:
             set_env("MOESTREAM_PREFETCH_TOP", top[1])
     elif x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one)
         set_env("MOESTREAM_CPU_LAYER_TUNING", f"{'x8ahead' if x8a[1] == 'x8a' else 'rowsahead'}={x8a[2]}")
+    elif re.fullmatch(r"again\d*", variant):  # the same configuration once more under another name (e.g. cpu first
+        pass                                       # and last in the shared child: does an earlier run slow it?)
     else:
         return False
     return True
