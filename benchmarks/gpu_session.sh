@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call that measures what a session needs, in an order that keeps the same-run comparison first
+# (kind nvidia-h100-x1 or nvidia-h200; carry [".peer", ".whl"] with .peer/llama-bin.tar.xz, made by an earlier call
+# with gpu_vs_llama.sh's LLAMA_PACK=1 — else llama.cpp is built in the call, 300-370 s of it):
+#   1. lscpu and `moestream bench bw` (the host's read bandwidth, pinned PCIe, both at once) while nothing else runs
+#   2. benchmarks/gpu_vs_llama.sh: llama.cpp at -ncmoe $NCMOE, then moestream over $GRID, on the Q4_K_M file
+#   3. with the time left: step profiles ($DPROF), the compressed dense GEMV sweep ($QLIN_SHAPES), CUDA tests ($TESTS_K)
+# $OUT gets at most 8 files (what the device tool returns): vs_llama.{log,json,md,png}, aux.log (lscpu, bench bw, the
+# profiles' and the sweep's logs, the tests' summary), qlinear.json and up to two decode_profile_*.json.
+#   BUDGET_S  seconds for the whole call [560]; TAIL_S  seconds kept for step 3 [170]
+#   GRID, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
+#   QLIN_SHAPES  qlinear_gpu.py --shapes ["" = skip]; TESTS_K  pytest -k over the CUDA-only test files ["" = skip]
+# e.g. (the twenty-second session's call):  bash benchmarks/gpu_session.sh
+set -uo pipefail
+source benchmarks/device_env.sh
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}; TAIL_S=${TAIL_S:-170}
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+GRID=${GRID:-"cpu@n36;hybrid@n20,n28;auto@n20,n28,n36;offload@n20;cpu+repack@n36;hybrid+repack@n28;cpu+again@n36;fused@all"}
+NCMOE=${NCMOE:-0,20,28,36,40}
+DPROF=${DPROF-"cpu@4.16@t,hybrid@7.79@t"}
+QLIN_SHAPES=${QLIN_SHAPES-"gdn in_proj_qkv,gdn in_proj_z,shared gate"}
+TESTS_K=${TESTS_K-"repack or writes_heads or overlapped_decode_equals_stepwise"}
+AUX=$OUT/aux.log
+
+{
+  echo "== $(date -u +%T) gpu_session: budget ${BUDGET_S} s"
+  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node0"
+  python3 -c "from moestream.hardware import physical_cores as p; print('physical_cores', p())"
+  echo "== bench bw"
+  timeout 60 python3 -m moestream.cli bench bw --expert-format q4_k -o /tmp/bw.json
+} > "$AUX" 2>&1
+
+KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
+  BUILD_GRID=none bash benchmarks/gpu_vs_llama.sh > /dev/null 2>&1  # (its own log: $OUT/vs_llama.log)
+
+{
+  i=0
+  for C in $(echo "$DPROF" | tr , ' '); do
+    [ "$i" -lt 2 ] && [ "$(left)" -gt 60 ] || break
+    echo "== $(date -u +%T) [$(left) s left] step profile $C"
+    mkdir -p /tmp/dprof && OUT=/tmp/dprof PHASES=dprof DPROF="$C" STEPS=${STEPS:-32} DPROF_S=$(( $(left) > 90 ? 90 : $(left) - 10 )) \
+      bash benchmarks/gpu_issue_runs.sh 2>&1 | grep -v "^WARNING: Target directory"
+    cp /tmp/dprof/decode_profile_*.json "$OUT/" 2>/dev/null; rm -f /tmp/dprof/*
+    i=$((i + 1))
+  done
+  if [ -n "$QLIN_SHAPES" ] && [ "$(left)" -gt 40 ]; then
+    echo "== $(date -u +%T) [$(left) s left] qlinear_gpu.py --shapes '$QLIN_SHAPES'"
+    timeout $(( $(left) > 100 ? 90 : $(left) - 10 )) python3 benchmarks/qlinear_gpu.py --shapes "$QLIN_SHAPES" \
+      --out "$OUT/qlinear.json"
+  fi
+  if [ -n "$TESTS_K" ] && [ "$(left)" -gt 30 ]; then
+    echo "== $(date -u +%T) [$(left) s left] CUDA tests -k '$TESTS_K'"
+    timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_qpairs.py \
+      tests/test_triton_layers.py tests/test_cuda_graphs.py -k "$TESTS_K"
+  fi
+  echo "== done after $(( $(date +%s) - T0 )) s"
+} >> "$AUX" 2>&1
+tail -40 "$OUT/vs_llama.log"
+tail -60 "$AUX"
