@@ -6,9 +6,10 @@
 #   2. benchmarks/gpu_vs_llama.sh: llama.cpp at -ncmoe $NCMOE, then moestream over $GRID, on the Q4_K_M file
 #   3. with the time left: step profiles ($DPROF), the compressed dense GEMV sweep ($QLIN_SHAPES), CUDA tests ($TESTS_K)
 # $OUT gets at most 8 files (what the device tool returns): vs_llama.{log,json,md,png}, aux.log (lscpu, bench bw, the
-# profiles' and the sweep's logs, the tests' summary), qlinear.json and up to two decode_profile_*.json.
+# profiles' and the sweep's logs, the tests' summary), qlinear.json and up to two decode_profile_*.json. The vs_llama
+# report of the second grid merges the first's (the work dir is resumed), its log is both runs' logs.
 #   BUDGET_S  seconds for the whole call [560]; TAIL_S  seconds kept for step 3 [170]
-#   GRID, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
+#   GRID, GRID2, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
 #   QLIN_SHAPES  qlinear_gpu.py --shapes ["" = skip]; TESTS_K  pytest -k over the CUDA-only test files ["" = skip]
 # e.g. (the twenty-second session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
@@ -16,9 +17,12 @@ source benchmarks/device_env.sh
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}; TAIL_S=${TAIL_S:-170}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-GRID=${GRID:-"cpu@n36;hybrid@n20,n28;auto@n20,n28,n36;offload@n20;cpu+repack@n36;hybrid+repack@n28;cpu+again@n36;fused@all"}
-NCMOE=${NCMOE:-0,20,28,36,40}
-DPROF=${DPROF-"cpu@4.16@t,hybrid@7.79@t"}
+# GRID runs in one shared process (configurations that need a load of their own, fused and variants with their own
+# environment, would run before it: they go in GRID2, run after GRID with what time is left before the tail)
+GRID=${GRID:-"cpu@n36;auto@n20,n28,n36;hybrid@n20,n28;offload@n20;cpu+again@n36"}
+GRID2=${GRID2-"cpu+repack@n36"}
+NCMOE=${NCMOE:-20,28,36,40}
+DPROF=${DPROF-"cpu@4.16@t"}
 QLIN_SHAPES=${QLIN_SHAPES-"gdn in_proj_qkv,gdn in_proj_z,shared gate"}
 TESTS_K=${TESTS_K-"repack or writes_heads or overlapped_decode_equals_stepwise"}
 AUX=$OUT/aux.log
@@ -33,6 +37,12 @@ AUX=$OUT/aux.log
 
 KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
   BUILD_GRID=none bash benchmarks/gpu_vs_llama.sh > /dev/null 2>&1  # (its own log: $OUT/vs_llama.log)
+if [ -n "$GRID2" ] && [ "$(left)" -gt $(( TAIL_S + 60 )) ]; then  # the same files and work dir: measured runs resumed
+  cp "$OUT/vs_llama.log" /tmp/vs_llama_1.log
+  KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID2" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
+    BUILD_GRID=none bash benchmarks/gpu_vs_llama.sh > /dev/null 2>&1
+  cat /tmp/vs_llama_1.log "$OUT/vs_llama.log" > /tmp/vs_llama_2.log && mv /tmp/vs_llama_2.log "$OUT/vs_llama.log"
+fi
 
 {
   i=0
