@@ -648,36 +648,40 @@ if triton is not None:
         _store(y, n, _q4k_words_dot(dw, n, nmask, x, perm, K, BN, BKB, PERM), nmask, Y_BF16)
 
     @triton.jit
+    def _q4kr_tile(qw, sc, mn, d, dm, nn, nmask, k0, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+        """[BN, BV] fp32: rows nn ([BN, 1] int64), columns k0.. of a repacked Q4_K matrix (repack_q4k): [BN, BV / 8]
+        code words and x-free decode — each nibble a float by its bits (2^23 + q, minus 2^23: exact, no int-to-float
+        conversion), one scale and min per 32 columns."""
+        wd = tl.load(qw + nn * (K // 8) + (k0 // 8 + tl.arange(0, BV // 8))[None, :], mask=nmask[:, None], other=0)
+        nib = (wd[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF  # [BN, BV / 8, 8]
+        q = tl.reshape((nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, [BN, BV // 32, 32])
+        sb = (k0 // 32 + tl.arange(0, BV // 32))[None, :]
+        scv = tl.load(sc + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)  # [BN, BV / 32]
+        mnv = tl.load(mn + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
+        db = (k0 // 256 + tl.arange(0, BV // 256))[None, :]
+        dv = tl.load(d + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, BV / 256]
+        dmv = tl.load(dm + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
+        dl = tl.reshape(tl.reshape(scv, [BN, BV // 256, 8]) * dv[:, :, None], [BN, BV // 32])
+        ml = tl.reshape(tl.reshape(mnv, [BN, BV // 256, 8]) * dmv[:, :, None], [BN, BV // 32])
+        return tl.reshape(q * dl[:, :, None] - ml[:, :, None], [BN, BV])
+
+    @triton.jit
     def _q4kr_linear_kernel(x, qw, sc, mn, d, dm, y, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                             BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr):
-        """T rows of a Q4_K dense layer repacked (repack_q4k; an experiment timed by benchmarks/qlinear_gpu.py, not yet wired into QuantLinear): the
-        codes as int32 words of 8 columns (column c of a word at bits 4c..4c+3), each sub-block's six-bit scale and
-        min a byte of their own, the fp16 d and dmin per 256 columns. A step loads [BN, BV / 8] words and x's [RT, BV]
-        contiguously (16-byte vector loads), turns each nibble into a float by its bits (2^23 + q, minus 2^23: exact,
-        no int-to-float conversion), decodes with one scale and min per 32 columns, and accumulates products
-        elementwise; one reduction at the end. No per-value index arithmetic, no six-bit unpacking.
+        """T rows of a Q4_K dense layer repacked (repack_q4k; MOESTREAM_QLINEAR_REPACK=1, an experiment timed by
+        benchmarks/qlinear_gpu.py): the codes as int32 words of 8 columns (column c of a word at bits 4c..4c+3), each
+        sub-block's six-bit scale and min a byte of their own, the fp16 d and dmin per 256 columns. A step decodes a
+        [BN, BV] tile (_q4kr_tile: 16-byte vector loads, no per-value index arithmetic, no six-bit unpacking), loads
+        x's [RT, BV] contiguously and accumulates products elementwise; one reduction at the end.
         grid (cdiv(N, BN), cdiv(T, RT)); BV divides K, BV >= 256."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         nn = n.to(tl.int64)[:, None]
         t = tl.program_id(1) * RT + tl.arange(0, RT)
         tmask = t < T
-        shift = (4 * tl.arange(0, 8))[None, None, :]
         acc = tl.zeros([RT, BN, BV], dtype=tl.float32)
         for k0 in range(0, K, BV):
-            wd = tl.load(qw + nn * (K // 8) + (k0 // 8 + tl.arange(0, BV // 8))[None, :], mask=nmask[:, None],
-                         other=0)  # [BN, BV / 8] int32
-            nib = (wd[:, :, None] >> shift) & 0xF  # [BN, BV / 8, 8]
-            q = tl.reshape((nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, [BN, BV // 32, 32])
-            sb = (k0 // 32 + tl.arange(0, BV // 32))[None, :]
-            scv = tl.load(sc + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)  # [BN, BV / 32]
-            mnv = tl.load(mn + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
-            db = (k0 // 256 + tl.arange(0, BV // 256))[None, :]
-            dv = tl.load(d + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, BV / 256]
-            dmv = tl.load(dm + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
-            dl = tl.reshape(tl.reshape(scv, [BN, BV // 256, 8]) * dv[:, :, None], [BN, BV // 32])
-            ml = tl.reshape(tl.reshape(mnv, [BN, BV // 256, 8]) * dmv[:, :, None], [BN, BV // 32])
-            w = tl.reshape(q * dl[:, :, None] - ml[:, :, None], [BN, BV])
+            w = _q4kr_tile(qw, sc, mn, d, dm, nn, nmask, k0, K, BN, BV)
             xv = tl.load(x + t.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BV))[None, :], mask=tmask[:, None],
                          other=0.0).to(tl.float32)  # [RT, BV]
             acc += w[None, :, :] * xv[:, None, :]
@@ -692,18 +696,7 @@ if triton is not None:
         nmask = n < N
         nn = n.to(tl.int64)[:, None]
         k0 = tl.program_id(1) * BV
-        wd = tl.load(qw + nn * (K // 8) + (k0 // 8 + tl.arange(0, BV // 8))[None, :], mask=nmask[:, None], other=0)
-        nib = (wd[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
-        q = tl.reshape((nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, [BN, BV // 32, 32])
-        sb = (k0 // 32 + tl.arange(0, BV // 32))[None, :]
-        scv = tl.load(sc + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
-        mnv = tl.load(mn + nn * (K // 32) + sb, mask=nmask[:, None], other=0).to(tl.float32)
-        db = (k0 // 256 + tl.arange(0, BV // 256))[None, :]
-        dv = tl.load(d + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
-        dmv = tl.load(dm + nn * (K // 256) + db, mask=nmask[:, None], other=0.0).to(tl.float32)
-        dl = tl.reshape(tl.reshape(scv, [BN, BV // 256, 8]) * dv[:, :, None], [BN, BV // 32])
-        ml = tl.reshape(tl.reshape(mnv, [BN, BV // 256, 8]) * dmv[:, :, None], [BN, BV // 32])
-        v = tl.reshape(q * dl[:, :, None] - ml[:, :, None], [BN, BV])
+        v = _q4kr_tile(qw, sc, mn, d, dm, nn, nmask, k0, K, BN, BV)
         tl.store(w + nn * K + (k0 + tl.arange(0, BV))[None, :], v.to(w.dtype.element_ty), mask=nmask[:, None])
 
     @triton.jit
