@@ -185,3 +185,48 @@ def test_held_split_share_tuned_by_step_time():
         arms.observe(1, SPLIT, 0.01)
     assert arms.share_for(1, (0.3, 0.0)) is None  # exploring again: the fit's share runs
     assert "tuned_share" not in arms.as_dict()["1"]
+
+
+def test_a_tuned_share_slower_than_the_exploration_is_undone():
+    """The converged centre's first block x trials steps are timed against the exploration's arms. Slower than the
+    faster arm by the margin: where the split explored faster (the H100 host at 7.79 GiB: split 11.1 ms, offload's
+    step 11.9, the tuned centre 14.1) the exploration's share runs again and is checked in its turn; where offload's
+    step explored faster than the steps checked, it is held. Keeping up, the centre stays."""
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    def run(explored, held, tuning=None, start=(0.4, 1.2)):
+        """tuning(frac) / held(frac): a split step's seconds while the share is tuned / once the tuner converged."""
+        arms = Arms(block=2, trials=1, hold=10_000, warmup=0, tune_step=0.1, tune_min=0.1, margin=0.03)
+        drive(arms, 1, explored, 4)
+        assert arms.pick(1) == SPLIT
+        seen = []
+        for _ in range(60):
+            if arms.pick(1) != SPLIT:
+                seen.append(FETCH)
+                arms.observe(1, FETCH, explored[FETCH])
+                continue
+            converged = arms.as_dict()["1"].get("tune_converged")
+            frac, fixed = arms.share_for(1, start)
+            seen.append((round(frac, 3), fixed))
+            arms.observe(1, SPLIT, held(frac) if converged else (tuning or held)(frac))
+        return seen, arms.as_dict()["1"]
+
+    split_first = {SPLIT: 0.0111, FETCH: 0.0119}
+    # the tuner walks from 0.4 to 0.3 (faster while tuned), which then holds at 14.1 ms: the exploration's share again,
+    # which keeps up -> held there
+    v = lambda frac: 0.0100 + 0.01 * abs(frac - 0.3) if frac else 0.05  # noqa: E731  (all-CPU: slow)
+    seen, d = run(split_first, lambda frac: 0.0111 if frac == 0.4 else 0.0141, tuning=v)
+    assert d["tune_moves"] >= 1 and d["reverted"] == "share" and d["chosen"] == SPLIT and d["checked_ms"] == 11.1
+    assert seen[-1] == (0.4, 1.2) and FETCH not in seen
+    # ... and where the exploration's share is slow too: offload's step, which explored faster
+    seen, d = run(split_first, lambda frac: 0.0141, tuning=v)
+    assert d["reverted"] == "fetch" and d["chosen"] == FETCH and seen[-1] == FETCH
+    # the centre never moved (a flat valley) and holds slower than both arms explored: offload's step
+    seen, d = run(split_first, lambda frac: 0.0141)
+    assert d["tune_moves"] == 0 and d["reverted"] == "fetch" and d["chosen"] == FETCH
+    # offload's step explored slower than the held steps: the split stays
+    seen, d = run({SPLIT: 0.0111, FETCH: 0.0200}, lambda frac: 0.0141)
+    assert "reverted" not in d and d["chosen"] == SPLIT and d["checked_ms"] == 14.1
+    # keeping up (within the margin of the faster arm): nothing undone
+    seen, d = run(split_first, lambda frac: 0.0112)
+    assert d["chosen"] == SPLIT and "reverted" not in d and d["checked_ms"] == 11.2

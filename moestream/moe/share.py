@@ -140,7 +140,10 @@ class Arms:
     was faster by more than `margin`, else d halves (down to `tune_min`; a round there without a move ends the tuning:
     the centre is held alone until the next exploration, since every round also runs three other shares, one of them
     possibly far slower — on the H100 host at 7.79 GiB the tuned split held 12.6 ms a step where it was explored at
-    10.9); shares stay in [0, SHARE_MAX]. Each round
+    10.9); shares stay in [0, SHARE_MAX]. The converged centre must then keep up: its first block x trials steps
+    are timed against the exploration's arms (`_check`), and where it is slower than the faster of them by the margin
+    the tuning is undone: the exploration's share runs again where the split explored faster, and is checked in its
+    turn; offload's step is held where it explored faster than what was checked. Each round
     also runs one block with every miss on the CPU (share 0 and no CPU fixed cost in the route's sum: `cpu` backend's
     step over hybrid's cache), which a local search from the fitted share need not reach: on the H100 host at 4.16 GiB
     (2026-12-06) the split held 0.39 of the misses fetched at 23.3 ms a step while the `cpu` backend took 19.4 ms. When
@@ -172,6 +175,7 @@ class Arms:
         if st["tune"] is None:
             st["tune"] = {"centre": min(max(fitted[0], 0.0), self.SHARE_MAX), "fixed": fitted[1],
                           "d": self.tune_step, "i": 0, "block": [], "t": {}, "moves": 0, "converged": False}
+            st["tune"]["start"] = st["tune"]["centre"], fitted[1]
         tu = st["tune"]
         if tu["converged"]:
             return tu["centre"], tu["fixed"]
@@ -188,6 +192,31 @@ class Arms:
         if c == "cpu":
             return tu["centre"] == 0.0 and tu["fixed"] == 0.0
         return self._candidate(tu, c) == tu["centre"]
+
+    def _check(self, st: dict, seconds: float) -> None:
+        """A step of the converged centre: after block x trials of them, their median against the exploration's
+        medians. Slower than the faster arm explored by more than the margin, the tuner walked somewhere worse (a
+        block of a few steps is noisier than the margin, so a round can move the centre on noise; on the H100 host at
+        7.79 GiB, 2026-12-06, the split explored at 11.1 ms a step and offload's step at 11.9, then the tuned centre
+        held 14.1): the share the exploration ran (the fit's at the choice) runs again where the split explored
+        faster, and is checked the same way; offload's step is held where it explored faster than the steps checked;
+        either until the next exploration."""
+        tu = st["tune"]
+        if tu.get("check") is None:
+            return
+        tu["check"].append(seconds)
+        if len(tu["check"]) < self.block * self.trials:
+            return
+        held, tu["check"] = float(np.median(tu["check"])), None
+        tu["checked_ms"] = round(held * 1e3, 3)
+        t = {a: float(np.median(v)) for a, v in st["times"].items() if v}
+        if SPLIT not in t or FETCH not in t or held <= min(t.values()) * (1 + self.margin):
+            return
+        if not tu.get("reverted") and t[SPLIT] <= t[FETCH] and (tu["centre"], tu["fixed"]) != tu["start"]:
+            tu["centre"], tu["fixed"] = tu["start"]  # the exploration's share, checked in its turn
+            tu["reverted"], tu["check"] = "share", []
+        elif t[FETCH] < held:
+            st["chosen"], tu["reverted"] = FETCH, "fetch"
 
     def _tune(self, tu: dict, seconds: float) -> None:
         """A held split step's time, for the tuner's current candidate."""
@@ -213,6 +242,7 @@ class Arms:
             tu["moves"] += 1
         elif tu["d"] <= self.tune_min:  # no neighbour at the finest step beat the centre: hold it until the next
             tu["converged"] = True      # exploration (each round runs three other shares, one possibly far slower)
+            tu["check"] = []            # ... once its steps have shown it keeps up with the exploration (_check)
         else:
             tu["d"] = max(tu["d"] / 2, self.tune_min)
         tu["i"], tu["t"] = 0, {}
@@ -232,7 +262,10 @@ class Arms:
             st["held"] += 1
             st["held_s"] += seconds
             if st["tune"] is not None and arm == SPLIT:
-                self._tune(st["tune"], seconds)
+                if st["tune"]["converged"]:
+                    self._check(st, seconds)
+                else:
+                    self._tune(st["tune"], seconds)
             if st["held"] >= self.hold:  # explore again
                 st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []},
                           tune=None)
@@ -262,6 +295,7 @@ class Arms:
                          "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
                          "explorations": st["explorations"], "steps": dict(st["steps"]),
                          **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
-                             "tune_moves": st["tune"]["moves"], "tune_converged": st["tune"]["converged"]}
+                             "tune_moves": st["tune"]["moves"], "tune_converged": st["tune"]["converged"],
+                             **{k: st["tune"][k] for k in ("checked_ms", "reverted") if k in st["tune"]}}
                             if st["tune"] else {})}
                 for r, st in sorted(self._rows.items())}
