@@ -73,6 +73,14 @@ def cpu_repack_enabled() -> bool:
     return os.environ.get("MOESTREAM_CPU_REPACK", "1") != "0"
 
 
+def bridge_interleave() -> bool:
+    """MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge on a GPU gives each layer's host banks of GGUF experts 8-row
+    interleaved copies (moe/cpu_moe.interleave_layer) where host memory keeps 4 GiB beside them, so the worker reads
+    the layout its one-row products run fastest on while PCIe copies go on reading the file's layout. Off by default
+    until measured on a GPU host (benchmarks/vs_llama.py's `+x8` variant); read when the bridge is built."""
+    return os.environ.get("MOESTREAM_BRIDGE_X8", "0") == "1"
+
+
 def bridge_worker_in_c() -> bool:
     """MOESTREAM_BRIDGE_C=0 runs the cpu/hybrid bridge's worker loop in Python, layer by layer, instead of one
     compiled call per decode step (moe/bridge.py; read at each step)."""

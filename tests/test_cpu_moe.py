@@ -756,3 +756,42 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
         cpu_layer_tuning()
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
     assert cpu_layer_tuning() == (8, 32 << 10, 0, 2) == cpu_quant.layer_tuning()  # the defaults back for later tests
+
+
+def test_bridge_interleaved_copies(monkeypatch):
+    """MOESTREAM_BRIDGE_X8=1: the bridge gives the host banks 8-row interleaved copies of every projection with that
+    layout (Q4_K, Q6_K) and its worker reads them (the interleaved type ids in its table), the file's bytes left as
+    they were; its rows equal the file layout's but for float summation order; off (the default), nothing copied."""
+    from moestream.moe import cpu_moe
+    from moestream.moe.formats import gguf_expert_format
+
+    tables = []
+    real = cpu_quant.bridge_step
+    monkeypatch.setattr(cpu_quant, "bridge_step",
+                        lambda *a, **k: tables.append(np.asarray(a[1]["wtype"]).ravel().tolist()) or real(*a, **k))
+    h, i, e, k, T = 256, 256, 5, 3, 2
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    cpu = torch.ones(T * k, dtype=torch.bool)  # every pair the worker's
+    types = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+    fmt = gguf_expert_format(types, h, i)
+
+    def run(flag):
+        monkeypatch.setenv("MOESTREAM_BRIDGE_X8", flag)
+        banks = {p: _weights(types[p], e * n, kk, seed=j).reshape(e, -1)
+                 for j, (p, (n, kk)) in enumerate(zip(("gate", "up", "down"), ((i, h), (i, h), (h, i))))}
+        before = {p: b.clone() for p, b in banks.items()}
+        store = _Store(fmt, banks)
+        store.hidden = h
+        y = _bridge_step(store, x, ids, w, cpu, torch.float32)
+        assert all(torch.equal(banks[p], before[p]) for p in banks)
+        return y, [cpu_moe.x8_copy(banks[p]) for p in ("gate", "up", "down")]
+
+    plain, none = run("0")
+    assert none == [None] * 3 and tables[-1] == [cpu_quant.TYPES[types[p]] for p in ("gate", "up", "down")]
+    y, copies = run("1")
+    assert [c[1] for c in copies] == ["Q4_K_x8", "Q4_K_x8", "Q6_K_x8"]
+    assert tables[-1] == [cpu_quant.X8_TYPES[types[p]][0] for p in ("gate", "up", "down")]
+    torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))

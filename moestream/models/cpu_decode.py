@@ -131,13 +131,11 @@ class _Repack:
             if key not in self.arrays:
                 if not self._room(len(ptrs) * (per + rows * stride)):
                     break
-                arr = self.arrays[key] = np.empty(len(ptrs) * per, dtype=np.uint8)
-                for e, addr in enumerate(ptrs[:, j].tolist()):
-                    cpu_quant.repack_x8(addr, rows, k, stride, name, out=arr[e * per:(e + 1) * per])
+                from ..moe.cpu_moe import attach_x8, interleave_projection
+
+                arr = self.arrays[key] = interleave_projection(ptrs[:, j], name, rows, k)[0]
                 self.nbytes += arr.nbytes
                 if arrays is not None:
-                    from ..moe.cpu_moe import attach_x8
-
                     attach_x8(arrays[j], arr, name, per)
             out = out.copy() if out is ptrs else out
             out[:, j] = self.arrays[key].ctypes.data + per * np.arange(len(ptrs))

@@ -30,6 +30,7 @@ bookkeeping; the tests run it).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -44,6 +45,8 @@ from .swiglu import swiglu
 
 SPIN_LIMIT = 1 << 25  # polls of host memory (~0.5-1 us each) before a collect gives up: tens of seconds
 WORKER_TIMEOUT_S = 120.0
+INTERLEAVE_RESERVE = 4 << 30  # host memory left available beside the bridge's interleaved copies (MOESTREAM_BRIDGE_X8)
+log = logging.getLogger("moestream")
 
 
 class CpuBridge:
@@ -60,6 +63,7 @@ class CpuBridge:
         self.threads = threads  # the worker's intra-op threads (0: torch's default for a new thread)
         self.layers = list(store.moe_layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
+        self.interleaved = self._interleave()  # bytes of interleaved copies made (MOESTREAM_BRIDGE_X8)
         L, H, P = len(self.layers), store.hidden, max_pairs
         if dtype is None:
             if store.fmt.quantized:
@@ -105,6 +109,23 @@ class CpuBridge:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="moestream-cpu-bridge", daemon=True)
         self._thread.start()
+
+    def _interleave(self) -> int:
+        """MOESTREAM_BRIDGE_X8=1: every MoE layer's GGUF host banks get the 8-row interleaved copies the worker's
+        kernels read (cpu_moe.interleave_layer), while host memory keeps INTERLEAVE_RESERVE available beside them;
+        the bytes made."""
+        from ..env import bridge_interleave
+        from ..hardware import host_memory
+
+        if not bridge_interleave() or not self.store.fmt.quantized or not cpu_moe.kernels_on():
+            return 0
+        t0, made = time.perf_counter(), 0
+        room = (lambda n: host_memory()[1] - n >= INTERLEAVE_RESERVE)
+        for layer in self.layers:
+            made += cpu_moe.interleave_layer(self.store.bank(layer), self.store.fmt.for_layer(layer), room)
+        log.info("moestream: cpu bridge: %.2f GiB of interleaved expert copies in %.1f s", made / (1 << 30),
+                 time.perf_counter() - t0)
+        return made
 
     # ---- host side, per step ---------------------------------------------------------------
     def begin_step(self, first: int = 0, keep: int = 0) -> None:

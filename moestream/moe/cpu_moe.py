@@ -165,6 +165,46 @@ def attach_x8(src: torch.Tensor, copy: np.ndarray, type_name: str, per_expert: i
     setattr(src, _X8_ATTR, (src.data_ptr(), copy, f"{type_name}_x8", per_expert))
 
 
+def interleave_projection(addrs: np.ndarray, name: str, rows: int, k: int) -> tuple[np.ndarray, int]:
+    """One projection of a layer's experts (the address of each expert's rows x k matrix of GGUF type `name`, rows
+    contiguous) copied into one array of the experts' 8-row interleaved matrices, expert after expert
+    (kernels/cpu_quant.repack_x8, threaded): (the array, bytes per expert)."""
+    from ..kernels import cpu_quant
+
+    stride = cpu_quant.row_bytes(name, k)
+    per = rows * cpu_quant.X8_TYPES[name][1](k)
+    arr = np.empty(len(addrs) * per, dtype=np.uint8)
+    for e, addr in enumerate(np.asarray(addrs).tolist()):
+        cpu_quant.repack_x8(addr, rows, k, stride, name, out=arr[e * per:(e + 1) * per])
+    return arr, per
+
+
+def interleave_layer(bank: dict, fmt, room=None) -> int:
+    """Gives a host layer of GGUF experts the 8-row interleaved copies the CPU kernels read faster (each projection
+    whose type has the layout: one copy of all the layer's experts, attach_x8), so every CPU call of the layer reads
+    them; the file's layout stays where it is for whatever else reads it (PCIe copies, the GPU's kernels).
+    room(nbytes) -> bool may refuse a copy (host memory). Returns the bytes copied (0: none, or already there)."""
+    from ..kernels import cpu_quant
+
+    if not isinstance(fmt, GGUFExpertFormat) or any(bank[p].device.type != "cpu" for p in GGUF_PROJS):
+        return 0
+    H, I = fmt.hidden, fmt.inter
+    E = min(bank[p].shape[0] for p in GGUF_PROJS)
+    ptrs, names, _, _ = expert_ptrs(bank, fmt, np.arange(E))
+    made = 0
+    for j, (p, (rows, k)) in enumerate(zip(GGUF_PROJS, ((I, H), (I, H), (H, I)))):
+        name = names[j]
+        if name not in cpu_quant.X8_TYPES or rows % 8 or k % cpu_quant.block_values(name):
+            continue  # (a name already "<type>_x8": copied before)
+        nbytes = E * rows * cpu_quant.X8_TYPES[name][1](k)
+        if room is not None and not room(nbytes):
+            break
+        arr, per = interleave_projection(ptrs[:, j], name, rows, k)
+        attach_x8(bank[p], arr, name, per)
+        made += arr.nbytes
+    return made
+
+
 def x8_copy(src: torch.Tensor) -> tuple[np.ndarray, str, int] | None:
     """(copy, its type name, bytes per expert) attach_x8 recorded on src, if still for src's bytes; else None."""
     got = getattr(src, _X8_ATTR, None)
