@@ -6,6 +6,11 @@ expert again and again, 1 thread), and the bridge's pattern (2 and 8 experts a c
 calls, as a GPU's share of each layer leaves).
 
     PYTHONPATH=$PWD python benchmarks/cpu_layer_tuning.py [--threads 2]
+
+--sweep 4,8,16 [--experts 640] (a GPU host, where 48 experts sit in the last-level cache): per thread count, both
+layouts, cold experts drawn from --experts of them (640: ~1.2 GB, beyond any cache), 8 experts a call back to back,
+8 with the 100 us gap, and 64 a call (the kernel's rate with a call's overhead spread): GB/s and the share of the
+host's read bandwidth (moe/bench's figure, measured here first); --json FILE keeps them.
 """
 from __future__ import annotations
 
@@ -26,14 +31,24 @@ rng = np.random.default_rng(0)
 
 
 SHAPES = {"gate": ("Q4_K", I, H), "up": ("Q4_K", I, H), "down": ("Q6_K", H, I)}
-PLAIN = {p: [m.numpy() for m in random_raw(gguf_format(t), (E, n, k), seed=j)]  # E [n, row bytes] arrays
-         for j, (p, (t, n, k)) in enumerate(SHAPES.items())}
-X8 = {p: [cq.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0] for m in PLAIN[p]] for p, (t, n, k) in SHAPES.items()}
-LAYOUTS = {"plain": (PLAIN, np.array([cq.type_id(SHAPES[p][0]) for p in NAMES], dtype=np.int64)),
-           "x8": (X8, np.array([cq.X8_TYPES[SHAPES[p][0]][0] for p in NAMES], dtype=np.int64))}
-EXPERT_BYTES = sum(PLAIN[p][0].nbytes for p in NAMES)
+LAYOUTS: dict = {}
+EXPERT_BYTES = 0
+
+
+def build(experts: int) -> None:
+    """E random experts of the shape in both layouts (LAYOUTS: name -> (per projection E arrays, type ids))."""
+    global E, EXPERT_BYTES
+    E = experts
+    plain = {p: [m.numpy() for m in random_raw(gguf_format(t), (E, n, k), seed=j)]  # E [n, row bytes] arrays
+             for j, (p, (t, n, k)) in enumerate(SHAPES.items())}
+    x8 = {p: [cq.repack_x8(m.ctypes.data, n, k, m.shape[1], t)[0] for m in plain[p]] for p, (t, n, k) in SHAPES.items()}
+    LAYOUTS["plain"] = (plain, np.array([cq.type_id(SHAPES[p][0]) for p in NAMES], dtype=np.int64))
+    LAYOUTS["x8"] = (x8, np.array([cq.X8_TYPES[SHAPES[p][0]][0] for p in NAMES], dtype=np.int64))
+    EXPERT_BYTES = sum(plain[p][0].nbytes for p in NAMES)
+
+
 X = torch.randn(1, H).to(torch.bfloat16)
-OUT = torch.zeros(8, H)
+OUT = torch.zeros(64, H)
 
 
 def time_calls(layout: str, G: int, nt: int, reps: int = 150, gap_s: float = 0.0, hot: bool = False) -> float:
@@ -51,7 +66,7 @@ def time_calls(layout: str, G: int, nt: int, reps: int = 150, gap_s: float = 0.0
             pass
         t = time.perf_counter()
         rc = mod.ms_moe_layer(X.data_ptr(), 1, 1, H, I, G, wptr.ctypes.data, tids.ctypes.data, starts.ctypes.data,
-                              rows.ctypes.data, w.ctypes.data, dst.ctypes.data, OUT.data_ptr(), 8, H, 1, 0, nt, 0)
+                              rows.ctypes.data, w.ctypes.data, dst.ctypes.data, OUT.data_ptr(), OUT.shape[0], H, 1, 0, nt, 0)
         ts.append(time.perf_counter() - t)
         assert rc == 0, rc
     return float(np.median(ts[20:]))
@@ -69,7 +84,17 @@ def tuned(setting: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    nt = ap.parse_args().threads
+    ap.add_argument("--sweep", default="", help="thread counts, e.g. 4,8,16: the host sweep instead of the tunings")
+    ap.add_argument("--experts", type=int, default=0, help="experts to draw from [48; 640 with --sweep]")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--tunings", default="", help="with --sweep: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings "
+                    "timed at the largest thread count, both layouts (e.g. 'rowsahead=8;rowsahead=32;kb=128')")
+    args = ap.parse_args()
+    if args.sweep:
+        return sweep([int(n) for n in args.sweep.split(",")], args.experts or 640, args.json,
+                     [t for t in args.tunings.split(";") if t])
+    build(args.experts or 48)
+    nt = args.threads
     print(f"expert bytes {EXPERT_BYTES}, isa {cq.isa()}, {nt} threads")
     tuned("")
     for layout in LAYOUTS:
@@ -92,6 +117,48 @@ def main() -> None:
         t = min(time_calls("plain", 8, nt) for _ in range(3))
         tg = min(time_calls("plain", 2, nt, gap_s=100e-6) for _ in range(2))
         print(f"{setting or 'default (2)':14s} 8 experts {gbs(8, t):.1f} GB/s; 2 experts with gaps {gbs(2, tg):.1f} GB/s")
+
+
+def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = ()) -> None:
+    """The host sweep (--sweep): per thread count and layout, GB/s of 8 cold experts a call back to back, with a
+    100 us gap before each call, and of 64 a call; beside the host's read bandwidth. Then each of `tunings` at the
+    largest thread count (8 and 64 a call)."""
+    import json
+
+    from moestream.moe.bench import host_read_gbs
+
+    torch.set_num_threads(max(counts))
+    read = host_read_gbs(1024, 5)
+    t0 = time.perf_counter()
+    build(experts)
+    print(f"expert bytes {EXPERT_BYTES}, {E} experts ({E * EXPERT_BYTES / 1e9:.2f} GB, made in "
+          f"{time.perf_counter() - t0:.1f} s), isa {cq.isa()}; host read {read:.1f} GB/s")
+    rows = []
+    tuned("")
+    for nt in counts:
+        for layout in LAYOUTS:
+            got = {"threads": nt, "layout": layout,
+                   "g8": gbs(8, min(time_calls(layout, 8, nt) for _ in range(2))),
+                   "g8_gap": gbs(8, min(time_calls(layout, 8, nt, gap_s=100e-6) for _ in range(2))),
+                   "g64": gbs(64, time_calls(layout, 64, nt, reps=40))}
+            rows.append(got)
+            print(f"{nt:3d} threads {layout:5s}: 8 a call {got['g8']:6.1f} GB/s ({got['g8'] / read:4.0%}), with gaps "
+                  f"{got['g8_gap']:6.1f}, 64 a call {got['g64']:6.1f} ({got['g64'] / read:4.0%})", flush=True)
+    nt, tuned_rows = max(counts), []
+    for setting in tunings:
+        tuned(setting)
+        for layout in LAYOUTS:
+            got = {"threads": nt, "layout": layout, "tuning": setting,
+                   "g8": gbs(8, min(time_calls(layout, 8, nt) for _ in range(2))),
+                   "g64": gbs(64, time_calls(layout, 64, nt, reps=40))}
+            tuned_rows.append(got)
+            print(f"{nt:3d} threads {layout:5s} {setting:24s}: 8 a call {got['g8']:6.1f} GB/s "
+                  f"({got['g8'] / read:4.0%}), 64 a call {got['g64']:6.1f}", flush=True)
+    tuned("")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"host_read_gbs": read, "experts": E, "expert_bytes": EXPERT_BYTES, "isa": cq.isa(),
+                       "rows": rows, "tunings": tuned_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
 #   BUDGET_S  seconds for the whole call [560]; TAIL_S  seconds kept for step 3 [170]
 #   GRID, GRID2, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
 #   QLIN_SHAPES  qlinear_gpu.py --shapes ["" = skip]; TESTS_K  pytest -k over the CUDA-only test files ["" = skip]
+#   SWEEP  thread counts of the host's CPU layer call sweep in step 1 (-> cpu_layer_sweep.json) ["" = skip];
+#   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
+#   the step profiles run under
 # e.g. (the twenty-second session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -23,6 +26,8 @@ GRID=${GRID:-"cpu@n36;auto@n20,n28,n36;hybrid@n20,n28;offload@n20;cpu+again@n36"
 GRID2=${GRID2-"cpu+repack@n36"}
 NCMOE=${NCMOE:-20,28,36,40}
 DPROF=${DPROF-"cpu@4.16@t"}
+DPROF_ENV=${DPROF_ENV-}  # e.g. MOESTREAM_BRIDGE_X8=1: the step profiles' environment
+SWEEP=${SWEEP-}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep), e.g. 4,8,16
 QLIN_SHAPES=${QLIN_SHAPES-"gdn in_proj_qkv,gdn in_proj_z,shared gate"}
 TESTS_K=${TESTS_K-"repack or writes_heads or overlapped_decode_equals_stepwise"}
 AUX=$OUT/aux.log
@@ -33,6 +38,11 @@ AUX=$OUT/aux.log
   python3 -c "from moestream.hardware import physical_cores as p; print('physical_cores', p())"
   echo "== bench bw"
   timeout 60 python3 -m moestream.cli bench bw --expert-format q4_k -o /tmp/bw.json
+  if [ -n "$SWEEP" ]; then
+    echo "== $(date -u +%T) CPU layer call, threads $SWEEP (benchmarks/cpu_layer_tuning.py --sweep)"
+    timeout 150 python3 benchmarks/cpu_layer_tuning.py --sweep "$SWEEP" --tunings "${SWEEP_TUNINGS:-}" \
+      --json "$OUT/cpu_layer_sweep.json"
+  fi
 } > "$AUX" 2>&1
 
 KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
@@ -49,7 +59,7 @@ fi
   for C in $(echo "$DPROF" | tr , ' '); do
     [ "$i" -lt 2 ] && [ "$(left)" -gt 60 ] || break
     echo "== $(date -u +%T) [$(left) s left] step profile $C"
-    mkdir -p /tmp/dprof && OUT=/tmp/dprof PHASES=dprof DPROF="$C" STEPS=${STEPS:-32} DPROF_S=$(( $(left) > 90 ? 90 : $(left) - 10 )) \
+    mkdir -p /tmp/dprof && env $DPROF_ENV OUT=/tmp/dprof PHASES=dprof DPROF="$C" STEPS=${STEPS:-32} DPROF_S=$(( $(left) > 90 ? 90 : $(left) - 10 )) \
       bash benchmarks/gpu_issue_runs.sh 2>&1 | grep -v "^WARNING: Target directory"
     cp /tmp/dprof/decode_profile_*.json "$OUT/" 2>/dev/null; rm -f /tmp/dprof/*
     i=$((i + 1))
