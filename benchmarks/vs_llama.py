@@ -25,7 +25,8 @@ Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGU
 OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
 `BACKEND+raN` / `+x8aN` (the bridge's CPU layer calls read N rows / interleaved 8-row groups ahead; its defaults are 8
-and 1; the bridge on a GPU reads the file's layout, so rows), `hybrid+noarms`
+and 1; the bridge on a GPU reads the file's layout unless `+x8`, so rows), `+kbN` / `+chunksN` (the layer calls' least
+KiB a chunk / chunks a thread; chained tunings join: `cpu+x8+x8a2+kb128`), `hybrid+noarms`
 (every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
 likeliest).
@@ -231,7 +232,7 @@ def _variant(variant: str, cfg: dict) -> bool:
 
     threads = re.fullmatch(r"t(\d+)", variant)  # +tN: --moe-cpu-threads N
     top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
-    x8a = re.fullmatch(r"(x8a|ra)(\d+)", variant)  # +x8aN / +raN: the CPU layer calls' read-ahead
+    x8a = re.fullmatch(r"(x8a|ra|kb|chunks)(\d+)", variant)  # +x8aN / +raN / +kbN / +chunksN: the layer calls' tuning
     if variant in ("qdense", "bf16dense"):  # the GGUF's dense layers kept compressed on the GPU, or bf16 at load
         cfg.setdefault("env", {})["MOESTREAM_DENSE_QUANT"] = "1" if variant == "qdense" else "0"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)
@@ -256,8 +257,10 @@ def _variant(variant: str, cfg: dict) -> bool:
         cfg["prefetch"] = "on"
         if top:
             set_env("MOESTREAM_PREFETCH_TOP", top[1])
-    elif x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one)
-        set_env("MOESTREAM_CPU_LAYER_TUNING", f"{'x8ahead' if x8a[1] == 'x8a' else 'rowsahead'}={x8a[2]}")
+    elif x8a:  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this names one), least
+        key = {"x8a": "x8ahead", "ra": "rowsahead", "kb": "kb", "chunks": "chunks"}[x8a[1]]  # KiB a chunk, chunks a
+        old = cfg.get("set_env", {}).get("MOESTREAM_CPU_LAYER_TUNING")                      # thread (chained: joined)
+        set_env("MOESTREAM_CPU_LAYER_TUNING", f"{old + ',' if old else ''}{key}={x8a[2]}")
     elif re.fullmatch(r"again\d*", variant):  # the same configuration once more under another name (e.g. cpu first
         pass                                       # and last in the shared child: does an earlier run slow it?)
     else:

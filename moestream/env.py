@@ -76,8 +76,10 @@ def cpu_repack_enabled() -> bool:
 def bridge_interleave() -> bool:
     """MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge on a GPU gives each layer's host banks of GGUF experts 8-row
     interleaved copies (moe/cpu_moe.interleave_layer) where host memory keeps 4 GiB beside them, so the worker reads
-    the layout its one-row products run fastest on while PCIe copies go on reading the file's layout. Off by default
-    until measured on a GPU host (benchmarks/vs_llama.py's `+x8` variant); read when the bridge is built."""
+    the layout its one-row products run fastest on while PCIe copies go on reading the file's layout. Opt-in: it costs
+    host memory equal to the experts' bytes, for +4 % (`cpu` at 4.16 GiB, two H100 hosts), −4 % (a third, with 2 groups
+    read ahead), +15 % (hybrid at 7.79 GiB, one host) and −2.5 % (hybrid at 11.3 GiB) measured (benchmarks/RESULTS.md,
+    twenty-second session; vs_llama.py's `+x8` variant); read when the bridge is built."""
     return os.environ.get("MOESTREAM_BRIDGE_X8", "0") == "1"
 
 
@@ -110,8 +112,8 @@ BRIDGE_AHEAD = (1, 8)  # the bridge worker's read-ahead (interleaved groups, row
 def bridge_ahead() -> tuple[int, int]:
     """The cpu/hybrid bridge worker's read-ahead in its layer calls: (interleaved 8-row groups, rows of the file's
     layouts), BRIDGE_AHEAD, each -1 (the library's setting) where MOESTREAM_CPU_LAYER_TUNING names it. On a GPU host
-    the bridge reads the file's layout (no interleaved copies: those belong to the CPU-only decode plan), so rows
-    ahead is what applies there: 8 instead of the library's 2 read 8 random Q4_K_M experts of the Qwen3.6 shape a
+    the bridge reads the file's layout unless MOESTREAM_BRIDGE_X8=1 gives it interleaved copies, so rows ahead is
+    what applies there by default: 8 instead of the library's 2 read 8 random Q4_K_M experts of the Qwen3.6 shape a
     call 0-10 % faster on the 2-core VM, 2-expert calls within noise (benchmarks/cpu_layer_tuning.py); not measured on
     a GPU host yet. A whole CPU-only decode did not gain from reading further ahead, so the library's defaults stay
     (benchmarks/RESULTS.md, fifteenth session)."""

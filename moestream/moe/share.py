@@ -140,10 +140,11 @@ class Arms:
     was faster by more than `margin`, else d halves (down to `tune_min`; a round there without a move ends the tuning:
     the centre is held alone until the next exploration, since every round also runs three other shares, one of them
     possibly far slower — on the H100 host at 7.79 GiB the tuned split held 12.6 ms a step where it was explored at
-    10.9); shares stay in [0, SHARE_MAX]. The converged centre must then keep up: its first block x trials steps
-    are timed against the exploration's arms (`_check`), and where it is slower than the faster of them by the margin
-    the tuning is undone: the exploration's share runs again where the split explored faster, and is checked in its
-    turn; offload's step is held where it explored faster than what was checked. Each round
+    10.9); shares stay in [0, SHARE_MAX]. The converged centre must then keep up: each block x trials of its steps
+    are timed against the exploration's arms (`_check`), and where they are slower than the faster of them by the
+    margin (the first window) or by `recheck` (the later ones) the tuning is undone: the exploration's share runs
+    again where the split explored faster, and is checked in its turn; offload's step is held where it explored
+    faster than what was checked. Each round
     also runs one block with every miss on the CPU (share 0 and no CPU fixed cost in the route's sum: `cpu` backend's
     step over hybrid's cache), which a local search from the fitted share need not reach: on the H100 host at 4.16 GiB
     (2026-12-06) the split held 0.39 of the misses fetched at 23.3 ms a step while the `cpu` backend took 19.4 ms. When
@@ -152,9 +153,9 @@ class Arms:
     SHARE_MAX = 0.95  # a fetch fraction above this sends the CPU too few misses to pay for its call
 
     def __init__(self, block: int = 4, trials: int = 3, hold: int = 256, warmup: int = 24, tune_step: float = 0.1,
-                 tune_min: float = 0.025, margin: float = 0.03):
+                 tune_min: float = 0.025, margin: float = 0.03, recheck: float = 0.10):
         self.block, self.trials, self.hold, self.warmup = block, trials, hold, warmup
-        self.tune_step, self.tune_min, self.margin = tune_step, tune_min, margin
+        self.tune_step, self.tune_min, self.margin, self.recheck = tune_step, tune_min, margin, recheck
         self._rows: dict[int, dict] = {}
 
     def _state(self, rows: int) -> dict:
@@ -194,27 +195,30 @@ class Arms:
         return self._candidate(tu, c) == tu["centre"]
 
     def _check(self, st: dict, seconds: float) -> None:
-        """A step of the converged centre: after block x trials of them, their median against the exploration's
-        medians. Slower than the faster arm explored by more than the margin, the tuner walked somewhere worse (a
-        block of a few steps is noisier than the margin, so a round can move the centre on noise; on the H100 host at
-        7.79 GiB, 2026-12-06, the split explored at 11.1 ms a step and offload's step at 11.9, then the tuned centre
-        held 14.1): the share the exploration ran (the fit's at the choice) runs again where the split explored
-        faster, and is checked the same way; offload's step is held where it explored faster than the steps checked;
-        either until the next exploration."""
+        """A step of the converged centre: every block x trials of them, their median against the exploration's
+        medians. Slower than the faster arm explored by more than the margin (the centre's first window; `recheck`
+        for the windows after it, which step times drifting up with longer contexts must not trip), the centre is
+        not what the exploration timed: the tuner walked somewhere worse (a block of a few steps is noisier than the
+        margin, so a round can move the centre on noise; on the H100 host at 7.79 GiB, 2026-12-06, the split explored
+        at 11.1 ms a step and offload's step at 11.9, then the tuned centre held 14.1), or the centre decays (every
+        miss on the CPU fetches nothing, so the cache stops following the routing: at 11.3 GiB the all-CPU centre
+        checked 8.3 ms a step, then slowed to ~20 as its hits fell from 0.69 to 0.34). The share the exploration ran
+        (the fit's at the choice) then runs again where the split explored faster, and is checked the same way;
+        offload's step is held where it explored faster than the steps checked; either until the next exploration."""
         tu = st["tune"]
-        if tu.get("check") is None:
-            return
         tu["check"].append(seconds)
         if len(tu["check"]) < self.block * self.trials:
             return
-        held, tu["check"] = float(np.median(tu["check"])), None
+        held, tu["check"] = float(np.median(tu["check"])), []
         tu["checked_ms"] = round(held * 1e3, 3)
+        margin = self.margin if not tu.get("windows") else self.recheck
+        tu["windows"] = tu.get("windows", 0) + 1
         t = {a: float(np.median(v)) for a, v in st["times"].items() if v}
-        if SPLIT not in t or FETCH not in t or held <= min(t.values()) * (1 + self.margin):
+        if SPLIT not in t or FETCH not in t or held <= min(t.values()) * (1 + margin):
             return
         if not tu.get("reverted") and t[SPLIT] <= t[FETCH] and (tu["centre"], tu["fixed"]) != tu["start"]:
             tu["centre"], tu["fixed"] = tu["start"]  # the exploration's share, checked in its turn
-            tu["reverted"], tu["check"] = "share", []
+            tu["reverted"], tu["windows"] = "share", 0
         elif t[FETCH] < held:
             st["chosen"], tu["reverted"] = FETCH, "fetch"
 
