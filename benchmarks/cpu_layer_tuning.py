@@ -87,12 +87,13 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="thread counts, e.g. 4,8,16: the host sweep instead of the tunings")
     ap.add_argument("--experts", type=int, default=0, help="experts to draw from [48; 640 with --sweep]")
     ap.add_argument("--json", default="")
+    ap.add_argument("--rounds", type=int, default=5, help="with --tunings: alternating rounds [5]")
     ap.add_argument("--tunings", default="", help="with --sweep: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings "
                     "timed at the largest thread count, both layouts (e.g. 'rowsahead=8;rowsahead=32;kb=128')")
     args = ap.parse_args()
     if args.sweep:
         return sweep([int(n) for n in args.sweep.split(",")], args.experts or 640, args.json,
-                     [t for t in args.tunings.split(";") if t])
+                     [t for t in args.tunings.split(";") if t], args.rounds)
     build(args.experts or 48)
     nt = args.threads
     print(f"expert bytes {EXPERT_BYTES}, isa {cq.isa()}, {nt} threads")
@@ -119,10 +120,10 @@ def main() -> None:
         print(f"{setting or 'default (2)':14s} 8 experts {gbs(8, t):.1f} GB/s; 2 experts with gaps {gbs(2, tg):.1f} GB/s")
 
 
-def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = ()) -> None:
+def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), rounds: int = 5) -> None:
     """The host sweep (--sweep): per thread count and layout, GB/s of 8 cold experts a call back to back, with a
     100 us gap before each call, and of 64 a call; beside the host's read bandwidth. Then each of `tunings` at the
-    largest thread count (8 and 64 a call)."""
+    largest thread count (8 and 64 a call), alternating with the default in `rounds` rounds."""
     import json
 
     from moestream.moe.bench import host_read_gbs
@@ -144,16 +145,23 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = ()) ->
             rows.append(got)
             print(f"{nt:3d} threads {layout:5s}: 8 a call {got['g8']:6.1f} GB/s ({got['g8'] / read:4.0%}), with gaps "
                   f"{got['g8_gap']:6.1f}, 64 a call {got['g64']:6.1f} ({got['g64'] / read:4.0%})", flush=True)
-    nt, tuned_rows = max(counts), []
-    for setting in tunings:
-        tuned(setting)
-        for layout in LAYOUTS:
-            got = {"threads": nt, "layout": layout, "tuning": setting,
-                   "g8": gbs(8, min(time_calls(layout, 8, nt) for _ in range(2))),
-                   "g64": gbs(64, time_calls(layout, 64, nt, reps=40))}
-            tuned_rows.append(got)
-            print(f"{nt:3d} threads {layout:5s} {setting:24s}: 8 a call {got['g8']:6.1f} GB/s "
-                  f"({got['g8'] / read:4.0%}), 64 a call {got['g64']:6.1f}", flush=True)
+    # the tunings against the default in alternating rounds (one setting after another, `rounds` times; a host's rate
+    # drifts by more than most tunings move it), each a median of the rounds
+    nt, tuned_rows, settings = max(counts), [], [""] + list(tunings) if tunings else []
+    got = {(st, layout): {"g8": [], "g64": []} for st in settings for layout in LAYOUTS}
+    for _ in range(rounds if settings else 0):
+        for setting in settings:
+            tuned(setting)
+            for layout in LAYOUTS:
+                got[setting, layout]["g8"].append(gbs(8, time_calls(layout, 8, nt)))
+                got[setting, layout]["g64"].append(gbs(64, time_calls(layout, 64, nt, reps=30)))
+    for (setting, layout), v in got.items():
+        row = {"threads": nt, "layout": layout, "tuning": setting or "default", "rounds": rounds,
+               "g8": float(np.median(v["g8"])), "g64": float(np.median(v["g64"])), "g8_all": v["g8"]}
+        tuned_rows.append(row)
+        print(f"{nt:3d} threads {layout:5s} {row['tuning']:24s}: 8 a call {row['g8']:6.1f} GB/s "
+              f"({row['g8'] / read:4.0%}; rounds {min(v['g8']):.1f}-{max(v['g8']):.1f}), 64 a call {row['g64']:6.1f}",
+              flush=True)
     tuned("")
     if out:
         with open(out, "w") as f:

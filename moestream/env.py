@@ -89,21 +89,24 @@ def bridge_worker_in_c() -> bool:
     return os.environ.get("MOESTREAM_BRIDGE_C", "1") != "0"
 
 
-def cpu_layer_tuning() -> tuple[int, int, int, int]:
-    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=32,x8ahead=0,rowsahead=2": the compiled MoE layer call's chunks per
-    thread, least KiB of weights a chunk, interleaved 8-row groups read ahead, and rows read ahead for the other types
-    (kernels/cpu/qmatmul.cpp, g_layer_chunks; the defaults are those numbers). For timing settings on a machine
-    (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` variants); results do not depend on them. Read at
-    each kernel call; a key left out keeps its default. A malformed value is a ValueError naming it."""
+def cpu_layer_tuning() -> tuple[int, int, int, int, int]:
+    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=32,x8ahead=0,rowsahead=2,flow=1": the compiled MoE layer call's chunks
+    per thread, least KiB of weights a chunk, interleaved 8-row groups read ahead, rows read ahead for the other types,
+    and flow (1: a decode call's down rows of an expert start once that expert's gate/up rows are done; 0: after a
+    barrier on every expert's) (kernels/cpu/qmatmul.cpp, g_layer_chunks, g_layer_flow; the defaults are those
+    numbers). For timing settings on a machine (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` / `+kbN`
+    / `+flow` variants); results do not depend on them. Read at each kernel call; a key left out keeps its default. A
+    malformed value is a ValueError naming it."""
     raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
-    vals = {"chunks": 8, "kb": 32, "x8ahead": 0, "rowsahead": 2}
+    vals = {"chunks": 8, "kb": 32, "x8ahead": 0, "rowsahead": 2, "flow": 1}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         key, _, v = part.partition("=")
-        if key not in vals or not v.isdigit() or (key != "x8ahead" and int(v) < 1):
-            raise ValueError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N, rowsahead=N (N >= 1) or "
-                              "x8ahead=N")
+        if key not in vals or not v.isdigit() or (key not in ("x8ahead", "flow") and int(v) < 1) or \
+                (key == "flow" and v not in ("0", "1")):
+            raise ValueError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, kb=N, rowsahead=N (N >= 1), "
+                              "x8ahead=N or flow=0|1")
         vals[key] = int(v)
-    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"]
+    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"], vals["flow"]
 
 
 BRIDGE_AHEAD = (1, 8)  # the bridge worker's read-ahead (interleaved groups, rows), unless the env sets them

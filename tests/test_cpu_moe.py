@@ -746,16 +746,18 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING", raising=False)
     want = {layout: call(layout) for layout in layouts}
     assert all(torch.isfinite(y).all() and y.abs().sum() > 0 for y in want.values())
-    for setting in ("chunks=1,kb=1024", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4", "rowsahead=16"):
+    for setting in ("chunks=1,kb=1024", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4", "rowsahead=16", "flow=0",
+                    "flow=0,chunks=32,kb=1", "flow=0,chunks=1,kb=1024,x8ahead=1"):
         monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", setting)
-        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 32 << 10, 0, 2)  # in force in the library
+        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 32 << 10, 0, 2, 1)  # in force in the library
         for layout in layouts:
             assert torch.equal(call(layout), want[layout]), (setting, layout)
-    monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=0")
-    with pytest.raises(ValueError, match="'chunks=0'"):
-        cpu_layer_tuning()
+    for bad in ("chunks=0", "flow=2"):
+        monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", bad)
+        with pytest.raises(ValueError, match=f"'{bad}'"):
+            cpu_layer_tuning()
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
-    assert cpu_layer_tuning() == (8, 32 << 10, 0, 2) == cpu_quant.layer_tuning()  # the defaults back for later tests
+    assert cpu_layer_tuning() == (8, 32 << 10, 0, 2, 1) == cpu_quant.layer_tuning()  # the defaults back for later tests
 
 
 def test_bridge_interleaved_copies(monkeypatch):
@@ -795,3 +797,44 @@ def test_bridge_interleaved_copies(monkeypatch):
     assert [c[1] for c in copies] == ["Q4_K_x8", "Q4_K_x8", "Q6_K_x8"]
     assert tables[-1] == [cpu_quant.X8_TYPES[types[p]][0] for p in ("gate", "up", "down")]
     torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
+
+
+def test_layer_flow_matches_the_barrier_with_empty_groups(monkeypatch):
+    """flow=1 (the default: an expert's down rows start once its gate/up rows are counted done): the same products
+    as the barrier (flow=0), bit for bit, where groups are empty (their rows skipped in both phases: nothing may wait
+    on them), with 1-4 threads and chunks that split experts."""
+    from moestream.quant import gguf_format
+    from moestream.quant.synthetic import random_raw
+
+    if not cpu_quant.available():
+        pytest.skip("CPU kernels not built")
+    H, I, E = 256, 256, 5
+    mats = {"gate": ("Q4_K", I, H), "up": ("Q4_K", I, H), "down": ("Q6_K", H, I)}
+    banks = {p: [m.numpy() for m in random_raw(gguf_format(t), (E, n, k), seed=j + 7)]
+             for j, (p, (t, n, k)) in enumerate(mats.items())}
+    names = ("gate", "up", "down")
+    wptr = np.array([[banks[p][e].ctypes.data for p in names] for e in range(E)], dtype=np.int64)
+    tids = np.array([cpu_quant.type_id(mats[p][0]) for p in names], dtype=np.int64)
+    x = torch.randn(2, H)
+    starts = np.array([0, 2, 2, 3, 3, 4])  # experts 1 and 3 have no pairs
+    rows, dst = np.array([0, 1, 0, 1]), np.arange(4)
+    w = np.linspace(0.5, 1.0, 4).astype(np.float32)
+
+    def call(nt):
+        out = torch.zeros(4, H)
+        rc = cpu_quant.module().ms_moe_layer(x.data_ptr(), 0, 2, H, I, E, wptr.ctypes.data, tids.ctypes.data,
+                                             starts.ctypes.data, rows.ctypes.data, w.ctypes.data, dst.ctypes.data,
+                                             out.data_ptr(), 4, H, 1, 0, nt, 0)
+        assert rc == 0
+        return out
+
+    for nt in (1, 2, 4):
+        monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=32,kb=1,flow=0")
+        cpu_quant.threads()
+        want = call(nt)
+        monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=32,kb=1,flow=1")
+        cpu_quant.threads()
+        assert cpu_quant.layer_tuning()[4] == 1
+        assert torch.equal(call(nt), want) and want.abs().sum() > 0
+    monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
+    assert cpu_quant.layer_tuning()[4] == 1  # the default
