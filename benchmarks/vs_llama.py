@@ -26,8 +26,8 @@ OpenMP threads / their own pool), `BACKEND+pyloop` (the cpu/hybrid bridge worker
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
 `BACKEND+raN` / `+x8aN` (the bridge's CPU layer calls read N rows / interleaved 8-row groups ahead; its defaults are 8
 and 1; the bridge on a GPU reads the file's layout unless `+x8`, so rows), `+kbN` / `+chunksN` (the layer calls' least
-KiB a chunk / chunks a thread; chained tunings join: `cpu+x8+x8a2+kb128`), `+flow` (a decode layer call's down rows of
-an expert start once its gate/up rows are done, no barrier between the two), `hybrid+noarms`
+KiB a chunk / chunks a thread; chained tunings join: `cpu+x8+x8a2+kb128`), `+noflow` (a decode layer call's barrier between its
+gate/up and down rows, which the default `flow` does without), `hybrid+noarms`
 (every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
 likeliest).
@@ -258,10 +258,10 @@ def _variant(variant: str, cfg: dict) -> bool:
         cfg["prefetch"] = "on"
         if top:
             set_env("MOESTREAM_PREFETCH_TOP", top[1])
-    elif x8a or variant == "flow":  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD; this
-        # names one), least KiB a chunk, chunks a thread, flow (chained: joined)
+    elif x8a or variant == "noflow":  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD;
+        # this names one), least KiB a chunk, chunks a thread, the barrier between phases (chained: joined)
         key, v = ({"x8a": "x8ahead", "ra": "rowsahead", "kb": "kb", "chunks": "chunks"}[x8a[1]], x8a[2]) if x8a \
-            else ("flow", "1")
+            else ("flow", "0")
         old = cfg.get("set_env", {}).get("MOESTREAM_CPU_LAYER_TUNING")
         set_env("MOESTREAM_CPU_LAYER_TUNING", f"{old + ',' if old else ''}{key}={v}")
     elif re.fullmatch(r"again\d*", variant):  # the same configuration once more under another name (e.g. cpu first
