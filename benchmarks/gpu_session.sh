@@ -14,7 +14,7 @@
 #   SWEEP  thread counts of the host's CPU layer call sweep in step 1 (-> cpu_layer_sweep.json) ["" = skip];
 #   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
 #   the step profiles run under
-# e.g. (the twenty-second session's call):  bash benchmarks/gpu_session.sh
+# e.g. (the twenty-third session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
 source benchmarks/device_env.sh
 T0=$(date +%s)
@@ -22,14 +22,15 @@ BUDGET_S=${BUDGET_S:-560}; TAIL_S=${TAIL_S:-170}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 # GRID runs in one shared process (configurations that need a load of their own, fused and variants with their own
 # environment, would run before it: they go in GRID2, run after GRID with what time is left before the tail)
-GRID=${GRID:-"cpu@n36;auto@n20,n28,n36;hybrid@n20,n28;offload@n20;cpu+again@n36"}
-GRID2=${GRID2-"cpu+repack@n36"}
+GRID=${GRID:-"cpu@n36;cpu+noflow@n36;hybrid@n28;auto@n20,n28,n36;offload@n20;cpu+again@n36"}
+GRID2=${GRID2-"cpu+x8@n36;hybrid+x8@n28"}
 NCMOE=${NCMOE:-20,28,36,40}
 DPROF=${DPROF-"cpu@4.16@t"}
 DPROF_ENV=${DPROF_ENV-}  # e.g. MOESTREAM_BRIDGE_X8=1: the step profiles' environment
-SWEEP=${SWEEP-}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep), e.g. 4,8,16
-QLIN_SHAPES=${QLIN_SHAPES-"gdn in_proj_qkv,gdn in_proj_z,shared gate"}
-TESTS_K=${TESTS_K-"repack or writes_heads or overlapped_decode_equals_stepwise"}
+SWEEP=${SWEEP-"8,16"}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep)
+SWEEP_TUNINGS=${SWEEP_TUNINGS-"flow=0;kb=64;kb=128"}  # timed against the default in alternating rounds
+QLIN_SHAPES=${QLIN_SHAPES-""}
+TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid"}
 AUX=$OUT/aux.log
 
 {
@@ -40,7 +41,7 @@ AUX=$OUT/aux.log
   timeout 60 python3 -m moestream.cli bench bw --expert-format q4_k -o /tmp/bw.json
   if [ -n "$SWEEP" ]; then
     echo "== $(date -u +%T) CPU layer call, threads $SWEEP (benchmarks/cpu_layer_tuning.py --sweep)"
-    timeout 150 python3 benchmarks/cpu_layer_tuning.py --sweep "$SWEEP" --tunings "${SWEEP_TUNINGS:-}" \
+    timeout 150 python3 benchmarks/cpu_layer_tuning.py --sweep "$SWEEP" --tunings "$SWEEP_TUNINGS" \
       --json "$OUT/cpu_layer_sweep.json"
   fi
 } > "$AUX" 2>&1
