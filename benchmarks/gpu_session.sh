@@ -22,7 +22,7 @@ BUDGET_S=${BUDGET_S:-560}; TAIL_S=${TAIL_S:-170}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 # GRID runs in one shared process (configurations that need a load of their own, fused and variants with their own
 # environment, would run before it: they go in GRID2, run after GRID with what time is left before the tail)
-GRID=${GRID:-"cpu@n36;cpu+noflow@n36;hybrid@n28;auto@n20,n28,n36;offload@n20;cpu+again@n36"}
+GRID=${GRID:-"cpu@n36;cpu+noflow@n36;cpu+again@n36;cpu+noflow+again@n36;hybrid@n28;auto@n20,n28;offload@n20"}
 GRID2=${GRID2-"cpu+x8@n36;hybrid+x8@n28"}
 NCMOE=${NCMOE:-20,28,36,40}
 DPROF=${DPROF-"cpu@4.16@t"}
