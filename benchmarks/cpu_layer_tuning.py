@@ -10,7 +10,9 @@ calls, as a GPU's share of each layer leaves).
 --sweep 4,8,16 [--experts 640] (a GPU host, where 48 experts sit in the last-level cache): per thread count, both
 layouts, cold experts drawn from --experts of them (640: ~1.2 GB, beyond any cache), 8 experts a call back to back,
 8 with the 100 us gap, and 64 a call (the kernel's rate with a call's overhead spread): GB/s and the share of the
-host's read bandwidth (moe/bench's figure, measured here first); --json FILE keeps them.
+host's read bandwidth (moe/bench's figure, measured here first); then where a call of 8 goes at the largest count
+(kernels/cpu_quant.layer_profile: setup, first / last thread done with each phase), with and without flow;
+--json FILE keeps them.
 """
 from __future__ import annotations
 
@@ -147,7 +149,20 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
                   f"{got['g8_gap']:6.1f}, 64 a call {got['g64']:6.1f} ({got['g64'] / read:4.0%})", flush=True)
     # the tunings against the default in alternating rounds (one setting after another, `rounds` times; a host's rate
     # drifts by more than most tunings move it), each a median of the rounds
-    nt, tuned_rows, settings = max(counts), [], [""] + list(tunings) if tunings else []
+    nt = max(counts)
+    profiles = {}
+    for setting in ("", "flow=0"):  # where a call of 8 cold experts goes at the largest thread count
+        tuned(setting)
+        cq.layer_profile(True)
+        time_calls("plain", 8, nt)
+        p = cq.layer_profile(False)
+        n = max(1.0, p.pop("calls"))
+        profiles[setting or "default"] = {k: v / n * 1e6 for k, v in p.items()}
+        print(f"{nt:3d} threads plain {setting or 'default':8s} a call of 8, us: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in profiles[setting or "default"].items()) +
+              f" (the bytes alone at host read: {8 * EXPERT_BYTES / read / 1e3:.1f})", flush=True)
+    tuned("")
+    tuned_rows, settings = [], [""] + list(tunings) if tunings else []
     got = {(st, layout): {"g8": [], "g64": []} for st in settings for layout in LAYOUTS}
     for _ in range(rounds if settings else 0):
         for setting in settings:
@@ -166,7 +181,7 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
     if out:
         with open(out, "w") as f:
             json.dump({"host_read_gbs": read, "experts": E, "expert_bytes": EXPERT_BYTES, "isa": cq.isa(),
-                       "rows": rows, "tunings": tuned_rows}, f, indent=1)
+                       "rows": rows, "tunings": tuned_rows, "profile_us": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":

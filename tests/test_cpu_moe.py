@@ -828,6 +828,14 @@ def test_layer_flow_matches_the_barrier_with_empty_groups(monkeypatch):
         assert rc == 0
         return out
 
+    cpu_quant.layer_profile(True)  # the profile's sums of a call: ordered, and cleared when read
+    call(2)
+    prof = cpu_quant.layer_profile(False)
+    assert prof["calls"] == 1 and 0 <= prof["setup"] <= prof["total"]
+    assert 0 < prof["p1_first"] <= prof["p1_last"] <= prof["p2_last"] <= prof["total"]
+    assert prof["p2_first"] <= prof["p2_last"] and cpu_quant.layer_profile(False)["calls"] == 0
+    call(2)
+    assert cpu_quant.layer_profile(False)["calls"] == 0  # off: nothing summed
     for nt in (1, 2, 4):
         monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", "chunks=32,kb=1,flow=0")
         cpu_quant.threads()

@@ -192,6 +192,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_set_layer_tuning.restype = None
     lib.ms_get_layer_tuning.argtypes = [ptr]
     lib.ms_get_layer_tuning.restype = None
+    lib.ms_layer_profile.argtypes = [ctypes.c_int, ptr]
+    lib.ms_layer_profile.restype = None
     lib.ms_fp8_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                   ctypes.c_int]
     lib.ms_fp8_matmul.restype = ctypes.c_int
@@ -247,6 +249,19 @@ def layer_tuning() -> tuple[int, int, int, int, int]:
     out = np.zeros(5, dtype=np.int64)
     mod.ms_get_layer_tuning(out.ctypes.data)
     return tuple(int(v) for v in out)
+
+
+LAYER_PROFILE = ("calls", "setup", "p1_first", "p1_last", "p2_first", "p2_last", "total")
+
+
+def layer_profile(on: bool) -> dict:
+    """Turns the MoE layer call's profile on or off and returns what it summed since the last read (seconds; keys
+    LAYER_PROFILE: calls, entry to the threads' start, from then to the first / last thread done with the gate/up
+    rows and with the down rows, entry to return), cleared. For benchmarks: a profiled call reads the clock a few
+    times a thread."""
+    out = np.zeros(len(LAYER_PROFILE))
+    _required_module().ms_layer_profile(int(on), out.ctypes.data)
+    return dict(zip(LAYER_PROFILE, out.tolist()))
 
 
 def threads() -> int:

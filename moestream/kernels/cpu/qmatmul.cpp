@@ -210,6 +210,16 @@ std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 <
 // beyond its bytes; the 2-core VM: 8 random experts a call +2-5 %, a quarter-size Qwen3-30B-A3B's decode +1.3 %). 1 is
 // the default; 0: the barrier. Same products either way.
 std::atomic<int64_t> g_layer_flow{1};
+
+// Where a layer call's time goes (ms_layer_profile; off unless asked, for benchmarks/cpu_layer_tuning.py): per call,
+// seconds from entry to the threads' start, from then to the first and the last thread done with the gate/up rows,
+// to the first and the last done with the down rows, and entry to return, summed over the calls profiled.
+std::atomic<int> g_layer_prof{0};
+std::mutex g_layer_prof_mu;
+double g_layer_prof_sum[7] = {0, 0, 0, 0, 0, 0, 0};  // calls, setup, p1 first, p1 last, p2 first, p2 last, total
+inline double prof_clock() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 // the calling thread's read-ahead for its layer calls (-1: g_x8_ahead / g_rows_ahead); ms_bridge_step sets them
 thread_local int64_t tl_x8_ahead = -1, tl_rows_ahead = -1;
 
@@ -2040,8 +2050,12 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   std::unique_ptr<std::atomic<int64_t>[]> done1(flow ? new std::atomic<int64_t>[G] : nullptr);
   if (flow)
     for (int64_t g = 0; g < G; ++g) done1[g].store(0, std::memory_order_relaxed);
+  const bool prof = g_layer_prof.load(std::memory_order_relaxed) != 0;
+  std::vector<double> pt(prof ? 3 * (size_t)nt + 1 : 0, 0.0);  // region start, then per thread: phase 1 / 2 done
+  const double t_entry = prof ? prof_clock() : 0.0;
 
   parallel(nt, [&](const int t, const int T, auto&& barrier) {
+    if (prof && t == 0) pt[0] = prof_clock();
     if (!x_here) {
       for (int64_t r = t; r < nx; r += T) x_row(r);
       barrier();
@@ -2084,6 +2098,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
           made += nb;
         }
     }
+    if (prof) pt[1 + 2 * t] = prof_clock();
     if (!flow || !x_here) barrier();
     // down rows, times the routing weight, into each pair's output row. Each thread quantizes the h rows of the
     // experts it reaches into its own buffers (a few rows of I values: cheaper than a barrier after a shared pass).
@@ -2136,7 +2151,21 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             }
         }
     }
+    if (prof) pt[2 + 2 * t] = prof_clock();
   });
+  if (prof) {
+    const double t_end = prof_clock();
+    double p1[2] = {1e30, 0}, p2[2] = {1e30, 0};
+    for (int t = 0; t < nt; ++t) {
+      if (pt[1 + 2 * t] == 0.0) continue;  // (a team smaller than nt)
+      p1[0] = std::min(p1[0], pt[1 + 2 * t]), p1[1] = std::max(p1[1], pt[1 + 2 * t]);
+      p2[0] = std::min(p2[0], pt[2 + 2 * t]), p2[1] = std::max(p2[1], pt[2 + 2 * t]);
+    }
+    std::lock_guard<std::mutex> lk(g_layer_prof_mu);
+    const double add[7] = {1, pt[0] - t_entry, p1[0] - pt[0], p1[1] - pt[0], p2[0] - pt[0], p2[1] - pt[0],
+                           t_end - t_entry};
+    for (int i = 0; i < 7; ++i) g_layer_prof_sum[i] += add[i];
+  }
   return 0;
 }
 
@@ -2517,6 +2546,16 @@ void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t
 void ms_get_layer_tuning(int64_t* out) {
   out[0] = g_layer_chunks.load(), out[1] = g_layer_chunk_bytes.load(), out[2] = g_x8_ahead.load();
   out[3] = g_rows_ahead.load(), out[4] = g_layer_flow.load();
+}
+
+// The layer call's profile (g_layer_prof): on 1 / 0 from now; out (may be null) gets the sums since the last read
+// (calls, setup, phase 1 first / last done, phase 2 first / last done, total; seconds), which are then cleared.
+void ms_layer_profile(int on, double* out) {
+  std::lock_guard<std::mutex> lk(g_layer_prof_mu);
+  if (out)
+    for (int i = 0; i < 7; ++i) out[i] = g_layer_prof_sum[i];
+  for (double& v : g_layer_prof_sum) v = 0.0;
+  g_layer_prof.store(on ? 1 : 0);
 }
 
 // The SIMD level this library was built for: 0 portable, 1 AVX2, 2 AVX2 + AVX512-VNNI dot products.
