@@ -2051,7 +2051,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   if (flow)
     for (int64_t g = 0; g < G; ++g) done1[g].store(0, std::memory_order_relaxed);
   const bool prof = g_layer_prof.load(std::memory_order_relaxed) != 0;
-  std::vector<double> pt(prof ? 3 * (size_t)nt + 1 : 0, 0.0);  // region start, then per thread: phase 1 / 2 done
+  std::vector<double> pt(prof ? 2 * (size_t)nt + 1 : 0, 0.0);  // region start, then per thread: phase 1 / 2 done
   const double t_entry = prof ? prof_clock() : 0.0;
 
   parallel(nt, [&](const int t, const int T, auto&& barrier) {
