@@ -207,8 +207,8 @@ std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 <
 // flow 1: a decode call's down rows of an expert start as soon as that expert's gate/up rows are done (counted per
 // expert), instead of after a barrier on every expert's: the threads that finish the gate/up rows first do not wait
 // for the last chunk (the tail of one of the call's two phases; a 16-core host's call of 8 experts takes ~40 us
-// beyond its bytes; the 2-core VM: 8 random experts a call +2-5 %, a quarter-size Qwen3-30B-A3B's decode +1.3 %). 1 is
-// the default; 0: the barrier. Same products either way.
+// beyond its bytes; the 2-core VM: within its noise, −2 % to +5 % a call, a quarter-size Qwen3-30B-A3B's decode
+// +1.3 %). 1 is the default until a host says otherwise; 0: the barrier. Same products either way.
 std::atomic<int64_t> g_layer_flow{1};
 
 // Where a layer call's time goes (ms_layer_profile; off unless asked, for benchmarks/cpu_layer_tuning.py): per call,
