@@ -147,8 +147,6 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
             rows.append(got)
             print(f"{nt:3d} threads {layout:5s}: 8 a call {got['g8']:6.1f} GB/s ({got['g8'] / read:4.0%}), with gaps "
                   f"{got['g8_gap']:6.1f}, 64 a call {got['g64']:6.1f} ({got['g64'] / read:4.0%})", flush=True)
-    # the tunings against the default in alternating rounds (one setting after another, `rounds` times; a host's rate
-    # drifts by more than most tunings move it), each a median of the rounds
     nt = max(counts)
     profiles = {}
     for setting in ("", "flow=0"):  # where a call of 8 cold experts goes at the largest thread count
@@ -162,6 +160,8 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
               ", ".join(f"{k} {v:.1f}" for k, v in profiles[setting or "default"].items()) +
               f" (the bytes alone at host read: {8 * EXPERT_BYTES / read / 1e3:.1f})", flush=True)
     tuned("")
+    # the tunings against the default in alternating rounds (one setting after another, `rounds` times; a host's rate
+    # drifts by more than most tunings move it), each a median of the rounds
     tuned_rows, settings = [], [""] + list(tunings) if tunings else []
     got = {(st, layout): {"g8": [], "g64": []} for st in settings for layout in LAYOUTS}
     for _ in range(rounds if settings else 0):

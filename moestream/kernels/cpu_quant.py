@@ -598,6 +598,11 @@ def fp4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: str,
     return out
 
 
+def x8_fits(type_name: str | None, rows: int, k: int) -> bool:
+    """Whether a rows x k matrix of GGUF type `type_name` has an 8-row interleaved layout (repack_x8 takes it)."""
+    return type_name in X8_TYPES and rows % 8 == 0 and k % block_values(type_name) == 0
+
+
 def repack_x8(addr: int, rows: int, k: int, stride: int, type_name: str,
               out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
     """`rows` rows of a Q4_K / Q4_0 / Q4_1 / Q6_K matrix at `addr` (`stride` bytes apart, k columns) with 8 rows

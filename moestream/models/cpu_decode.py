@@ -102,7 +102,7 @@ class _Repack:
         shapes the layout cannot take) as they are."""
         addr, tid, stride = w
         name = self.by_id.get(tid)
-        if name is None or rows % 8 or k % cpu_quant.block_values(name):
+        if not cpu_quant.x8_fits(name, rows, k):
             return w
         key, (xt, row_bytes) = (addr, rows, k), cpu_quant.X8_TYPES[name]
         if key not in self.arrays:
@@ -123,7 +123,7 @@ class _Repack:
         out, tids = ptrs, list(types)
         for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
             name = self.by_id.get(int(types[j]))
-            if name is None or rows % 8 or k % cpu_quant.block_values(name):
+            if not cpu_quant.x8_fits(name, rows, k):
                 continue
             key, (xt, row_bytes) = (int(ptrs[0, j]), len(ptrs) * rows, k), cpu_quant.X8_TYPES[name]
             stride = cpu_quant.row_bytes(name, k)

@@ -194,7 +194,7 @@ def interleave_layer(bank: dict, fmt, room=None) -> int:
     made = 0
     for j, (p, (rows, k)) in enumerate(zip(GGUF_PROJS, ((I, H), (I, H), (H, I)))):
         name = names[j]
-        if name not in cpu_quant.X8_TYPES or rows % 8 or k % cpu_quant.block_values(name):
+        if not cpu_quant.x8_fits(name, rows, k):
             continue  # (a name already "<type>_x8": copied before)
         nbytes = E * rows * cpu_quant.X8_TYPES[name][1](k)
         if room is not None and not room(nbytes):
