@@ -94,6 +94,8 @@ def main() -> None:
                     "timed at the largest thread count, both layouts (e.g. 'rowsahead=8;rowsahead=32;kb=128')")
     args = ap.parse_args()
     if args.sweep:
+        if args.experts and args.experts < 64:
+            ap.error("--sweep draws 64 distinct experts a call: --experts must be at least 64")
         return sweep([int(n) for n in args.sweep.split(",")], args.experts or 640, args.json,
                      [t for t in args.tunings.split(";") if t], args.rounds)
     build(args.experts or 48)
