@@ -203,12 +203,16 @@ constexpr int64_t CHUNKS_PER_THREAD = 8;
 // fewer, longer chunks a thread or more read ahead): chunks per thread, the least weight bytes a chunk, how many
 // interleaved 8-row groups ahead a thread asks for (0: none), and how many rows ahead for the other types (for
 // matrices of PREFETCH_MIN_BYTES or more). Results do not depend on them.
-std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{32 << 10}, g_x8_ahead{0}, g_rows_ahead{2};
+// g_layer_chunk_bytes 0 (the default): max(32 KiB, 8 KiB x the call's threads) — 32 KiB up to 4 threads (the 2-core VM's
+// tuning), 128 KiB at 16: on two 16-core H100 hosts 128 KiB read 8 random Q4_K_M experts a call 3 % and 12 % faster than
+// 32 KiB (benchmarks/RESULTS.md, 2026-12-06: 95.1 vs 92.4 GB/s, alternating rounds; 63.2 vs 56.5).
+std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{0}, g_x8_ahead{0}, g_rows_ahead{2};
 // flow 1: a decode call's down rows of an expert start as soon as that expert's gate/up rows are done (counted per
 // expert), instead of after a barrier on every expert's: the threads that finish the gate/up rows first do not wait
 // for the last chunk (the tail of one of the call's two phases; a 16-core host's call of 8 experts takes ~40 us
 // beyond its bytes; the 2-core VM: within its noise, −2 % to +5 % a call, a quarter-size Qwen3-30B-A3B's decode
-// +1.3 %). 1 is the default until a host says otherwise; 0: the barrier. Same products either way.
+// +1.3 %; a 16-core H100 host, 2026-12-06: 92.4 vs 89.6 GB/s a call of 8 experts, the `cpu` backend's decode 63.5 / 66.2
+// vs 61.4 / 63.1 tok/s alternating). 1 is the default; 0: the barrier. Same products either way.
 std::atomic<int64_t> g_layer_flow{1};
 
 // Where a layer call's time goes (ms_layer_profile; off unless asked, for benchmarks/cpu_layer_tuning.py): per call,
@@ -2009,7 +2013,8 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   const int64_t rows_ahead =
       std::max<int64_t>(1, tl_rows_ahead > 0 ? tl_rows_ahead : g_rows_ahead.load(std::memory_order_relaxed));
   const int64_t per_thread = std::max<int64_t>(1, g_layer_chunks.load(std::memory_order_relaxed));
-  const double chunk_bytes = (double)std::max<int64_t>(1, g_layer_chunk_bytes.load(std::memory_order_relaxed));
+  const int64_t kb_set = g_layer_chunk_bytes.load(std::memory_order_relaxed);
+  const double chunk_bytes = (double)(kb_set > 0 ? kb_set : std::max<int64_t>(32 << 10, (int64_t)nt * (8 << 10)));
   const bool flow = g_layer_flow.load(std::memory_order_relaxed) != 0;
   auto nchunks = [&](const std::vector<double>& c, int64_t rows) {
     double b = 0;
@@ -2532,11 +2537,12 @@ void ms_set_threading(int use_pool, int64_t spin_us) {
   pool().spin_ns.store(std::max<int64_t>(0, spin_us) * 1000);
 }
 
-// The MoE layer call's tuning (see g_layer_chunks): values <= 0 leave a setting as it is.
+// The MoE layer call's tuning (see g_layer_chunks): values < 0 (chunks, rows ahead: <= 0) leave a setting as it is;
+// chunk bytes 0: by the thread count (g_layer_chunk_bytes).
 void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t x8_ahead, int64_t rows_ahead,
                          int64_t flow) {
   if (chunks_per_thread > 0) g_layer_chunks.store(chunks_per_thread);
-  if (chunk_bytes > 0) g_layer_chunk_bytes.store(chunk_bytes);
+  if (chunk_bytes >= 0) g_layer_chunk_bytes.store(chunk_bytes);
   if (x8_ahead >= 0) g_x8_ahead.store(x8_ahead);
   if (rows_ahead > 0) g_rows_ahead.store(rows_ahead);
   if (flow >= 0) g_layer_flow.store(flow ? 1 : 0);
