@@ -9,7 +9,7 @@
 # profiles' and the sweep's logs, the tests' summary), qlinear.json and up to two decode_profile_*.json. The vs_llama
 # report of the second grid merges the first's (the work dir is resumed), its log is both runs' logs.
 #   BUDGET_S  seconds for the whole call [560]; TAIL_S  seconds kept for step 3 [170]
-#   GRID, GRID2, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
+#   QUANTS  the GGUF file(s) written and run [q4_k_m]; GRID, GRID2, NCMOE  as gpu_vs_llama.sh [see below]; DPROF  step_profile configurations BACKEND@GIB[@FLAGS] (at most two)
 #   QLIN_SHAPES  qlinear_gpu.py --shapes ["" = skip]; TESTS_K  pytest -k over the CUDA-only test files ["" = skip]
 #   SWEEP  thread counts of the host's CPU layer call sweep in step 1 (-> cpu_layer_sweep.json) ["" = skip];
 #   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
@@ -25,10 +25,11 @@ left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 GRID=${GRID:-"cpu@n36;cpu+noflow@n36;cpu+again@n36;cpu+noflow+again@n36;hybrid@n28;auto@n20,n28;offload@n20"}
 GRID2=${GRID2-"cpu+x8@n36;hybrid+x8@n28"}
 NCMOE=${NCMOE:-20,28,36,40}
+QUANTS=${QUANTS:-q4_k_m}  # the file(s) both engines run: q4_k_m, q8_0 (vs_llama.py write)
 DPROF=${DPROF-"cpu@4.16@t"}
 DPROF_ENV=${DPROF_ENV-}  # e.g. MOESTREAM_BRIDGE_X8=1: the step profiles' environment
 SWEEP=${SWEEP-"8,16"}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep)
-SWEEP_TUNINGS=${SWEEP_TUNINGS-"flow=0;kb=64;kb=128"}  # timed against the default in alternating rounds
+SWEEP_TUNINGS=${SWEEP_TUNINGS-"flow=0;kb=32;kb=256"}  # timed against the default in alternating rounds
 QLIN_SHAPES=${QLIN_SHAPES-""}
 TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid"}
 AUX=$OUT/aux.log
@@ -46,11 +47,11 @@ AUX=$OUT/aux.log
   fi
 } > "$AUX" 2>&1
 
-KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
+KEEP_GGUF=1 QUANTS="$QUANTS" NCMOE="$NCMOE" GRID="$GRID" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
   BUILD_GRID=none bash benchmarks/gpu_vs_llama.sh > /dev/null 2>&1  # (its own log: $OUT/vs_llama.log)
 if [ -n "$GRID2" ] && [ "$(left)" -gt $(( TAIL_S + 60 )) ]; then  # the same files and work dir: measured runs resumed
   cp "$OUT/vs_llama.log" /tmp/vs_llama_1.log
-  KEEP_GGUF=1 QUANTS=q4_k_m NCMOE="$NCMOE" GRID="$GRID2" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
+  KEEP_GGUF=1 QUANTS="$QUANTS" NCMOE="$NCMOE" GRID="$GRID2" DEADLINE_S=$(( $(left) - TAIL_S )) CONFIG_S=${CONFIG_S:-90} \
     BUILD_GRID=none bash benchmarks/gpu_vs_llama.sh > /dev/null 2>&1
   cat /tmp/vs_llama_1.log "$OUT/vs_llama.log" > /tmp/vs_llama_2.log && mv /tmp/vs_llama_2.log "$OUT/vs_llama.log"
 fi
