@@ -3,12 +3,8 @@
 At one row the Q4_K / Q6_K dense GEMVs of the Qwen3.6 Q4_K_M file read their stored bytes at ~0.6-0.9 TB/s where
 cuBLAS reads bf16 at ~2.5 TB/s (benchmarks/RESULTS.md, 2026-12-06), and neither the launch-constant sweep nor two
 layouts (word loads, a repacked layout) beat the default: the bound is not known. This script launches each kernel a
-few times, eagerly, on weights larger than L2, so a profiler sees one steady launch of each:
-
-    ncu --launch-skip 2 --launch-count 1 -k regex:'_gguf_down|_q4kr_linear|gemv' --section SpeedOfLight \
-        --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
-        python3 benchmarks/gemv_probe.py --which q4k
-(benchmarks/gemv_ncu.sh runs that for each kernel). Without a profiler it prints each kernel's time per launch.
+few times, eagerly, on weights larger than L2, so a profiler sees one steady launch of each (benchmarks/gemv_ncu.sh
+runs Nsight Compute over it for each kernel). Without a profiler it prints each kernel's time per launch.
 """
 from __future__ import annotations
 

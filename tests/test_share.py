@@ -256,4 +256,4 @@ def test_a_tuned_share_slower_than_the_exploration_is_undone():
         k[0] = 0
         seen, d = run(split_first, lambda frac: tail(every), tuning=lambda frac: 0.0111, block=4, trials=2, steps=120)
         assert d["tune_converged"] and d.get("reverted") == ("fetch" if undone else None), (every, d)
-        assert Arms._window([0.0111] * 7 + [0.0300]) == 0.0111 and Arms._window([0.0111, 0.0111, 0.0300]) > 0.017
+    assert Arms._window([0.0111] * 7 + [0.0300]) == 0.0111 and Arms._window([0.0111, 0.0111, 0.0300]) > 0.017
