@@ -13,7 +13,8 @@
 #   QLIN_SHAPES  qlinear_gpu.py --shapes ["" = skip]; TESTS_K  pytest -k over the CUDA-only test files ["" = skip]
 #   SWEEP  thread counts of the host's CPU layer call sweep in step 1 (-> cpu_layer_sweep.json) ["" = skip];
 #   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
-#   the step profiles run under
+#   the step profiles run under; QLIN_PRE  qlinear_gpu.py arguments run in step 1 (QLIN_PRE_S [150]); TESTS_PRE  pytest
+#   arguments run in step 1 (TESTS_PRE_S [120])
 # e.g. (the twenty-third session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -40,6 +41,14 @@ AUX=$OUT/aux.log
   python3 -c "from moestream.hardware import physical_cores as p; print('physical_cores', p())"
   echo "== bench bw"
   timeout 60 python3 -m moestream.cli bench bw --expert-format q4_k -o /tmp/bw.json
+  if [ -n "${QLIN_PRE:-}" ]; then  # e.g. "--q8 --shapes 'gdn in_proj_qkv,lm_head'": the dense GEMV sweep first
+    echo "== $(date -u +%T) qlinear_gpu.py $QLIN_PRE"
+    eval timeout ${QLIN_PRE_S:-150} python3 benchmarks/qlinear_gpu.py $QLIN_PRE --out "$OUT/qlinear.json"
+  fi
+  if [ -n "${TESTS_PRE:-}" ]; then  # pytest arguments run before the grid (e.g. a new kernel's CUDA tests)
+    echo "== $(date -u +%T) CUDA tests $TESTS_PRE"
+    eval timeout ${TESTS_PRE_S:-120} python3 -m pytest -q -p no:cacheprovider -rfs --tb=short $TESTS_PRE
+  fi
   if [ -n "$SWEEP" ]; then
     echo "== $(date -u +%T) CPU layer call, threads $SWEEP (benchmarks/cpu_layer_tuning.py --sweep)"
     timeout 150 python3 benchmarks/cpu_layer_tuning.py --sweep "$SWEEP" --tunings "$SWEEP_TUNINGS" \

@@ -14,6 +14,8 @@ kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG)
 program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only); one Q4_K
 row also times "words", the word-load experiment (a 32-bit load per 8 codes), and Q4_K rows "repack", the layout
 experiment (repack_q4k: codes as words in column order, scales unpacked; "gbs" counts the Q4_K bytes).
+--q8: the layers as the Q8_0 file stores them, each also through kernels/q8_planar.py (codes and block scales apart:
+16-byte loads) at the (BN, BV, warps, ELEM) of PLANAR ("planar None": its defaults).
 """
 from __future__ import annotations
 
@@ -31,6 +33,14 @@ from qpair_bench import time_graph  # (benchmarks/: the launches recorded in one
 SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 4096, 2048),
           ("gdn out_proj", "Q6_K", 2048, 4096), ("attn q_proj", "Q4_K", 8192, 2048),
           ("shared gate", "Q4_K", 512, 2048), ("shared down", "Q6_K", 2048, 512), ("lm_head", "Q6_K", 151936, 2048)]
+# --q8: the same layers as the Qwen3.6 Q8_0 file stores them (shared/tools/make_qwen36_gguf.py: every dense linear Q8_0)
+Q8_SHAPES = [(n, "Q8_0", N, K) for n, _, N, K in SHAPES]
+# kernels/q8_planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
+PLANAR = {1: [None, (1, 2048, 4, False), (2, 2048, 8, False), (2, 1024, 4, False), (4, 1024, 4, False),
+              (8, 512, 4, False), (16, 256, 4, False), (4, 512, 4, True), (8, 512, 4, True), (8, 256, 4, True),
+              (2, 1024, 4, True), (4, 1024, 8, True), (16, 512, 8, False)],
+          4: [None, (1, 1024, 4, False), (2, 512, 4, False), (2, 1024, 8, False), (4, 256, 4, False),
+              (1, 512, 4, True), (2, 256, 4, True), (4, 512, 8, False)]}
 CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
 # rows > 1: the multi-row kernel's (BN, BV, warps) (MOESTREAM_QLINEAR_ROWS_CFG), beside "pairs" (one pair-kernel program
 # per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
@@ -45,11 +55,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", help="results JSON, rewritten after every shape (a run stopped at its limit keeps them)")
     ap.add_argument("--shapes", help="comma list of layer names (default: all), e.g. 'gdn in_proj_qkv,lm_head'")
+    ap.add_argument("--q8", action="store_true", help="the Q8_0 file's types, and the planar Q8_0 kernel's sweep")
     args = ap.parse_args()
     pick = {n.strip() for n in args.shapes.split(",")} if args.shapes else None
     dev = torch.device("cuda")
     results = []
-    for name, qtype, N, K in SHAPES:
+    for name, qtype, N, K in (Q8_SHAPES if args.q8 else SHAPES):
         if pick is not None and name not in pick:
             continue
         q = gguf_format(qtype)
@@ -64,7 +75,7 @@ def main() -> None:
             row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
             row["configs"] = {}
             ones = CONFIGS + (["words"] if qtype == "Q4_K" else [])  # one row: + the word-load experiment
-            for cfg in (ones if T == 1 else ROWS_CONFIGS):
+            for cfg in [None] if args.q8 else (ones if T == 1 else ROWS_CONFIGS):  # --q8: the block default only
                 qpairs._QLINEAR_CFG["words_on"] = cfg == "words"  # (MOESTREAM_QLINEAR_WORDS=1)
                 qpairs._QLINEAR_CFG["v"] = None if T > 1 or cfg == "words" else cfg
                 qpairs._QLINEAR_CFG["rows_on"] = cfg != "pairs"
@@ -84,11 +95,26 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep
                     row["configs"]["repack"] = f"{type(e).__name__}: {str(e)[:80]}"
                 del packed
+            if qtype == "Q8_0":  # the planar layout (kernels/q8_planar.py); "gbs" counts the same stored bytes
+                from moestream.kernels import q8_planar
+
+                packed = [q8_planar.repack(r, N, K) for r in raws]
+                bvmax = next(v for v in (2048, 1024, 512, 256, 128, 64, 32) if K % v == 0)
+                for pc in PLANAR[1 if T == 1 else 4]:
+                    cfg = None if pc is None else (pc[0], min(pc[1], bvmax), pc[2], *q8_planar.config(N, K, T)[3:4],
+                                                   pc[3])
+                    try:
+                        us = time_graph(lambda i: q8_planar.linear(x, packed[i], N, K, cfg=cfg), range(calls),
+                                        args.iters)
+                        row["configs"][f"planar {pc}"] = {"us": round(us, 2), "gbs": round(stored / us / 1e3, 1)}
+                    except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep
+                        row["configs"][f"planar {pc}"] = f"{type(e).__name__}: {str(e)[:80]}"
+                del packed
             ok = {k: v for k, v in row["configs"].items() if isinstance(v, dict)}
             best = min(ok, key=lambda k: ok[k]["us"])
             row["best"] = best
             named = "".join(f"; {k} {row['configs'][k]['us'] if k in ok else row['configs'][k]}"
-                            for k in ("pairs", "mma", "words", "repack") if k in row["configs"])
+                            for k in ("pairs", "mma", "words", "repack", "planar None") if k in row["configs"])
             print(f"{name:16s} {qtype} {N}x{K} rows {T}: cuBLAS bf16 {row['cublas_bf16_us']:.1f} us "
                   f"({row['cublas_gbs']:.0f} GB/s); default {ok.get('None', {}).get('us')} us{named}; best {best} "
                   f"{ok[best]['us']} us ({ok[best]['gbs']} GB/s of stored bytes)")
