@@ -14,8 +14,9 @@ kernel (each weight tile decoded once for every row; MOESTREAM_QLINEAR_ROWS_CFG)
 program per row that it replaced, and "mma", the tensor-core experiment (a bf16 tile and tl.dot; GGUF only); one Q4_K
 row also times "words", the word-load experiment (a 32-bit load per 8 codes), and Q4_K rows "repack", the layout
 experiment (repack_q4k: codes as words in column order, scales unpacked; "gbs" counts the Q4_K bytes).
---q8: the layers as the Q8_0 file stores them, each also through kernels/q8_planar.py (codes and block scales apart:
-16-byte loads) at the (BN, BV, warps, ELEM) of PLANAR ("planar None": its defaults).
+--q8: the layers as the Q8_0 file stores them; with --q8 or --planar the block kernel runs at its defaults only, and
+--planar times Q8_0 and Q4_K layers also through kernels/planar.py (codes apart from their block scales: 16-byte loads) at the (BN, BV, warps, ELEM) of
+PLANAR ("planar None": its defaults).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import json
 
 import torch
 
+from moestream.kernels import planar
 from moestream.moe import qpairs
 from moestream.quant import gguf_format
 from moestream.quant.synthetic import random_raw
@@ -35,7 +37,7 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
           ("shared gate", "Q4_K", 512, 2048), ("shared down", "Q6_K", 2048, 512), ("lm_head", "Q6_K", 151936, 2048)]
 # --q8: the same layers as the Qwen3.6 Q8_0 file stores them (shared/tools/make_qwen36_gguf.py: every dense linear Q8_0)
 Q8_SHAPES = [(n, "Q8_0", N, K) for n, _, N, K in SHAPES]
-# kernels/q8_planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
+# kernels/planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
 PLANAR = {1: [None, (1, 2048, 4, False), (2, 2048, 8, False), (2, 1024, 4, False), (4, 1024, 4, False),
               (8, 512, 4, False), (16, 256, 4, False), (4, 512, 4, True), (8, 512, 4, True), (8, 256, 4, True),
               (2, 1024, 4, True), (4, 1024, 8, True), (16, 512, 8, False)],
@@ -55,7 +57,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", help="results JSON, rewritten after every shape (a run stopped at its limit keeps them)")
     ap.add_argument("--shapes", help="comma list of layer names (default: all), e.g. 'gdn in_proj_qkv,lm_head'")
-    ap.add_argument("--q8", action="store_true", help="the Q8_0 file's types, and the planar Q8_0 kernel's sweep")
+    ap.add_argument("--q8", action="store_true", help="the Q8_0 file's types (and the block kernel's default only)")
+    ap.add_argument("--planar", action="store_true", help="Q8_0 / Q4_K layers also through kernels/planar.py's sweep")
     args = ap.parse_args()
     pick = {n.strip() for n in args.shapes.split(",")} if args.shapes else None
     dev = torch.device("cuda")
@@ -75,7 +78,7 @@ def main() -> None:
             row["cublas_bf16_us"], row["cublas_gbs"] = us, N * K * 2 / us / 1e3
             row["configs"] = {}
             ones = CONFIGS + (["words"] if qtype == "Q4_K" else [])  # one row: + the word-load experiment
-            for cfg in [None] if args.q8 else (ones if T == 1 else ROWS_CONFIGS):  # --q8: the block default only
+            for cfg in [None] if args.q8 or args.planar else (ones if T == 1 else ROWS_CONFIGS):  # the default only
                 qpairs._QLINEAR_CFG["words_on"] = cfg == "words"  # (MOESTREAM_QLINEAR_WORDS=1)
                 qpairs._QLINEAR_CFG["v"] = None if T > 1 or cfg == "words" else cfg
                 qpairs._QLINEAR_CFG["rows_on"] = cfg != "pairs"
@@ -95,16 +98,17 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep
                     row["configs"]["repack"] = f"{type(e).__name__}: {str(e)[:80]}"
                 del packed
-            if qtype == "Q8_0":  # the planar layout (kernels/q8_planar.py); "gbs" counts the same stored bytes
-                from moestream.kernels import q8_planar
-
-                packed = [q8_planar.repack(r, N, K) for r in raws]
-                bvmax = next(v for v in (2048, 1024, 512, 256, 128, 64, 32) if K % v == 0)
+            if args.planar and qtype in planar.TYPES:  # kernels/planar.py; "gbs" counts the block format's bytes
+                packed = [planar.repack(qtype, r, N, K) for r in raws]
+                bs = planar.BLOCK[qtype]
+                bvmax = next(v for v in (2048, 1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
                 for pc in PLANAR[1 if T == 1 else 4]:
-                    cfg = None if pc is None else (pc[0], min(pc[1], bvmax), pc[2], *q8_planar.config(N, K, T)[3:4],
-                                                   pc[3])
+                    if pc is not None and (pc[3] and qtype != "Q8_0" or pc[1] < bs):
+                        continue  # (ELEM: Q8_0's only; Q4_K steps whole 256-value blocks)
+                    cfg = None if pc is None else (pc[0], min(pc[1], bvmax), pc[2],
+                                                   planar.config(qtype, N, K, T)[3], pc[3])
                     try:
-                        us = time_graph(lambda i: q8_planar.linear(x, packed[i], N, K, cfg=cfg), range(calls),
+                        us = time_graph(lambda i: planar.linear(qtype, x, packed[i], N, K, cfg=cfg), range(calls),
                                         args.iters)
                         row["configs"][f"planar {pc}"] = {"us": round(us, 2), "gbs": round(stored / us / 1e3, 1)}
                     except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep

@@ -242,9 +242,9 @@ class Engine:
             if self.host_embedding:
                 self._place_embedding(model)
             if self.device.type == "cuda" and mode == "gpu":
-                from ..layers.quant_linear import planar_q8
+                from ..layers.quant_linear import to_planar
 
-                log.debug("Q8_0 dense layers in the planar layout: %d", planar_q8(model))
+                log.debug("dense layers in a planar layout: %d", to_planar(model))
             model = model.to(self.device)
             for block in model.moe_blocks():  # a fused router reads a view of shared_in's rows: view the moved one
                 if block.router_rows:
@@ -797,4 +797,4 @@ def dense_bytes_held(model) -> int:
     """Bytes of a model's dense weights as held: its parameters and the compressed linears' stored bytes."""
     return (sum(p.numel() * p.element_size() for p in model.parameters())
             + sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                  if n.endswith((".raw", ".raw_scale", ".raw_scale2", ".in_perm", ".q8_codes", ".q8_scales"))))
+                  if n.endswith((".raw", ".raw_scale", ".raw_scale2", ".in_perm")) or ".pl_" in n))

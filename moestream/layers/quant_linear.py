@@ -50,48 +50,51 @@ class QuantLinear(nn.Module):
                                                                  torch.arange(in_features)):
                 raise ValueError(f"in_perm must be a permutation of {in_features} columns")
         self.register_buffer("in_perm", in_perm, persistent=False)
-        # Q8_0 bound for a GPU: kernels/q8_planar.py's layout (codes int8 [N, K], block scales fp16 [N, K / 32]),
-        # which then replaces raw (to_planar: the same bytes)
-        self.register_buffer("q8_codes", None, persistent=False)
-        self.register_buffer("q8_scales", None, persistent=False)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
-    def to_planar(self) -> bool:
-        """A Q8_0 weight moved to kernels/q8_planar.py's layout (before the model goes to a GPU: the GEMV then reads
-        it with 16-byte loads); raw is released. False (nothing changed) for other types or a layout already moved."""
-        from ..kernels import q8_planar
+    # the GGUF type whose kernels/planar.py layout replaced raw (to_planar), its parts the buffers "pl_<part>"
+    planar: str | None = None
 
-        if self.fmt.type_name != "Q8_0" or self.q8_codes is not None or self.raw.numel() == 0:
+    def to_planar(self) -> bool:
+        """The weight moved to kernels/planar.py's layout for its type (before the model goes to a GPU: the GEMV then
+        reads codes with 16-byte loads); raw is released. False (nothing changed) for a type without one, one not in
+        MOESTREAM_PLANAR or a layout already moved."""
+        from ..kernels import planar
+
+        name = self.fmt.type_name
+        if name not in planar.TYPES or not planar.wanted(name) or self.planar is not None or self.raw.numel() == 0:
             return False
-        packed = q8_planar.repack(self.raw, self.out_features, self.in_features)
-        self.q8_codes, self.q8_scales = packed["q"], packed["d"]
+        for part, t in planar.repack(name, self.raw, self.out_features, self.in_features).items():
+            self.register_buffer(f"pl_{part}", t, persistent=False)
+        self.planar = name
         self.raw = torch.empty(0, dtype=torch.uint8, device=self.raw.device)
         return True
 
+    def planar_parts(self) -> dict[str, torch.Tensor]:
+        return {k[3:]: b for k, b in self._buffers.items() if k.startswith("pl_")}
+
     def _planar_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import q8_planar
+        from ..kernels import planar
 
         N, K = self.shape
-        packed = {"q": self.q8_codes, "d": self.q8_scales}
+        parts = self.planar_parts()
         if x.is_cuda and x.numel() <= GPU_GEMV_ROWS * K:
-            return q8_planar.linear(x, packed, N, K, self.in_perm)
+            return planar.linear(self.planar, x, parts, N, K, self.in_perm)
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
-        if x.is_cuda:
-            w = q8_planar.dense(packed, N, K, x.dtype)
-        else:  # (a model moved back to a CPU)
-            w = (self.q8_codes.float().view(N, K // 32, 32) * self.q8_scales.float()[:, :, None]).view(N, K)
-        return torch.nn.functional.linear(x, w.to(x.dtype))
+        w = planar.dense(self.planar, parts, N, K, x.dtype) if x.is_cuda else \
+            planar.dense_torch(self.planar, parts, N, K).to(x.dtype)  # (a model moved back to a CPU)
+        return torch.nn.functional.linear(x, w)
 
     # MOESTREAM_QLINEAR_REPACK=1 (an experiment): a GPU's Q4_K weight in moe.qpairs.repack_q4k's layout, which then
     # replaces raw (148 bytes per 256 values instead of 144)
     packed: dict | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q8_codes is not None:
+        if self.planar is not None:
             return self._planar_forward(x)
         if self.packed is not None:
             return self._packed_forward(x)
@@ -140,9 +143,10 @@ class QuantLinear(nn.Module):
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group), in
         the model's column order."""
-        if self.q8_codes is not None:
-            N, K = self.shape
-            w = (self.q8_codes.float().view(N, K // 32, 32) * self.q8_scales.float()[:, :, None]).view(N, K).to(dtype)
+        if self.planar is not None:
+            from ..kernels import planar
+
+            w = planar.dense_torch(self.planar, self.planar_parts(), *self.shape).to(dtype)
         else:
             w = self.fmt.dequantize(self.raw, self.shape, dtype)
         if self.in_perm is None:
@@ -156,14 +160,10 @@ class QuantLinear(nn.Module):
             ", input columns permuted" if self.in_perm is not None else "")
 
 
-def planar_q8(model: nn.Module) -> int:
-    """Every Q8_0 QuantLinear of `model` in kernels/q8_planar.py's layout (a model bound for a GPU, while it is still in
-    host memory: the device then receives the final tensors only); MOESTREAM_Q8_PLANAR=0 keeps the block layout.
-    Returns how many moved."""
-    from ..kernels import q8_planar
-
-    if not q8_planar.wanted():
-        return 0
+def to_planar(model: nn.Module) -> int:
+    """Every QuantLinear of `model` whose type has a kernels/planar.py layout (MOESTREAM_PLANAR) moved there: a model
+    bound for a GPU, while it is still in host memory (the device then receives the final tensors only). Returns how
+    many moved."""
     return sum(m.to_planar() for m in model.modules() if isinstance(m, QuantLinear))
 
 
