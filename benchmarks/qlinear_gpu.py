@@ -15,7 +15,7 @@ program per row that it replaced, and "mma", the tensor-core experiment (a bf16 
 row also times "words", the word-load experiment (a 32-bit load per 8 codes), and Q4_K rows "repack", the layout
 experiment (repack_q4k: codes as words in column order, scales unpacked; "gbs" counts the Q4_K bytes).
 --q8: the layers as the Q8_0 file stores them; with --q8 or --planar the block kernel runs at its defaults only, and
---planar times Q8_0 and Q4_K layers also through kernels/planar.py (codes apart from their block scales: 16-byte loads) at the (BN, BV, warps, ELEM) of
+--planar times Q8_0, Q4_K and Q6_K layers also through kernels/planar.py (codes apart from their block scales: 16-byte loads) at the (BN, BV, warps, ELEM) of
 PLANAR ("planar None": its defaults).
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out", help="results JSON, rewritten after every shape (a run stopped at its limit keeps them)")
     ap.add_argument("--shapes", help="comma list of layer names (default: all), e.g. 'gdn in_proj_qkv,lm_head'")
     ap.add_argument("--q8", action="store_true", help="the Q8_0 file's types (and the block kernel's default only)")
-    ap.add_argument("--planar", action="store_true", help="Q8_0 / Q4_K layers also through kernels/planar.py's sweep")
+    ap.add_argument("--planar", action="store_true", help="Q8_0 / Q4_K / Q6_K layers also through kernels/planar.py's sweep")
     args = ap.parse_args()
     pick = {n.strip() for n in args.shapes.split(",")} if args.shapes else None
     dev = torch.device("cuda")

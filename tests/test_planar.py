@@ -1,13 +1,14 @@
-"""moestream.kernels.planar: Q8_0 and Q4_K dense layers in the planar layouts (codes apart from their block scales)
+"""moestream.kernels.planar: Q8_0, Q4_K and Q6_K dense layers in the planar layouts (codes apart from their block scales)
 hold the stored values exactly; the GEMVs equal the float64 product of the dequantized weight within the fp32 bound
 of tests/test_qpairs.py (`_bound`: two fp32 sums of the same products in any order), taken for Q4_K over the terms it
-sums (d sc q x and dm mn x per sub-block: the scale and min are applied per sub-block, so their products are the terms);
+sums (d sc q x and dm mn x per sub-block: the scale and min are applied per sub-block, so their products are the terms),
+for Q6_K over d sc q x and d sc 32 x;
 the 16-bit dense forms are the block decoder's, to the bit.
 
 * Interpreter: the cases run once in a subprocess with TRITON_INTERPRET=1 (tests/triton_harness.py), on CPU tensors.
 * sm_90: the GEMV compiles for an H100 with 16-byte loads of the codes (the layout's reason to exist), no byte loads.
-* CUDA (skipped without a GPU): the default launch constants at decode shapes, recorded in a CUDA graph; tiny Q8_0 and
-  Q4_K GGUFs served on the GPU hold their dense layers planar and give the block layout's greedy tokens.
+* CUDA (skipped without a GPU): the default launch constants at decode shapes, recorded in a CUDA graph; a tiny Q8_0
+  GGUF served on the GPU holds its dense layers planar and gives the block layout's greedy tokens.
 
 Run as a script (`python tests/test_planar.py --worker OUT.json`) it is the interpreter worker.
 """
@@ -35,11 +36,18 @@ def _bound(terms_abs_sum: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def _terms(qtype: str, raw: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """|the weight's terms| [N, K] float64 whose products with |x| bound the GEMV's error: |W| for Q8_0 (d q), and for
-    Q4_K |d sc q| + |dm mn| (its kernel sums d sc q x and dm mn x apart, per sub-block)."""
+    """|the weight's terms| [N, K] float64 whose products with |x| bound the GEMV's error: |W| for Q8_0 (d q), for Q4_K
+    |d sc q| + |dm mn| (its kernel sums d sc q x and dm mn x apart, per sub-block), for Q6_K |d sc| (q + 32)."""
     fmt = gguf_format(qtype)
     if qtype == "Q8_0":
         return fmt.dequantize(raw.cpu(), (N, K), torch.float64).abs()
+    if qtype == "Q6_K":  # d sc q x and d sc 32 x per sub-block (q unsigned)
+        p = planar.repack("Q6_K", raw.cpu(), N, K)
+        ql = p["ql"].view(N, K // 256, 2, 2, 32)
+        qh = p["qh"].view(N, K // 256, 2, 1, 32)
+        q = torch.cat([ql & 0xF, ql >> 4], dim=3) | (torch.cat([(qh >> (2 * m)) & 3 for m in range(4)], dim=3) << 4)
+        dl = (p["d"].double().repeat_interleave(16, dim=1) * p["sc"].double()).abs()
+        return (dl[:, :, None] * (q.double().view(N, K // 16, 16) + 32)).view(N, K)
     p = planar.repack("Q4_K", raw.cpu(), N, K)
     qs = p["qs"].view(N, K // 256, 4, 32)
     q = torch.stack([qs & 0xF, qs >> 4], dim=3).double().view(N, K // 32, 32)
@@ -77,7 +85,7 @@ def _dense_errors(qtype: str) -> list[str]:
     raw = random_raw(fmt, (N, K), "cpu", seed=7)
     packed = planar.repack(qtype, raw, N, K)
     held = sum(t.numel() * t.element_size() for t in packed.values())
-    if held != raw.numel() * (148 if qtype == "Q4_K" else 144) // 144:
+    if held != raw.numel() * (148 if qtype == "Q4_K" else 144) // 144:  # Q4_K: scales and mins unpacked
         errs.append(f"the planar layout holds {held} bytes for {raw.numel()} stored")
     for dtype in (torch.float32, torch.bfloat16):
         if not torch.equal(planar.dense(qtype, packed, N, K, dtype), fmt.dequantize(raw, (N, K), dtype)):
@@ -88,28 +96,28 @@ def _dense_errors(qtype: str) -> list[str]:
 
 
 def _module_errors() -> list[str]:
-    """QuantLinear.to_planar: Q8_0 and Q4_K layers move (Q8_0 holding the same bytes: the plan's count), others do not;
+    """QuantLinear.to_planar: Q8_0, Q4_K and Q6_K layers move (Q8_0 holding the same bytes: the plan's count), others not;
     the same products on the CPU fallback and for a prefill's rows; a second call changes nothing."""
     import os
 
     from moestream.engine.engine import dense_bytes_held
     from moestream.layers.quant_linear import QuantLinear, to_planar
 
-    os.environ["MOESTREAM_PLANAR"] = "Q8_0,Q4_K"
+    os.environ["MOESTREAM_PLANAR"] = "Q8_0,Q4_K,Q6_K"
     planar._CFG.clear()
     errs = []
     lins = {q: QuantLinear(q, random_raw(gguf_format(q), (40, 256), "cpu", seed=3), 40, 256)
-            for q in ("Q8_0", "Q4_K", "Q4_0")}
+            for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0")}
     raws = {q: m.raw.clone() for q, m in lins.items()}
     q8 = torch.nn.Sequential(lins["Q8_0"])
     before = dense_bytes_held(q8)
     x = torch.randn(3, 256)
-    if to_planar(torch.nn.Sequential(*lins.values())) != 2 or lins["Q4_0"].planar is not None \
-            or any(lins[q].raw.numel() for q in ("Q8_0", "Q4_K")) or lins["Q8_0"].to_planar():
-        errs.append("to_planar moved other than the Q8_0 and Q4_K layers, or moved one twice")
+    if to_planar(torch.nn.Sequential(*lins.values())) != 3 or lins["Q4_0"].planar is not None \
+            or any(lins[q].raw.numel() for q in planar.TYPES) or lins["Q8_0"].to_planar():
+        errs.append("to_planar moved other than the Q8_0, Q4_K and Q6_K layers, or moved one twice")
     if dense_bytes_held(q8) != before:
         errs.append(f"held bytes {dense_bytes_held(q8)} != {before}")
-    for q in ("Q8_0", "Q4_K"):
+    for q in planar.TYPES:
         W = gguf_format(q).dequantize(raws[q], (40, 256), torch.float64)
         got = lins[q](x).double()
         if ((got - x.double() @ W.t()).abs() > _bound(x.double().abs() @ _terms(q, raws[q], 40, 256).t(), 256)).any():
@@ -134,8 +142,12 @@ LINEAR_CASES = {
     "q4k:t3bf16": ("Q4_K", 33, 512, 3, torch.bfloat16, False, (4, 512, 4, 4, False)),
     "q4k:t9perm": ("Q4_K", 24, 512, 9, torch.float32, True, (8, 256, 4, 8, False)),
     "q4k:default": ("Q4_K", 40, 1024, 2, torch.float32, False, None),
+    "q6k:t1": ("Q6_K", 40, 768, 1, torch.float32, False, (8, 256, 4, 1, False)),
+    "q6k:t3bf16": ("Q6_K", 33, 512, 3, torch.bfloat16, False, (4, 512, 4, 4, False)),
+    "q6k:t9perm": ("Q6_K", 24, 512, 9, torch.float32, True, (8, 256, 4, 8, False)),
+    "q6k:default": ("Q6_K", 40, 1024, 2, torch.float32, False, None),
 }
-WORKER_CASES = [*LINEAR_CASES, "dense:Q8_0", "dense:Q4_K", "module"]
+WORKER_CASES = [*LINEAR_CASES, "dense:Q8_0", "dense:Q4_K", "dense:Q6_K", "module"]
 
 
 def _worker_case(case: str) -> list[str]:
@@ -172,13 +184,18 @@ def test_repack_keeps_the_stored_values():
     b4 = raw4.reshape(N, 144)
     assert torch.equal(p4["qs"], b4[:, 16:]) and torch.equal(p4["d"].view(torch.uint8), b4[:, 0:2])
     assert int(p4["sc"].max()) < 64 and int(p4["mn"].max()) < 64
-    for q, r, pk in (("Q8_0", raw, p), ("Q4_K", raw4, p4)):
+    raw6 = random_raw(gguf_format("Q6_K"), (N, K), "cpu", seed=2)
+    p6 = planar.repack("Q6_K", raw6, N, K)
+    b6 = raw6.reshape(N, 210)
+    assert torch.equal(torch.cat([p6["ql"], p6["qh"], p6["sc"].view(torch.uint8), p6["d"].view(torch.uint8)], 1), b6)
+    for q, r, pk in (("Q8_0", raw, p), ("Q4_K", raw4, p4), ("Q6_K", raw6, p6)):
         assert torch.equal(planar.dense_torch(q, pk, N, K), gguf_format(q).dequantize(r, (N, K), torch.float32))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("qtype,cfg", [("Q8_0", (2, 1024, 4, 1, False)), ("Q8_0", (8, 512, 4, 1, True)),
-                                       ("Q8_0", (4, 512, 4, 4, False)), ("Q4_K", (4, 1024, 4, 1, False))])
+                                       ("Q8_0", (4, 512, 4, 4, False)), ("Q4_K", (4, 1024, 4, 1, False)),
+                                       ("Q6_K", (8, 1024, 4, 1, False))])
 def test_sm90_codes_load_16_bytes(qtype, cfg):
     """Compiled for sm_90 at a Qwen3.6 shape (pointers 16-byte aligned, as torch allocates them): the codes and x are
     read with 128-bit loads and no load is a single byte."""
@@ -196,6 +213,9 @@ def test_sm90_codes_load_16_bytes(qtype, cfg):
         fn, sig = planar._q8_linear_kernel, {"x": "*bf16", "q": "*i8", "d": "*fp16", "y": "*i16", "perm": "*i64",
                                              "T": "i32"}
         consts["ELEM"] = elem
+    elif qtype == "Q6_K":
+        fn, sig = planar._q6k_linear_kernel, {"x": "*bf16", "ql": "*u8", "qh": "*u8", "sc": "*i8", "d": "*fp16",
+                                              "y": "*i16", "perm": "*i64", "T": "i32"}
     else:
         fn, sig = planar._q4k_linear_kernel, {"x": "*bf16", "qs": "*u8", "sc": "*u8", "mn": "*u8", "d": "*fp16",
                                               "dm": "*fp16", "y": "*i16", "perm": "*i64", "T": "i32"}
@@ -226,7 +246,7 @@ def test_sm90_codes_load_16_bytes(qtype, cfg):
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
 @pytest.mark.parametrize("T", [1, 4, 9])
 @pytest.mark.parametrize("perm", [False, True])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_cuda_planar_linear(qtype, T, perm):
     """The default constants at a Qwen3.6 shape on the GPU: the float64 product's bound."""
     assert not _linear_errors(qtype, 4096, 2048, T, torch.bfloat16, perm, None, "cuda")
@@ -234,7 +254,7 @@ def test_cuda_planar_linear(qtype, T, perm):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_cuda_planar_linear_graph_replay(qtype):
     """Recorded in a CUDA graph, replayed on new x: the eager result; the dense form is the block decoder's."""
     N, K = 2048, 4096

@@ -8,16 +8,20 @@ benchmarks/RESULTS.md 2026-12-06, twenty-fourth session: the Q4_K and Q6_K GEMVs
 
 - Q8_0: "q" int8 [N, K] (the codes), "d" fp16 [N, K / 32] (the block scales): 34 bytes per 32 values, as stored.
   y = sum over blocks of d * (sum of the block's 32 q * x).
+- Q6_K: "ql" uint8 [N, K / 2] and "qh" uint8 [N, K / 4] (each block's low and high code bits as stored: value
+  128 h + 32 m + l of a block is ql byte 64 h + 32 (m % 2) + l's nibble m // 2 and qh byte 32 h + l's bits 2 m),
+  "sc" int8 [N, K / 16], "d" fp16 [N, K / 256]: 210 bytes per 256 values, as stored. A value is d sc (q - 32), so
+  y = sum over 16-value sub-blocks of d sc ((sum of q x) - 32 (sum of x)).
 - Q4_K: "qs" uint8 [N, K / 2] (each 256-value block's 128 code bytes in their stored order: byte l of group j holds
   value 64 j + l in its low nibble and 64 j + 32 + l in its high one), "sc" / "mn" uint8 [N, K / 32] (each 32-value
   sub-block's six-bit scale and min, unpacked), "d" / "dm" fp16 [N, K / 256]: 148 bytes per 256 values where Q4_K
   stores 144. A value is d sc q - dm mn, so y = sum over sub-blocks of d sc (sum of q x) - dm mn (sum of x).
 
-Both in fp32 (q * x is exact in fp32 for bf16 / fp16 x); the sums run in another order than the block kernels' and Q4_K's
-scale and min are applied per sub-block, so results agree with the dequantized product to fp32 rounding of those terms
+All in fp32 (q * x is exact in fp32 for bf16 / fp16 x); the sums run in another order than the block kernels' and the
+K-quants' scales, mins and offsets are applied per sub-block, so results agree with the dequantized product to fp32 rounding of those terms
 (tests/test_planar.py states the bound), not to the bit. `dense` writes the matrix as 16-bit rows for a prefill's GEMM,
 each value as the block decoder computes it (to the bit). layers.QuantLinear moves its weight here before the model
-goes to a GPU, for the types of MOESTREAM_PLANAR (default "Q8_0"; "Q8_0,Q4_K" adds Q4_K; "0" none).
+goes to a GPU, for the types of MOESTREAM_PLANAR (default "Q8_0"; e.g. "Q8_0,Q4_K,Q6_K" adds the others; "0" none).
 """
 from __future__ import annotations
 
@@ -37,8 +41,8 @@ MAX_ROWS = 8  # activation rows one program dots each loaded weight tile with (m
 _CFG: dict = {}
 
 
-TYPES = ("Q8_0", "Q4_K")
-BLOCK = {"Q8_0": 32, "Q4_K": 256}
+TYPES = ("Q8_0", "Q4_K", "Q6_K")
+BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
 
 
 def wanted(type_name: str) -> bool:
@@ -63,6 +67,11 @@ def repack(type_name: str, raw: torch.Tensor, N: int, K: int) -> dict[str, torch
         b = raw.reshape(N, K // 32, 34)
         return {"q": b[:, :, 2:].contiguous().view(torch.int8).reshape(N, K),
                 "d": b[:, :, :2].contiguous().view(torch.float16).reshape(N, K // 32)}
+    if type_name == "Q6_K":
+        b = raw.reshape(N, K // 256, 210)
+        return {"ql": b[:, :, :128].contiguous().reshape(N, K // 2), "qh": b[:, :, 128:192].contiguous().reshape(N, K // 4),
+                "sc": b[:, :, 192:208].contiguous().view(torch.int8).reshape(N, K // 16),
+                "d": b[:, :, 208:].contiguous().view(torch.float16).reshape(N, K // 256)}
     from ..quant import gguf_formats as gf
 
     b = raw.reshape(N * (K // 256), 144)
@@ -88,7 +97,8 @@ def config(type_name: str, N: int, K: int, T: int) -> tuple[int, int, int, int, 
     bv = next(v for v in (1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
     if cfg is not None:
         return cfg[0], max(bs, min(cfg[1], bv)), cfg[2], rt, _CFG["elem"]
-    bn = max(1, min(1 << max(0, N - 1).bit_length(), 4096 // (bv * rt)))
+    # ~4K codes a step a program; Q6_K 8K (its loads read 32-byte runs of a row: fewer would not fill 16-byte loads)
+    bn = max(1, min(1 << max(0, N - 1).bit_length(), (8192 if type_name == "Q6_K" else 4096) // (bv * rt)))
     return bn, bv, 4, rt, _CFG["elem"]
 
 
@@ -107,6 +117,9 @@ def linear(type_name: str, x: torch.Tensor, packed: dict[str, torch.Tensor], N: 
     if type_name == "Q8_0":
         _q8_linear_kernel[grid](xs, packed["q"], packed["d"], y_arg, perm_arg, T, N, K, BN=bn, BV=bv, RT=rt,
                                 Y_BF16=bf16, PERM=perm is not None, ELEM=elem, num_warps=warps)
+    elif type_name == "Q6_K":
+        _q6k_linear_kernel[grid](xs, packed["ql"], packed["qh"], packed["sc"], packed["d"], y_arg, perm_arg, T, N, K,
+                                 BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None, num_warps=warps)
     else:
         _q4k_linear_kernel[grid](xs, packed["qs"], packed["sc"], packed["mn"], packed["d"], packed["dm"], y_arg,
                                  perm_arg, T, N, K, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None,
@@ -125,6 +138,9 @@ def dense(type_name: str, packed: dict[str, torch.Tensor], N: int, K: int, dtype
     if type_name == "Q8_0":
         _q8_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["q"], packed["d"], w_arg, N, K, BN=4, BV=bv,
                                                        OUT_BF16=bf16, num_warps=4)
+    elif type_name == "Q6_K":
+        _q6k_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["ql"], packed["qh"], packed["sc"], packed["d"], w_arg, N,
+                                                        K, BN=4, BV=bv, OUT_BF16=bf16, num_warps=4)
     else:
         _q4k_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["qs"], packed["sc"], packed["mn"], packed["d"],
                                                         packed["dm"], w_arg, N, K, BN=4, BV=bv, OUT_BF16=bf16,
@@ -136,6 +152,14 @@ def dense_torch(type_name: str, packed: dict[str, torch.Tensor], N: int, K: int)
     """The matrix as float32 [N, K] with torch ops (any device; the module's fallback off a GPU)."""
     if type_name == "Q8_0":
         return (packed["q"].float().view(N, K // 32, 32) * packed["d"].float()[:, :, None]).view(N, K)
+    if type_name == "Q6_K":  # value 128 h + 32 m + l: ql byte 64 h + 32 (m % 2) + l, nibble m // 2; qh bits 2 m
+        ql = packed["ql"].view(N, K // 256, 2, 2, 32)
+        qh = packed["qh"].view(N, K // 256, 2, 1, 32)
+        lo = torch.cat([ql & 0xF, ql >> 4], dim=3)  # [N, blocks, 2 halves, 4 quarters m, 32]
+        hi = torch.cat([(qh >> (2 * m)) & 3 for m in range(4)], dim=3)
+        q = ((lo | (hi << 4)).to(torch.int8) - 32).float().view(N, K // 16, 16)
+        dl = packed["d"].float().repeat_interleave(16, dim=1) * packed["sc"].float()
+        return (dl[:, :, None] * q).view(N, K)
     qs = packed["qs"].view(N, K // 256, 4, 32)
     q = torch.stack([qs & 0xF, qs >> 4], dim=3).float().view(N, K // 32, 32)  # sub-blocks 2 j (low), 2 j + 1 (high)
     d = packed["d"].float().repeat_interleave(8, dim=1)[:, :, None]
@@ -260,3 +284,70 @@ if triton is not None:
         dv = tl.load(d + nn * (K // 256) + c // 256, mask=nmask, other=0.0).to(tl.float32)
         dmv = tl.load(dm + nn * (K // 256) + c // 256, mask=nmask, other=0.0).to(tl.float32)
         _store(w, nn * K + c, dv * scv * q - dmv * mnv, nmask, OUT_BF16)
+
+    @triton.jit
+    def _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K: tl.constexpr, M: tl.constexpr,
+                  PERM: tl.constexpr):
+        """[RT, BN, H, 2] sums of quarter M's products q x (q unsigned, 0..63) and [RT, 1, H, 2] sums of its x, per
+        16-value sub-block; tiles [BN, H, 2, 16] of code bytes (16-byte loads)."""
+        b = tl.load(ql + nn[:, None, None, None] * (K // 2) + (k0 // 2 + hh * 64 + (M % 2) * 32)[None, :, None, None]
+                    + (e * 16 + f)[None, None, :, :], mask=nmask[:, None, None, None], other=0)
+        h = tl.load(qh + nn[:, None, None, None] * (K // 4) + (k0 // 4 + hh * 32)[None, :, None, None]
+                    + (e * 16 + f)[None, None, :, :], mask=nmask[:, None, None, None], other=0)
+        q = (((b >> ((M // 2) * 4)) & 0xF) | (((h >> (2 * M)) & 3) << 4)).to(tl.float32)
+        c = k0 + hh[:, None, None] * 128 + M * 32 + (e * 16 + f)[None, :, :]  # [H, 2, 16]
+        if PERM:
+            c = tl.load(perm + c)
+        xv = tl.load(xr + c[None, :, :, :], mask=tmask[:, None, None, None], other=0.0).to(tl.float32)
+        return tl.sum(q[None] * xv[:, None], axis=4), tl.sum(xv, axis=3)[:, None, :, :]
+
+    @triton.jit
+    def _q6k_linear_kernel(x, ql, qh, sc, d, y, perm, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                           BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr):
+        """Q6_K planar: a step reads BV // 128 half-blocks of 128 values, each as four quarters of 32 (_q6k_part);
+        per 16-value sub-block d sc (sum q x - 32 sum x). BV: a multiple of 256 dividing K."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        nn = n.to(tl.int64)
+        t = tl.program_id(1) * RT + tl.arange(0, RT)
+        tmask = t < T
+        tt = t.to(tl.int64)
+        H: tl.constexpr = BV // 128
+        hh = tl.arange(0, H)
+        e = tl.arange(0, 2)[:, None]
+        f = tl.arange(0, 16)[None, :]
+        xr = x + tt[:, None, None, None] * K
+        sb = hh[:, None] * 8 + tl.arange(0, 2)[None, :]  # [H, 2]: quarter 0's sub-blocks within the step
+        acc = tl.zeros([RT, BN, H, 2], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            srow = sc + nn[:, None, None] * (K // 16) + k0 // 16 + sb[None, :, :]
+            m3 = nmask[:, None, None]
+            dv = tl.load(d + nn[:, None] * (K // 256) + ((k0 + hh * 128) // 256)[None, :], mask=nmask[:, None],
+                         other=0.0).to(tl.float32)[:, :, None]  # [BN, H, 1]
+            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 0, PERM)
+            acc += (dv * tl.load(srow, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
+            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 1, PERM)
+            acc += (dv * tl.load(srow + 2, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
+            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 2, PERM)
+            acc += (dv * tl.load(srow + 4, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
+            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 3, PERM)
+            acc += (dv * tl.load(srow + 6, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
+        _store(y, tt[:, None] * N + nn[None, :], tl.sum(tl.sum(acc, axis=3), axis=2), tmask[:, None] & nmask[None, :],
+               Y_BF16)
+
+    @triton.jit
+    def _q6k_dense_kernel(ql, qh, sc, d, w, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr,
+                          OUT_BF16: tl.constexpr):
+        """Q6_K planar as 16-bit rows: value = (d sc) (q - 32), as the block decoder computes it."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = (n < N)[:, None]
+        nn = n.to(tl.int64)[:, None]
+        c = tl.program_id(1) * BV + tl.arange(0, BV)[None, :]
+        v = c % 128  # 32 m + l within the half-block
+        m = v // 32
+        b = tl.load(ql + nn * (K // 2) + (c // 128) * 64 + (m % 2) * 32 + v % 32, mask=nmask, other=0)
+        h = tl.load(qh + nn * (K // 4) + (c // 128) * 32 + v % 32, mask=nmask, other=0)
+        q = ((b >> ((m // 2) * 4)) & 0xF) | (((h >> (2 * m)) & 3) << 4)
+        dl = tl.load(d + nn * (K // 256) + c // 256, mask=nmask, other=0.0).to(tl.float32) * \
+            tl.load(sc + nn * (K // 16) + c // 16, mask=nmask, other=0).to(tl.float32)
+        _store(w, nn * K + c, dl * (q - 32).to(tl.float32), nmask, OUT_BF16)
