@@ -38,11 +38,12 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
 # --q8: the same layers as the Qwen3.6 Q8_0 file stores them (shared/tools/make_qwen36_gguf.py: every dense linear Q8_0)
 Q8_SHAPES = [(n, "Q8_0", N, K) for n, _, N, K in SHAPES]
 # kernels/planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
-PLANAR = {1: [None, (1, 2048, 4, False), (2, 2048, 8, False), (2, 1024, 4, False), (4, 1024, 4, False),
-              (8, 512, 4, False), (16, 256, 4, False), (4, 512, 4, True), (8, 512, 4, True), (8, 256, 4, True),
-              (2, 1024, 4, True), (4, 1024, 8, True), (16, 512, 8, False)],
-          4: [None, (1, 1024, 4, False), (2, 512, 4, False), (2, 1024, 8, False), (4, 256, 4, False),
-              (1, 512, 4, True), (2, 256, 4, True), (4, 512, 8, False)]}
+# (the 2026-12-06 H100 sweep: ELEM — products accumulated elementwise — won every Q8_0 shape, (8, 256, 4) at one row,
+# (2, 256, 4) at four; the per-step reductions lost by 1.7x)
+PLANAR = {1: [None, (4, 256, 4, True), (8, 256, 4, True), (16, 256, 4, True), (32, 256, 4, True), (8, 512, 4, True),
+              (4, 512, 4, True), (16, 256, 8, True), (32, 256, 8, True), (8, 256, 4, False), (4, 1024, 4, False)],
+          4: [None, (1, 256, 4, True), (2, 256, 4, True), (4, 256, 4, True), (8, 256, 4, True), (2, 512, 4, True),
+              (4, 256, 8, True), (2, 512, 4, False)]}
 CONFIGS = [None, (8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 256, 8), (32, 256, 8), (8, 1024, 8), (32, 512, 8)]
 # rows > 1: the multi-row kernel's (BN, BV, warps) (MOESTREAM_QLINEAR_ROWS_CFG), beside "pairs" (one pair-kernel program
 # per row, MOESTREAM_QLINEAR_ROWS=0, at its default constants)
@@ -103,8 +104,8 @@ def main() -> None:
                 bs = planar.BLOCK[qtype]
                 bvmax = next(v for v in (2048, 1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
                 for pc in PLANAR[1 if T == 1 else 4]:
-                    if pc is not None and (pc[3] and qtype != "Q8_0" or pc[1] < bs):
-                        continue  # (ELEM: Q8_0's only; Q4_K steps whole 256-value blocks)
+                    if pc is not None and pc[1] < bs:
+                        continue  # (K-quants step whole 256-value blocks)
                     cfg = None if pc is None else (pc[0], min(pc[1], bvmax), pc[2],
                                                    planar.config(qtype, N, K, T)[3], pc[3])
                     try:

@@ -146,6 +146,10 @@ LINEAR_CASES = {
     "q6k:t3bf16": ("Q6_K", 33, 512, 3, torch.bfloat16, False, (4, 512, 4, 4, False)),
     "q6k:t9perm": ("Q6_K", 24, 512, 9, torch.float32, True, (8, 256, 4, 8, False)),
     "q6k:default": ("Q6_K", 40, 1024, 2, torch.float32, False, None),
+    "q4k:t1elem": ("Q4_K", 40, 768, 1, torch.float32, False, (8, 256, 4, 1, True)),
+    "q4k:t3permelem": ("Q4_K", 33, 512, 3, torch.bfloat16, True, (4, 512, 4, 4, True)),
+    "q6k:t1elem": ("Q6_K", 40, 768, 1, torch.float32, False, (8, 256, 4, 1, True)),
+    "q6k:t9permelem": ("Q6_K", 24, 512, 9, torch.bfloat16, True, (8, 256, 4, 8, True)),
 }
 WORKER_CASES = [*LINEAR_CASES, "dense:Q8_0", "dense:Q4_K", "dense:Q6_K", "module"]
 
@@ -195,7 +199,8 @@ def test_repack_keeps_the_stored_values():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("qtype,cfg", [("Q8_0", (2, 1024, 4, 1, False)), ("Q8_0", (8, 512, 4, 1, True)),
                                        ("Q8_0", (4, 512, 4, 4, False)), ("Q4_K", (4, 1024, 4, 1, False)),
-                                       ("Q6_K", (8, 1024, 4, 1, False))])
+                                       ("Q6_K", (8, 1024, 4, 1, False)), ("Q8_0", (8, 256, 4, 1, True)),
+                                       ("Q4_K", (16, 256, 4, 1, True)), ("Q6_K", (32, 256, 4, 1, True))])
 def test_sm90_codes_load_16_bytes(qtype, cfg):
     """Compiled for sm_90 at a Qwen3.6 shape (pointers 16-byte aligned, as torch allocates them): the codes and x are
     read with 128-bit loads and no load is a single byte."""
@@ -208,11 +213,10 @@ def test_sm90_codes_load_16_bytes(qtype, cfg):
     if not tool.is_file():
         pytest.skip("no cuobjdump in this triton build")
     bn, bv, warps, rt, elem = cfg
-    consts = {"N": 8192, "K": 2048, "BN": bn, "BV": bv, "RT": rt, "Y_BF16": True, "PERM": False}
+    consts = {"N": 8192, "K": 2048, "BN": bn, "BV": bv, "RT": rt, "Y_BF16": True, "PERM": False, "ELEM": elem}
     if qtype == "Q8_0":
         fn, sig = planar._q8_linear_kernel, {"x": "*bf16", "q": "*i8", "d": "*fp16", "y": "*i16", "perm": "*i64",
                                              "T": "i32"}
-        consts["ELEM"] = elem
     elif qtype == "Q6_K":
         fn, sig = planar._q6k_linear_kernel, {"x": "*bf16", "ql": "*u8", "qh": "*u8", "sc": "*i8", "d": "*fp16",
                                               "y": "*i16", "perm": "*i64", "T": "i32"}

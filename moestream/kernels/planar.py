@@ -21,7 +21,13 @@ All in fp32 (q * x is exact in fp32 for bf16 / fp16 x); the sums run in another 
 K-quants' scales, mins and offsets are applied per sub-block, so results agree with the dequantized product to fp32 rounding of those terms
 (tests/test_planar.py states the bound), not to the bit. `dense` writes the matrix as 16-bit rows for a prefill's GEMM,
 each value as the block decoder computes it (to the bit). layers.QuantLinear moves its weight here before the model
-goes to a GPU, for the types of MOESTREAM_PLANAR (default "Q8_0"; e.g. "Q8_0,Q4_K,Q6_K" adds the others; "0" none).
+goes to a GPU, for the types of MOESTREAM_PLANAR (e.g. "Q8_0" or "Q8_0,Q4_K,Q6_K"; default "0": none — on an H100 the
+block kernels were as fast or faster at one row, below).
+
+Measured (H100, benchmarks/RESULTS.md 2026-12-06, twenty-fourth session, one row, graph-timed): Q8_0 8192 x 2048 block
+kernel 13.7 µs (1.30 TB/s of stored bytes), planar 13.8 at its best constants, 23.6 with each block's sum reduced across
+threads in every step; the 151,936-row head 204.9 vs 196.5; four rows 36.8 vs 28.5 (the planar layout ahead). Q4_K and
+Q6_K planar without the elementwise accumulation: 25.1 vs 13.1 µs and 430 vs 296 µs (not yet timed with it).
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ def wanted(type_name: str) -> bool:
     if on is None:
         from ..env import triton_enabled
 
-        env = os.environ.get("MOESTREAM_PLANAR", "Q8_0")
+        env = os.environ.get("MOESTREAM_PLANAR", "0")
         on = _CFG["types"] = frozenset() if triton is None or not triton_enabled() or env == "0" else \
             frozenset(t.strip() for t in env.split(",")) & set(TYPES)
     return type_name in on
@@ -83,22 +89,28 @@ def repack(type_name: str, raw: torch.Tensor, N: int, K: int) -> dict[str, torch
 
 
 def config(type_name: str, N: int, K: int, T: int) -> tuple[int, int, int, int, bool]:
-    """(BN rows, BV columns a step, warps, RT activation rows, ELEM) of the type's GEMV kernel. MOESTREAM_PLANAR_CFG=
-    "BN,BV,WARPS" sets the first three (benchmarks/qlinear_gpu.py --q8 / --q4k sweep them), MOESTREAM_PLANAR_ELEM=1
-    Q8_0's elementwise accumulation of the products."""
+    """(BN rows, BV columns a step, warps, RT activation rows, ELEM) of the type's GEMV kernel: BV 256 (one K-quant
+    block, eight Q8_0 ones), BN rows so that a load of codes spans ~2 KiB / activation rows, products accumulated
+    elementwise — the fastest of benchmarks/qlinear_gpu.py's sweep for Q8_0 on an H100 (RESULTS, 2026-12-06,
+    twenty-fourth session: 13.8 µs for 8192 x 2048 at one row, the block kernel 13.7; 28.5 against 36.8 at four).
+    MOESTREAM_PLANAR_CFG="BN,BV,WARPS" sets the first three, MOESTREAM_PLANAR_ELEM=0 sums each block's products
+    across threads in every step instead (1.7x slower there)."""
     rt = min(1 << max(0, T - 1).bit_length(), MAX_ROWS)
     cfg = _CFG.get("cfg", False)
     if cfg is False:
         from ..moe.qpairs import _env_cfg
 
         cfg = _CFG["cfg"] = _env_cfg("MOESTREAM_PLANAR_CFG")
-        _CFG["elem"] = os.environ.get("MOESTREAM_PLANAR_ELEM", "0") == "1"
+        _CFG["elem"] = os.environ.get("MOESTREAM_PLANAR_ELEM", "1") != "0"
     bs = BLOCK[type_name]
     bv = next(v for v in (1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
     if cfg is not None:
         return cfg[0], max(bs, min(cfg[1], bv)), cfg[2], rt, _CFG["elem"]
-    # ~4K codes a step a program; Q6_K 8K (its loads read 32-byte runs of a row: fewer would not fill 16-byte loads)
-    bn = max(1, min(1 << max(0, N - 1).bit_length(), (8192 if type_name == "Q6_K" else 4096) // (bv * rt)))
+    bv = min(bv, 256)
+    # a load of codes spans ~2 KiB (16 bytes a thread at 4 warps): Q4_K's codes are half a byte, a Q6_K load reads a
+    # quarter of its low bits
+    per = {"Q8_0": 2048, "Q4_K": 4096, "Q6_K": 8192}[type_name]
+    bn = max(1, min(1 << max(0, N - 1).bit_length(), per // (bv * rt)))
     return bn, bv, 4, rt, _CFG["elem"]
 
 
@@ -119,11 +131,11 @@ def linear(type_name: str, x: torch.Tensor, packed: dict[str, torch.Tensor], N: 
                                 Y_BF16=bf16, PERM=perm is not None, ELEM=elem, num_warps=warps)
     elif type_name == "Q6_K":
         _q6k_linear_kernel[grid](xs, packed["ql"], packed["qh"], packed["sc"], packed["d"], y_arg, perm_arg, T, N, K,
-                                 BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None, num_warps=warps)
+                                 BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None, ELEM=elem, num_warps=warps)
     else:
         _q4k_linear_kernel[grid](xs, packed["qs"], packed["sc"], packed["mn"], packed["d"], packed["dm"], y_arg,
                                  perm_arg, T, N, K, BN=bn, BV=bv, RT=rt, Y_BF16=bf16, PERM=perm is not None,
-                                 num_warps=warps)
+                                 ELEM=elem, num_warps=warps)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -221,10 +233,13 @@ if triton is not None:
 
     @triton.jit
     def _q4k_linear_kernel(x, qs, sc, mn, d, dm, y, perm, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                           BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr):
+                           BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr,
+                           ELEM: tl.constexpr):
         """Q4_K planar: a step reads [BN, BV // 64, 32] code bytes (16-byte loads; group j's byte l holds columns
         64 j + l and 64 j + 32 + l), the two sub-blocks' scales and mins of each group and x's columns of both
-        nibbles; products summed per sub-block, then d sc (sum q x) - dm mn (sum x). BV: a multiple of 256 dividing K."""
+        nibbles; products summed per sub-block, then d sc (sum q x) - dm mn (sum x); ELEM: each value d sc q - dm mn
+        (the block decoder's) times x summed elementwise, one reduction after the loop. BV: a multiple of 256
+        dividing K."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         nn = n.to(tl.int64)
@@ -234,7 +249,10 @@ if triton is not None:
         G: tl.constexpr = BV // 64
         j = tl.arange(0, G)
         l = tl.arange(0, 32)
-        acc = tl.zeros([RT, BN, G], dtype=tl.float32)
+        if ELEM:
+            acc = tl.zeros([RT, BN, G, 32], dtype=tl.float32)
+        else:
+            acc = tl.zeros([RT, BN, G], dtype=tl.float32)
         for k0 in range(0, K, BV):
             b = tl.load(qs + nn[:, None, None] * (K // 2) + (k0 // 2 + j * 32)[None, :, None] + l[None, None, :],
                         mask=nmask[:, None, None], other=0)  # [BN, G, 32] uint8
@@ -250,10 +268,6 @@ if triton is not None:
             xr = x + tt[:, None, None] * K
             xlo = tl.load(xr + clo[None, :, :], mask=tmask[:, None, None], other=0.0).to(tl.float32)  # [RT, G, 32]
             xhi = tl.load(xr + chi[None, :, :], mask=tmask[:, None, None], other=0.0).to(tl.float32)
-            plo = tl.sum(lo[None, :, :, :] * xlo[:, None, :, :], axis=3)  # [RT, BN, G]
-            phi = tl.sum(hi[None, :, :, :] * xhi[:, None, :, :], axis=3)
-            slo = tl.sum(xlo, axis=2)[:, None, :]  # [RT, 1, G]
-            shi = tl.sum(xhi, axis=2)[:, None, :]
             sb = (k0 // 32 + 2 * j)[None, :]  # [1, G]: the low nibbles' sub-block; + 1 the high ones'
             row32 = nn[:, None] * (K // 32)
             m2 = nmask[:, None]
@@ -264,9 +278,22 @@ if triton is not None:
             blk = nn[:, None] * (K // 256) + ((k0 + j * 64) // 256)[None, :]
             dv = tl.load(d + blk, mask=m2, other=0.0).to(tl.float32)
             dmv = tl.load(dm + blk, mask=m2, other=0.0).to(tl.float32)
-            acc += (dv * sclo)[None] * plo + (dv * schi)[None] * phi - (dmv * mnlo)[None] * slo \
-                - (dmv * mnhi)[None] * shi
-        _store(y, tt[:, None] * N + nn[None, :], tl.sum(acc, axis=2), tmask[:, None] & nmask[None, :], Y_BF16)
+            if ELEM:
+                vlo = (dv * sclo)[:, :, None] * lo - (dmv * mnlo)[:, :, None]  # [BN, G, 32]
+                vhi = (dv * schi)[:, :, None] * hi - (dmv * mnhi)[:, :, None]
+                acc += vlo[None] * xlo[:, None] + vhi[None] * xhi[:, None]
+            else:
+                plo = tl.sum(lo[None, :, :, :] * xlo[:, None, :, :], axis=3)  # [RT, BN, G]
+                phi = tl.sum(hi[None, :, :, :] * xhi[:, None, :, :], axis=3)
+                slo = tl.sum(xlo, axis=2)[:, None, :]  # [RT, 1, G]
+                shi = tl.sum(xhi, axis=2)[:, None, :]
+                acc += (dv * sclo)[None] * plo + (dv * schi)[None] * phi - (dmv * mnlo)[None] * slo \
+                    - (dmv * mnhi)[None] * shi
+        if ELEM:
+            out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        else:
+            out = tl.sum(acc, axis=2)
+        _store(y, tt[:, None] * N + nn[None, :], out, tmask[:, None] & nmask[None, :], Y_BF16)
 
     @triton.jit
     def _q4k_dense_kernel(qs, sc, mn, d, dm, w, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
@@ -287,9 +314,10 @@ if triton is not None:
 
     @triton.jit
     def _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K: tl.constexpr, M: tl.constexpr,
-                  PERM: tl.constexpr):
+                  PERM: tl.constexpr, dl, ELEM: tl.constexpr):
         """[RT, BN, H, 2] sums of quarter M's products q x (q unsigned, 0..63) and [RT, 1, H, 2] sums of its x, per
-        16-value sub-block; tiles [BN, H, 2, 16] of code bytes (16-byte loads)."""
+        16-value sub-block; tiles [BN, H, 2, 16] of code bytes (16-byte loads). ELEM: [RT, BN, H, 2, 16] products of
+        the values dl (q - 32) (dl [BN, H, 2]: the sub-blocks' d sc) with x, and x."""
         b = tl.load(ql + nn[:, None, None, None] * (K // 2) + (k0 // 2 + hh * 64 + (M % 2) * 32)[None, :, None, None]
                     + (e * 16 + f)[None, None, :, :], mask=nmask[:, None, None, None], other=0)
         h = tl.load(qh + nn[:, None, None, None] * (K // 4) + (k0 // 4 + hh * 32)[None, :, None, None]
@@ -299,13 +327,21 @@ if triton is not None:
         if PERM:
             c = tl.load(perm + c)
         xv = tl.load(xr + c[None, :, :, :], mask=tmask[:, None, None, None], other=0.0).to(tl.float32)
-        return tl.sum(q[None] * xv[:, None], axis=4), tl.sum(xv, axis=3)[:, None, :, :]
+        if ELEM:
+            prod = (dl[:, :, :, None] * (q - 32.0))[None] * xv[:, None]
+            xsum = xv
+        else:
+            prod = tl.sum(q[None] * xv[:, None], axis=4)
+            xsum = tl.sum(xv, axis=3)[:, None, :, :]
+        return prod, xsum
 
     @triton.jit
     def _q6k_linear_kernel(x, ql, qh, sc, d, y, perm, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                           BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr):
+                           BV: tl.constexpr, RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr,
+                           ELEM: tl.constexpr):
         """Q6_K planar: a step reads BV // 128 half-blocks of 128 values, each as four quarters of 32 (_q6k_part);
-        per 16-value sub-block d sc (sum q x - 32 sum x). BV: a multiple of 256 dividing K."""
+        per 16-value sub-block d sc (sum q x - 32 sum x); ELEM: each value d sc (q - 32) (the block decoder's) times x
+        summed elementwise, one reduction after the loop. BV: a multiple of 256 dividing K."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         nn = n.to(tl.int64)
@@ -318,22 +354,27 @@ if triton is not None:
         f = tl.arange(0, 16)[None, :]
         xr = x + tt[:, None, None, None] * K
         sb = hh[:, None] * 8 + tl.arange(0, 2)[None, :]  # [H, 2]: quarter 0's sub-blocks within the step
-        acc = tl.zeros([RT, BN, H, 2], dtype=tl.float32)
+        if ELEM:
+            acc = tl.zeros([RT, BN, H, 2, 16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([RT, BN, H, 2], dtype=tl.float32)
         for k0 in range(0, K, BV):
             srow = sc + nn[:, None, None] * (K // 16) + k0 // 16 + sb[None, :, :]
             m3 = nmask[:, None, None]
             dv = tl.load(d + nn[:, None] * (K // 256) + ((k0 + hh * 128) // 256)[None, :], mask=nmask[:, None],
                          other=0.0).to(tl.float32)[:, :, None]  # [BN, H, 1]
-            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 0, PERM)
-            acc += (dv * tl.load(srow, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
-            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 1, PERM)
-            acc += (dv * tl.load(srow + 2, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
-            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 2, PERM)
-            acc += (dv * tl.load(srow + 4, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
-            p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, 3, PERM)
-            acc += (dv * tl.load(srow + 6, mask=m3, other=0).to(tl.float32))[None] * (p - 32.0 * s)
-        _store(y, tt[:, None] * N + nn[None, :], tl.sum(tl.sum(acc, axis=3), axis=2), tmask[:, None] & nmask[None, :],
-               Y_BF16)
+            for M in tl.static_range(4):  # quarter M's sub-blocks: 2 M, 2 M + 1 of its half-block
+                dl = dv * tl.load(srow + 2 * M, mask=m3, other=0).to(tl.float32)  # [BN, H, 2]
+                p, s = _q6k_part(ql, qh, xr, perm, nn, nmask, tmask, hh, e, f, k0, K, M, PERM, dl, ELEM)
+                if ELEM:
+                    acc += p
+                else:
+                    acc += dl[None] * (p - 32.0 * s)
+        if ELEM:
+            out = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+        else:
+            out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        _store(y, tt[:, None] * N + nn[None, :], out, tmask[:, None] & nmask[None, :], Y_BF16)
 
     @triton.jit
     def _q6k_dense_kernel(ql, qh, sc, d, w, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr,
