@@ -216,10 +216,14 @@ class Engine:
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
         self.dense_mode = mode
         self.host_embedding = self._embedding_on_host(local, fmt, folder)
-        if self.host_embedding:  # planned without the table's device bytes
+        if self.host_embedding:  # planned without the table's device bytes (a GGUF's: its stored rows, if kept so)
+            from ..models.checkpoint import open_checkpoint
+
             w = local.embed_tokens.weight
+            table = w.numel() * w.element_size() if folder is None else \
+                open_checkpoint(folder).embedding_bytes(local, self.local_cfg, mode)
             held = self.dense_bytes if self.dense_bytes is not None else dense_bytes_held(local)
-            self.dense_bytes = held - w.numel() * w.element_size()
+            self.dense_bytes = held - table
         self.plan = self._plan_memory(local, fmt, fit_chunk=True)
         self._cap_torch()
         # the dense model is loaded (and its projections fused, and a GGUF's linears swapped for compressed
@@ -257,20 +261,19 @@ class Engine:
         return model.eval()
 
     def _embedding_on_host(self, local, fmt, folder) -> bool:
-        """Whether the token embedding stays in pinned host memory (layers/host_embedding.py) instead of VRAM: on CUDA,
-        one rank, a plain 16-bit table (an HF checkpoint's or random weights'; a GGUF's stays compressed on the
-        device), the gather kernel available, and the experts not all fitting in VRAM with the table there (its bytes
-        then buy expert slots, or make a small card's plan fit). MOESTREAM_HOST_EMBEDDING: auto (default), 1
-        (whenever it can), 0 (never)."""
+        """Whether the token embedding stays in pinned host memory instead of VRAM: on CUDA, one rank, the gather
+        kernels available (layers/host_embedding.py for a 16-bit table; a GGUF's compressed rows, QuantEmbedding.to_host,
+        decoded on the device as they are read — llama.cpp keeps its token embedding in host memory too), and the
+        experts not all fitting in VRAM with the table there (its bytes then buy expert slots, or make a small card's
+        plan fit). MOESTREAM_HOST_EMBEDDING: auto (default), 1 (whenever it can), 0 (never)."""
         import os
 
         from ..layers import host_embedding
-        from ..models.gguf_loader import find_gguf
 
         env = os.environ.get("MOESTREAM_HOST_EMBEDDING", "auto")
         if env == "0" or self.device.type != "cuda" or self.tp or type(local.embed_tokens) is not torch.nn.Embedding:
             return False
-        if (folder is not None and find_gguf(folder) is not None) or not host_embedding.available():
+        if not host_embedding.available():
             return False
         if env == "1":
             return True
@@ -280,24 +283,38 @@ class Engine:
             return True
 
     def _place_embedding(self, model) -> None:
-        """Swap the loaded embedding for a HostEmbedding, after a check of the gather kernel on three of its rows;
-        where the check fails the table stays (and the loaded model's bytes are planned again)."""
+        """Move the loaded embedding's table to pinned host memory (a HostEmbedding for a 16-bit table, a GGUF's
+        compressed rows in QuantEmbedding.to_host), after a check of the gather kernel on three of its rows against
+        the table's own; where the check fails the table stays (and the loaded model's bytes are planned again)."""
         from ..layers.host_embedding import HostEmbedding
+        from ..layers.quant_linear import QuantEmbedding
 
-        w = model.embed_tokens.weight.detach()
-        emb = HostEmbedding(w, self.device)
-        ids = torch.tensor([0, w.shape[0] // 2, w.shape[0] - 1])
+        old = model.embed_tokens
+        if isinstance(old, QuantEmbedding):
+            n = old.num_embeddings
+            ids = torch.tensor([0, n // 2, n - 1])
+            nbytes = old.raw.numel() * old.raw.element_size()
+            want = old.fmt.dequantize_rows(old.raw, (n, old.embedding_dim), ids, torch.float32).to(old.dtype)
+            old.to_host(self.device)
+            emb = old
+        else:
+            w = old.weight.detach()
+            ids = torch.tensor([0, w.shape[0] // 2, w.shape[0] - 1])
+            nbytes, want = w.numel() * w.element_size(), w[ids]
+            emb = HostEmbedding(w, self.device)
         try:
-            ok = torch.equal(emb(ids.to(self.device)).cpu(), w[ids])
+            ok = torch.equal(emb(ids.to(self.device)).cpu(), want)
             why = "rows differ"
         except Exception as e:  # a kernel that cannot read host memory here
             ok, why = False, f"{type(e).__name__}: {e}"
         if not ok:
             log.warning("the embedding stays on the device: its host-memory gather failed a check (%s)", why)
+            if emb is old:
+                old.from_host()
             self.host_embedding = False
             return
         model.embed_tokens = emb
-        log.info("token embedding in pinned host memory (%.2f GiB of VRAM freed)", w.numel() * w.element_size() / 2**30)
+        log.info("token embedding in pinned host memory (%.2f GiB of VRAM freed)", nbytes / 2**30)
 
     def _replan_for_loaded(self, model, fmt, store):
         """The plan again when the loaded dense layers hold other bytes than planned: a GGUF's planned bytes assume

@@ -140,8 +140,8 @@ def linear(type_name: str, x: torch.Tensor, packed: dict[str, torch.Tensor], N: 
 
 
 def dense(type_name: str, packed: dict[str, torch.Tensor], N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """The matrix as [N, K] of `dtype` (one launch): each value as the block decoder computes it in fp32, rounded
-    once."""
+    """The matrix as [N, K] of `dtype` (one launch): each value as the block decoder computes it in fp32 (no FMA
+    contraction, as quant/triton_dequant.py launches it), rounded once."""
     w = torch.empty((N, K), dtype=dtype, device=packed["d"].device)
     bs = BLOCK[type_name]
     bv = next(v for v in (1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
@@ -149,14 +149,16 @@ def dense(type_name: str, packed: dict[str, torch.Tensor], N: int, K: int, dtype
     w_arg = w.view(torch.int16) if bf16 else w
     if type_name == "Q8_0":
         _q8_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["q"], packed["d"], w_arg, N, K, BN=4, BV=bv,
-                                                       OUT_BF16=bf16, num_warps=4)
+                                                       OUT_BF16=bf16, num_warps=4,
+                                                        enable_fp_fusion=False)
     elif type_name == "Q6_K":
         _q6k_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["ql"], packed["qh"], packed["sc"], packed["d"], w_arg, N,
-                                                        K, BN=4, BV=bv, OUT_BF16=bf16, num_warps=4)
+                                                        K, BN=4, BV=bv, OUT_BF16=bf16, num_warps=4,
+                                                        enable_fp_fusion=False)
     else:
         _q4k_dense_kernel[(triton.cdiv(N, 4), K // bv)](packed["qs"], packed["sc"], packed["mn"], packed["d"],
                                                         packed["dm"], w_arg, N, K, BN=4, BV=bv, OUT_BF16=bf16,
-                                                        num_warps=4)
+                                                        num_warps=4, enable_fp_fusion=False)
     return w
 
 

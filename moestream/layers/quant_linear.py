@@ -263,16 +263,42 @@ class QuantEmbedding(nn.Module):
         self.type_id = cpu_quant.TYPES.get(type_name)
         self.register_buffer("raw", raw.reshape(num_embeddings, -1), persistent=False)
 
+    # the stored rows in page-locked host memory instead of `raw` (to_host: the engine's choice where VRAM is short);
+    # a step's rows are then gathered and decoded on the device, reading the table over PCIe (zero-copy)
+    host: torch.Tensor | None = None
+
+    def to_host(self, device: torch.device | str) -> None:
+        """Keep the table in (pinned, for a CUDA `device`) host memory: `raw` is released, so moving the module to a
+        device moves none of it; lookups with ids on `device` decode the rows there (triton_dequant.gguf_rows_to)."""
+        raw = self.raw.detach().to("cpu").contiguous()
+        self.host = raw.pin_memory() if torch.device(device).type == "cuda" else raw
+        self.raw = torch.empty(0, dtype=torch.uint8)
+
+    def from_host(self) -> None:
+        """Undo to_host: the table is `raw` again (moved with the module)."""
+        self.raw, self.host = self.host, None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:
+            if ids.device.type != "cpu":
+                from ..quant import triton_dequant
+
+                rows = triton_dequant.gguf_rows_to(self.fmt, self.host, ids, torch.float32)
+            else:
+                rows = self._rows(self.host, ids)
+            return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self._rows(self.raw, ids).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def _rows(self, raw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = None
-        if self.type_id is not None and self.raw.device.type == "cpu" and cpu_quant.cpu_kernels_enabled():
-            rows = cpu_quant.dequant_rows(self.raw, self.type_id, ids, self.embedding_dim)  # one C call
+        if self.type_id is not None and raw.device.type == "cpu" and cpu_quant.cpu_kernels_enabled():
+            rows = cpu_quant.dequant_rows(raw, self.type_id, ids, self.embedding_dim)  # one C call
         shape = (self.num_embeddings, self.embedding_dim)
-        if rows is None and self.raw.is_cuda:
+        if rows is None and raw.is_cuda:
             from ..quant import triton_dequant
 
             if triton_dequant.supports(self.fmt):  # one Triton launch (capturable in a decode graph)
-                rows = triton_dequant.dequantize_rows(self.fmt, self.raw, shape, ids.reshape(-1), torch.float32)
+                rows = triton_dequant.dequantize_rows(self.fmt, raw, shape, ids.reshape(-1), torch.float32)
         if rows is None:
-            rows = self.fmt.dequantize_rows(self.raw, shape, ids.reshape(-1), torch.float32)
-        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+            rows = self.fmt.dequantize_rows(raw, shape, ids.reshape(-1), torch.float32)
+        return rows

@@ -89,6 +89,12 @@ class Checkpoint:
         parameters' own bytes (nothing is kept compressed)."""
         return None
 
+    def embedding_bytes(self, model: torch.nn.Module, cfg: ModelConfig, mode: str | None) -> int:
+        """The bytes the token embedding will hold once loaded with compressed_dense=mode (model: the unloaded
+        tree on meta): its parameter's unless the checkpoint keeps it compressed."""
+        w = model.embed_tokens.weight
+        return w.numel() * w.element_size()
+
 
 def open_checkpoint(path: Path) -> Checkpoint:
     """The checkpoint at a local model path (as `resolve_model_path` gives it): a GGUF file (or a folder

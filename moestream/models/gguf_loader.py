@@ -234,6 +234,15 @@ class GGUFCheckpoint(Checkpoint):
             total += self._keep_compressed(model, t, cfg, set(), mode, dry=True) or 0
         return total
 
+    def embedding_bytes(self, model: torch.nn.Module, cfg: ModelConfig, mode: str | None) -> int:
+        """The token embedding's bytes once loaded: its stored rows where `mode` keeps it compressed."""
+        w = model.embed_tokens.weight
+        held = w.numel() * w.element_size()
+        t = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if t is None or not mode:
+            return held
+        return held + (self._keep_compressed(model, t, cfg, set(), mode, dry=True) or 0)
+
     def _keep_compressed(self, model: torch.nn.Module, t, cfg: ModelConfig, seen: set[str], mode: str = "cpu",
                          dry: bool = False):
         """Swap the Linear (or, mode "cpu", the embedding) that tensor ``t`` fills for one holding its GGUF

@@ -607,6 +607,26 @@ def dequantize(fmt: QuantFormat, raw, shape, out_dtype: torch.dtype = torch.floa
     return decode_parts(fmt, fmt._canon(raw, shape), shape, None, out_dtype).reshape(user_shape)
 
 
+def gguf_rows_to(fmt: GGUFFormat, table: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a GGUF matrix whose stored bytes `table` [V, row bytes] may live in page-locked host memory (the
+    kernel reads them over PCIe, zero-copy): [n, K] of out_dtype on ids' device, one launch and no host
+    synchronisation (recordable in a CUDA graph); under TRITON_INTERPRET=1 on CPU tensors in the tests."""
+    _check(fmt, out_dtype)
+    ids = ids.reshape(-1)
+    bs, ts = fmt.block_size, fmt.type_size
+    nblk = table.shape[1] // ts
+    out = torch.empty((ids.shape[0], nblk * bs), dtype=out_dtype, device=ids.device)
+    if ids.shape[0] == 0:
+        return out
+    bf16 = out_dtype == torch.bfloat16
+    g = max(1, _ELEMS // bs)
+    _gguf_kernel[(triton.cdiv(ids.shape[0] * nblk, g),)](
+        table, out.view(torch.int16) if bf16 else out, ids, lut_table(ids.device), 0, ids.shape[0], nblk,
+        table.stride(0), QT=_GGUF_IDS[fmt.type_name], BS=bs, TS=ts, NS=_GGUF_NS.get(fmt.type_name, 1), G=g,
+        HAS_IDX=True, OUT_BF16=bf16, **LAUNCH)
+    return out
+
+
 def dequantize_rows(fmt: QuantFormat, raw, shape, rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``fmt.dequantize_rows`` through the kernel."""
     _check(fmt, out_dtype)
