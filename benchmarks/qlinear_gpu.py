@@ -15,7 +15,7 @@ program per row that it replaced, and "mma", the tensor-core experiment (a bf16 
 row also times "words", the word-load experiment (a 32-bit load per 8 codes), and Q4_K rows "repack", the layout
 experiment (repack_q4k: codes as words in column order, scales unpacked; "gbs" counts the Q4_K bytes).
 --q8: the layers as the Q8_0 file stores them; with --q8 or --planar the block kernel runs at its defaults only, and
---planar times Q8_0, Q4_K and Q6_K layers also through kernels/planar.py (codes apart from their block scales: 16-byte loads) at the (BN, BV, warps, ELEM) of
+--planar times Q8_0, Q4_K and Q6_K layers also through quant/planar.py (codes apart from their block scales: 16-byte loads) at the (BN, BV, warps, ELEM) of
 PLANAR ("planar None": its defaults).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from moestream.kernels import planar
+from moestream.quant import planar
 from moestream.moe import qpairs
 from moestream.quant import gguf_format
 from moestream.quant.synthetic import random_raw
@@ -37,7 +37,7 @@ SHAPES = [("gdn in_proj_qkv", "Q4_K", 8192, 2048), ("gdn in_proj_z", "Q4_K", 409
           ("shared gate", "Q4_K", 512, 2048), ("shared down", "Q6_K", 2048, 512), ("lm_head", "Q6_K", 151936, 2048)]
 # --q8: the same layers as the Qwen3.6 Q8_0 file stores them (shared/tools/make_qwen36_gguf.py: every dense linear Q8_0)
 Q8_SHAPES = [(n, "Q8_0", N, K) for n, _, N, K in SHAPES]
-# kernels/planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
+# quant/planar.py's (BN, BV, warps, ELEM) per row count (RT follows T): "planar" entries of the sweep
 # (the 2026-12-06 H100 sweep: ELEM — products accumulated elementwise — won every Q8_0 shape, (8, 256, 4) at one row,
 # (2, 256, 4) at four; the per-step reductions lost by 1.7x)
 PLANAR = {1: [None, (4, 256, 4, True), (8, 256, 4, True), (16, 256, 4, True), (32, 256, 4, True), (8, 512, 4, True),
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--out", help="results JSON, rewritten after every shape (a run stopped at its limit keeps them)")
     ap.add_argument("--shapes", help="comma list of layer names (default: all), e.g. 'gdn in_proj_qkv,lm_head'")
     ap.add_argument("--q8", action="store_true", help="the Q8_0 file's types (and the block kernel's default only)")
-    ap.add_argument("--planar", action="store_true", help="Q8_0 / Q4_K / Q6_K layers also through kernels/planar.py's sweep")
+    ap.add_argument("--planar", action="store_true", help="Q8_0 / Q4_K / Q6_K layers also through quant/planar.py's sweep")
     args = ap.parse_args()
     pick = {n.strip() for n in args.shapes.split(",")} if args.shapes else None
     dev = torch.device("cuda")
@@ -99,7 +99,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a compiler refusal is a result of the sweep
                     row["configs"]["repack"] = f"{type(e).__name__}: {str(e)[:80]}"
                 del packed
-            if args.planar and qtype in planar.TYPES:  # kernels/planar.py; "gbs" counts the block format's bytes
+            if args.planar and qtype in planar.TYPES:  # quant/planar.py; "gbs" counts the block format's bytes
                 packed = [planar.repack(qtype, r, N, K) for r in raws]
                 bs = planar.BLOCK[qtype]
                 bvmax = next(v for v in (2048, 1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)

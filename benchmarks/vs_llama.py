@@ -18,7 +18,7 @@ at -ncmoe N, from this run's llama results or --vram-from) or a number of GiB. D
   fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;cpu@all
 Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGUF's dense layers compressed / 16-bit on the GPU),
 `BACKEND+repack` (MOESTREAM_QLINEAR_REPACK=1: compressed Q4_K dense layers in moe/qpairs.repack_q4k's layout),
-`BACKEND+noplanar` / `+planar4k` (MOESTREAM_PLANAR=0 / Q8_0,Q4_K,Q6_K: compressed dense layers in no kernels/planar.py
+`BACKEND+noplanar` / `+planar4k` (MOESTREAM_PLANAR=0 / Q8_0,Q4_K,Q6_K: compressed dense layers in no quant/planar.py
 layout / in it for Q4_K and Q6_K too; the default moves Q8_0 only),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
@@ -238,7 +238,7 @@ def _variant(variant: str, cfg: dict) -> bool:
     x8a = re.fullmatch(r"(x8a|ra|kb|chunks)(\d+)", variant)  # +x8aN / +raN / +kbN / +chunksN: the layer calls' tuning
     if variant in ("qdense", "bf16dense"):  # the GGUF's dense layers kept compressed on the GPU, or bf16 at load
         cfg.setdefault("env", {})["MOESTREAM_DENSE_QUANT"] = "1" if variant == "qdense" else "0"
-    elif variant in ("noplanar", "planar4k"):  # compressed dense layers in kernels/planar.py's layouts: none / Q4_K too
+    elif variant in ("noplanar", "planar4k"):  # compressed dense layers in quant/planar.py's layouts: none / Q4_K too
         cfg.setdefault("env", {})["MOESTREAM_PLANAR"] = "0" if variant == "noplanar" else "Q8_0,Q4_K,Q6_K"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_QLINEAR_REPACK"] = "1"

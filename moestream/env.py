@@ -164,3 +164,23 @@ def prefill_rows() -> int:
     planner's. Read when a plan is made."""
     v = os.environ.get("MOESTREAM_PREFILL_ROWS", "0")
     return int(v) if v.isdigit() else 0
+
+
+def launch_triple(name: str) -> tuple[int, int, int] | None:
+    """A kernel's "BN,BV,WARPS" launch constants from environment variable `name` (powers of two for BN and BV:
+    MOESTREAM_QLINEAR_CFG, MOESTREAM_QLINEAR_ROWS_CFG, MOESTREAM_PLANAR_CFG), None when unset; a malformed value is one
+    warning and None (the defaults)."""
+    env = os.environ.get(name, "")
+    if not env:
+        return None
+    try:
+        cfg = tuple(int(v) for v in env.split(","))
+        if len(cfg) != 3 or min(cfg) < 1 or any(v & (v - 1) for v in cfg[:2]):
+            raise ValueError
+        return cfg
+    except ValueError:
+        import logging
+
+        logging.getLogger("moestream").warning("%s=%r is not BN,BV,WARPS (powers of two for BN and BV): using the "
+                                               "defaults", name, env)
+        return None

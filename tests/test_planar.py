@@ -1,4 +1,4 @@
-"""moestream.kernels.planar: Q8_0, Q4_K and Q6_K dense layers in the planar layouts (codes apart from their block scales)
+"""moestream.quant.planar: Q8_0, Q4_K and Q6_K dense layers in the planar layouts (codes apart from their block scales)
 hold the stored values exactly; the GEMVs equal the float64 product of the dequantized weight within the fp32 bound
 of tests/test_qpairs.py (`_bound`: two fp32 sums of the same products in any order), taken for Q4_K over the terms it
 sums (d sc q x and dm mn x per sub-block: the scale and min are applied per sub-block, so their products are the terms),
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moestream.kernels import planar  # noqa: E402
+from moestream.quant import planar  # noqa: E402
 from moestream.quant import gguf_format  # noqa: E402
 from moestream.quant.synthetic import random_raw  # noqa: E402
 from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
@@ -194,6 +194,19 @@ def test_repack_keeps_the_stored_values():
     assert torch.equal(torch.cat([p6["ql"], p6["qh"], p6["sc"].view(torch.uint8), p6["d"].view(torch.uint8)], 1), b6)
     for q, r, pk in (("Q8_0", raw, p), ("Q4_K", raw4, p4), ("Q6_K", raw6, p6)):
         assert torch.equal(planar.dense_torch(q, pk, N, K), gguf_format(q).dequantize(r, (N, K), torch.float32))
+
+
+@pytest.mark.parametrize("qtype, T, env, want", [
+    ("Q8_0", 1, "", (8, 256, 4, 1, True)), ("Q8_0", 4, "", (2, 256, 4, 4, True)), ("Q4_K", 1, "", (16, 256, 4, 1, True)),
+    ("Q6_K", 1, "", (32, 256, 4, 1, True)), ("Q6_K", 3, "", (8, 256, 4, 4, True)),
+    ("Q8_0", 1, "4,512,8", (4, 512, 8, 1, True)), ("Q4_K", 1, "4,128,4", (4, 256, 4, 1, True)),
+    ("Q8_0", 1, "4,512", (8, 256, 4, 1, True))])
+def test_launch_constants(qtype, T, env, want, monkeypatch):
+    """The defaults (BV 256, a load of codes ~2 KiB, the elementwise form: the H100 sweep's best for Q8_0) and
+    MOESTREAM_PLANAR_CFG's BN, BV, warps (BV at least a block; malformed: the defaults)."""
+    monkeypatch.setenv("MOESTREAM_PLANAR_CFG", env)
+    monkeypatch.setattr(planar, "_CFG", {})
+    assert planar.config(qtype, 8192, 2048, T) == want
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

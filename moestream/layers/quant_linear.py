@@ -55,14 +55,14 @@ class QuantLinear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
-    # the GGUF type whose kernels/planar.py layout replaced raw (to_planar), its parts the buffers "pl_<part>"
+    # the GGUF type whose quant/planar.py layout replaced raw (to_planar), its parts the buffers "pl_<part>"
     planar: str | None = None
 
     def to_planar(self) -> bool:
-        """The weight moved to kernels/planar.py's layout for its type (before the model goes to a GPU: the GEMV then
+        """The weight moved to quant/planar.py's layout for its type (before the model goes to a GPU: the GEMV then
         reads codes with 16-byte loads); raw is released. False (nothing changed) for a type without one, one not in
         MOESTREAM_PLANAR or a layout already moved."""
-        from ..kernels import planar
+        from ..quant import planar
 
         name = self.fmt.type_name
         if name not in planar.TYPES or not planar.wanted(name) or self.planar is not None or self.raw.numel() == 0:
@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
         return {k[3:]: b for k, b in self._buffers.items() if k.startswith("pl_")}
 
     def _planar_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import planar
+        from ..quant import planar
 
         N, K = self.shape
         parts = self.planar_parts()
@@ -144,7 +144,7 @@ class QuantLinear(nn.Module):
         """The weight as a dense [out_features, in_features] tensor (models/fuse.py densifies a mixed group), in
         the model's column order."""
         if self.planar is not None:
-            from ..kernels import planar
+            from ..quant import planar
 
             w = planar.dense_torch(self.planar, self.planar_parts(), *self.shape).to(dtype)
         else:
@@ -161,7 +161,7 @@ class QuantLinear(nn.Module):
 
 
 def to_planar(model: nn.Module) -> int:
-    """Every QuantLinear of `model` whose type has a kernels/planar.py layout (MOESTREAM_PLANAR) moved there: a model
+    """Every QuantLinear of `model` whose type has a quant/planar.py layout (MOESTREAM_PLANAR) moved there: a model
     bound for a GPU, while it is still in host memory (the device then receives the final tensors only). Returns how
     many moved."""
     return sum(m.to_planar() for m in model.modules() if isinstance(m, QuantLinear))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ..env import launch_triple
 from .formats import PROJS, GGUFExpertFormat, HFExpertFormat
 from .swiglu import swiglu
 
@@ -241,7 +242,7 @@ def linear_config(N: int, K: int, T: int):
     default (None), or MOESTREAM_QLINEAR_CFG="BN,BV,WARPS" (benchmarks/qlinear_gpu.py sweeps them; read once)."""
     cfg = _QLINEAR_CFG.get("v", False)
     if cfg is False:
-        cfg = _QLINEAR_CFG["v"] = _env_cfg("MOESTREAM_QLINEAR_CFG")
+        cfg = _QLINEAR_CFG["v"] = launch_triple("MOESTREAM_QLINEAR_CFG")
     return cfg
 
 
@@ -367,7 +368,7 @@ def linear_rows_config(N: int, K: int, T: int, bs: int, qtype: str | None = None
         return bn, max(bv, bs), warps, 1
     cfg = _QLINEAR_CFG.get("rows_cfg", False)
     if cfg is False:
-        cfg = _QLINEAR_CFG["rows_cfg"] = _env_cfg("MOESTREAM_QLINEAR_ROWS_CFG")
+        cfg = _QLINEAR_CFG["rows_cfg"] = launch_triple("MOESTREAM_QLINEAR_ROWS_CFG")
     if cfg is not None:
         return cfg[0], max(cfg[1], bs), cfg[2], rt
     # BV 1024 up to K = 2048, else 512 (and at most K): the H100 sweep of 2026-12-06 (benchmarks/RESULTS.md, batch 4,
@@ -377,27 +378,6 @@ def linear_rows_config(N: int, K: int, T: int, bs: int, qtype: str | None = None
     # 8192 x 2048 where (2, 1024) took 37.5, and 4.3 against 4.6 us for 512 x 2048; Q6_K's lm_head was 10 % slower so
     bn = max(1, min(_pow2(N), (16384 if qtype == "Q4_K" else 8192) // (bv * rt)))
     return bn, bv, 4, rt
-
-
-def _env_cfg(name: str):
-    """A "BN,BV,WARPS" launch triple from the environment (powers of two for BN and BV), None when unset; a malformed
-    value is one warning and None (the defaults)."""
-    import os
-
-    env = os.environ.get(name, "")
-    if not env:
-        return None
-    try:
-        cfg = tuple(int(v) for v in env.split(","))
-        if len(cfg) != 3 or min(cfg) < 1 or any(v & (v - 1) for v in cfg[:2]):
-            raise ValueError
-        return cfg
-    except ValueError:
-        import logging
-
-        logging.getLogger("moestream.moe").warning(
-            "%s=%r is not BN,BV,WARPS (powers of two for BN and BV): using the defaults", name, env)
-        return None
 
 
 _LINEAR_FORMATS: dict = {}

@@ -39,7 +39,7 @@ try:  # optional: absent on CPU-only installs
     import triton
     import triton.language as tl
 
-    from ..quant.triton_dequant import _store  # bf16 rounded to nearest even, as torch's cast of the fp32 sums
+    from .triton_dequant import _store  # bf16 rounded to nearest even, as torch's cast of the fp32 sums
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -78,7 +78,7 @@ def repack(type_name: str, raw: torch.Tensor, N: int, K: int) -> dict[str, torch
         return {"ql": b[:, :, :128].contiguous().reshape(N, K // 2), "qh": b[:, :, 128:192].contiguous().reshape(N, K // 4),
                 "sc": b[:, :, 192:208].contiguous().view(torch.int8).reshape(N, K // 16),
                 "d": b[:, :, 208:].contiguous().view(torch.float16).reshape(N, K // 256)}
-    from ..quant import gguf_formats as gf
+    from . import gguf_formats as gf
 
     b = raw.reshape(N * (K // 256), 144)
     sc, mn = gf._k_scale_min(b[:, 4:16])
@@ -98,9 +98,9 @@ def config(type_name: str, N: int, K: int, T: int) -> tuple[int, int, int, int, 
     rt = min(1 << max(0, T - 1).bit_length(), MAX_ROWS)
     cfg = _CFG.get("cfg", False)
     if cfg is False:
-        from ..moe.qpairs import _env_cfg
+        from ..env import launch_triple
 
-        cfg = _CFG["cfg"] = _env_cfg("MOESTREAM_PLANAR_CFG")
+        cfg = _CFG["cfg"] = launch_triple("MOESTREAM_PLANAR_CFG")
         _CFG["elem"] = os.environ.get("MOESTREAM_PLANAR_ELEM", "1") != "0"
     bs = BLOCK[type_name]
     bv = next(v for v in (1024, 512, 256, 128, 64, 32) if K % v == 0 and v % bs == 0)
