@@ -184,17 +184,20 @@ def dense_torch(type_name: str, packed: dict[str, torch.Tensor], N: int, K: int)
 if triton is not None:
 
     @triton.jit
+    def _program_rows(T, N: tl.constexpr, BN: tl.constexpr, RT: tl.constexpr):
+        """Program (i, j) of a GEMV grid: its output columns n = i BN.. (mask, int64) and activation rows t = j RT..
+        (mask, int64)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        t = tl.program_id(1) * RT + tl.arange(0, RT)
+        return n < N, n.to(tl.int64), t < T, t.to(tl.int64)
+
+    @triton.jit
     def _q8_linear_kernel(x, q, d, y, perm, T, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr,
                        RT: tl.constexpr, Y_BF16: tl.constexpr, PERM: tl.constexpr, ELEM: tl.constexpr):
         """y rows t of program (i, j): BN output columns n = i BN.., RT activation rows t = j RT..; a step loads a
         [BN, BV // 32, 32] tile of codes (contiguous rows: 16-byte loads), x's [RT, BV // 32, 32] and the tile's
         [BN, BV // 32] scales. BV divides K."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nmask = n < N
-        nn = n.to(tl.int64)
-        t = tl.program_id(1) * RT + tl.arange(0, RT)
-        tmask = t < T
-        tt = t.to(tl.int64)
+        nmask, nn, tmask, tt = _program_rows(T, N, BN, RT)
         g = tl.arange(0, BV // 32)
         c0 = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32] columns of a step
         if ELEM:
@@ -242,12 +245,7 @@ if triton is not None:
         nibbles; products summed per sub-block, then d sc (sum q x) - dm mn (sum x); ELEM: each value d sc q - dm mn
         (the block decoder's) times x summed elementwise, one reduction after the loop. BV: a multiple of 256
         dividing K."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nmask = n < N
-        nn = n.to(tl.int64)
-        t = tl.program_id(1) * RT + tl.arange(0, RT)
-        tmask = t < T
-        tt = t.to(tl.int64)
+        nmask, nn, tmask, tt = _program_rows(T, N, BN, RT)
         G: tl.constexpr = BV // 64
         j = tl.arange(0, G)
         l = tl.arange(0, 32)
@@ -344,12 +342,7 @@ if triton is not None:
         """Q6_K planar: a step reads BV // 128 half-blocks of 128 values, each as four quarters of 32 (_q6k_part);
         per 16-value sub-block d sc (sum q x - 32 sum x); ELEM: each value d sc (q - 32) (the block decoder's) times x
         summed elementwise, one reduction after the loop. BV: a multiple of 256 dividing K."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nmask = n < N
-        nn = n.to(tl.int64)
-        t = tl.program_id(1) * RT + tl.arange(0, RT)
-        tmask = t < T
-        tt = t.to(tl.int64)
+        nmask, nn, tmask, tt = _program_rows(T, N, BN, RT)
         H: tl.constexpr = BV // 128
         hh = tl.arange(0, H)
         e = tl.arange(0, 2)[:, None]
