@@ -32,7 +32,7 @@ DPROF_ENV=${DPROF_ENV-}  # e.g. MOESTREAM_BRIDGE_X8=1: the step profiles' enviro
 SWEEP=${SWEEP-"8,16"}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep)
 SWEEP_TUNINGS=${SWEEP_TUNINGS-"flow=0;kb=32;kb=256"}  # timed against the default in alternating rounds
 QLIN_SHAPES=${QLIN_SHAPES-""}
-TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid or cuda_planar or cuda_gguf"}
+TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid or cuda_planar or cuda_gguf or planar_tokens"}
 AUX=$OUT/aux.log
 
 {
