@@ -92,7 +92,8 @@ def bridge_worker_in_c() -> bool:
 def cpu_layer_tuning() -> tuple[int, int, int, int, int]:
     """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=0,x8ahead=0,rowsahead=2,flow=1": the compiled MoE layer call's chunks
     per thread, least KiB of weights a chunk (0: max(32, 8 x the call's threads)), interleaved 8-row groups read ahead,
-    rows read ahead for the other types, and flow (1: a decode call's down rows of an expert start once that expert's gate/up rows are done; 0: after a
+    rows read ahead for the other types, and flow (1: a decode call's down rows of an expert start once that expert's
+    gate/up rows are done; 0: after a
     barrier on every expert's) (kernels/cpu/qmatmul.cpp, g_layer_chunks, g_layer_flow; the defaults are those
     numbers). For timing settings on a machine (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` / `+kbN`
     / `+flow` variants); results do not depend on them. Read at each kernel call; a key left out keeps its default. A

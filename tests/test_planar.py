@@ -96,7 +96,8 @@ def _dense_errors(qtype: str) -> list[str]:
 
 
 def _module_errors() -> list[str]:
-    """QuantLinear.to_planar: Q8_0, Q4_K and Q6_K layers move (Q8_0 holding the same bytes: the plan's count), others not;
+    """QuantLinear.to_planar: Q8_0, Q4_K and Q6_K layers move (Q8_0 holding the same bytes: the plan's count), others
+    not;
     the same products on the CPU fallback and for a prefill's rows; a second call changes nothing."""
     import os
 
@@ -197,7 +198,8 @@ def test_repack_keeps_the_stored_values():
 
 
 @pytest.mark.parametrize("qtype, T, env, want", [
-    ("Q8_0", 1, "", (8, 256, 4, 1, True)), ("Q8_0", 4, "", (2, 256, 4, 4, True)), ("Q4_K", 1, "", (16, 256, 4, 1, True)),
+    ("Q8_0", 1, "", (8, 256, 4, 1, True)), ("Q8_0", 4, "", (2, 256, 4, 4, True)),
+    ("Q4_K", 1, "", (16, 256, 4, 1, True)),
     ("Q6_K", 1, "", (32, 256, 4, 1, True)), ("Q6_K", 3, "", (8, 256, 4, 4, True)),
     ("Q8_0", 1, "4,512,8", (4, 512, 8, 1, True)), ("Q4_K", 1, "4,128,4", (4, 256, 4, 1, True)),
     ("Q8_0", 1, "4,512", (8, 256, 4, 1, True))])

@@ -262,10 +262,10 @@ class Engine:
 
     def _embedding_on_host(self, local, fmt, folder) -> bool:
         """Whether the token embedding stays in pinned host memory instead of VRAM: on CUDA, one rank, the gather
-        kernels available (layers/host_embedding.py for a 16-bit table; a GGUF's compressed rows, QuantEmbedding.to_host,
-        decoded on the device as they are read — llama.cpp keeps its token embedding in host memory too), and the
-        experts not all fitting in VRAM with the table there (its bytes then buy expert slots, or make a small card's
-        plan fit). MOESTREAM_HOST_EMBEDDING: auto (default), 1 (whenever it can), 0 (never)."""
+        kernels available (layers/host_embedding.py for a 16-bit table; a GGUF's compressed rows,
+        QuantEmbedding.to_host, decoded on the device as they are read — llama.cpp keeps its token embedding in host
+        memory too), and the experts not all fitting in VRAM with the table there (its bytes then buy expert slots, or
+        make a small card's plan fit). MOESTREAM_HOST_EMBEDDING: auto (default), 1 (whenever it can), 0 (never)."""
         import os
 
         from ..layers import host_embedding

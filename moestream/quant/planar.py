@@ -18,11 +18,11 @@ benchmarks/RESULTS.md 2026-12-06, twenty-fourth session: the Q4_K and Q6_K GEMVs
   stores 144. A value is d sc q - dm mn, so y = sum over sub-blocks of d sc (sum of q x) - dm mn (sum of x).
 
 All in fp32 (q * x is exact in fp32 for bf16 / fp16 x); the sums run in another order than the block kernels' and the
-K-quants' scales, mins and offsets are applied per sub-block, so results agree with the dequantized product to fp32 rounding of those terms
-(tests/test_planar.py states the bound), not to the bit. `dense` writes the matrix as 16-bit rows for a prefill's GEMM,
-each value as the block decoder computes it (to the bit). layers.QuantLinear moves its weight here before the model
-goes to a GPU, for the types of MOESTREAM_PLANAR (e.g. "Q8_0" or "Q8_0,Q4_K,Q6_K"; default "0": none — on an H100 the
-block kernels were as fast or faster at one row, below).
+K-quants' scales, mins and offsets are applied per sub-block, so results agree with the dequantized product to fp32
+rounding of those terms (tests/test_planar.py states the bound), not to the bit. `dense` writes the matrix as 16-bit
+rows for a prefill's GEMM, each value as the block decoder computes it (to the bit). layers.QuantLinear moves its weight
+here before the model goes to a GPU, for the types of MOESTREAM_PLANAR (e.g. "Q8_0" or "Q8_0,Q4_K,Q6_K"; default "0":
+none — on an H100 the block kernels were as fast or faster at one row, below).
 
 Measured (H100, benchmarks/RESULTS.md 2026-12-06, twenty-fourth session, one row, graph-timed): Q8_0 8192 x 2048 block
 kernel 13.7 µs (1.30 TB/s of stored bytes), planar 13.8 at its best constants, 23.6 with each block's sum reduced across
@@ -75,7 +75,8 @@ def repack(type_name: str, raw: torch.Tensor, N: int, K: int) -> dict[str, torch
                 "d": b[:, :, :2].contiguous().view(torch.float16).reshape(N, K // 32)}
     if type_name == "Q6_K":
         b = raw.reshape(N, K // 256, 210)
-        return {"ql": b[:, :, :128].contiguous().reshape(N, K // 2), "qh": b[:, :, 128:192].contiguous().reshape(N, K // 4),
+        return {"ql": b[:, :, :128].contiguous().reshape(N, K // 2),
+                "qh": b[:, :, 128:192].contiguous().reshape(N, K // 4),
                 "sc": b[:, :, 192:208].contiguous().view(torch.int8).reshape(N, K // 16),
                 "d": b[:, :, 208:].contiguous().view(torch.float16).reshape(N, K // 256)}
     from . import gguf_formats as gf

@@ -562,17 +562,7 @@ def decode_parts(fmt: QuantFormat, parts: dict[str, torch.Tensor], shape, rows=N
     with torch.cuda.device(dev) if other_gpu else nullcontext():  # Triton launches on the current device
         if isinstance(fmt, GGUFFormat):
             src = _rows2d(parts["data"])
-            if src.dtype != torch.uint8:
-                src = src.view(torch.uint8)
-            lut = lut_table(dev)  # the IQ4 levels and the IQ3_S grid; unused by the other types
-            bs = fmt.block_size
-            nblk = k // bs
-            g = max(1, _ELEMS // bs)
-            grid = (triton.cdiv(n_sel * nblk, g),)
-            _gguf_kernel[grid](src, out_arg, idx_arg, lut, row0, n_sel, nblk, src.stride(0),
-                               QT=_GGUF_IDS[fmt.type_name], BS=bs, TS=fmt.type_size,
-                               NS=_GGUF_NS.get(fmt.type_name, 1), G=g,
-                               HAS_IDX=has_idx, OUT_BF16=bf16, **LAUNCH)
+            _launch_gguf(fmt, src if src.dtype == torch.uint8 else src.view(torch.uint8), out, idx, row0, n_sel)
             return out
         kind, wname, sname = ((_FP8, "weight", fmt.parts[1].name) if isinstance(fmt, FP8Format) else
                               (_NVFP4, "weight", "weight_scale") if isinstance(fmt, NVFP4Format) else
@@ -613,18 +603,25 @@ def gguf_rows_to(fmt: GGUFFormat, table: torch.Tensor, ids: torch.Tensor, out_dt
     synchronisation (recordable in a CUDA graph); under TRITON_INTERPRET=1 on CPU tensors in the tests."""
     _check(fmt, out_dtype)
     ids = ids.reshape(-1)
-    bs, ts = fmt.block_size, fmt.type_size
-    nblk = table.shape[1] // ts
-    out = torch.empty((ids.shape[0], nblk * bs), dtype=out_dtype, device=ids.device)
-    if ids.shape[0] == 0:
-        return out
-    bf16 = out_dtype == torch.bfloat16
-    g = max(1, _ELEMS // bs)
-    _gguf_kernel[(triton.cdiv(ids.shape[0] * nblk, g),)](
-        table, out.view(torch.int16) if bf16 else out, ids, lut_table(ids.device), 0, ids.shape[0], nblk,
-        table.stride(0), QT=_GGUF_IDS[fmt.type_name], BS=bs, TS=ts, NS=_GGUF_NS.get(fmt.type_name, 1), G=g,
-        HAS_IDX=True, OUT_BF16=bf16, **LAUNCH)
+    out = torch.empty((ids.shape[0], table.shape[1] // fmt.type_size * fmt.block_size), dtype=out_dtype,
+                      device=ids.device)
+    if ids.shape[0]:
+        _launch_gguf(fmt, table, out, ids, 0, ids.shape[0])
     return out
+
+
+def _launch_gguf(fmt: GGUFFormat, src: torch.Tensor, out: torch.Tensor, idx: torch.Tensor | None, row0: int,
+                 n: int) -> None:
+    """out [n, K] = rows idx (or row0..row0 + n) of the GGUF blocks src [rows, row bytes] (uint8), decoded by
+    _gguf_kernel on out's device (the IQ tables there too); src may be page-locked host memory."""
+    bs = fmt.block_size
+    nblk = out.shape[1] // bs
+    g = max(1, _ELEMS // bs)
+    bf16 = out.dtype == torch.bfloat16
+    _gguf_kernel[(triton.cdiv(n * nblk, g),)](
+        src, out.view(torch.int16) if bf16 else out, idx if idx is not None else out, lut_table(out.device), row0, n,
+        nblk, src.stride(0), QT=_GGUF_IDS[fmt.type_name], BS=bs, TS=fmt.type_size, NS=_GGUF_NS.get(fmt.type_name, 1),
+        G=g, HAS_IDX=idx is not None, OUT_BF16=bf16, **LAUNCH)
 
 
 def dequantize_rows(fmt: QuantFormat, raw, shape, rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
