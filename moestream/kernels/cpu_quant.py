@@ -256,7 +256,7 @@ LAYER_PROFILE = ("calls", "setup", "p1_first", "p1_last", "p2_first", "p2_last",
 
 def layer_profile(on: bool) -> dict:
     """Turns the MoE layer call's profile on or off and returns what it summed since the last read (seconds; keys
-    LAYER_PROFILE: calls, entry to the threads' start, from then to the first / last thread done with the gate/up
+    LAYER_PROFILE: calls, entry to the first thread's start, from then to the first / last thread done with the gate/up
     rows and with the down rows, entry to return), cleared. For benchmarks: a profiled call reads the clock a few
     times a thread."""
     out = np.zeros(len(LAYER_PROFILE))

@@ -216,7 +216,7 @@ std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{0}, 
 std::atomic<int64_t> g_layer_flow{1};
 
 // Where a layer call's time goes (ms_layer_profile; off unless asked, for benchmarks/cpu_layer_tuning.py): per call,
-// seconds from entry to the threads' start, from then to the first and the last thread done with the gate/up rows,
+// seconds from entry to the first thread's start, from then to the first and the last thread done with the gate/up rows,
 // to the first and the last done with the down rows, and entry to return, summed over the calls profiled.
 std::atomic<int> g_layer_prof{0};
 std::mutex g_layer_prof_mu;
@@ -2056,11 +2056,13 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   if (flow)
     for (int64_t g = 0; g < G; ++g) done1[g].store(0, std::memory_order_relaxed);
   const bool prof = g_layer_prof.load(std::memory_order_relaxed) != 0;
-  std::vector<double> pt(prof ? 2 * (size_t)nt + 1 : 0, 0.0);  // region start, then per thread: phase 1 / 2 done
+  // per thread: its start, phase 1 done, phase 2 done (the region starts at the first thread's start: a thread may
+  // be scheduled late, after others finished their first phase)
+  std::vector<double> pt(prof ? 3 * (size_t)nt : 0, 0.0);
   const double t_entry = prof ? prof_clock() : 0.0;
 
   parallel(nt, [&](const int t, const int T, auto&& barrier) {
-    if (prof && t == 0) pt[0] = prof_clock();
+    if (prof) pt[3 * t] = prof_clock();
     if (!x_here) {
       for (int64_t r = t; r < nx; r += T) x_row(r);
       barrier();
@@ -2103,7 +2105,7 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
           made += nb;
         }
     }
-    if (prof) pt[1 + 2 * t] = prof_clock();
+    if (prof) pt[3 * t + 1] = prof_clock();
     if (!flow || !x_here) barrier();
     // down rows, times the routing weight, into each pair's output row. Each thread quantizes the h rows of the
     // experts it reaches into its own buffers (a few rows of I values: cheaper than a barrier after a shared pass).
@@ -2156,19 +2158,19 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             }
         }
     }
-    if (prof) pt[2 + 2 * t] = prof_clock();
+    if (prof) pt[3 * t + 2] = prof_clock();
   });
   if (prof) {
     const double t_end = prof_clock();
-    double p1[2] = {1e30, 0}, p2[2] = {1e30, 0};
+    double t0 = 1e30, p1[2] = {1e30, 0}, p2[2] = {1e30, 0};
     for (int t = 0; t < nt; ++t) {
-      if (pt[1 + 2 * t] == 0.0) continue;  // (a team smaller than nt)
-      p1[0] = std::min(p1[0], pt[1 + 2 * t]), p1[1] = std::max(p1[1], pt[1 + 2 * t]);
-      p2[0] = std::min(p2[0], pt[2 + 2 * t]), p2[1] = std::max(p2[1], pt[2 + 2 * t]);
+      if (pt[3 * t] == 0.0) continue;  // (a team smaller than nt)
+      t0 = std::min(t0, pt[3 * t]);
+      p1[0] = std::min(p1[0], pt[3 * t + 1]), p1[1] = std::max(p1[1], pt[3 * t + 1]);
+      p2[0] = std::min(p2[0], pt[3 * t + 2]), p2[1] = std::max(p2[1], pt[3 * t + 2]);
     }
     std::lock_guard<std::mutex> lk(g_layer_prof_mu);
-    const double add[7] = {1, pt[0] - t_entry, p1[0] - pt[0], p1[1] - pt[0], p2[0] - pt[0], p2[1] - pt[0],
-                           t_end - t_entry};
+    const double add[7] = {1, t0 - t_entry, p1[0] - t0, p1[1] - t0, p2[0] - t0, p2[1] - t0, t_end - t_entry};
     for (int i = 0; i < 7; ++i) g_layer_prof_sum[i] += add[i];
   }
   return 0;
