@@ -67,13 +67,15 @@ def one(args) -> dict:
 
     cuda = args.device.startswith("cuda")
     cap = float(args.one)
-    rec: dict = {"cap_gib": cap, "backend_asked": args.backend}
+    rec: dict = {"cap_gib": cap, "backend_asked": args.backend, "kv_cache_dtype": args.kv_cache_dtype,
+                 "lm_head_quant": args.lm_head_quant}
     gib = lambda n: round(n / 2**30, 3)  # noqa: E731
     t = time.perf_counter()
     try:
         llm = LLM(args.model, device=args.device, dtype="bfloat16" if cuda else "float32", moe_backend=args.backend,
                   gpu_memory_gb=cap if cuda else None, max_running_requests=4,
-                  max_seq_len_override=args.prompt + args.decode + 16)
+                  max_seq_len_override=args.prompt + args.decode + 16, kv_cache_dtype=args.kv_cache_dtype,
+                  lm_head_quant=args.lm_head_quant)
     except Exception as e:  # a refused plan is a result
         rec.update(error=f"{type(e).__name__}: {e}", load_s=time.perf_counter() - t)
         return rec
@@ -166,6 +168,8 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as serve's (fp8: e4m3, half a bf16 cache)")
+    ap.add_argument("--lm-head-quant", default="none", help="as serve's (q8_0: a 16-bit head stored as Q8_0)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -176,7 +180,8 @@ def main() -> None:
     results = []
     for cap in args.caps.split(","):
         cmd = [sys.executable, __file__, args.model, "--one", cap, "--prompt", str(args.prompt), "--decode",
-               str(args.decode), "--backend", args.backend, "--device", args.device]
+               str(args.decode), "--backend", args.backend, "--device", args.device, "--kv-cache-dtype",
+               args.kv_cache_dtype, "--lm-head-quant", args.lm_head_quant]
         print(f"== cap {cap} GiB", flush=True)
         rec = run_isolated(cmd, args.timeout, {"cap_gib": float(cap)})
         results.append(rec)

@@ -392,7 +392,8 @@ MOE_EXPERT_FORMATS = ("auto", "dense")
 MOE_DECODE_KERNELS = ("auto", "pairs", "grouped")
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
+LM_HEAD_QUANTS = ("none", "q8_0")
 
 
 def option(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
@@ -415,9 +416,16 @@ class EngineConfig:
     memory_ratio: float = option(0.9, "fraction of free VRAM moestream may use")
     gpu_memory_gb: float | None = option(None, "cap on VRAM used (makes a big GPU act small)")
     linear_state_dtype: str = option("float32", "dtype of the Gated DeltaNet recurrent state")
-    kv_cache_dtype: str = option("auto", "dtype of the attention KV cache: auto (the model's), float32, float16 or "
-                                 "bfloat16 (float16 halves the bytes a long-context CPU decode step reads)",
+    kv_cache_dtype: str = option("auto", "dtype of the attention KV cache: auto (the model's), float32, float16, "
+                                 "bfloat16 or fp8 (= fp8_e4m3: e4m3fn saturated at +-448, no scale; half a 16-bit "
+                                 "cache's bytes, so twice the context in the same VRAM; float16 halves the bytes a "
+                                 "long-context CPU decode step reads)",
                                  choices=KV_CACHE_DTYPES)
+    # q8_0: a 16/32-bit vocabulary head (an FP8 checkpoint's: bf16, 0.95 GB for Qwen3.6) stored as Q8_0 blocks at
+    # load, half the bytes; its GEMVs read them (the Q8_0 kernels of a GGUF head)
+    lm_head_quant: str = option("none", "none: the vocabulary head as the checkpoint stores it; q8_0: a 16/32-bit "
+                                "head quantized to Q8_0 at load (about half a bf16 head's bytes; an untied head only)",
+                                choices=LM_HEAD_QUANTS)
     moe_backend: str = option("auto", "auto, fused, offload, cpu or hybrid", "experts")
     moe_cache_size: int | None = option(None, "VRAM expert slots (offload/hybrid)", "experts")
     moe_cache_rate: float | None = option(None, "fraction of all experts kept in VRAM", "experts")
@@ -530,6 +538,8 @@ class EngineConfig:
             raise ConfigError(f"--triton must be auto, on or off, got {self.triton!r}")
         if self.linear_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("--linear-state-dtype must be float32, bfloat16 or float16")
+        if self.lm_head_quant not in LM_HEAD_QUANTS:
+            raise ConfigError(f"--lm-head-quant must be one of {', '.join(LM_HEAD_QUANTS)}, got {self.lm_head_quant!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

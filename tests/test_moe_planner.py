@@ -504,6 +504,98 @@ def test_qwen36_q4km_32k_context_at_4gib(backend):
     assert "\n" not in msg
 
 
+# ---- the Qwen3.6-35B-A3B-shaped FP8 checkpoint (benchmarks/make_qwen36_fp8.py: vocabulary 248,320) at 4 GiB ---------
+FP8_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
+               "linear_attn.out_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+
+
+def _qwen36_fp8_dense(layers: int = 40, head_q8: bool = False) -> tuple[dict, int, int, int]:
+    """(config, dense bytes on a GPU with the embedding there, the embedding's bytes, the head's): FP8 codes + float32
+    scales per 128x128 block for the quantized linears, bf16 for the rest (router, norms, conv, head). The formula
+    equals HFCheckpoint.dense_bytes on the file the generator writes: 2,179,620,864 bytes for --layers 4, measured
+    2026-12-06 on the dev VM (test_qwen36_fp8_dense_matches_the_file's below)."""
+    import re
+
+    import torch
+
+    from moestream.config import ModelConfig
+    from moestream.models.qwen_moe import QwenMoeModel
+
+    conf = {**QWEN36, "vocab_size": 248320, "num_hidden_layers": layers,
+            "layer_types": QWEN36["layer_types"][:layers]}
+    cfg = ModelConfig.from_hf(conf)
+    with torch.device("meta"):
+        model = QwenMoeModel(cfg).to(torch.bfloat16)
+    fp8 = re.compile(r"layers\.\d+\.(" + "|".join(re.escape(n) for n in FP8_LINEARS) + r")\.weight")
+    total = 0
+    for name, p in model.named_parameters():
+        if fp8.fullmatch(name):
+            r, c = p.shape
+            total += r * c + -(-r // 128) * -(-c // 128) * 4
+        else:
+            total += p.numel() * 2
+    V, H = cfg.vocab_size, cfg.hidden_size
+    head = V * (H // 32) * 34 if head_q8 else V * H * 2
+    return conf, total - V * H * 2 + head, V * H * 2, head
+
+
+def test_qwen36_fp8_dense_matches_the_file():
+    """The formula against HFCheckpoint.dense_bytes of the generator's 4-layer file (measured; writing it takes 5 GB,
+    so CI checks the arithmetic): the full shape's dense layers are then 2.30 GiB with the embedding in host memory,
+    0.88 GiB of them the bf16 head — the figure the H100 plan printed on 2026-12-06 (call 3)."""
+    _, dense4, _, _ = _qwen36_fp8_dense(4)
+    assert dense4 == 2_179_620_864
+    _, dense, emb, head = _qwen36_fp8_dense(40)
+    assert round((dense - emb) / GiB, 2) == 2.30 and round(head / GiB, 3) == 0.947
+
+
+def _qwen36_fp8_engine(head_q8: bool):
+    from types import SimpleNamespace
+
+    from moestream.config import ModelConfig
+    from moestream.engine.engine import Engine
+    from moestream.moe.planner import model_sizes
+
+    conf, dense, emb, _ = _qwen36_fp8_dense(40, head_q8)
+    cfg = ModelConfig.from_hf(conf)
+    _, _, _, slot, _ = _qwen36_q4km()  # (the same GDN state)
+    expert = 3 * 512 * 2048 + 3 * 4 * 16 * 4  # FP8 codes + the three matrices' block scales
+
+    def snapshots(e):
+        return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
+
+    def sizes_for(e):
+        kv = 10 * 2 * 2 * 256 * (1 if e.kv_cache_dtype.startswith("fp8") else 2)  # 10 attention layers, 2 KV heads
+        return model_sizes(cfg, e, dense - emb, cfg.max_position_embeddings, kv,
+                           slot * (e.max_running_requests + snapshots(e)), expert)
+
+    hw = Hardware("cuda", "H100", 79 * GiB, 128 * GiB, 120 * GiB, 16, context_bytes=H200_CONTEXT)
+    fake = SimpleNamespace(hardware=hw, tp=None, _snapshots=snapshots)
+    fake._smaller_options = lambda e: Engine._smaller_options(fake, e)
+    fake._options_down_to = lambda e, floor: Engine._options_down_to(fake, e, floor)
+    return lambda e: Engine._plan_fitting(fake, sizes_for, e, None)
+
+
+@pytest.mark.parametrize("kv,head_q8,fits", [("auto", False, False), ("fp8", False, False), ("auto", True, False),
+                                             ("fp8", True, True)])
+def test_qwen36_fp8_32k_context_at_4gib(kv, head_q8, fits):
+    """Issue 17's FP8 case: a 32k-token context at 4 GiB. The bf16 head (0.95 GiB) and a bf16 KV (0.63 GiB a
+    32,816-token request) leave no room for the 8 expert slots offload needs (refused so on the H100, 2026-12-06);
+    neither --kv-cache-dtype fp8 (0.31 GiB) nor --lm-head-quant q8_0 (0.50 GiB) alone makes room; both do, within
+    the cap."""
+    fit = _qwen36_fp8_engine(head_q8)
+    ctx = 32768 + 32 + 16
+    e = EngineConfig(moe_backend="offload", gpu_memory_gb=4, max_seq_len_override=ctx, kv_cache_dtype=kv,
+                     lm_head_quant="q8_0" if head_q8 else "none")
+    if not fits:
+        with pytest.raises(ConfigError, match="expert slots"):
+            fit(e)
+        return
+    plan, used = fit(e)
+    assert plan.kv_tokens >= ctx and plan.cache_slots >= 8 and _plan_total(plan) <= 4 * GiB
+
+
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
 def test_qwen36_q4km_offload_small_caps(backend):
     """offload / hybrid at 3.0 and 3.2 GiB: at the chunk floor a small budget reserves one useful context and top-k

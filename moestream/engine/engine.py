@@ -39,6 +39,7 @@ log = logging.getLogger("moestream.engine")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -214,6 +215,10 @@ class Engine:
             except ConfigError:
                 pass
         self.dense_bytes = self._planned_dense_bytes(local, folder, mode)
+        head = self._head_to_quantize(local, folder)
+        if head is not None:  # planned at its Q8_0 bytes
+            held = self.dense_bytes if self.dense_bytes is not None else dense_bytes_held(local)
+            self.dense_bytes = held - head[0] + head[1]
         self.dense_mode = mode
         self.host_embedding = self._embedding_on_host(local, fmt, folder)
         if self.host_embedding:  # planned without the table's device bytes (a GGUF's: its stored rows, if kept so)
@@ -236,6 +241,8 @@ class Engine:
         store = (self.tp.expert_store if self.tp else ExpertStore)(
             moe_layers, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size, fmt, home)
         load_weights(model, store, self.cfg, folder, compressed_dense=mode)
+        if head is not None:
+            self._quantize_head(model)
         if self.tp:
             model = self.tp.shard(model).to(self.device)
         else:
@@ -259,6 +266,42 @@ class Engine:
         self.route_tap = self._routing_recorder(folder)
         self._start_runtime(store, model)
         return model.eval()
+
+    def _head_to_quantize(self, local, folder) -> tuple[int, int] | None:
+        """--lm-head-quant q8_0: (the head's bytes as loaded, as Q8_0) where the checkpoint's head loads as a 16/32-bit
+        matrix (a safetensors checkpoint's; a GGUF's head keeps the type its file stores: logged); None otherwise.
+        A head tied to the embedding or split over tensor-parallel ranks is refused with the reason."""
+        if self.ecfg.lm_head_quant == "none":
+            return None
+        if self.cfg.tie_word_embeddings:
+            raise ConfigError("--lm-head-quant q8_0: this model's vocabulary head is its token embedding "
+                              "(tie_word_embeddings); quantizing it would keep a second copy: leave it at none")
+        if self.tp:
+            raise ConfigError("--lm-head-quant q8_0 is not supported with --tp-size > 1")
+        from ..models.gguf_loader import find_gguf
+
+        if folder is not None and find_gguf(folder) is not None:  # a GGUF's head is stored compressed (or F16) already
+            log.info("--lm-head-quant q8_0: a GGUF's head keeps the type its file stores")
+            return None
+        n, k = self.local_cfg.vocab_size, self.local_cfg.hidden_size
+        if k % 32:
+            raise ConfigError(f"--lm-head-quant q8_0 needs a hidden size that is a multiple of 32, got {k}")
+        return n * k * self.dtype.itemsize, n * (k // 32) * 34
+
+    def _quantize_head(self, model) -> None:
+        """The loaded 16/32-bit head replaced by its Q8_0 blocks (a QuantLinear that multiplies float32 activations on
+        a CPU, as a GGUF's Q8_0 head does)."""
+        from ..kernels.linear import Linear
+        from ..layers.quant_linear import QuantLinear
+        from ..quant.gguf_formats import quantize_q8_0
+
+        old = model.lm_head
+        if type(old) is not Linear:
+            return
+        n, k = old.weight.shape
+        model.lm_head = QuantLinear("Q8_0", quantize_q8_0(old.weight.detach()), n, k, float_activations=True)
+        log.info("vocabulary head quantized to Q8_0 (%.2f GiB, was %.2f)", n * (k // 32) * 34 / 2**30,
+                 old.weight.numel() * old.weight.element_size() / 2**30)
 
     def _embedding_on_host(self, local, fmt, folder) -> bool:
         """Whether the token embedding stays in pinned host memory instead of VRAM: on CUDA, one rank, the gather
@@ -670,7 +713,7 @@ class Engine:
     def kv_dtype(self, e: EngineConfig | None = None) -> torch.dtype:
         """The KV cache's element type: --kv-cache-dtype, or the model's (auto)."""
         name = (e or self.ecfg).kv_cache_dtype
-        return self.dtype if name == "auto" else DTYPES[name]
+        return self.dtype if name == "auto" else KV_DTYPES[name]
 
     def _cache_bytes(self, e: EngineConfig | None = None) -> tuple[int, int]:
         """(KV bytes per token, bytes of one linear-state slot) of this rank (e: the options; default this

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import DecodeArrays, ForwardBatch, SeqMeta
+from ..kvcache import raw
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
 from .sampler import (PenaltyState, apply_bitmask, apply_penalties, logprobs_of, sample, sample_device,
@@ -366,8 +367,8 @@ class ModelRunner:
         if kv.k is not None:
             a = kv.flat_index(src.pages, 0, n, dev)
             b = kv.flat_index(dst.pages, 0, n, dev)
-            kv.k[:, b] = kv.k[:, a]
-            kv.v[:, b] = kv.v[:, a]
+            for t in (raw(kv.k), raw(kv.v)):
+                t[:, b] = t[:, a]
         self.engine.caches.state.copy([(src.state_slot, dst.state_slot)])
 
     def _force_think_close(self, reqs: list[Request]) -> None:

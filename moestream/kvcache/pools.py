@@ -65,6 +65,12 @@ class PagePool:
         assert not (set(self._free) & self._used)
 
 
+def raw(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A cache tensor as moved by index: an fp8 (e4m3fn) cache as its uint8 view (torch lacks fp8 index kernels
+    on some devices), any other as it is."""
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
+
+
 class KVPool:
     RESIZE_CHUNK = 64  # pages copied at once when the pool is resized (a device temporary of that size)
 
@@ -94,7 +100,7 @@ class KVPool:
             rows = lambda pages: (torch.tensor(pages)[:, None] * P + torch.arange(P)).flatten().to(dev)  # noqa: E731
             chunks = [slice(i, i + self.RESIZE_CHUNK) for i in range(0, len(old), self.RESIZE_CHUNK)]
             saved = []
-            for t in (self.k, self.v):
+            for t in (raw(self.k), raw(self.v)):
                 host = torch.empty((t.shape[0], len(old) * P, *t.shape[2:]), dtype=t.dtype)
                 for c in chunks:
                     host[:, c.start * P:(c.start + len(old[c])) * P] = t[:, rows(old[c])].to("cpu")
@@ -104,7 +110,7 @@ class KVPool:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             self.k, self.v = (torch.zeros(shape, dtype=dtype, device=dev) for _ in range(2))
-            for t, host in zip((self.k, self.v), saved):
+            for t, host in zip((raw(self.k), raw(self.v)), saved):
                 for c in chunks:
                     t[:, rows(new[c])] = host[:, c.start * P:(c.start + len(new[c])) * P].to(dev)
         self.num_pages = num_pages
@@ -119,8 +125,8 @@ class KVPool:
             return
         P = self.page_size
         for src, dst, n in copies:
-            self.k[:, dst * P:dst * P + n].copy_(self.k[:, src * P:src * P + n])
-            self.v[:, dst * P:dst * P + n].copy_(self.v[:, src * P:src * P + n])
+            for t in (raw(self.k), raw(self.v)):
+                t[:, dst * P:dst * P + n].copy_(t[:, src * P:src * P + n])
 
     def flat_rows(self, page_table: list[int], n: int) -> np.ndarray:
         """flat_index(page_table, 0, n) as an int64 numpy array (n > 0)."""
@@ -223,8 +229,8 @@ class HostPool:
         for op, src, dst in ops:
             if op in ("kv_out", "kv_in") and self.k is not None:
                 a, b = (kv, self) if op == "kv_out" else (self, kv)
-                b.k[:, dst * P:(dst + 1) * P].copy_(a.k[:, src * P:(src + 1) * P], non_blocking=True)
-                b.v[:, dst * P:(dst + 1) * P].copy_(a.v[:, src * P:(src + 1) * P], non_blocking=True)
+                raw(b.k)[:, dst * P:(dst + 1) * P].copy_(raw(a.k)[:, src * P:(src + 1) * P], non_blocking=True)
+                raw(b.v)[:, dst * P:(dst + 1) * P].copy_(raw(a.v)[:, src * P:(src + 1) * P], non_blocking=True)
             elif op in ("state_out", "state_in") and self.conv is not None:
                 a, b = (state, self) if op == "state_out" else (self, state)
                 b.conv[:, dst].copy_(a.conv[:, src], non_blocking=True)

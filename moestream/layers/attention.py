@@ -21,6 +21,25 @@ except ImportError:  # pragma: no cover - older torch
 # a materialised score matrix included)
 SCORES_BYTES = 128 << 20
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value: an fp8 cache saturates there (no scale: --kv-cache-dtype fp8)
+
+
+def kv_write(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """x [T, Hk, D] into cache rows `rows` in the cache's dtype; an fp8 (e4m3fn) cache gets x saturated at +-448 and
+    rounded to nearest even, written through its uint8 view (torch has no fp8 index_copy_ on every device)."""
+    if cache.dtype == FP8:
+        cache.view(torch.uint8).index_copy_(0, rows, x.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8))
+    else:
+        cache.index_copy_(0, rows, x.to(cache.dtype))
+
+
+def kv_rows(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[rows] in `dtype` (an fp8 cache gathered through its uint8 view, then decoded)."""
+    if cache.dtype == FP8:
+        return cache.view(torch.uint8)[rows].view(FP8).to(dtype)
+    return cache[rows].to(dtype)
+
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -47,7 +66,8 @@ class Attention(nn.Module):
     def _fused_prep(self, q, k, v, k_cache, rotary) -> bool:
         qn, kn = self.q_norm, self.k_norm
         return (triton_ops.enabled(q) and isinstance(qn, RMSNorm) and isinstance(kn, RMSNorm)
-                and qn.eps == kn.eps and qn.zero_centered == kn.zero_centered and k_cache.dtype == k.dtype
+                and qn.eps == kn.eps and qn.zero_centered == kn.zero_centered
+                and k_cache.dtype in (k.dtype, FP8)
                 and triton_ops.qk_norm_rope_cache_ok(q, k, v, k_cache, rotary, self.head_dim))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,8 +90,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(T, H, D))
             k = self.k_norm(k)
             q, k = rotary.apply(q, k, batch.positions)
-            k_cache.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
+            kv_write(k_cache, batch.kv_write_index, k)
+            kv_write(v_cache, batch.kv_write_index, v)
         if "decode_kv_index" in batch.extra:
             ex, out = batch.extra, None
             if attn_decode.usable(q, k_cache):
@@ -86,7 +106,8 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             for s in batch.seqs:
                 qs = q[s.start:s.start + s.length]
-                out[s.start:s.start + s.length] = self._attend(qs, k_cache[s.kv_index], v_cache[s.kv_index], s.cached)
+                out[s.start:s.start + s.length] = self._attend(qs, kv_rows(k_cache, s.kv_index, q.dtype),
+                                                               kv_rows(v_cache, s.kv_index, q.dtype), s.cached)
         out = out.reshape(T, H * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -130,8 +151,8 @@ class Attention(nn.Module):
         B = idx.shape[0]
         groups = self.num_heads // self.num_kv_heads
         # the query heads sharing a KV head ride as that head's "query length": no K/V repetition
-        k = k_cache[idx].to(q.dtype).permute(0, 2, 1, 3)  # [B, Hk, S, D]
-        v = v_cache[idx].to(q.dtype).permute(0, 2, 1, 3)
+        k = kv_rows(k_cache, idx, q.dtype).permute(0, 2, 1, 3)  # [B, Hk, S, D]
+        v = kv_rows(v_cache, idx, q.dtype).permute(0, 2, 1, 3)
         qh = q.view(B, self.num_kv_heads, groups, self.head_dim)
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
         return o.reshape(B, self.num_heads, self.head_dim)
@@ -146,8 +167,8 @@ class Attention(nn.Module):
             idx[i, :s.total] = s.kv_index
             valid[i, :s.total] = True
         groups = self.num_heads // self.num_kv_heads
-        k = k_cache[idx].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [B, H, S, D]
-        v = v_cache[idx].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
+        k = kv_rows(k_cache, idx, q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [B, H, S, D]
+        v = kv_rows(v_cache, idx, q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
         qh = q.view(B, 1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
         return o.transpose(1, 2).reshape(B, self.num_heads, self.head_dim)

@@ -14,7 +14,8 @@ softmax, fp32). A second kernel, one program per (sequence, query head), merges 
 count depends only on the padded width and the batch, so a recorded CUDA graph replays it for every length
 up to its bucket; splits past a sequence's length store an empty partial. Scores and the P.V products run
 on tensor cores in the cache's 16-bit dtype with fp32 accumulation (as SDPA's fused kernels do); a
-float32 cache runs in full fp32. MOESTREAM_SPLIT_DECODE=0 (env.split_decode_enabled) keeps the torch path.
+float32 cache runs in full fp32; an fp8 (e4m3fn) cache's keys and values are decoded in registers to the
+queries' dtype (integer arithmetic: no fp8 hardware needed). MOESTREAM_SPLIT_DECODE=0 (env.split_decode_enabled) keeps the torch path.
 Tests: tests/test_attn_decode.py (the kernels under TRITON_INTERPRET=1 on CPU tensors against SDPA).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import torch
 
 from ..env import split_decode_enabled, triton_enabled, triton_interpreted
+from .triton_ops import fp8_decode
 
 try:  # optional: absent on CPU-only installs
     import triton
@@ -41,12 +43,15 @@ MAX_SPLITS = 256
 if triton is not None:
     @triton.jit
     def _block(q, k_ptr, v_ptr, idx_row, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum, acc, d,
-               BLOCK: tl.constexpr, IEEE: tl.constexpr):
-        """One block of keys from `start` (those < hi valid) folded into the running max, sum and output."""
+               BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+        """One block of keys from `start` (those < hi valid) folded into the running max, sum and output. FP8: the
+        caches are uint8 views of e4m3fn caches, decoded to the query's dtype."""
         n = start + tl.arange(0, BLOCK)
         nm = n < hi
         tok = tl.load(idx_row + n, mask=nm, other=0)
-        k = tl.load(k_ptr + tok[:, None] * K_ST + h * K_SH + d[None, :], mask=nm[:, None], other=0.0)
+        k = tl.load(k_ptr + tok[:, None] * K_ST + h * K_SH + d[None, :], mask=nm[:, None], other=0)
+        if FP8:
+            k = fp8_decode(k).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -56,7 +61,9 @@ if triton is not None:
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + tok[:, None] * V_ST + h * V_SH + d[None, :], mask=nm[:, None], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * V_ST + h * V_SH + d[None, :], mask=nm[:, None], other=0)
+        if FP8:
+            v = fp8_decode(v).to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -67,7 +74,7 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, po_ptr, pml_ptr,
                       Q_SB, Q_SH, K_ST, K_SH, V_ST, V_SH, IDX_SB, HK, NSPLIT, SPLIT_KEYS, scale,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                      IEEE: tl.constexpr, WHILE: tl.constexpr):
+                      IEEE: tl.constexpr, WHILE: tl.constexpr, FP8: tl.constexpr = False):
         bh = tl.program_id(0)  # sequence * HK + KV head
         sp = tl.program_id(1)
         b = bh // HK
@@ -79,7 +86,7 @@ if triton is not None:
         d = tl.arange(0, D)
         gm = g < G
         q = tl.load(q_ptr + b * Q_SB + (h * G + g)[:, None] * Q_SH + d[None, :], mask=gm[:, None], other=0.0)
-        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+        q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)  # (the cache's dtype unless FP8)
         m = tl.full([GP], float("-inf"), tl.float32)
         lsum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -88,12 +95,12 @@ if triton is not None:
             start = lo
             while start < hi:
                 m, lsum, acc = _block(q, k_ptr, v_ptr, idx_row, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum,
-                                      acc, d, BLOCK, IEEE)
+                                      acc, d, BLOCK, IEEE, FP8)
                 start += BLOCK
         else:  # compiled: a `for` the compiler pipelines
             for start in range(lo, hi, BLOCK):
                 m, lsum, acc = _block(q, k_ptr, v_ptr, idx_row, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum,
-                                      acc, d, BLOCK, IEEE)
+                                      acc, d, BLOCK, IEEE, FP8)
         base = bh * NSPLIT + sp
         tl.store(po_ptr + base * GP * D + g[:, None] * D + d[None, :], acc)
         tl.store(pml_ptr + base * 2 * GP + g, m)
@@ -147,14 +154,17 @@ _FAILED: list[str] = []  # the first launch's error, if the kernels could not ru
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, force: bool = False) -> bool:
     """The kernels apply: Triton on CUDA tensors (or forced, e.g. CPU tensors under TRITON_INTERPRET=1),
-    power-of-two head size 16-256, a 16/32-bit cache with token-major rows [tokens, KV heads, head dim]; a bf16
-    cache needs bf16 tensor cores (compute capability 8.0 or later: not Turing, whose fp16 and fp32 caches run)."""
+    power-of-two head size 16-256, a 16/32-bit or fp8 (e4m3fn) cache with token-major rows [tokens, KV heads, head
+    dim]; bf16 (the cache's, or an fp8 cache's queries) needs bf16 tensor cores (compute capability 8.0 or later:
+    not Turing, whose fp16 and fp32 caches run)."""
     if triton is None or _FAILED or not (force or (q.is_cuda and triton_enabled() and split_decode_enabled())):
         return False
     D = q.shape[-1]
-    if k_cache.dtype == torch.bfloat16 and k_cache.is_cuda and torch.cuda.get_device_capability(k_cache.device)[0] < 8:
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    compute = q.dtype if fp8 else k_cache.dtype
+    if compute == torch.bfloat16 and k_cache.is_cuda and torch.cuda.get_device_capability(k_cache.device)[0] < 8:
         return False
-    return (D & (D - 1) == 0 and 16 <= D <= 256 and k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (D & (D - 1) == 0 and 16 <= D <= 256 and compute in (torch.bfloat16, torch.float16, torch.float32)
             and k_cache.dim() == 3 and k_cache.stride(-1) == 1 and q.stride(-1) == 1)
 
 
@@ -187,14 +197,18 @@ def _decode_attention(q, k_cache, v_cache, idx, lengths, scale: float) -> torch.
     po = torch.empty((B * Hk * nsplit, GP, D), dtype=torch.float32, device=q.device)
     pml = torch.empty((B * Hk * nsplit, 2, GP), dtype=torch.float32, device=q.device)
     dtype = q.dtype
-    if q.dtype != k_cache.dtype:
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # keys and values decoded to the queries' dtype in the kernel
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    elif q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
-    ieee = k_cache.dtype == torch.float32
+    ieee = q.dtype == torch.float32
     _split_kernel[(B * Hk, nsplit)](q, k_cache, v_cache, idx, lengths, po, pml, q.stride(0), q.stride(1),
                                     k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                     idx.stride(0), Hk, nsplit, keys, scale, G=G, GP=GP, D=D, BLOCK=BLOCK_N,
-                                    IEEE=ieee, WHILE=triton_interpreted(), num_warps=4 if D <= 128 else 8, num_stages=2)
+                                    IEEE=ieee, WHILE=triton_interpreted(), FP8=fp8,
+                                    num_warps=4 if D <= 128 else 8, num_stages=2)
     out = torch.empty((B, H, D), dtype=dtype, device=q.device)
     _merge_kernel[(B * H,)](po, pml, out, out.stride(0), out.stride(1), Hk, nsplit, G=G, GP=GP, D=D,
                             SP=triton.next_power_of_2(nsplit), num_warps=4)

@@ -13,7 +13,8 @@ decode ~40, each far shorter than its launch. These kernels do the same math in 
 - `route_topk`: router softmax + top-k + renormalisation + cast, one program per token.
 - `silu_mul`, `gated_combine(_norm)`: the shared expert's activation, and routed + sigmoid(gate) * shared
   + residual (+ the next layer's input norm).
-- `qk_norm_rope_cache`: attention's q/k norms + rotary + KV-cache write.
+- `qk_norm_rope_cache`: attention's q/k norms + rotary + KV-cache write (16/32-bit or fp8 e4m3fn caches;
+  `fp8_encode` / `fp8_decode` are the fp8 codes in integer arithmetic, shared with layers/attn_decode.py).
 - `gdn_chunk_scan` (prefill, not decode): the Gated DeltaNet chunked prefill's recurrence over 64-token
   chunks in one launch, the state slice of each (value head, value-dim block) in registers.
 Inputs may be strided views of a fused projection's product (models/fuse.py): no copies to split it.
@@ -492,6 +493,35 @@ def gated_combine_norm(y, shared, gate, residual, norm_weight, eps: float, zero_
     return out, normed
 
 
+# ---- fp8 (e4m3fn) KV-cache elements, by integer arithmetic --------------------------------------------------
+# The cache is handed to the kernels as its uint8 view: Triton's own float8e4nv casts need an sm_89+ GPU, and an
+# fp8 cache must work on Turing / Ampere too. Encoding saturates at +-448 and rounds to nearest even, as torch's
+# `clamp(-448, 448).to(torch.float8_e4m3fn)` does (layers/attention.py kv_write); tests/test_kv_fp8.py checks both
+# directions against torch on every code and on random values.
+FP8_MAX = 448.0
+if triton is not None:
+    @triton.jit
+    def fp8_decode(b):
+        """uint8 e4m3fn codes -> fp32 values (0x7f / 0xff, the NaN codes, are never written)."""
+        x = b.to(tl.int32)
+        mag = x & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)  # exponent rebiased 7 -> 127
+        val = tl.where(mag >= 8, normal, mag.to(tl.float32) * 0.001953125)  # subnormal: m * 2^-9
+        return (val.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)  # (-0.0 too)
+
+    @triton.jit
+    def fp8_encode(v):
+        """fp32 values -> uint8 e4m3fn codes: saturated at +-448, rounded to nearest even."""
+        bits = v.to(tl.int32, bitcast=True)
+        a = tl.minimum(tl.abs(v), 448.0)
+        sub = ((a + 16384.0) - 16384.0) * 512.0  # below 2^-6: multiples of 2^-9 (the ulp at 2^14), ties to even
+        ab = a.to(tl.int32, bitcast=True)
+        norm = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)  # mantissa to 3 bits, ties to even
+        code = tl.where(a < 0.015625, sub.to(tl.int32), norm)
+        code = tl.minimum(code, 126) | ((bits >> 24) & 0x80)
+        return code.to(tl.uint8)
+
+
 # ---- attention: q/k RMSNorm + rotary + KV-cache write in one launch -------------------------------------------
 if triton is not None:
     @triton.jit
@@ -524,9 +554,11 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr,
                                    qout_ptr, kc_ptr, vc_ptr, H, HK, Q_T, Q_H, K_T, V_T, eps,
-                                   D: tl.constexpr, RD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                                   D: tl.constexpr, RD: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                                   FP8: tl.constexpr = False):
         """Program (t, j): j < H normalises + rotates query head j into qout [T, H, D]; j >= H does key head
-        j - H into the cache row write[t] and copies the matching value head there."""
+        j - H into the cache row write[t] and copies the matching value head there (FP8: the caches are the uint8
+        views of e4m3fn caches, the rounded key and the value encoded)."""
         t = tl.program_id(0)
         j = tl.program_id(1)
         d = tl.arange(0, D)
@@ -543,9 +575,13 @@ if triton is not None:
             y = _norm_rope_head(k_ptr + t * K_T + hk * D, kw_ptr, cos_row, sin_row, eps, out_ty, D, RD,
                                 ZERO_CENTERED)
             row = tl.load(write_ptr + t)
-            tl.store(kc_ptr + (row * HK + hk) * D + d, y.to(kc_ptr.dtype.element_ty))
             v = tl.load(v_ptr + t * V_T + hk * D + d)
-            tl.store(vc_ptr + (row * HK + hk) * D + d, v.to(vc_ptr.dtype.element_ty))
+            if FP8:
+                tl.store(kc_ptr + (row * HK + hk) * D + d, fp8_encode(y.to(tl.float32)))
+                tl.store(vc_ptr + (row * HK + hk) * D + d, fp8_encode(v.to(tl.float32)))
+            else:
+                tl.store(kc_ptr + (row * HK + hk) * D + d, y.to(kc_ptr.dtype.element_ty))
+                tl.store(vc_ptr + (row * HK + hk) * D + d, v.to(vc_ptr.dtype.element_ty))
 
 
 def qk_norm_rope_cache_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -562,13 +598,17 @@ def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps: float, zero_centered: b
                        write_index, k_cache, v_cache) -> torch.Tensor:
     """q [T, H, D], k, v [T, Hk, D] (views, any token stride) -> normed and rotated q [T, H, D]; the normed,
     rotated k and v are written to k_cache, v_cache [slots, Hk, D] at rows write_index [T]. Equals
-    Attention's q_norm/k_norm + Rotary.apply + index_copy_ (layers/attention.py), one launch."""
+    Attention's q_norm/k_norm + Rotary.apply + kv_write (layers/attention.py), one launch; an fp8 (e4m3fn) cache
+    gets the rounded key and the value encoded as kv_write encodes them."""
     T, H, D = q.shape
     Hk = k.shape[1]
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if T:
         _qk_norm_rope_cache_kernel[(T, H + Hk)](
             q, k, v, q_weight, k_weight, rotary.cos, rotary.sin, positions, write_index, out, k_cache, v_cache,
             H, Hk, q.stride(0), q.stride(1), k.stride(0), v.stride(0), eps,
-            D=D, RD=rotary.rotary_dim, ZERO_CENTERED=zero_centered)
+            D=D, RD=rotary.rotary_dim, ZERO_CENTERED=zero_centered, FP8=fp8)
     return out

@@ -466,6 +466,25 @@ for _name, _bs, _ts, _fn in _TYPES:
     GGUF_FORMATS[_name] = register(GGUFFormat(_name, _bs, _ts, _fn))
 
 
+def quantize_q8_0(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+    """A [N, K] float weight (K a multiple of 32) as Q8_0 bytes [N, K // 32 * 34], as ggml's reference quantizer
+    writes them: per 32 values d = max|x| / 127 (stored as fp16), codes round(x / d) half away from zero, computed
+    with the float32 d. Rows go a slice at a time (a vocabulary head: no float32 copy of the whole matrix)."""
+    N, K = w.shape
+    if K % 32:
+        raise ValueError(f"Q8_0 needs a multiple of 32 columns, got {K}")
+    out = torch.empty((N, K // 32, 34), dtype=torch.uint8)
+    for r in range(0, N, rows_at_once):
+        x = w[r:r + rows_at_once].to(device="cpu", dtype=torch.float32).reshape(-1, K // 32, 32)
+        d = x.abs().amax(dim=2, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        y = x * inv
+        q = torch.sign(y) * torch.floor(y.abs() + 0.5)  # half away from zero (C roundf)
+        out[r:r + rows_at_once, :, :2] = d.to(torch.float16).view(torch.uint8)
+        out[r:r + rows_at_once, :, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out.view(N, -1)
+
+
 def gguf_format(qtype) -> GGUFFormat:
     """The format of a ggml type given as id (int / gguf enum) or name ('Q4_K', 'q4_k')."""
     if isinstance(qtype, str):
