@@ -457,6 +457,9 @@ class EngineConfig:
                                     "grouped (host routing)", "experts", choices=MOE_DECODE_KERNELS)
     seed: int = 0  # Python API only (LLM(..., seed=)): `generate --seed` is the sampling seed
     revision: str | None = None  # Python API only: the hub revision of a model id
+    # most prefill rows a half of the double buffer holds: set by the planner's smaller options (Engine._smaller_options)
+    # where a small budget cannot hold the default 64 beside prefill chunks of PREFILL_CHUNK_KEEP tokens; None: no cap
+    prefill_rows_cap: int | None = None
     # reuse the KV pages (and Gated DeltaNet state snapshots) of earlier requests' prompt prefixes
     prefix_cache: bool = option(True, "do not reuse the KV pages and linear-state snapshots of earlier requests' "
                                 "prefixes", flag="--disable-prefix-cache", action="store_false")

@@ -17,7 +17,7 @@ from moestream import cli, env  # noqa: E402
 from moestream.config import EngineConfig  # noqa: E402
 from moestream.core import ConfigError  # noqa: E402
 
-API_ONLY = {"seed", "revision"}  # LLM(...) keywords without a flag (`generate --seed` samples)
+API_ONLY = {"seed", "revision", "prefill_rows_cap"}  # LLM(...) keywords without a flag (`generate --seed` samples)
 
 
 def _engine_actions(command: list[str]) -> tuple[argparse.Namespace, dict[str, list[argparse.Action]]]:

@@ -594,18 +594,27 @@ def test_qwen36_fp8_32k_context_at_4gib(kv, head_q8, fits):
         return
     plan, used = fit(e)
     assert plan.kv_tokens >= ctx and plan.cache_slots >= 8 and _plan_total(plan) <= 4 * GiB
+    # 1,024-token chunks with a 32-row buffer and one request (without the row caps: 256-token chunks, 8 rows and 4
+    # requests, i.e. 128 streams of the model's 30 GB of experts for a 32k prompt instead of 32)
+    assert (used.chunked_prefill_size, plan.prefill_slots, used.max_running_requests) == (1024, 32, 1)
 
 
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
 def test_qwen36_q4km_offload_small_caps(backend):
-    """offload / hybrid at 3.0 and 3.2 GiB: at the chunk floor a small budget reserves one useful context and top-k
-    prefill rows before the slots (it used to reserve 8,192 tokens and 64 rows, leaving no slot): 2 then 4 requests
-    with >= top-k slots and >= 4,096 KV tokens."""
+    """offload / hybrid at 3.0 and 3.2 GiB. 3.0: nothing holds 1,024-token chunks even with 8 prefill rows a half; at
+    the chunk floor a small budget reserves one useful context and top-k prefill rows before the slots (it used to
+    reserve 8,192 tokens and 64 rows, leaving no slot): 2 requests. 3.2: 1,024-token chunks fit with the buffer capped
+    at 32 rows and one request, which the planner now prefers to 4 requests at 256-token chunks and 8 rows (what it
+    planned before the row caps): a long prompt streams the experts 4x less often, in 4x fewer rounds a chunk, and at
+    this residency a decode batch of 4 is no faster than one (PCIe-bound: batch 4 / batch 1 0.76-1.02 measured at 5.6 %
+    residency, benchmarks/RESULTS.md, seventeenth session). Both with >= top-k slots and >= 4,096 KV tokens."""
     _, _, fit = _qwen36_engine()
-    for cap, requests in ((3.0, 2), (3.2, 4)):
+    for cap, requests, rows, chunk in ((3.0, 2, 8, 256), (3.2, 1, 32, 1024)):
         plan, used = fit(EngineConfig(moe_backend=backend, gpu_memory_gb=cap))
         assert plan.backend == backend and used.max_running_requests == requests
-        assert plan.cache_slots >= 8 and plan.prefill_slots == 8 and plan.kv_tokens >= 4096
+        assert plan.prefill_slots == rows and used.chunked_prefill_size == chunk
+        assert used.prefill_rows_cap == (32 if cap == 3.2 else None)
+        assert plan.cache_slots >= 8 and plan.kv_tokens >= 4096
         assert _plan_total(plan) <= int(cap * GiB)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..core import ConfigError, RequestError
-from ..env import fuse_projections_enabled, set_triton_mode
+from ..env import fuse_projections_enabled, prefill_rows, set_triton_mode
 from ..hardware import host_memory
 from ..kvcache import HostPool, KVPool, StatePool
 from ..layers.rotary import Rotary
@@ -603,6 +603,11 @@ class Engine:
                             "(--max-running-requests): at most %d run at once, the rest wait", used.max_running_requests,
                             e.max_running_requests, used.max_running_requests)
                 self.ecfg = self.ecfg.replace(max_running_requests=used.max_running_requests)
+            if used.prefill_rows_cap != e.prefill_rows_cap:
+                log.warning("the budget cannot hold a prefill buffer of 64 rows beside prefill chunks of %d tokens: "
+                            "%d rows a half (each prefill round streams that many experts)", used.chunked_prefill_size,
+                            plan.prefill_slots)
+                self.ecfg = self.ecfg.replace(prefill_rows_cap=used.prefill_rows_cap)
             if used.chunked_prefill_size != e.chunked_prefill_size:
                 log.warning("the budget cannot hold prefill chunks of %d tokens (--chunked-prefill-size): prompts "
                             "are computed %d tokens per step", e.chunked_prefill_size, used.chunked_prefill_size)
@@ -662,12 +667,22 @@ class Engine:
 
     def _smaller_options(self, e: EngineConfig):
         """e, then smaller options in the order _plan_fitting tries them: first with prefill chunks of at least
-        PREFILL_CHUNK_KEEP tokens (or e's own if smaller), then again down to PREFILL_CHUNK_FLOOR; each pass halves
-        the chunk, then the default snapshot count, then the running requests."""
+        PREFILL_CHUNK_KEEP tokens (or e's own if smaller), then the same with the prefill buffer's rows capped at 32,
+        16 and 8 a half (a prefill round streams fewer experts; the planner keeps at least top-k), then again with
+        chunks down to PREFILL_CHUNK_FLOOR and the rows uncapped; each pass halves the chunk, then the default
+        snapshot count, then the running requests. (Without the row caps a budget that holds 1,024-token chunks but
+        not 64 rows' room went to 256-token chunks — a 32k prompt then streams every expert 128 times, not 32 —
+        where a smaller buffer fits.)"""
         seen = set()
-        for floor in (min(PREFILL_CHUNK_KEEP, e.chunked_prefill_size), PREFILL_CHUNK_FLOOR):
-            for opts in self._options_down_to(e, floor):
-                key = (opts.max_running_requests, opts.prefix_cache_snapshots, opts.chunked_prefill_size)
+        keep = min(PREFILL_CHUNK_KEEP, e.chunked_prefill_size)
+        caps = [(keep, e.prefill_rows_cap)]
+        if e.prefill_rows_cap is None and not prefill_rows():  # (MOESTREAM_PREFILL_ROWS fixes the rows)
+            caps += [(keep, rows) for rows in (32, 16, 8)]
+        for floor, cap in caps + [(PREFILL_CHUNK_FLOOR, e.prefill_rows_cap)]:
+            for opts in self._options_down_to(e if cap == e.prefill_rows_cap else e.replace(prefill_rows_cap=cap),
+                                              floor):
+                key = (opts.max_running_requests, opts.prefix_cache_snapshots, opts.chunked_prefill_size,
+                       opts.prefill_rows_cap)
                 if key not in seen:
                     seen.add(key)
                     yield opts

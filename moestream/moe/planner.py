@@ -331,7 +331,7 @@ def _expert_rows(m: ModelSizes, hw: Hardware, e, backend: str, free: int) -> tup
                 f"--moe-backend fused needs {m.banks / GiB:.2f} GiB for experts but the "
                 f"budget leaves {max(free, 0) / GiB:.2f} GiB: use --moe-backend offload, hybrid or cpu")
         return 0, 0
-    top = min(m.num_experts, PREFILL_MAX_ROWS)
+    top = min(m.num_experts, PREFILL_MAX_ROWS, e.prefill_rows_cap or PREFILL_MAX_ROWS)
     if backend == "cpu":
         return 0, (_cpu_prefill_rows(m, e, free, top) if hw.device == "cuda" else 0)
     reserve = _kv_reserve(m, e) * m.kv_bytes_per_token
