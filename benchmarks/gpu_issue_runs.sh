@@ -7,6 +7,7 @@
 #            tokens, BACKEND [offload], EDGE_CAP_S [300] a cap (a 32k prompt at 4 GiB needs ~140 s of prefill), EDGE_S [560]
 #            -> $OUT/edge_memory.{json,md,log}
 #   edgefp8  issue 17: the same on the Qwen3.6-shaped HF FP8 checkpoint (benchmarks/make_qwen36_fp8.py) at FP8_CAPS [4,8]
+#            with FP8_KV [fp8] / FP8_HEAD [q8_0] (--kv-cache-dtype / --lm-head-quant)
 #   replay   issue 19: benchmarks/agent_replay.py against `moestream serve` of that file at REPLAY_GB [12] GiB
 #            (REPLAY_ARGS [--max-seq-len-override 40960]: the KV of one whole conversation): an ~8k-token system
 #            prompt + tools (SYSTEM_WORDS [4100], ~2 tokens a word), ~600 new tokens a turn (TOOL_WORDS [300] of tool
@@ -48,13 +49,15 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       ;;
     edgefp8)
       # issue 17's FP8 checkpoint at the edge: benchmarks/make_qwen36_fp8.py (HF FP8 block-scaled, ~35 GB, written to
-      # FP8_DIR [/dev/shm]) then edge_memory.py on it at FP8_CAPS [4,8] -> $OUT/edge_fp8.{json,md,log}. (HF FP8 dense
-      # layers are dequantized to bf16 at load, ~2.9 GB for this shape + a 1 GB bf16 lm_head: a 4 GiB plan is expected
-      # to be refused until they stay compressed as a GGUF's do; 8 GiB measures the rest.)
+      # FP8_DIR [/dev/shm]) then edge_memory.py on it at FP8_CAPS [4,8] -> $OUT/edge_fp8.{json,md,log}, with
+      # FP8_KV [fp8] (--kv-cache-dtype) and FP8_HEAD [q8_0] (--lm-head-quant): at 4 GiB with a 32k context the plan
+      # needs both (tests/test_moe_planner.py::test_qwen36_fp8_32k_context_at_4gib); FP8_KV=auto FP8_HEAD=none: the
+      # checkpoint's own (refused at 4 GiB on the H100, 2026-12-06)
       D=${FP8_DIR:-/dev/shm}/qwen36-fp8
       [ -f "$D/config.json" ] || timeout 300 python3 benchmarks/make_qwen36_fp8.py "$D" 2>&1 | tail -1
       timeout "${EDGE_S:-560}" python3 benchmarks/edge_memory.py "$D" --caps "${FP8_CAPS:-4,8}" --prompt "${PROMPT:-32768}" \
         --decode "${DECODE:-32}" --backend "${BACKEND:-offload}" --timeout "${EDGE_CAP_S:-300}" \
+        --kv-cache-dtype "${FP8_KV:-fp8}" --lm-head-quant "${FP8_HEAD:-q8_0}" \
         --json "$OUT/edge_fp8.json" --md "$OUT/edge_fp8.md" 2>&1 | tee "$OUT/edge_fp8.log" | grep -v "^\s*warm"
       ;;
     replay)
