@@ -327,3 +327,14 @@ def test_cuda_q8_gguf_planar_tokens(tmp_path, monkeypatch, tiny_checkpoint):
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     write_case_results(WORKER_CASES, _worker_case, sys.argv[2])
+
+
+def test_unknown_planar_type_names_are_reported(monkeypatch, caplog):
+    """MOESTREAM_PLANAR names a type without a planar layout (or a typo): one warning naming it; the known ones
+    still count where Triton runs."""
+    monkeypatch.setenv("MOESTREAM_PLANAR", "Q8_0, Q5_K,q4k")
+    monkeypatch.setattr(planar, "_CFG", {})
+    with caplog.at_level("WARNING", logger="moestream"):
+        planar.wanted("Q8_0")
+    assert "no planar layout for Q5_K, q4k" in caplog.text
+    assert not planar.wanted("Q5_K") and not planar.wanted("Q4_K")
