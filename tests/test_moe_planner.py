@@ -550,14 +550,16 @@ def test_qwen36_fp8_dense_matches_the_file():
     assert round((dense - emb) / GiB, 2) == 2.30 and round(head / GiB, 3) == 0.947
 
 
-def _qwen36_fp8_engine(head_q8: bool):
+def _qwen36_fp8_engine(head_q8: bool, hint: bool = False):
+    """fit(e) as Engine._plan_fitting with the FP8 shape's sizes (head_q8: the head planned in Q8_0); hint: instead
+    hint(e), Engine._fitting_hint's sentence for a refused e (the head in bf16, its Q8_0 saving known)."""
     from types import SimpleNamespace
 
     from moestream.config import ModelConfig
     from moestream.engine.engine import Engine
     from moestream.moe.planner import model_sizes
 
-    conf, dense, emb, _ = _qwen36_fp8_dense(40, head_q8)
+    conf, dense, emb, head = _qwen36_fp8_dense(40, head_q8)
     cfg = ModelConfig.from_hf(conf)
     _, _, _, slot, _ = _qwen36_q4km()  # (the same GDN state)
     expert = 3 * 512 * 2048 + 3 * 4 * 16 * 4  # FP8 codes + the three matrices' block scales
@@ -565,16 +567,33 @@ def _qwen36_fp8_engine(head_q8: bool):
     def snapshots(e):
         return e.prefix_cache_snapshots if e.prefix_cache_snapshots is not None else 2 * e.max_running_requests
 
-    def sizes_for(e):
-        kv = 10 * 2 * 2 * 256 * (1 if e.kv_cache_dtype.startswith("fp8") else 2)  # 10 attention layers, 2 KV heads
-        return model_sizes(cfg, e, dense - emb, cfg.max_position_embeddings, kv,
-                           slot * (e.max_running_requests + snapshots(e)), expert)
+    def make_sizes(dense_bytes):
+        def sizes_for(e):
+            kv = 10 * 2 * 2 * 256 * (1 if e.kv_cache_dtype.startswith("fp8") else 2)  # 10 attention layers, 2 KV heads
+            return model_sizes(cfg, e, dense_bytes, cfg.max_position_embeddings, kv,
+                               slot * (e.max_running_requests + snapshots(e)), expert)
+        return sizes_for
 
     hw = Hardware("cuda", "H100", 79 * GiB, 128 * GiB, 120 * GiB, 16, context_bytes=H200_CONTEXT)
-    fake = SimpleNamespace(hardware=hw, tp=None, _snapshots=snapshots)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    fake = SimpleNamespace(hardware=hw, tp=None, _snapshots=snapshots, num_kv_layers=10,
+                           head_q8=None if head_q8 else (V * H * 2, V * (H // 32) * 34))
     fake._smaller_options = lambda e: Engine._smaller_options(fake, e)
     fake._options_down_to = lambda e, floor: Engine._options_down_to(fake, e, floor)
-    return lambda e: Engine._plan_fitting(fake, sizes_for, e, None)
+    fake._plan_fitting = lambda sizes_for, e, bw: Engine._plan_fitting(fake, sizes_for, e, bw)
+    if hint:
+        return lambda e: Engine._fitting_hint(fake, make_sizes, dense - emb, e, None)
+    return lambda e: Engine._plan_fitting(fake, make_sizes(dense - emb), e, None)
+
+
+def test_a_refused_plan_names_the_options_that_fit():
+    """The FP8 shape refused at 4 GiB with a 32k context: the refusal's hint names what the user did not give and
+    would make it fit (both options; only the head where the KV is fp8 already); nothing where nothing fits."""
+    hint = _qwen36_fp8_engine(False, hint=True)
+    base = dict(moe_backend="offload", gpu_memory_gb=4, max_seq_len_override=32816)
+    assert hint(EngineConfig(**base)).startswith("it fits with --kv-cache-dtype fp8 --lm-head-quant q8_0 (")
+    assert hint(EngineConfig(**base, kv_cache_dtype="fp8")).startswith("it fits with --lm-head-quant q8_0 (")
+    assert hint(EngineConfig(**{**base, "gpu_memory_gb": 3.0})) is None
 
 
 @pytest.mark.parametrize("kv,head_q8,fits", [("auto", False, False), ("fp8", False, False), ("auto", True, False),

@@ -219,6 +219,7 @@ class Engine:
         if head is not None:  # planned at its Q8_0 bytes
             held = self.dense_bytes if self.dense_bytes is not None else dense_bytes_held(local)
             self.dense_bytes = held - head[0] + head[1]
+        self.head_q8 = None if head is not None else self._head_q8_bytes(folder)  # (a refusal's hint)
         self.dense_mode = mode
         self.host_embedding = self._embedding_on_host(local, fmt, folder)
         if self.host_embedding:  # planned without the table's device bytes (a GGUF's: its stored rows, if kept so)
@@ -283,9 +284,19 @@ class Engine:
         if folder is not None and find_gguf(folder) is not None:  # a GGUF's head is stored compressed (or F16) already
             log.info("--lm-head-quant q8_0: a GGUF's head keeps the type its file stores")
             return None
+        if self.local_cfg.hidden_size % 32:
+            raise ConfigError("--lm-head-quant q8_0 needs a hidden size that is a multiple of 32, got "
+                              f"{self.local_cfg.hidden_size}")
+        return self._head_q8_bytes(folder)
+
+    def _head_q8_bytes(self, folder) -> tuple[int, int] | None:
+        """(the head's bytes as loaded, as Q8_0) where --lm-head-quant q8_0 applies — an untied head of a safetensors
+        checkpoint (or random weights) on one rank, a hidden size that is a multiple of 32; None otherwise."""
+        from ..models.gguf_loader import find_gguf
+
         n, k = self.local_cfg.vocab_size, self.local_cfg.hidden_size
-        if k % 32:
-            raise ConfigError(f"--lm-head-quant q8_0 needs a hidden size that is a multiple of 32, got {k}")
+        if self.cfg.tie_word_embeddings or self.tp or k % 32 or (folder is not None and find_gguf(folder) is not None):
+            return None
         return n * k * self.dtype.itemsize, n * (k // 32) * 34
 
     def _quantize_head(self, model) -> None:
@@ -578,22 +589,31 @@ class Engine:
         dense = getattr(self, "dense_bytes", None)
         if dense is None or getattr(self, "model", None) is not None:  # loaded (reconfigure): what it holds
             dense = dense_bytes_held(model)
-        kv, state_slot = self._cache_bytes(e)
         per_expert = fmt.bytes_per_expert(cfg.hidden_size, cfg.moe_intermediate_size)
         # the MTP layers' experts are placed like any layer's
         layers = [i for i, moe in enumerate(cfg.moe_layers) if moe] + (cfg.mtp_layer_ids if self.use_mtp else [])
         banks = bank_bytes(fmt, cfg.hidden_size, cfg.moe_intermediate_size, layers, cfg.num_experts)
 
-        def sizes_for(opts: EngineConfig):
-            state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self._checkpoints(opts))
-            sizes = model_sizes(cfg, opts, dense, self.max_seq_len, kv, state, per_expert, banks)
-            if self.use_mtp:
-                sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
-            return sizes
+        def make_sizes(dense_bytes: int):
+            def sizes_for(opts: EngineConfig):
+                kv, state_slot = self._cache_bytes(opts)
+                state = state_slot * (opts.max_running_requests + self._snapshots(opts) + self._checkpoints(opts))
+                sizes = model_sizes(cfg, opts, dense_bytes, self.max_seq_len, kv, state, per_expert, banks)
+                if self.use_mtp:
+                    sizes = dataclasses.replace(sizes, num_moe_layers=sizes.num_moe_layers + cfg.mtp_num_layers)
+                return sizes
+            return sizes_for
 
+        sizes_for = make_sizes(dense)
         bw = Bandwidths.from_profile(load_profile(self.device)) or self._measure_bandwidths(fmt)
         if fit_chunk:
-            plan, used = self._plan_fitting(sizes_for, e, bw)
+            try:
+                plan, used = self._plan_fitting(sizes_for, e, bw)
+            except ConfigError as err:
+                hint = self._fitting_hint(make_sizes, dense, e, bw)
+                if hint is None:
+                    raise
+                raise ConfigError(f"{err}; {hint}") from None
             if used.prefix_cache_snapshots != e.prefix_cache_snapshots:
                 log.warning("the budget cannot hold %d prefix-cache state snapshots: keeping %d (a prompt resumes "
                             "from the nearest one it finds)", self._snapshots(e), self._snapshots(used))
@@ -664,6 +684,29 @@ class Engine:
                               f"{self._snapshots(smallest)} prefix-cache snapshots and prefill chunks of "
                               f"{smallest.chunked_prefill_size} tokens{kv})") from None
         raise AssertionError("unreachable: the smallest options were refused in the loop")
+
+    def _fitting_hint(self, make_sizes, dense: int, e: EngineConfig, bw) -> str | None:
+        """Where the plan for e is refused: the options a user did not give that would make one fit, tried in this order
+        — an fp8 KV cache, the vocabulary head in Q8_0 (where it applies: self.head_q8), both — as a sentence for the
+        refusal's line; None where none of them does."""
+        tries = []
+        kv = self.num_kv_layers and not e.kv_cache_dtype.startswith("fp8")
+        head = getattr(self, "head_q8", None) if e.lm_head_quant == "none" else None
+        if kv:
+            tries.append((("--kv-cache-dtype fp8",), e.replace(kv_cache_dtype="fp8"), dense))
+        if head:
+            tries.append((("--lm-head-quant q8_0",), e.replace(lm_head_quant="q8_0"), dense - head[0] + head[1]))
+        if kv and head:
+            tries.append((("--kv-cache-dtype fp8", "--lm-head-quant q8_0"),
+                          e.replace(kv_cache_dtype="fp8", lm_head_quant="q8_0"), dense - head[0] + head[1]))
+        for flags, opts, d in tries:
+            try:
+                self._plan_fitting(make_sizes(d), opts, bw)
+            except ConfigError:
+                continue
+            return (f"it fits with {' '.join(flags)} (an fp8 KV cache keeps 3 mantissa bits; a Q8_0 head rounds the "
+                    f"vocabulary projection's weights to 8 bits a value)")
+        return None
 
     def _smaller_options(self, e: EngineConfig):
         """e, then smaller options in the order _plan_fitting tries them: first with prefill chunks of at least
