@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--context", type=int, default=8)
     ap.add_argument("--gbs", type=float, default=26.0, help="read bandwidth for the bound column (GB/s)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype: float32 on CPU) or float16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype: float32 on CPU), float16 or fp8")
     args = ap.parse_args(argv)
     import cpu_vs_llama
     from moestream import LLM, SamplingParams

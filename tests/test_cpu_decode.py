@@ -103,7 +103,8 @@ def _both_paths(monkeypatch, diffs: list):
 
 @pytest.mark.parametrize("kv,heads,kv_heads,hidden", [
     ("auto", 4, 2, 64), ("float16", 4, 2, 64), ("auto", 4, 4, 64), ("auto", 6, 2, 48), ("float16", 6, 2, 48),
-    ("auto", 8, 2, 64), ("float16", 8, 2, 64), ("float16", 16, 2, 128), ("auto", 9, 1, 72), ("float16", 9, 1, 72)])
+    ("auto", 8, 2, 64), ("float16", 8, 2, 64), ("float16", 16, 2, 128), ("auto", 9, 1, 72), ("float16", 9, 1, 72),
+    ("fp8", 4, 2, 64), ("fp8", 8, 2, 64), ("fp8", 9, 1, 72)])
 # (float16 4/4/64 and float32 16/2/128 are left out: there one step's 2e-7 upstream difference moves a Q8_0 int8
 # activation across a rounding boundary, 2.5e-3 in the logits; with F16 weights 2e-7 — benchmarks/RESULTS.md)
 def test_long_context_attention_matches_the_per_op_path(kv, heads, kv_heads, hidden, tmp_path, tiny_checkpoint,
@@ -132,17 +133,19 @@ def test_long_context_attention_matches_the_per_op_path(kv, heads, kv_heads, hid
 @pytest.mark.parametrize("kind,qtype,kv", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "auto"), ("llama", "Q5_0", "auto"),
                                            ("qwen3", "Q8_0", "auto"), ("qwen35_attn", "Q8_0", "auto"),
                                            ("qwen35_causal", "Q8_0", "auto"), ("llama", "Q4_1", "float16"),
-                                           ("qwen35_attn", "Q8_0", "float16")])
+                                           ("qwen35_attn", "Q8_0", "float16"), ("llama", "Q4_1", "fp8"),
+                                           ("qwen35_attn", "Q8_0", "fp8")])
 def test_decode_layer_logits_match_the_per_op_path(kind, qtype, kv, tmp_path, tiny_checkpoint, monkeypatch):
     """Every decode step runs twice — per-op, then compiled (rewriting the same K/V; a Gated DeltaNet model's
     state pools put back between the two) — and the logits agree; with --kv-cache-dtype float16 both paths
-    round the K/V they write the same way and widen what they read."""
+    round the K/V they write the same way and widen what they read; with fp8 (e4m3fn) both encode as torch's saturating
+    cast does (decode.cpp to_fp8 / kv8 against layers/attention.kv_write / kv_rows)."""
     from moestream import LLM
     from moestream.models.cpu_decode import M
 
     llm = LLM(_gguf(kind, qtype, tmp_path, tiny_checkpoint), device="cpu", dtype="float32", max_running_requests=4,
               kv_cache_dtype=kv)
-    assert llm.engine.caches.kv.k.dtype == (torch.float16 if kv == "float16" else torch.float32)
+    assert llm.engine.caches.kv.k.dtype == {"float16": torch.float16, "fp8": torch.float8_e4m3fn}.get(kv, torch.float32)
     model = llm.engine.model
     diffs = []
     _both_paths(monkeypatch, diffs)
@@ -567,3 +570,36 @@ def test_step_profile_counts_each_part_once_a_layer(tmp_path, tiny_checkpoint):
     mod.ms_decode_profile(0, None, again.ctypes.data)
     assert (again == counts).all()  # off: nothing counted
     llm.close()
+
+
+@pytest.mark.parametrize("kind,dtype", [(1, torch.float16), (2, torch.float8_e4m3fn)])
+def test_kv_rows_written_and_widened_as_torch_does(kind, dtype):
+    """decode.cpp's KV row codecs (store_row; load_row and the attention's in-register kv8) against torch: float16
+    rounded to nearest even; e4m3fn saturated at +-448 and rounded to nearest even, as layers/attention.kv_write's
+    `clamp(-448, 448).to(torch.float8_e4m3fn)` — bit for bit on every e4m3fn code, every midpoint between two (ties),
+    values beyond the range and random ones."""
+    from moestream.kernels import cpu_quant
+
+    if not cpu_quant.available():
+        pytest.skip("CPU kernels not built")
+    f8 = torch.arange(256, dtype=torch.int32)
+    f8 = f8[(f8 & 0x7F) != 0x7F].to(torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = f8[f8 > 0].sort().values
+    mids = (pos[1:] + pos[:-1]) / 2
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([f8, mids, -mids, mids * 1.0001, mids * 0.9999, torch.tensor([449.0, 464.0, 1e6, -1e6, 2.0 ** -10]),
+                   *(torch.randn(2000, generator=g) * s for s in (1e-3, 0.05, 1.0, 40.0, 400.0))]).float()
+    x = x[: len(x) // 8 * 8].contiguous()
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    want_codes = (x.clamp(-448, 448) if kind == 2 else x).to(dtype)
+    pool = torch.zeros(len(x), dtype=dtype)
+    back, back8 = torch.empty_like(x), torch.full_like(x, float("nan"))
+    wrote8 = cpu_quant.module().ms_kv_roundtrip(kind, x.data_ptr(), len(x), pool.data_ptr(), back.data_ptr(),
+                                                back8.data_ptr())
+    bits = torch.int16 if kind == 1 else torch.uint8
+    assert torch.equal(pool.view(bits), want_codes.view(bits))  # the codes written
+    want = want_codes.float()
+    assert torch.equal(back.view(torch.int32), want.view(torch.int32))  # widened exactly (signed zeros too)
+    if wrote8:
+        assert torch.equal(back8.view(torch.int32), want.view(torch.int32))

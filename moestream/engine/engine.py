@@ -786,9 +786,6 @@ class Engine:
 
     def _build_caches(self) -> Caches:
         cfg, e = self.local_cfg, self.ecfg
-        if self.device.type == "cpu" and self.kv_dtype(e) == torch.float8_e4m3fn:
-            log.warning("--kv-cache-dtype fp8 on a CPU: decode steps take the per-op path (the compiled CPU step reads "
-                        "float32 / float16 caches); --kv-cache-dtype float16 halves the cache's bytes and keeps it")
         num_tokens = max(self.plan.kv_tokens, e.page_size)
         kv = KVPool(self.num_kv_layers, -(-num_tokens // e.page_size), e.page_size, cfg.num_kv_heads,
                     cfg.head_dim, self.kv_dtype(e), self.device)

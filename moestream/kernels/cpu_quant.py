@@ -172,6 +172,8 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.ms_decode_layer.restype = ctypes.c_int
     lib.ms_decode_desc_size.restype = ctypes.c_int
+    lib.ms_kv_roundtrip.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr]
+    lib.ms_kv_roundtrip.restype = ctypes.c_int
     lib.ms_decode_profile.argtypes = [ctypes.c_int, ptr, ptr]
     lib.ms_decode_profile.restype = ctypes.c_int
     lib.ms_decode_stack.argtypes = [i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,

@@ -60,7 +60,7 @@ M = {name: i for i, name in enumerate(_MOE_FIELDS)}
 _GDN_FIELDS = ["H", "HK", "HV", "DK", "DV", "KW", "FLAGS", "IN_NORM", "POST_NORM", "NSEG",
                *[f"SEG{i}" for i in range(12)], "WO", "TO", "SO", "CONV_W", "A_LOG", "DT_BIAS", "NORM_W", "CONV", "REC"]
 G = {name: i for i, name in enumerate(_GDN_FIELDS)}
-F_ZERO_CENTERED, F_OUT_GATE, F_KV_F16, F_OUT_TILED = 1, 2, 4, 8
+F_ZERO_CENTERED, F_OUT_GATE, F_KV_F16, F_OUT_TILED, F_KV_FP8 = 1, 2, 4, 8, 16
 
 
 def tiled_heads(hk: int, hv: int, dv: int) -> torch.Tensor:
@@ -69,7 +69,8 @@ def tiled_heads(hk: int, hv: int, dv: int) -> torch.Tensor:
     j = torch.arange(hv)
     head = (j % hk) * (hv // hk) + j // hk
     return (head[:, None] * dv + torch.arange(dv)[None, :]).reshape(-1)
-KV_DTYPES = (torch.float32, torch.float16)  # the KV pools ms_decode_layer reads and writes
+KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)  # the KV pools ms_decode_layer reads and writes
+_KV_FLAG = {torch.float16: F_KV_F16, torch.float8_e4m3fn: F_KV_FP8}
 # dense weights by dtype: ggml type ids (0, float32, is decode.cpp's own loop; the others ms_qmatmul's)
 _DENSE = {torch.float32: 0, torch.bfloat16: cpu_quant.TYPES["BF16"], torch.float16: cpu_quant.TYPES["F16"]}
 
@@ -463,7 +464,7 @@ class CpuDecodePlan:
                 if self.kinds[i] == "attention":
                     j = self.model.kv_layer[i]
                     d[D["KC"]], d[D["VC"]] = kv.k[j].data_ptr(), kv.v[j].data_ptr()
-                    d[D["FLAGS"]] = (d[D["FLAGS"]] & ~F_KV_F16) | (F_KV_F16 if kv.k.dtype == torch.float16 else 0)
+                    d[D["FLAGS"]] = (d[D["FLAGS"]] & ~(F_KV_F16 | F_KV_FP8)) | _KV_FLAG.get(kv.k.dtype, 0)
             self._kv = (kv.k, kv.v)
         if "gdn" in self.kinds and (self._state is None or self._state[0] is not state.conv
                                     or self._state[1] is not state.rec):

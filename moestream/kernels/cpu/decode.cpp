@@ -60,9 +60,14 @@ enum : int {
   D_WG, D_TG, D_WU, D_TU, D_WD, D_TD,               // dense MLP gate / up / down: address, type
   D_COUNT
 };
-// F_KV_F16: the KV pool holds float16; F_OUT_TILED: a Gated DeltaNet out_proj's input columns are its value heads
-// in tiled order (stored head j = r * HK + k is the layer's head k * rep + r: a GGUF's, kept as stored)
-enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2, F_KV_F16 = 4, F_OUT_TILED = 8 };
+// F_KV_F16 / F_KV_FP8: the KV pool holds float16 / e4m3fn (else float32); F_OUT_TILED: a Gated DeltaNet out_proj's
+// input columns are its value heads in tiled order (stored head j = r * HK + k is the layer's head k * rep + r: a
+// GGUF's, kept as stored)
+enum : int64_t { F_ZERO_CENTERED = 1, F_OUT_GATE = 2, F_KV_F16 = 4, F_OUT_TILED = 8, F_KV_FP8 = 16 };
+// a KV pool's element type, from the flags
+enum KvKind : int { KV_F32 = 0, KV_F16 = 1, KV_FP8 = 2 };
+inline KvKind kv_kind(int64_t flags) { return flags & F_KV_FP8 ? KV_FP8 : flags & F_KV_F16 ? KV_F16 : KV_F32; }
+constexpr int64_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind == KV_F16 ? 2 : 1; }
 
 // a MoE block's description for ms_moe_decode (models/cpu_decode.py writes the same slots)
 enum : int {
@@ -148,6 +153,37 @@ inline uint16_t to_fp16(float f) {
 #endif
 }
 
+// e4m3fn code -> float (the NaN codes 0x7f / 0xff are never written)
+inline float from_fp8(uint8_t b) {
+  const uint32_t mag = b & 0x7f;
+  float v;
+  if (mag >= 8) {
+    const uint32_t bits = (mag << 20) + (120u << 23);  // exponent rebiased 7 -> 127
+    std::memcpy(&v, &bits, 4);
+  } else {
+    v = (float)mag * 0.001953125f;  // subnormal: m * 2^-9
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// float -> e4m3fn code, saturated at +-448 and rounded to nearest even: what torch's
+// `clamp(-448, 448).to(torch.float8_e4m3fn)` writes (layers/attention.py kv_write; tests/test_cpu_decode.py)
+inline uint8_t to_fp8(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 24) & 0x80;
+  const float a = std::min(std::fabs(f), 448.0f);
+  uint32_t code;
+  if (a < 0.015625f) {
+    code = (uint32_t)std::nearbyint(a * 512.0f);  // multiples of 2^-9, ties to even (the default rounding mode)
+  } else {
+    uint32_t ab;
+    std::memcpy(&ab, &a, 4);
+    code = ((ab + 0x7ffff + ((ab >> 20) & 1)) >> 20) - (120u << 3);  // mantissa to 3 bits, ties to even
+  }
+  return (uint8_t)(sign | std::min<uint32_t>(code, 126));
+}
+
 // y = x / rms(x) * w (zero_centered: * (1 + w)); y may be x. The sum of squares in double, 8 partial sums (AVX2:
 // two vectors of 4) added at the end: no chain of n dependent adds.
 void rms_norm(const float* x, const float* w, int64_t n, double eps, bool zc, float* y) {
@@ -182,10 +218,16 @@ void rotate(float* v, const float* c, const float* s, int64_t rd) {
   }
 }
 
-// row `at` (in elements) of a KV pool of float32 or float16 (f16) := src [n] (float16: rounded to nearest even)
-void store_row(void* pool, int64_t at, const float* src, int64_t n, bool f16) {
-  if (!f16) {
+// row `at` (in elements) of a KV pool of float32, float16 or e4m3fn (kind) := src [n] (rounded to nearest even; e4m3fn
+// saturated at +-448)
+void store_row(void* pool, int64_t at, const float* src, int64_t n, int kind) {
+  if (kind == KV_F32) {
     std::memcpy((float*)pool + at, src, n * sizeof(float));
+    return;
+  }
+  if (kind == KV_FP8) {
+    uint8_t* dst = (uint8_t*)pool + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_fp8(src[i]);
     return;
   }
   uint16_t* dst = (uint16_t*)pool + at;
@@ -197,9 +239,14 @@ void store_row(void* pool, int64_t at, const float* src, int64_t n, bool f16) {
   for (; i < n; ++i) dst[i] = to_fp16(src[i]);
 }
 
-// row `at` of a KV pool as float32: the row itself, or (float16 pool) its values widened into tmp [n]
-const float* load_row(const void* pool, int64_t at, int64_t n, bool f16, float* tmp) {
-  if (!f16) return (const float*)pool + at;
+// row `at` of a KV pool as float32: the row itself, or (a float16 / e4m3fn pool) its values widened into tmp [n]
+const float* load_row(const void* pool, int64_t at, int64_t n, int kind, float* tmp) {
+  if (kind == KV_F32) return (const float*)pool + at;
+  if (kind == KV_FP8) {
+    const uint8_t* src = (const uint8_t*)pool + at;
+    for (int64_t i = 0; i < n; ++i) tmp[i] = from_fp8(src[i]);
+    return tmp;
+  }
   const uint16_t* src = (const uint16_t*)pool + at;
   int64_t i = 0;
 #ifdef MS_DECODE_AVX2
@@ -281,11 +328,25 @@ void dots8(const float* q, int64_t grp, const float* const* k, int64_t hd, float
 #pragma GCC pop_options
 
 #ifdef MS_DECODE_AVX2
-// 8 values of row `at` of a KV pool as float32 (a float16 pool widened in the register)
-template <bool F16>
+// 8 values of row `at` of a KV pool as float32 (a float16 or e4m3fn pool widened in the register: e4m3fn by integer
+// arithmetic, as from_fp8)
+template <int KV>
 inline __m256 kv8(const void* pool, int64_t at) {
-  if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)pool + at)));
-  else return _mm256_loadu_ps((const float*)pool + at);
+  if constexpr (KV == KV_F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)pool + at)));
+  } else if constexpr (KV == KV_FP8) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)pool + at)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    const __m256 normal = _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0.001953125f));
+    const __m256 isnorm = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7)));
+    const __m256 v = _mm256_blendv_ps(sub, normal, isnorm);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+  } else {
+    return _mm256_loadu_ps((const float*)pool + at);
+  }
 }
 
 inline float hsum8(__m256 v) {
@@ -302,10 +363,10 @@ inline float hsum8(__m256 v) {
 // across them): the floats differ from the per-op path's by rounding (tests/test_cpu_decode.py bounds them).
 constexpr int64_t KV_AHEAD = 4;  // positions a key row (into L1) and its value row (into L2) are asked for ahead
 
-template <int G, bool F16>
+template <int G, int KV>
 void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc, const int64_t* idx,
                   int64_t S, float scale, float* sc, float* o) {
-  const int64_t row_bytes = nkv * hd * (F16 ? 2 : 4);
+  const int64_t row_bytes = nkv * hd * kv_bytes(KV);
   for (int64_t s = 0; s < S; ++s) {  // positions in order, all kv heads of one together: the pool's row order
     if (s + KV_AHEAD < S) {  // the key row KV_AHEAD positions on, asked for now (its page may be anywhere)
       const char* nxt = (const char*)kc + idx[s + KV_AHEAD] * row_bytes;
@@ -320,7 +381,7 @@ void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const
       __m256 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
       for (int64_t i = 0; i < hd; i += 8) {
-        const __m256 k = kv8<F16>(kc, at + i);
+        const __m256 k = kv8<KV>(kc, at + i);
         for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * hd + i), k, acc[g]);
       }
       for (int g = 0; g < G; ++g) scg[g * S + s] = hsum8(acc[g]) * scale;
@@ -328,7 +389,7 @@ void attend_group(const float* q, int64_t nkv, int64_t hd, const void* kc, const
   }
 }
 
-template <int G, bool F16>
+template <int G, int KV>
 void accumulate_group(int64_t nkv, int64_t hd, const void* vc, const int64_t* idx, int64_t S, const float* sc,
                       float* o) {
   constexpr int W = G <= 4 ? 2 : 1;  // 8-column vectors per head held at once: 2G + 2 + 1 of 16 registers
@@ -342,10 +403,10 @@ void accumulate_group(int64_t nkv, int64_t hd, const void* vc, const int64_t* id
         for (int c = 0; c < W; ++c) acc[g][c] = _mm256_setzero_ps();
       for (int64_t s = 0; s < S; ++s) {
         if (s + 4 * KV_AHEAD < S)
-          _mm_prefetch((const char*)vc + ((idx[s + 4 * KV_AHEAD] * nkv + kvh) * hd + i0) * (F16 ? 2 : 4), _MM_HINT_T0);
+          _mm_prefetch((const char*)vc + ((idx[s + 4 * KV_AHEAD] * nkv + kvh) * hd + i0) * kv_bytes(KV), _MM_HINT_T0);
         const int64_t at = (idx[s] * nkv + kvh) * hd + i0;
         __m256 v[W];
-        for (int c = 0; c < W; ++c) v[c] = c < w ? kv8<F16>(vc, at + 8 * c) : _mm256_setzero_ps();
+        for (int c = 0; c < W; ++c) v[c] = c < w ? kv8<KV>(vc, at + 8 * c) : _mm256_setzero_ps();
         for (int g = 0; g < G; ++g) {
           const __m256 p = _mm256_broadcast_ss(scg + g * S + s);
           for (int c = 0; c < W; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
@@ -358,47 +419,49 @@ void accumulate_group(int64_t nkv, int64_t hd, const void* vc, const int64_t* id
 }
 
 template <int G>
-bool attend_blocked_g(bool f16, const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc,
+bool attend_blocked_g(int kind, const float* q, int64_t nkv, int64_t hd, const void* kc, const void* vc,
                       const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
-  if (f16) attend_group<G, true>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
-  else attend_group<G, false>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
+  if (kind == KV_F16) attend_group<G, KV_F16>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
+  else if (kind == KV_FP8) attend_group<G, KV_FP8>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
+  else attend_group<G, KV_F32>(q, nkv, hd, kc, vc, idx, S, scale, sc, o);
   for (int64_t h = 0; h < G * nkv; ++h) {
     float* row = sc + h * S;
     m[h] = *std::max_element(row, row + S);
     l[h] = exp_sum(row, S, m[h]);
   }
-  if (f16) accumulate_group<G, true>(nkv, hd, vc, idx, S, sc, o);
-  else accumulate_group<G, false>(nkv, hd, vc, idx, S, sc, o);
+  if (kind == KV_F16) accumulate_group<G, KV_F16>(nkv, hd, vc, idx, S, sc, o);
+  else if (kind == KV_FP8) accumulate_group<G, KV_FP8>(nkv, hd, vc, idx, S, sc, o);
+  else accumulate_group<G, KV_F32>(nkv, hd, vc, idx, S, sc, o);
   return true;
 }
 
 // the blocked chunk where it applies (AVX2 build, 1 <= nh / nkv <= 8, hd % 8 == 0); false: the caller's loop
-bool attend_blocked(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, bool f16,
+bool attend_blocked(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, int kind,
                     const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
   if (nkv <= 0 || nh % nkv || hd % 8 || S <= 0) return false;
   switch (nh / nkv) {
-    case 1: return attend_blocked_g<1>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 2: return attend_blocked_g<2>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 3: return attend_blocked_g<3>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 4: return attend_blocked_g<4>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 5: return attend_blocked_g<5>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 6: return attend_blocked_g<6>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 7: return attend_blocked_g<7>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
-    case 8: return attend_blocked_g<8>(f16, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 1: return attend_blocked_g<1>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 2: return attend_blocked_g<2>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 3: return attend_blocked_g<3>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 4: return attend_blocked_g<4>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 5: return attend_blocked_g<5>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 6: return attend_blocked_g<6>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 7: return attend_blocked_g<7>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
+    case 8: return attend_blocked_g<8>(kind, q, nkv, hd, kc, vc, idx, S, scale, sc, m, l, o);
     default: return false;
   }
 }
 #endif
 
 // One chunk of a row's cached positions (slots idx [S]) for every query head: q [nh, hd] (head h reads kv head
-// h / grp of a float32 or float16 (f16) pool of nkv heads) -> per head the chunk's largest score m[h], the sum of
+// h / grp of a float32, float16 or e4m3fn (kind) pool of nkv heads) -> per head the chunk's largest score m[h], the sum of
 // e^(score - m[h]) l[h] and the unnormalised output o[nh, hd] (sum of e^(score - m[h]) v). Positions are read in
 // order and all kv heads of a position together (rows are contiguous in the pool), 8 keys per vector where it
-// can; a float16 row is widened once. sc: scratch [nh, S].
-void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, bool f16,
+// can; a float16 / e4m3fn row is widened once. sc: scratch [nh, S].
+void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const void* kc, const void* vc, int kind,
                   const int64_t* idx, int64_t S, float scale, float* sc, float* m, float* l, float* o) {
 #ifdef MS_DECODE_AVX2
-  if (attend_blocked(q, nh, nkv, hd, kc, vc, f16, idx, S, scale, sc, m, l, o)) return;
+  if (attend_blocked(q, nh, nkv, hd, kc, vc, kind, idx, S, scale, sc, m, l, o)) return;
 #endif
   const int64_t grp = nh / nkv;
   std::vector<float> tmp(8 * hd);
@@ -408,13 +471,13 @@ void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const voi
     for (; s + 8 <= S; s += 8)
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
         const float* k[8];
-        for (int j = 0; j < 8; ++j) k[j] = load_row(kc, (idx[s + j] * nkv + kvh) * hd, hd, f16, tmp.data() + j * hd);
+        for (int j = 0; j < 8; ++j) k[j] = load_row(kc, (idx[s + j] * nkv + kvh) * hd, hd, kind, tmp.data() + j * hd);
         dots8(q + kvh * grp * hd, grp, k, hd, scale, sc + kvh * grp * S, S, s);
       }
 #endif
   for (; s < S; ++s)
     for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-      const float* k = load_row(kc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
+      const float* k = load_row(kc, (idx[s] * nkv + kvh) * hd, hd, kind, tmp.data());
       for (int64_t g = 0; g < grp; ++g) sc[(kvh * grp + g) * S + s] = dot(q + (kvh * grp + g) * hd, k, hd) * scale;
     }
   for (int64_t h = 0; h < nh; ++h) {
@@ -425,7 +488,7 @@ void attend_chunk(const float* q, int64_t nh, int64_t nkv, int64_t hd, const voi
   std::fill(o, o + nh * hd, 0.0f);
   for (int64_t s = 0; s < S; ++s)
     for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-      const float* v = load_row(vc, (idx[s] * nkv + kvh) * hd, hd, f16, tmp.data());
+      const float* v = load_row(vc, (idx[s] * nkv + kvh) * hd, hd, kind, tmp.data());
       for (int64_t g = 0; g < grp; ++g) {
         const int64_t h = kvh * grp + g;
         const float p = sc[h * S + s];
@@ -527,9 +590,9 @@ void prep_row(const int64_t* d, double eps, const float* qkv_row, int64_t pos, i
     if (kn) rms_norm(k.data(), kn, hd, eps, zc, k.data());
     rotate(k.data(), c, s, rd);
     const int64_t at = (slot * nkv + h) * hd;
-    const bool f16 = d[D_FLAGS] & F_KV_F16;
-    store_row((void*)d[D_KC], at, k.data(), hd, f16);
-    store_row((void*)d[D_VC], at, qkv_row + qrows + nkv * hd + h * hd, hd, f16);
+    const int kind = kv_kind(d[D_FLAGS]);
+    store_row((void*)d[D_KC], at, k.data(), hd, kind);
+    store_row((void*)d[D_VC], at, qkv_row + qrows + nkv * hd + h * hd, hd, kind);
   }
 }
 
@@ -544,7 +607,7 @@ void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx
                int nt) {
   const int64_t nh = d[D_NH], nkv = d[D_NKV], hd = d[D_HD];
   const float scale = 1.0f / std::sqrt((float)hd);
-  const bool f16 = d[D_FLAGS] & F_KV_F16;
+  const int kind = kv_kind(d[D_FLAGS]);
   std::vector<int64_t> first(B + 1, 0);  // the rows' first work items
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -562,7 +625,7 @@ void attention(const int64_t* d, int64_t B, const float* q, const int64_t* kvidx
     for (int64_t it = 0; it < items; ++it) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1, c = it - first[b];
       const int64_t s0 = c * ATT_CHUNK, S = std::min(kvoff[b + 1] - kvoff[b] - s0, ATT_CHUNK);
-      attend_chunk(q + b * nh * hd, nh, nkv, hd, (const void*)d[D_KC], (const void*)d[D_VC], f16,
+      attend_chunk(q + b * nh * hd, nh, nkv, hd, (const void*)d[D_KC], (const void*)d[D_VC], kind,
                    kvidx + kvoff[b] + s0, S, scale, sc.data(), m.data() + it * nh, l.data() + it * nh,
                    o.data() + it * nh * hd);
     }
@@ -1140,6 +1203,25 @@ int ms_decode_logits(int64_t L, const int64_t* kinds, const int64_t* descs, cons
 }
 
 int ms_decode_desc_size() { return D_COUNT; }
+
+// For tests (tests/test_cpu_decode.py): src [n] written into a KV pool row of `kind` (store_row: 0 float32, 1 float16,
+// 2 e4m3fn), then read back as float32 by load_row into back [n] and, in an AVX2 build with n % 8 == 0, by the
+// attention's in-register widening (kv8) into back8 [n] (left as it is otherwise). Returns 1 if back8 was written.
+int ms_kv_roundtrip(int kind, const float* src, int64_t n, void* pool, float* back, float* back8) {
+  store_row(pool, 0, src, n, kind);
+  std::vector<float> tmp(n);
+  const float* r = load_row(pool, 0, n, kind, tmp.data());
+  std::memcpy(back, r, n * sizeof(float));
+#ifdef MS_DECODE_AVX2
+  if (n % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(back8 + i, kind == KV_FP8 ? kv8<KV_FP8>(pool, i) : kind == KV_F16 ? kv8<KV_F16>(pool, i)
+                                                                                          : kv8<KV_F32>(pool, i));
+    return 1;
+  }
+#endif
+  return 0;
+}
 
 // The per-part profile of the decode calls (the P_* parts): on 1 starts it from zero, on 0 stops it; seconds and
 // counts [P_COUNT] are copied out when non-null. Returns P_COUNT.
