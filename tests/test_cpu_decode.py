@@ -578,17 +578,13 @@ def test_kv_rows_written_and_widened_as_torch_does(kind, dtype):
     rounded to nearest even; e4m3fn saturated at +-448 and rounded to nearest even, as layers/attention.kv_write's
     `clamp(-448, 448).to(torch.float8_e4m3fn)` — bit for bit on every e4m3fn code, every midpoint between two (ties),
     values beyond the range and random ones."""
+    from test_kv_fp8 import encode_inputs  # (every code, the ties between them, out of range, random)
+
     from moestream.kernels import cpu_quant
 
     if not cpu_quant.available():
         pytest.skip("CPU kernels not built")
-    f8 = torch.arange(256, dtype=torch.int32)
-    f8 = f8[(f8 & 0x7F) != 0x7F].to(torch.uint8).view(torch.float8_e4m3fn).float()
-    pos = f8[f8 > 0].sort().values
-    mids = (pos[1:] + pos[:-1]) / 2
-    g = torch.Generator().manual_seed(1)
-    x = torch.cat([f8, mids, -mids, mids * 1.0001, mids * 0.9999, torch.tensor([449.0, 464.0, 1e6, -1e6, 2.0 ** -10]),
-                   *(torch.randn(2000, generator=g) * s for s in (1e-3, 0.05, 1.0, 40.0, 400.0))]).float()
+    x = encode_inputs()
     x = x[: len(x) // 8 * 8].contiguous()
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)
