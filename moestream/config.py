@@ -508,6 +508,8 @@ class EngineConfig:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+        if self.prefill_rows_cap is not None and self.prefill_rows_cap < 1:
+            raise ConfigError(f"prefill_rows_cap must be >= 1 or None, got {self.prefill_rows_cap}")
         if self.num_tokens is not None and self.num_tokens < 1:
             raise ConfigError(f"--num-tokens must be >= 1, got {self.num_tokens}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:

@@ -143,3 +143,10 @@ def test_kv_cache_dtype_sets_the_pool_and_the_plan(tiny_checkpoint):
     assert sizes["float16"] == sizes["auto"] / 2
     with pytest.raises(ConfigError, match="kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="int8").validate()
+
+
+def test_prefill_rows_cap_is_checked():
+    """The planner's prefill-row cap (Python API only): a positive count or None."""
+    EngineConfig(prefill_rows_cap=16).validate()
+    with pytest.raises(ConfigError, match="prefill_rows_cap"):
+        EngineConfig(prefill_rows_cap=0).validate()
