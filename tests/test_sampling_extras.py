@@ -155,6 +155,47 @@ def test_prompt_logprobs_match_a_full_forward(llm):
         assert [a for a, _ in alts] == torch.topk(ref, 2).indices.tolist()
 
 
+def test_prompt_logprob_rows_per_step_are_bounded(llm, monkeypatch):
+    """SchedulerConfig.logit_rows (on a GPU: what the plan's workspace holds of [rows, vocabulary] logits): a
+    prompt_logprobs request's prefill takes at most that many positions a step, another request's prefill beside it
+    is not held back, and the prompt logprobs are those of an unbounded run."""
+    import dataclasses
+
+    prompt, other = [5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    want = llm.generate([prompt], params)[0].prompt_logprobs
+    sched = llm.scheduler
+    steps = []
+    plan = sched._plan
+
+    def spy():
+        out = plan()
+        steps.append([(r.prompt_ids[:1], n) for r, n in out])
+        return out
+
+    monkeypatch.setattr(sched, "_plan", spy)
+    monkeypatch.setattr(sched, "config", dataclasses.replace(sched.config, logit_rows=2))
+    outs = llm.generate([prompt, other], [params, SamplingParams(max_tokens=1, temperature=0)])
+    got = outs[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(want)
+    for (lp, alts), (wlp, walts) in zip(got[1:], want[1:]):  # (other chunk boundaries: float32 sums differ slightly)
+        assert abs(lp - wlp) < 1e-4 and [a for a, _ in alts] == [a for a, _ in walts]
+    assert [n for s in steps for p0, n in s if p0 == prompt[:1]] == [2, 2, 2, 1]  # 7 prompt tokens, 2 a step
+    assert (other[:1], len(other)) in steps[0]  # the other prompt: one step
+
+
+def test_logit_rows_from_the_plan_on_a_gpu():
+    from types import SimpleNamespace
+
+    from moestream.engine.llm_engine import LOGIT_BYTES, logit_rows
+
+    plan = SimpleNamespace(bytes=SimpleNamespace(workspace=384 << 20))
+    cfg = SimpleNamespace(vocab_size=248320)
+    assert logit_rows(SimpleNamespace(plan=plan, device=torch.device("cuda"), cfg=cfg)) == \
+        (384 << 20) // (248320 * LOGIT_BYTES) == 135
+    assert logit_rows(SimpleNamespace(plan=plan, device=torch.device("cpu"), cfg=cfg)) == 0
+
+
 def test_logit_bias_and_min_tokens_steer_generation(llm):
     p = [5, 6, 7, 8]
     out = llm.generate([p], SamplingParams(max_tokens=5, temperature=0, logit_bias={42: 100.0}))[0]

@@ -28,13 +28,26 @@ from .sampler import make_generator
 log = logging.getLogger("moestream.engine")
 
 
+LOGIT_BYTES = 12  # bytes a prompt-logprob logit takes while a step's logprobs are computed (16-bit, float32, log-softmax)
+
+
+def logit_rows(engine) -> int:
+    """Prompt positions whose logits one step may compute for prompt_logprobs requests: on a GPU what the plan's
+    workspace holds of [rows, vocabulary] logits (a 2,048-token chunk of a 248k vocabulary would be 6 GB: at a 4 GiB cap
+    the request would fail for memory), at least one; 0 (no limit) on a CPU."""
+    plan, device = getattr(engine, "plan", None), getattr(engine, "device", None)
+    if plan is None or device is None or device.type != "cuda":
+        return 0
+    return max(1, plan.bytes.workspace // (engine.cfg.vocab_size * LOGIT_BYTES))
+
+
 def scheduler_config(engine) -> SchedulerConfig:
     """The scheduler's limits from an engine's options and sizes."""
     e = engine.ecfg
     return SchedulerConfig(max_running=e.max_running_requests, chunk=e.chunked_prefill_size,
                            max_seq_len=engine.max_seq_len, vocab_size=engine.cfg.vocab_size,
                            prefix_cache=e.prefix_cache, prompt_snapshots=e.prefix_cache_prompt_snapshot == "on",
-                           forks=e.tp_size == 1)
+                           forks=e.tp_size == 1, logit_rows=logit_rows(engine))
 
 
 class LLMEngine:

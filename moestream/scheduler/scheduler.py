@@ -45,6 +45,9 @@ class SchedulerConfig:
     prefix_cache: bool = True
     prompt_snapshots: bool = True  # --prefix-cache-prompt-snapshot on
     forks: bool = True  # n > 1 children copy their parent's prefill (off under tensor parallelism)
+    # prompt positions whose logits a step may compute for prompt_logprobs requests (each such position is a row of
+    # [rows, vocab] logits: on a GPU the plan's workspace bounds them, engine/llm_engine.logit_rows); 0: no limit
+    logit_rows: int = 0
 
 
 class Scheduler:
@@ -248,6 +251,7 @@ class Scheduler:
         """Choose (request, number of new tokens) for this step, allocating pages and slots."""
         plan: list[tuple[Request, int]] = []
         budget = self.chunk
+        lp = [self.config.logit_rows or None]  # prompt-logprob rows left this step (None: no limit)
         for req in list(self.running):
             if req.status != Status.RUNNING or req.in_prefill:
                 continue
@@ -257,27 +261,38 @@ class Scheduler:
                 budget -= n
         for req in list(self.running):
             if req.status == Status.RUNNING and req.in_prefill and budget > 0:
-                n = min(budget, req.num_tokens - req.num_computed)
-                if self._reserve(req, req.num_computed + n):
-                    plan.append((req, n))
+                n = self._logit_cap(req, min(budget, req.num_tokens - req.num_computed), lp)
+                if n and self._reserve(req, req.num_computed + n):
+                    plan.append((req, self._logit_cap(req, n, lp, take=True)))
                     budget -= n
         limit = 1 if self.suspects else self.max_running
         while self.waiting and budget > 0 and len(self.running) < limit:
             req = self.waiting[0]
             hit, part = self._lookup(req)
             m = len(hit) * self.kv.page_size + (part[1] if part else 0)
-            n = min(budget, req.num_tokens - m)
+            n = self._logit_cap(req, min(budget, req.num_tokens - m), lp)
             on_device = sum(node.page >= 0 for node in hit)  # spilled ones come back into new pages
-            if self.kv.pages_for(m + n) - on_device > self._free_pages() or self.state.slots.num_free == 0:
+            if not n or self.kv.pages_for(m + n) - on_device > self._free_pages() or self.state.slots.num_free == 0:
                 if hit or part:
                     self.prefix.release(hit + ([part[0]] if part else []))
                 break
             self.waiting.pop(0)
             self._admit(req, hit, part)
             self._reserve(req, m + n)
-            plan.append((req, n))
+            plan.append((req, self._logit_cap(req, n, lp, take=True)))
             budget -= n
         return [(r, n) for r, n in plan if r.status == Status.RUNNING]
+
+    @staticmethod
+    def _logit_cap(req: Request, n: int, left: list, take: bool = False) -> int:
+        """n prefill tokens of req, at most the prompt-logprob rows left this step (left[0]; None: no limit) when req
+        asks for prompt logprobs (each of its prompt positions is a logits row); take: the n planned, taken from left."""
+        if left[0] is None or getattr(req.params, "prompt_logprobs", None) is None:
+            return n
+        if take:
+            left[0] -= n
+            return n
+        return min(n, left[0])
 
     def _trim_drafts(self, req: Request) -> list[int]:
         """The drafts req may verify: none for requests that decode one token a step (Request.can_draft), and
