@@ -495,3 +495,14 @@ def test_bench_bw_rejects_unknown_formats():
         bench.expert_format("q9", torch.bfloat16, 256, 256)
     with pytest.raises(ConfigError, match="not a multiple"):
         bench.expert_format("q4_k", torch.bfloat16, 256, 100)
+
+
+def test_gpu_tiles_bound_a_vocabulary_head():
+    """A GPU qlinear decodes a weight in one tile up to GPU_TILE_BYTES dense, else in tiles of that size: a Q8_0
+    head of 248,320 x 2,048 in bf16 goes through 16 tiles of 16,384 rows instead of 0.95 GiB at once; an 8192 x 2048
+    projection stays one tile."""
+    from moestream.quant.base import GPU_TILE_BYTES, gpu_tile_rows
+
+    assert gpu_tile_rows(2048, 248320, 2) == GPU_TILE_BYTES // (2048 * 2) == 16384
+    assert -(-248320 // gpu_tile_rows(2048, 248320, 2)) == 16
+    assert gpu_tile_rows(2048, 8192, 2) == 8192 and gpu_tile_rows(2048, 0, 2) == 1

@@ -304,7 +304,8 @@ class QuantFormat:
         parts = self._canon(raw, shape)  # canonicalize once: tiles are views/gathers of these
         if tile_rows is None:
             on_cpu = next(iter(parts.values())).device.type == "cpu"
-            tile_rows = default_tile_rows(shape[-1]) if on_cpu else max(1, r_end - r_start)
+            tile_rows = default_tile_rows(shape[-1]) if on_cpu else \
+                gpu_tile_rows(shape[-1], r_end - r_start, torch.empty((), dtype=out_dtype).element_size())
         for r0 in range(r_start, r_end, tile_rows):
             r1 = min(r_end, r0 + tile_rows)
             yield r0, r1, self._dense(parts, shape, slice(r0, r1), None, out_dtype)
@@ -340,6 +341,14 @@ def _triton_path(t: torch.Tensor):
 # 512 KiB L2/core): 64 Ki-value tiles up to 2x slower per weight than 256-512 Ki, a whole 2 Mi-value
 # matrix up to 4x slower (Q8_0; Q4_K and FP8 vary less).
 TILE_BYTES = 1 << 20
+GPU_TILE_BYTES = 64 << 20  # the largest dense tile a GPU qlinear decodes at once (gpu_tile_rows)
+
+
+def gpu_tile_rows(k: int, rows: int, elem_bytes: int) -> int:
+    """Rows per GPU tile: all of them (one Triton decode, one GEMM) up to GPU_TILE_BYTES of dense tile, else tiles of
+    that size — a vocabulary head's prefill rows (a Q8_0 head of 248k x 2048 would be 0.95 GiB dense at once, beyond
+    a small card's plan) go through 16 tiles of 64 MiB."""
+    return max(1, min(rows, GPU_TILE_BYTES // max(1, k * elem_bytes)))
 
 
 def default_tile_rows(k: int, elem_bytes: int = 4) -> int:
