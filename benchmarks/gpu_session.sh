@@ -32,7 +32,7 @@ DPROF_ENV=${DPROF_ENV-}  # e.g. MOESTREAM_BRIDGE_X8=1: the step profiles' enviro
 SWEEP=${SWEEP-"8,16"}  # thread counts of the CPU layer call sweep on the host (cpu_layer_tuning.py --sweep)
 SWEEP_TUNINGS=${SWEEP_TUNINGS-"flow=0;kb=32;kb=256"}  # timed against the default in alternating rounds
 QLIN_SHAPES=${QLIN_SHAPES-""}
-TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid or cuda_planar or cuda_gguf or planar_tokens or fp8"}
+TESTS_K=${TESTS_K-"overlapped_decode_equals_stepwise or hybrid or cuda_planar or cuda_gguf or planar_tokens or fp8 or tiles"}
 AUX=$OUT/aux.log
 
 {
@@ -84,7 +84,7 @@ fi
     echo "== $(date -u +%T) [$(left) s left] CUDA tests -k '$TESTS_K'"
     timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_qpairs.py \
       tests/test_triton_layers.py tests/test_cuda_graphs.py tests/test_planar.py tests/test_host_embedding.py \
-      tests/test_kv_fp8.py -k "$TESTS_K"
+      tests/test_kv_fp8.py tests/test_lm_head_quant.py -k "$TESTS_K"
   fi
   echo "== done after $(( $(date +%s) - T0 )) s"
 } >> "$AUX" 2>&1

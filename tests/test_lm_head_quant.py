@@ -96,3 +96,23 @@ def test_a_gguf_head_keeps_its_type(tmp_path, tiny_checkpoint, caplog):
     assert type(llm.engine.model.lm_head) is kind and llm.engine.plan.bytes.dense == dense
     assert "a GGUF's head keeps the type its file stores" in caplog.text
     llm.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_q8_0_head_prefill_rows_in_tiles():
+    """On a GPU a Q8_0 head bigger than GPU_TILE_BYTES dense (40,000 x 2,048: 156 MiB in bf16) takes more rows than
+    the GEMV path (prompt logprobs, verify rows) in 64 MiB row tiles: the product equals the float64 one of the stored
+    blocks within bf16 rounding."""
+    from moestream.layers.quant_linear import GPU_GEMV_ROWS, QuantLinear
+    from moestream.quant import gguf_format
+    from moestream.quant.base import gpu_tile_rows
+    from moestream.quant.gguf_formats import quantize_q8_0
+
+    N, K = 40000, 2048
+    assert gpu_tile_rows(K, N, 2) < N  # (the tiled path)
+    w = torch.randn(N, K) * 0.05
+    head = QuantLinear("Q8_0", quantize_q8_0(w), N, K, float_activations=True).cuda()
+    x = torch.randn(GPU_GEMV_ROWS + 24, K, device="cuda", dtype=torch.bfloat16)
+    y = head(x)
+    want = x.double().cpu() @ gguf_format("Q8_0").dequantize(head.raw.cpu(), (N, K), torch.float64).T
+    assert y.shape == (x.shape[0], N) and (y.double().cpu() - want).abs().max().item() < 0.05 * want.abs().max().item()
