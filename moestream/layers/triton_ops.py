@@ -498,7 +498,6 @@ def gated_combine_norm(y, shared, gate, residual, norm_weight, eps: float, zero_
 # fp8 cache must work on Turing / Ampere too. Encoding saturates at +-448 and rounds to nearest even, as torch's
 # `clamp(-448, 448).to(torch.float8_e4m3fn)` does (layers/attention.py kv_write); tests/test_kv_fp8.py checks both
 # directions against torch on every code and on random values.
-FP8_MAX = 448.0
 if triton is not None:
     @triton.jit
     def fp8_decode(b):
