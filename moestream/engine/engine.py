@@ -219,7 +219,11 @@ class Engine:
         if head is not None:  # planned at its Q8_0 bytes
             held = self.dense_bytes if self.dense_bytes is not None else dense_bytes_held(local)
             self.dense_bytes = held - head[0] + head[1]
-        self.head_q8 = None if head is not None else self._head_q8_bytes(folder)  # (a refusal's hint)
+        if head is None:  # where it applies, for a refusal's hint
+            applies = self._head_q8(folder)
+            self.head_q8 = applies if isinstance(applies, tuple) else None
+        else:
+            self.head_q8 = None
         self.dense_mode = mode
         self.host_embedding = self._embedding_on_host(local, fmt, folder)
         if self.host_embedding:  # planned without the table's device bytes (a GGUF's: its stored rows, if kept so)
@@ -274,29 +278,30 @@ class Engine:
         A head tied to the embedding or split over tensor-parallel ranks is refused with the reason."""
         if self.ecfg.lm_head_quant == "none":
             return None
-        if self.cfg.tie_word_embeddings:
-            raise ConfigError("--lm-head-quant q8_0: this model's vocabulary head is its token embedding "
-                              "(tie_word_embeddings); quantizing it would keep a second copy: leave it at none")
-        if self.tp:
-            raise ConfigError("--lm-head-quant q8_0 is not supported with --tp-size > 1")
-        from ..models.gguf_loader import find_gguf
-
-        if folder is not None and find_gguf(folder) is not None:  # a GGUF's head is stored compressed (or F16) already
+        head = self._head_q8(folder)
+        if isinstance(head, tuple):
+            return head
+        if head == "gguf":
             log.info("--lm-head-quant q8_0: a GGUF's head keeps the type its file stores")
             return None
-        if self.local_cfg.hidden_size % 32:
-            raise ConfigError("--lm-head-quant q8_0 needs a hidden size that is a multiple of 32, got "
-                              f"{self.local_cfg.hidden_size}")
-        return self._head_q8_bytes(folder)
+        raise ConfigError(f"--lm-head-quant q8_0: {head}")
 
-    def _head_q8_bytes(self, folder) -> tuple[int, int] | None:
+    def _head_q8(self, folder) -> tuple[int, int] | str:
         """(the head's bytes as loaded, as Q8_0) where --lm-head-quant q8_0 applies — an untied head of a safetensors
-        checkpoint (or random weights) on one rank, a hidden size that is a multiple of 32; None otherwise."""
+        checkpoint (or random weights) on one rank, a hidden size that is a multiple of 32; else why not ("gguf": the
+        file stores its head compressed, or F16, already)."""
         from ..models.gguf_loader import find_gguf
 
         n, k = self.local_cfg.vocab_size, self.local_cfg.hidden_size
-        if self.cfg.tie_word_embeddings or self.tp or k % 32 or (folder is not None and find_gguf(folder) is not None):
-            return None
+        if self.cfg.tie_word_embeddings:
+            return ("this model's vocabulary head is its token embedding (tie_word_embeddings); quantizing it would "
+                    "keep a second copy: leave it at none")
+        if self.tp:
+            return "not supported with --tp-size > 1"
+        if folder is not None and find_gguf(folder) is not None:
+            return "gguf"
+        if k % 32:
+            return f"needs a hidden size that is a multiple of 32, got {k}"
         return n * k * self.dtype.itemsize, n * (k // 32) * 34
 
     def _quantize_head(self, model) -> None:
