@@ -20,6 +20,11 @@ except ImportError:  # pragma: no cover - older torch
 # attention of a long prompt's late chunks is bounded by the plan's workspace whatever kernel SDPA picks (one with
 # a materialised score matrix included)
 SCORES_BYTES = 128 << 20
+# a prefill chunk whose context's K and V, gathered from the pool in the queries' dtype, would pass this attends block
+# by block instead (Attention._attend_blocks: float32 online softmax over key blocks of this many bytes), so a long
+# context's late chunks need no whole-context copy (512 MiB of K/V at 262k tokens for the Qwen3.6 shape) beyond the
+# plan's fixed workspace
+GATHER_BYTES = 64 << 20
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value: an fp8 cache saturates there (no scale: --kv-cache-dtype fp8)
@@ -106,8 +111,12 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             for s in batch.seqs:
                 qs = q[s.start:s.start + s.length]
-                out[s.start:s.start + s.length] = self._attend(qs, kv_rows(k_cache, s.kv_index, q.dtype),
-                                                               kv_rows(v_cache, s.kv_index, q.dtype), s.cached)
+                if 2 * (s.cached + s.length) * Hk * D * q.element_size() > GATHER_BYTES:
+                    o = self._attend_blocks(qs, k_cache, v_cache, s.kv_index, s.cached)
+                else:
+                    o = self._attend(qs, kv_rows(k_cache, s.kv_index, q.dtype), kv_rows(v_cache, s.kv_index, q.dtype),
+                                     s.cached)
+                out[s.start:s.start + s.length] = o
         out = out.reshape(T, H * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -126,6 +135,44 @@ class Attention(nn.Module):
             j = min(i + step, L)
             out[i:j] = self._attend_slice(q[i:j], k[:cached + j], v[:cached + j], cached + i)
         return out
+
+    def _attend_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                       cached: int) -> torch.Tensor:
+        """_attend over the pool rows `index` ([cached + L]) without gathering them at once: keys in blocks whose
+        float32 K and V take GATHER_BYTES, each read once, every query row's softmax carried online across them
+        (running max, sum and weighted values in float32); the rows of a block's scores go in slices within
+        SCORES_BYTES. Queries before a block's first key skip it; only a block reaching past a slice's first query
+        is masked."""
+        L, H, D = q.shape
+        Hk = self.num_kv_heads
+        G = H // Hk
+        S = cached + L
+        block = max(16, GATHER_BYTES // (2 * Hk * D * 4))
+        rows = max(16, SCORES_BYTES // (4 * H * block))
+        qf = q.float().view(L, Hk, G, D).permute(1, 2, 0, 3) * self.scale  # [Hk, G, L, D]
+        acc = torch.zeros_like(qf)
+        peak = torch.full((Hk, G, L), float("-inf"), device=q.device)
+        total = torch.zeros((Hk, G, L), device=q.device)
+        qpos = cached + torch.arange(L, device=q.device)
+        for b0 in range(0, S, block):
+            b1 = min(b0 + block, S)
+            kb = kv_rows(k_cache, index[b0:b1], torch.float32).permute(1, 2, 0)[:, None]  # [Hk, 1, D, B]
+            vb = kv_rows(v_cache, index[b0:b1], torch.float32).transpose(0, 1)[:, None]  # [Hk, 1, B, D]
+            for r0 in range(max(0, b0 - cached), L, rows):
+                r1 = min(r0 + rows, L)
+                sc = torch.matmul(qf[:, :, r0:r1], kb)  # [Hk, G, R, B]
+                if b1 - 1 > cached + r0:  # some key of the block lies after some query of the slice
+                    keys = torch.arange(b0, b1, device=q.device)
+                    sc.masked_fill_(keys[None, :] > qpos[r0:r1, None], float("-inf"))
+                # every row sees the block's first key (r0 >= b0 - cached): the new peak is finite
+                new = torch.maximum(peak[..., r0:r1], sc.amax(-1))
+                keep = torch.exp(peak[..., r0:r1] - new)
+                sc.sub_(new[..., None]).exp_()
+                total[..., r0:r1] = total[..., r0:r1] * keep + sc.sum(-1)
+                acc[:, :, r0:r1] = acc[:, :, r0:r1] * keep[..., None] + torch.matmul(sc, vb)
+                peak[..., r0:r1] = new
+        out = acc / total[..., None]
+        return out.permute(2, 0, 1, 3).reshape(L, H, D).to(q.dtype)
 
     def _attend_slice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
         L, S = q.shape[0], k.shape[0]
@@ -158,7 +205,8 @@ class Attention(nn.Module):
         return o.reshape(B, self.num_heads, self.head_dim)
 
     def _decode_batched(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        """All sequences decode one token: pad their KV to the longest and attend in one call."""
+        """All sequences decode one token: pad their KV to the longest and attend in one call (_decode_padded: the
+        query heads sharing a KV head ride as its query length, no K/V repetition)."""
         B = len(batch.seqs)
         S = max(s.total for s in batch.seqs)
         idx = torch.zeros((B, S), dtype=torch.long, device=q.device)
@@ -166,9 +214,4 @@ class Attention(nn.Module):
         for i, s in enumerate(batch.seqs):
             idx[i, :s.total] = s.kv_index
             valid[i, :s.total] = True
-        groups = self.num_heads // self.num_kv_heads
-        k = kv_rows(k_cache, idx, q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [B, H, S, D]
-        v = kv_rows(v_cache, idx, q.dtype).permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
-        qh = q.view(B, 1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
-        return o.transpose(1, 2).reshape(B, self.num_heads, self.head_dim)
+        return self._decode_padded(q, idx, valid, k_cache, v_cache)
