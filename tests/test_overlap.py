@@ -232,3 +232,69 @@ def test_cpu_and_hybrid_overlap_on_cuda_only_when_asked(backend, tiny_checkpoint
                         else SimpleNamespace(backend="offload"))
     assert eng.overlap_ok()  # offload under auto on CUDA
     llm.close()
+
+
+def test_hybrid_overlaps_under_auto_only_while_its_arms_hold_the_fetch_form(tiny_checkpoint, monkeypatch):
+    """hybrid under --overlap-schedule auto on CUDA: stepwise while its arms explore or hold the split (an arm's time
+    runs from launch to results), overlapped while they hold the fetch form for that batch size (offload's step, no
+    worker job); asked per batch size, and re-asked by LLMEngine before every overlapped launch."""
+    from types import SimpleNamespace
+
+    from moestream.moe.share import FETCH, SPLIT
+
+    llm = LLM(tiny_checkpoint("qwen3"), moe_backend="hybrid", moe_cache_size=3, moe_decode_kernel="pairs",
+              max_running_requests=4)
+    eng = llm.engine
+    arms = eng.runtime.decode.arms
+    assert arms is not None
+    monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+    assert not eng.overlap_ok(1) and not eng.overlap_ok()  # nothing held yet
+    arms._state(1)["chosen"] = FETCH
+    arms._state(4)["chosen"] = SPLIT
+    assert eng.overlap_ok(1) and not eng.overlap_ok(4) and not eng.overlap_ok(2) and not eng.overlap_ok()
+    monkeypatch.setattr(eng, "ecfg", dataclasses.replace(eng.ecfg, overlap_schedule="off"))
+    assert not eng.overlap_ok(1)
+    monkeypatch.undo()
+    # the loop re-asks: a step in flight is read instead of overlapped once the rule says no
+    asked = []
+    monkeypatch.setattr(eng, "overlap_ok", lambda rows=None: asked.append(rows) or False)
+    llm.llm_engine.engine_overlap(3)
+    assert asked == [3]
+    llm.close()
+
+
+def test_overlap_stops_when_the_engine_says_no_mid_run(tiny_checkpoint, monkeypatch):
+    """The step loop asks Engine.overlap_ok (with the batch size) before every overlapped launch, not only before the
+    first: once it says no, the step in flight is read and the next steps run stepwise; when it says yes again they
+    overlap again; the tokens equal a run without overlap."""
+    path = tiny_checkpoint("qwen3")
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = LLM(path, overlap_schedule="off", **COMMON)
+    prompts = _prompts(ref.model_config.vocab_size, 2)
+    want = [o.token_ids for o in ref.generate(prompts, sp)]
+    ref.close()
+    llm = LLM(path, overlap_schedule="on", **COMMON)
+    eng = llm.llm_engine
+    allow = {"on": True}
+    asked = []
+    orig = llm.engine.overlap_ok
+    monkeypatch.setattr(llm.engine, "overlap_ok", lambda rows=None: asked.append(rows) or (allow["on"] and orig(rows)))
+    reqs = [Request(f"r{i}", list(p), sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    for _ in range(5):
+        eng.step()
+    assert eng._inflight is not None and 2 in asked
+    allow["on"] = False
+    eng.step()
+    assert eng._inflight is None  # read, and this step ran stepwise
+    eng.step()
+    assert eng._inflight is None
+    allow["on"] = True
+    eng.step()
+    assert eng._inflight is not None
+    while eng.has_work():
+        eng.step()
+    llm.scheduler.check_integrity()
+    assert [r.output_ids for r in reqs] == want
+    llm.close()

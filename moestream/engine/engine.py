@@ -888,17 +888,21 @@ class Engine:
         """The MTP block's decode-like passes lay their rows out as decode rows (CUDA: the split-KV kernel)."""
         return self.device.type == "cuda"
 
-    def overlap_ok(self) -> bool:
-        """Whether decode steps may overlap (LLMEngine.step launches the next before reading this one's tokens):
-        --overlap-schedule on (any device) or auto on CUDA where a decode step has no host synchronisation (the
-        runtime is capturable); one rank, no MTP drafter. fused and offload; on CUDA also cpu and hybrid with `on` (the
-        CPU worker serves the launched step's job after the pending one's, moe/bridge.py) — not under `auto` until an
-        A/B on a GPU host shows the host's work beside the worker's threads does not slow their layer calls more than
-        it saves."""
+    def overlap_ok(self, rows: int | None = None) -> bool:
+        """Whether decode steps (of `rows` rows, where known) may overlap (LLMEngine.step launches the next before
+        reading this one's tokens): --overlap-schedule on (any device) or auto on CUDA where a decode step has no host
+        synchronisation (the runtime is capturable); one rank, no MTP drafter. fused and offload; on CUDA also cpu and
+        hybrid with `on` (the CPU worker serves the launched step's job after the pending one's, moe/bridge.py) — not
+        under `auto` until an A/B on a GPU host shows the host's work beside the worker's threads does not slow their
+        layer calls more than it saves; but hybrid under `auto` while its arms hold the fetch form for that batch size
+        (its steps are then offload's, with no worker job: ExpertRuntime.overlappable)."""
         mode = self.ecfg.overlap_schedule
         backends = ("fused", "offload")
         if self.device.type == "cuda" and mode == "on":
             backends += ("cpu", "hybrid")
+        elif (self.device.type == "cuda" and mode == "auto" and self.plan.backend == "hybrid" and rows is not None
+              and self.runtime.overlappable(rows)):
+            backends += ("hybrid",)
         if mode == "off" or self.tp or self.use_mtp or self.plan.backend not in backends:
             return False
         if self.device.type == "cuda":

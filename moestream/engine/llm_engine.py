@@ -163,7 +163,8 @@ class LLMEngine:
         if self._carry:
             outputs, self._carry = self._carry + outputs, []
         if self._inflight is not None:
-            if self.scheduler.overlap_room() and all(map(self.runner.overlappable, self.scheduler.running)):
+            if (self.scheduler.overlap_room() and all(map(self.runner.overlappable, self.scheduler.running))
+                    and self.engine_overlap(len(self.scheduler.running))):
                 return outputs + self._overlapped_step()
             outputs += self._read_inflight()
         batch = self.scheduler.schedule()
@@ -199,13 +200,15 @@ class LLMEngine:
     def _starts_overlap(self, batch) -> bool:
         """A decode step that may be launched and read a step later: every sequence decodes one token of an
         overlappable request, nothing else is in the step, and the engine allows it (Engine.overlap_ok)."""
-        return (not batch.forks and not batch.prompt and not self.runner.spec_k and self.engine_overlap()
+        return (not batch.forks and not batch.prompt and not self.runner.spec_k and self.engine_overlap(len(batch.seqs))
                 and all(s.n == 1 and s.samples and not s.prefill and not s.verify and self.runner.overlappable(s.req)
                         for s in batch.seqs))
 
-    def engine_overlap(self) -> bool:
+    def engine_overlap(self, rows: int | None = None) -> bool:
+        """Engine.overlap_ok for a decode step of `rows` rows (re-asked before each overlapped launch: hybrid overlaps
+        only while its arms hold the fetch form for that batch size)."""
         ok = getattr(self.engine, "overlap_ok", None)
-        return bool(ok and ok())
+        return bool(ok and ok(rows))
 
     def _overlapped_step(self) -> list[StepOutput]:
         """Plan and launch the next step (the pending tokens read on the device), then read the step in flight and

@@ -213,6 +213,12 @@ class ExpertRuntime:
         the engine may record it as a CUDA graph: the pairs and bridge strategies."""
         return self.decode.capturable
 
+    def overlappable(self, rows: int) -> bool:
+        """Whether the decode strategy lets a step of `rows` rows overlap the one before under `--overlap-schedule
+        auto` where its steps may otherwise be stepwise (BridgeDecode.overlappable: hybrid holding its fetch form)."""
+        ok = getattr(self.decode, "overlappable", None)
+        return bool(ok and ok(rows))
+
     def graph_variant(self) -> int:
         """Which form the decode strategy gives this step's layer calls (0 but for hybrid's fetch-every-miss
         arm): part of a recorded decode graph's key."""

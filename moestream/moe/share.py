@@ -260,6 +260,11 @@ class Arms:
             tu["d"] = max(tu["d"] / 2, self.tune_min)
         tu["i"], tu["t"] = 0, {}
 
+    def held(self, rows: int) -> str | None:
+        """The arm held for `rows` rows (None while exploring, or before any step of that size)."""
+        st = self._rows.get(rows)
+        return st["chosen"] if st is not None else None
+
     def pick(self, rows: int) -> str:
         """The arm of the next decode step of `rows` rows."""
         st = self._state(rows)

@@ -389,6 +389,13 @@ class BridgeDecode(Strategy):
                 out[layer].update(misses=int(c[i]), expert_calls=int(c[i]))
         return out
 
+    def overlappable(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows may be launched before the last one is read under `--overlap-schedule
+        auto`: while the arms hold the fetch form for that batch size, whose steps are offload's (no worker job), as
+        offload's overlap; never while they explore (an arm's time runs from launch to results, which an overlapped
+        launch would blur) or hold the split."""
+        return self.arms is not None and self.arms.held(rows) == FETCH
+
     def begin_step(self, info: dict, decode: bool) -> None:
         """A decode step is one job for the worker (prefill steps take the prefill strategy), unless the arms
         run it as offload's. info "overlapped": the step is launched before the last one is read (that one stays
