@@ -79,8 +79,9 @@ def test_kv_blocked_attention_equals_reference(L, cached, kv_dtype, monkeypatch)
 
 
 def test_forward_takes_the_blocks_past_the_gather_bound(monkeypatch):
-    """Attention.forward of a prefill chunk whose context passes GATHER_BYTES attends block by block, and equals the
-    gathered path's output (the bound lowered so a 200-token context passes it)."""
+    """Attention.forward of a prefill chunk whose context passes the gather bound (HOST_GATHER_BYTES in host memory,
+    GATHER_BYTES on a GPU) attends block by block, and equals the gathered path's output (the bound lowered so a
+    200-token context passes it)."""
     from moestream.batch import ForwardBatch, SeqMeta
     from moestream.layers.rotary import Rotary
     H, Hk, D = 4, 2, 16
@@ -105,6 +106,8 @@ def test_forward_takes_the_blocks_past_the_gather_bound(monkeypatch):
     plain = run()
     assert not calls
     monkeypatch.setattr(attn_mod, "GATHER_BYTES", 2 * Hk * D * 4 * 64)  # 200 keys of 4-byte K and V pass it
+    assert not calls and torch.equal(run(), plain)  # (the GPU's bound: not this CPU's)
+    monkeypatch.setattr(attn_mod, "HOST_GATHER_BYTES", 2 * Hk * D * 4 * 64)
     blocked = run()
     assert calls
     assert torch.allclose(blocked, plain, atol=1e-5, rtol=1e-4)
