@@ -101,8 +101,8 @@ def test_forward_takes_the_blocks_past_the_gather_bound(monkeypatch):
         return a(x, batch, kc, vc, rot)
 
     calls = []
-    orig = Attention._attend_blocks
-    monkeypatch.setattr(Attention, "_attend_blocks", lambda self, *args: calls.append(1) or orig(self, *args))
+    orig = Attention._attend_long
+    monkeypatch.setattr(Attention, "_attend_long", lambda self, *args: calls.append(1) or orig(self, *args))
     plain = run()
     assert not calls
     monkeypatch.setattr(attn_mod, "GATHER_BYTES", 2 * Hk * D * 4 * 64)  # 200 keys of 4-byte K and V pass it

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..batch import ForwardBatch
 from ..kernels.linear import Linear
-from . import attn_decode, triton_ops
+from . import attn_decode, attn_prefill, triton_ops
 from .norm import RMSNorm
 from .rotary import Rotary
 
@@ -21,9 +21,10 @@ except ImportError:  # pragma: no cover - older torch
 # a materialised score matrix included)
 SCORES_BYTES = 128 << 20
 # on a GPU, a prefill chunk whose context's K and V, gathered from the pool in the queries' dtype, would pass this
-# attends block by block instead (Attention._attend_blocks: float32 online softmax over key blocks of this many bytes),
-# so a long context's late chunks need no whole-context copy (512 MiB of K/V at 262k tokens for the Qwen3.6 shape)
-# beyond the plan's fixed workspace. In host memory the gathered path (SDPA's fused CPU kernel: 1.6-1.7x faster than
+# reads them in place instead (Attention._attend_long: the paged prefill kernel of layers/attn_prefill.py, or where it
+# cannot run the torch key blocks, a float32 online softmax over key blocks of this many bytes), so a long context's
+# late chunks need no whole-context copy (512 MiB of K/V at 262k tokens for the Qwen3.6 shape) beyond the plan's
+# fixed workspace. In host memory the gathered path (SDPA's fused CPU kernel: 1.6-1.7x faster than
 # the blocks on the 2-core VM, 16k-32k context) runs up to HOST_GATHER_BYTES.
 GATHER_BYTES = 64 << 20
 HOST_GATHER_BYTES = 1 << 30
@@ -115,7 +116,7 @@ class Attention(nn.Module):
             for s in batch.seqs:
                 qs = q[s.start:s.start + s.length]
                 if 2 * (s.cached + s.length) * Hk * D * q.element_size() > bound:
-                    o = self._attend_blocks(qs, k_cache, v_cache, s.kv_index, s.cached)
+                    o = self._attend_long(qs, k_cache, v_cache, s.kv_index, s.cached)
                 else:
                     o = self._attend(qs, kv_rows(k_cache, s.kv_index, q.dtype), kv_rows(v_cache, s.kv_index, q.dtype),
                                      s.cached)
@@ -138,6 +139,16 @@ class Attention(nn.Module):
             j = min(i + step, L)
             out[i:j] = self._attend_slice(q[i:j], k[:cached + j], v[:cached + j], cached + i)
         return out
+
+    def _attend_long(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                     cached: int) -> torch.Tensor:
+        """A chunk whose context passes the gather bound: the paged prefill kernel (layers/attn_prefill.py: keys read
+        from the pool in place, tensor cores) where it runs, else the torch key blocks."""
+        if attn_prefill.usable(q, k_cache):
+            out = attn_prefill.prefill_attention(q, k_cache, v_cache, index, cached, self.scale)
+            if out is not None:
+                return out
+        return self._attend_blocks(q, k_cache, v_cache, index, cached)
 
     def _attend_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
                        cached: int) -> torch.Tensor:
