@@ -43,9 +43,11 @@ MAX_SPLITS = 256
 if triton is not None:
     @triton.jit
     def _block(q, k_ptr, v_ptr, idx_row, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum, acc, d,
-               BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+               BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, qpos=0, CAUSAL: tl.constexpr = False):
         """One block of keys from `start` (those < hi valid) folded into the running max, sum and output. FP8: the
-        caches are uint8 views of e4m3fn caches, decoded to the query's dtype."""
+        caches are uint8 views of e4m3fn caches, decoded to the query's dtype. CAUSAL (prefill, attn_prefill.py):
+        each query row sees only the keys at or before its position qpos [rows]; key 0 is visible to every row, so
+        the max stays finite from the first block."""
         n = start + tl.arange(0, BLOCK)
         nm = n < hi
         tok = tl.load(idx_row + n, mask=nm, other=0)
@@ -56,7 +58,10 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(nm[None, :], s, float("-inf"))
+        if CAUSAL:
+            s = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: the block's first key is valid
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])

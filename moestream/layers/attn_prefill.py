@@ -7,8 +7,9 @@ one KV head with the G query heads that share it, packed into one [ROWS x GP, D]
 two), and reads that head's keys and values straight from the token-indexed cache through the sequence's KV index
 in blocks of BLOCK keys, up to its last row's position: scores and P.V on tensor cores in the cache's 16-bit dtype
 with fp32 accumulation (a float32 cache: full fp32), a running max, denominator and output per tile row (online
-softmax, fp32), the causal mask applied per row (row r sits at position cached + r). Nothing is gathered; the only
-memory is the output. An fp8 (e4m3fn) cache is decoded in registers to the queries' dtype, as attn_decode does.
+softmax, fp32), the causal mask applied per row (row r sits at position cached + r): the decode kernel's inner
+block (attn_decode._block) with its CAUSAL mask. Nothing is gathered; the only memory is the output. An fp8 (e4m3fn)
+cache is decoded in registers to the queries' dtype, as attn_decode does.
 
 Used by attention.py where the gathered path would pass GATHER_BYTES (a long context's late chunks); where the
 kernel cannot compile or launch on this GPU it says so once and the torch blocks serve (the decode kernel's rule).
@@ -22,13 +23,14 @@ import logging
 import torch
 
 from ..env import triton_enabled, triton_interpreted
-from .triton_ops import fp8_decode
 
 try:  # optional: absent on CPU-only installs
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+if triton is not None:
+    from .attn_decode import _block
 
 log = logging.getLogger("moestream.layers")
 TILE_ROWS = 64  # query rows x padded group heads per program (ROWS = TILE_ROWS // GP query rows)
@@ -58,46 +60,16 @@ if triton is not None:
         if WHILE:  # Triton's CPU interpreter: no loop with run-time bounds but `while`
             start = hi * 0
             while start < hi:
-                m, lsum, acc = _keys(q, k_ptr, v_ptr, idx_ptr, start, hi, qpos, h, K_ST, K_SH, V_ST, V_SH, m, lsum,
-                                     acc, d, BLOCK, IEEE, FP8)
+                m, lsum, acc = _block(q, k_ptr, v_ptr, idx_ptr, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum, acc,
+                                      d, BLOCK, IEEE, FP8, qpos, True)
                 start += BLOCK
         else:
             for start in range(0, hi, BLOCK):
-                m, lsum, acc = _keys(q, k_ptr, v_ptr, idx_ptr, start, hi, qpos, h, K_ST, K_SH, V_ST, V_SH, m, lsum,
-                                     acc, d, BLOCK, IEEE, FP8)
+                m, lsum, acc = _block(q, k_ptr, v_ptr, idx_ptr, start, hi, h, K_ST, K_SH, V_ST, V_SH, m, lsum, acc,
+                                      d, BLOCK, IEEE, FP8, qpos, True)
         out = acc / lsum[:, None]
         tl.store(o_ptr + r[:, None] * O_ST + (h * G + g)[:, None] * O_SH + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _keys(q, k_ptr, v_ptr, idx_ptr, start, hi, qpos, h, K_ST, K_SH, V_ST, V_SH, m, lsum, acc, d,
-              BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-        """Keys start .. start + BLOCK (those < hi valid, each seen by the rows at or after its position) folded
-        into the running max, sum and output. Key 0 is visible to every row, so the max is finite after the first
-        block."""
-        n = start + tl.arange(0, BLOCK)
-        nm = n < hi
-        tok = tl.load(idx_ptr + n, mask=nm, other=0)
-        k = tl.load(k_ptr + tok[:, None] * K_ST + h * K_SH + d[None, :], mask=nm[:, None], other=0)
-        if FP8:
-            k = fp8_decode(k).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nm[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + tok[:, None] * V_ST + h * V_SH + d[None, :], mask=nm[:, None], other=0)
-        if FP8:
-            v = fp8_decode(v).to(q.dtype)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        return m_new, lsum, acc * alpha[:, None] + pv
 
 
 _FAILED: list[str] = []  # the first launch's error, if the kernel could not run on this GPU (then torch for good)
