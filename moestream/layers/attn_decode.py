@@ -192,6 +192,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return None
 
 
+def kernel_operands(q, k_cache, v_cache):
+    """(q, k, v, fp8) as the attention kernels read them: an fp8 (e4m3fn) cache as its uint8 view (decoded to the
+    queries' dtype in the kernel), else the queries in the cache's dtype."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        return q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), True
+    return (q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)), k_cache, v_cache, False
+
+
 def _decode_attention(q, k_cache, v_cache, idx, lengths, scale: float) -> torch.Tensor:
     B, H, D = q.shape
     Hk = k_cache.shape[1]
@@ -202,11 +211,7 @@ def _decode_attention(q, k_cache, v_cache, idx, lengths, scale: float) -> torch.
     po = torch.empty((B * Hk * nsplit, GP, D), dtype=torch.float32, device=q.device)
     pml = torch.empty((B * Hk * nsplit, 2, GP), dtype=torch.float32, device=q.device)
     dtype = q.dtype
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8:  # keys and values decoded to the queries' dtype in the kernel
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    elif q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
+    q, k_cache, v_cache, fp8 = kernel_operands(q, k_cache, v_cache)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
     ieee = q.dtype == torch.float32
     _split_kernel[(B * Hk, nsplit)](q, k_cache, v_cache, idx, lengths, po, pml, q.stride(0), q.stride(1),

@@ -30,7 +30,7 @@ try:  # optional: absent on CPU-only installs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 if triton is not None:
-    from .attn_decode import _block
+    from .attn_decode import _block, kernel_operands
 
 log = logging.getLogger("moestream.layers")
 TILE_ROWS = 64  # query rows x padded group heads per program (ROWS = TILE_ROWS // GP query rows)
@@ -115,11 +115,7 @@ def _prefill_attention(q, k_cache, v_cache, index, cached: int, scale: float) ->
     GP = triton.next_power_of_2(G)
     rows = max(1, TILE_ROWS // GP)
     dtype = q.dtype
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8:  # keys and values decoded to the queries' dtype in the kernel
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    elif q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
+    q, k_cache, v_cache, fp8 = kernel_operands(q, k_cache, v_cache)
     index = index if index.stride(-1) == 1 else index.contiguous()
     out = torch.empty((L, H, D), dtype=dtype, device=q.device)
     _prefill_kernel[(triton.cdiv(L, rows), Hk)](
