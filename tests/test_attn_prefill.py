@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker runs as a script: find moestream
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_attention_slices import reference as causal_reference  # noqa: E402
 from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, interpreted_results,  # noqa: E402
                             write_case_results)
 
@@ -35,14 +36,7 @@ CASES = {
 
 def reference(q, k, v, cached, scale):
     """q [L, H, D], k/v [cached + L, Hk, D] -> [L, H, D] float64: row i sees keys 0 .. cached + i."""
-    L, H, _ = q.shape
-    G = H // k.shape[1]
-    kk = k.double().repeat_interleave(G, dim=1)
-    vv = v.double().repeat_interleave(G, dim=1)
-    s = torch.einsum("lhd,shd->hls", q.double(), kk) * scale
-    pos = cached + torch.arange(L)
-    s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] > pos[None, :, None], float("-inf"))
-    return torch.einsum("hls,shd->lhd", torch.softmax(s, -1), vv)
+    return causal_reference(q, k, v, cached, scale, q.shape[1] // k.shape[1])
 
 
 def make_case(case: str, device="cpu", dtype=torch.float32):

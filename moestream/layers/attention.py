@@ -170,13 +170,13 @@ class Attention(nn.Module):
         qpos = cached + torch.arange(L, device=q.device)
         for b0 in range(0, S, block):
             b1 = min(b0 + block, S)
+            keys = torch.arange(b0, b1, device=q.device)
             kb = kv_rows(k_cache, index[b0:b1], torch.float32).permute(1, 2, 0)[:, None]  # [Hk, 1, D, B]
             vb = kv_rows(v_cache, index[b0:b1], torch.float32).transpose(0, 1)[:, None]  # [Hk, 1, B, D]
             for r0 in range(max(0, b0 - cached), L, rows):
                 r1 = min(r0 + rows, L)
                 sc = torch.matmul(qf[:, :, r0:r1], kb)  # [Hk, G, R, B]
                 if b1 - 1 > cached + r0:  # some key of the block lies after some query of the slice
-                    keys = torch.arange(b0, b1, device=q.device)
                     sc.masked_fill_(keys[None, :] > qpos[r0:r1, None], float("-inf"))
                 # every row sees the block's first key (r0 >= b0 - cached): the new peak is finite
                 new = torch.maximum(peak[..., r0:r1], sc.amax(-1))
