@@ -246,13 +246,21 @@ def test_cuda_bf16_queries_over_an_fp8_cache(case):
     assert attn_decode.usable(q, k8)
     got = attn_decode.decode_attention(q, k8, v8, idx, lens, scale)
     want = tad.reference(q.cpu(), k8.cpu().float(), v8.cpu().float(), idx.cpu(), lens.cpu(), scale)
-    assert got.dtype == torch.bfloat16 and (got.double().cpu() - want).abs().max().item() < 3e-2
+    # bf16 rounding twice: the probabilities fed to the P @ V tensor-core dot (2^-9 of each, at most 2^-9 max|v| in
+    # all) and the output (2^-9 |out|); twice that as the bound. The fp8 values reach |v| ~ 12 (3x randn), so an
+    # absolute bound would sit below one bf16 ulp of the larger outputs (0.0625 at 8-16: batch-ragged's 0.033 failed
+    # 3e-2 on an H100, 2026-12-06).
+    err = (got.double().cpu() - want).abs()
+    bound = 2 ** -8 * (v8.cpu().float().abs().max().item() + want.abs())
+    assert got.dtype == torch.bfloat16 and bool((err <= bound).all()), f"max error {err.max().item():.3g}"
 
 
 @cuda
 def test_cuda_engine_fp8_cache_triton_equals_torch(tiny_checkpoint, monkeypatch):
     """Greedy tokens of an fp8-cache engine with the Triton write + split decode (graphs on) and with the torch
-    paths (MOESTREAM_TRITON=0, MOESTREAM_SPLIT_DECODE=0)."""
+    paths (MOESTREAM_TRITON=0, MOESTREAM_SPLIT_DECODE=0), in float32: in bf16 the two paths' different summation
+    orders flip the tiny random model's near-tied logits (tokens 6-7 of 8 differed on an H100, 2026-12-06), which is
+    not what this compares; in float32 only a value within ~1e-7 of an fp8 rounding boundary could differ."""
     from moestream import LLM, SamplingParams
 
     path = tiny_checkpoint("qwen35")
@@ -261,7 +269,7 @@ def test_cuda_engine_fp8_cache_triton_equals_torch(tiny_checkpoint, monkeypatch)
     runs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("MOESTREAM_SPLIT_DECODE", flag)
-        llm = LLM(path, device="cuda", kv_cache_dtype="fp8", triton="on" if flag == "1" else "off",
+        llm = LLM(path, device="cuda", dtype="float32", kv_cache_dtype="fp8", triton="on" if flag == "1" else "off",
                   max_running_requests=2)
         assert llm.engine.caches.kv.k.dtype == FP8
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
