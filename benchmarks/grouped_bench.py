@@ -1,7 +1,8 @@
 """Micro-benchmark of one routed-expert layer call on CUDA: moe/grouped.py's grouped GEMM vs the torch loop.
 
 Shape of Qwen3.6-35B-A3B: H=2048, I=512, 256 experts, top-8; T=512 tokens (a prefill chunk) routed
-uniformly (each token 8 distinct random experts). For each format (bf16, GGUF Q8_0, Q4_K, ...):
+uniformly (each token 8 distinct random experts). For each format (bf16, GGUF Q8_0, Q4_K, ..., HF fp8_block,
+fp8_channel, fp8_tensor, nvfp4, mxfp4: each part's stored bytes a uint8 row per expert, as the store keeps them):
 
   grouped   DeviceExperts.compute (grouped kernels) + accumulate: what a fused-prefill layer call runs
   kernels   grouped_moe alone (sort, block table, two launches, k-order sum)
@@ -19,9 +20,9 @@ import statistics
 import torch
 
 from moestream.moe.compute import DeviceExperts, RouteGroups, WeightRef, accumulate, partial_outputs
-from moestream.moe.formats import gguf_expert_format
+from moestream.moe.formats import PROJS, gguf_expert_format, hf_expert_format
 from moestream.moe.grouped import grouped_moe
-from moestream.quant import gguf_format
+from moestream.quant import get_format, gguf_format
 from moestream.quant.synthetic import random_raw
 
 H, I, E, K = 2048, 512, 256, 8
@@ -34,8 +35,16 @@ def make_bank(name: str, dev, experts: int = E) -> tuple[dict, object]:
         gu = torch.randn(experts, 2 * I, H, device=dev, generator=g, dtype=torch.bfloat16) * H ** -0.5
         down = torch.randn(experts, H, I, device=dev, generator=g, dtype=torch.bfloat16) * I ** -0.5
         return {"gate_up": gu, "down": down}, None
-    q = gguf_format(name)
     shapes = {"gate": (experts, I, H), "up": (experts, I, H), "down": (experts, H, I)}
+    if name.lower() in ("fp8_block", "fp8_channel", "fp8_tensor", "nvfp4", "mxfp4"):
+        qf = get_format(name.lower())
+        bank = {}
+        for i, (p, s) in enumerate(shapes.items()):
+            for part, t in random_raw(qf, s, dev, seed=i).items():
+                bank[f"{p}.{part}"] = t.reshape(experts, -1).contiguous().view(torch.uint8)
+        dtypes = {f"{p}.{part.name}": part.dtype for p in PROJS for part in qf.parts}
+        return bank, hf_expert_format(qf, dtypes, H, I)
+    q = gguf_format(name)
     bank = {p: random_raw(q, s, dev, seed=i).reshape(experts, -1) for i, (p, s) in enumerate(shapes.items())}
     return bank, gguf_expert_format({p: name for p in shapes}, H, I)
 

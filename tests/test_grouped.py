@@ -47,10 +47,26 @@ CASES = {
     "IQ1_M": ("IQ1_M", "TQ1_0", 256, 256, 8, 7, 2, torch.bfloat16, 0),  # gate/up IQ1_M, down TQ1_0
     # a Q4_K_M-style layer: Q6_K down, rows of a slot pool sized for a bigger type of another layer
     "Q4_K-Q6_K-padded-rows": ("Q4_K", "Q6_K", 256, 256, 8, 21, 3, torch.bfloat16, 96),
+    # HF formats (HF_CASES: the format and its scales' stored dtype); gate/up [128, 256], down [256, 128]
+    "fp8_block": ("hf", "", 256, 128, 8, 13, 2, torch.bfloat16, 0),  # two column blocks; down: two row blocks
+    "fp8_block_16x16_bf16": ("hf", "", 256, 96, 8, 9, 2, torch.bfloat16, 0),  # scale blocks narrower than a K step
+    "fp8_channel-fp16": ("hf", "", 256, 128, 8, 9, 2, torch.float16, 0),
+    "fp8_tensor": ("hf", "", 256, 128, 8, 9, 3, torch.bfloat16, 0),
+    "nvfp4": ("hf", "", 256, 128, 8, 11, 2, torch.bfloat16, 0),
+    "mxfp4": ("hf", "", 256, 128, 8, 9, 2, torch.bfloat16, 0),
     "block-table": None,  # the kernel's block table equals block_table_oracle
 }
-NEGATIVE = {"bf16", "Q4_K-Q6_K-padded-rows"}  # cases that also check that wrong rows fail (interpreter time)
-SPLIT = {"bf16", "Q8_0", "Q4_K-Q6_K-padded-rows"}  # cases that also run compute.grouped_partials + the loop
+NEGATIVE = {"bf16", "Q4_K-Q6_K-padded-rows", "fp8_block", "nvfp4"}  # also check that wrong rows fail
+SPLIT = {"bf16", "Q8_0", "Q4_K-Q6_K-padded-rows", "fp8_block"}  # also run compute.grouped_partials + the loop
+
+
+def _hf_spec(case: str):
+    """(QuantFormat, stored dtype of float32 scale parts or None) of an HF case."""
+    from moestream.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, fp8_block_format
+
+    return {"fp8_block": (FP8_BLOCK, None), "fp8_block_16x16_bf16": (fp8_block_format((16, 16)), torch.bfloat16),
+            "fp8_channel-fp16": (FP8_CHANNEL, None), "fp8_tensor": (FP8_TENSOR, None), "nvfp4": (NVFP4, None),
+            "mxfp4": (MXFP4, None)}[case]
 
 
 # --------------------------------------------------------------------------- cases
@@ -93,13 +109,40 @@ def build_case(case: str):
         bank = {"gate_up": _bank_rows(gate_up, slot, n_rows, 0, g), "down": _bank_rows(wd.to(dt), slot, n_rows, 0, g)}
         ref_w = (gate_up[:, :I].double(), gate_up[:, I:].double(), wd.to(dt).double())
         return x, ids, w, bank, slot, None, ref_w
-    fmt = gguf_expert_format({"gate": gu_t, "up": gu_t, "down": d_t}, H, I)
     shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    if gu_t == "hf":
+        return (x, ids, w, *_hf_bank(case, shapes, slot, n_rows, g), )
+    fmt = gguf_expert_format({"gate": gu_t, "up": gu_t, "down": d_t}, H, I)
     types = {"gate": gu_t, "up": gu_t, "down": d_t}
     raw = {p: _gguf_rows(types[p], shapes[p], seed=i + len(case)) for i, p in enumerate(shapes)}
     bank = {p: _bank_rows(r, slot, n_rows, pad, g) for p, r in raw.items()}
     ref_w = tuple(fmt.quant(p).dequantize(raw[p], shapes[p], torch.float64) for p in ("gate", "up", "down"))
     return x, ids, w, bank, slot, fmt, ref_w
+
+
+def _hf_bank(case: str, shapes: dict, slot, n_rows: int, g):
+    """(bank, slot, fmt, float64 weights) of an HF case: each part's stored bytes a uint8 row per expert (as the
+    store keeps them), random valid codes and positive scales (quant.synthetic.random_raw), noise in other rows."""
+    from moestream.moe.formats import hf_expert_format
+    from moestream.quant.synthetic import random_raw
+
+    qfmt, scale_dtype = _hf_spec(case)
+    E, I, H = shapes["gate"]
+    raw = {p: random_raw(qfmt, shapes[p], seed=i + len(case)) for i, p in enumerate(shapes)}
+    dtypes = {f"{p}.{part.name}": (scale_dtype if scale_dtype and part.dtype == torch.float32 and part.row_block
+                                   else part.dtype) for p in shapes for part in qfmt.parts}
+    fmt = hf_expert_format(qfmt, dtypes, H, I)
+    bank, ref_w = {}, []
+    for p in shapes:
+        stored = {}
+        for part, t in raw[p].items():
+            dt = dtypes[f"{p}.{part}"]
+            t = t.to(dt) if t.is_floating_point() and t.element_size() > 1 else t
+            stored[part] = t
+            rows = t.reshape(E, -1).contiguous().view(torch.uint8)
+            bank[f"{p}.{part}"] = _bank_rows(rows, slot, n_rows, 0, g)
+        ref_w.append(qfmt.dequantize(stored, shapes[p], torch.float64))
+    return bank, slot, fmt, tuple(ref_w)
 
 
 def reference(x, ids, w, ref_w) -> torch.Tensor:
@@ -237,7 +280,7 @@ def test_supports():
         pytest.skip("triton is not installed")
     from moestream.moe.formats import dense_format, gguf_expert_format, hf_expert_format
     from moestream.moe.grouped import supports
-    from moestream.quant import FP8_BLOCK
+    from moestream.quant import FP8_BLOCK, MXFP4
 
     bf16 = torch.bfloat16
     assert supports(None, 2048, 512, bf16) and supports(dense_format(bf16), 2048, 512, bf16)
@@ -254,28 +297,45 @@ def test_supports():
     assert not supports(gguf_expert_format({"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}, 2048, 512), 2048, 512, bf16)
     fp8 = hf_expert_format(FP8_BLOCK, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
                                        for n in ("weight", "weight_scale_inv")}, 2048, 512)
-    assert not supports(fp8, 2048, 512, bf16)  # HF formats keep the loop for now
+    assert supports(fp8, 2048, 512, bf16) and not supports(fp8, 2048, 512, torch.float32)
+    mx = hf_expert_format(MXFP4, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
+                                  for n in ("blocks", "scales")}, 2048, 528)
+    assert not supports(mx, 2048, 528, bf16)  # 528 columns of down: not whole 32-column scale groups
 
 
 # --------------------------------------------------------------------------- compiled for sm_90 (no GPU needed)
-_VARIANTS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q6_K": "Q6_K"}
+_VARIANTS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q6_K": "Q6_K", "fp8_block": "hf", "nvfp4": "hf",
+             "mxfp4": "hf"}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("variant", list(_VARIANTS))
 def test_kernels_compile_for_sm90_with_tensor_cores(variant):
+    from types import SimpleNamespace
+
     from moestream.moe import grouped as G
     from moestream.quant import gguf_format
 
     q = _VARIANTS[variant]
-    consts = G._gguf_consts(gguf_format(q)) if q else dict(G._DENSE)
     w = "*u8" if q else "*bf16"
+    scales = {"sg": w, "sg_stride": "i64", "gg": w, "gg_stride": "i64", "su": w, "su_stride": "i64", "gu": w,
+              "gu_stride": "i64"}
+    if q == "hf":
+        qfmt = _hf_spec(variant)[0]
+        consts = G._hf_consts(SimpleNamespace(qfmt=qfmt))
+        sdt = "*fp32" if variant == "fp8_block" else "*u8"
+        gdt = "*fp32" if variant == "nvfp4" else w
+        scales = {"sg": sdt, "sg_stride": "i64", "gg": gdt, "gg_stride": "i64", "su": sdt, "su_stride": "i64",
+                  "gu": gdt, "gu_stride": "i64"}
+    else:
+        consts = G._gguf_consts(gguf_format(q)) if q else dict(G._DENSE)
     tiles = {"BM": 32, "BN": G.CONFIG["bn"], "BK": G.CONFIG["bk"], "F32": False, "H": 2048, "I": 512}
     opts = {"num_warps": G.CONFIG["num_warps"], "num_stages": G.CONFIG["num_stages"]}
     gu_sig = {"x": "*bf16", "pairs": "*i64", "blocks": "*i32", "wg": w, "g_stride": "i64", "wu": w, "u_stride": "i64",
-              "u_off": "i64", "lut": "*fp32", "h": "*bf16", "KTOP": "i32"}
+              "u_off": "i64", **scales, "lut": "*fp32", "h": "*bf16", "KTOP": "i32"}
     d_sig = {"h": "*bf16", "pairs": "*i64", "blocks": "*i32", "topk_w": "*fp32", "wd": w, "w_stride": "i64",
-             "lut": "*fp32", "out": "*fp32"}
+             "sd": scales["sg"], "sd_stride": "i64", "gd": scales["gg"], "gd_stride": "i64", "lut": "*fp32",
+             "out": "*fp32"}
     for fn, sig, extra in ((G._gate_up_kernel, gu_sig, {}), (G._down_kernel, d_sig, {"SCATTER": True})):
         c = {**consts, **tiles, **extra}
         k = compile_sm90(fn, {**sig, **{n: "constexpr" for n in c}}, c, opts)

@@ -369,6 +369,37 @@ def test_fp4_experts_take_the_cpu_kernels(case, quantized, monkeypatch):
                 break
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_compressed_prefill_takes_the_grouped_kernels(case, quantized, monkeypatch):
+    """Prefill chunks of FP8 / NVFP4 / MXFP4 experts on a GPU take moe/grouped.py's kernels (tiles decoded in
+    registers: no per-expert dequantize + GEMM loop), counted, on fused (the device banks) and offload (slots and
+    the prefill buffer), and offload gives fused's greedy tokens (a pair's value does not depend on which bank or
+    call computed it)."""
+    from moestream.moe import grouped
+
+    qdir, _, _ = quantized(case)
+    calls = []
+    real = grouped.grouped_pairs
+    monkeypatch.setattr(grouped, "grouped_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def tokens(backend, **kw):
+        llm = LLM(qdir, moe_backend=backend, device="cuda", dtype="bfloat16", chunked_prefill_size=7,
+                  max_running_requests=4, **kw)
+        assert llm.engine.runtime.store.fmt.name.startswith("hf:")
+        out = _tokens(llm)
+        llm.engine.runtime.close()
+        return out
+
+    want = tokens("fused")
+    assert calls, "fused prefill did not take the grouped kernels"
+    for kw in ({"moe_cache_size": 3, "moe_prefetch": "on"}, {"moe_cache_size": 5, "moe_prefetch": "off"}):
+        calls.clear()
+        assert tokens("offload", **kw) == want, kw
+        assert calls, f"offload {kw} did not take the grouped kernels"
+
+
 @pytest.mark.parametrize("case", ["fp8_block-qwen3", "fp8_block16x32-qwen35", "modelopt_fp8-qwen3-stacked",
                                   "nvfp4-qwen35"])
 def test_gpu_dense_layout_keeps_quantized_dense_layers(case, quantized, monkeypatch):

@@ -18,7 +18,8 @@ same tile code whichever other pairs share its call (BM depends on the call's T*
 value does not depend on how experts are split between calls (fused bank vs slot pool vs prefill buffer).
 
 Shapes: x [T, H]; topk_ids, topk_w [T, k]; bank: name -> [N, ...] (dense: gate_up [N, 2I, H], down
-[N, H, I]; GGUF: gate/up/down [N, >= bytes] uint8, a row may be longer than this layer's bytes);
+[N, H, I]; GGUF: gate/up/down [N, >= bytes] uint8, a row may be longer than this layer's bytes; HF FP8 / NVFP4 /
+MXFP4: "gate.weight", "gate.weight_scale_inv", ... [N, bytes] uint8, each part's stored bytes, as qpairs reads them);
 rows: [E] bank row of each expert id (-1: not computed in this call).
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, gguf_decode, lut_table
-from .formats import PROJS, ExpertFormat, GGUFExpertFormat
+from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table
+from .formats import PROJS, ExpertFormat, GGUFExpertFormat, HFExpertFormat
 
 BK = 64  # preferred K step: a multiple of every GGUF sub-block (16 or 32 values), 128 bytes of bf16
 BN = 64
@@ -62,11 +63,45 @@ def _gguf_tile(w, n, nm, k0, K, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.
 
 
 @triton.jit
-def _tile(w, n, nm, k0, K, lut, DT: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-          NS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """Weight tile [BN, BK] in the activation dtype DT; QT < 0: dense."""
-    if QT < 0:
+def _hf_tile(w, sc, gsc, n, nm, k0, K, KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+             BK: tl.constexpr):
+    """[BN, BK] float32 of an HF FP8 / NVFP4 / MXFP4 [N, K] matrix: codes at w (e4m3 one a byte; e2m1 two a byte,
+    low nibble first), its scale part at sc (typed), NVFP4's fp32 global scale at gsc; the values of
+    quant/fp_formats' decoders, scaled in their order (FP8: code x scale; NVFP4: (code x e4m3) x global)."""
+    nn = n.to(tl.int64)[:, None]
+    k = k0 + tl.arange(0, BK)[None, :]
+    m = nm[:, None]
+    if KIND == 0:
+        v = _e4m3(_ld(w + nn * K, k, m))
+        if SMODE == 0:  # [ceil(N / RB), ceil(K / CB)] block scales
+            if CB % BK == 0:  # the tile inside one scale column: a scale per row
+                s = tl.load(sc + (nn // RB) * ((K + CB - 1) // CB) + k0 // CB, mask=m, other=0.0)
+            else:
+                s = tl.load(sc + (nn // RB) * ((K + CB - 1) // CB) + k // CB, mask=m, other=0.0)
+        elif SMODE == 1:  # one scale per output row
+            s = tl.load(sc + nn, mask=m, other=0.0)
+        else:  # one per expert
+            s = tl.load(sc)
+        return v * s.to(tl.float32)
+    else:
+        b = _ld(w + nn * (K // 2), k // 2, m)
+        q = _e2m1(tl.where(k % 2 == 0, b & 0xF, b >> 4))
+        if KIND == 1:  # e4m3 scale per 16 columns, fp32 global
+            return q * _e4m3(_ld(sc + nn * (K // 16), k // 16, m)) * tl.load(gsc).to(tl.float32)
+        else:  # e8m0 scale per 32 columns
+            return q * _e8m0(_ld(sc + nn * (K // 32), k // 32, m))
+
+
+@triton.jit
+def _tile(w, sc, gsc, n, nm, k0, K, lut, DT: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+          NS: tl.constexpr, KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Weight tile [BN, BK] in the activation dtype DT; QT -1: dense, -2: an HF format (KIND, SMODE, RB, CB; scales
+    at sc, gsc), else a GGUF type."""
+    if QT == -1:
         return _dense_tile(w, n, nm, k0, K, BK).to(DT)
+    elif QT == -2:
+        return _act(_hf_tile(w, sc, gsc, n, nm, k0, K, KIND, SMODE, RB, CB, BK), DT, F32)
     else:
         return _act(_gguf_tile(w, n, nm, k0, K, lut, QT, BS, TS, NS, BN, BK), DT, F32)
 
@@ -104,11 +139,14 @@ def _block(blocks, BM: tl.constexpr):
 
 # ----------------------------------------------------------------------------- device: the two GEMMs
 @triton.jit
-def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, lut, h, KTOP, H: tl.constexpr, I: tl.constexpr,
-                    QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr,
+def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_stride, gg, gg_stride,
+                    su, su_stride, gu, gu_stride, lut, h, KTOP, H: tl.constexpr, I: tl.constexpr,
+                    QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr, KIND: tl.constexpr,
+                    SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """h[p, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the BM pairs p of one block. up's rows
-    start u_off elements after wu's (dense: up is the second half of gate_up). H, I are constexpr: the
+    start u_off elements after wu's (dense: up is the second half of gate_up). sg / gg, su / gu: an HF
+    format's scale and global-scale parts of gate and up (else unused). H, I are constexpr: the
     K loops get constant trip counts (and Triton's interpreter under numpy 2.4 cannot loop to a
     runtime bound)."""
     row, p, pm = _block(blocks, BM)
@@ -118,14 +156,19 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, lut, h,
     tok = tl.load(pairs + p, mask=pm, other=0) // KTOP
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
-    g_base = wg + row.to(tl.int64) * g_stride
-    u_base = wu + row.to(tl.int64) * u_stride + u_off
+    r64 = row.to(tl.int64)
+    g_base = wg + r64 * g_stride
+    u_base = wu + r64 * u_stride + u_off
+    g_sc, g_gs = sg + r64 * sg_stride, gg + r64 * gg_stride
+    u_sc, u_gs = su + r64 * su_stride, gu + r64 * gu_stride
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
         a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc_g = _mma(a, _tile(g_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc_g, F32)
-        acc_u = _mma(a, _tile(u_base, n, nm, k0, H, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc_u, F32)
+        acc_g = _mma(a, _tile(g_base, g_sc, g_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
+                              BN, BK, F32), acc_g, F32)
+        acc_u = _mma(a, _tile(u_base, u_sc, u_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
+                              BN, BK, F32), acc_u, F32)
     # the rounding points of the torch loop (formats.expert_mlp): g, u, silu(g) and h in the activation dtype
     g = _act(acc_g, DT, F32).to(tl.float32)
     u = _act(acc_u, DT, F32).to(tl.float32)
@@ -134,8 +177,9 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, lut, h,
 
 
 @triton.jit
-def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, lut, out, H: tl.constexpr, I: tl.constexpr,
-                 QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr, SCATTER: tl.constexpr,
+def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_stride, lut, out, H: tl.constexpr,
+                 I: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr,
+                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, SCATTER: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """out[r, n] = w_pair * (h[p] . down[n]); r = the pair id (SCATTER) or its sorted position p."""
     row, p, pm = _block(blocks, BM)
@@ -145,11 +189,14 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, lut, out, H: tl.constex
     pair = tl.load(pairs + p, mask=pm, other=0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < H
-    d_base = wd + row.to(tl.int64) * w_stride
+    r64 = row.to(tl.int64)
+    d_base = wd + r64 * w_stride
+    d_sc, d_gs = sd + r64 * sd_stride, gd + r64 * gd_stride
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc = _mma(a, _tile(d_base, n, nm, k0, I, lut, DT, QT, BS, TS, NS, BN, BK, F32), acc, F32)
+        acc = _mma(a, _tile(d_base, d_sc, d_gs, n, nm, k0, I, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB, BN, BK,
+                            F32), acc, F32)
     # as the loop: the expert's output rounded to the activation dtype, then times the routing weight
     acc = _act(acc, DT, F32).to(tl.float32) * tl.load(topk_w + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
     r = pair if SCATTER else p
@@ -158,16 +205,35 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, lut, out, H: tl.constex
 
 
 # ----------------------------------------------------------------------------- host side
+_NO_HF = {"KIND": 0, "SMODE": 0, "RB": 1, "CB": 1}
+
+
 def _gguf_consts(q) -> dict:
-    return {"QT": _GGUF_IDS[q.type_name], "BS": q.block_size, "TS": q.type_size, "NS": _GGUF_NS.get(q.type_name, 1)}
+    return {"QT": _GGUF_IDS[q.type_name], "BS": q.block_size, "TS": q.type_size, "NS": _GGUF_NS.get(q.type_name, 1),
+            **_NO_HF}
 
 
-_DENSE = {"QT": -1, "BS": 1, "TS": 1, "NS": 1}
+_DENSE = {"QT": -1, "BS": 1, "TS": 1, "NS": 1, **_NO_HF}
+
+
+def _hf_consts(fmt: HFExpertFormat) -> dict:
+    """The tile constants of an HF format (qpairs' KIND / SMODE / scale block, QT -2)."""
+    from .qpairs import _hf_consts as hf
+
+    c = hf(fmt)
+    return {"QT": -2, "BS": 1, "TS": 1, "NS": 1, "KIND": c["KIND"], "SMODE": c["SMODE"], "RB": c["RB"], "CB": c["CB"]}
+
+
+def _hf_kind(fmt) -> bool:
+    """An HF format the tiles decode: FP8 (block / channel / tensor scales), NVFP4, MXFP4."""
+    from ..quant.fp_formats import FP8Format, MXFP4Format, NVFP4Format
+
+    return isinstance(fmt, HFExpertFormat) and isinstance(fmt.qfmt, (FP8Format, NVFP4Format, MXFP4Format))
 
 
 def _sub_block(fmt: ExpertFormat | None) -> int:
     """Values per scale of the format's types (a K step must hold whole sub-blocks); dense: 16 (tl.dot's minimum)."""
-    if fmt is None or not fmt.quantized:
+    if fmt is None or not fmt.quantized or isinstance(fmt, HFExpertFormat):  # HF: any K step (scales per element)
         return 16
     return max(q.block_size // _GGUF_NS.get(q.type_name, 1) for q in (fmt.quant(p) for p in PROJS))
 
@@ -191,6 +257,9 @@ def supports(fmt: ExpertFormat | None, hidden: int, inter: int, dtype: torch.dty
     if fmt is None or not fmt.quantized:
         if fmt is not None and fmt.dtype != dtype:  # dense weights are multiplied in the activation dtype
             return False
+    elif _hf_kind(fmt):
+        if hidden % fmt.qfmt.col_align or inter % fmt.qfmt.col_align:
+            return False  # NVFP4 / MXFP4 rows of whole scale groups (FP8 blocks may be partial)
     elif type(fmt) is not GGUFExpertFormat:
         return False
     else:
@@ -212,7 +281,8 @@ def bank_supported(bank: dict, fmt: ExpertFormat | None, x: torch.Tensor) -> boo
         arrays = (gu, down)
     else:
         hidden, inter = fmt.hidden, fmt.inter
-        arrays = tuple(bank.get(p) for p in PROJS)
+        names = [f"{p}.{part.name}" for p in PROJS for part in fmt.qfmt.parts] if _hf_kind(fmt) else PROJS
+        arrays = tuple(bank.get(n) for n in names)
         if any(a is None for a in arrays):
             return False
     if any(a.device != x.device or not a[0].is_contiguous() for a in arrays):
@@ -270,13 +340,22 @@ def block_table(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: i
 
 
 def _arrays(bank: dict, fmt: ExpertFormat | None):
-    """(I, (gate, up, down) tensors of the bank, offset of up's rows in its tensor (elements), kernel
-    constants of the three). Dense: gate and up are the two halves of gate_up [N, 2I, H]."""
+    """(I, per projection (gate, up, down) its kernel arguments (codes, row stride, scales, row stride, global
+    scale, row stride), offset of up's rows in its tensor (elements), kernel constants of the three). Dense: gate
+    and up are the two halves of gate_up [N, 2I, H]; dense and GGUF have no scale parts (the codes passed, stride
+    0, never read)."""
     if fmt is None or not fmt.quantized:
         gu, down = bank["gate_up"], bank["down"]
         inter = down.shape[-1]
-        return inter, (gu, gu, down), inter * gu.shape[-1], (_DENSE, _DENSE, _DENSE)
-    return fmt.inter, tuple(bank[p] for p in PROJS), 0, tuple(_gguf_consts(fmt.quant(p)) for p in PROJS)
+        args = tuple((w, w.stride(0), w, 0, w, 0) for w in (gu, gu, down))
+        return inter, args, inter * gu.shape[-1], (_DENSE, _DENSE, _DENSE)
+    if _hf_kind(fmt):
+        from .qpairs import _hf_parts
+
+        c = _hf_consts(fmt)
+        return fmt.inter, tuple(_hf_parts(bank, fmt, p, None) for p in PROJS), 0, (c, c, c)
+    args = tuple((bank[p], bank[p].stride(0), bank[p], 0, bank[p], 0) for p in PROJS)
+    return fmt.inter, args, 0, tuple(_gguf_consts(fmt.quant(p)) for p in PROJS)
 
 
 def _launch_opts(interp: bool) -> dict:
@@ -294,7 +373,7 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
     T, H = x.shape
     k = topk_w.shape[1]
     P = pairs.numel()
-    inter, (wg, wu, wd), u_off, (cg, cu, cd) = _arrays(bank, fmt)
+    inter, (ag, au, ad), u_off, (cg, cu, cd) = _arrays(bank, fmt)
     if cg != cu:
         raise ValueError("grouped: gate and up must share one type")  # one kernel decodes both
     if out is None:  # the dtype of the torch loop's partials: y * topk_w
@@ -312,10 +391,10 @@ def grouped_pairs(x: torch.Tensor, topk_w: torch.Tensor, pairs: torch.Tensor, co
     bn, bk = _tiles(fmt, H, inter, interp)
     opts = _launch_opts(interp)
     _gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
-        x, pairs, blocks, wg, wg.stride(0), wu, wu.stride(0), u_off, lut, h, k, H=H, I=inter, **cg,
+        x, pairs, blocks, ag[0], ag[1], au[0], au[1], u_off, *ag[2:], *au[2:], lut, h, k, H=H, I=inter, **cg,
         BM=bm, BN=bn, BK=bk, **opts)
     _down_kernel[(max_blocks, triton.cdiv(H, bn))](
-        h, pairs, blocks, topk_w, wd, wd.stride(0), lut, out, H=H, I=inter, **cd, SCATTER=scatter,
+        h, pairs, blocks, topk_w, *ad, lut, out, H=H, I=inter, **cd, SCATTER=scatter,
         BM=bm, BN=bn, BK=bk, **opts)
     return out
 
