@@ -27,7 +27,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, interpreted_results,  # noqa: E402
+                            write_case_results)
 
 REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
 MAX_TOL = {torch.bfloat16: 3e-2, torch.float16: 8e-3}
@@ -313,6 +314,7 @@ _VARIANTS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q6_K": "Q6_K", "fp8_
 def test_kernels_compile_for_sm90_with_tensor_cores(variant):
     from types import SimpleNamespace
 
+    from moestream.layers.triton_ops import DRIVER_STACK_LIMIT
     from moestream.moe import grouped as G
     from moestream.quant import gguf_format
 
@@ -340,6 +342,7 @@ def test_kernels_compile_for_sm90_with_tensor_cores(variant):
         c = {**consts, **tiles, **extra}
         k = compile_sm90(fn, {**sig, **{n: "constexpr" for n in c}}, c, opts)
         assert "mma" in k.asm["ptx"], f"{fn.__name__} does not use tensor cores"
+        assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (fn.__name__, frame_bytes(k))  # tests/test_triton_frames.py
 
 
 # --------------------------------------------------------------------------- CUDA
