@@ -51,6 +51,7 @@ CASES = {
     # HF formats (HF_CASES: the format and its scales' stored dtype); gate/up [128, 256], down [256, 128]
     "fp8_block": ("hf", "", 256, 128, 8, 13, 2, torch.bfloat16, 0),  # two column blocks; down: two row blocks
     "fp8_block_16x16_bf16": ("hf", "", 256, 96, 8, 9, 2, torch.bfloat16, 0),  # scale blocks narrower than a K step
+    "fp8_block-wider-than-rows": ("hf", "", 64, 32, 8, 9, 2, torch.bfloat16, 0),  # 128x128 blocks, H 64, I 32
     "fp8_channel-fp16": ("hf", "", 256, 128, 8, 9, 2, torch.float16, 0),
     "fp8_tensor": ("hf", "", 256, 128, 8, 9, 3, torch.bfloat16, 0),
     "nvfp4": ("hf", "", 256, 128, 8, 11, 2, torch.bfloat16, 0),
@@ -65,7 +66,7 @@ def _hf_spec(case: str):
     """(QuantFormat, stored dtype of float32 scale parts or None) of an HF case."""
     from moestream.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, fp8_block_format
 
-    return {"fp8_block": (FP8_BLOCK, None), "fp8_block_16x16_bf16": (fp8_block_format((16, 16)), torch.bfloat16),
+    return {"fp8_block": (FP8_BLOCK, None), "fp8_block-wider-than-rows": (FP8_BLOCK, None), "fp8_block_16x16_bf16": (fp8_block_format((16, 16)), torch.bfloat16),
             "fp8_channel-fp16": (FP8_CHANNEL, None), "fp8_tensor": (FP8_TENSOR, None), "nvfp4": (NVFP4, None),
             "mxfp4": (MXFP4, None)}[case]
 
@@ -299,6 +300,9 @@ def test_supports():
     fp8 = hf_expert_format(FP8_BLOCK, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
                                        for n in ("weight", "weight_scale_inv")}, 2048, 512)
     assert supports(fp8, 2048, 512, bf16) and not supports(fp8, 2048, 512, torch.float32)
+    tiny = hf_expert_format(FP8_BLOCK, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
+                                        for n in ("weight", "weight_scale_inv")}, 64, 32)
+    assert supports(tiny, 64, 32, bf16)  # one partial 128x128 block a matrix (the tiny test checkpoints)
     mx = hf_expert_format(MXFP4, {f"{p}.{n}": torch.uint8 for p in ("gate", "up", "down")
                                   for n in ("blocks", "scales")}, 2048, 528)
     assert not supports(mx, 2048, 528, bf16)  # 528 columns of down: not whole 32-column scale groups

@@ -587,6 +587,32 @@ def test_a_request_that_outgrows_the_whole_kv_pool_finishes_with_length(tiny_che
     assert short_out.token_ids == alone.token_ids
 
 
+@pytest.mark.parametrize("host_gb", [0.0, 0.001])
+def test_a_prompt_recomputed_without_its_snapshot_fits_a_pool_of_one_prompt(host_gb, tiny_checkpoint, reference):
+    """The hybrid model with no snapshot slots (the 35B model's FP8 file at 4 GiB had none to spare): the same
+    prompt again matches the first run's pages but cannot resume from them, so it is computed again — in a pool
+    that holds it once. Its filled pages share the cached nodes (its own copies go back to the pool; with a host
+    tier, a spilled node takes the new page). Before, it held both and preempted itself for ever (the FP8 edge run
+    timed out in its second pass, 2026-12-06)."""
+    llm = _llm(tiny_checkpoint("qwen35"), num_tokens=112, prefix_cache_snapshots=0, prefix_cache_host_gb=host_gb)
+    prompt = _rand(96, 7, llm.model_config.vocab_size)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        req = Request(f"again{i}", list(prompt), sp)
+        llm.llm_engine.add_request(req)
+        for _ in range(200):
+            if req.finish_reason is not None:
+                break
+            llm.llm_engine.step()
+            llm.scheduler.check_integrity()
+        assert req.finish_reason == "length" and req.preemptions == 0, (i, req.preemptions)
+        assert req.output_ids == reference("qwen35", prompt, 12)
+        assert req.cached_tokens == 0  # no snapshot: nothing resumed
+    st = llm.scheduler.stats()["prefix_cache"]
+    if host_gb:
+        assert st["spilled_pages"] > 0  # the second run's pages took over spilled nodes
+
+
 def test_flat_index_is_every_position_through_the_page_table():
     """KVPool.flat_index (built every step for every sequence): position p of a sequence is row
     pages[p // page_size] * page_size + p % page_size of the pool, for any range; past the pages it raises."""

@@ -234,6 +234,17 @@ class PrefixCache:
         self.owned[page] = node
         self.fetched_pages += 1
 
+    def adopt(self, node: Node, page: int) -> None:
+        """A spilled node's tokens were computed again into device page `page`: the node takes that page (the
+        tree owns it now) and its host copy is dropped."""
+        assert node.page < 0 <= node.host
+        del self.spilled[node.host]
+        self.host_free.append(node.host)
+        node.host, node.page = -1, page
+        self.owned[page] = node
+        if node.ref == 0:
+            self.num_evictable += 1
+
     def _remove(self, n: Node) -> None:
         """Drop n and its subtree (unreferenced; below a device leaf only spilled nodes)."""
         for c in list(n.children.values()):

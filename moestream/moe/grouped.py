@@ -258,8 +258,10 @@ def supports(fmt: ExpertFormat | None, hidden: int, inter: int, dtype: torch.dty
         if fmt is not None and fmt.dtype != dtype:  # dense weights are multiplied in the activation dtype
             return False
     elif _hf_kind(fmt):
-        if hidden % fmt.qfmt.col_align or inter % fmt.qfmt.col_align:
-            return False  # NVFP4 / MXFP4 rows of whole scale groups (FP8 blocks may be partial)
+        from ..quant.fp_formats import FP8Format
+
+        if not isinstance(fmt.qfmt, FP8Format) and (hidden % fmt.qfmt.col_align or inter % fmt.qfmt.col_align):
+            return False  # NVFP4 / MXFP4 rows of whole scale groups; FP8 blocks may be partial (H = 64, 128-blocks)
     elif type(fmt) is not GGUFExpertFormat:
         return False
     else:

@@ -563,14 +563,25 @@ class Scheduler:
         return need <= self.kv.pages.num_free
 
     def _cache_pages(self, req: Request) -> None:
-        """Put req's newly filled pages into the tree (or share the node another request made first)."""
+        """Put req's newly filled pages into the tree, or share the node another request made first: req then
+        reads the node's page and its own copy goes back to the pool (a spilled node takes req's page instead of
+        its host copy). Holding both had a request that recomputed a cached prefix it could not resume from (a
+        linear-state model with no snapshot there) need its pages twice: where the pool held one prompt, it
+        preempted itself at every admission, for ever."""
         P, tree = self.kv.page_size, self.prefix
         if req.num_computed // P <= len(req.nodes):
             return
         ids = req.all_ids
         parent = req.nodes[-1] if req.nodes else tree.root
         for i in range(len(req.nodes), req.num_computed // P):
-            node, _ = tree.insert(parent, tuple(ids[i * P:(i + 1) * P]), req.pages[i])
+            own = req.pages[i]
+            node, adopted = tree.insert(parent, tuple(ids[i * P:(i + 1) * P]), own)
+            if not adopted:
+                if node.page >= 0:
+                    req.pages[i] = node.page  # same tokens after the same prefix: the same K/V
+                    self.kv.pages.free([own])
+                else:
+                    tree.adopt(node, own)
             tree.acquire([node])
             req.nodes.append(node)
             parent = node
