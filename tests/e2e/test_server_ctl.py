@@ -20,6 +20,7 @@ KEY = "ctl-key"
 MODEL = "tiny"
 PROMPT_LEN, MAX_TOKENS = 20, 300  # 320 tokens: 20 KV pages of 16 a request
 PROMPTS = [[100 + 7 * i + j for j in range(PROMPT_LEN)] for i in range(4)]
+FILLER = [[300 + 7 * i + j for j in range(PROMPT_LEN)] for i in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,14 @@ def http(server):
     return httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
 
-def streams(url: str, progress: list[int] | None = None) -> list[tuple[str, str, int]]:
+def streams(url: str, progress: list[int] | None = None, prompts=PROMPTS) -> list[tuple[str, str, int]]:
     """The 4 prompts as concurrent greedy streams: (text, finish reason, completion tokens) each."""
     oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     out: dict[int, tuple] = {}
 
     def run(i: int) -> None:
         text, finish, usage = "", None, None
-        for chunk in oai.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
+        for chunk in oai.completions.create(model=MODEL, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}):
             usage = chunk.usage or usage
@@ -79,12 +80,16 @@ def ctl(server, *args, env=None) -> subprocess.CompletedProcess:
 
 
 def test_live_rebuild_under_four_streams_keeps_every_token(server, http):
+    # other prompts first, then the reference: its pages (which the live streams, computing the same tokens, share:
+    # the prefix cache keeps one copy of a page) come after the filler's, many above the 96 pages of the new pool,
+    # and the filler's pages are unreferenced prefix pages the rebuild must evict
+    assert all(f == "length" for _, f, _ in finish(*streams(server["url"], prompts=FILLER)))
     reference = finish(*streams(server["url"]))  # every page they used stays in the prefix cache
     assert all(f == "length" and n == MAX_TOKENS for _, f, n in reference)
     progress = [0] * 4
     threads, out = streams(server["url"], progress)
     deadline = time.time() + 120
-    while min(progress) < 100 and time.time() < deadline:  # each stream ~120 tokens in: 8 pages, some above 96
+    while min(progress) < 100 and time.time() < deadline:  # each stream ~120 tokens in: 8 pages, many above 96
         time.sleep(0.005)
     r = rebuild(http, kv_tokens=1536, moe_slots=6)
     live = finish(threads, out)
