@@ -158,6 +158,14 @@ def hybrid_arms() -> bool:
     return os.environ.get("MOESTREAM_HYBRID_ARMS", "1") != "0"
 
 
+def grouped_fp4_grouped_tiles() -> bool:
+    """MOESTREAM_GROUPED_FP4=groups: moe/grouped.py decodes NVFP4 / MXFP4 weight tiles a scale group at a time (each
+    code byte loaded once and split into its two nibbles, one scale decoded per group and broadcast), instead of
+    element by element (each byte loaded for both of its values, a scale decoded per value): for an A/B on a GPU
+    before it becomes the default. Read when moe/grouped.py is imported."""
+    return os.environ.get("MOESTREAM_GROUPED_FP4", "") == "groups"
+
+
 def prefill_rows() -> int:
     """MOESTREAM_PREFILL_ROWS=N: rows per half of the prefill double buffer (at most 64, at least one layer's top-k)
     instead of the planner's choice (a quarter of the expert slots, at most 64): for measuring long prompts at small

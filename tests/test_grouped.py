@@ -227,11 +227,18 @@ def check_device_prefill_same(case: str, dev: torch.device) -> list[str]:
 
 
 # --------------------------------------------------------------------------- interpreter
+FP4_CASES = ["nvfp4", "mxfp4"]
+
+
 def _worker(out_path: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    write_case_results(CASES, check_case, out_path)
+    from moestream.moe import grouped
+
+    # MOESTREAM_GROUPED_FP4=groups: only the FP4 cases, whose tiles that setting decodes a scale group at a time
+    cases = FP4_CASES if grouped.FP4_GROUPS else CASES
+    write_case_results(cases, check_case, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +249,19 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_grouped(interpreted, case):
     assert_case(interpreted, case)
+
+
+@pytest.fixture(scope="module")
+def interpreted_fp4_groups(tmp_path_factory):
+    return interpreted_results(__file__, tmp_path_factory, timeout=900, env={"MOESTREAM_GROUPED_FP4": "groups"})
+
+
+@pytest.mark.parametrize("case", FP4_CASES)
+def test_interpreted_fp4_tiles_by_scale_group(interpreted_fp4_groups, case):
+    """The NVFP4 / MXFP4 tiles decoded a scale group at a time (MOESTREAM_GROUPED_FP4=groups, for a GPU A/B) give
+    the same oracle agreement (a nibble order swapped fails both)."""
+    assert interpreted_fp4_groups.keys() == set(FP4_CASES)
+    assert_case(interpreted_fp4_groups, case)
 
 
 def block_table_oracle(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: int) -> torch.Tensor:

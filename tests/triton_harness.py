@@ -29,12 +29,12 @@ def write_case_results(cases, check, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(res))
 
 
-def interpreted_results(script: str, tmp_path_factory, timeout: int = 600) -> dict:
-    """Run `python script --worker OUT` with TRITON_INTERPRET=1 and return its per-case results."""
+def interpreted_results(script: str, tmp_path_factory, timeout: int = 600, env: dict | None = None) -> dict:
+    """Run `python script --worker OUT` with TRITON_INTERPRET=1 (and `env`) and return its per-case results."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     out = tmp_path_factory.mktemp("triton") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, script, "--worker", str(out)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0 or not out.is_file():

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table
+from ..env import grouped_fp4_grouped_tiles
 from .formats import PROJS, ExpertFormat, GGUFExpertFormat, HFExpertFormat
 
 BK = 64  # preferred K step: a multiple of every GGUF sub-block (16 or 32 values), 128 bytes of bf16
@@ -36,6 +37,7 @@ BN = 64
 # CUDA launch configuration (benchmarks/grouped_bench.py --sweep times others); bm None: block_m()
 CONFIG = {"bn": BN, "bk": BK, "num_warps": 4, "num_stages": 3, "bm": None}
 ACT_DTYPES = (torch.bfloat16, torch.float16)
+FP4_GROUPS = tl.constexpr(grouped_fp4_grouped_tiles())  # NVFP4 / MXFP4 tiles decoded a scale group at a time
 
 
 # ----------------------------------------------------------------------------- device: weight tiles
@@ -83,6 +85,22 @@ def _hf_tile(w, sc, gsc, n, nm, k0, K, KIND: tl.constexpr, SMODE: tl.constexpr, 
         else:  # one per expert
             s = tl.load(sc)
         return v * s.to(tl.float32)
+    elif FP4_GROUPS and BK >= (16 if KIND == 1 else 32):
+        # [BN, G, GS]: G scale groups of GS values; each code byte loaded once (its two nibbles interleaved back into
+        # column order, low first), one scale per group broadcast over its values
+        GS: tl.constexpr = 16 if KIND == 1 else 32
+        G: tl.constexpr = BK // GS
+        g = (k0 // GS + tl.arange(0, G))[None, :, None]
+        m3 = nm[:, None, None]
+        row = nn[:, :, None]
+        b = _ld(w + row * (K // 2), g * (GS // 2) + tl.arange(0, GS // 2)[None, None, :], m3)
+        q = _e2m1(tl.interleave(b & 0xF, b >> 4))
+        sb = _ld(sc + row * (K // GS), g, m3)
+        if KIND == 1:  # e4m3 scale per 16 columns, fp32 global
+            v = q * _e4m3(sb) * tl.load(gsc).to(tl.float32)
+        else:  # e8m0 scale per 32 columns
+            v = q * _e8m0(sb)
+        return tl.reshape(v, (nn.shape[0], BK))
     else:
         b = _ld(w + nn * (K // 2), k // 2, m)
         q = _e2m1(tl.where(k % 2 == 0, b & 0xF, b >> 4))
