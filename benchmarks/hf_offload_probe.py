@@ -39,11 +39,17 @@ DEVICE = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a dry run of the script
 @pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["nvfp4-qwen35", "fp8_block16x32-qwen35", "modelopt_fp8-qwen3-stacked"])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_probe(case, grouped, quantized, monkeypatch):
+@pytest.mark.parametrize("dense", ["auto", "1"])
+def test_probe(case, grouped, dense, quantized, monkeypatch):
+    """dense: MOESTREAM_DENSE_QUANT (auto: fused dequantizes the dense layers to bf16 where every expert fits,
+    offload keeps them compressed; 1: compressed in both)."""
     qdir, _, _ = quantized(case)
+    monkeypatch.setenv("MOESTREAM_DENSE_QUANT", dense)
     if not grouped:
+        if dense != "1":
+            pytest.skip("the loop only with the dense layers alike")
         monkeypatch.setattr(compute, "grouped_bank_ready", lambda x, bank, fmt: False)
-    print(f"\n== {case} grouped={grouped}")
+    print(f"\n== {case} grouped={grouped} MOESTREAM_DENSE_QUANT={dense}")
     ref = toks0 = None
     for name, (backend, kw) in VARIANTS.items():
         llm = LLM(qdir, moe_backend=backend, device=DEVICE, dtype="bfloat16", chunked_prefill_size=7,
