@@ -576,7 +576,7 @@ class Scheduler:
         for i in range(len(req.nodes), req.num_computed // P):
             own = req.pages[i]
             node, adopted = tree.insert(parent, tuple(ids[i * P:(i + 1) * P]), own)
-            if not adopted:
+            if not adopted and node.page != own:
                 if node.page >= 0:
                     req.pages[i] = node.page  # same tokens after the same prefix: the same K/V
                     self.kv.pages.free([own])
