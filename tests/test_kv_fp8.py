@@ -98,8 +98,12 @@ def case_attention(name: str) -> list[str]:
     assert attn_decode.usable(q, k8, force=True)
     got = attn_decode.decode_attention(q, k8, v8, idx, lens, scale)
     want = tad.reference(q, k8.float(), v8.float(), idx, lens, scale)
-    err = (got.double() - want).abs().max().item()
-    return [] if err <= 1e-5 and got.dtype == q.dtype else [f"max error {err:.3g}"]
+    # float32 throughout: the online softmax's rescales and the P.V sums over a long context round ~2^-24 each;
+    # a bound relative to the values (|v| reaches ~15 here, 3x randn) — the absolute 1e-5 sat at the observed
+    # 4-9e-6 and failed a CI run at 1.0e-5 (2026-12-07)
+    err = (got.double() - want).abs()
+    bound = 2 ** -19 * (v8.float().abs().max().item() + want.abs())
+    return [] if bool((err <= bound).all()) and got.dtype == q.dtype else [f"max error {err.max().item():.3g}"]
 
 
 CASES = {"encode": case_encode, "decode": case_decode,
