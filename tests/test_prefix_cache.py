@@ -632,3 +632,42 @@ def test_flat_index_is_every_position_through_the_page_table():
         assert got.dtype == torch.int64 and got.tolist() == want, (pages, start, end)
     with pytest.raises(IndexError):
         kv.flat_index([3, 5], 0, 2 * ps + 1, "cpu")
+
+
+def test_a_request_that_can_never_get_its_pages_ends_with_an_error(tiny_checkpoint, monkeypatch):
+    """The safety net behind the page sharing above: with the old page holding put back (a request kept its own
+    copy of every page the tree already had), the repeated prompt preempts itself while running alone; after
+    STALL_LIMIT attempts at one length it ends with an error instead of being recomputed for ever, and the engine
+    serves the next request."""
+    from moestream.scheduler import scheduler as sched_mod
+
+    def holds_both(self, req):  # the pre-fix _cache_pages
+        P, tree = self.kv.page_size, self.prefix
+        parent = req.nodes[-1] if req.nodes else tree.root
+        for i in range(len(req.nodes), req.num_computed // P):
+            node, _ = tree.insert(parent, tuple(req.all_ids[i * P:(i + 1) * P]), req.pages[i])
+            tree.acquire([node])
+            req.nodes.append(node)
+            parent = node
+
+    monkeypatch.setattr(sched_mod.Scheduler, "_cache_pages", holds_both)
+    # (a 400-token prompt in a 448-token pool of 16-token pages: with both copies held it stalls at its prompt)
+    llm = _llm(tiny_checkpoint("qwen35"), num_tokens=448, page_size=16, prefix_cache_snapshots=0,
+               chunked_prefill_size=64)
+    prompt = _rand(400, 7, llm.model_config.vocab_size)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for i in range(2):
+        req = Request(f"again{i}", list(prompt), sp)
+        llm.llm_engine.add_request(req)
+        for _ in range(300):
+            if req.finish_reason is not None:
+                break
+            outs += llm.llm_engine.step()
+            llm.scheduler.check_integrity()
+        assert req.finish_reason is not None, f"request {i} never finished"
+    last = outs[-1]
+    assert last.request.id == "again1" and last.error and "could not hold" in last.error, (last.error, req.finish_reason)
+    assert llm.llm_engine.scheduler.running == [] and not llm.scheduler.waiting
+    short = llm.generate([prompt[:20]], sp)[0]  # the engine goes on
+    assert short.finish_reason == "length" and len(short.token_ids) == 12

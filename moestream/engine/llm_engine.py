@@ -162,12 +162,14 @@ class LLMEngine:
         outputs = self._add_compiled() if self.compiling else []
         if self._carry:
             outputs, self._carry = self._carry + outputs, []
+        outputs += self.scheduler.take_stalled()  # (ended while an overlapped step planned the next)
         if self._inflight is not None:
             if (self.scheduler.overlap_room() and all(map(self.runner.overlappable, self.scheduler.running))
                     and self.engine_overlap(len(self.scheduler.running))):
                 return outputs + self._overlapped_step()
             outputs += self._read_inflight()
         batch = self.scheduler.schedule()
+        outputs += self.scheduler.take_stalled()
         if batch is None:
             self.last_step = {}
             pending = [f for _, f in self.compiling.values() if not f.done()]

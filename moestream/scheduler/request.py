@@ -34,6 +34,8 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    stalls: int = 0  # times in a row it preempted itself while running alone at this many tokens (stall_at)
+    stall_at: int = -1
     # prefix cache: the tree nodes this request holds (its first len(nodes) pages), the prompt tokens it
     # found cached when first admitted, a snapshot to resume from in its next step, its rolling snapshot,
     # and (node, n): the first n positions of that cached page to copy into its own next page (copy-on-write)

@@ -33,6 +33,8 @@ from ..kvcache.prefix import PrefixCache
 from .batch import ScheduledBatch, ScheduledSeq, StepResult
 from .request import PENDING, Request, Status, StepOutput
 
+STALL_LIMIT = 3  # lone self-preemptions in a row at one length before a request is ended (Scheduler._stall)
+
 log = logging.getLogger("moestream.scheduler")
 
 
@@ -64,6 +66,7 @@ class Scheduler:
         # After a failed step: ids of the requests that were in it, run one at a time until they end,
         # so a request that fails again fails alone and the others go on.
         self.suspects: set[str] = set()
+        self._stalled: list[StepOutput] = []  # requests ended because they could never run (take_stalled)
         self.prefix: PrefixCache | None = None
         if config.prefix_cache:
             linear, host = self.state.conv is not None, self.host
@@ -373,10 +376,32 @@ class Scheduler:
                 req.pages += got
                 return True
             victim = self.running[-1]
+            alone = victim is req and len(self.running) == 1
             self._preempt(victim)
             if victim is req:
+                if alone:
+                    self._stall(req)
                 return False
         return True
+
+    def _stall(self, req: Request) -> None:
+        """req preempted itself with no other request running: with everything else evictable, the pool could not
+        give it its pages. Once again after a retry from the cache, but STALL_LIMIT times in a row at the same
+        length it never can: it ends with an error (take_stalled) instead of being recomputed for ever while the
+        engine serves no one else (a safety net: the prefix cache's page sharing removed the case that did it)."""
+        req.stalls = req.stalls + 1 if req.stall_at == req.num_tokens else 1
+        req.stall_at = req.num_tokens
+        if req.stalls >= STALL_LIMIT:
+            log.error("request %s (%d tokens) cannot get its KV pages even alone; ending it", req.id, req.num_tokens)
+            P = self.kv.page_size
+            self._stalled.append(self.fail(
+                req, f"the KV cache ({self.kv.num_pages * P} tokens) could not hold this request's "
+                     f"{req.num_tokens} tokens with the pages it shares; it was ended after {req.stalls} attempts"))
+
+    def take_stalled(self) -> list[StepOutput]:
+        """The outputs of requests ended by _stall since the last call (the step loop returns them)."""
+        out, self._stalled = self._stalled, []
+        return out
 
     def _preempt(self, req: Request) -> None:
         log.warning("KV cache full: preempting %s (%d tokens), it will be recomputed", req.id, req.num_tokens)
