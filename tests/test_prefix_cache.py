@@ -587,6 +587,19 @@ def test_a_request_that_outgrows_the_whole_kv_pool_finishes_with_length(tiny_che
     assert short_out.token_ids == alone.token_ids
 
 
+def _until_finished(llm, req, max_steps: int) -> list:
+    """Add req and step the engine until it finishes, at most max_steps steps (a request that never can stops
+    here, unfinished), checking the scheduler's invariants after each; the steps' outputs."""
+    llm.llm_engine.add_request(req)
+    outs = []
+    for _ in range(max_steps):
+        if req.finish_reason is not None:
+            break
+        outs += llm.llm_engine.step()
+        llm.scheduler.check_integrity()
+    return outs
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.001])
 def test_a_prompt_recomputed_without_its_snapshot_fits_a_pool_of_one_prompt(host_gb, tiny_checkpoint, reference):
     """The hybrid model with no snapshot slots (the 35B model's FP8 file at 4 GiB had none to spare): the same
@@ -599,12 +612,7 @@ def test_a_prompt_recomputed_without_its_snapshot_fits_a_pool_of_one_prompt(host
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i in range(2):
         req = Request(f"again{i}", list(prompt), sp)
-        llm.llm_engine.add_request(req)
-        for _ in range(200):
-            if req.finish_reason is not None:
-                break
-            llm.llm_engine.step()
-            llm.scheduler.check_integrity()
+        _until_finished(llm, req, 200)
         assert req.finish_reason == "length" and req.preemptions == 0, (i, req.preemptions)
         assert req.output_ids == reference("qwen35", prompt, 12)
         assert req.cached_tokens == 0  # no snapshot: nothing resumed
@@ -659,12 +667,7 @@ def test_a_request_that_can_never_get_its_pages_ends_with_an_error(tiny_checkpoi
     outs = []
     for i in range(2):
         req = Request(f"again{i}", list(prompt), sp)
-        llm.llm_engine.add_request(req)
-        for _ in range(300):
-            if req.finish_reason is not None:
-                break
-            outs += llm.llm_engine.step()
-            llm.scheduler.check_integrity()
+        outs += _until_finished(llm, req, 300)
         assert req.finish_reason is not None, f"request {i} never finished"
     last = outs[-1]
     assert last.request.id == "again1" and last.error and "could not hold" in last.error, (last.error, req.finish_reason)

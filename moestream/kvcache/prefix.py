@@ -228,22 +228,23 @@ class PrefixCache:
         its ancestors must be on the device already (fetch a path from the top)."""
         assert node.page < 0 <= node.host and node.ref > 0 and (node.parent is self.root or node.parent.page >= 0)
         self.host_ops.append(("kv_in", node.host, page))
-        del self.spilled[node.host]
-        self.host_free.append(node.host)
-        node.host, node.page = -1, page
-        self.owned[page] = node
+        self._onto_device(node, page)
         self.fetched_pages += 1
 
     def adopt(self, node: Node, page: int) -> None:
         """A spilled node's tokens were computed again into device page `page`: the node takes that page (the
         tree owns it now) and its host copy is dropped."""
         assert node.page < 0 <= node.host
+        self._onto_device(node, page)
+        if node.ref == 0:
+            self.num_evictable += 1
+
+    def _onto_device(self, node: Node, page: int) -> None:
+        """A spilled node now lives in device page `page`, which the tree owns; its host page is free."""
         del self.spilled[node.host]
         self.host_free.append(node.host)
         node.host, node.page = -1, page
         self.owned[page] = node
-        if node.ref == 0:
-            self.num_evictable += 1
 
     def _remove(self, n: Node) -> None:
         """Drop n and its subtree (unreferenced; below a device leaf only spilled nodes)."""
