@@ -440,3 +440,50 @@ def test_a_forced_tool_call_without_a_tool_parser_is_refused(demo_tokenizer):
     assert engine.prompts == []
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized(demo_tokenizer, monkeypatch):
+    """A 31 MB prompt was tokenized whole (15.7M tokens: 45 s of the server, ~4 GB) before the context check
+    refused it, while every other request waited: now a lower bound of its tokens refuses it first."""
+    engine, http, oai, ant = make(demo_tokenizer, "ok", max_seq_len=4096)
+    encoded: list[int] = []
+    real = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, **kw: encoded.append(len(text)) or real(self, text, **kw))
+    huge = "a " * 1_000_000
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": huge}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "has at least" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": huge})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    with pytest.raises(anthropic.BadRequestError):
+        ant.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": huge}])
+    assert not [n for n in encoded if n > 10_000] and not engine.prompts  # never encoded, never generated
+    assert oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).choices[0]
+    # a prompt near the context is still tokenized and counted exactly (the bound only refuses what cannot fit)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 5000})
+    assert r.status_code == 400 and "prompt has 10002 tokens" in r.json()["error"]["message"], r.text
+    # count_tokens counts whatever the length
+    assert ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "a " * 20_000}]).input_tokens > 4096
+
+
+def test_continue_final_message_after_a_reasoning_block_continues_it(qwen3_tokenizer):
+    """Qwen's template moves the final assistant message's reasoning into its own markup: the message's text as sent
+    is not in the prompt, and the request used to be answered as a new turn (its end-of-turn kept)."""
+    engine, http, oai, _ = make(qwen3_tokenizer, "ok")
+    base = {"model": MODEL, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 4}
+    user = {"role": "user", "content": "hi"}
+    for content in ("<think>x</think>Sure", "Sure, ", "<think>\nplan\n</think>\n\nThe answer is"):
+        r = http.post("/v1/chat/completions", json={**base, "messages": [user, {"role": "assistant", "content": content}]})
+        assert r.status_code == 200, r.text
+        prompt = qwen3_tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+        assert prompt.rstrip().endswith(content.rsplit("</think>", 1)[-1].strip()), prompt[-60:]
+        assert "<|im_end|>" not in prompt.rsplit("<|im_start|>assistant", 1)[-1]
+    r = http.post("/v1/chat/completions", json={**base, "messages": [user, {"role": "assistant", "content": "  "}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_logit_bias_keys_are_ascii_token_ids(demo_tokenizer):
+    _, http, _, _ = make(demo_tokenizer, "ok")
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                               "logit_bias": {"\u0663": 5}})  # ARABIC-INDIC DIGIT THREE
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text

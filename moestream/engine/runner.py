@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import DecodeArrays, ForwardBatch, SeqMeta
+from ..core import RequestError
 from ..kvcache import raw
 from ..scheduler.batch import ScheduledBatch, StepResult
 from ..scheduler.request import Request, Status
@@ -52,9 +53,13 @@ def _guarded(failed: list, req: Request, fn, *args) -> bool:
     try:
         fn(*args)
         return True
+    except RequestError as e:  # the request's own input cannot go on (e.g. its grammar has no way forward)
+        log.warning("request %s ended: %s", req.id, e)
+        failed.append((req, str(e), True))
+        return False
     except Exception as e:
         log.exception("request %s failed in this step; the others in it go on", req.id)
-        failed.append((req, f"internal error: {type(e).__name__}: {e}"))
+        failed.append((req, f"internal error: {type(e).__name__}: {e}", False))
         return False
 
 
@@ -390,6 +395,8 @@ class ModelRunner:
             apply_penalties(row, p, req.prompt_ids, req.output_ids, stops, req.penalties)
         if req.matcher is not None and not req.thinking and not req.matcher.done:
             apply_bitmask(row, req.matcher.allowed())
+            if why := req.matcher.dead_end():
+                raise RequestError(why)
 
     def _track(self, req: Request, tok: int) -> None:
         """Reasoning-block bookkeeping and the grammar's state after `tok` (before the next step samples)."""

@@ -67,6 +67,7 @@ class StepResult:
     # one token (and its logprobs when asked for, else None) per request whose chunk reached its newest
     # token, then per adopted child (ScheduledBatch.forks)
     sampled: list[tuple[Request, int, tuple | None]] = field(default_factory=list)
-    # (request, why): requests whose own work in this step raised (their grammar, their sampling); they
-    # appear in neither list above and finish with "error", the others of the step go on
-    failed: list[tuple[Request, str]] = field(default_factory=list)
+    # (request, why, refused): requests whose own work in this step raised (their grammar, their sampling); they
+    # appear in neither list above and finish with "error", the others of the step go on; refused: the request's
+    # own input is at fault (a grammar with no way forward: HTTP 400), not the engine
+    failed: list[tuple[Request, str, bool]] = field(default_factory=list)

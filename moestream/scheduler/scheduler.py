@@ -537,7 +537,7 @@ class Scheduler:
             outs += self._accept(req, toks, now, batch)
         now = time.perf_counter()
         outs += [self._emit_guarded(req, tok, lp, now) for req, tok, lp in result.sampled]
-        return outs + [self.fail(req, why) for req, why in result.failed]
+        return outs + [self.fail(req, why, refused=refused) for req, why, refused in result.failed]
 
     # ---- overlapped decode (engine/llm_engine.py): a step launched before the last one's tokens are known ---------
     def advance(self, batch: ScheduledBatch) -> None:
@@ -682,6 +682,8 @@ class Scheduler:
         if lp is not None:
             req.output_lps.append(lp)
         delta = req.detok.add(tok) if req.detok is not None else ""
+        if req.matcher is not None and (why := req.matcher.dead_end()):  # not a stop: the value is incomplete
+            return self.fail(req, why, tok, refused=True)
         reason = self._finish_reason(req, tok)
         if reason is not None:
             if req.detok is not None and not req.detok.stopped:

@@ -63,7 +63,7 @@ async def count_tokens(state: ServerState, request, body: dict) -> Any:
 
 def _count(state: ServerState, body: dict) -> int:
     req = P.CountTokensRequest.model_validate(body)
-    return len(encode(state, _prompt(state, req)))
+    return len(encode(state, _prompt(state, req), bound=False))  # a count, whatever its length
 
 
 async def _stream(state: ServerState, spec: GenSpec, request, mid: str) -> AsyncIterator[str]:
@@ -92,7 +92,8 @@ async def _stream(state: ServerState, spec: GenSpec, request, mid: str) -> Async
                 yield enc.finish(ev.finish_reason, ev.completion_tokens, stop_sequence=ev.stop,
                                  cache_read_input_tokens=ev.cached_tokens)
     except EngineError as e:
-        yield enc.error(e.message, "overloaded_error" if e.status == 503 else "api_error")
+        yield enc.error(e.message, "overloaded_error" if e.status == 503 else "api_error" if e.status >= 500
+                        else "invalid_request_error")
     finally:
         if pending is not None:  # client gone mid-wait: stop the generation (this aborts it)
             pending.cancel()

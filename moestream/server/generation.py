@@ -105,11 +105,28 @@ def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | No
                        "available with it; send the request without tools (or with tool_choice \"none\")",
                        param="tools")
     if continue_final:
-        last = messages[-1].get("content") or ""
-        cut = prompt.rfind(last) if last else -1
-        if cut >= 0:
-            prompt = prompt[:cut + len(last)]  # drop the end-of-turn so the model continues the message
+        prompt = _continue_final(prompt, messages[-1].get("content"))
     return prompt
+
+
+def _continue_final(prompt: str, content) -> str:
+    """The prompt cut right after the final message's text, its end-of-turn dropped, so the model continues the
+    message. Templates may rewrite that text (Qwen's move a reasoning block into their own markup, strip
+    whitespace): its visible part after the reasoning is looked for then. Where it cannot be found the request is
+    refused rather than answered as a new turn."""
+    if isinstance(content, list):  # content parts: the text parts, joined as the templates join them
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    text = content if isinstance(content, str) else ""
+    if not text.strip():
+        raise ApiError(400, "continue_final_message needs a final message with text to continue",
+                       param="continue_final_message")
+    tail = text.rsplit("</think>", 1)[-1]
+    for want in (text, text.strip(), tail, tail.strip()):
+        if want.strip() and (cut := prompt.rfind(want)) >= 0:
+            return prompt[:cut + len(want)]
+    raise ApiError(400, "continue_final_message: the chat template rewrote the final message, so where its text "
+                   "ends cannot be found in the prompt; send it without continue_final_message, or use "
+                   "/v1/completions with the prompt as you want it", param="continue_final_message")
 
 
 def _template_roles(messages: list[dict], template: str) -> list[dict]:
@@ -130,19 +147,21 @@ def _apply_template(state: ServerState, messages: list[dict], tools: list[dict] 
         raise ApiError(400, f"the chat template could not render these messages: {e}") from None
 
 
-def check_prompt_fits(state: ServerState, n: int) -> None:
-    """Refuse, before any compute, a prompt the context or the KV cache cannot hold."""
-    if n == 0:
-        raise ApiError(400, "the prompt is empty", param="messages")
+def check_prompt_fits(state: ServerState, n: int, param: str = "messages", at_least: bool = False) -> None:
+    """Refuse, before any compute, a prompt the context or the KV cache cannot hold (at_least: n is a lower bound
+    of its tokens, found without tokenizing it)."""
+    if n == 0 and not at_least:
+        raise ApiError(400, "the prompt is empty", param=param)
+    has = f"at least {n}" if at_least else f"{n}"
     if n >= state.max_seq_len:
         raise ApiError(400, f"This model's maximum context length is {state.max_seq_len} tokens, but the prompt "
-                       f"has {n} tokens (prompt plus at least one generated token must fit). Shorten the "
-                       "prompt, or raise --max-seq-len-override.", param="messages", code="context_length_exceeded")
+                       f"has {has} tokens (prompt plus at least one generated token must fit). Shorten the "
+                       "prompt, or raise --max-seq-len-override.", param=param, code="context_length_exceeded")
     if n + 1 > state.kv_tokens:
-        raise ApiError(400, f"the prompt has {n} tokens but this server's KV cache holds {state.kv_tokens}; "
+        raise ApiError(400, f"the prompt has {has} tokens but this server's KV cache holds {state.kv_tokens}; "
                        f"shorten the prompt, or start the server with --max-seq-len-override {n + 1} or more (its "
                        "memory plan then holds one whole request that long before expert slots) or a larger "
-                       "--num-tokens", param="messages", code="context_length_exceeded")
+                       "--num-tokens", param=param, code="context_length_exceeded")
 
 
 def sampling_params(state: ServerState, n_prompt: int, make, clamp: bool = False) -> SamplingParams:
@@ -272,7 +291,12 @@ def _tool_grammar(state: ServerState, tools: list[dict], tool_choice: Any) -> st
         raise ApiError(400, f"the tool schemas cannot be enforced: {e}", param="tools") from None
 
 
-def encode(state: ServerState, text: str) -> list[int]:
+def encode(state: ServerState, text: str, param: str = "messages", bound: bool = True) -> list[int]:
+    """The prompt's token ids. bound: a text longer than the context can hold, as a lower bound of its tokens
+    shows (Tokenizer.min_tokens), is refused before it is encoded: encoding megabytes takes the server's CPU and
+    gigabytes of memory for seconds, to count tokens that cannot fit."""
+    if bound and len(text) > state.max_seq_len:
+        check_prompt_fits(state, state.tokenizer.min_tokens(text), param, at_least=True)
     try:
         return state.tokenizer.encode(text)
     except (UnicodeError, ValueError) as e:  # e.g. a lone surrogate that slipped into a template variable
@@ -280,7 +304,7 @@ def encode(state: ServerState, text: str) -> list[int]:
 
 
 def plain_spec(state: ServerState, ids: list[int], params_fn, grammar: tuple | None = None) -> GenSpec:
-    check_prompt_fits(state, len(ids))
+    check_prompt_fits(state, len(ids), "prompt")
     _check_token_ids(state, ids, "prompt")
     params = sampling_params(state, len(ids), params_fn)
     if grammar is not None:
@@ -314,11 +338,13 @@ async def run(state: ServerState, spec: GenSpec, request=None, rid: str | None =
                 for ev in _feed(spec, d.text):
                     if lps and ev.kind != "reasoning":
                         ev.logprobs, lps = lps, []
+                    ev.prompt_logprobs = plps  # a stream's first event carries them (echo + logprobs)
                     yield ev
                 if d.finish_reason is not None:
                     for ev in _finish(spec):
                         if lps and ev.kind != "reasoning":
                             ev.logprobs, lps = lps, []
+                        ev.prompt_logprobs = plps
                         yield ev
                     outcome = "aborted" if d.finish_reason == "abort" else d.finish_reason  # engine totals' word
                     yield Event("done", finish_reason=d.finish_reason, stop=d.stop, completion_tokens=tokens,

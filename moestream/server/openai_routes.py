@@ -165,7 +165,8 @@ async def _choices_stream(state: ServerState, specs: list[GenSpec], rid: str, in
             usage = P.usage_dict(len(specs[0].prompt_ids), sum(tokens), cached[0])
             yield P.sse_data(usage_chunk(rid, state.model_name, created=created, usage=usage, include_choice=False))
     except EngineError as e:
-        yield P.sse_data(P.openai_error_body(e.message, type="server_error"))
+        kind = "server_error" if e.status >= 500 else "invalid_request_error"  # 400: the request's own fault
+        yield P.sse_data(P.openai_error_body(e.message, type=kind))
     yield P.SSE_DONE
 
 
@@ -302,7 +303,7 @@ def _completion_prepare(state: ServerState, body: dict) -> tuple[P.CompletionReq
     if ids is None:
         if state.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = encode(state, req.prompt_text)
+        ids = encode(state, req.prompt_text, "prompt")
     if req.suffix:
         ids = _fill_in_the_middle(state, ids, req.suffix)
 
@@ -325,7 +326,7 @@ def _fill_in_the_middle(state: ServerState, ids: list[int], suffix: str) -> list
                        "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> or StarCoder's / DeepSeek-Coder's); "
                        "this model's tokenizer has none", param="suffix")
     prefix, suffix_tok, middle = fim
-    return [prefix, *ids, suffix_tok, *encode(state, suffix), middle]
+    return [prefix, *ids, suffix_tok, *encode(state, suffix, "suffix"), middle]
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:

@@ -313,6 +313,11 @@ def _copy_into(compiled: Future, out: Future, vocab_size: int) -> None:
         out.set_exception(e)
 
 
+DEAD_END = ("the structured output cannot be completed: after the tokens generated so far its grammar allows no "
+            "further token (a JSON schema or grammar that no finite output satisfies, e.g. an object that requires a "
+            "property of its own type)")
+
+
 class Matcher:
     """A request's grammar state: `allowed()` is the mask for the next token (a bool tensor [V]),
     `consume(token)` advances and starts computing the next mask in the background."""
@@ -322,22 +327,30 @@ class Matcher:
         self.vocab_size = vocab_size
         self._next: Future | None = None
         self._stopped = m.is_stopped()  # read only here and in consume: a mask may be computing meanwhile
+        self._dead = self._dead_now()
 
     def prefetch(self) -> None:
         if self._next is None:
             self._next = _pool().submit(self._compute)
+
+    def _dead_now(self) -> bool:
+        """llguidance found no way forward (its error state) in a state that does not accept: it would then allow
+        only end-of-sequence, which must not end the request as a normal stop with an incomplete value."""
+        return self._m.is_error() and not self._m.is_accepting()
 
     def _compute(self):
         import numpy as np
         import torch
 
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[:self.vocab_size].astype(np.bool_))
+        return torch.from_numpy(bits[:self.vocab_size].astype(np.bool_)), self._dead_now()
 
     def allowed(self):
         self.prefetch()
         fut, self._next = self._next, None
-        return fut.result()
+        mask, dead = fut.result()
+        self._dead = self._dead or dead
+        return mask
 
     def consume(self, token: int) -> bool:
         """False when the token broke the grammar (only a forced token can)."""
@@ -346,6 +359,7 @@ class Matcher:
             self._next = None
         ok = self._m.consume_token(int(token))
         self._stopped = self._m.is_stopped()
+        self._dead = self._dead or self._dead_now()
         if ok and not self._stopped:
             self.prefetch()
         return ok
@@ -354,3 +368,7 @@ class Matcher:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more."""
         return self._stopped
+
+    def dead_end(self) -> str | None:
+        """Why no output can complete the grammar from here (seen by the last `allowed()` or `consume()`), or None."""
+        return DEAD_END if self._dead else None

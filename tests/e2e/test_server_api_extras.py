@@ -113,6 +113,29 @@ def test_bad_schema_is_a_400_and_the_server_keeps_serving(oai):
     assert oai.chat.completions.create(model=MODEL, messages=msgs("x"), max_tokens=2).choices[0].finish_reason
 
 
+SELF_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+                 "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, SELF_REQUIRED], ids=["self", "self-required"])
+def test_a_schema_no_finite_value_satisfies_is_an_error_not_a_stop(oai, schema):
+    """The grammar has no way forward (at once, or after `{"`): llguidance then allows only end-of-sequence, and the
+    answer used to be HTTP 200, finish_reason "stop", content "" or '{"'."""
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=msgs("x"), max_tokens=8, response_format=rf)
+    assert "cannot be completed" in str(e.value)
+    with pytest.raises(openai.APIError) as e:
+        for _ in oai.chat.completions.create(model=MODEL, messages=msgs("x"), max_tokens=8, response_format=rf,
+                                             stream=True):
+            pass
+    assert "cannot be completed" in str(e.value)
+    tool = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=msgs("x"), max_tokens=8, tools=tool, tool_choice="required")
+    assert oai.chat.completions.create(model=MODEL, messages=msgs("x"), max_tokens=2).choices[0].finish_reason
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                      "unit": {"enum": ["c", "f"]}},
@@ -207,10 +230,14 @@ def test_completions_echo_and_logprobs(oai):
     assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and "".join(lp.tokens) == ch.text
     assert lp.text_offset == sorted(lp.text_offset)
-    stream_text = "".join(c.choices[0].text for c in oai.completions.create(
-        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices)
-    assert stream_text == ch.text
+    chunks = [c.choices[0] for c in oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True, stream=True, logprobs=2,
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.text for c in chunks) == ch.text
+    # the stream's first chunk echoes the prompt with its logprobs (they were null there, 2026-12-07)
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == n_prompt + 3
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
 
 
 def test_thinking_budget_ends_the_block(oai):

@@ -130,7 +130,7 @@ class _OpenAISampling(RequestModel):
     @classmethod
     def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for k, b in (v or {}).items():
-            if not k.strip().isdigit() or int(k) >= MAX_TOKEN_IDS:
+            if not (k.strip().isascii() and k.strip().isdigit()) or int(k) >= MAX_TOKEN_IDS:  # not "٣"
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
