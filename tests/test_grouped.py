@@ -236,8 +236,8 @@ def _worker(out_path: str) -> None:
     warnings.filterwarnings("ignore")
     from moestream.moe import grouped
 
-    # MOESTREAM_GROUPED_FP4=groups: only the FP4 cases, whose tiles that setting decodes a scale group at a time
-    cases = FP4_CASES if grouped.FP4_GROUPS else CASES
+    # MOESTREAM_GROUPED_FP4=elem: only the FP4 cases, whose tiles that setting decodes element by element
+    cases = CASES if grouped.FP4_GROUPS else FP4_CASES
     write_case_results(cases, check_case, out_path)
 
 
@@ -252,16 +252,17 @@ def test_interpreted_grouped(interpreted, case):
 
 
 @pytest.fixture(scope="module")
-def interpreted_fp4_groups(tmp_path_factory):
-    return interpreted_results(__file__, tmp_path_factory, timeout=900, env={"MOESTREAM_GROUPED_FP4": "groups"})
+def interpreted_fp4_elem(tmp_path_factory):
+    return interpreted_results(__file__, tmp_path_factory, timeout=900, env={"MOESTREAM_GROUPED_FP4": "elem"})
 
 
 @pytest.mark.parametrize("case", FP4_CASES)
-def test_interpreted_fp4_tiles_by_scale_group(interpreted_fp4_groups, case):
-    """The NVFP4 / MXFP4 tiles decoded a scale group at a time (MOESTREAM_GROUPED_FP4=groups, for a GPU A/B) give
-    the same oracle agreement (a nibble order swapped fails both)."""
-    assert interpreted_fp4_groups.keys() == set(FP4_CASES)
-    assert_case(interpreted_fp4_groups, case)
+def test_interpreted_fp4_tiles_element_by_element(interpreted_fp4_elem, case):
+    """The NVFP4 / MXFP4 tiles decoded element by element (MOESTREAM_GROUPED_FP4=elem; the default decodes them a
+    scale group at a time, 2.3-3.3x faster on an H100) give the same oracle agreement (a nibble order swapped fails
+    both)."""
+    assert interpreted_fp4_elem.keys() == set(FP4_CASES)
+    assert_case(interpreted_fp4_elem, case)
 
 
 def block_table_oracle(counts: torch.Tensor, rows: torch.Tensor, bm: int, max_blocks: int) -> torch.Tensor:
