@@ -410,6 +410,8 @@ class ModelRunner:
             return
         if req.matcher is not None and not req.matcher.done:
             req.matcher.consume(tok)
+            if why := req.matcher.dead_end():  # not a stop: the value is incomplete (_guarded ends req, a 400)
+                raise RequestError(why)
         elif tok == self.think_start and self.think_start is not None and req.matcher is None:
             req.thinking = True
 

@@ -682,8 +682,6 @@ class Scheduler:
         if lp is not None:
             req.output_lps.append(lp)
         delta = req.detok.add(tok) if req.detok is not None else ""
-        if req.matcher is not None and (why := req.matcher.dead_end()):  # not a stop: the value is incomplete
-            return self.fail(req, why, tok, refused=True)
         reason = self._finish_reason(req, tok)
         if reason is not None:
             if req.detok is not None and not req.detok.stopped:

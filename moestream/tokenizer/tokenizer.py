@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -225,28 +226,26 @@ class Tokenizer:
         """A lower bound of len(encode(text)) found without encoding it (a long text's encoding takes seconds and
         gigabytes): the normalized text's UTF-8 bytes over the most bytes one token can stand for. 0 where no
         such bound holds: models other than BPE, or a BPE whose unknown-token piece may stand for any length."""
-        per = self._max_token_bytes()
+        per = self._max_token_bytes
         if not per:
             return 0
         norm = self._backend.normalizer
         return len((norm.normalize_str(text) if norm is not None else text).encode("utf-8")) // per
 
+    @cached_property
     def _max_token_bytes(self) -> int:
         """The most UTF-8 bytes of normalized text one token stands for (0: unbounded). A byte-level vocabulary's
         strings have a character per byte they stand for; a SentencePiece-style one's are that text itself (its
         UTF-8 bytes), a byte-fallback piece <0xNN> stands for one byte (fewer than its own); added tokens match
         their own content."""
-        if (got := getattr(self, "_token_bytes", None)) is None:
-            b = self._backend
-            model = b.model
-            got = 0
-            if type(model).__name__ == "BPE" and (model.unk_token is None or model.byte_fallback):
-                byte_level = "ByteLevel" in str(b.pre_tokenizer)
-                sizes = [len(t) if byte_level else len(t.encode("utf-8")) for t in b.get_vocab(with_added_tokens=False)]
-                sizes += [len(t.content.encode("utf-8")) for t in b.get_added_tokens_decoder().values()]
-                got = max(sizes, default=0)
-            self._token_bytes = got
-        return got
+        b = self._backend
+        model = b.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None and not model.byte_fallback):
+            return 0
+        byte_level = "ByteLevel" in str(b.pre_tokenizer)
+        sizes = [len(t) if byte_level else len(t.encode("utf-8")) for t in b.get_vocab(with_added_tokens=False)]
+        sizes += [len(t.content.encode("utf-8")) for t in b.get_added_tokens_decoder().values()]
+        return max(sizes, default=0)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
