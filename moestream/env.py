@@ -158,6 +158,17 @@ def hybrid_arms() -> bool:
     return os.environ.get("MOESTREAM_HYBRID_ARMS", "1") != "0"
 
 
+def fetch_in_pairs() -> str:
+    """Where a compressed (GGUF) layer call's missed experts are copied from pinned host memory into their slots:
+    "0" (default) by the copy kernel before the pair kernels (moe/pairs.stage_experts); "1" inside the pair kernels
+    when the call has one token (each program copies the rows it computes, then computes them, so the hits compute
+    while the misses cross PCIe, and no copy kernel runs first); "all" at every batch size (a missed expert that
+    several tokens route to then crosses PCIe once per token). Opt-in until timed on a GPU. Read at each layer
+    call."""
+    v = os.environ.get("MOESTREAM_FETCH_IN_PAIRS", "0")
+    return v if v in ("0", "1", "all") else "0"
+
+
 def grouped_fp4_grouped_tiles() -> bool:
     """moe/grouped.py decodes NVFP4 / MXFP4 weight tiles a scale group at a time (each code byte loaded once and split
     into its two nibbles, one scale decoded per group and broadcast): the default since the A/B of 2026-12-07 (H100,

@@ -88,3 +88,43 @@ def test_cuda_auto_measures_bandwidths_without_a_profile(tiny_checkpoint, tmp_pa
     assert bw.pcie_pinned_gbs > 0.1 and bw.cpu_expert_gbs > 0
     assert measure() is bw
     llm.engine.runtime.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_cuda_gguf_misses_fetched_in_the_pair_kernels(tmp_path, monkeypatch, tiny_checkpoint, qtype):
+    """A tiny GGUF's compressed experts, offload and hybrid with a small cache: the greedy tokens of fused whether the
+    pair kernels copy a decode call's misses themselves (MOESTREAM_FETCH_IN_PAIRS=1: one-token calls; "all": batched
+    calls too) or the copy kernel stages them first ("0", the default), and the fetch kernels are taken exactly
+    where the setting says (asserted, not assumed)."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.moe import qpairs
+
+    path, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen35_causal"), tmp_path / "m.gguf", getattr(Q, qtype))
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], list(range(20, 60))]
+    kw = dict(device="cuda", dtype="float32", max_running_requests=4)
+
+    def run(llm):  # each prompt alone (one-token decode calls), then both together (two-token calls)
+        return [llm.generate([p], sp)[0].token_ids for p in prompts] + [o.token_ids for o in llm.generate(prompts, sp)]
+
+    want = run(LLM(path, moe_backend="fused", **kw))
+    real, taken = qpairs.fetches_in_pairs, []
+
+    def spy(x, fmt, pool, tokens):
+        r = real(x, fmt, pool, tokens)
+        taken.append((tokens, r))
+        return r
+
+    monkeypatch.setattr(qpairs, "fetches_in_pairs", spy)
+    for how in ("1", "all", "0"):
+        monkeypatch.setenv("MOESTREAM_FETCH_IN_PAIRS", how)
+        for backend in ("offload", "hybrid"):
+            taken.clear()
+            llm = LLM(path, moe_backend=backend, moe_cache_size=3, **kw)
+            assert run(llm) == want, (how, backend)
+            assert llm.stats()["total"]["misses"] > 0
+            fetched = {t for t, r in taken if r}
+            assert fetched == ({1} if how == "1" else {1, 2} if how == "all" else set()), (how, backend, fetched)
+            llm.engine.runtime.close()

@@ -43,7 +43,10 @@ from moestream.moe.swiglu import swiglu  # noqa: E402
 from moestream.quant import (FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, MXFP4, NVFP4, fp8_block_format,  # noqa: E402
                              gguf_format)
 from moestream.quant.synthetic import random_raw  # noqa: E402
-from triton_harness import HAS_TRITON, assert_case, compile_sm90, interpreted_results, write_case_results  # noqa: E402
+from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, interpreted_results,  # noqa: E402
+                            write_case_results)
+
+from moestream.layers.triton_ops import DRIVER_STACK_LIMIT  # noqa: E402
 
 ROWS = 5  # pool rows (experts)
 PAD = 40  # extra bytes at the end of every GGUF pool row (a bigger type's row of another layer)
@@ -238,6 +241,38 @@ def _stage_cases() -> list[str]:
     return errs
 
 
+FETCH_CASES = {"fetchQ8_0": _gguf("Q8_0", 256, 96, torch.bfloat16)}  # I = 96: a partial gate_up block of 64 rows
+
+
+def _fetch_case(case: str, T: int = 1, cfg=None) -> list[str]:
+    """The fetch kernels (qpairs.fetches_in_pairs) copy a call's staged misses into their pool rows as they compute:
+    the pool and the pair outputs equal the copy kernel's staging followed by the plain kernels, bit for bit. A hit,
+    a CPU pair (src -1), a miss into a scratch row, the staged list longer than its count (the entry past it must not
+    be copied), and at T = 2 a missed expert routed by both tokens (both programs copy the same rows)."""
+    from moestream.moe.pairs import stage_experts
+
+    CASES.update(FETCH_CASES)
+    fmt, bank = make_layer(case)
+    host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous() for n, t in bank.items()}
+    pool = {n: torch.full((6, t.shape[1] + PAD), 0xFF, dtype=torch.uint8) for n, t in host.items()}
+    for n, t in pool.items():
+        t[0, :host[n].shape[1]] = host[n][1]  # expert 1 resident in row 0
+    x, w, _ = make_inputs(case, T=T, k=4 if T == 1 else 2)
+    # experts 3 (a miss admitted into row 2), 1 (a hit, row 0), a CPU pair, 4 (a miss into scratch row 5)
+    src = torch.tensor([2, 0, -1, 5]) if T == 1 else torch.tensor([2, 0, 2, 5])
+    experts, rows, count = torch.tensor([3, 4, 0, 2]), torch.tensor([2, 5, 0, 3]), torch.tensor(2)
+    want_pool = {n: t.clone() for n, t in pool.items()}
+    stage_experts(host, want_pool, experts, rows, count)
+    want = qpairs._quant_pair_outputs_triton(x, w, src, want_pool, fmt, cfg)
+    got = qpairs._quant_pair_outputs_triton(x, w, src, pool, fmt, cfg, staged=(host, experts, rows, count))
+    errs = [f"{case} T={T} {n}: pool rows differ from the copy kernel's" for n in pool
+            if not torch.equal(pool[n], want_pool[n])]
+    live = src >= 0
+    if not torch.equal(got[live], want[live]):
+        errs.append(f"{case} T={T}: outputs differ, max {float((got[live] - want[live]).abs().max()):.3g}")
+    return errs
+
+
 def _linear_rows(T: int, how: str):
     """(T, whether the multi-row kernel is on) of a dense case: how "pairs" runs T rows through the pair kernel, one
     program per row (MOESTREAM_QLINEAR_ROWS=0); else the multi-row kernel where T > 1 (or a permuted layer's rows)."""
@@ -428,6 +463,9 @@ def _worker_case(case: str) -> list[str]:
         return _count_case()
     if case == "stage":
         return _stage_cases()
+    if case.startswith("fetch:"):  # fetch:CASE[:T[:default]]
+        _, what, *rest = case.split(":")
+        return _fetch_case(what, int(rest[0]) if rest else 1, None if "default" in rest else INTERP_CFG)
     if case.startswith("words:"):  # words:K[:perm]
         _, K, *how = case.split(":")
         return _words_case(int(K), *how)
@@ -448,7 +486,8 @@ def _worker_case(case: str) -> list[str]:
     return _check(case, cfg=INTERP_CFG)
 
 
-WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "linear:Q8_0", "linear:Q4_K",
+WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "fetch:Q8_0", "fetch:fetchQ8_0",
+                "fetch:fetchQ8_0:2", "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "linear:Q8_0", "linear:Q4_K",
                 "linear:Q6_K", "linear:Q4_K:9", "linear:Q6_K:1", "linear:Q4_K:3:pairs", "linear:IQ4_XS:2",
                 "linear:Q6_K:1:perm", "linear:Q4_K:3:perm", "linear:Q8_0:9:perm", "linear:Q4_K:3:permpairs",
                 "linear:Q6_K:1:permpairs",
@@ -527,6 +566,16 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
                                                   "perm": "*i64", "T": "i32"},
                  dict(N=8192, K=H, QD=qt, BSD=bs, TSD=ts, NSD=ns, BN=16, BV=max(bs, 64), Y_BF16=True, PERM=False,
                       DOT_T=tl.bfloat16)))
+    # the same kernels copying a call's misses from the host bank (8-byte words of the file's rows) as they compute
+    fetch = {"hg": "*i64", "hg_stride": "i64", "pg": "*i64", "pg_stride": "i64", "hu": "*i64", "hu_stride": "i64",
+             "pu": "*i64", "pu_stride": "i64", "stg_e": "*i64", "stg_r": "*i64", "stg_n": "*i64"}
+    row_words = {n: (K // bs * ts) // 8 for n, K in (("gu", H), ("d", I))}
+    sig_gu_f = {**{n: t for n, t in sig_gu.items() if n != "K_TOP"}, "K_TOP": "i32", **fetch}
+    sig_d_f = {**sig_d, "hd": "*i64", "hd_stride": "i64", "pd": "*i64", "pd_stride": "i64",
+               **{n: t for n, t in fetch.items() if n.startswith("stg")}}
+    rows.append((qpairs._gguf_gate_up_fetch_kernel, sig_gu_f,
+                 {**c_gu, "RWG": row_words["gu"], "RWU": row_words["gu"], "CW": 1024, "NSTG": P}))
+    rows.append((qpairs._gguf_down_fetch_kernel, sig_d_f, {**c_d, "RWD": row_words["d"], "CW": 1024, "NSTG": P}))
     return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
             (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
@@ -569,6 +618,9 @@ def test_kernels_compile_for_sm90(fmt):
         assert "ld.global" in k.asm["ptx"]
         if kernel is getattr(qpairs, "_gguf_linear_mma_kernel", None):  # the tensor-core experiment: bf16 mma
             assert "mma.sync" in k.asm["ptx"]
+        if kernel in (getattr(qpairs, "_gguf_gate_up_fetch_kernel", None), getattr(qpairs, "_gguf_down_fetch_kernel",
+                                                                                  None)):
+            assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -868,3 +920,57 @@ def test_qlinear_rows_launch_constants(T, bs, env, want, monkeypatch):
     monkeypatch.setenv("MOESTREAM_QLINEAR_ROWS", "0")
     monkeypatch.setattr(qpairs, "_QLINEAR_CFG", {})
     assert not qpairs._rows_kernel(T)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("types", ["Q8_0", "Q4_K/Q4_K/Q6_K"])
+def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
+    """At the Qwen3.6 expert shape (H=2048, I=512, k=8, one token), pinned host rows: the fetch kernels (one-token
+    decode calls under MOESTREAM_FETCH_IN_PAIRS=1, qpairs.fetches_in_pairs) leave the pool and the outputs bit-equal to the copy kernel
+    followed by the plain kernels, eagerly and replayed from a CUDA graph on new routes."""
+    from moestream.moe.pairs import pair_outputs, stage_experts
+
+    name = f"qwen36:{types}"
+    CASES[name] = _gguf(types, 2048, 512, torch.bfloat16)
+    try:
+        fmt, bank = make_layer(name)
+    finally:
+        del CASES[name]
+    host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous().pin_memory() for n, t in bank.items()}
+    pool = {n: torch.full((12, t.shape[1] + PAD), 0xFF, dtype=torch.uint8, device="cuda") for n, t in host.items()}
+    g = torch.Generator().manual_seed(0)
+    x = (0.1 * torch.randn(1, 2048, generator=g)).to(torch.bfloat16).cuda()
+    w = torch.rand(1, 8, generator=g).cuda()
+    src, experts = torch.empty(8, dtype=torch.long, device="cuda"), torch.empty(8, dtype=torch.long, device="cuda")
+    rows, count = torch.empty(8, dtype=torch.long, device="cuda"), torch.empty((), dtype=torch.long, device="cuda")
+
+    def route(seed: int):  # 8 pairs: rows 0..7 of a permutation, the first `n` of them staged from experts 0..4
+        r = torch.Generator().manual_seed(seed)
+        src.copy_(torch.randperm(12, generator=r)[:8])
+        n = 1 + seed % 4
+        experts.copy_(torch.randint(0, ROWS, (8,), generator=r))
+        rows.copy_(src[torch.randperm(8, generator=r)])
+        count.fill_(n)
+
+    assert not qpairs.fetches_in_pairs(x, fmt, pool, 1)  # opt-in
+    monkeypatch.setenv("MOESTREAM_FETCH_IN_PAIRS", "1")
+    assert qpairs.fetches_in_pairs(x, fmt, pool, 1) and not qpairs.fetches_in_pairs(x, fmt, pool, 2)
+    route(1)
+    staged = (host, experts, rows, count)
+    pair_outputs(x, w, src, {n: t.clone() for n, t in pool.items()}, fmt, staged)  # compile, allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = pair_outputs(x, w, src, pool, fmt, staged)
+    for seed in (2, 3, 4, 5):
+        route(seed)
+        want_pool = {n: t.clone() for n, t in pool.items()}
+        stage_experts(host, want_pool, experts, rows, count)
+        want = pair_outputs(x, w, src, want_pool, fmt)
+        eager_pool = {n: t.clone() for n, t in pool.items()}
+        eager = pair_outputs(x, w, src, eager_pool, fmt, staged)
+        graph.replay()
+        for n in pool:
+            assert torch.equal(pool[n], want_pool[n]) and torch.equal(eager_pool[n], want_pool[n]), (seed, n)
+        assert torch.equal(y, want) and torch.equal(eager, want), seed

@@ -56,6 +56,15 @@ class PairRows(NamedTuple):
         if self.staged is not None:
             stage_experts(self.staged[0], self.arrays, *self.staged[1:])
 
+    def fetched_in_pairs(self, x: torch.Tensor, fmt, tokens: int) -> bool:
+        """Whether the pair kernels copy this call's misses themselves (moe/qpairs.fetches_in_pairs), in which case
+        the caller passes `staged` to them instead of calling stage()."""
+        if self.staged is None or fmt is None or not fmt.quantized:
+            return False
+        from .qpairs import fetches_in_pairs
+
+        return fetches_in_pairs(x, fmt, self.arrays, tokens)
+
 
 class CacheHooks(Part):
     """The default answers of a cache: no step hooks, no slots, no prefetch, nothing for a CPU decode plan."""

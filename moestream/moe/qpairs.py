@@ -28,6 +28,9 @@ Implementations:
   a fallback, not the decode path).
 - Triton kernels (CUDA, `supports(fmt)`): blocks are decoded in registers by the decoders of
   moestream.quant.triton_dequant and dotted with x in fp32; nothing dense is written.
+  For GGUF rows, given the call's staged misses (`staged`, where `fetches_in_pairs`: MOESTREAM_FETCH_IN_PAIRS=1, one-token calls),
+  the fetch variants of the two kernels copy each miss's rows from the pinned host bank into its pool row as part
+  of computing them (no copy kernel first: the hits compute while the misses cross PCIe).
 """
 from __future__ import annotations
 
@@ -61,14 +64,22 @@ def supports(fmt) -> bool:
     return False
 
 
-def quant_pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt) -> torch.Tensor:
-    """y [P, H] float32: w[p] * mlp(x[p // k]) from the compressed pool row src[p] (module doc)."""
+def quant_pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt,
+                       staged: tuple | None = None) -> torch.Tensor:
+    """y [P, H] float32: w[p] * mlp(x[p // k]) from the compressed pool row src[p] (module doc). staged: the call's
+    misses (host bank, experts, rows, count: caches.PairRows.staged) not yet copied into their rows; the kernels
+    copy them where `fetches_in_pairs` says they can, else the copy kernel runs first."""
+    if staged is not None and not fetches_in_pairs(x, fmt, pool, topk_w.shape[0]):
+        from .pairs import stage_experts
+
+        stage_experts(staged[0], pool, *staged[1:])
+        staged = None
     if not getattr(fmt, "quantized", False):
         from .pairs import pair_outputs
 
         return pair_outputs(x, topk_w, src, pool)
     if x.device.type == "cuda" and supports(fmt) and _triton_ok():
-        return _quant_pair_outputs_triton(x, topk_w, src, pool, fmt)
+        return _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, staged=staged)
     if x.device.type == "cpu":
         from . import cpu_moe
 
@@ -135,30 +146,70 @@ def _triton_ok() -> bool:
 
 
 # ----------------------------------------------------------------------------- Triton host side
-def _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, cfg=None, y=None) -> torch.Tensor:
+def _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, cfg=None, y=None, staged=None) -> torch.Tensor:
     """The kernels (also on CPU tensors under TRITON_INTERPRET=1: the tests). Shapes only decide the
     launches (no host reads of device values, outputs from torch.empty): CUDA-graph capturable.
     cfg: {"gate_up": (BN, BV, warps), "down": ...} overrides the launch constants (benchmarks, tests);
-    y: an output to write into (rows of pairs with src < 0 are left as they are)."""
+    y: an output to write into (rows of pairs with src < 0 are left as they are); staged (a GGUF layer:
+    `fetches_in_pairs`): the misses the kernels copy from the host bank into their rows as they compute."""
     T, k = topk_w.shape
     P = T * k
     x, src = x.contiguous(), src.contiguous()
     h = torch.empty((P, fmt.inter), dtype=x.dtype, device=x.device)
-    gate_up_triton(x, src, pool, fmt, k, h, (cfg or {}).get("gate_up"))
+    gate_up_triton(x, src, pool, fmt, k, h, (cfg or {}).get("gate_up"), staged)
     if y is None:
         y = torch.empty((P, fmt.hidden), dtype=torch.float32, device=x.device)
-    down_triton(h, topk_w.reshape(-1).contiguous(), src, pool, fmt, y, (cfg or {}).get("down"))
+    down_triton(h, topk_w.reshape(-1).contiguous(), src, pool, fmt, y, (cfg or {}).get("down"), staged)
     return y
 
 
-def gate_up_triton(x, src, pool, fmt, k: int, h: torch.Tensor, cfg=None) -> torch.Tensor:
+def gate_up_triton(x, src, pool, fmt, k: int, h: torch.Tensor, cfg=None, staged=None) -> torch.Tensor:
     """h [P, I] (x.dtype) = silu(W_gate x) * W_up x for every pair with a row; other rows untouched."""
-    return _launch(pool, fmt, "gate_up", (x, src), fmt.inter, fmt.hidden, h, cfg, k=k)
+    return _launch(pool, fmt, "gate_up", (x, src), fmt.inter, fmt.hidden, h, cfg, k=k, staged=staged)
 
 
-def down_triton(h, w, src, pool, fmt, y: torch.Tensor, cfg=None) -> torch.Tensor:
+def down_triton(h, w, src, pool, fmt, y: torch.Tensor, cfg=None, staged=None) -> torch.Tensor:
     """y [P, H] float32 = w[p] * W_down h[p] for every pair with a row; other rows untouched."""
-    return _launch(pool, fmt, "down", (h, src), fmt.hidden, fmt.inter, y, cfg, w=w)
+    return _launch(pool, fmt, "down", (h, src), fmt.hidden, fmt.inter, y, cfg, w=w, staged=staged)
+
+
+def fetches_in_pairs(x: torch.Tensor, fmt, pool: dict, tokens: int) -> bool:
+    """Whether this layer call's pair kernels copy its misses themselves (env.fetch_in_pairs; module doc of the
+    fetch kernels): GGUF experts on the Triton path, at one token (or any batch under "all")."""
+    from ..env import fetch_in_pairs
+
+    how = fetch_in_pairs()
+    return (how == "all" or (how == "1" and tokens == 1)) and x.is_cuda and isinstance(fmt, GGUFExpertFormat) \
+        and set(pool) == set(PROJS) and supports(fmt) and _triton_ok()
+
+
+def _fetch_words(host: torch.Tensor, dst: torch.Tensor, row_bytes: int) -> tuple:
+    """(host words, their row stride, pool words, their row stride, words per matrix row) in the widest word that
+    divides a matrix row, both row strides and both base addresses (the fetch kernels copy whole matrix rows)."""
+    from .pairs import _words
+
+    def fits(size: int) -> bool:
+        return all(v % size == 0 for v in (row_bytes, host.stride(0) * host.element_size(), host.data_ptr(),
+                                           dst.stride(0) * dst.element_size(), dst.data_ptr()))
+
+    size = next(s for s in (8, 4, 2, 1) if fits(s))
+    hw, pw = _words(host, size), _words(dst, size)
+    return hw, hw.stride(0), pw, pw.stride(0), row_bytes // size
+
+
+def _fetch_args(staged, pool: dict, fmt, names, P: int) -> tuple[list, dict]:
+    """The fetch kernels' extra arguments: per array (host words, stride, pool words, stride), then the staged
+    list; and their constants (words per matrix row of each array, the copy's words a step, the list's length)."""
+    host, experts, rows, count = staged
+    args, rws = [], []
+    for name in names:
+        q = fmt.quant(name)
+        K = fmt.hidden if name != "down" else fmt.inter
+        hw, hs, pw, ps, rw = _fetch_words(host[name], pool[name], K // q.block_size * q.type_size)
+        args += [hw, hs, pw, ps]
+        rws.append(rw)
+    args += [experts, rows, count]
+    return args, {"rws": rws, "CW": 1024, "NSTG": _pow2(min(P, experts.shape[0]))}
 
 
 def linear_supported(fmt) -> bool:
@@ -480,6 +531,29 @@ if triton is not None:
         _store(h, p.to(tl.int64) * N + n, g / (1.0 + tl.exp(-g)) * u, nmask, H_BF16)
 
     @triton.jit
+    def _gguf_gate_up_pair(x, p, r, gw, g_stride, uw, u_stride, h, lut, H: tl.constexpr, I: tl.constexpr, K_TOP,
+                           QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NSG: tl.constexpr,
+                           QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NSU: tl.constexpr,
+                           BN: tl.constexpr, BV: tl.constexpr, H_BF16: tl.constexpr):
+        """h[p, n] for this program's BN rows n of pool row r."""
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        xrow = x + (p // K_TOP).to(tl.int64) * H
+        g = _gguf_dot(gw + r * g_stride, n, nmask, xrow, H, lut, QG, BSG, TSG, NSG, BN, BV)
+        u = _gguf_dot(uw + r * u_stride, n, nmask, xrow, H, lut, QU, BSU, TSU, NSU, BN, BV)
+        _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+
+    @triton.jit
+    def _gguf_down_pair(h, tw, p, r, dw, d_stride, y, lut, H: tl.constexpr, I: tl.constexpr,
+                        QD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr,
+                        BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
+        """y[p, n] for this program's BN rows n of pool row r."""
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        acc = _gguf_dot(dw + r * d_stride, n, nmask, h + p.to(tl.int64) * I, I, lut, QD, BSD, TSD, NSD, BN, BV)
+        _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
+
+    @triton.jit
     def _gguf_gate_up_kernel(x, src, gw, g_stride, uw, u_stride, h, lut, H: tl.constexpr, I: tl.constexpr, K_TOP,
                              QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NSG: tl.constexpr,
                              QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NSU: tl.constexpr,
@@ -487,12 +561,8 @@ if triton is not None:
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
-            n = tl.program_id(1) * BN + tl.arange(0, BN)
-            nmask = n < I
-            xrow = x + (p // K_TOP).to(tl.int64) * H
-            g = _gguf_dot(gw + r * g_stride, n, nmask, xrow, H, lut, QG, BSG, TSG, NSG, BN, BV)
-            u = _gguf_dot(uw + r * u_stride, n, nmask, xrow, H, lut, QU, BSU, TSU, NSU, BN, BV)
-            _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+            _gguf_gate_up_pair(x, p, r, gw, g_stride, uw, u_stride, h, lut, H, I, K_TOP, QG, BSG, TSG, NSG,
+                               QU, BSU, TSU, NSU, BN, BV, H_BF16)
 
     @triton.jit
     def _gguf_down_kernel(h, tw, src, dw, d_stride, y, lut, H: tl.constexpr, I: tl.constexpr,
@@ -501,10 +571,66 @@ if triton is not None:
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
-            n = tl.program_id(1) * BN + tl.arange(0, BN)
-            nmask = n < H
-            acc = _gguf_dot(dw + r * d_stride, n, nmask, h + p.to(tl.int64) * I, I, lut, QD, BSD, TSD, NSD, BN, BV)
-            _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
+            _gguf_down_pair(h, tw, p, r, dw, d_stride, y, lut, H, I, QD, BSD, TSD, NSD, BN, BV, Y_BF16)
+
+    # ---- the same two kernels fetching the call's missed experts themselves (fetch_in_pairs): a program whose pair
+    # reads a row being staged (rows[i] for i < count) first copies ITS rows of that expert's matrices from the pinned
+    # host bank (words of the widest size the layout allows) into the pool row, then computes them from there, so
+    # the hits' programs compute while the misses' cross PCIe. Every row of a matrix belongs to exactly one program
+    # of a pair, so the pool row is filled whole once the call ends, as the copy kernel would have left it.
+    @triton.jit
+    def _staged_expert(r, stg_e, stg_r, stg_n, NSTG: tl.constexpr):
+        """The host expert staged into pool row r by this call, or -1."""
+        i = tl.arange(0, NSTG)
+        m = i < tl.load(stg_n)
+        rr = tl.load(stg_r + i, mask=m, other=-1)
+        ee = tl.load(stg_e + i, mask=m, other=-1)
+        return tl.max(tl.where(rr == r, ee, -1), axis=0)
+
+    @triton.jit
+    def _copy_rows(hsrc, pdst, n0, N, RW: tl.constexpr, BN: tl.constexpr, CW: tl.constexpr):
+        """Words [n0 * RW, min(n0 + BN, N) * RW) of a host row into the same words of a pool row."""
+        start = n0 * RW
+        end = tl.minimum(n0 + BN, N) * RW
+        for off in range(0, BN * RW, CW):
+            o = start + off + tl.arange(0, CW)
+            m = o < end
+            tl.store(pdst + o, tl.load(hsrc + o, mask=m), mask=m)
+
+    @triton.jit
+    def _gguf_gate_up_fetch_kernel(x, src, gw, g_stride, uw, u_stride, h, lut, H: tl.constexpr, I: tl.constexpr,
+                                   K_TOP, hg, hg_stride, pg, pg_stride, hu, hu_stride, pu, pu_stride,
+                                   stg_e, stg_r, stg_n,
+                                   QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NSG: tl.constexpr,
+                                   QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NSU: tl.constexpr,
+                                   RWG: tl.constexpr, RWU: tl.constexpr, CW: tl.constexpr, NSTG: tl.constexpr,
+                                   BN: tl.constexpr, BV: tl.constexpr, H_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
+            if e >= 0:
+                n0 = tl.program_id(1) * BN
+                _copy_rows(hg + e * hg_stride, pg + r * pg_stride, n0, I, RWG, BN, CW)
+                _copy_rows(hu + e * hu_stride, pu + r * pu_stride, n0, I, RWU, BN, CW)
+                tl.debug_barrier()  # this program's copies are visible to all of its threads
+            _gguf_gate_up_pair(x, p, r, gw, g_stride, uw, u_stride, h, lut, H, I, K_TOP, QG, BSG, TSG, NSG,
+                               QU, BSU, TSU, NSU, BN, BV, H_BF16)
+
+    @triton.jit
+    def _gguf_down_fetch_kernel(h, tw, src, dw, d_stride, y, lut, H: tl.constexpr, I: tl.constexpr,
+                                hd, hd_stride, pd, pd_stride, stg_e, stg_r, stg_n,
+                                QD: tl.constexpr, BSD: tl.constexpr, TSD: tl.constexpr, NSD: tl.constexpr,
+                                RWD: tl.constexpr, CW: tl.constexpr, NSTG: tl.constexpr,
+                                BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
+            if e >= 0:
+                _copy_rows(hd + e * hd_stride, pd + r * pd_stride, tl.program_id(1) * BN, H, RWD, BN, CW)
+                tl.debug_barrier()
+            _gguf_down_pair(h, tw, p, r, dw, d_stride, y, lut, H, I, QD, BSD, TSD, NSD, BN, BV, Y_BF16)
 
     @triton.jit
     def _hf_gate_up_kernel(x, src, gw, gw_stride, gs, gs_stride, gg, gg_stride,
@@ -852,8 +978,9 @@ def _hf_consts(fmt) -> dict:
     return dict(KIND=_HF_MXFP4, SMODE=0, RB=1, CB=32, GS=32)
 
 
-def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg, k: int = 0, w=None):
-    """One launch of `stage` ("gate_up": out = h [P, I]; "down": out = y [P, H]) for the layer format."""
+def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg, k: int = 0, w=None, staged=None):
+    """One launch of `stage` ("gate_up": out = h [P, I]; "down": out = y [P, H]) for the layer format; staged (GGUF
+    only): the fetch kernel, copying the call's misses into their rows first."""
     a, src = acts
     P = src.shape[0]
     bn, bv, warps = cfg or default_config(stage, N, K, P)
@@ -865,14 +992,25 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
         if stage == "gate_up":
             (qg, bsg, tsg, nsg), (qu, bsu, tsu, nsu) = _gguf_spec(fmt.quant("gate")), _gguf_spec(fmt.quant("up"))
             bv = max(bv, bsg, bsu)
-            _gguf_gate_up_kernel[grid](a, src, pool["gate"], pool["gate"].stride(0), pool["up"], pool["up"].stride(0),
-                                       out_arg, lut, K, N, k, QG=qg, BSG=bsg, TSG=tsg, NSG=nsg, QU=qu, BSU=bsu,
-                                       TSU=tsu, NSU=nsu, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
+            consts = dict(QG=qg, BSG=bsg, TSG=tsg, NSG=nsg, QU=qu, BSU=bsu, TSU=tsu, NSU=nsu, BN=bn, BV=bv,
+                          H_BF16=bf16, num_warps=warps)
+            args = (a, src, pool["gate"], pool["gate"].stride(0), pool["up"], pool["up"].stride(0), out_arg, lut, K,
+                    N, k)
+            if staged is None:
+                _gguf_gate_up_kernel[grid](*args, **consts)
+            else:
+                extra, c = _fetch_args(staged, pool, fmt, ("gate", "up"), P)
+                _gguf_gate_up_fetch_kernel[grid](*args, *extra, **consts, RWG=c["rws"][0], RWU=c["rws"][1],
+                                                 CW=c["CW"], NSTG=c["NSTG"])
         else:
             qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
-            _gguf_down_kernel[grid](a, w, src, pool["down"], pool["down"].stride(0), out_arg, lut, N, K,
-                                    QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), Y_BF16=bf16,
-                                    num_warps=warps)
+            consts = dict(QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), Y_BF16=bf16, num_warps=warps)
+            args = (a, w, src, pool["down"], pool["down"].stride(0), out_arg, lut, N, K)
+            if staged is None:
+                _gguf_down_kernel[grid](*args, **consts)
+            else:
+                extra, c = _fetch_args(staged, pool, fmt, ("down",), P)
+                _gguf_down_fetch_kernel[grid](*args, *extra, **consts, RWD=c["rws"][0], CW=c["CW"], NSTG=c["NSTG"])
         return out
     consts = _hf_consts(fmt)
     bv = max(bv, consts["GS"])

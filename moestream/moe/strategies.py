@@ -293,9 +293,14 @@ def fetched_pairs(strategy, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
     strategy's cache and lookahead copies): offload's decode layer call."""
     strategy.lookahead.join(layer)
     rows = strategy.cache.pair_rows(layer, x, topk_ids)
+    fmt = strategy.ctx.store.fmt.for_layer(layer)
+    if rows.fetched_in_pairs(x, fmt, x.shape[0]):  # the pair kernels copy the misses as the hits compute
+        y = pair_moe(x, topk_w, rows.src, rows.arrays, fmt, rows.staged)
+        strategy.lookahead.issue(layer, x)  # after: its copies would share PCIe with the call's own
+        return y
     rows.stage()
     strategy.lookahead.issue(layer, x)
-    return pair_moe(x, topk_w, rows.src, rows.arrays, strategy.ctx.store.fmt.for_layer(layer))
+    return pair_moe(x, topk_w, rows.src, rows.arrays, fmt)
 
 
 class BridgeDecode(Strategy):
@@ -369,9 +374,14 @@ class BridgeDecode(Strategy):
         rows = self.cache.pair_rows(layer, x, topk_ids, self.share.tensor)
         cpu = rows.src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
-        rows.stage()
-        self.lookahead.issue(layer, x)
-        y = pair_outputs(x, topk_w, rows.src, rows.arrays, self.ctx.store.fmt.for_layer(layer))
+        fmt = self.ctx.store.fmt.for_layer(layer)
+        if rows.fetched_in_pairs(x, fmt, x.shape[0]):  # the pair kernels copy the fetched misses themselves
+            y = pair_outputs(x, topk_w, rows.src, rows.arrays, fmt, rows.staged)
+            self.lookahead.issue(layer, x)
+        else:
+            rows.stage()
+            self.lookahead.issue(layer, x)
+            y = pair_outputs(x, topk_w, rows.src, rows.arrays, fmt)
         extra = beside() if beside is not None else None
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype), extra
