@@ -159,7 +159,7 @@ def hybrid_arms() -> bool:
 
 
 def fetch_in_pairs() -> str:
-    """Where a compressed (GGUF) layer call's missed experts are copied from pinned host memory into their slots:
+    """Where a compressed (GGUF, FP8, NVFP4, MXFP4) layer call's missed experts are copied from pinned host memory into their slots:
     "0" (default) by the copy kernel before the pair kernels (moe/pairs.stage_experts); "1" inside the pair kernels
     when the call has one token (each program copies the rows it computes, then computes them, so the hits compute
     while the misses cross PCIe, and no copy kernel runs first); "all" at every batch size (a missed expert that

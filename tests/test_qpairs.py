@@ -487,7 +487,9 @@ def _worker_case(case: str) -> list[str]:
 
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "fetch:Q8_0", "fetch:fetchQ8_0",
-                "fetch:fetchQ8_0:2", "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "linear:Q8_0", "linear:Q4_K",
+                "fetch:fetchQ8_0:2", "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "fetch:fp8_block",
+                "fetch:fp8_block_32x64_bf16", "fetch:fp8_block_32x64_bf16:1:default", "fetch:fp8_channel:2",
+                "fetch:fp8_tensor", "fetch:nvfp4", "fetch:nvfp4:1:default", "fetch:mxfp4", "linear:Q8_0", "linear:Q4_K",
                 "linear:Q6_K", "linear:Q4_K:9", "linear:Q6_K:1", "linear:Q4_K:3:pairs", "linear:IQ4_XS:2",
                 "linear:Q6_K:1:perm", "linear:Q4_K:3:perm", "linear:Q8_0:9:perm", "linear:Q4_K:3:permpairs",
                 "linear:Q6_K:1:permpairs",
@@ -599,6 +601,18 @@ def _hf_compile_args(qfmt, H: int, I: int, P: int):
         rows.append((qpairs._hf_linear_kernel, {"x": "*bf16", "dw": "*u8", "ds": sdt, "dg": "*fp32", "y": "*i16",
                                                 "T": "i32"},
                      dict(N=8192, K=H, **consts, BN=bn, BV=bv, RT=rt, Y_BF16=True)))
+    # the fetch kernels: each part's host and pool words (4-byte words: every part's stored rows divide into them)
+    fetch = lambda p: {n: t for q in ("w", "s", "g") for n, t in ((f"h{p}{q}", "*i32"), (f"h{p}{q}_s", "i64"),
+                                                                  (f"p{p}{q}", "*i32"), (f"p{p}{q}_s", "i64"))}
+    stg = {"stg_e": "*i64", "stg_r": "*i64", "stg_n": "*i64"}
+    names = [q.name for q in qfmt.parts]
+    fc = lambda N, K, bn: dict(RW_W=(K // 2 if consts["KIND"] else K) // 4, RBP_S=1 if consts["KIND"] else 128,
+                               RW_S=1 if consts["KIND"] == 0 else K // (16 if consts["KIND"] == 1 else 32) // 4,
+                               NR_S=bn if consts["KIND"] else bn // 128 + 2, RW_G=1, NPARTS=len(names), CW=1024, NSTG=P)
+    rows.append((qpairs._hf_gate_up_fetch_kernel, {**{n: t for n, t in sig_gu.items() if n != "K_TOP"}, "K_TOP": "i32",
+                                                   **fetch("g"), **fetch("u"), **stg},
+                 {**c_gu, **fc(I, H, c_gu["BN"])}))
+    rows.append((qpairs._hf_down_fetch_kernel, {**sig_d, **fetch("d"), **stg}, {**c_d, **fc(H, I, c_d["BN"])}))
     return ((qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d),
             (qpairs._hf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
@@ -618,8 +632,7 @@ def test_kernels_compile_for_sm90(fmt):
         assert "ld.global" in k.asm["ptx"]
         if kernel is getattr(qpairs, "_gguf_linear_mma_kernel", None):  # the tensor-core experiment: bf16 mma
             assert "mma.sync" in k.asm["ptx"]
-        if kernel in (getattr(qpairs, "_gguf_gate_up_fetch_kernel", None), getattr(qpairs, "_gguf_down_fetch_kernel",
-                                                                                  None)):
+        if "fetch" in kernel.fn.__name__:
             assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
 
 
@@ -924,7 +937,7 @@ def test_qlinear_rows_launch_constants(T, bs, env, want, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
-@pytest.mark.parametrize("types", ["Q8_0", "Q4_K/Q4_K/Q6_K"])
+@pytest.mark.parametrize("types", ["Q8_0", "Q4_K/Q4_K/Q6_K", "fp8_block", "nvfp4", "mxfp4"])
 def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
     """At the Qwen3.6 expert shape (H=2048, I=512, k=8, one token), pinned host rows: the fetch kernels (one-token
     decode calls under MOESTREAM_FETCH_IN_PAIRS=1, qpairs.fetches_in_pairs) leave the pool and the outputs bit-equal to the copy kernel
@@ -932,7 +945,8 @@ def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
     from moestream.moe.pairs import pair_outputs, stage_experts
 
     name = f"qwen36:{types}"
-    CASES[name] = _gguf(types, 2048, 512, torch.bfloat16)
+    hf = {"fp8_block": FP8_BLOCK, "nvfp4": NVFP4, "mxfp4": MXFP4}.get(types)
+    CASES[name] = _hf(hf, 2048, 512, torch.bfloat16) if hf else _gguf(types, 2048, 512, torch.bfloat16)
     try:
         fmt, bank = make_layer(name)
     finally:

@@ -28,7 +28,7 @@ Implementations:
   a fallback, not the decode path).
 - Triton kernels (CUDA, `supports(fmt)`): blocks are decoded in registers by the decoders of
   moestream.quant.triton_dequant and dotted with x in fp32; nothing dense is written.
-  For GGUF rows, given the call's staged misses (`staged`, where `fetches_in_pairs`: MOESTREAM_FETCH_IN_PAIRS=1, one-token calls),
+  Given the call's staged misses (`staged`, where `fetches_in_pairs`: MOESTREAM_FETCH_IN_PAIRS=1, one-token calls),
   the fetch variants of the two kernels copy each miss's rows from the pinned host bank into its pool row as part
   of computing them (no copy kernel first: the hits compute while the misses cross PCIe).
 """
@@ -150,7 +150,7 @@ def _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, cfg=None, y=None, stag
     """The kernels (also on CPU tensors under TRITON_INTERPRET=1: the tests). Shapes only decide the
     launches (no host reads of device values, outputs from torch.empty): CUDA-graph capturable.
     cfg: {"gate_up": (BN, BV, warps), "down": ...} overrides the launch constants (benchmarks, tests);
-    y: an output to write into (rows of pairs with src < 0 are left as they are); staged (a GGUF layer:
+    y: an output to write into (rows of pairs with src < 0 are left as they are); staged (where
     `fetches_in_pairs`): the misses the kernels copy from the host bank into their rows as they compute."""
     T, k = topk_w.shape
     P = T * k
@@ -175,12 +175,23 @@ def down_triton(h, w, src, pool, fmt, y: torch.Tensor, cfg=None, staged=None) ->
 
 def fetches_in_pairs(x: torch.Tensor, fmt, pool: dict, tokens: int) -> bool:
     """Whether this layer call's pair kernels copy its misses themselves (env.fetch_in_pairs; module doc of the
-    fetch kernels): GGUF experts on the Triton path, at one token (or any batch under "all")."""
+    fetch kernels): compressed experts on the Triton path (GGUF, FP8, NVFP4, MXFP4), at one token (or any batch under
+    "all")."""
     from ..env import fetch_in_pairs
 
     how = fetch_in_pairs()
-    return (how == "all" or (how == "1" and tokens == 1)) and x.is_cuda and isinstance(fmt, GGUFExpertFormat) \
-        and set(pool) == set(PROJS) and supports(fmt) and _triton_ok()
+    return (how == "all" or (how == "1" and tokens == 1)) and x.is_cuda and supports(fmt) and _triton_ok() \
+        and _fetch_layout(fmt, pool)
+
+
+def _fetch_layout(fmt, pool: dict) -> bool:
+    """Whether the fetch kernels know every array of the layer's pool: GGUF's gate / up / down, or an HF format's
+    row-wise codes, then its scales, then (NVFP4) a per-tensor scale."""
+    if isinstance(fmt, GGUFExpertFormat):
+        return set(pool) == set(PROJS)
+    parts = fmt.qfmt.parts
+    return (set(pool) == {f"{proj}.{p.name}" for proj in PROJS for p in parts} and parts[0].row_block == 1
+            and len(parts) in (2, 3) and (len(parts) == 2 or parts[2].row_block is None))
 
 
 def _fetch_words(host: torch.Tensor, dst: torch.Tensor, row_bytes: int) -> tuple:
@@ -195,6 +206,25 @@ def _fetch_words(host: torch.Tensor, dst: torch.Tensor, row_bytes: int) -> tuple
     size = next(s for s in (8, 4, 2, 1) if fits(s))
     hw, pw = _words(host, size), _words(dst, size)
     return hw, hw.stride(0), pw, pw.stride(0), row_bytes // size
+
+
+def _hf_fetch_args(staged, pool: dict, fmt, proj: str, K: int, BN: int) -> tuple[list, dict]:
+    """The HF fetch kernels' arguments of one projection: (host words, stride, pool words, stride) of its codes,
+    scales and (NVFP4) per-tensor scale (the codes' again where a format has no third part), and their constants:
+    words per stored row of each, matrix rows per stored scale row (RBP_S; per-tensor: 1 << 30) and the most scale
+    rows one program's rows span (NR_S)."""
+    host, dtypes, parts = staged[0], dict(fmt.parts), fmt.qfmt.parts
+    args, consts = [], {"NPARTS": len(parts), "RW_G": 1}
+    for key, part in zip(("W", "S", "G"), parts):
+        name = f"{proj}.{part.name}"
+        hw, hs, pw, ps, rw = _fetch_words(host[name], pool[name], part.cols(K) * dtypes[name].itemsize)
+        args += [hw, hs, pw, ps]
+        consts[f"RW_{key}"] = rw
+        if key == "S":
+            rbp = part.row_block or 1 << 30
+            consts["RBP_S"], consts["NR_S"] = rbp, (BN if rbp == 1 else BN // rbp + 2)
+    args += args[:4] * (3 - len(parts))  # the absent part: never read (NPARTS)
+    return args, consts
 
 
 def _fetch_args(staged, pool: dict, fmt, names, P: int) -> tuple[list, dict]:
@@ -588,11 +618,15 @@ if triton is not None:
         return tl.max(tl.where(rr == r, ee, -1), axis=0)
 
     @triton.jit
-    def _copy_rows(hsrc, pdst, n0, N, RW: tl.constexpr, BN: tl.constexpr, CW: tl.constexpr):
-        """Words [n0 * RW, min(n0 + BN, N) * RW) of a host row into the same words of a pool row."""
-        start = n0 * RW
-        end = tl.minimum(n0 + BN, N) * RW
-        for off in range(0, BN * RW, CW):
+    def _copy_rows(hsrc, pdst, n0, N, RW: tl.constexpr, BN: tl.constexpr, CW: tl.constexpr, RBP: tl.constexpr,
+                   NR: tl.constexpr):
+        """The stored rows of one array that hold matrix rows [n0, min(n0 + BN, N)) — with RBP matrix rows to a
+        stored row (1: row-wise codes and scales; an FP8 block scale's 128; N or more: a per-tensor value, its one
+        stored row) of RW words each, at most NR of them (BN where RBP is 1) — copied from a host row to the same
+        words of a pool row."""
+        start = (n0 // RBP) * RW
+        end = ((tl.minimum(n0 + BN, N) - 1) // RBP + 1) * RW
+        for off in range(0, (BN if RBP == 1 else NR) * RW, CW):
             o = start + off + tl.arange(0, CW)
             m = o < end
             tl.store(pdst + o, tl.load(hsrc + o, mask=m), mask=m)
@@ -611,8 +645,8 @@ if triton is not None:
             e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
             if e >= 0:
                 n0 = tl.program_id(1) * BN
-                _copy_rows(hg + e * hg_stride, pg + r * pg_stride, n0, I, RWG, BN, CW)
-                _copy_rows(hu + e * hu_stride, pu + r * pu_stride, n0, I, RWU, BN, CW)
+                _copy_rows(hg + e * hg_stride, pg + r * pg_stride, n0, I, RWG, BN, CW, 1, BN)
+                _copy_rows(hu + e * hu_stride, pu + r * pu_stride, n0, I, RWU, BN, CW, 1, BN)
                 tl.debug_barrier()  # this program's copies are visible to all of its threads
             _gguf_gate_up_pair(x, p, r, gw, g_stride, uw, u_stride, h, lut, H, I, K_TOP, QG, BSG, TSG, NSG,
                                QU, BSU, TSU, NSU, BN, BV, H_BF16)
@@ -628,9 +662,89 @@ if triton is not None:
         if r >= 0:
             e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
             if e >= 0:
-                _copy_rows(hd + e * hd_stride, pd + r * pd_stride, tl.program_id(1) * BN, H, RWD, BN, CW)
+                _copy_rows(hd + e * hd_stride, pd + r * pd_stride, tl.program_id(1) * BN, H, RWD, BN, CW, 1, BN)
                 tl.debug_barrier()
             _gguf_down_pair(h, tw, p, r, dw, d_stride, y, lut, H, I, QD, BSD, TSD, NSD, BN, BV, Y_BF16)
+
+    @triton.jit
+    def _hf_fetch_parts(hw, hw_s, pw, pw_s, hs, hs_s, ps, ps_s, hg, hg_s, pg, pg_s, e, r, n0, N,
+                        RW_W: tl.constexpr, RBP_S: tl.constexpr, RW_S: tl.constexpr, NR_S: tl.constexpr,
+                        RW_G: tl.constexpr, NPARTS: tl.constexpr, BN: tl.constexpr, CW: tl.constexpr):
+        """One projection's parts (codes, scales, NVFP4's global scale) of host expert e into pool row r, for this
+        program's matrix rows."""
+        _copy_rows(hw + e * hw_s, pw + r * pw_s, n0, N, RW_W, BN, CW, 1, BN)
+        _copy_rows(hs + e * hs_s, ps + r * ps_s, n0, N, RW_S, BN, CW, RBP_S, NR_S)
+        if NPARTS == 3:
+            _copy_rows(hg + e * hg_s, pg + r * pg_s, n0, N, RW_G, BN, CW, 1 << 30, 1)
+
+    @triton.jit
+    def _hf_gate_up_fetch_kernel(x, src, gw, gw_stride, gs, gs_stride, gg, gg_stride,
+                                 uw, uw_stride, us, us_stride, ug, ug_stride, h, H: tl.constexpr, I: tl.constexpr,
+                                 K_TOP, hgw, hgw_s, pgw, pgw_s, hgs, hgs_s, pgs, pgs_s, hgg, hgg_s, pgg, pgg_s,
+                                 huw, huw_s, puw, puw_s, hus, hus_s, pus, pus_s, hug, hug_s, pug, pug_s,
+                                 stg_e, stg_r, stg_n,
+                                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                                 GS: tl.constexpr, RW_W: tl.constexpr, RBP_S: tl.constexpr, RW_S: tl.constexpr,
+                                 NR_S: tl.constexpr, RW_G: tl.constexpr, NPARTS: tl.constexpr, CW: tl.constexpr,
+                                 NSTG: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, H_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
+            if e >= 0:
+                n0 = tl.program_id(1) * BN
+                _hf_fetch_parts(hgw, hgw_s, pgw, pgw_s, hgs, hgs_s, pgs, pgs_s, hgg, hgg_s, pgg, pgg_s, e, r, n0, I,
+                                RW_W, RBP_S, RW_S, NR_S, RW_G, NPARTS, BN, CW)
+                _hf_fetch_parts(huw, huw_s, puw, puw_s, hus, hus_s, pus, pus_s, hug, hug_s, pug, pug_s, e, r, n0, I,
+                                RW_W, RBP_S, RW_S, NR_S, RW_G, NPARTS, BN, CW)
+                tl.debug_barrier()
+            _hf_gate_up_pair(x, p, r.to(tl.int64), gw, gw_stride, gs, gs_stride, gg, gg_stride, uw, uw_stride, us,
+                             us_stride, ug, ug_stride, h, H, I, K_TOP, KIND, SMODE, RB, CB, GS, BN, BV, H_BF16)
+
+    @triton.jit
+    def _hf_down_fetch_kernel(h, tw, src, dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H: tl.constexpr,
+                              I: tl.constexpr, hdw, hdw_s, pdw, pdw_s, hds, hds_s, pds, pds_s, hdg, hdg_s, pdg, pdg_s,
+                              stg_e, stg_r, stg_n,
+                              KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                              GS: tl.constexpr, RW_W: tl.constexpr, RBP_S: tl.constexpr, RW_S: tl.constexpr,
+                              NR_S: tl.constexpr, RW_G: tl.constexpr, NPARTS: tl.constexpr, CW: tl.constexpr,
+                              NSTG: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
+        p = tl.program_id(0)
+        r = tl.load(src + p)
+        if r >= 0:
+            e = _staged_expert(r, stg_e, stg_r, stg_n, NSTG)
+            if e >= 0:
+                _hf_fetch_parts(hdw, hdw_s, pdw, pdw_s, hds, hds_s, pds, pds_s, hdg, hdg_s, pdg, pdg_s, e, r,
+                                tl.program_id(1) * BN, H, RW_W, RBP_S, RW_S, NR_S, RW_G, NPARTS, BN, CW)
+                tl.debug_barrier()
+            _hf_down_pair(h, tw, p, r.to(tl.int64), dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H, I, KIND, SMODE,
+                          RB, CB, GS, BN, BV, Y_BF16)
+
+    @triton.jit
+    def _hf_gate_up_pair(x, p, r, gw, gw_stride, gs, gs_stride, gg, gg_stride, uw, uw_stride, us, us_stride, ug,
+                         ug_stride, h, H: tl.constexpr, I: tl.constexpr, K_TOP, KIND: tl.constexpr,
+                         SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
+                         BV: tl.constexpr, H_BF16: tl.constexpr):
+        """h[p, n] for this program's BN rows n of pool row r (int64)."""
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        xrow = x + (p // K_TOP).to(tl.int64) * H
+        g = _hf_dot(gw + r * gw_stride, gs + r * gs_stride, gg + r * gg_stride, n, nmask, xrow, H,
+                    KIND, SMODE, RB, CB, GS, BN, BV)
+        u = _hf_dot(uw + r * uw_stride, us + r * us_stride, ug + r * ug_stride, n, nmask, xrow, H,
+                    KIND, SMODE, RB, CB, GS, BN, BV)
+        _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+
+    @triton.jit
+    def _hf_down_pair(h, tw, p, r, dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H: tl.constexpr, I: tl.constexpr,
+                      KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr,
+                      BN: tl.constexpr, BV: tl.constexpr, Y_BF16: tl.constexpr):
+        """y[p, n] for this program's BN rows n of pool row r (int64)."""
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        acc = _hf_dot(dw + r * dw_stride, ds + r * ds_stride, dg + r * dg_stride, n, nmask,
+                      h + p.to(tl.int64) * I, I, KIND, SMODE, RB, CB, GS, BN, BV)
+        _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
 
     @triton.jit
     def _hf_gate_up_kernel(x, src, gw, gw_stride, gs, gs_stride, gg, gg_stride,
@@ -640,15 +754,8 @@ if triton is not None:
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
-            n = tl.program_id(1) * BN + tl.arange(0, BN)
-            nmask = n < I
-            xrow = x + (p // K_TOP).to(tl.int64) * H
-            r = r.to(tl.int64)
-            g = _hf_dot(gw + r * gw_stride, gs + r * gs_stride, gg + r * gg_stride, n, nmask, xrow, H,
-                        KIND, SMODE, RB, CB, GS, BN, BV)
-            u = _hf_dot(uw + r * uw_stride, us + r * us_stride, ug + r * ug_stride, n, nmask, xrow, H,
-                        KIND, SMODE, RB, CB, GS, BN, BV)
-            _silu_mul_store(h, p, n, nmask, g, u, I, H_BF16)
+            _hf_gate_up_pair(x, p, r.to(tl.int64), gw, gw_stride, gs, gs_stride, gg, gg_stride, uw, uw_stride, us,
+                             us_stride, ug, ug_stride, h, H, I, K_TOP, KIND, SMODE, RB, CB, GS, BN, BV, H_BF16)
 
     @triton.jit
     def _hf_down_kernel(h, tw, src, dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H: tl.constexpr, I: tl.constexpr,
@@ -657,12 +764,8 @@ if triton is not None:
         p = tl.program_id(0)
         r = tl.load(src + p)
         if r >= 0:
-            n = tl.program_id(1) * BN + tl.arange(0, BN)
-            nmask = n < H
-            r = r.to(tl.int64)
-            acc = _hf_dot(dw + r * dw_stride, ds + r * ds_stride, dg + r * dg_stride, n, nmask,
-                          h + p.to(tl.int64) * I, I, KIND, SMODE, RB, CB, GS, BN, BV)
-            _store(y, p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), nmask, Y_BF16)
+            _hf_down_pair(h, tw, p, r.to(tl.int64), dw, dw_stride, ds, ds_stride, dg, dg_stride, y, H, I, KIND, SMODE,
+                          RB, CB, GS, BN, BV, Y_BF16)
 
 
     # ---- dense layers of several rows (quant_linear / hf_quant_linear at T > 1): a program computes BN output
@@ -979,8 +1082,8 @@ def _hf_consts(fmt) -> dict:
 
 
 def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg, k: int = 0, w=None, staged=None):
-    """One launch of `stage` ("gate_up": out = h [P, I]; "down": out = y [P, H]) for the layer format; staged (GGUF
-    only): the fetch kernel, copying the call's misses into their rows first."""
+    """One launch of `stage` ("gate_up": out = h [P, I]; "down": out = y [P, H]) for the layer format; staged: the
+    fetch kernel, copying the call's misses into their rows first."""
     a, src = acts
     P = src.shape[0]
     bn, bv, warps = cfg or default_config(stage, N, K, P)
@@ -1014,10 +1117,24 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
         return out
     consts = _hf_consts(fmt)
     bv = max(bv, consts["GS"])
+    if staged is not None:
+        stg = list(staged[1:])
+        nstg = _pow2(min(P, staged[1].shape[0]))
     if stage == "gate_up":
-        _hf_gate_up_kernel[grid](a, src, *_hf_parts(pool, fmt, "gate", a.device), *_hf_parts(pool, fmt, "up", a.device),
-                                 out_arg, K, N, k, **consts, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
+        args = (a, src, *_hf_parts(pool, fmt, "gate", a.device), *_hf_parts(pool, fmt, "up", a.device), out_arg, K, N, k)
+        if staged is None:
+            _hf_gate_up_kernel[grid](*args, **consts, BN=bn, BV=bv, H_BF16=bf16, num_warps=warps)
+        else:
+            g, c = _hf_fetch_args(staged, pool, fmt, "gate", K, bn)
+            u, _ = _hf_fetch_args(staged, pool, fmt, "up", K, bn)
+            _hf_gate_up_fetch_kernel[grid](*args, *g, *u, *stg, **consts, **c, CW=1024, NSTG=nstg, BN=bn, BV=bv,
+                                           H_BF16=bf16, num_warps=warps)
     else:
-        _hf_down_kernel[grid](a, w, src, *_hf_parts(pool, fmt, "down", a.device), out_arg, N, K, **consts, BN=bn,
-                              BV=bv, Y_BF16=bf16, num_warps=warps)
+        args = (a, w, src, *_hf_parts(pool, fmt, "down", a.device), out_arg, N, K)
+        if staged is None:
+            _hf_down_kernel[grid](*args, **consts, BN=bn, BV=bv, Y_BF16=bf16, num_warps=warps)
+        else:
+            d, c = _hf_fetch_args(staged, pool, fmt, "down", K, bn)
+            _hf_down_fetch_kernel[grid](*args, *d, *stg, **consts, **c, CW=1024, NSTG=nstg, BN=bn, BV=bv, Y_BF16=bf16,
+                                        num_warps=warps)
     return out
