@@ -21,7 +21,7 @@ Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGU
 `BACKEND+noplanar` / `+planar4k` (MOESTREAM_PLANAR=0 / Q8_0,Q4_K,Q6_K: compressed dense layers in no quant/planar.py
 layout / in it for Q4_K and Q6_K too; the default moves Q8_0 only),
 `BACKEND+fetch` / `+fetchall` / `+nofetch` (MOESTREAM_FETCH_IN_PAIRS=1 / all / 0: a GGUF layer call's misses copied
-by the pair kernels themselves at one token / at every batch size / by the copy kernel first, the default),
+by the pair kernels themselves at one token, the default / at every batch size / by the copy kernel first),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),

@@ -93,8 +93,8 @@ def test_cuda_auto_measures_bandwidths_without_a_profile(tiny_checkpoint, tmp_pa
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_cuda_gguf_misses_fetched_in_the_pair_kernels(tmp_path, monkeypatch, tiny_checkpoint, qtype):
     """A tiny GGUF's compressed experts, offload and hybrid with a small cache: the greedy tokens of fused whether the
-    pair kernels copy a decode call's misses themselves (MOESTREAM_FETCH_IN_PAIRS=1: one-token calls; "all": batched
-    calls too) or the copy kernel stages them first ("0", the default), and the fetch kernels are taken exactly
+    pair kernels copy a decode call's misses themselves (MOESTREAM_FETCH_IN_PAIRS=1, the default: one-token calls;
+    "all": batched calls too) or the copy kernel stages them first ("0"), and the fetch kernels are taken exactly
     where the setting says (asserted, not assumed)."""
     import gguf_writer
     from gguf import GGMLQuantizationType as Q

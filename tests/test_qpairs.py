@@ -940,7 +940,7 @@ def test_qlinear_rows_launch_constants(T, bs, env, want, monkeypatch):
 @pytest.mark.parametrize("types", ["Q8_0", "Q4_K/Q4_K/Q6_K", "fp8_block", "nvfp4", "mxfp4"])
 def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
     """At the Qwen3.6 expert shape (H=2048, I=512, k=8, one token), pinned host rows: the fetch kernels (one-token
-    decode calls under MOESTREAM_FETCH_IN_PAIRS=1, qpairs.fetches_in_pairs) leave the pool and the outputs bit-equal to the copy kernel
+    decode calls by default, qpairs.fetches_in_pairs) leave the pool and the outputs bit-equal to the copy kernel
     followed by the plain kernels, eagerly and replayed from a CUDA graph on new routes."""
     from moestream.moe.pairs import pair_outputs, stage_experts
 
@@ -953,6 +953,8 @@ def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
         del CASES[name]
     host = {n: t[:, :fmt.shapes(fmt.hidden, fmt.inter)[n][0]].contiguous().pin_memory() for n, t in bank.items()}
     pool = {n: torch.full((12, t.shape[1] + PAD), 0xFF, dtype=torch.uint8, device="cuda") for n, t in host.items()}
+    for n, t in pool.items():  # every row holds an expert (rows not staged by a route are hits)
+        t[:, :host[n].shape[1]] = host[n][torch.arange(12) % ROWS].cuda()
     g = torch.Generator().manual_seed(0)
     x = (0.1 * torch.randn(1, 2048, generator=g)).to(torch.bfloat16).cuda()
     w = torch.rand(1, 8, generator=g).cuda()
@@ -967,9 +969,11 @@ def test_cuda_fetch_in_pairs_equals_staging(types, monkeypatch):
         rows.copy_(src[torch.randperm(8, generator=r)])
         count.fill_(n)
 
-    assert not qpairs.fetches_in_pairs(x, fmt, pool, 1)  # opt-in
-    monkeypatch.setenv("MOESTREAM_FETCH_IN_PAIRS", "1")
+    monkeypatch.delenv("MOESTREAM_FETCH_IN_PAIRS", raising=False)
     assert qpairs.fetches_in_pairs(x, fmt, pool, 1) and not qpairs.fetches_in_pairs(x, fmt, pool, 2)
+    monkeypatch.setenv("MOESTREAM_FETCH_IN_PAIRS", "0")
+    assert not qpairs.fetches_in_pairs(x, fmt, pool, 1)
+    monkeypatch.setenv("MOESTREAM_FETCH_IN_PAIRS", "1")
     route(1)
     staged = (host, experts, rows, count)
     pair_outputs(x, w, src, {n: t.clone() for n, t in pool.items()}, fmt, staged)  # compile, allocator

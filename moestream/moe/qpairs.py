@@ -28,7 +28,7 @@ Implementations:
   a fallback, not the decode path).
 - Triton kernels (CUDA, `supports(fmt)`): blocks are decoded in registers by the decoders of
   moestream.quant.triton_dequant and dotted with x in fp32; nothing dense is written.
-  Given the call's staged misses (`staged`, where `fetches_in_pairs`: MOESTREAM_FETCH_IN_PAIRS=1, one-token calls),
+  Given the call's staged misses (`staged`, where `fetches_in_pairs`: one-token calls by default),
   the fetch variants of the two kernels copy each miss's rows from the pinned host bank into its pool row as part
   of computing them (no copy kernel first: the hits compute while the misses cross PCIe).
 """
