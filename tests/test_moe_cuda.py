@@ -56,6 +56,8 @@ def test_cuda_bench_bw(tmp_path):
     prof = json.loads(out.read_text())
     assert prof["pcie_pinned_gbs"] > 1 and prof["pcie_pageable_gbs"] > 0 and prof["gpu_expert_gbs"] > 0
     assert prof["recommended"] in ("offload", "hybrid")
+    kern = prof["pcie_kernel"]  # the staging kernel's own reads of pinned rows (Triton is on the GPU image)
+    assert kern["all_gbs"] > 1 and kern["two_gbs"] > 0.1 and kern["two_call_us"] > 0
     both = prof["concurrent"]  # host reads and pinned copies at once: both ran, the sum is theirs
     assert both["cpu_gbs"] > 0 and both["pcie_gbs"] > 1
     assert abs(both["sum_gbs"] - both["cpu_gbs"] - both["pcie_gbs"]) < 0.02

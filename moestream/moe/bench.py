@@ -3,6 +3,11 @@
 host_read_gbs        reading host memory (a sum over a buffer larger than the caches)
 pcie_pinned_gbs      host -> device copies of expert-sized rows from pinned memory (CUDA only)
 pcie_pageable_gbs    the same from pageable memory (CUDA only)
+pcie_kernel          what the decode path moves instead (CUDA with Triton only): the same pinned rows read by the
+                     GPU's own loads (moe/pairs.stage_experts, the staging kernel offload and hybrid run; the fetch
+                     kernels read the same way), every expert in one launch ("all_gbs") and two a launch, a batch-1
+                     layer call's misses ("two_gbs", launch and ramp included), with the µs of such a call. Where
+                     it falls well below pcie_pinned_gbs, the misses cross PCIe slower than the copy engine could
 concurrent           host reads by the CPU threads while pinned host -> device copies run (CUDA only): the two
                      rates at once and their sum. Where the sum is near host_read_gbs, the host's memory (not
                      each bus) is the limit, and hybrid's PCIe copies take bandwidth from its CPU experts
@@ -177,6 +182,43 @@ def make_bank(fmt: ExpertFormat, experts: int, hidden: int, inter: int) -> dict[
     return bank
 
 
+def _optional(measure, *args):
+    """A secondary measurement: its failure is one warning line and a null in the profile, not a failed bench."""
+    try:
+        return measure(*args)
+    except Exception as e:  # noqa: BLE001 - reported, the other rates stand
+        log.warning("bench bw: %s not measured (%s: %s)", measure.__name__, type(e).__name__, e)
+        return None
+
+
+def kernel_h2d(bank: dict, experts: int, device: torch.device, iters: int) -> dict | None:
+    """Pinned expert rows read into device rows by the staging kernel (pairs.stage_experts): every expert in one
+    launch, and two a launch (a batch-1 layer call's misses). None where the kernel does not run (no Triton)."""
+    from .pairs import stage_experts, triton_ready
+
+    if not triton_ready(device):
+        return None
+    src = {k: page_locked_zeros(v.shape, v.dtype).copy_(v) for k, v in bank.items()}
+    dst = {k: torch.empty_like(v, device=device) for k, v in bank.items()}
+    ids = torch.arange(experts, device=device)
+    row = sum(v[0].numel() * v.element_size() for v in bank.values())
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    every = torch.tensor(experts, device=device)
+    t_all = _best_time(lambda: stage_experts(src, dst, ids, ids, every), iters, sync)
+    if experts < 2:
+        return {"all_gbs": experts * row / t_all / 1e9, "two_gbs": None, "two_call_us": None}
+    two = torch.tensor(2, device=device)
+    calls = [ids[i:i + 2] for i in range(0, experts - 1, 2)]
+
+    def pairs():
+        for c in calls:
+            stage_experts(src, dst, c, c, two)
+
+    t_two = _best_time(pairs, iters, sync)
+    return {"all_gbs": experts * row / t_all / 1e9, "two_gbs": 2 * len(calls) * row / t_two / 1e9,
+            "two_call_us": t_two / len(calls) * 1e6}
+
+
 def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device, iters: int, cpu: CpuExperts | None,
                fmt: ExpertFormat | None = None):
     """Weight bytes (as stored) per second of one bs=1 layer call over top_k experts."""
@@ -213,6 +255,7 @@ def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype:
         "host_read_gbs": host_read_gbs(host_mib, iters),
         "pcie_pinned_gbs": h2d_gbs(bank, experts, device, True, iters) if cuda else None,
         "pcie_pageable_gbs": h2d_gbs(bank, experts, device, False, iters) if cuda else None,
+        "pcie_kernel": _optional(kernel_h2d, bank, experts, device, iters) if cuda else None,
         "concurrent": concurrent_gbs(device) if cuda else None,
         "cpu_expert_gbs": expert_gbs(bank, k, hidden, dt, torch.device("cpu"), iters, cpu, fmt),
         "gpu_expert_gbs": (expert_gbs({n: v.to(device) for n, v in bank.items()}, k, hidden, dt, device, iters, None, fmt)
@@ -266,6 +309,11 @@ def format_table(res: dict) -> str:
              f"top-k {g['top_k']}, cpu threads {res['cpu_threads']}",
              f"{'measure':<28}{'GB/s':>10}"]
     lines += [f"{name:<28}{('n/a' if v is None else f'{v:.2f}'):>10}" for name, v in rows]
+    kern = res.get("pcie_kernel")
+    if kern:
+        two = (f"  (two experts a launch, as a batch-1 layer call's misses: {kern['two_gbs']:.2f} GB/s, "
+               f"{kern['two_call_us']:.0f} us a call)") if kern["two_gbs"] else ""
+        lines.append(f"{'H2D by the staging kernel':<28}{kern['all_gbs']:>10.2f}{two}")
     both = res.get("concurrent")
     if both:
         lines.append(f"{'host read + H2D at once':<28}{both['sum_gbs']:>10.2f}  (CPU {both['cpu_gbs']:.2f} + PCIe "
