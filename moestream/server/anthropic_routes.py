@@ -24,7 +24,7 @@ def _prompt(state: ServerState, req) -> str:
 
 
 def _prepare(state: ServerState, body: dict) -> tuple[P.AnthropicMessagesRequest, GenSpec]:
-    req = P.AnthropicMessagesRequest.model_validate(body)
+    req = P.AnthropicMessagesRequest.model_validate(body, strict=True)
     # max_tokens is required here and clients such as Claude Code send one fixed value for every
     # model: it is cut to the context left instead of refused
     th = req.thinking
@@ -62,7 +62,7 @@ async def count_tokens(state: ServerState, request, body: dict) -> Any:
 
 
 def _count(state: ServerState, body: dict) -> int:
-    req = P.CountTokensRequest.model_validate(body)
+    req = P.CountTokensRequest.model_validate(body, strict=True)
     return len(encode(state, _prompt(state, req), bound=False))  # a count, whatever its length
 
 

@@ -114,7 +114,7 @@ async def _merge(gens: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 
 def _chat_prepare(state: ServerState, body: dict) -> tuple[P.ChatCompletionRequest, GenSpec]:
-    req = P.ChatCompletionRequest.model_validate(body)
+    req = P.ChatCompletionRequest.model_validate(body, strict=True)
     check_model(state, req.model)
     try:
         grammar = req.grammar_request()
@@ -293,7 +293,7 @@ async def _completion_choice(state: ServerState, spec: GenSpec, request, engine_
 
 
 def _completion_prepare(state: ServerState, body: dict) -> tuple[P.CompletionRequest, GenSpec]:
-    req = P.CompletionRequest.model_validate(body)
+    req = P.CompletionRequest.model_validate(body, strict=True)
     check_model(state, req.model)
     try:
         grammar = req.grammar_request()

@@ -168,6 +168,8 @@ SAMPLING = [
     ("max_tokens 0", {"max_tokens": 0}, 400), ("max_tokens -1", {"max_tokens": -1}, 400),
     ("max_tokens 10**30", {"max_tokens": 10 ** 30}, 400), ("max_tokens beyond context", {"max_tokens": CTX}, 400),
     ("max_tokens float", {"max_tokens": 2.5}, 400), ("max_tokens string", {"max_tokens": "many"}, 400),
+    ("max_tokens numeric string", {"max_tokens": "2"}, 400), ("temperature string", {"temperature": "0.5"}, 400),
+    ("n float", {"n": 1.0}, 400), ("temperature int", {"temperature": 1}, 200),
     ("stop 17 strings", {"stop": [f"s{i}" for i in range(17)]}, 400), ("stop empty string", {"stop": [""]}, 400),
     ("stop 1001 chars", {"stop": "x" * 1001}, 400), ("stop not a string", {"stop": [1]}, 400),
     ("stop_token_ids -1", {"stop_token_ids": [-1]}, 400), ("stop_token_ids beyond vocab", {"stop_token_ids": [600]}, 400),
@@ -230,7 +232,8 @@ CMPL_CASES = [
 
 MSGS_CASES = [
     ("max_tokens missing", {"max_tokens": None}, 400), ("max_tokens 0", {"max_tokens": 0}, 400),
-    ("max_tokens string", {"max_tokens": "2"}, 200),  # pydantic's lax mode takes a numeric string, as the SDK would
+    ("max_tokens string", {"max_tokens": "2"}, 400),  # request fields are validated strictly: a number as a string
+    ("stream string", {"stream": "true"}, 400),      # or a boolean as one is refused, not coerced
     ("temperature 1.5", {"temperature": 1.5}, 400), ("temperature 1e-40", {"temperature": 1e-40}, 200),
     ("top_k -1", {"top_k": -1}, 400), ("top_p 0", {"top_p": 0}, 400),
     ("stop_sequences 17", {"stop_sequences": [f"s{i}" for i in range(17)]}, 400),
