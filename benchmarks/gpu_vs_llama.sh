@@ -32,7 +32,7 @@
 #   DEADLINE_S  seconds from the start after which no new moestream configuration starts [540]
 #   CONFIG_S    time limit per moestream configuration [150]; MEASURE_S seconds aimed at per decode figure [20]
 #   GGUF_DIR    [/dev/shm, or /tmp when it has no room]; KEEP_GGUF=1 keeps the files
-#   BENCHBW=1   `moestream bench bw` first, so `auto` can weigh hybrid [0]
+#   BENCHBW=1   `moestream bench bw` first (before the build starts), so `auto` can weigh hybrid [0]
 #   BUILD_CORES cores the build may use while moestream runs [2-15]
 #   LLAMA_PACK=1  the build's programs and libraries also into $OUT/llama-bin.tar.xz[.part-*] [0]
 #   LLAMA_PREBUILT  such a pack, used instead of building [.peer/llama-bin.tar.xz when present]
@@ -138,6 +138,9 @@ report() {
   python3 benchmarks/vs_llama.py env --work "$WORK"
   python3 -c "import gguf" 2>/dev/null || echo "WARNING: no gguf package (carry .whl/gguf-*.whl): the file writer needs it"
   [ -f "$VOCAB" ] || echo "WARNING: $VOCAB missing (copy ../shared/data/qwen3-tokenizer-gguf-fields.json into .peer/)"
+  # before the build starts: its compile jobs on cores 2-15 would take the host's memory bandwidth and cores from the
+  # CPU figures (the thirtieth session's call read 33.6 GB/s of host memory and 7.5 GB/s of CPU experts that way)
+  if [ "${BENCHBW:-0}" = 1 ]; then timeout 150 python3 -m moestream.cli bench bw; fi
   BUILD_PID=
   if [ "$BUILD" = 1 ] && [ ! -x "$BIN/llama-bench" ] && [ ! -f "$LL/BUILDING" ] && [ -z "${LLAMA_SRC:-}" ]; then prebuilt; fi
   if [ "$BUILD" = 1 ] && [ -x "$BIN/llama-bench" ]; then
@@ -150,7 +153,6 @@ report() {
     setsid nohup bash "$0" __build > "$WORK/build.log" 2>&1 < /dev/null &
     BUILD_PID=marker
   fi
-  if [ "${BENCHBW:-0}" = 1 ]; then timeout 150 python3 -m moestream.cli bench bw; fi
   for Q in $QUANTS; do
     DIR=${GGUF_DIR:-/dev/shm}
     NEED=$([ "$Q" = q8_0 ] && echo 38 || echo 23)
