@@ -37,19 +37,18 @@ def triton_ready(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and triton_enabled()
 
 
-def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None,
-             staged: tuple | None = None) -> torch.Tensor:
+def pair_moe(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None) -> torch.Tensor:
     """x [T, H]; topk_w [T, k]; src [P] rows of pool = {"gate_up": [N, 2I, H], "down": [N, H, I]}, or of a
-    compressed pool when fmt (the layer's expert format) is quantized; staged: pair_outputs."""
-    return pair_sum(pair_outputs(x, topk_w, src, pool, fmt, staged), topk_w.shape[1], x.dtype)
+    compressed pool when fmt (the layer's expert format) is quantized."""
+    return pair_sum(pair_outputs(x, topk_w, src, pool, fmt), topk_w.shape[1], x.dtype)
 
 
 def pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor, pool: dict, fmt=None,
                  staged: tuple | None = None) -> torch.Tensor:
     """y [P, H] float32: w[p] * mlp(x[p // k]) from pool row src[p]; rows of pairs with src[p] < 0 are left
     for another producer (moe/bridge.py: the CPU) and hold garbage until it fills them. staged: the call's misses
-    (caches.PairRows.staged) not yet in their rows: copied first (stage_experts), or by the compressed pair
-    kernels themselves where qpairs.fetches_in_pairs says so."""
+    (caches.PairRows.staged) not yet in their rows, which the caller hands over where qpairs.fetches_in_pairs says
+    the compressed pair kernels copy them themselves (every other path copies them first: stage_experts)."""
     if fmt is not None and fmt.quantized:
         from .qpairs import quant_pair_outputs
 

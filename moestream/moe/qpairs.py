@@ -68,18 +68,18 @@ def quant_pair_outputs(x: torch.Tensor, topk_w: torch.Tensor, src: torch.Tensor,
                        staged: tuple | None = None) -> torch.Tensor:
     """y [P, H] float32: w[p] * mlp(x[p // k]) from the compressed pool row src[p] (module doc). staged: the call's
     misses (host bank, experts, rows, count: caches.PairRows.staged) not yet copied into their rows; the kernels
-    copy them where `fetches_in_pairs` says they can, else the copy kernel runs first."""
-    if staged is not None and not fetches_in_pairs(x, fmt, pool, topk_w.shape[0]):
-        from .pairs import stage_experts
-
-        stage_experts(staged[0], pool, *staged[1:])
-        staged = None
+    copy them on the Triton path (the caller asks `fetches_in_pairs` whether to hand them over), every other path
+    runs the copy kernel first."""
     if not getattr(fmt, "quantized", False):
         from .pairs import pair_outputs
 
-        return pair_outputs(x, topk_w, src, pool)
+        return pair_outputs(x, topk_w, src, pool, staged=staged)
     if x.device.type == "cuda" and supports(fmt) and _triton_ok():
         return _quant_pair_outputs_triton(x, topk_w, src, pool, fmt, staged=staged)
+    if staged is not None:
+        from .pairs import stage_experts
+
+        stage_experts(staged[0], pool, *staged[1:])
     if x.device.type == "cpu":
         from . import cpu_moe
 
@@ -227,19 +227,20 @@ def _hf_fetch_args(staged, pool: dict, fmt, proj: str, K: int, BN: int) -> tuple
     return args, consts
 
 
-def _fetch_args(staged, pool: dict, fmt, names, P: int) -> tuple[list, dict]:
-    """The fetch kernels' extra arguments: per array (host words, stride, pool words, stride), then the staged
-    list; and their constants (words per matrix row of each array, the copy's words a step, the list's length)."""
-    host, experts, rows, count = staged
+def _gguf_fetch_args(staged, pool: dict, fmt, names) -> tuple[list, list[int]]:
+    """The GGUF fetch kernels' arguments of `names` (host words, stride, pool words, stride, each) and their words
+    per matrix row."""
     args, rws = [], []
     for name in names:
         q = fmt.quant(name)
         K = fmt.hidden if name != "down" else fmt.inter
-        hw, hs, pw, ps, rw = _fetch_words(host[name], pool[name], K // q.block_size * q.type_size)
+        hw, hs, pw, ps, rw = _fetch_words(staged[0][name], pool[name], K // q.block_size * q.type_size)
         args += [hw, hs, pw, ps]
         rws.append(rw)
-    args += [experts, rows, count]
-    return args, {"rws": rws, "CW": 1024, "NSTG": _pow2(min(P, experts.shape[0]))}
+    return args, rws
+
+
+FETCH_CW = 1024  # words a fetch kernel's copy moves a step (8 KiB of 8-byte words: four 16-byte loads a thread at 4 warps)
 
 
 def linear_supported(fmt) -> bool:
@@ -1090,6 +1091,8 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
     grid = (P, triton.cdiv(N, bn))
     bf16 = out.dtype == torch.bfloat16
     out_arg = out.view(torch.int16) if bf16 else out  # _store rounds bf16 itself
+    if staged is not None:  # the staged list (experts, rows, count) and its constants, for either kind of format
+        stg, fetch = list(staged[1:]), dict(CW=FETCH_CW, NSTG=_pow2(min(P, staged[1].shape[0])))
     if isinstance(fmt, GGUFExpertFormat):
         lut = td.lut_table(a.device)
         if stage == "gate_up":
@@ -1102,9 +1105,8 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
             if staged is None:
                 _gguf_gate_up_kernel[grid](*args, **consts)
             else:
-                extra, c = _fetch_args(staged, pool, fmt, ("gate", "up"), P)
-                _gguf_gate_up_fetch_kernel[grid](*args, *extra, **consts, RWG=c["rws"][0], RWU=c["rws"][1],
-                                                 CW=c["CW"], NSTG=c["NSTG"])
+                words, (rwg, rwu) = _gguf_fetch_args(staged, pool, fmt, ("gate", "up"))
+                _gguf_gate_up_fetch_kernel[grid](*args, *words, *stg, **consts, RWG=rwg, RWU=rwu, **fetch)
         else:
             qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
             consts = dict(QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), Y_BF16=bf16, num_warps=warps)
@@ -1112,14 +1114,11 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
             if staged is None:
                 _gguf_down_kernel[grid](*args, **consts)
             else:
-                extra, c = _fetch_args(staged, pool, fmt, ("down",), P)
-                _gguf_down_fetch_kernel[grid](*args, *extra, **consts, RWD=c["rws"][0], CW=c["CW"], NSTG=c["NSTG"])
+                words, (rwd,) = _gguf_fetch_args(staged, pool, fmt, ("down",))
+                _gguf_down_fetch_kernel[grid](*args, *words, *stg, **consts, RWD=rwd, **fetch)
         return out
     consts = _hf_consts(fmt)
     bv = max(bv, consts["GS"])
-    if staged is not None:
-        stg = list(staged[1:])
-        nstg = _pow2(min(P, staged[1].shape[0]))
     if stage == "gate_up":
         args = (a, src, *_hf_parts(pool, fmt, "gate", a.device), *_hf_parts(pool, fmt, "up", a.device), out_arg, K, N, k)
         if staged is None:
@@ -1127,14 +1126,14 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
         else:
             g, c = _hf_fetch_args(staged, pool, fmt, "gate", K, bn)
             u, _ = _hf_fetch_args(staged, pool, fmt, "up", K, bn)
-            _hf_gate_up_fetch_kernel[grid](*args, *g, *u, *stg, **consts, **c, CW=1024, NSTG=nstg, BN=bn, BV=bv,
-                                           H_BF16=bf16, num_warps=warps)
+            _hf_gate_up_fetch_kernel[grid](*args, *g, *u, *stg, **consts, **c, **fetch, BN=bn, BV=bv, H_BF16=bf16,
+                                           num_warps=warps)
     else:
         args = (a, w, src, *_hf_parts(pool, fmt, "down", a.device), out_arg, N, K)
         if staged is None:
             _hf_down_kernel[grid](*args, **consts, BN=bn, BV=bv, Y_BF16=bf16, num_warps=warps)
         else:
             d, c = _hf_fetch_args(staged, pool, fmt, "down", K, bn)
-            _hf_down_fetch_kernel[grid](*args, *d, *stg, **consts, **c, CW=1024, NSTG=nstg, BN=bn, BV=bv, Y_BF16=bf16,
+            _hf_down_fetch_kernel[grid](*args, *d, *stg, **consts, **c, **fetch, BN=bn, BV=bv, Y_BF16=bf16,
                                         num_warps=warps)
     return out

@@ -33,7 +33,7 @@ from .compute import RouteGroups, WeightRef, accumulate, grouped_bank_ready
 from .cpu_moe import layer_table
 from .caches import BankExperts, pool_partials
 from .device_cache import device_fetch_count
-from .pairs import pair_moe, pair_outputs, pair_sum
+from .pairs import pair_outputs, pair_sum
 from .runtime import Part
 from .share import FETCH, SPLIT, Arms, LiveShare
 from .transfer import PrefillStreamer
@@ -293,14 +293,22 @@ def fetched_pairs(strategy, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
     strategy's cache and lookahead copies): offload's decode layer call."""
     strategy.lookahead.join(layer)
     rows = strategy.cache.pair_rows(layer, x, topk_ids)
+    return pair_sum(staged_pair_outputs(strategy, layer, rows, x, topk_w), topk_ids.shape[1], x.dtype)
+
+
+def staged_pair_outputs(strategy, layer: int, rows, x, topk_w) -> torch.Tensor:
+    """y [P, H] of a routed call whose misses are not yet in their rows: the pair kernels copy them as the hits compute
+    (qpairs.fetches_in_pairs; the lookahead's copies issued after them, not to share PCIe with the call's own), or
+    the copy kernel stages them first and the lookahead's copies overlap the pair kernels."""
     fmt = strategy.ctx.store.fmt.for_layer(layer)
-    if rows.fetched_in_pairs(x, fmt, x.shape[0]):  # the pair kernels copy the misses as the hits compute
-        y = pair_moe(x, topk_w, rows.src, rows.arrays, fmt, rows.staged)
-        strategy.lookahead.issue(layer, x)  # after: its copies would share PCIe with the call's own
-        return y
-    rows.stage()
-    strategy.lookahead.issue(layer, x)
-    return pair_moe(x, topk_w, rows.src, rows.arrays, fmt)
+    fetch = rows.fetched_in_pairs(x, fmt, x.shape[0])
+    if not fetch:
+        rows.stage()
+        strategy.lookahead.issue(layer, x)
+    y = pair_outputs(x, topk_w, rows.src, rows.arrays, fmt, rows.staged if fetch else None)
+    if fetch:
+        strategy.lookahead.issue(layer, x)
+    return y
 
 
 class BridgeDecode(Strategy):
@@ -374,14 +382,7 @@ class BridgeDecode(Strategy):
         rows = self.cache.pair_rows(layer, x, topk_ids, self.share.tensor)
         cpu = rows.src < 0
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
-        fmt = self.ctx.store.fmt.for_layer(layer)
-        if rows.fetched_in_pairs(x, fmt, x.shape[0]):  # the pair kernels copy the fetched misses themselves
-            y = pair_outputs(x, topk_w, rows.src, rows.arrays, fmt, rows.staged)
-            self.lookahead.issue(layer, x)
-        else:
-            rows.stage()
-            self.lookahead.issue(layer, x)
-            y = pair_outputs(x, topk_w, rows.src, rows.arrays, fmt)
+        y = staged_pair_outputs(self, layer, rows, x, topk_w)
         extra = beside() if beside is not None else None
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype), extra
