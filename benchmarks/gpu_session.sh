@@ -14,7 +14,8 @@
 #   SWEEP  thread counts of the host's CPU layer call sweep in step 1 (-> cpu_layer_sweep.json) ["" = skip];
 #   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
 #   the step profiles run under; QLIN_PRE  qlinear_gpu.py arguments run in step 1 (QLIN_PRE_S [150]); TESTS_PRE  pytest
-#   arguments run in step 1 (TESTS_PRE_S [120])
+#   arguments run in step 1 (TESTS_PRE_S [120]); PRE_CMD  a command run in step 1 (PRE_S [120]); BW_FORMAT  bench bw's
+#   --expert-format [q4_k]
 # e.g. (the twenty-third session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -40,10 +41,14 @@ AUX=$OUT/aux.log
   lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node0"
   python3 -c "from moestream.hardware import physical_cores as p; print('physical_cores', p())"
   echo "== bench bw"
-  timeout 60 python3 -m moestream.cli bench bw --expert-format q4_k -o /tmp/bw.json
+  timeout 60 python3 -m moestream.cli bench bw --expert-format "${BW_FORMAT:-q4_k}" -o /tmp/bw.json
   if [ -n "${QLIN_PRE:-}" ]; then  # e.g. "--q8 --shapes 'gdn in_proj_qkv,lm_head'": the dense GEMV sweep first
     echo "== $(date -u +%T) qlinear_gpu.py $QLIN_PRE"
     eval timeout ${QLIN_PRE_S:-150} python3 benchmarks/qlinear_gpu.py $QLIN_PRE --out "$OUT/qlinear.json"
+  fi
+  if [ -n "${PRE_CMD:-}" ]; then  # any command of this tree run in step 1 (e.g. benchmarks/miss_path.py), PRE_S [120]
+    echo "== $(date -u +%T) $PRE_CMD"
+    eval timeout ${PRE_S:-120} $PRE_CMD
   fi
   if [ -n "${TESTS_PRE:-}" ]; then  # pytest arguments run before the grid (e.g. a new kernel's CUDA tests)
     echo "== $(date -u +%T) CUDA tests $TESTS_PRE"
