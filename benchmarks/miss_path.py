@@ -85,7 +85,7 @@ class DmaWorker:
         return run
 
     def _loop(self):
-        torch.cuda.set_device(self.dev)
+        torch.cuda.set_device(self.dev.index if self.dev.index is not None else torch.cuda.current_device())
         with torch.cuda.stream(self.stream):
             while not self.stop:
                 step = self.steps + 1

@@ -64,6 +64,14 @@ def test_auto_choices():
         tiny = plan_memory(BIG, gpu(gb), EngineConfig(), fast_cpu)
         assert tiny.backend == "cpu" and f"leaves hybrid {slots} cache slots" in tiny.reason, tiny.reason
     assert plan_memory(BIG, gpu(4.8), EngineConfig(), fast_cpu).backend == "hybrid"  # 230 slots, 2.2 % of the experts
+    # a budget whose cache would hold over 45 % of the experts: offload (a call misses too few for the CPU to pay)
+    for gb, backend in ((32, "hybrid"), (40, "offload"), (60, "offload")):
+        held = plan_memory(BIG, gpu(gb), EngineConfig(moe_backend="hybrid"), fast_cpu)
+        p = plan_memory(BIG, gpu(gb), EngineConfig(), fast_cpu)
+        assert p.backend == backend and (held.cache_slots > 0.45 * held.total_experts) == (backend == "offload"), gb
+        if backend == "offload":
+            assert f"the cache holds {held.cache_slots / held.total_experts:.0%} of the experts" in p.reason, p.reason
+    assert plan_memory(BIG, gpu(40), EngineConfig(moe_backend="hybrid"), fast_cpu).backend == "hybrid"  # asked for
 
 
 def test_auto_measures_bandwidths_only_where_it_weighs_hybrid():

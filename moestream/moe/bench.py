@@ -318,7 +318,9 @@ def format_table(res: dict) -> str:
     if both:
         lines.append(f"{'host read + H2D at once':<28}{both['sum_gbs']:>10.2f}  (CPU {both['cpu_gbs']:.2f} + PCIe "
                      f"{both['pcie_gbs']:.2f}: what hybrid's CPU experts and PCIe copies can share)")
-    lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}")
+    where = (" (where its cache would hold 2-45 % of the experts; offload above, cpu below)"
+             if res["recommended"] == "hybrid" else "")
+    lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}{where}")
     return "\n".join(lines)
 
 

@@ -33,6 +33,13 @@ HYBRID_MIN_CPU_SHARE = 0.25  # auto picks hybrid when CPU expert GB/s >= this x 
 # (Qwen3.6 Q4_K_M, 19 slots of 10,240) hybrid decoded 43.1 tok/s where cpu decoded 48.1 in the same run, the CPU
 # experts at 28 GB/s beside the copies against 44 alone (benchmarks/RESULTS.md, 2026-12-06, twenty-first session)
 HYBRID_MIN_RESIDENCY = 0.02
+# ... and at most this share; above it auto picks offload. A cache that holds most of the experts leaves a batch-1
+# layer call one or two misses, fewer than the CPU's call (its fixed cost is 70-130 us, one or two experts' PCIe
+# time) pays for, while every miss the split leaves to the CPU stays out of the cache: same run on an H100 host,
+# Qwen3.6 Q8_0 at 22.84 GiB (57 % of the experts cached), offload 118.8 / 115.4 tok/s against hybrid 88.8 / 91.5
+# (its cache hit 0.62 against offload's 0.80), and at 11.68 / 8.5 GiB (22 / 12 %) hybrid the faster (2026-12-07,
+# thirty-first session); the Q4_K_M file at 11.30 GiB (~47 %) tied (74.6 / 74.4, 84.9 / 85.9: 2026-12-06)
+HYBRID_MAX_RESIDENCY = 0.45
 # Under a --gpu-memory-gb cap on a GPU, kept free beyond the CUDA context: what the running engine holds
 # outside the plan's items (recorded decode graphs' pool, prefill temporaries beyond the workspace, kernel
 # modules and library handles loaded after start-up). Measured on the H200 (2026-12-03, Qwen3.6-shaped Q8_0,
@@ -318,6 +325,9 @@ def choose_backend(m: ModelSizes, hw: Hardware, e, bw: Bandwidths | None, free: 
         if slots < HYBRID_MIN_RESIDENCY * m.total_experts:
             return "cpu", (f"experts do not fit; {fast}; the budget leaves hybrid {slots} cache slots "
                            f"({slots / m.total_experts:.1%} of the experts): every expert on the CPU")
+        if slots > HYBRID_MAX_RESIDENCY * m.total_experts:
+            return "offload", (f"experts do not fit; {fast}, but the cache holds {slots / m.total_experts:.0%} of the "
+                               "experts: a layer call misses too few for a CPU call to pay beside PCIe")
         return "hybrid", f"experts do not fit; {fast}"
     return "offload", (f"experts do not fit; CPU experts ({bw.cpu_expert_gbs:.1f} GB/s) add little to pinned "
                        f"PCIe ({bw.pcie_pinned_gbs:.1f} GB/s)")
