@@ -65,7 +65,9 @@ def run(tiny_checkpoint, arch, backend, **kw):
     ("offload", {"moe_cache_size": 5, "moe_cache_policy": "lfu", "moe_prefetch": "on"}),
     ("hybrid", {"moe_cache_size": 6, "moe_cache_policy": "lrfu"}),
 ])
-def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens):
+def test_backend_tokens_equal_fused(arch, backend, kw, tiny_checkpoint, fused_tokens, monkeypatch):
+    if backend == "hybrid":  # every step on the split, also where the cache holds over 45 % of the experts (14 of
+        monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")  # qwen3's 24), which would run offload's step (HeldFetch)
     ps, want = fused_tokens(arch)
     llm, got = run(tiny_checkpoint, arch, backend, **kw)
     assert got == want
@@ -318,6 +320,35 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
     monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=3, moe_decode_kernel="pairs")
     assert got == want and "arms" not in llm.stats()["hybrid"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_over_a_large_cache_runs_offloads_step(arch, tiny_checkpoint, fused_tokens, monkeypatch):
+    """Where hybrid's cache holds over planner.HYBRID_MAX_RESIDENCY of the experts, every decode step is offload's
+    (share.HeldFetch: no job for the CPU worker, every miss fetched and admitted), fused's tokens; under the ceiling,
+    and with MOESTREAM_HYBRID_ARMS=0 above it, the split runs (the worker computes misses)."""
+    from moestream.moe import share
+
+    ps, want = fused_tokens(arch)
+    total = {"qwen3": 24, "qwen35": 32}[arch]  # MoE layers x experts of the tiny models
+    scratch = 8  # pool rows of one step's pairs beside the cached ones (max_running_requests 4 x top-2)
+    big = int(0.45 * total) + 1 + scratch
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
+    assert got == want
+    rt = llm.engine.runtime
+    assert rt.cache.dcache.scratch == scratch and rt.decode.residency() == (big - scratch) / total > 0.45
+    assert isinstance(rt.decode.arms, share.HeldFetch)
+    t = llm.stats()["total"]
+    assert rt.bridge.seq == 0 and sum(rt.bridge.cpu_experts) == 0 and t["misses"] > 0 and t["hits"] > 0
+    arms = llm.stats()["hybrid"]["arms"]
+    assert arms and all(d["chosen"] == share.FETCH and d["steps"][share.SPLIT] == 0 for d in arms.values()), arms
+    rt.check_integrity()
+    small = int(0.45 * total) - 1 + scratch
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=small, moe_decode_kernel="pairs")
+    assert got == want and not isinstance(llm.engine.runtime.decode.arms, share.HeldFetch)
+    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
+    assert got == want and llm.engine.runtime.bridge.seq > 0 and sum(llm.engine.runtime.bridge.cpu_experts) > 0
 
 
 def test_hybrid_held_split_runs_the_tuned_share(tiny_checkpoint, fused_tokens, monkeypatch):

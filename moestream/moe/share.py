@@ -305,7 +305,7 @@ class Arms:
             st["explorations"] += 1
             st["last"] = {a: round(float(np.median(t[a])) * 1e3, 3) for a in t}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict:  # (HeldFetch's too)
         """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, the mean step
         ms of the steps held since (does the chosen arm keep its exploration's time?), explorations, steps run by
         each arm."""
@@ -317,3 +317,29 @@ class Arms:
                              **{k: st["tune"][k] for k in ("checked_ms", "reverted") if k in st["tune"]}}
                             if st["tune"] else {})}
                 for r, st in sorted(self._rows.items())}
+
+
+class HeldFetch(Arms):
+    """hybrid's arms where its cache holds most of the experts (over planner.HYBRID_MAX_RESIDENCY): offload's step in
+    every decode step, the split never explored. A batch-1 call there misses one or two experts, fewer than a CPU
+    call's fixed cost pays for, and every miss the split leaves to the CPU stays out of the cache, so the split's steps
+    degrade the cache both arms run on — which alternating blocks cannot see (H100 host, Qwen3.6 Q8_0 at 22.84 GiB,
+    57 % cached, 2026-12-07: the arms explored the split at 10.15 ms and offload's step at 10.50, held the latter at
+    11.8, with hits 0.62; offload alone stepped 8.4 ms with hits 0.80)."""
+
+    def pick(self, rows: int) -> str:
+        self._state(rows)["chosen"] = FETCH
+        return FETCH
+
+    def held(self, rows: int) -> str | None:
+        return FETCH
+
+    def share_for(self, rows: int, fitted: tuple[float, float]) -> tuple[float, float] | None:
+        return None
+
+    def observe(self, rows: int, arm: str, seconds: float) -> None:
+        st = self._state(rows)
+        st["chosen"] = FETCH
+        st["steps"][arm] += 1
+        st["held"] += 1
+        st["held_s"] += seconds

@@ -34,8 +34,9 @@ from .cpu_moe import layer_table
 from .caches import BankExperts, pool_partials
 from .device_cache import device_fetch_count
 from .pairs import pair_outputs, pair_sum
+from .planner import HYBRID_MAX_RESIDENCY
 from .runtime import Part
-from .share import FETCH, SPLIT, Arms, LiveShare
+from .share import FETCH, SPLIT, Arms, HeldFetch, LiveShare
 from .transfer import PrefillStreamer
 
 
@@ -318,7 +319,8 @@ class BridgeDecode(Strategy):
     computes the others, the share following the PCIe and CPU rates measured in running steps (moe/share.py);
     otherwise (cpu) every pair is the CPU's. hybrid's `arms` (moe/share.Arms; MOESTREAM_HYBRID_ARMS=0: off) runs
     some decode steps as offload's (every miss fetched, no worker job) and keeps, per batch size, whichever form
-    its measured step times say is faster; `variant` tells recorded CUDA graphs of the two forms apart."""
+    its measured step times say is faster (every step offload's where the cache holds over planner.HYBRID_MAX_RESIDENCY
+    of the experts: share.HeldFetch); `variant` tells recorded CUDA graphs of the two forms apart."""
 
     capturable = True
 
@@ -333,12 +335,20 @@ class BridgeDecode(Strategy):
         self.device_pairs = split
         self.lookahead = LookaheadCopies(ctx, cache)
         self.arms = Arms() if split and hybrid_arms() else None
+        if self.arms is not None and self.residency() > HYBRID_MAX_RESIDENCY:
+            self.arms = HeldFetch()  # most experts cached: offload's step (share.HeldFetch says why)
         self.arm = SPLIT
         # each step launched and not yet finished, oldest first: (whether it gave the worker a job, (rows, arm, start)
         # for the arms or None); two while an overlapped step is launched before the last is read
         self._steps: deque = deque()
         self._all_cpu: dict = {}  # (pairs, device) -> an all-True mask: cpu's, made once (no fill kernel a layer)
         ctx.book.counters.append(self.counts)
+
+    def residency(self) -> float:
+        """The share of the model's routed experts the device cache holds (0 without a slot cache)."""
+        slots = getattr(getattr(self.cache, "dcache", None), "num_slots", 0)
+        store = self.ctx.store
+        return slots / max(1, len(store.moe_layers) * store.num_experts)
 
     @property
     def variant(self) -> int:
