@@ -170,3 +170,36 @@ def test_overlapped_decode_equals_stepwise(arch, backend, kw, tiny_checkpoint, m
     assert chained[0] == 0 and chained[1] > 40
     if backend in ("cpu", "hybrid"):
         assert sum(llm.engine.runtime.bridge.cpu_experts) > 0 and not llm.engine.runtime.bridge._pending
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_graph_hybrid_large_cache_and_admission_equal_eager(arch, tiny_checkpoint, monkeypatch):
+    """hybrid over a cache holding over 45 % of the experts runs offload's step (share.HeldFetch: only the fetch
+    form's graphs, no job for the CPU worker); with MOESTREAM_HYBRID_ADMIT=1 under the split, the CPU's misses are
+    admitted behind each call on the lookahead side stream (fork/join recorded in the graph). Both: the eager tokens,
+    an intact cache."""
+    from moestream.moe import share
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 300, 17)]
+    total = {"qwen3": 24, "qwen35": 32}[arch]
+    for case in ("held", "admit"):
+        monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", "1" if case == "admit" else "0")
+        if case == "admit":
+            fixed_split(monkeypatch)
+        size = total if case == "held" else 12  # (all experts + scratch rows would be fused: a cache of every one)
+        outs = {}
+        for graphs in (False, True):
+            llm = LLM(tiny_checkpoint(arch), device="cuda", dtype="bfloat16", moe_backend="hybrid", moe_cache_size=size,
+                      max_running_requests=4, cuda_graphs=graphs)
+            outs[graphs] = [o.token_ids for o in llm.generate(prompts, SP)]
+            rt = llm.engine.runtime
+            rt.check_integrity()
+            t = rt.stats()["total"]
+            if case == "held":
+                assert isinstance(rt.decode.arms, share.HeldFetch) and rt.bridge.seq == 0
+                if graphs:
+                    assert {key[4] for key in llm.engine.graphs.entries} == {1}
+            else:
+                assert t["admitted_behind"] > 0 and sum(rt.bridge.cpu_experts) > 0
+        assert outs[True] == outs[False], case
