@@ -318,8 +318,10 @@ def format_table(res: dict) -> str:
     if both:
         lines.append(f"{'host read + H2D at once':<28}{both['sum_gbs']:>10.2f}  (CPU {both['cpu_gbs']:.2f} + PCIe "
                      f"{both['pcie_gbs']:.2f}: what hybrid's CPU experts and PCIe copies can share)")
-    where = (" (where its cache would hold 2-45 % of the experts; offload above, cpu below)"
-             if res["recommended"] == "hybrid" else "")
+    from .planner import HYBRID_MAX_RESIDENCY, HYBRID_MIN_RESIDENCY
+
+    where = (f" (where its cache would hold {HYBRID_MIN_RESIDENCY:.0%}-{HYBRID_MAX_RESIDENCY:.0%} of the experts; "
+             "offload above, cpu below)" if res["recommended"] == "hybrid" else "")
     lines.append(f"auto would choose (experts not fitting the device): {res['recommended']}{where}")
     return "\n".join(lines)
 

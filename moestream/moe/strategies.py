@@ -361,10 +361,9 @@ class BridgeDecode(Strategy):
         ctx.book.counters.append(self.counts)
 
     def residency(self) -> float:
-        """The share of the model's routed experts the device cache holds (0 without a slot cache)."""
-        slots = getattr(getattr(self.cache, "dcache", None), "num_slots", 0)
+        """The share of the model's routed experts hybrid's device cache holds (its cached rows, not the scratch)."""
         store = self.ctx.store
-        return slots / max(1, len(store.moe_layers) * store.num_experts)
+        return self.cache.dcache.num_slots / max(1, len(store.moe_layers) * store.num_experts)
 
     @property
     def variant(self) -> int:
