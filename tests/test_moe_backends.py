@@ -326,7 +326,8 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
 def test_hybrid_over_a_large_cache_runs_offloads_step(arch, tiny_checkpoint, fused_tokens, monkeypatch):
     """Where hybrid's cache holds over planner.HYBRID_MAX_RESIDENCY of the experts, every decode step is offload's
     (share.HeldFetch: no job for the CPU worker, every miss fetched and admitted), fused's tokens; under the ceiling,
-    and with MOESTREAM_HYBRID_ARMS=0 above it, the split runs (the worker computes misses)."""
+    with MOESTREAM_HYBRID_ARMS=0 above it, and with MOESTREAM_HYBRID_ADMIT=1 (the split's misses admitted: the arms
+    compare both forms) the split runs (the worker computes misses)."""
     from moestream.moe import share
 
     ps, want = fused_tokens(arch)
@@ -346,6 +347,12 @@ def test_hybrid_over_a_large_cache_runs_offloads_step(arch, tiny_checkpoint, fus
     small = int(0.45 * total) - 1 + scratch
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=small, moe_decode_kernel="pairs")
     assert got == want and not isinstance(llm.engine.runtime.decode.arms, share.HeldFetch)
+    monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", "1")
+    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
+    rt = llm.engine.runtime
+    assert got == want and type(rt.decode.arms) is share.Arms and rt.bridge.seq > 0
+    assert llm.stats()["hybrid"]["arms"]["1"]["steps"][share.SPLIT] > 0
+    monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", "0")
     monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
     assert got == want and llm.engine.runtime.bridge.seq > 0 and sum(llm.engine.runtime.bridge.cpu_experts) > 0

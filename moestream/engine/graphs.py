@@ -183,8 +183,11 @@ class DecodeGraphs:
         return out
 
     def _step(self, entry: _Entry) -> torch.Tensor:
-        self.engine.runtime.begin_graph_step()
-        return self.engine.model(entry.batch())
+        rt = self.engine.runtime
+        rt.begin_graph_step()
+        out = self.engine.model(entry.batch())
+        rt.end_graph_step()
+        return out
 
     def _record(self, entry: _Entry, key) -> None:
         if self.pool is None:

@@ -228,6 +228,14 @@ class ExpertRuntime:
         """The device-side part of begin_step, recorded inside a captured decode step."""
         self.cache.begin_graph_step()
 
+    def end_graph_step(self) -> None:
+        """The device-side part of end_step, recorded inside a captured decode step before the capture ends: the
+        decode strategy's side-stream work joined to the main stream (a capture with an unjoined fork is invalid;
+        end_step itself runs after the replay, outside the graph)."""
+        join = getattr(self.decode, "join_side_stream", None)
+        if join is not None:
+            join()
+
     def resize(self, cache_slots: int) -> None:
         """New slot cache (cold) between steps; host banks and the prefill buffer are kept."""
         if not self.cache.has_slots:

@@ -71,6 +71,13 @@ class Strategy(Part):
     capturable = False  # a decode step with no host sync (a CUDA graph may record it)
     device_pairs = False  # the device's pairs run the pair kernels
     per_half = 0  # rows per half of the prefill double buffer it streams through (0: none)
+    lookahead = None  # a LookaheadCopies (the pair strategies): side-stream copies joined by the step's end
+
+    def join_side_stream(self) -> None:
+        """The step's side-stream copies joined to the main stream (end_step; inside a recorded decode graph
+        before its capture ends: runtime.end_graph_step)."""
+        if self.lookahead is not None:
+            self.lookahead.join_all()
 
     def stats(self) -> dict:
         """Entries of its own for runtime.stats()."""
@@ -300,8 +307,8 @@ class PairsDecode(Strategy):
         return fetched_pairs(self, layer, x, topk_ids, topk_w)
 
     def end_step(self, decode: bool) -> None:
-        """Every side-stream copy joined before the step ends (and before a captured graph closes)."""
-        self.lookahead.join_all()
+        """Every side-stream copy joined before the step ends (a recorded step joins them inside its graph)."""
+        self.join_side_stream()
 
 
 def fetched_pairs(strategy, layer: int, x, topk_ids, topk_w) -> torch.Tensor:
@@ -351,8 +358,10 @@ class BridgeDecode(Strategy):
         self.lookahead = LookaheadCopies(ctx, cache)
         self.arms = Arms() if split and hybrid_arms() else None
         self.admit = split and hybrid_admit()  # the split's CPU misses admitted behind each call (env.hybrid_admit)
-        if self.arms is not None and self.residency() > HYBRID_MAX_RESIDENCY:
-            self.arms = HeldFetch()  # most experts cached: offload's step (share.HeldFetch says why)
+        if self.arms is not None and self.residency() > HYBRID_MAX_RESIDENCY and not self.admit:
+            # most experts cached: offload's step (share.HeldFetch says why: the split's CPU misses stay out of the
+            # cache; admitted behind each call they do not, and the arms compare the two forms on equal terms)
+            self.arms = HeldFetch()
         self.arm = SPLIT
         # each step launched and not yet finished, oldest first: (whether it gave the worker a job, (rows, arm, start)
         # for the arms or None); two while an overlapped step is launched before the last is read
@@ -464,7 +473,7 @@ class BridgeDecode(Strategy):
 
     def end_step(self, decode: bool) -> None:
         """The step's work is launched: the bridge notes it (finish_step waits for it)."""
-        self.lookahead.join_all()
+        self.join_side_stream()
         if self._bridged:
             self._bridged = False
             self.bridge.end_step()
