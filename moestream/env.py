@@ -151,14 +151,6 @@ def prefetch_top() -> int:
     return int(v) if v.isdigit() else 0
 
 
-def hybrid_admit() -> bool:
-    """MOESTREAM_HYBRID_ADMIT=1: hybrid's split also admits the misses it leaves to the CPU into the device cache, copied
-    on a side stream behind the layer call (off its critical path), so the cache follows the routing as offload's does
-    instead of freezing where the split fetches little (strategies.BridgeDecode). Off by default until timed on a GPU.
-    Read when a hybrid runtime is built."""
-    return os.environ.get("MOESTREAM_HYBRID_ADMIT", "0") == "1"
-
-
 def hybrid_arms() -> bool:
     """MOESTREAM_HYBRID_ARMS=0 keeps hybrid on its live split in every decode step, instead of choosing per batch size
     between the split and fetching every miss (offload's step) by the step times it measures (moe/share.py Arms).

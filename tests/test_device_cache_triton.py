@@ -47,10 +47,6 @@ CASES = {
     "prefetch-tight": (3, 16, 2, 4, [0, 2, 5], 8, 20, 1.0, "prefetch"),  # victims run out: predictions dropped
     "prefetch-hybrid": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "prefetch"),
     "prefetch-no-victims": (0, 16, 2, 3, [0, 1], 6, 8, 1.0, "prefetch"),
-    # hybrid's admission behind a call (MOESTREAM_HYBRID_ADMIT): after each split call, its CPU-computed misses are
-    # admitted as a prefetch of the same layer (counted BEHIND, no pf_stamp), victims read in the step passed over
-    "hybrid-behind": (10, 32, 3, 4, [0, 1, 2], 12, 20, 0.6, "behind"),
-    "hybrid-behind-tight": (3, 16, 2, 4, [0, 2, 5], 8, 20, 0.35, "behind"),
 }
 STATE = ("table", "slot_key", "last_use", "victims", "vptr", "stamp", "counters", "expert_hits", "last_cpu",
          "pf_stamp")
@@ -98,10 +94,10 @@ def run_case(case: str, route, device: str = "cpu", spec=None, prefetch=None) ->
     fixed = rest[2] if len(rest) > 2 else 0.0
     dev = torch.device(device)
     live = live_share(frac, fixed, dev) if "live" in rest else None
-    pf, behind = "prefetch" in rest, "behind" in rest
-    if (pf or behind) and prefetch is None:
-        prefetch = lambda cache, layer, ids, behind=False: cache.prefetch(layer, ids, behind)  # noqa: E731
-    ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev, prefetch=pf or behind) for _ in range(2))
+    pf = "prefetch" in rest
+    if pf and prefetch is None:
+        prefetch = lambda cache, layer, ids: cache.prefetch(layer, ids)  # noqa: E731
+    ref, got = (DeviceSlotCache(slots, layers, E, max_pairs, dev, prefetch=pf) for _ in range(2))
     g = torch.Generator().manual_seed(len(case) * 1000 + slots)
     coming = None  # the prefetch cases draw each call's ids one call ahead
     for step in range(steps):
@@ -124,13 +120,6 @@ def run_case(case: str, route, device: str = "cpu", spec=None, prefetch=None) ->
                 assert not (set(ids.reshape(-1)[cpu].tolist()) & resident)
             if errs:
                 return [f"step {step} layer {layer}: " + "; ".join(errs)]
-            if behind:  # the call's CPU misses admitted behind it: after it, they are resident (victims allowing)
-                cpu_ids = set(ids.reshape(-1)[want[0] < 0].tolist())
-                out = ref._prefetch_torch(layer, ids, behind=True)
-                errs = compare_prefetch(ref, got, out, prefetch(got, layer, ids, behind=True))
-                if errs:
-                    return [f"step {step} behind layer {layer}: " + "; ".join(errs)]
-                assert set(out[0][:int(out[2])].tolist()) <= cpu_ids | set(ids.reshape(-1)[want[0] >= ref.num_slots].tolist())
             if coming is not None:
                 errs = compare_prefetch(ref, got, ref._prefetch_torch(calls[j + 1], guess),
                                         prefetch(got, calls[j + 1], guess))
@@ -143,8 +132,6 @@ def run_case(case: str, route, device: str = "cpu", spec=None, prefetch=None) ->
         return ["the case never left a miss to the CPU"]
     if pf and slots >= 8 and not (int(ref.counters[5].sum()) and int(ref.counters[6].sum())):
         return ["the case never prefetched, or no prefetch was ever hit"]
-    if behind and not (int(ref.counters[7].sum()) and int(ref.counters[5].sum()) == 0):
-        return ["the case never admitted behind a call (or counted it as a prefetch)"]
     return []
 
 
@@ -154,10 +141,10 @@ def _triton_route(cache, layer, ids, frac=1.0):
     return route_triton(cache, layer, ids, frac)
 
 
-def _triton_prefetch(cache, layer, ids, behind=False):
+def _triton_prefetch(cache, layer, ids):
     from moestream.moe.device_cache import prefetch_triton
 
-    return prefetch_triton(cache, layer, ids, behind)
+    return prefetch_triton(cache, layer, ids)
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -206,14 +193,13 @@ def test_kernel_compiles_for_sm90(has_v, block_e, block_p):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("block_e,block_q,behind", [(256, 16, False), (16, 16, False), (512, 64, False),
-                                                    (256, 16, True)])
-def test_prefetch_kernel_compiles_for_sm90(block_e, block_q, behind):
+@pytest.mark.parametrize("block_e,block_q", [(256, 16), (16, 16), (512, 64)])
+def test_prefetch_kernel_compiles_for_sm90(block_e, block_q):
     from moestream.moe import device_cache as dc
 
     ptrs = ("ids table slot_key last_use victims vptr stamp counters pf_stamp routed_buf experts_out rows_out "
             "count_out").split()
-    consts = {"BLOCK_Q": block_q, "BLOCK_E": block_e, "BEHIND": behind}
+    consts = {"BLOCK_Q": block_q, "BLOCK_E": block_e}
     sig = {**{n: "*i64" for n in ptrs}, **{n: "i32" for n in ("Q", "E", "S", "V", "L", "li")},
            **{n: "constexpr" for n in consts}}
     k = compile_sm90(dc._prefetch_kernel, sig, consts, {"num_warps": 8 if block_e > 256 else 4})

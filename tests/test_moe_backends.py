@@ -326,8 +326,7 @@ def test_hybrid_arms_run_offloads_step_and_keep_fused_tokens(arch, tiny_checkpoi
 def test_hybrid_over_a_large_cache_runs_offloads_step(arch, tiny_checkpoint, fused_tokens, monkeypatch):
     """Where hybrid's cache holds over planner.HYBRID_MAX_RESIDENCY of the experts, every decode step is offload's
     (share.HeldFetch: no job for the CPU worker, every miss fetched and admitted), fused's tokens; under the ceiling,
-    with MOESTREAM_HYBRID_ARMS=0 above it, and with MOESTREAM_HYBRID_ADMIT=1 (the split's misses admitted: the arms
-    compare both forms) the split runs (the worker computes misses)."""
+    and with MOESTREAM_HYBRID_ARMS=0 above it, the split runs (the worker computes misses)."""
     from moestream.moe import share
 
     ps, want = fused_tokens(arch)
@@ -347,41 +346,9 @@ def test_hybrid_over_a_large_cache_runs_offloads_step(arch, tiny_checkpoint, fus
     small = int(0.45 * total) - 1 + scratch
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=small, moe_decode_kernel="pairs")
     assert got == want and not isinstance(llm.engine.runtime.decode.arms, share.HeldFetch)
-    monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", "1")
-    llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
-    rt = llm.engine.runtime
-    assert got == want and type(rt.decode.arms) is share.Arms and rt.bridge.seq > 0
-    assert llm.stats()["hybrid"]["arms"]["1"]["steps"][share.SPLIT] > 0
-    monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", "0")
     monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")
     llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=big, moe_decode_kernel="pairs")
     assert got == want and llm.engine.runtime.bridge.seq > 0 and sum(llm.engine.runtime.bridge.cpu_experts) > 0
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_hybrid_admits_its_cpu_misses_behind_the_call(arch, tiny_checkpoint, fused_tokens, monkeypatch):
-    """MOESTREAM_HYBRID_ADMIT=1: every split call's CPU-computed misses are admitted into the device cache behind it
-    (counted admitted_behind, their bytes in bytes_h2d): fused's tokens and an intact cache. Where the split fetches
-    nothing (share 0: every miss on the CPU, where the H100 runs at 8.5-11.7 GiB settled), the cache otherwise stops
-    following the routing after prefill; admitted behind, later calls hit the experts the CPU computed."""
-    from moestream.moe import share
-
-    ps, want = fused_tokens(arch)
-    monkeypatch.setenv("MOESTREAM_HYBRID_ARMS", "0")  # every step on the split ...
-    real_use = share.LiveShare.use
-    monkeypatch.setattr(share.LiveShare, "use", lambda self, value, fixed: real_use(self, 0.0, 0.0))  # ... at share 0
-    totals = {}
-    for admit in ("0", "1"):
-        monkeypatch.setenv("MOESTREAM_HYBRID_ADMIT", admit)
-        llm, got = run(tiny_checkpoint, arch, "hybrid", moe_cache_size=16, moe_decode_kernel="pairs")
-        assert got == want
-        llm.engine.runtime.check_integrity()
-        t = totals[admit] = llm.stats()["total"]
-        assert t["gpu_experts"] + t["cpu_experts"] == t["expert_calls"] and t["cpu_experts"] > 0
-        nbytes = llm.engine.runtime.store.bytes_per_expert()
-        assert t["bytes_h2d"] >= (t["admitted_behind"] + t["gpu_experts"] - t["hits"]) * nbytes
-    assert totals["0"]["admitted_behind"] == 0 < totals["1"]["admitted_behind"]
-    assert totals["1"]["hits"] > totals["0"]["hits"], (totals["0"]["hits"], totals["1"]["hits"])
 
 
 def test_hybrid_held_split_runs_the_tuned_share(tiny_checkpoint, fused_tokens, monkeypatch):

@@ -24,7 +24,7 @@ import torch
 from ..env import prefetch_top
 from .compute import DeviceExperts, RouteGroups, WeightRef, host_to_device
 from .cpu_moe import layer_table
-from .device_cache import (ADMITTED, BEHIND, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
+from .device_cache import (ADMITTED, EVICTIONS, HITS, HOST_PAIRS, MISSES, PREFETCH_HITS, PREFETCHED,
                            DeviceSlotCache)
 from .pairs import count_routed, stage_experts
 from .residency import Residency
@@ -342,8 +342,7 @@ class DeviceSlots(SlotPool):
             nbytes = self.ctx.store.bytes_per_expert(layer)
             # a prefetched expert crossed PCIe once (PREFETCHED) and is a hit of the call it was predicted for
             out[layer] = {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "copies": c[ADMITTED],
-                          "bytes_h2d": (c[HOST_PAIRS] + c[PREFETCHED] + c[BEHIND]) * nbytes,
-                          "gpu_experts": c[HITS] + c[HOST_PAIRS], "admitted_behind": c[BEHIND],
+                          "bytes_h2d": (c[HOST_PAIRS] + c[PREFETCHED]) * nbytes, "gpu_experts": c[HITS] + c[HOST_PAIRS],
                           "expert_calls": c[HITS] + c[MISSES], "prefetch_issued": c[PREFETCHED],
                           "prefetch_hits": c[PREFETCH_HITS], "prefetch_unused": c[PREFETCHED] - c[PREFETCH_HITS]}
         return out
@@ -363,13 +362,6 @@ class DeviceSlots(SlotPool):
             ids = ids[:, :top]
         experts, rows, count = self.dcache.prefetch(nxt, ids)
         return PairRows(experts, self.pool.arrays, (ctx.store.bank(nxt), experts, rows, count))
-
-    def behind_rows(self, layer: int, topk_ids: torch.Tensor) -> PairRows:
-        """hybrid (MOESTREAM_HYBRID_ADMIT): the call's routed experts still not resident after it (the misses it left
-        to the CPU) admitted into victims not read in this step -> the PairRows whose `stage()` copies them; the caller
-        runs it behind the call and has it land before the layer's next call."""
-        experts, rows, count = self.dcache.prefetch(layer, topk_ids, behind=True)
-        return PairRows(experts, self.pool.arrays, (self.ctx.store.bank(layer), experts, rows, count))
 
     def pair_rows(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, fraction=1.0) -> PairRows:
         """Routes the call through the device cache; fraction < 1 (or a device scalar: hybrid's live share)

@@ -46,7 +46,7 @@ try:  # optional: absent on CPU-only installs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS, PREFETCHED, PREFETCH_HITS, BEHIND = range(8)
+HITS, MISSES, ADMITTED, EVICTIONS, HOST_PAIRS, PREFETCHED, PREFETCH_HITS = range(7)
 # hybrid: a miss of an expert the CPU computed within this many steps is fetched before first-time misses, so an
 # expert that comes back is cached on its second miss (and one seen once does not displace a resident)
 SECOND_TOUCH = 64
@@ -70,7 +70,7 @@ class DeviceSlotCache:
         self.victims = torch.zeros(self.num_victims, dtype=torch.long, device=device)
         self.vptr = torch.zeros((), dtype=torch.long, device=device)
         self.stamp = torch.zeros((), dtype=torch.long, device=device)
-        self.counters = torch.zeros((8, L), dtype=torch.long, device=device)
+        self.counters = torch.zeros((7, L), dtype=torch.long, device=device)
         self.expert_hits = torch.zeros(L * num_experts, dtype=torch.long, device=device)  # hits of key i*E + e
         # hybrid: the step at which each key was last left to the CPU (its misses then fetch first: SECOND_TOUCH)
         self.last_cpu = torch.full((L * num_experts,), NEVER, dtype=torch.long, device=device)
@@ -173,17 +173,15 @@ class DeviceSlotCache:
         self.last_use.scatter_(0, torch.where(ok, victim, S), self.stamp.expand(E))
         return ok, victim
 
-    def prefetch(self, layer: int, predicted: torch.Tensor, behind: bool = False):
+    def prefetch(self, layer: int, predicted: torch.Tensor):
         """Admit the experts `predicted` [T, k] for `layer`'s coming call that are not resident (see the module
         doc) -> (experts [Q], rows [Q], count): experts[:count] must be copied from the host bank into
-        rows[:count] before that call computes. Q = predicted.numel(). behind: the same admission for the call
-        that just ran (hybrid's CPU-computed misses, admitted behind it: counted BEHIND, not PREFETCHED, no
-        pf_stamp), whose copies must land before the layer's next call."""
+        rows[:count] before that call computes. Q = predicted.numel()."""
         if predicted.device.type == "cuda" and triton is not None and triton_enabled():
-            return prefetch_triton(self, layer, predicted, behind)
-        return self._prefetch_torch(layer, predicted, behind)
+            return prefetch_triton(self, layer, predicted)
+        return self._prefetch_torch(layer, predicted)
 
-    def _prefetch_torch(self, layer: int, predicted: torch.Tensor, behind: bool = False):
+    def _prefetch_torch(self, layer: int, predicted: torch.Tensor):
         """The reference of `prefetch` (any device)."""
         i, E, V = self.layer_index[layer], self.E, self.num_victims
         flat = predicted.reshape(-1).long()
@@ -197,10 +195,9 @@ class DeviceSlotCache:
         victim = torch.zeros(E, dtype=torch.long, device=self.device)
         if V:
             ok, victim = self._admit_torch(i, miss_e, cm - 1, n_miss, routed, skip_read=True)
-            self.counters[BEHIND if behind else PREFETCHED, i] += ok.sum()
-            if not behind:
-                pf = self.pf_stamp[i * E:(i + 1) * E]
-                pf.copy_(torch.where(ok, self.stamp, pf))
+            self.counters[PREFETCHED, i] += ok.sum()
+            pf = self.pf_stamp[i * E:(i + 1) * E]
+            pf.copy_(torch.where(ok, self.stamp, pf))
         count = ok.sum()
         pos = torch.where(ok, torch.cumsum(ok.long(), 0) - 1, count + self._arange - torch.cumsum(ok.long(), 0))
         order = torch.argsort(pos)
@@ -310,7 +307,7 @@ def route_triton(cache: DeviceSlotCache, layer: int, topk_ids: torch.Tensor,
     return src, order, rows, count
 
 
-def prefetch_triton(cache: DeviceSlotCache, layer: int, predicted: torch.Tensor, behind: bool = False):
+def prefetch_triton(cache: DeviceSlotCache, layer: int, predicted: torch.Tensor):
     """`DeviceSlotCache.prefetch` as one Triton launch (no host reads)."""
     if triton is None:
         raise RuntimeError("prefetch_triton needs triton")
@@ -326,7 +323,7 @@ def prefetch_triton(cache: DeviceSlotCache, layer: int, predicted: torch.Tensor,
     _prefetch_kernel[(1,)](flat, cache.table, cache.slot_key, cache.last_use, cache.victims, cache.vptr, cache.stamp,
                            cache.counters, cache.pf_stamp, cache._work, experts, rows, count, Q, E, S, V,
                            cache.counters.shape[1], i, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_E=block_e,
-                           BEHIND=behind, num_warps=4 if block_e <= 256 else 8)
+                           num_warps=4 if block_e <= 256 else 8)
     return experts, rows, count
 
 
@@ -464,7 +461,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["li"])
     def _prefetch_kernel(ids, table, slot_key, last_use, victims, vptr, stamp, counters, pf_stamp, routed_buf,
                          experts_out, rows_out, count_out, Q, E, S, V, L, li, BLOCK_Q: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BEHIND: tl.constexpr = False):
+                         BLOCK_E: tl.constexpr):
         """`DeviceSlotCache._prefetch_torch` in one program (the route kernel's scheme): predicted non-residents
         take victims in id order, passing over victims read in this step or holding a predicted expert."""
         q = tl.arange(0, BLOCK_Q)
@@ -482,11 +479,8 @@ if triton is not None:
         ok, rows_e = _admit(e, em, base, miss, cm - 1, n_miss, before, table, slot_key, last_use, victims, vptr,
                             routed_buf, counters, st, E, V, L, li, BLOCK_E, SKIP_READ=True)
         n_ok = tl.sum(ok.to(tl.int64), 0)
-        if BEHIND:
-            tl.atomic_add(counters + 7 * L + li, n_ok)  # BEHIND
-        else:
-            tl.atomic_add(counters + 5 * L + li, n_ok)  # PREFETCHED
-            tl.store(pf_stamp + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
+        tl.atomic_add(counters + 5 * L + li, n_ok)  # PREFETCHED
+        tl.store(pf_stamp + base + e, tl.zeros([BLOCK_E], dtype=tl.int64) + st, mask=ok)
         pos = tl.cumsum(ok.to(tl.int64), 0) - 1
         tl.store(experts_out + pos, e.to(tl.int64), mask=ok & (pos < Q))
         tl.store(rows_out + pos, rows_e, mask=ok & (pos < Q))

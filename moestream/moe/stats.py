@@ -42,7 +42,6 @@ class LayerStats:
     prefetch_issued: int = 0
     prefetch_hits: int = 0
     prefetch_unused: int = 0
-    admitted_behind: int = 0  # hybrid (MOESTREAM_HYBRID_ADMIT): CPU-computed misses admitted behind their call
     prefill_resident: int = 0
     prefill_streamed: int = 0
     prefill_lookahead: int = 0  # experts of layer l+1 streamed ahead while layer l computed

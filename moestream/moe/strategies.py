@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from ..env import hybrid_admit, hybrid_arms
+from ..env import hybrid_arms
 from .bridge import CpuBridge
 from .compute import RouteGroups, WeightRef, accumulate, grouped_bank_ready
 from .cpu_moe import layer_table
@@ -264,24 +264,9 @@ class LookaheadCopies:
                 rows.stage()
         self.pending[nxt] = (x, rows)
 
-    def behind(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """hybrid (MOESTREAM_HYBRID_ADMIT): the experts this call left to the CPU admitted into the cache (bookkeeping
-        in the stream, so later calls of the step route after it) and copied on the side stream, joined by the
-        layer's next call or the step's end."""
-        rows = self.cache.behind_rows(layer, topk_ids)
-        if self.stream is None:
-            rows.stage()
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(topk_ids.device))
-        with torch.cuda.stream(self.stream):
-            rows.stage()
-        self.pending[("behind", layer)] = (topk_ids, rows)
-
     def join(self, layer: int) -> None:
-        """Before `layer` routes: the copies issued for it (a prefetch, or an admission behind its last call) are
-        done (stream order)."""
-        ahead, behind = self.pending.pop(layer, None), self.pending.pop(("behind", layer), None)
-        if ahead is not None or behind is not None:
+        """Before `layer` routes: the copies issued for it are done (stream order)."""
+        if self.pending.pop(layer, None) is not None:
             torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
 
     def join_all(self) -> None:
@@ -357,11 +342,8 @@ class BridgeDecode(Strategy):
         self.device_pairs = split
         self.lookahead = LookaheadCopies(ctx, cache)
         self.arms = Arms() if split and hybrid_arms() else None
-        self.admit = split and hybrid_admit()  # the split's CPU misses admitted behind each call (env.hybrid_admit)
-        if self.arms is not None and self.residency() > HYBRID_MAX_RESIDENCY and not self.admit:
-            # most experts cached: offload's step (share.HeldFetch says why: the split's CPU misses stay out of the
-            # cache; admitted behind each call they do not, and the arms compare the two forms on equal terms)
-            self.arms = HeldFetch()
+        if self.arms is not None and self.residency() > HYBRID_MAX_RESIDENCY:
+            self.arms = HeldFetch()  # most experts cached: offload's step (share.HeldFetch says why)
         self.arm = SPLIT
         # each step launched and not yet finished, oldest first: (whether it gave the worker a job, (rows, arm, start)
         # for the arms or None); two while an overlapped step is launched before the last is read
@@ -418,8 +400,6 @@ class BridgeDecode(Strategy):
         self.bridge.post(layer, x, topk_ids, topk_w, cpu)  # first: the CPU works while experts are staged
         y = staged_pair_outputs(self, layer, rows, x, topk_w)
         extra = beside() if beside is not None else None
-        if self.admit:  # behind the GPU's pairs, beside the CPU's: the copies overlap the collect's wait
-            self.lookahead.behind(layer, topk_ids)
         self.bridge.collect(layer, y, cpu)
         return pair_sum(y, topk_ids.shape[1], x.dtype), extra
 
