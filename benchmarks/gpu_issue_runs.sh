@@ -95,13 +95,13 @@ for P in $(echo "${PHASES:-edge,replay,mtp,tests}" | tr , ' '); do
       need_file
       # BACKEND@GIB[@FLAGS]: FLAGS q keeps the dense layers compressed (MOESTREAM_DENSE_QUANT=1) where `auto` would
       # not; s steps without overlap (--overlap-schedule off); t whole steps profiled instead of a replay (--steps STEPS
-      # [32]: cpu and hybrid, whose graph waits on the CPU worker)
+      # [32]: cpu and hybrid, whose graph waits on the CPU worker); ROWS [1]: the recorded steps replayed, e.g. 1,4
       for C in $(echo "${DPROF:-fused@0}" | tr , ' '); do
         B=${C%%@*}; R=${C#*@}; G=${R%%@*}; FL=$( [ "$R" != "$G" ] && echo "${R#*@}" ); S=${B}_$G${FL:+_$FL}
         Dq=$( [[ "$FL" == *q* ]] && echo 1 || echo auto ); Ov=$( [[ "$FL" == *s* ]] && echo off || echo auto )
         St=$( [[ "$FL" == *t* ]] && echo "--steps ${STEPS:-32}" )
         MOESTREAM_DENSE_QUANT=$Dq timeout "${DPROF_S:-120}" python3 benchmarks/step_profile.py --model "$F" --backend "$B" \
-          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" $St --out "$OUT/decode_profile_$S.json" \
+          $( [ "$G" != 0 ] && echo --gpu-memory-gb "$G" ) --overlap $Ov --steady "${STEADY:-0}" $St --rows "${ROWS:-1}" --out "$OUT/decode_profile_$S.json" \
           2>&1 | tee "$OUT/decode_profile_$S.log" | tail -75
       done
       ;;

@@ -5,9 +5,10 @@
     PYTHONPATH=$PWD python3 benchmarks/step_profile.py --model F.gguf --backend fused --prefill 512   # a prompt
 
 Decodes a few tokens (so the batch-1 step of its KV bucket is recorded as a CUDA graph), then replays
-that graph alone N times: under CUDA events (the step's GPU time) and under the torch profiler (every
-kernel inside the graph, by name: launches per step, µs per step). The gap between the step's time and
-the sum of its kernels' times is the per-kernel overhead of the graph (launch latency, tails).
+that graph alone N times (--rows 1,4: the batch-4 step's graph too): under CUDA events (the step's GPU time)
+and under the torch profiler (every kernel inside the graph, by name: launches per step, µs per step). The gap
+between the step's time and the sum of its kernels' times is the per-kernel overhead of the graph (launch
+latency, tails).
 --steps N profiles N whole batch-1 decode steps instead of a replay (any backend; cpu and hybrid need it: their
 graph waits on the CPU expert worker, which only a real step serves): wall ms a step, kernels by name, the CPU
 worker's compute ms a step, and what is left (the GPU waiting for the CPU beyond its compute, handoffs, host).
@@ -37,9 +38,10 @@ def load(args):
     return LLM(args.model, **kw)
 
 
-def step_graph(llm):
+def step_graph(llm, rows: int = 1):
+    """The last recorded decode graph of `rows` rows (None: none recorded)."""
     graphs = getattr(llm.engine, "graphs", None)
-    entries = [e for (b, *_), e in (graphs.entries.items() if graphs else []) if b == 1 and e.graph is not None]
+    entries = [e for (b, *_), e in (graphs.entries.items() if graphs else []) if b == rows and e.graph is not None]
     return entries[-1].graph if entries else None
 
 
@@ -224,6 +226,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test of --prefill)")
     ap.add_argument("--overlap", default="auto", help="--overlap-schedule (auto, on, off)")
     ap.add_argument("--steady", type=int, default=0, help="then N-token decodes at batch 1 and 4, and their host ops")
+    ap.add_argument("--rows", default="1", help="the recorded decode steps replayed, by rows: e.g. 1,4 (bs1 first)")
     ap.add_argument("--steps", type=int, default=0, help="profile N whole decode steps instead of a replay (cpu, hybrid)")
     args = ap.parse_args()
     from moestream import SamplingParams
@@ -239,29 +242,36 @@ def main() -> None:
                 json.dump(out, f, indent=1)
         return
     vocab = llm.model_config.vocab_size
-    ids = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(3)).tolist()
-    llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    t = llm.last_timing
-    tok_s = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
-    g = step_graph(llm)
-    out = {"backend": args.backend, "cap_gb": args.gpu_memory_gb, "decode_tok_s_bs1": tok_s}
-    if g is None:
-        print(json.dumps({**out, "graph": None}))
+    gen = torch.Generator().manual_seed(3)
+    out = {"backend": args.backend, "cap_gb": args.gpu_memory_gb}
+    for B in sorted({int(b) for b in args.rows.split(",")}):  # the batch-1 step first: the keys without a suffix
+        ids = [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(B)]
+        llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        t = llm.last_timing
+        tok_s = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        g = step_graph(llm, B)
+        sfx = "" if B == 1 else f"_bs{B}"
+        out[f"decode_tok_s_bs{B}"] = tok_s
+        if g is None:
+            print(json.dumps({**out, f"graph{sfx}": None}))
+            continue
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            g.replay()
+        torch.cuda.synchronize()
+        out["replay_ms" + sfx] = (time.perf_counter() - t0) / args.reps * 1e3
+        rows = kernel_table(g, args.reps)
+        out["kernels_per_step" + sfx] = sum(r["per_step"] for r in rows)
+        out["kernel_ms_per_step" + sfx] = sum(r["us_per_step"] for r in rows) / 1e3
+        out["top" + sfx] = rows[:30]
+        print(f"{args.backend} cap={args.gpu_memory_gb} rows {B}: decode {tok_s:.1f} tok/s aggregate; replay "
+              f"{out['replay_ms' + sfx]:.2f} ms/step, {out['kernels_per_step' + sfx]:.0f} kernels = "
+              f"{out['kernel_ms_per_step' + sfx]:.2f} ms of kernel time")
+        for r in rows[:30]:
+            print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:6.1f}  {r['kernel']}")
+    if "replay_ms" not in out:
         return
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.reps):
-        g.replay()
-    torch.cuda.synchronize()
-    out["replay_ms"] = (time.perf_counter() - t0) / args.reps * 1e3
-    rows = kernel_table(g, args.reps)
-    out["kernels_per_step"] = sum(r["per_step"] for r in rows)
-    out["kernel_ms_per_step"] = sum(r["us_per_step"] for r in rows) / 1e3
-    out["top"] = rows[:30]
-    print(f"{args.backend} cap={args.gpu_memory_gb}: decode {tok_s:.1f} tok/s; replay {out['replay_ms']:.2f} ms/step, "
-          f"{out['kernels_per_step']:.0f} kernels = {out['kernel_ms_per_step']:.2f} ms of kernel time")
-    for r in rows[:30]:
-        print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:6.1f}  {r['kernel']}")
     if args.steady:
         steady(llm, args, out)
     if args.out:
