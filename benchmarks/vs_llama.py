@@ -22,6 +22,7 @@ Variants (several chain: `cpu+ov+t15`): `BACKEND+qdense` / `+bf16dense` (the GGU
 layout / in it for Q4_K and Q6_K too; the default moves Q8_0 only),
 `BACKEND+fetch` / `+fetchall` / `+nofetch` (MOESTREAM_FETCH_IN_PAIRS=1 / all / 0: a GGUF layer call's misses copied
 by the pair kernels themselves at one token, the default / at every batch size / by the copy kernel first),
+`BACKEND+sdown` (MOESTREAM_SHARED_DOWN=1: the shared expert's activation and down projection in one launch),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
@@ -245,6 +246,8 @@ def _variant(variant: str, cfg: dict) -> bool:
     elif variant in ("fetch", "nofetch", "fetchall"):  # who copies a GGUF call's misses (a process of its own): the
         # pair kernels at one token / the copy kernel first / the pair kernels at every batch size
         cfg.setdefault("env", {})["MOESTREAM_FETCH_IN_PAIRS"] = {"fetch": "1", "nofetch": "0", "fetchall": "all"}[variant]
+    elif variant == "sdown":  # the shared expert's silu * up and down GEMV in one launch (a process of its own)
+        cfg.setdefault("env", {})["MOESTREAM_SHARED_DOWN"] = "1"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_QLINEAR_REPACK"] = "1"
     elif variant == "x8":  # the bridge's host banks with interleaved copies for its worker (a process of its own)

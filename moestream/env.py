@@ -158,6 +158,14 @@ def hybrid_arms() -> bool:
     return os.environ.get("MOESTREAM_HYBRID_ARMS", "1") != "0"
 
 
+def shared_down_fused() -> bool:
+    """MOESTREAM_SHARED_DOWN=1 (opt-in until timed): the shared expert's silu(gate) * up and its bf16 down projection in
+    one Triton launch at up to 16 rows (layers/triton_ops.shared_down), instead of the activation kernel and cuBLAS's
+    GEMV — whose 4-row choice took 12 µs a call for the 2 MB weight on the H100 (2026-12-07 profile: 0.48 ms of the
+    6.03 ms batch-4 step, 0.19 of 3.59 at batch 1). Read at each call."""
+    return os.environ.get("MOESTREAM_SHARED_DOWN", "0") == "1"
+
+
 def fetch_in_pairs() -> str:
     """Where a compressed (GGUF, FP8, NVFP4, MXFP4) layer call's missed experts are copied from pinned host memory
     into their slots: "1" (default) inside the pair kernels when the call has one token (each program copies the rows

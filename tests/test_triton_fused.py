@@ -1,5 +1,6 @@
 """The decode-step fusions of layers/triton_ops.py against their torch references:
-router softmax + top-k (+ renormalisation), shared-expert silu(gate) * up, the MoE combine + residual,
+router softmax + top-k (+ renormalisation), shared-expert silu(gate) * up (alone, and with the down projection in
+the same launch), the MoE combine + residual,
 the Gated DeltaNet decode kernel computing its own gates from the raw projections (on views of a fused
 projection), the gated RMSNorm reading its gate through a strided view, and the decoder's residual add
 fused into the post-attention RMSNorm, the MoE combine with the next layer's input norm, and attention's q/k norm + rotary + KV-cache write.
@@ -69,6 +70,24 @@ def case_silu_mul(dtype) -> list[str]:
     gu = (torch.randn(3, 2 * inter + 1, generator=g) * 3).to(dtype)  # gate | up | shared-expert gate logit
     got = triton_ops.silu_mul(gu, inter, force=True)
     return _close("silu_mul", got, triton_ops.silu_mul_torch(gu, inter), F32 if dtype == torch.float32 else BF16_INTERP)
+
+
+def case_shared_down(T, dtype) -> list[str]:
+    """silu(gate) * up and the down projection in one launch against silu_mul then an fp32 GEMM of the same
+    rounded activations: each product's error is bounded by the activations' rounding (two bf16 units under the
+    interpreter's truncation: 2^-6 of |h| |w| summed) plus the output's one rounding."""
+    g = torch.Generator().manual_seed(11 + T)
+    inter, N = 96, 80  # neither a multiple of the kernel's blocks: masked tails in k and n
+    gu = (torch.randn(T, 2 * inter + 1, generator=g) * 2).to(dtype)
+    w = (torch.randn(N, inter, generator=g) / inter ** 0.5).to(dtype)
+    assert triton_ops.shared_down_ok(gu, inter, w, force=True)
+    got = triton_ops.shared_down(gu, inter, w, force=True).float()
+    h = triton_ops.silu_mul_torch(gu, inter).float()
+    want = h @ w.float().t()
+    bound = 2 ** -6 * (h.abs() @ w.float().abs().t()) + 2 ** -7 * want.abs() + 1e-6
+    err = (got - want).abs()
+    return [] if got.shape == want.shape and bool((err <= bound).all()) else \
+        [f"shared_down: max err {float(err.max()):.3g}, worst err/bound {float((err / bound).max()):.3g}"]
 
 
 def case_combine(dtype, residual: bool) -> list[str]:
@@ -203,6 +222,9 @@ CASES = {
     "route-E128-k8-bf16": lambda: case_route(6, 128, 8, True, torch.bfloat16),
     "silu_mul-f32": lambda: case_silu_mul(torch.float32),
     "silu_mul-bf16": lambda: case_silu_mul(torch.bfloat16),
+    "shared-down-3-bf16": lambda: case_shared_down(3, torch.bfloat16),
+    "shared-down-16-bf16": lambda: case_shared_down(16, torch.bfloat16),  # the most rows one launch takes
+    "shared-down-1-f16": lambda: case_shared_down(1, torch.float16),
     "combine-residual-f32": lambda: case_combine(torch.float32, True),
     "combine-residual-bf16": lambda: case_combine(torch.bfloat16, True),
     "combine-bf16": lambda: case_combine(torch.bfloat16, False),
@@ -248,7 +270,38 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     gu = torch.randn(2, 9)
     y, s = torch.randn(2, 4), torch.randn(2, 4)
     assert torch.equal(triton_ops.silu_mul(gu, 4), triton_ops.silu_mul_torch(gu, 4))
+    w = torch.randn(5, 4)
+    assert not triton_ops.shared_down_ok(gu, 4, w)
+    assert torch.equal(triton_ops.shared_down(gu, 4, w), triton_ops.silu_mul_torch(gu, 4) @ w.t())
     assert torch.equal(triton_ops.gated_combine(y, s, gu[:, 8:], y), triton_ops.gated_combine_torch(y, s, gu[:, 8:], y))
+
+
+def test_shared_down_takes_the_fused_launch_only_when_asked(tiny_checkpoint, monkeypatch):
+    """MOESTREAM_SHARED_DOWN=1 sends the shared expert's activation + down projection of every decode call the kernel
+    takes to triton_ops.shared_down (stood in for here by its torch reference: a CPU has no Triton launch); unset,
+    never. The tokens are the same either way."""
+    from moestream import LLM, SamplingParams
+
+    calls = []
+
+    def stand_in(gu, inter, w, force=False):
+        calls.append(gu.shape[0])
+        return triton_ops.silu_mul_torch(gu, inter) @ w.t()
+
+    monkeypatch.setattr(triton_ops, "shared_down_ok", lambda gu, inter, w, force=False: gu.shape[0] <= 16)
+    monkeypatch.setattr(triton_ops, "shared_down", stand_in)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_SHARED_DOWN", flag)
+        calls.clear()
+        llm = LLM(tiny_checkpoint("qwen35"), device="cpu", dtype="bfloat16", moe_backend="fused")
+        tokens[flag] = llm.generate([[3, 5, 7]], sp)[0].token_ids
+        if flag == "0":
+            assert not calls
+        else:  # the 3-row prompt's call and the decode steps' 1-row calls
+            assert calls and set(calls) <= {1, 3} and 1 in calls
+    assert tokens["0"] == tokens["1"]
 
 
 # --------------------------------------------------------------------------- sm_90
@@ -273,6 +326,10 @@ SM90 = {
     "silu_mul": lambda: (triton_ops._silu_mul_kernel,
                          {"gu_ptr": "*bf16", "out_ptr": "*bf16", "INTER": "i32", "STRIDE": "i32", "BLOCK": "constexpr"},
                          {"BLOCK": 512}),
+    "shared-down": lambda: (triton_ops._shared_down_kernel,
+                            {"gu_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "STRIDE": "i32",
+                             "N": "i32", **{c: "constexpr" for c in ("INTER", "BT", "BN", "BK")}},
+                            {"INTER": 512, "BT": 16, "BN": 16, "BK": 128}),
     "combine": lambda: (triton_ops._gated_combine_kernel, COMBINE_SIG,
                         {"RESIDUAL": True, "NORM": False, "ZERO_CENTERED": False, "BLOCK": 1024}),
     "combine-norm": lambda: (triton_ops._gated_combine_kernel, COMBINE_SIG,
@@ -313,9 +370,12 @@ def test_cuda_graph_replay_equals_torch():
     gu = torch.randn(T, 2 * inter + 1, device=dev, dtype=dt)
     y, s, r = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(3))
 
+    wd = torch.randn(H, inter, device=dev, dtype=dt) / inter ** 0.5
+
     def step():
         ids, w = triton_ops.route_topk(logits, k, True)
-        return ids, w, triton_ops.silu_mul(gu, inter), triton_ops.gated_combine(y, s, gu[:, 2 * inter:], r)
+        return (ids, w, triton_ops.silu_mul(gu, inter), triton_ops.gated_combine(y, s, gu[:, 2 * inter:], r),
+                triton_ops.shared_down(gu, inter, wd))
 
     step()  # compiles outside the capture
     torch.cuda.synchronize()
@@ -334,6 +394,8 @@ def test_cuda_graph_replay_equals_torch():
         assert not _close("act", outs[2], triton_ops.silu_mul_torch(gu, inter), BF16_ULP)
         assert not _close("combine", outs[3], triton_ops.gated_combine_torch(y, s, gu[:, 2 * inter:], r),
                              dict(BF16_ULP, atol=2 ** -6))
+        want = triton_ops.silu_mul_torch(gu, inter).float() @ wd.float().t()  # the same rounded activations
+        assert not _close("shared_down", outs[4], want, dict(BF16_ULP, atol=2 ** -6))
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

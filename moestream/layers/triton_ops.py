@@ -380,6 +380,31 @@ if triton is not None:
         tl.store(out_ptr + t * INTER + o, (s * u).to(ty), mask=m)
 
     @triton.jit
+    def _shared_down_kernel(gu_ptr, w_ptr, out_ptr, T, STRIDE, N, INTER: tl.constexpr, BT: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr):
+        """out[t, n] = sum_k h[t, k] * w[n, k] for t < T <= BT, h = silu(gu[t, :I]) * gu[t, I:2I] rounded as
+        _silu_mul_kernel rounds it: the shared expert's activation and down projection in one launch, each program
+        reading its BN weight rows once for every row (a float32 dot of the rows padded to BT: the step is bound by
+        the weight's bytes, not its arithmetic, and the interpreter has no bf16 dot)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nm = n < N
+        t = tl.arange(0, BT)
+        tm = t < T
+        ty = out_ptr.dtype.element_ty
+        acc = tl.zeros([BT, BN], dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < INTER
+            m = tm[:, None] & km[None, :]
+            g = tl.load(gu_ptr + t[:, None] * STRIDE + k[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(gu_ptr + t[:, None] * STRIDE + INTER + k[None, :], mask=m, other=0.0).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+            h = (s * u).to(ty).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None] * INTER + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        tl.store(out_ptr + t[:, None] * N + n[None, :], acc.to(ty), mask=tm[:, None] & nm[None, :])
+
+    @triton.jit
     def _gated_combine_kernel(y_ptr, s_ptr, gate_ptr, r_ptr, out_ptr, nw_ptr, n_ptr, N, GATE_STRIDE, eps,
                               RESIDUAL: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                               BLOCK: tl.constexpr):
@@ -446,6 +471,30 @@ def silu_mul(gu: torch.Tensor, inter: int, force: bool = False) -> torch.Tensor:
     if T:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(T, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), BLOCK=block)
+    return out
+
+
+SHARED_DOWN_ROWS = 16  # the rows one launch of _shared_down_kernel takes (tl.dot's least M)
+
+
+def shared_down_ok(gu: torch.Tensor, inter: int, w: torch.Tensor, force: bool = False) -> bool:
+    """Whether shared_down's kernel takes this call: a 16-bit decode-sized batch and a plain weight [N, I] of its
+    dtype, both with unit stride along rows."""
+    return ((force or enabled(gu)) and 0 < gu.shape[0] <= SHARED_DOWN_ROWS and gu.dtype in (torch.bfloat16, torch.float16)
+            and gu.stride(-1) == 1 and w.dtype == gu.dtype and w.dim() == 2 and w.shape[1] == inter
+            and w.is_contiguous())
+
+
+def shared_down(gu: torch.Tensor, inter: int, w: torch.Tensor, force: bool = False) -> torch.Tensor:
+    """gu [T, >= 2I] (gate | up | ...), w [N, I] -> (silu(gate) * up) @ w.T [T, N] in one launch (torch: silu_mul,
+    then the GEMM)."""
+    if not shared_down_ok(gu, inter, w, force):
+        return silu_mul(gu, inter, force) @ w.t()
+    T, N = gu.shape[0], w.shape[0]
+    out = torch.empty((T, N), dtype=gu.dtype, device=gu.device)
+    bn, bk = 16, min(128, max(16, triton.next_power_of_2(inter)))
+    _shared_down_kernel[(triton.cdiv(N, bn),)](gu, w, out, T, gu.stride(0), N, INTER=inter, BT=SHARED_DOWN_ROWS,
+                                               BN=bn, BK=bk)
     return out
 
 

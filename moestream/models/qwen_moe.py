@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..env import shared_down_fused
 from ..batch import ForwardBatch
 from ..layers.attention import Attention
 from ..layers.gdn import GatedDeltaNet
@@ -90,8 +91,7 @@ class SparseMoeBlock(nn.Module):
         gu = out[:, e:]  # [T, 2I + 1]
         inter = self.shared_in.sizes[-2]
         # down(silu(gate) * up), launched where it hides best (on the GPU while the CPU computes cpu / hybrid's pairs)
-        y, shared = self.runtime.forward_beside(
-            self.layer, x, ids, w, lambda: self.shared_expert.down_proj(triton_ops.silu_mul(gu, inter)))
+        y, shared = self.runtime.forward_beside(self.layer, x, ids, w, lambda: self._shared_down(gu, inter))
         gate = gu[:, 2 * inter:]
         if next_norm is None:
             return triton_ops.gated_combine(y, shared, gate, residual)
@@ -100,6 +100,16 @@ class SparseMoeBlock(nn.Module):
                                                  next_norm.zero_centered)
         h = triton_ops.gated_combine(y, shared, gate, residual)
         return h, next_norm(h)
+
+
+    def _shared_down(self, gu, inter: int):
+        """The shared expert's down(silu(gate) * up) of the fused GEMM's columns gu; MOESTREAM_SHARED_DOWN=1: in one
+        launch where its kernel takes the call (env.shared_down_fused)."""
+        down = self.shared_expert.down_proj
+        if shared_down_fused() and type(down) is Linear and down.bias is None \
+                and triton_ops.shared_down_ok(gu, inter, down.weight):
+            return triton_ops.shared_down(gu, inter, down.weight)
+        return down(triton_ops.silu_mul(gu, inter))
 
 
 class DecoderLayer(nn.Module):
