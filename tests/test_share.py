@@ -257,3 +257,30 @@ def test_a_tuned_share_slower_than_the_exploration_is_undone():
         seen, d = run(split_first, lambda frac: tail(every), tuning=lambda frac: 0.0111, block=4, trials=2, steps=120)
         assert d["tune_converged"] and d.get("reverted") == ("fetch" if undone else None), (every, d)
     assert Arms._window([0.0111] * 7 + [0.0300]) == 0.0111 and Arms._window([0.0111, 0.0111, 0.0300]) > 0.017
+
+
+def test_a_decaying_split_ends_its_tuning_early():
+    """A held split whose centre block runs slower than offload's step explored (the split's cache decaying: the H100
+    host at 11.68 GiB explored the split at 11.1 ms and offload's step at 14.6, then held split steps of ~20 ms) stops
+    tuning at that block and goes to the check, which holds offload's step one window later — not after three tuning
+    rounds (each with an all-CPU candidate) and a window. A centre slower than the explored split but faster than
+    offload's step keeps tuning (the fit's share drifting: test_held_split_share_tuned_by_step_time)."""
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    def run(held_s):
+        arms = Arms(block=4, trials=3, hold=10_000, warmup=0)
+        drive(arms, 1, {SPLIT: 0.0111, FETCH: 0.0146}, 24)  # the exploration: the split chosen
+        assert arms.pick(1) == SPLIT
+        for step in range(200):
+            arm = arms.pick(1)
+            if arm == FETCH:
+                return step, arms.as_dict()["1"]
+            arms.share_for(1, (0.35, 0.4))
+            arms.observe(1, SPLIT, held_s)
+        return None, arms.as_dict()["1"]
+
+    step, d = run(0.0205)
+    assert step == 4 + 12 and d["cut"] and d["reverted"] == "fetch" and d["chosen"] == FETCH, (step, d)
+    step, d = run(0.0140)  # slower than the explored split, not than offload's step: tuned, then checked
+    assert step is None or step > 4 + 12
+    assert "cut" not in d

@@ -231,15 +231,27 @@ class Arms:
         w = np.sort(np.asarray(steps, dtype=float))
         return float(max(np.median(w), (w[:-1] if len(w) >= 4 else w).mean()))
 
-    def _tune(self, tu: dict, seconds: float) -> None:
-        """A held split step's time, for the tuner's current candidate."""
+    def _tune(self, st: dict, seconds: float) -> None:
+        """A held split step's time, for the tuner's current candidate. A centre block slower than offload's step
+        explored (by the margin) ends the tuning there: the centre goes to `_check`, which undoes it within a window.
+        The split's held steps can decay — its CPU-computed misses stay out of the cache, so its hits fall — faster than
+        a tuning round shows (the H100 host at 11.68 GiB, 2026-12-07: the split explored at 11.1 ms a step, offload's
+        step at 14.6; the held split's steps were checked at 20.5 ms only after three tuning rounds, and hybrid
+        decoded 58.5 tok/s where offload decoded 67.0)."""
+        tu = st["tune"]
         if tu["converged"]:
             return
         tu["block"].append(seconds)
         if len(tu["block"]) < self.block:
             return
-        tu["t"][self._CANDS[tu["i"]]] = float(np.median(tu["block"]))
+        cand, med = self._CANDS[tu["i"]], float(np.median(tu["block"]))
+        tu["t"][cand] = med
         tu["block"] = []
+        fetch = st["times"][FETCH]
+        if cand == 0 and fetch and med > float(np.median(fetch)) * (1 + self.margin):
+            tu["converged"], tu["check"], tu["i"], tu["t"] = True, [], 0, {}
+            tu["cut"] = True  # (reported: the tuning ended on a slow centre)
+            return
         tu["i"] += 1
         while tu["i"] < len(self._CANDS) and self._skipped(tu, self._CANDS[tu["i"]]):
             tu["i"] += 1
@@ -283,7 +295,7 @@ class Arms:
                 if st["tune"]["converged"]:
                     self._check(st, seconds)
                 else:
-                    self._tune(st["tune"], seconds)
+                    self._tune(st, seconds)
             if st["held"] >= self.hold:  # explore again
                 st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []},
                           tune=None)
@@ -314,7 +326,7 @@ class Arms:
                          "explorations": st["explorations"], "steps": dict(st["steps"]),
                          **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
                              "tune_moves": st["tune"]["moves"], "tune_converged": st["tune"]["converged"],
-                             **{k: st["tune"][k] for k in ("checked_ms", "reverted") if k in st["tune"]}}
+                             **{k: st["tune"][k] for k in ("checked_ms", "reverted", "cut") if k in st["tune"]}}
                             if st["tune"] else {})}
                 for r, st in sorted(self._rows.items())}
 
