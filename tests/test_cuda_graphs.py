@@ -51,7 +51,7 @@ def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint, monkeypat
     common = dict(device="cuda", dtype="bfloat16", moe_backend=backend, max_running_requests=4, **kw)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 300, 17)]
-    outs = {}
+    outs, counts = {}, {}
     for graphs in (False, True):
         llm = LLM(tiny_checkpoint(arch), cuda_graphs=graphs, **common)
         one = [o.token_ids for o in llm.generate(prompts[:1], SP)]  # batch 1
@@ -59,6 +59,9 @@ def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint, monkeypat
         outs[graphs] = (one, many)
         eng = llm.engine
         assert eng.runtime.capturable()
+        if backend == "fused":  # the step's counts, one launch at its end (inside the graph when recorded)
+            t = eng.runtime.stats()["total"]
+            counts[graphs] = (t["hits"], t["expert_calls"], eng.runtime.cache.expert_hits())
         if graphs:
             assert eng.graphs.recorded >= 2 and eng.graphs.replays > 40
         if backend in ("cpu", "hybrid"):
@@ -71,6 +74,7 @@ def test_graph_decode_equals_eager(arch, backend, kw, tiny_checkpoint, monkeypat
             if kw.get("moe_prefetch") == "on":
                 assert 0 < t["prefetch_hits"] <= t["prefetch_issued"]
     assert outs[True] == outs[False]
+    assert counts.get(True) == counts.get(False)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen35"])

@@ -263,6 +263,39 @@ def test_fused_pairs_count_distinct_experts(tiny_checkpoint, prompts_):
     assert seen and max(tokens for _, tokens, _ in seen) == len(prompts_)
 
 
+@pytest.mark.parametrize("prompts_", [[[1, 2, 3]], [[1, 2, 3], [7, 8, 9, 10]]])
+def test_fused_pairs_count_a_step_in_one_launch(tiny_checkpoint, prompts_, monkeypatch):
+    """The pair path's counts of a decode step's layer calls are made together at the step's end (one count_routed
+    launch per kind of call, not one a layer), and add up to the same totals as counting call by call (the test
+    above reads the counters after every call, which counts each call on its own)."""
+    from moestream.moe import caches
+
+    totals, real = {}, caches.count_routed
+    for together in (True, False):
+        llm = LLM(tiny_checkpoint("qwen3"), moe_backend="fused", moe_decode_kernel="pairs", **COMMON)
+        rt = llm.engine.runtime
+        launches = []
+        monkeypatch.setattr(caches, "count_routed", lambda ids, *a, **k: (launches.append(ids.shape[0]),
+                                                                          real(ids, *a, **k)))
+        if not together:  # each call counted on its own, as before the step's counts were batched
+            real_rows = rt.cache.pair_rows
+
+            def one_by_one(*a, **k):
+                out = real_rows(*a, **k)
+                rt.cache.count_step()
+                return out
+            monkeypatch.setattr(rt.cache, "pair_rows", one_by_one)
+        llm.generate(prompts_, SP)
+        t = rt.stats()["total"]
+        totals[together] = (t["hits"], t["expert_calls"], rt.cache.expert_hits())
+        layers = len(rt.store.moe_layers)
+        if together:  # every decode step's calls in one launch (prefill chunks count through book)
+            assert launches and set(launches) == {layers} and layers > 1
+        else:
+            assert set(launches) == {1}
+    assert totals[True] == totals[False]
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_the_plan_counts_the_dense_bytes_a_loaded_gguf_holds(quant, tmp_path, monkeypatch):
     """The benchmark's Qwen3.6-shaped GGUF (tiny): fusing its projections of mixed types dequantizes some of the

@@ -432,26 +432,50 @@ def _hf_linear_case(case: str, T: int = 3, how: str = "") -> list[str]:
 HF_LINEAR_CASES = ("fp8_block", "fp8_block_32x64_bf16", "fp8_channel", "fp8_tensor", "nvfp4", "mxfp4")
 
 
+COUNT_CASES = ((32, 256, [0, 1, 2], True), (12, 384, [3, 1, 3], True), (5, 64, [2], True), (8, 256, [0, 1, 2, 3], False))
+
+
+def _count_inputs(P, E, layers, distinct_too):
+    """ids [n, P] of calls to `layers` (one layer twice in a case), counters with something in them, and the counts
+    they must end with: every distinct expert of a call once, no distinct count for batch-1 calls (distinct_too)."""
+    g = torch.Generator().manual_seed(P)
+    ids = torch.randint(0, E, (len(layers), P), generator=g)
+    ids[:, 1] = ids[:, 0]  # a repeat in every call
+    hits, distinct = torch.randint(0, 5, (4, E), generator=g), torch.randint(0, 9, (4,), generator=g)
+    want_h, want_d = hits.clone(), distinct.clone()
+    for row, layer in zip(ids, layers):
+        routed = torch.zeros(E, dtype=torch.long)
+        routed[row] = 1
+        want_h[layer] += routed
+        if distinct_too:
+            want_d[layer] += routed.sum()
+    return ids, torch.tensor(layers), hits, distinct, want_h, want_d
+
+
 def _count_case() -> list[str]:
-    """pairs._count_routed_kernel (the fused pair path's per-layer counts of a batched call) equals the torch
-    counts: every distinct expert once, repeats and experts past the top of the ids included, P not a power of two."""
+    """pairs._count_routed_kernel (the fused pair path's counts of a decode step's layer calls, one program a call)
+    equals the torch counts: repeats and experts past the top of the ids included, P not a power of two, a layer
+    listed twice counted twice."""
     from moestream.moe import pairs
 
     errs = []
-    for P, E in ((32, 256), (12, 384), (5, 64)):
-        g = torch.Generator().manual_seed(P)
-        ids = torch.randint(0, E, (P,), generator=g)
-        ids[1] = ids[0]  # a repeat
-        hits, distinct = torch.randint(0, 5, (E,), generator=g), torch.tensor([7])
-        want_h, want_d = hits.clone(), distinct.clone()
-        routed = torch.zeros(E, dtype=torch.bool)
-        routed[ids] = True
-        want_h += routed
-        want_d += routed.sum()
-        pairs._count_routed_kernel[(1,)](ids, hits, distinct, E, P=P, BLOCK_E=triton_next_pow2(E))
+    for P, E, layers, distinct_too in COUNT_CASES:
+        ids, lidx, hits, distinct, want_h, want_d = _count_inputs(P, E, layers, distinct_too)
+        pairs._count_routed_kernel[(len(layers),)](ids, lidx, hits, distinct, E, P=P, BLOCK_E=triton_next_pow2(E),
+                                                   DISTINCT=distinct_too)
         if not (torch.equal(hits, want_h) and torch.equal(distinct, want_d)):
-            errs.append(f"P={P} E={E}: counts differ")
+            errs.append(f"P={P} E={E} layers={layers}: counts differ")
     return errs
+
+
+@pytest.mark.parametrize("case", COUNT_CASES)
+def test_count_routed_torch_path(case):
+    """count_routed's torch path (CPU tensors) gives the same counts as the kernel's case above."""
+    from moestream.moe import pairs
+
+    ids, lidx, hits, distinct, want_h, want_d = _count_inputs(*case)
+    pairs.count_routed(ids, lidx, hits, distinct, add_distinct=case[3])
+    assert torch.equal(hits, want_h) and torch.equal(distinct, want_d)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -895,8 +919,9 @@ def test_count_routed_kernel_compiles_for_sm90_within_the_default_frame(P, E):
     from moestream.moe import pairs
     from triton_harness import frame_bytes
 
-    sig = {"ids": "*i64", "hits": "*i64", "distinct": "*i64", "E": "i32", "P": "constexpr", "BLOCK_E": "constexpr"}
-    k = compile_sm90(pairs._count_routed_kernel, sig, {"P": P, "BLOCK_E": E}, {"num_warps": 4})
+    sig = {"ids": "*i64", "lidx": "*i64", "hits": "*i64", "distinct": "*i64", "E": "i32", "P": "constexpr",
+           "BLOCK_E": "constexpr", "DISTINCT": "constexpr"}
+    k = compile_sm90(pairs._count_routed_kernel, sig, {"P": P, "BLOCK_E": E, "DISTINCT": True}, {"num_warps": 4})
     assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT
 
 

@@ -245,35 +245,44 @@ STAGE_ARRAYS = 9  # arrays _stage_all_kernel takes in one launch
 if triton is not None:
 
     @triton.jit
-    def _count_routed_kernel(ids, hits, distinct, E, P: tl.constexpr, BLOCK_E: tl.constexpr):
-        """One program: the distinct experts among ids[:P] each add one to hits[e], and their number to distinct[0]
-        (a [BLOCK_E] mask built one id at a time: no [P, E] tile in registers)."""
+    def _count_routed_kernel(ids, lidx, hits, distinct, E, P: tl.constexpr, BLOCK_E: tl.constexpr,
+                             DISTINCT: tl.constexpr):
+        """Program i: the distinct experts among ids[i, :P] each add one to hits[lidx[i], e] and (DISTINCT) their
+        number to distinct[lidx[i]] (a [BLOCK_E] mask built one id at a time: no [P, E] tile in registers; atomic
+        adds, so a layer listed twice counts twice)."""
+        i = tl.program_id(0)
+        layer = tl.load(lidx + i)
         e = tl.arange(0, BLOCK_E)
         em = e < E
         routed = tl.zeros([BLOCK_E], dtype=tl.int64)
-        for i in range(P):
-            routed = tl.maximum(routed, (e == tl.load(ids + i)).to(tl.int64))
-        h = tl.load(hits + e, mask=em, other=0)
-        tl.store(hits + e, h + routed, mask=em)
-        tl.store(distinct, tl.load(distinct) + tl.sum(routed, axis=0))
+        for j in range(P):
+            routed = tl.maximum(routed, (e == tl.load(ids + i * P + j)).to(tl.int64))
+        tl.atomic_add(hits + layer * E + e, routed, mask=em & (routed > 0))
+        if DISTINCT:
+            tl.atomic_add(distinct + layer, tl.sum(routed, axis=0))
 
 
 COUNT_MAX_PAIRS = 256  # beyond (a prompt-sized call), the torch ops: the kernel's loop runs one id at a time
 
 
-def count_routed(ids: torch.Tensor, hits: torch.Tensor, distinct: torch.Tensor) -> None:
-    """hits [E] += 1 for each distinct expert among ids (any shape, int64), distinct (a one-element int64 view) +=
-    their number: the fused pair path's per-layer counts of a batched decode call, one launch on CUDA (torch: five),
-    no host sync (recordable in a decode graph)."""
-    flat = ids.reshape(-1)
-    if triton_ready(flat.device) and flat.numel() <= COUNT_MAX_PAIRS:
-        E = hits.shape[0]
-        _count_routed_kernel[(1,)](flat, hits, distinct, E, P=flat.numel(), BLOCK_E=triton.next_power_of_2(E))
+def count_routed(ids: torch.Tensor, lidx: torch.Tensor, hits: torch.Tensor, distinct: torch.Tensor,
+                 add_distinct: bool = True) -> None:
+    """ids [n, P] int64 (n layer calls of P pairs each), lidx [n] their layers' rows: hits [L, E] += 1 for each
+    distinct expert of each call, distinct [L] += their number (add_distinct): the fused pair path's counts of a decode
+    step's calls, one launch on CUDA (torch: a few), no host sync (recordable in a decode graph)."""
+    n, P = ids.shape
+    if not n:
         return
-    routed = torch.zeros(hits.shape[0], dtype=torch.bool, device=hits.device)
-    routed.index_fill_(0, flat, True)
-    distinct += routed.sum()
-    hits += routed
+    if triton_ready(ids.device) and P <= COUNT_MAX_PAIRS:
+        E = hits.shape[1]
+        _count_routed_kernel[(n,)](ids, lidx, hits, distinct, E, P=P, BLOCK_E=triton.next_power_of_2(E),
+                                   DISTINCT=add_distinct)
+        return
+    routed = torch.zeros(n, hits.shape[1], dtype=torch.long, device=hits.device)
+    routed.scatter_(1, ids, 1)
+    hits.index_add_(0, lidx, routed)
+    if add_distinct:
+        distinct.index_add_(0, lidx, routed.sum(1))
 
 
 def _pair_outputs_triton(x, topk_w, src, pool) -> torch.Tensor:

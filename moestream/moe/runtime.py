@@ -230,8 +230,9 @@ class ExpertRuntime:
 
     def end_graph_step(self) -> None:
         """The device-side part of end_step, recorded inside a captured decode step before the capture ends: the
-        decode strategy's side-stream work joined to the main stream (a capture with an unjoined fork is invalid;
-        end_step itself runs after the replay, outside the graph)."""
+        cache's step counts, the decode strategy's side-stream work joined to the main stream (a capture with an
+        unjoined fork is invalid; end_step itself runs after the replay, outside the graph)."""
+        self.cache.end_graph_step()
         join = getattr(self.decode, "join_side_stream", None)
         if join is not None:
             join()
