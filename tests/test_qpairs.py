@@ -432,7 +432,8 @@ def _hf_linear_case(case: str, T: int = 3, how: str = "") -> list[str]:
 HF_LINEAR_CASES = ("fp8_block", "fp8_block_32x64_bf16", "fp8_channel", "fp8_tensor", "nvfp4", "mxfp4")
 
 
-COUNT_CASES = ((32, 256, [0, 1, 2], True), (12, 384, [3, 1, 3], True), (5, 64, [2], True), (8, 256, [0, 1, 2, 3], False))
+COUNT_CASES = ((32, 256, [0, 1, 2], True), (12, 384, [3, 1, 3], True), (5, 64, [2], True),
+               (8, 256, [0, 1, 2, 3], False))
 
 
 def _count_inputs(P, E, layers, distinct_too):

@@ -284,3 +284,21 @@ def test_a_decaying_split_ends_its_tuning_early():
     step, d = run(0.0140)  # slower than the explored split, not than offload's step: tuned, then checked
     assert step is None or step > 4 + 12
     assert "cut" not in d
+
+
+def test_holds_on_offloads_step_grow_until_the_split_wins_again():
+    """Each hold that ends on offload's step doubles the next (up to HOLD_GROWTH holds): fewer explorations of a split
+    that keeps losing; a hold that ends on the split resets it."""
+    from moestream.moe.share import FETCH, SPLIT, Arms
+
+    arms = Arms(block=1, trials=1, hold=4, warmup=0)
+    picked = drive(arms, 1, {SPLIT: 0.020, FETCH: 0.015}, 2 + 4 + 2 + 8 + 2 + 16 + 2 + 32 + 2 + 32 + 2)
+    explorations = [i for i in range(1, len(picked)) if picked[i] == SPLIT]
+    assert explorations == [2 + 4, 2 + 4 + 2 + 8, 2 + 4 + 2 + 8 + 2 + 16, 2 + 4 + 2 + 8 + 2 + 16 + 2 + 32,
+                            2 + 4 + 2 + 8 + 2 + 16 + 2 + 32 + 2 + 32]  # holds 4, 8, 16, 32, 32 (8 x 4 at most)
+    assert arms.as_dict()["1"]["hold"] == 32
+    # the last exploration above chose offload's step for 32 steps; then the split wins the next one and is held ...
+    picked = drive(arms, 1, {SPLIT: 0.010, FETCH: 0.015}, 32 + 2 + 32)
+    assert picked == [FETCH] * 32 + [SPLIT, FETCH] + [SPLIT] * 32
+    d = arms.as_dict()["1"]
+    assert d["chosen"] is None and d["hold"] == 4  # ... and after that hold the exploration is followed by the base

@@ -130,7 +130,11 @@ class Arms:
     blocks of `block` steps until each has `trials` blocks (alternation cancels the slow drift of step times as
     contexts grow); an arm's time is the median of its blocks' medians (a block's first step may record a CUDA
     graph); the faster arm then runs `hold` steps, after which the exploration starts again (the rates change with
-    contexts, batch mix and cache state).
+    contexts, batch mix and cache state). Each hold that ends on offload's step doubles the next one (up to
+    HOLD_GROWTH x `hold`; one that ends on the split resets it): an exploration runs ~36 split steps, which cost most
+    where the split loses — its held steps decaying as its cache stops following the routing (H100 host, 11.68 GiB,
+    2026-12-07: explored at 11.1 ms a step, then ~20 against offload's 14.6) — so a long decode there explores less
+    often.
 
     While the split is held its share is tuned by step time (`share_for`): the line fitted to the worker's calls
     misjudges the CPU's rate where its calls and the PCIe copies share the host's memory bandwidth (on the H100 host,
@@ -151,6 +155,7 @@ class Arms:
     it wins by the margin the centre moves there (share 0, fixed 0); its neighbours are then small fetch shares."""
 
     SHARE_MAX = 0.95  # a fetch fraction above this sends the CPU too few misses to pay for its call
+    HOLD_GROWTH = 8  # the longest hold, in `hold`s, after explorations that kept ending on offload's step
 
     def __init__(self, block: int = 4, trials: int = 3, hold: int = 256, warmup: int = 24, tune_step: float = 0.1,
                  tune_min: float = 0.025, margin: float = 0.03, recheck: float = 0.10):
@@ -234,10 +239,10 @@ class Arms:
     def _tune(self, st: dict, seconds: float) -> None:
         """A held split step's time, for the tuner's current candidate. A centre block slower than offload's step
         explored (by the margin) ends the tuning there: the centre goes to `_check`, which undoes it within a window.
-        The split's held steps can decay — its CPU-computed misses stay out of the cache, so its hits fall — faster than
-        a tuning round shows (the H100 host at 11.68 GiB, 2026-12-07: the split explored at 11.1 ms a step, offload's
-        step at 14.6; the held split's steps were checked at 20.5 ms only after three tuning rounds, and hybrid
-        decoded 58.5 tok/s where offload decoded 67.0)."""
+        The split's held steps can decay — its CPU-computed misses stay out of the cache, so its hits fall — faster
+        than a tuning round shows (the H100 host at 11.68 GiB, 2026-12-07: the split explored at 11.1 ms a step,
+        offload's step at 14.6; the held split's steps were checked at 20.5 ms only after three tuning rounds, and
+        hybrid decoded 58.5 tok/s where offload decoded 67.0)."""
         tu = st["tune"]
         if tu["converged"]:
             return
@@ -296,9 +301,10 @@ class Arms:
                     self._check(st, seconds)
                 else:
                     self._tune(st, seconds)
-            if st["held"] >= self.hold:  # explore again
+            if st["held"] >= st.get("hold", self.hold):  # explore again (sooner after a hold on the split)
+                grown = min(2 * st.get("hold", self.hold), self.HOLD_GROWTH * self.hold)
                 st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []},
-                          tune=None)
+                          tune=None, hold=grown if st["chosen"] == FETCH else self.hold)
             return
         if st["warm"] < self.warmup:  # the split's share converging: not timed
             st["warm"] += arm == SPLIT
@@ -318,10 +324,10 @@ class Arms:
             st["last"] = {a: round(float(np.median(t[a])) * 1e3, 3) for a in t}
 
     def as_dict(self) -> dict:  # (HeldFetch's too)
-        """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, the mean step
-        ms of the steps held since (does the chosen arm keep its exploration's time?), explorations, steps run by
-        each arm."""
-        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"),
+        """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, the steps a hold
+        lasts, the mean step ms of the steps held since (does the chosen arm keep its exploration's time?),
+        explorations, steps run by each arm."""
+        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"), "hold": st.get("hold", self.hold),
                          "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
                          "explorations": st["explorations"], "steps": dict(st["steps"]),
                          **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
