@@ -359,6 +359,16 @@ def test_kernel_compiles_for_sm90(name):
     assert ".target sm_90" in k.asm["ptx"]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_shared_down_kernel_stays_within_the_default_frame():
+    """The new one-launch shared expert (not in tests/data/triton_launches_qwen36_sm90.json, recorded before it):
+    no local memory past the driver's default stack frame at the Qwen3.6 shape (tests/test_triton_frames.py)."""
+    from triton_harness import frame_bytes
+
+    fn, sig, consts = SM90["shared-down"]()
+    assert frame_bytes(compile_sm90(fn, sig, consts)) <= triton_ops.DRIVER_STACK_LIMIT
+
+
 # --------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
