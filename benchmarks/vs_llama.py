@@ -582,6 +582,7 @@ def measure(llm, args) -> dict:
     out.update(pp_tokens=args.pp, pp_tok_s=sum(pps) / len(pps), pp_samples=pps)
     stage("measured")
     out["triton_kernels"] = triton_kernel_report()
+    out["cuda_graphs"] = llm.stats().get("cuda_graphs")  # a failed capture (decode eager) shows in the report
     return out
 
 
@@ -719,7 +720,9 @@ def markdown(rep: dict) -> str:
                                f"MB/token), nvidia-smi peak "
                                f"{_f((x.get('vram_used_mib') or 0) / 1024 or None, '.2f')} GiB, tokens tg {x['tg_tokens']} / "
                                f"bs4 {x['bs4_tokens']}, load {x['load_s']:.0f} s"
-                               + (", llama.cpp build running" if x.get("concurrent_build") else ""))
+                               + (", llama.cpp build running" if x.get("concurrent_build") else "")
+                               + (f", **CUDA graphs off: {x['cuda_graphs']['capture_error'][:120]}**"
+                                  if (x.get("cuda_graphs") or {}).get("capture_error") else ""))
         if details:
             lines += ["moestream configurations:", ""] + details + [""]
     return "\n".join(lines)

@@ -91,6 +91,8 @@ class LLM:
         s["tp_size"] = self.engine_config.tp_size  # the expert figures are rank 0's (I / tp_size per expert)
         s["timing"] = dict(self.last_timing)
         s["host_memory"] = dict(getattr(self.engine, "host_memory", {}))  # RSS at load beside the bank bytes
+        graphs = getattr(self.engine, "graphs", None)
+        s["cuda_graphs"] = graphs.as_dict() if graphs is not None else None  # None: not on (CPU, --cuda-graphs off)
         sched = self.llm_engine.stats()
         for key in ("prefix_cache", "speculative"):
             if sched.get(key) is not None:

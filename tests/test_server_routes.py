@@ -248,8 +248,49 @@ def test_stats_carry_speculative_decoding(demo_tokenizer):
     http = TestClient(create_app(state))
     assert http.get("/v1/stats").json()["speculative"]["accepted_per_position"] == [4, 3]
     text = http.get("/metrics").text
+    assert f'moestream_cuda_graph_capture_failed{{model="{MODEL}"}} 0.0' in text
     assert f'moestream_spec_decode_accepted_tokens{{model="{MODEL}"}} 7.0' in text
     assert f'moestream_spec_decode_acceptance_rate_per_position{{model="{MODEL}",position="1"}} 0.6' in text
+
+
+def test_stats_carry_a_failed_graph_capture(demo_tokenizer):
+    """A CUDA graph capture that failed (decode then runs eagerly, several times slower) shows in /v1/stats
+    (cuda_graphs.capture_error) and /metrics (moestream_cuda_graph_capture_failed 1), not only in the log."""
+    graphs = {"enabled": False, "recorded": 0, "replays": 0, "graphs": 0,
+              "capture_error": "AcceleratorError: CUDA error: operation failed due to a previous error during capture"}
+    state = ServerState(engine=FakeEngine(demo_tokenizer), tokenizer=demo_tokenizer, model_name=MODEL,
+                        tool_parser_cls=None, reasoning_parser_cls=None, metrics=Metrics(MODEL))
+    state.snapshot = {"running": 0, "queued": 0, "cuda_graphs": graphs}
+    state.metrics.update_engine(state.snapshot)
+    http = TestClient(create_app(state))
+    assert http.get("/v1/stats").json()["cuda_graphs"] == graphs
+    assert f'moestream_cuda_graph_capture_failed{{model="{MODEL}"}} 1.0' in http.get("/metrics").text
+
+
+def test_failed_capture_is_reported_by_the_graphs(monkeypatch):
+    """DecodeGraphs keeps why a capture failed (as_dict: what /v1/stats and LLM.stats() report) and stops recording;
+    the capture itself is stood in for (no GPU here)."""
+    import contextlib
+
+    import torch
+
+    from moestream.engine.graphs import DecodeGraphs
+
+    @contextlib.contextmanager
+    def failing_capture(graph, pool=None):
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore lines")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    graphs = DecodeGraphs(type("Engine", (), {"device": torch.device("cpu")})())
+    assert graphs.as_dict()["capture_error"] is None and graphs.enabled
+    graphs._record(type("Entry", (), {})(), (1, 64, 1, False, 0))
+    d = graphs.as_dict()
+    assert not d["enabled"] and d["capture_error"] == ("RuntimeError: CUDA error: operation failed due to a previous "
+                                                       "error during capture")
 
 
 def test_web_page_and_stats_stream(demo_tokenizer):

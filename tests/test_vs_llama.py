@@ -41,7 +41,9 @@ def test_report_rows_and_table(tmp_path):
                                                 "total_experts": 10240}}
     moe = {"quant": "q8_0", "runs": {
         "fused@all": {**run("fused", 0, None, 3.1), "name": "fused@all"},
-        "offload@n15": run("offload", 15, 23.93, 2.6), "auto@n15": run("auto", 15, 23.93, 2.7, chose="offload"),
+        "offload@n15": {**run("offload", 15, 23.93, 2.6),
+                        "cuda_graphs": {"enabled": False, "capture_error": "AcceleratorError: capture invalidated"}},
+        "auto@n15": {**run("auto", 15, 23.93, 2.7, chose="offload"), "cuda_graphs": {"capture_error": None}},
         "hybrid@n15": {"name": "hybrid@n15", "backend": "hybrid", "ncmoe": 15, "cap_gb": 23.93, "error": "boom"}}}
     (work / "llama_q8_0.json").write_text(json.dumps(llama))
     (work / "moe_q8_0.json").write_text(json.dumps(moe))
@@ -53,6 +55,10 @@ def test_report_rows_and_table(tmp_path):
     md = vs_llama.markdown(rep)
     assert "| 15 | 23.93 | 76.4 / 322 / – | – | 2.6 / 5.2 / 100 | error | – | 2.7 / 5.4 / 100 (offload) | auto | 0.04 |" in md
     assert "| 0 | 35.16 | 220.9 / 6175 / 600.0 | 3.1 / 6.2 / 100 |" in md
+    # a run whose decode fell back to eager (a failed CUDA graph capture) says so in its line; the others do not
+    lines = {ln.split(":")[0]: ln for ln in md.splitlines() if ln.startswith("- ")}
+    assert "CUDA graphs off: AcceleratorError: capture invalidated" in lines["- offload@n15"]
+    assert "CUDA graphs off" not in lines["- auto@n15"]
     # a later call's results merge over an earlier report
     old = dict(rep)
     (work / "llama_q8_0.json").unlink()

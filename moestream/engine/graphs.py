@@ -139,6 +139,13 @@ class DecodeGraphs:
         self.owner = None  # (runtime id, runtime epoch) the recorded graphs belong to
         self.replays = 0
         self.recorded = 0
+        self.capture_error = None  # why decode runs eagerly, after a capture failed
+
+    def as_dict(self) -> dict:
+        """/v1/stats' `cuda_graphs`: whether decode steps are recorded and replayed, and if not, why (a failed
+        capture leaves every later step eager: several times slower, with one warning in the log)."""
+        return {"enabled": self.enabled, "recorded": self.recorded, "replays": self.replays,
+                "graphs": len(self.entries), "capture_error": self.capture_error}
 
     def reset(self) -> None:
         """Drop every recorded graph and their memory pool."""
@@ -200,6 +207,7 @@ class DecodeGraphs:
                 entry.hidden = self.engine.model.hidden if entry.keep_hidden else None
         except Exception as exc:  # an op that needs the host: decode stays eager from now on
             self.enabled = False
+            self.capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             self.reset()
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(exc).__name__, exc)
             return

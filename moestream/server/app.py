@@ -312,7 +312,7 @@ def stats_body(state: ServerState) -> dict:
             "prefix_cache": engine.get("prefix_cache"), "speculative": engine.get("speculative"),
             "overlapped_steps": engine.get("overlapped_steps", 0),
             "engine_totals": engine.get("totals"), "host_memory": engine.get("host_memory"),
-            "cache_rebuilds": engine.get("cache_rebuilds")}
+            "cache_rebuilds": engine.get("cache_rebuilds"), "cuda_graphs": engine.get("cuda_graphs")}
 
 
 async def _stats_events(state: ServerState, request: Request, poll: float = 0.1, heartbeat: float = 15.0):

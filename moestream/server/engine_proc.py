@@ -299,6 +299,8 @@ class EngineLoop:
         if plan is not None:
             s["memory_plan"] = plan if isinstance(plan, dict) else _plain(plan)
         s["cache_rebuilds"] = dict(self.rebuilds)
+        graphs = getattr(self.llm.engine, "graphs", None)
+        s["cuda_graphs"] = graphs.as_dict() if graphs is not None else None
         host = getattr(self.llm.engine, "host_memory", None)
         if host:
             from ..moe.hardware import process_memory

@@ -55,6 +55,10 @@ class Metrics:
         self.rebuilds = Gauge("moestream_cache_rebuilds", "Live cache rebuilds done", lbl, registry=r)
         self.host_rss = Gauge("moestream_host_rss_bytes", "Resident host memory of the engine process", lbl,
                               registry=r)
+        self.graph_replays = Gauge("moestream_cuda_graph_replays", "Decode steps replayed as CUDA graphs", lbl,
+                                   registry=r)
+        self.graphs_failed = Gauge("moestream_cuda_graph_capture_failed",
+                                   "1 when a CUDA graph capture failed and decode runs eagerly", lbl, registry=r)
         # Recent requests, for TTFT mean/p95 in /v1/stats.
         self.recent_ttft: collections.deque = collections.deque(maxlen=window)
         self.recent_latency: collections.deque = collections.deque(maxlen=window)
@@ -96,6 +100,9 @@ class Metrics:
         self.expert_slots.labels(m).set((stats.get("memory_plan") or {}).get("cache_slots", 0))
         self.rebuilds.labels(m).set((stats.get("cache_rebuilds") or {}).get("count", 0))
         self.host_rss.labels(m).set(((stats.get("host_memory") or {}).get("now") or {}).get("rss", 0))
+        graphs = stats.get("cuda_graphs") or {}
+        self.graph_replays.labels(m).set(graphs.get("replays", 0))
+        self.graphs_failed.labels(m).set(1 if graphs.get("capture_error") else 0)
         for k, g in self.prefix.items():
             if isinstance(stats.get("prefix_cache"), dict) and k in stats["prefix_cache"]:
                 g.labels(m).set(stats["prefix_cache"][k])
