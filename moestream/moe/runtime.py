@@ -233,9 +233,7 @@ class ExpertRuntime:
         cache's step counts, the decode strategy's side-stream work joined to the main stream (a capture with an
         unjoined fork is invalid; end_step itself runs after the replay, outside the graph)."""
         self.cache.end_graph_step()
-        join = getattr(self.decode, "join_side_stream", None)
-        if join is not None:
-            join()
+        self.decode.join_side_stream()
 
     def resize(self, cache_slots: int) -> None:
         """New slot cache (cold) between steps; host banks and the prefill buffer are kept."""

@@ -168,7 +168,7 @@ class Arms:
         if st is None:
             st = self._rows[rows] = {"times": {SPLIT: [], FETCH: []}, "block": [], "arm": SPLIT,
                                      "chosen": None, "held": 0, "held_s": 0.0, "warm": 0, "explorations": 0,
-                                     "steps": {SPLIT: 0, FETCH: 0}, "tune": None}
+                                     "steps": {SPLIT: 0, FETCH: 0}, "tune": None, "hold": self.hold}
         return st
 
     def share_for(self, rows: int, fitted: tuple[float, float]) -> tuple[float, float] | None:
@@ -301,8 +301,8 @@ class Arms:
                     self._check(st, seconds)
                 else:
                     self._tune(st, seconds)
-            if st["held"] >= st.get("hold", self.hold):  # explore again (sooner after a hold on the split)
-                grown = min(2 * st.get("hold", self.hold), self.HOLD_GROWTH * self.hold)
+            if st["held"] >= st["hold"]:  # explore again (sooner after a hold on the split)
+                grown = min(2 * st["hold"], self.HOLD_GROWTH * self.hold)
                 st.update(chosen=None, held=0, held_s=0.0, warm=0, arm=SPLIT, block=[], times={SPLIT: [], FETCH: []},
                           tune=None, hold=grown if st["chosen"] == FETCH else self.hold)
             return
@@ -327,7 +327,7 @@ class Arms:
         """Per rows: the arm held (None: exploring), the last exploration's median step ms per arm, the steps a hold
         lasts, the mean step ms of the steps held since (does the chosen arm keep its exploration's time?),
         explorations, steps run by each arm."""
-        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"), "hold": st.get("hold", self.hold),
+        return {str(r): {"chosen": st["chosen"], "step_ms": st.get("last"), "hold": st["hold"],
                          "held_ms": round(st["held_s"] / st["held"] * 1e3, 3) if st["held"] else None,
                          "explorations": st["explorations"], "steps": dict(st["steps"]),
                          **({"tuned_share": round(st["tune"]["centre"], 4), "tune_step": st["tune"]["d"],
