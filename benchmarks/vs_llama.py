@@ -260,8 +260,8 @@ def _variant(variant: str, cfg: dict) -> bool:
         set_env("MOESTREAM_CPU_POOL", variant)
     elif variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step
         set_env("MOESTREAM_BRIDGE_C", "0")
-    elif variant == "nohold":  # the bridge's layer calls on OpenMP's team, not the pool held for the step
-        set_env("MOESTREAM_BRIDGE_POOL", "0")
+    elif variant in ("nohold", "hold"):  # the bridge's layer calls on OpenMP's team, not the pool held for the
+        set_env("MOESTREAM_BRIDGE_POOL", "0" if variant == "nohold" else "all")  # step / held for hybrid's too
     elif variant in ("noov", "ov"):  # --overlap-schedule off / on (auto overlaps fused and offload only)
         cfg["overlap"] = "off" if variant == "noov" else "on"
     elif variant == "noarms":  # hybrid on its live split in every step (no measured fallback to offload's)

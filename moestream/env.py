@@ -125,11 +125,14 @@ def bridge_ahead() -> tuple[int, int]:
     return (-1 if "x8ahead" in raw else BRIDGE_AHEAD[0]), (-1 if "rowsahead" in raw else BRIDGE_AHEAD[1])
 
 
-def bridge_pool() -> bool:
-    """MOESTREAM_BRIDGE_POOL=0: the `cpu` backend's bridge worker on a GPU computes its layer calls on the CPU
-    kernels' threading of cpu_threading() (default OpenMP) instead of the kernels' own pool held spinning for the
-    whole decode step (the default there; hybrid never holds it: moe/bridge.CpuBridge; read at each step)."""
-    return os.environ.get("MOESTREAM_BRIDGE_POOL", "1") != "0"
+def bridge_pool() -> str:
+    """MOESTREAM_BRIDGE_POOL: where the cpu/hybrid bridge worker on a GPU computes its layer calls. "1" (default): the
+    `cpu` backend's on the CPU kernels' own pool held spinning for the whole decode step, hybrid's on the threading of
+    cpu_threading() (default OpenMP); "0": both on cpu_threading()'s; "all": both on the held pool (hybrid's split
+    measured slower held on 2026-12-05, before its misses were fetched by the pair kernels: an A/B setting, see
+    moe/bridge.CpuBridge). Read at each step."""
+    v = os.environ.get("MOESTREAM_BRIDGE_POOL", "1").strip().lower()
+    return v if v in ("0", "all") else "1"
 
 
 def cpu_threading() -> tuple[bool, int]:

@@ -131,6 +131,27 @@ def test_request_too_large():
         bridge.close()
 
 
+@pytest.mark.parametrize("env,cpu_backend,hybrid", [(None, True, False), ("1", True, False), ("0", False, False),
+                                                     ("all", True, True), ("bogus", True, False)])
+def test_pool_held_by_setting(env, cpu_backend, hybrid, monkeypatch):
+    """MOESTREAM_BRIDGE_POOL: by default the `cpu` backend's bridge (hold=True) holds the kernels' pool for the step and
+    hybrid's (hold=False) does not; 0 holds neither, all holds both; an unknown value is the default; never on a CPU."""
+    if env is None:
+        monkeypatch.delenv("MOESTREAM_BRIDGE_POOL", raising=False)
+    else:
+        monkeypatch.setenv("MOESTREAM_BRIDGE_POOL", env)
+    store = FakeStore([0])
+    for hold, want in ((True, cpu_backend), (False, hybrid)):
+        bridge = CpuBridge(store, torch.device("cpu"), max_pairs=K, hold=hold)
+        try:
+            assert not bridge.holds_pool()  # a CPU device never holds it
+            bridge.device = torch.device("cuda")  # the decision only (nothing runs on it)
+            assert bridge.holds_pool() is want
+        finally:
+            bridge.device = torch.device("cpu")
+            bridge.close()
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_interpreted_kernels_protocol():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

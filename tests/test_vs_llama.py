@@ -20,6 +20,15 @@ def test_grid_uses_measured_vram_and_skips_unmeasured_levels():
     assert by["cpu@7.5"]["cap_gb"] == 7.5 and by["cpu@7.5"]["ncmoe"] is None
 
 
+def test_grid_variants_set_their_environment():
+    cfgs = vs_llama.parse_grid("hybrid+hold+t15@n29;hybrid+nohold@n29;fused+sdown@all", {29: 11.68})
+    by = {c["name"]: c for c in cfgs}
+    assert by["hybrid+hold+t15@n29"]["set_env"] == {"MOESTREAM_BRIDGE_POOL": "all"}
+    assert by["hybrid+hold+t15@n29"]["threads"] == 15
+    assert by["hybrid+nohold@n29"]["set_env"] == {"MOESTREAM_BRIDGE_POOL": "0"}
+    assert by["fused+sdown@all"]["env"] == {"MOESTREAM_SHARED_DOWN": "1"}
+
+
 def test_llama_buffer_sizes_are_summed():
     text = ("load_tensors:        CUDA0 model buffer size = 12000.50 MiB\nload_tensors:   CPU_Mapped model buffer size "
             "=  9000.00 MiB\nllama_kv_cache:      CUDA0 KV buffer size =    20.00 MiB\n"

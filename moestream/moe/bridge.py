@@ -57,7 +57,8 @@ class CpuBridge:
         (cpu_quant.bridge_step; MOESTREAM_BRIDGE_POOL=0 turns it off). The `cpu` backend, whose worker computes
         every pair of every layer, asks for it: on the H100 host it decoded 49.1 tok/s against 46.1 without
         (benchmarks/RESULTS.md, 2026-12-05, fifteenth session); hybrid's split, whose CPU share is a few experts
-        a layer beside the PCIe copies, measured its split step 18.6 ms held against 16.5 not, so it does not."""
+        a layer beside the PCIe copies, measured its split step 18.6 ms held against 16.5 not, so it does not
+        (MOESTREAM_BRIDGE_POOL=all holds it there too: `holds_pool`)."""
         self.store, self.device = store, device
         self.hold = hold
         self.threads = threads  # the worker's intra-op threads (0: torch's default for a new thread)
@@ -295,16 +296,23 @@ class CpuBridge:
                     "calls": calls}  # the owners of wbase's addresses (HF FP4 descriptors), for as long as these
         return self._tables or None
 
+    def holds_pool(self) -> bool:
+        """Whether this step's compiled layer calls run on the kernels' pool held spinning for the step: on a GPU,
+        the `cpu` backend's by default, hybrid's too under MOESTREAM_BRIDGE_POOL=all, neither under =0."""
+        from ..env import bridge_pool
+
+        mode = bridge_pool()
+        return self.device.type == "cuda" and (mode == "all" or (self.hold and mode == "1"))
+
     def _c_step(self, seq: int, t: dict, first: int = 0) -> None:
         """One decode step's layers (from index `first`) in one compiled call (the interpreter released
         throughout), then its counters into the per-layer statistics."""
-        from ..env import bridge_ahead, bridge_pool
+        from ..env import bridge_ahead
         from ..kernels.cpu_quant import _LAYER_ERRORS, bridge_step
 
         for k in ("experts", "secs", "waits"):
             t[k][:] = 0
-        hold = self.hold and self.device.type == "cuda" and bridge_pool()
-        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=hold, ahead=bridge_ahead())
+        rc = bridge_step(seq, t, WORKER_TIMEOUT_S, first, hold_pool=self.holds_pool(), ahead=bridge_ahead())
         c, s = t["experts"], t["secs"]
         self.cpu_experts += c
         self.cpu_seconds += s
