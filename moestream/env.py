@@ -169,6 +169,13 @@ def shared_down_fused() -> bool:
     return os.environ.get("MOESTREAM_SHARED_DOWN", "0") == "1"
 
 
+def q8_words() -> bool:
+    """MOESTREAM_Q8_WORDS=1 (opt-in until timed end to end): the pair kernels read Q8_0 experts as 16-bit words (a
+    34-byte block is 17 of them: two codes a load where the byte decoder loads one; benchmarks/q8_planar_bench.py
+    times it). Read at each layer call."""
+    return os.environ.get("MOESTREAM_Q8_WORDS", "0") == "1"
+
+
 def fetch_in_pairs() -> str:
     """Where a compressed (GGUF, FP8, NVFP4, MXFP4) layer call's missed experts are copied from pinned host memory
     into their slots: "1" (default) inside the pair kernels when the call has one token (each program copies the rows

@@ -484,6 +484,18 @@ def triton_next_pow2(n: int) -> int:
 
 
 def _worker_case(case: str) -> list[str]:
+    if case.startswith("q8w:"):  # q8w:CASE: CASE with MOESTREAM_Q8_WORDS=1 (Q8_0 read as 16-bit words)
+        import os
+
+        from moestream.quant import gguf_format
+
+        os.environ["MOESTREAM_Q8_WORDS"] = "1"
+        try:
+            if qpairs._pair_spec(gguf_format("Q8_0"))[0] != qpairs.Q8_WORDS:
+                return ["MOESTREAM_Q8_WORDS=1 did not select the 16-bit word kernels"]
+            return _worker_case(case[4:])
+        finally:
+            del os.environ["MOESTREAM_Q8_WORDS"]
     if case == "count":
         return _count_case()
     if case == "stage":
@@ -520,7 +532,8 @@ WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "
                 "linear:Q6_K:1:permpairs",
                 *(f"hflinear:{c}" for c in HF_LINEAR_CASES), "hflinear:fp8_block:9", "hflinear:nvfp4:1",
                 "hflinear:mxfp4:3:pairs", "mma:Q4_K:3", "mma:Q6_K:4:perm", "mma:Q8_0:17", "mma:IQ4_XS:2", "words:768", "words:2048",
-                "words:1024:perm", "repack:768:1", "repack:2048:3", "repack:1024:9", "repackmod"]
+                "words:1024:perm", "repack:768:1", "repack:2048:3", "repack:1024:9", "repackmod", "q8w:Q8_0",
+                "q8w:Q8_0:default", "q8w:fetch:fetchQ8_0", "q8w:fetch:fetchQ8_0:2", "q8w:fetch:Q8_0:1:default"]
 
 
 @pytest.fixture(scope="module")
@@ -640,6 +653,24 @@ def _hf_compile_args(qfmt, H: int, I: int, P: int):
     rows.append((qpairs._hf_down_fetch_kernel, {**sig_d, **fetch("d"), **stg}, {**c_d, **fc(H, I, c_d["BN"])}))
     return ((qpairs._hf_gate_up_kernel, sig_gu, c_gu), (qpairs._hf_down_kernel, sig_d, c_d),
             (qpairs._hf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_q8_words_pair_kernels_compile_for_sm90():
+    """The pair and fetch kernels with Q8_0 read as 16-bit words (MOESTREAM_Q8_WORDS) at the Qwen3.6 expert shape,
+    the fetch kernels within the driver's default stack frame."""
+    names = ("_gguf_gate_up_kernel", "_gguf_down_kernel", "_gguf_gate_up_fetch_kernel", "_gguf_down_fetch_kernel")
+    done = 0
+    for kernel, sig, consts in _gguf_compile_args("Q8_0", 2048, 512, 8):
+        if kernel.fn.__name__ not in names or consts.get("Y_BF16") and "I" in consts and consts["H"] == 8192:
+            continue
+        consts = {n: (qpairs.Q8_WORDS if n in ("QG", "QU", "QD") else v) for n, v in consts.items()}
+        k = compile_sm90(kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4})
+        assert "ld.global" in k.asm["ptx"]
+        if "fetch" in kernel.fn.__name__:
+            assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
+        done += 1
+    assert done == 4
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -491,10 +491,45 @@ _S_BLOCK, _S_CHANNEL, _S_TENSOR = 0, 1, 2  # SMODE of FP8 scales
 if triton is not None:
 
     @triton.jit
+    def _q8_words_dot(w, n, nmask, xrow, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
+        """[BN] fp32: rows n of one expert's Q8_0 matrix at w dot xrow [K], each 34-byte block read as 17 16-bit
+        words (its fp16 scale, then 16 words of two int8 codes: low byte code 2i, high byte 2i + 1); the same
+        products as the byte decoder, the 32 of a block summed before the scale multiplies them."""
+        NB: tl.constexpr = K // 32
+        rows = n.to(tl.int64) * (NB * 17)
+        w16 = w.to(tl.pointer_type(tl.int16))
+        i = tl.arange(0, 16)
+        acc = tl.zeros([BN, BV // 32], dtype=tl.float32)
+        for k0 in range(0, K, BV):
+            b = k0 // 32 + tl.arange(0, BV // 32)
+            bm = b < NB
+            blk = rows[:, None] + (b * 17)[None, :]  # [BN, BB]: the word of each block's scale
+            m = nmask[:, None] & bm[None, :]
+            v = tl.load(w16 + blk[:, :, None] + 1 + i[None, None, :], mask=m[:, :, None], other=0).to(tl.int32)
+            lo = ((v << 24) >> 24).to(tl.float32)  # the low byte sign-extended: code 2i
+            hi = (v >> 8).to(tl.float32)  # the high byte, signed as the word is: code 2i + 1
+            col = (b * 32)[:, None] + 2 * i[None, :]
+            xe = tl.load(xrow + col, mask=bm[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(xrow + col + 1, mask=bm[:, None], other=0.0).to(tl.float32)
+            part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+            acc += part * tl.load(w16 + blk, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
     def _gguf_dot(w, n, nmask, xrow, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                   NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
         """[BN] fp32: rows n of one expert's GGUF matrix (rows of K // BS blocks of TS bytes at w) dot xrow [K].
-        A step decodes BV // BS whole blocks of each row ([BN, BKB, NS, SS]: one scale per sub-block)."""
+        A step decodes BV // BS whole blocks of each row ([BN, BKB, NS, SS]: one scale per sub-block).
+        QT 99 (Q8_WORDS): Q8_0 read as 16-bit words (_q8_words_dot)."""
+        if QT == 99:
+            out = _q8_words_dot(w, n, nmask, xrow, K, BN, BV)
+        else:
+            out = _gguf_bytes_dot(w, n, nmask, xrow, K, lut, QT, BS, TS, NS, BN, BV)
+        return out
+
+    @triton.jit
+    def _gguf_bytes_dot(w, n, nmask, xrow, K: tl.constexpr, lut, QT: tl.constexpr, BS: tl.constexpr,
+                        TS: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
         nblk = K // BS
         rowp = w + n.to(tl.int64) * (nblk * TS)
         s = tl.arange(0, NS)[None, None, :, None]
@@ -1043,9 +1078,20 @@ def default_config(stage: str, N: int, K: int, P: int) -> tuple[int, int, int]:
     return bn, bv, 4
 
 
+Q8_WORDS = 99  # the pair kernels' kernel id for Q8_0 read as 16-bit words (_gguf_dot; env.q8_words)
+
+
 def _gguf_spec(q) -> tuple[int, int, int, int]:
     """Kernel constants of a GGUF type: (QT, block values, block bytes, sub-blocks with their own scale)."""
     return td._GGUF_IDS[q.type_name], q.block_size, q.type_size, td._GGUF_NS.get(q.type_name, 1)
+
+
+def _pair_spec(q) -> tuple[int, int, int, int]:
+    """_gguf_spec for the pair kernels: Q8_0 as Q8_WORDS where env.q8_words asks for it."""
+    from ..env import q8_words
+
+    spec = _gguf_spec(q)
+    return (Q8_WORDS, *spec[1:]) if spec[0] == td._GGUF_IDS["Q8_0"] and q8_words() else spec
 
 
 def _hf_parts(pool: dict, fmt, proj: str, dev) -> tuple:
@@ -1096,7 +1142,7 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
     if isinstance(fmt, GGUFExpertFormat):
         lut = td.lut_table(a.device)
         if stage == "gate_up":
-            (qg, bsg, tsg, nsg), (qu, bsu, tsu, nsu) = _gguf_spec(fmt.quant("gate")), _gguf_spec(fmt.quant("up"))
+            (qg, bsg, tsg, nsg), (qu, bsu, tsu, nsu) = _pair_spec(fmt.quant("gate")), _pair_spec(fmt.quant("up"))
             bv = max(bv, bsg, bsu)
             consts = dict(QG=qg, BSG=bsg, TSG=tsg, NSG=nsg, QU=qu, BSU=bsu, TSU=tsu, NSU=nsu, BN=bn, BV=bv,
                           H_BF16=bf16, num_warps=warps)
@@ -1108,7 +1154,7 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
                 words, (rwg, rwu) = _gguf_fetch_args(staged, pool, fmt, ("gate", "up"))
                 _gguf_gate_up_fetch_kernel[grid](*args, *words, *stg, **consts, RWG=rwg, RWU=rwu, **fetch)
         else:
-            qd, bsd, tsd, nsd = _gguf_spec(fmt.quant("down"))
+            qd, bsd, tsd, nsd = _pair_spec(fmt.quant("down"))
             consts = dict(QD=qd, BSD=bsd, TSD=tsd, NSD=nsd, BN=bn, BV=max(bv, bsd), Y_BF16=bf16, num_warps=warps)
             args = (a, w, src, pool["down"], pool["down"].stride(0), out_arg, lut, N, K)
             if staged is None:
