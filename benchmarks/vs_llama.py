@@ -246,6 +246,8 @@ def _variant(variant: str, cfg: dict) -> bool:
     elif variant in ("fetch", "nofetch", "fetchall"):  # who copies a GGUF call's misses (a process of its own): the
         # pair kernels at one token / the copy kernel first / the pair kernels at every batch size
         cfg.setdefault("env", {})["MOESTREAM_FETCH_IN_PAIRS"] = {"fetch": "1", "nofetch": "0", "fetchall": "all"}[variant]
+    elif variant == "q8w":  # the pair kernels read Q8_0 experts as 16-bit words (a process of its own)
+        cfg.setdefault("env", {})["MOESTREAM_Q8_WORDS"] = "1"
     elif variant == "sdown":  # the shared expert's silu * up and down GEMV in one launch (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_SHARED_DOWN"] = "1"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)

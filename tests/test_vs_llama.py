@@ -27,6 +27,7 @@ def test_grid_variants_set_their_environment():
     assert by["hybrid+hold+t15@n29"]["threads"] == 15
     assert by["hybrid+nohold@n29"]["set_env"] == {"MOESTREAM_BRIDGE_POOL": "0"}
     assert by["fused+sdown@all"]["env"] == {"MOESTREAM_SHARED_DOWN": "1"}
+    assert vs_llama.parse_grid("fused+q8w@all", {})[0]["env"] == {"MOESTREAM_Q8_WORDS": "1"}
 
 
 def test_llama_buffer_sizes_are_summed():
