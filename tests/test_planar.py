@@ -338,3 +338,49 @@ def test_unknown_planar_type_names_are_reported(monkeypatch, caplog):
         planar.wanted("Q8_0")
     assert "no planar layout for Q5_K, q4k" in caplog.text
     assert not planar.wanted("Q5_K") and not planar.wanted("Q4_K")
+
+
+@pytest.mark.parametrize("env", [None, "wide", "0", "Q4_K"])
+def test_default_takes_wide_q8_0_and_q6_k_matrices_only(env, monkeypatch):
+    """Unset (or "wide"): Q8_0 and Q6_K matrices of WIDE_ROWS rows or more (the heads, where the kernels measured
+    faster), nothing narrower and no other type; "0": none; a list: those types at every shape and nothing else."""
+    if env is None:
+        monkeypatch.delenv("MOESTREAM_PLANAR", raising=False)
+    else:
+        monkeypatch.setenv("MOESTREAM_PLANAR", env)
+    monkeypatch.setattr(planar, "_CFG", {})
+    monkeypatch.setattr("moestream.env.triton_enabled", lambda: True)
+    wide, narrow = planar.WIDE_ROWS, planar.WIDE_ROWS - 1
+    got = {(q, n): planar.wanted(q, n) for q in planar.TYPES for n in (wide, 151936, narrow, 2048)}
+    if env in (None, "wide"):
+        want = {(q, n): q in ("Q8_0", "Q6_K") and n >= wide for q, n in got}
+    elif env == "0":
+        want = {key: False for key in got}
+    else:
+        want = {(q, n): q == "Q4_K" for q, n in got}
+    assert got == want
+    assert not planar.wanted("Q6_K")  # rows unknown: only a named type
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+def test_cuda_wide_planar_module_tiles_many_rows(qtype, monkeypatch):
+    """A planar head's many-row product (more rows than the GEMV takes) decoded a tile of rows at a time, as the block
+    layout's qlinear does: equal to one whole-matrix GEMM's (up to a bf16 rounding)."""
+    import moestream.quant.base as qbase
+    from moestream.layers.quant_linear import GPU_GEMV_ROWS, QuantLinear
+
+    monkeypatch.setenv("MOESTREAM_PLANAR", qtype)
+    monkeypatch.setattr(planar, "_CFG", {})
+    N, K = 4000, 256
+    lin = QuantLinear(qtype, random_raw(gguf_format(qtype), (N, K), "cpu", seed=5), N, K)
+    assert lin.to_planar()
+    lin = lin.cuda()
+    x = torch.randn(GPU_GEMV_ROWS + 3, K, device="cuda", dtype=torch.bfloat16)
+    whole = lin(x)
+    monkeypatch.setattr(qbase, "GPU_TILE_BYTES", 600 * K * 2)  # tiles of 600 rows: 7, the last partial
+    tiled = lin(x)
+    # the same bf16 operands; cuBLAS may pick another reduction order for a tile's GEMM than the whole one's: within
+    # one bf16 rounding of the outputs
+    torch.testing.assert_close(tiled.float(), whole.float(), rtol=2 ** -7, atol=2 ** -7 * float(whole.abs().max()))

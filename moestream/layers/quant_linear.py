@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels import cpu_quant
 from ..quant import gguf_format, qlinear
-from ..quant.base import CPU_FLOAT_KERNEL_MAX_ROWS, FLOAT_KERNEL_TYPES
+from ..quant.base import CPU_FLOAT_KERNEL_MAX_ROWS, FLOAT_KERNEL_TYPES, gpu_tile_rows
 
 GPU_GEMV_ROWS = 16  # up to this many rows a GPU reads the blocks in the GEMV kernel; more: dequantize + GEMM
 
@@ -60,12 +60,13 @@ class QuantLinear(nn.Module):
 
     def to_planar(self) -> bool:
         """The weight moved to quant/planar.py's layout for its type (before the model goes to a GPU: the GEMV then
-        reads codes with 16-byte loads); raw is released. False (nothing changed) for a type without one, one not in
-        MOESTREAM_PLANAR or a layout already moved."""
+        reads codes with 16-byte loads); raw is released. False (nothing changed) for a type without one, a matrix
+        planar.wanted does not take (by default: all but the wide Q8_0 / Q6_K ones) or a layout already moved."""
         from ..quant import planar
 
         name = self.fmt.type_name
-        if name not in planar.TYPES or not planar.wanted(name) or self.planar is not None or self.raw.numel() == 0:
+        if name not in planar.TYPES or not planar.wanted(name, self.out_features) or self.planar is not None \
+                or self.raw.numel() == 0:
             return False
         for part, t in planar.repack(name, self.raw, self.out_features, self.in_features).items():
             self.register_buffer(f"pl_{part}", t, persistent=False)
@@ -85,9 +86,19 @@ class QuantLinear(nn.Module):
             return planar.linear(self.planar, x, parts, N, K, self.in_perm)
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
-        w = planar.dense(self.planar, parts, N, K, x.dtype) if x.is_cuda else \
-            planar.dense_torch(self.planar, parts, N, K).to(x.dtype)  # (a model moved back to a CPU)
-        return torch.nn.functional.linear(x, w)
+        if not x.is_cuda:  # (a model moved back to a CPU)
+            return torch.nn.functional.linear(x, planar.dense_torch(self.planar, parts, N, K).to(x.dtype))
+        # many rows: the matrix decoded a tile of rows at a time, each tile one GEMM (a vocabulary head's dense bf16
+        # would be 0.6-1 GB at once: quant.base.gpu_tile_rows, as the block layout's qlinear tiles it)
+        step = gpu_tile_rows(K, N, x.element_size())
+        if step >= N:
+            return torch.nn.functional.linear(x, planar.dense(self.planar, parts, N, K, x.dtype))
+        y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            tile = planar.dense(self.planar, {k: v[n0:n1] for k, v in parts.items()}, n1 - n0, K, x.dtype)
+            y[..., n0:n1] = torch.nn.functional.linear(x, tile)
+        return y
 
     # MOESTREAM_QLINEAR_REPACK=1 (an experiment): a GPU's Q4_K weight in moe.qpairs.repack_q4k's layout, which then
     # replaces raw (148 bytes per 256 values instead of 144)

@@ -21,8 +21,8 @@ All in fp32 (q * x is exact in fp32 for bf16 / fp16 x); the sums run in another 
 K-quants' scales, mins and offsets are applied per sub-block, so results agree with the dequantized product to fp32
 rounding of those terms (tests/test_planar.py states the bound), not to the bit. `dense` writes the matrix as 16-bit
 rows for a prefill's GEMM, each value as the block decoder computes it (to the bit). layers.QuantLinear moves its weight
-here before the model goes to a GPU, for the types of MOESTREAM_PLANAR (e.g. "Q8_0" or "Q8_0,Q4_K,Q6_K"; default "0":
-none — on an H100 the block kernels were as fast or faster at one row, below).
+here before the model goes to a GPU: by default Q8_0 and Q6_K matrices of WIDE_ROWS rows or more (vocabulary heads,
+where the planar kernels measured faster), or the types MOESTREAM_PLANAR names at every shape ("0": none; `wanted`).
 
 Measured (H100, benchmarks/RESULTS.md 2026-12-06, twenty-fourth session, one row, graph-timed): Q8_0 8192 x 2048 block
 kernel 13.7 µs (1.30 TB/s of stored bytes), planar 13.8 at its best constants, 23.6 with each block's sum reduced across
@@ -52,19 +52,33 @@ TYPES = ("Q8_0", "Q4_K", "Q6_K")
 BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
 
 
-def wanted(type_name: str) -> bool:
-    """Whether dense layers of this GGUF type on a GPU take the planar layout (MOESTREAM_PLANAR, read once)."""
+WIDE_ROWS = 32768  # the default's least rows (vocabulary heads): where the kernels measured faster planar
+WIDE_TYPES = ("Q8_0", "Q6_K")  # ... for these types (Q4_K's head is untimed)
+
+
+def wanted(type_name: str, rows: int | None = None) -> bool:
+    """Whether a dense layer of this GGUF type and `rows` output rows on a GPU takes the planar layout
+    (MOESTREAM_PLANAR, read once): unset or "wide" (default) — Q8_0 and Q6_K matrices of WIDE_ROWS rows or more;
+    "0" — none; a list of types (e.g. "Q8_0,Q4_K,Q6_K") — those types at every shape. The default follows the kernels'
+    timings (H100, benchmarks/RESULTS.md 2026-12-06/07): planar was as fast or slower on the model's narrow matrices
+    (Q8_0 8192 x 2048 one row 13.8 vs 13.7 µs, Q6_K 2048 x 4096 32.3 vs 11.0) and faster on the 151,936-row heads
+    (Q6_K 207.5 vs 294.9 µs at one row, 370.3 vs 535.7 at four; Q8_0 196.5 vs 204.9 and 444.8 vs 621.4)."""
     on = _CFG.get("types")
     if on is None:
         from ..env import triton_enabled
 
-        env = os.environ.get("MOESTREAM_PLANAR", "0")
-        asked = frozenset() if env == "0" else frozenset(t.strip() for t in env.split(",") if t.strip())
+        env = os.environ.get("MOESTREAM_PLANAR", "wide").strip()
+        wide = env in ("", "wide")
+        asked = frozenset() if env == "0" or wide else frozenset(t.strip() for t in env.split(",") if t.strip())
         if asked - set(TYPES):
             logging.getLogger("moestream").warning("MOESTREAM_PLANAR: no planar layout for %s (only %s): ignored",
                                                    ", ".join(sorted(asked - set(TYPES))), ", ".join(TYPES))
-        on = _CFG["types"] = frozenset() if triton is None or not triton_enabled() else asked & set(TYPES)
-    return type_name in on
+        usable = triton is not None and triton_enabled()
+        on = _CFG["types"] = frozenset() if not usable else asked & set(TYPES)
+        _CFG["wide"] = usable and wide
+    if type_name in on:
+        return True
+    return bool(_CFG.get("wide")) and type_name in WIDE_TYPES and rows is not None and rows >= WIDE_ROWS
 
 
 def repack(type_name: str, raw: torch.Tensor, N: int, K: int) -> dict[str, torch.Tensor]:
