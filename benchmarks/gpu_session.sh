@@ -15,7 +15,7 @@
 #   (SWEEP_TUNINGS: ';'-separated MOESTREAM_CPU_LAYER_TUNING settings timed after it); DPROF_ENV  VAR=VALUE pairs
 #   the step profiles run under; QLIN_PRE  qlinear_gpu.py arguments run in step 1 (QLIN_PRE_S [150]); TESTS_PRE  pytest
 #   arguments run in step 1 (TESTS_PRE_S [120]); PRE_CMD  a command run in step 1 (PRE_S [120]); BW_FORMAT  bench bw's
-#   --expert-format [q4_k]
+#   --expert-format [q4_k]; BW=0 skips bench bw
 # e.g. (the twenty-third session's call):  bash benchmarks/gpu_session.sh
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -40,8 +40,10 @@ AUX=$OUT/aux.log
   echo "== $(date -u +%T) gpu_session: budget ${BUDGET_S} s"
   lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node0"
   python3 -c "from moestream.hardware import physical_cores as p; print('physical_cores', p())"
-  echo "== bench bw"
-  timeout 60 python3 -m moestream.cli bench bw --expert-format "${BW_FORMAT:-q4_k}" -o /tmp/bw.json
+  if [ "${BW:-1}" != 0 ]; then  # BW=0: no bench bw (a short call)
+    echo "== bench bw"
+    timeout 60 python3 -m moestream.cli bench bw --expert-format "${BW_FORMAT:-q4_k}" -o /tmp/bw.json
+  fi
   if [ -n "${QLIN_PRE:-}" ]; then  # e.g. "--q8 --shapes 'gdn in_proj_qkv,lm_head'": the dense GEMV sweep first
     echo "== $(date -u +%T) qlinear_gpu.py $QLIN_PRE"
     eval timeout ${QLIN_PRE_S:-150} python3 benchmarks/qlinear_gpu.py $QLIN_PRE --out "$OUT/qlinear.json"
