@@ -12,7 +12,7 @@ this file's planar kernels, both recorded 40 calls to a CUDA graph over 256 rand
 T = 1 and 4 tokens; it checks the planar outputs against the block kernels' first. A measurement, not a
 path of the engine: if the planar kernels are much faster, the layout goes into the stores.
 
-    PYTHONPATH=$PWD python3 benchmarks/q8_planar_bench.py [--T 1,4] [--sweep]
+    PYTHONPATH=$PWD python3 benchmarks/q8_planar_bench.py [--T 1,4] [--sweep | --quick]
 Under TRITON_INTERPRET=1 on a CPU, `--check` runs the correctness check only (small shapes).
 """
 from __future__ import annotations
@@ -190,6 +190,7 @@ def main():
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time the planar kernels' launch constants")
+    ap.add_argument("--quick", action="store_true", help="... four other constant sets only")
     ap.add_argument("--check", action="store_true", help="the correctness check only (TRITON_INTERPRET=1 on a CPU)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,12 +217,12 @@ def main():
         print(f"T={T}: block layout {us_b:.2f} us ({gb / us_b:.0f}), planar {us_p:.2f} us ({gb / us_p:.0f}): "
               f"{us_b / us_p:.2f}x; block layout in 16-bit words {us_w:.2f} us ({gb / us_w:.0f}): {us_b / us_w:.2f}x",
               flush=True)
-        if args.sweep:  # each stage's constants with the other stage at its default, for both variants
+        if args.sweep or args.quick:  # each stage's constants with the other stage at its default, both variants
             base = ((4, 1024, 4), (4, 512, 4))
-            gu = [((bn, bv, wa), base[1]) for bn, bv, wa in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8))
-                  if bn * bv <= 16384]
-            dn = [(base[0], (bn, bv, wa)) for bn, bv, wa in itertools.product((2, 4, 8, 16), (256, 512), (4, 8))
-                  if bn * bv <= 8192]
+            gu_grid = ((2, 8), (1024,), (4,)) if args.quick else ((2, 4, 8), (512, 1024, 2048), (4, 8))
+            dn_grid = ((8, 16), (512,), (4,)) if args.quick else ((2, 4, 8, 16), (256, 512), (4, 8))
+            gu = [((bn, bv, wa), base[1]) for bn, bv, wa in itertools.product(*gu_grid) if bn * bv <= 16384]
+            dn = [(base[0], (bn, bv, wa)) for bn, bv, wa in itertools.product(*dn_grid) if bn * bv <= 8192]
             for name, pool, words in (("planar", planar, False), ("16-bit words", block, True)):
                 res = []
                 for cfg in gu + dn:
