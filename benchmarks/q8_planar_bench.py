@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -29,6 +31,9 @@ from moestream.moe import qpairs
 from moestream.moe.formats import PROJS, gguf_expert_format
 from moestream.quant.synthetic import random_raw
 from moestream.quant.triton_dequant import _store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qpair_bench import time_graph  # noqa: E402  (40 calls recorded in one graph, replayed)
 
 
 def to_planar(raw: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -58,66 +63,33 @@ def _q8p_dot(w, n, nmask, xrow, K: tl.constexpr, BN: tl.constexpr, BV: tl.conste
 
 
 @triton.jit
-def _q8w_dot(w, n, nmask, xrow, K: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr):
-    """[BN] fp32 as _q8p_dot, from GGUF's own block layout read as 16-bit words (two codes a load instead of one:
-    a block's 34 bytes are 17 words, its scale the first): the layout-free alternative."""
-    NB: tl.constexpr = K // 32
-    rows = n.to(tl.int64) * (NB * 17)
-    w16 = w.to(tl.pointer_type(tl.int16))
-    i = tl.arange(0, 16)
-    acc = tl.zeros([BN, BV // 32], dtype=tl.float32)
-    for k0 in range(0, K, BV):
-        b = k0 // 32 + tl.arange(0, BV // 32)
-        blk = rows[:, None] + (b * 17)[None, :]  # [BN, BB] word of each block's scale
-        m = nmask[:, None]
-        v = tl.load(w16 + blk[:, :, None] + 1 + i[None, None, :], mask=m[:, :, None], other=0).to(tl.int32)
-        lo = ((v << 24) >> 24).to(tl.float32)  # the low byte, sign-extended: code 2i
-        hi = (v >> 8).to(tl.float32)  # the high byte (the int16's sign): code 2i + 1
-        col = (b * 32)[:, None] + 2 * i[None, :]
-        xe = tl.load(xrow + col).to(tl.float32)
-        xo = tl.load(xrow + col + 1).to(tl.float32)
-        part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
-        d = tl.load(w16 + blk, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        acc += part * d
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _q8p_gate_up_kernel(x, src, gw, uw, stride, h, H: tl.constexpr, I: tl.constexpr, K_TOP, BN: tl.constexpr,
-                        BV: tl.constexpr, WORDS: tl.constexpr):
+                        BV: tl.constexpr):
     p = tl.program_id(0)
     r = tl.load(src + p)
     if r >= 0:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < I
         xrow = x + (p // K_TOP).to(tl.int64) * H
-        if WORDS:
-            g = _q8w_dot(gw + r * stride, n, nmask, xrow, H, BN, BV)
-            u = _q8w_dot(uw + r * stride, n, nmask, xrow, H, BN, BV)
-        else:
-            g = _q8p_dot(gw + r * stride, n, nmask, xrow, H, BN, BV)
-            u = _q8p_dot(uw + r * stride, n, nmask, xrow, H, BN, BV)
+        g = _q8p_dot(gw + r * stride, n, nmask, xrow, H, BN, BV)
+        u = _q8p_dot(uw + r * stride, n, nmask, xrow, H, BN, BV)
         _store(h, p.to(tl.int64) * I + n, g / (1.0 + tl.exp(-g)) * u, nmask, True)  # h: bf16 bits (int16)
 
 
 @triton.jit
 def _q8p_down_kernel(h, tw, src, dw, stride, y, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-                     BV: tl.constexpr, WORDS: tl.constexpr):
+                     BV: tl.constexpr):
     p = tl.program_id(0)
     r = tl.load(src + p)
     if r >= 0:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < H
-        if WORDS:
-            acc = _q8w_dot(dw + r * stride, n, nmask, h + p.to(tl.int64) * I, I, BN, BV)
-        else:
-            acc = _q8p_dot(dw + r * stride, n, nmask, h + p.to(tl.int64) * I, I, BN, BV)
+        acc = _q8p_dot(dw + r * stride, n, nmask, h + p.to(tl.int64) * I, I, BN, BV)
         tl.store(y + p.to(tl.int64) * H + n, acc * tl.load(tw + p).to(tl.float32), mask=nmask)
 
 
-def planar_pair_outputs(x, topk_w, src, pool, H, I, cfg=((4, 1024, 4), (4, 512, 4)), words=False):
-    """y [P, H] float32, as qpairs.quant_pair_outputs, from row-planar pools {gate, up, down} (words: from GGUF's
-    block layout, read as 16-bit words)."""
+def planar_pair_outputs(x, topk_w, src, pool, H, I, cfg=((4, 1024, 4), (4, 512, 4))):
+    """y [P, H] float32, as qpairs.quant_pair_outputs, from row-planar pools {gate, up, down}."""
     T, k = topk_w.shape
     P = T * k
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
@@ -125,10 +97,10 @@ def planar_pair_outputs(x, topk_w, src, pool, H, I, cfg=((4, 1024, 4), (4, 512, 
     assert x.dtype == torch.bfloat16
     _q8p_gate_up_kernel[(P, triton.cdiv(I, bn))](x, src, pool["gate"], pool["up"], pool["gate"].stride(0),
                                                    h.view(torch.int16), H, I,
-                                                   k, bn, min(bv, H), words, num_warps=wa)
+                                                   k, bn, min(bv, H), num_warps=wa)
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _q8p_down_kernel[(P, triton.cdiv(H, bn2))](h, topk_w.reshape(-1).contiguous(), src, pool["down"],
-                                                pool["down"].stride(0), y, H, I, bn2, min(bv2, I), words, num_warps=wa2)
+                                                pool["down"].stride(0), y, H, I, bn2, min(bv2, I), num_warps=wa2)
     return y
 
 
@@ -140,18 +112,31 @@ def make(slots, H, I, dev):
     return fmt, block, planar
 
 
+def words_pair_outputs(x, topk_w, src, pool, fmt, cfg=None):
+    """The engine's pair kernels with MOESTREAM_Q8_WORDS=1 (qpairs._q8_words_dot: the block layout read as 16-bit
+    words), read at each call; cfg: {"gate_up": (BN, BV, warps), "down": ...} as qpairs takes it."""
+    old = os.environ.get("MOESTREAM_Q8_WORDS")
+    os.environ["MOESTREAM_Q8_WORDS"] = "1"
+    try:
+        return qpairs._quant_pair_outputs_triton(x, topk_w, src, pool, fmt, cfg)
+    finally:
+        if old is None:
+            del os.environ["MOESTREAM_Q8_WORDS"]
+        else:
+            os.environ["MOESTREAM_Q8_WORDS"] = old
+
+
 def check(args, dev) -> None:
     fmt, block, planar = make(args.slots, args.H, args.I, dev)
+    cfg = ((4, min(1024, args.H), 4), (4, min(512, args.I), 4))
     for T in (1, 3):
         x = torch.randn(T, args.H, device=dev, dtype=torch.bfloat16)
         w = torch.rand(T, args.k, device=dev)
         src = torch.stack([torch.randperm(args.slots)[:args.k] for _ in range(T)]).reshape(-1).to(dev)
         src[1] = -1  # a pair another producer computes: left as it is by both
         ref = qpairs._quant_pair_outputs_triton(x, w, src, block, fmt)  # the block kernels (interpreted on a CPU)
-        got = planar_pair_outputs(x, w, src, planar, args.H, args.I,
-                                  ((4, min(1024, args.H), 4), (4, min(512, args.I), 4)))
-        words = planar_pair_outputs(x, w, src, block, args.H, args.I,
-                                    ((4, min(1024, args.H), 4), (4, min(512, args.I), 4)), words=True)
+        got = planar_pair_outputs(x, w, src, planar, args.H, args.I, cfg)
+        words = words_pair_outputs(x, w, src, block, fmt, {"gate_up": cfg[0], "down": cfg[1]})
         keep = src >= 0
         for name, out in (("planar", got), ("16-bit words", words)):
             err = (out[keep] - ref[keep]).abs().max().item() / ref[keep].abs().max().item()
@@ -159,25 +144,6 @@ def check(args, dev) -> None:
             # same fp32 products summed in another order; h rounded to bf16 between the projections by both (a
             # value near a rounding tie may land one bf16 ulp apart: ~2e-4 of y's largest value, interpreted)
             assert err < 1e-3, (name, err)
-
-
-def time_graph(fn, srcs, iters: int) -> float:
-    for s in srcs[:2]:
-        fn(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in srcs:
-            fn(s)
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (iters * len(srcs))
 
 
 def main():
@@ -213,7 +179,7 @@ def main():
         gb = T * args.k * ebytes / 1e3
         us_b = time_graph(lambda s: qpairs.quant_pair_outputs(x, w, s, block, fmt), srcs, args.iters)
         us_p = time_graph(lambda s: planar_pair_outputs(x, w, s, planar, args.H, args.I), srcs, args.iters)
-        us_w = time_graph(lambda s: planar_pair_outputs(x, w, s, block, args.H, args.I, words=True), srcs, args.iters)
+        us_w = time_graph(lambda s: words_pair_outputs(x, w, s, block, fmt), srcs, args.iters)
         print(f"T={T}: block layout {us_b:.2f} us ({gb / us_b:.0f}), planar {us_p:.2f} us ({gb / us_p:.0f}): "
               f"{us_b / us_p:.2f}x; block layout in 16-bit words {us_w:.2f} us ({gb / us_w:.0f}): {us_b / us_w:.2f}x",
               flush=True)
@@ -223,18 +189,20 @@ def main():
             dn_grid = ((8, 16), (512,), (4,)) if args.quick else ((2, 4, 8, 16), (256, 512), (4, 8))
             gu = [((bn, bv, wa), base[1]) for bn, bv, wa in itertools.product(*gu_grid) if bn * bv <= 16384]
             dn = [(base[0], (bn, bv, wa)) for bn, bv, wa in itertools.product(*dn_grid) if bn * bv <= 8192]
-            for name, pool, words in (("planar", planar, False), ("16-bit words", block, True)):
+            runs = {"planar": lambda s, c: planar_pair_outputs(x, w, s, planar, args.H, args.I, c),
+                    "16-bit words": lambda s, c: words_pair_outputs(x, w, s, block, fmt, {"gate_up": c[0], "down": c[1]})}
+            for name, run in runs.items():
                 res = []
                 for cfg in gu + dn:
                     try:
-                        us = time_graph(lambda s: planar_pair_outputs(x, w, s, pool, args.H, args.I, cfg, words), srcs,
-                                        max(2, args.iters // 4))
+                        us = time_graph(lambda s: run(s, cfg), srcs, max(2, args.iters // 4))
                     except Exception as e:  # noqa: BLE001 - a constant set the compiler refuses
                         print(f"  {name} {cfg}: {type(e).__name__}")
                         continue
                     res.append((us, cfg))
                 res.sort()
                 print(f"  {name} sweep T={T}: " + "; ".join(f"{c} {us:.2f} us" for us, c in res[:5]), flush=True)
+
 
 if __name__ == "__main__":
     main()
