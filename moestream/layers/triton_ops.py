@@ -481,8 +481,8 @@ def shared_down_ok(gu: torch.Tensor, inter: int, w: torch.Tensor, force: bool = 
     """Whether shared_down's kernel takes this call: a 16-bit decode-sized batch and a plain weight [N, I] of its
     dtype, both with unit stride along rows."""
     return ((force or enabled(gu)) and 0 < gu.shape[0] <= SHARED_DOWN_ROWS
-            and gu.dtype in (torch.bfloat16, torch.float16) and gu.stride(-1) == 1 and w.dtype == gu.dtype and w.dim() == 2 and w.shape[1] == inter
-            and w.is_contiguous())
+            and gu.dtype in (torch.bfloat16, torch.float16) and gu.stride(-1) == 1
+            and w.dtype == gu.dtype and w.dim() == 2 and w.shape[1] == inter and w.is_contiguous())
 
 
 def shared_down(gu: torch.Tensor, inter: int, w: torch.Tensor, force: bool = False) -> torch.Tensor:
