@@ -599,3 +599,26 @@ def test_kv_rows_written_and_widened_as_torch_does(kind, dtype):
     assert torch.equal(back.view(torch.int32), want.view(torch.int32))  # widened exactly (signed zeros too)
     if wrote8:
         assert torch.equal(back8.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_bf16_checkpoint_keeps_16_bit_experts_and_compiles_its_moe_blocks(kind, tiny_checkpoint):
+    """A bf16 safetensors checkpoint on a CPU with --dtype auto computes in float32 with its routed experts left in
+    their bf16 rows (half the host memory and the bytes a step reads of float32 copies): every MoE block is one
+    compiled call (the layer kernel reads bf16 rows against float32 activations), and the tokens are those of the
+    same checkpoint with float32 experts on the per-op path (--dtype float32)."""
+    from moestream import LLM
+
+    path = tiny_checkpoint(kind, dtype=torch.bfloat16)
+    ref = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
+    want = _generate(ref, 8)
+    assert ref.engine.runtime.ctx.store.fmt.dtype == torch.float32
+    assert not any(d is not None for d in ref.engine.model.cpu_decode.moe)
+    llm = LLM(path, device="cpu", max_running_requests=4)
+    assert llm.engine.dtype == torch.float32
+    store = llm.engine.runtime.ctx.store
+    assert store.fmt.dtype == torch.bfloat16
+    assert all(a.dtype == torch.bfloat16 for layer in store.moe_layers for a in store.bank(layer).values())
+    assert _generate(llm, 8) == want
+    plan = llm.engine.model.cpu_decode
+    assert plan.steps >= 7 and sum(d is not None for d in plan.moe) == len(store.moe_layers)

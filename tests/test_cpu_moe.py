@@ -846,3 +846,34 @@ def test_layer_flow_matches_the_barrier_with_empty_groups(monkeypatch):
         assert torch.equal(call(nt), want) and want.abs().sum() > 0
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
     assert cpu_quant.layer_tuning()[4] == 1  # the default
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_dense_banks_take_the_layer_kernel_up_to_a_few_rows(x_dtype):
+    """16-bit expert banks through compute.partial_outputs on a CPU with float32 activations (a float32 model whose
+    experts kept the checkpoint's bf16 rows): an expert of at most DENSE_KERNEL_MAX_ROWS rows by the layer kernel,
+    one of more by the torch GEMM, both within float32 rounding of a float64 model; bf16 activations stay on
+    torch's bf16 GEMMs (HF's numerics), within bf16 rounding."""
+    from moestream.moe import cpu_moe
+    from moestream.moe.compute import RouteGroups, WeightRef, partial_outputs
+
+    g = torch.Generator().manual_seed(3)
+    bank = {"gate_up": (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16),
+            "down": (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)}
+    n = cpu_moe.DENSE_KERNEL_MAX_ROWS + 4
+    x = torch.randn(n, H, generator=g).to(x_dtype)
+    ids = torch.stack([torch.zeros(n, dtype=torch.long), 1 + torch.arange(n) % 3], 1)  # expert 0: every row
+    w = torch.rand(n, 2, generator=g).to(x_dtype)
+    groups = RouteGroups.of(ids)
+    refs = {e: WeightRef(bank, e) for e in groups.experts}
+    kernel = {1, 2, 3} if x_dtype == torch.float32 else set()  # expert 0 has n rows: left to torch
+    assert set(cpu_moe.layer_partials(x, w, groups, refs)) == kernel
+    out = partial_outputs(x, w, groups, refs)
+    where = groups.index()
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+    for e in range(E):
+        rows, pos = groups.members(where[e])
+        gate, up = bank["gate_up"][e].double().chunk(2)
+        want = reference(x[rows].double(), gate, up, bank["down"][e].double()) * w[rows, pos, None].double()
+        got = out[e].double()
+        assert (got - want).abs().max() <= tol * want.abs().max(), (e, x_dtype)

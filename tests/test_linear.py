@@ -115,3 +115,18 @@ def test_dense_experts_use_the_widening_linear(monkeypatch):
     b = compute.expert_mlp(x, gate_up, down)
     assert calls == [(64, 32), (32, 32)] * 2
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_float32_activations_against_16_bit_weights(dtype, rows):
+    """A CPU's routed experts may stay in a checkpoint's 16-bit rows while the model computes in float32: linear
+    takes float32 x against them at any row count (F.linear refuses mixed dtypes), exact weights, float32 out."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = (torch.randn(70, 96, generator=g) * 0.1).to(dtype)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w)
+    got = L.linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, 70)
+    torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-6, atol=1e-6)

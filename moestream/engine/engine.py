@@ -102,6 +102,8 @@ class Engine:
         self.device = resolve_device(ecfg.device)
         # a quantized checkpoint's experts stay in their format (None: they take the model dtype)
         self.expert_fmt = expert_format_for(cfg, folder) if ecfg.moe_expert_format == "auto" else None
+        if self.expert_fmt is None and ecfg.moe_expert_format == "auto":
+            self.expert_fmt = self._cpu_16bit_experts(ecfg, cfg)
         self.dtype = resolve_dtype(ecfg.dtype, cfg, self.device, experts_stored=self.expert_fmt is not None)
         self.max_seq_len = self._max_seq_len()
         self.hardware = probe_hardware(self.device)  # before anything is allocated on the device
@@ -195,6 +197,17 @@ class Engine:
                                   f"max_position_embeddings {limit}")
             return self.ecfg.max_seq_len_override
         return limit
+
+    def _cpu_16bit_experts(self, ecfg: EngineConfig, cfg: ModelConfig):
+        """On a CPU with --dtype auto and the compiled kernels: a bf16 / f16 checkpoint's routed experts stay in its
+        16-bit rows (dense_format of that dtype) while the rest may compute in float32 — the kernels read 16-bit
+        experts against float32 activations (moe/cpu_moe.py), half the bytes a step of float32 copies would
+        read and half the host memory; None otherwise (the experts take the model's dtype)."""
+        stored = DTYPES.get(cfg.torch_dtype)
+        if (ecfg.dtype != "auto" or self.device.type != "cpu" or stored not in (torch.bfloat16, torch.float16)
+                or not cpu_quant.available()):
+            return None
+        return dense_format(stored)
 
     def _build_model(self, folder: Path) -> QwenMoeModel:
         # planned on the meta tree (this rank's dense bytes), so a plan that device or host memory cannot hold

@@ -6,7 +6,9 @@ There torch's bf16/fp16 GEMM runs at a fraction of float32's speed (measured on 
 WIDEN_BLOCK_BYTES of float32 at once, so a vocabulary head never doubles in memory), multiplied in
 float32 and the result rounded back to the activations' dtype: the same products accumulated in
 float32 as the 16-bit kernel does, rounded once. Below 16 rows the GEMM is bound by reading the
-weight, where the 16-bit kernel reads half the bytes, so it stays as it is.
+weight, where the 16-bit kernel reads half the bytes, so it stays as it is. float32 activations against 16-bit
+weights (a CPU's routed experts kept in the checkpoint's bf16 / f16 while the model computes in float32) take
+the widened path at any row count.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ WIDEN_BLOCK_BYTES = 64 << 20
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), float32 inside where 16-bit GEMMs are slow (module docstring)."""
-    if not widen_gemm(x, w.dtype):
+    if x.dtype == w.dtype and not widen_gemm(x, w.dtype):
         return F.linear(x, w, bias)
     n, k = w.shape
     xf = x.reshape(-1, k).float()

@@ -29,6 +29,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..core import ConfigError
@@ -227,7 +228,9 @@ def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device,
     w = torch.full((1, top_k), 1.0 / top_k, dtype=dtype, device=device)
     groups = RouteGroups.of(ids)
     refs = {e: WeightRef(bank, e, fmt if fmt is not None and fmt.quantized else None) for e in range(top_k)}
-    if cpu is not None:
+    if cpu is not None and (call := _bridge_call(bank, fmt, x, top_k)) is not None:
+        fn, sync = call, (lambda: None)  # noqa: E731
+    elif cpu is not None:
         fn = lambda: cpu.submit(x, w, groups, refs).result()  # noqa: E731
         sync = lambda: None  # noqa: E731
     else:
@@ -236,6 +239,31 @@ def expert_gbs(bank: dict, top_k: int, hidden: int, dtype, device: torch.device,
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     t = _best_time(fn, iters, sync)
     return top_k * sum(v[0].numel() * v.element_size() for v in bank.values()) / t / 1e9
+
+
+def _bridge_call(bank: dict, fmt, x: torch.Tensor, k: int):
+    """One bs=1 layer call over the bank's first k experts as the cpu / hybrid backends' bridge makes it
+    (moe/cpu_moe.LayerCall: the compiled layer kernel, 16-bit banks included, h rounded to x's dtype), or None
+    where the kernels do not read this bank (then the CPU path is compute.CpuExperts's)."""
+    from . import cpu_moe
+
+    if not cpu_moe.ready(fmt if fmt is not None and fmt.quantized else None, x, bank):
+        return None
+    call = cpu_moe.LayerCall(bank, fmt if fmt is not None and fmt.quantized else None, x.dtype)
+    E = call.num_experts
+    # each call the next k experts of the bank (a decode step's layers read distinct experts, from memory: the same
+    # k every call would be read from the CPU's last-level cache)
+    sets = [np.sort((np.arange(k) + i * k) % E).astype(np.int64) for i in range(max(1, E // k))]
+    starts = np.arange(k + 1, dtype=np.int64)
+    rows, dst, weights = np.zeros(k, dtype=np.int64), np.arange(k, dtype=np.int64), np.full(k, 1.0 / k, np.float32)
+    out = torch.empty(k, x.shape[1], dtype=torch.float32)
+    turn = [0]
+
+    def one():
+        turn[0] += 1
+        return call(x, sets[turn[0] % len(sets)], starts, rows, weights, dst, out)
+
+    return one
 
 
 def run_bench(device: torch.device, hidden: int = 2048, inter: int = 512, dtype: str = "bfloat16",
