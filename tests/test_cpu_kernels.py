@@ -88,6 +88,15 @@ def test_kernels_against_float64(name, n_x):
     _check(name, n_x, force_scalar=False)
 
 
+@pytest.mark.parametrize("name", FLOAT_TYPES)
+@pytest.mark.parametrize("k", [8, 24, 200, 203, 1000])
+@pytest.mark.parametrize("n_x", [1, 2, 3, 4])
+def test_float_kernels_every_row_length(name, k, n_x):
+    """F16 / BF16 rows: the 16-lane steps (AVX-512), the unrolled and single 8-lane steps and the scalar tail each
+    take a part of a row whose length is no multiple of their step; the sum is the float64 product's."""
+    _check(name, n_x, force_scalar=False, n=24, k=k, seed=k)
+
+
 @pytest.mark.parametrize("name", BLOCK_TYPES + FLOAT_TYPES)
 def test_scalar_kernels_against_float64(name):
     _check(name, 5, force_scalar=True, seed=1)
