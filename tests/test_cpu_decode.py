@@ -603,8 +603,9 @@ def test_kv_rows_written_and_widened_as_torch_does(kind, dtype):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
 def test_bf16_checkpoint_keeps_16_bit_experts_and_compiles_its_moe_blocks(kind, tiny_checkpoint):
-    """A bf16 safetensors checkpoint on a CPU with --dtype auto computes in float32 with its routed experts left in
-    their bf16 rows (half the host memory and the bytes a step reads of float32 copies): every MoE block is one
+    """A bf16 safetensors checkpoint on a CPU with --dtype auto computes in float32 with its routed experts and linear
+    weights left in their bf16 rows (half the host memory and the bytes a step reads of float32 copies): every layer
+    and MoE block is one
     compiled call (the layer kernel reads bf16 rows against float32 activations), and the tokens are those of the
     same checkpoint with float32 experts on the per-op path (--dtype float32)."""
     from moestream import LLM
@@ -619,6 +620,10 @@ def test_bf16_checkpoint_keeps_16_bit_experts_and_compiles_its_moe_blocks(kind, 
     store = llm.engine.runtime.ctx.store
     assert store.fmt.dtype == torch.bfloat16
     assert all(a.dtype == torch.bfloat16 for layer in store.moe_layers for a in store.bank(layer).values())
+    model = llm.engine.model
+    lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(m.weight.dtype == torch.bfloat16 for m in lin) >= len(model.layers)  # dense rows kept 16-bit too
     assert _generate(llm, 8) == want
     plan = llm.engine.model.cpu_decode
     assert plan.steps >= 7 and sum(d is not None for d in plan.moe) == len(store.moe_layers)
+    assert plan.layers == len(model.layers)

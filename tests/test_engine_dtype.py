@@ -42,3 +42,26 @@ def test_cpu_counts_only_the_weights_that_take_the_dtype(monkeypatch):
     assert eng.resolve_dtype("auto", cfg, cpu, experts_stored=True) == torch.float32
     assert eng.resolve_dtype("auto", cfg, cpu, experts_stored=False) == torch.bfloat16
     assert eng.resolve_dtype("bfloat16", cfg, cpu, experts_stored=True) == torch.bfloat16  # an explicit choice is kept
+
+
+def test_keep_16bit_linears_moves_only_exact_unshared_weights():
+    """A float32 model loaded from a bf16 checkpoint: linear weights whose values are all bf16 values go back to bf16
+    rows (same values), one with a value bf16 cannot hold stays float32, and a weight tied to an embedding stays."""
+    from torch import nn
+
+    g = torch.Generator().manual_seed(0)
+    m = nn.Module()
+    m.a = nn.Linear(8, 4, bias=False)
+    m.b = nn.Linear(8, 4, bias=False)
+    m.emb = nn.Embedding(4, 8)
+    m.head = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        for lin in (m.a, m.b):
+            lin.weight.copy_(torch.randn(4, 8, generator=g).bfloat16().float())
+        m.b.weight[1, 2] += 2 ** -20  # not a bf16 value
+        m.emb.weight.copy_(torch.randn(4, 8, generator=g).bfloat16().float())
+    m.head.weight = m.emb.weight
+    before = m.a.weight.clone()
+    assert eng.keep_16bit_linears(m, torch.bfloat16) == 1
+    assert m.a.weight.dtype == torch.bfloat16 and torch.equal(m.a.weight.float(), before)
+    assert m.b.weight.dtype == torch.float32 and m.head.weight.dtype == torch.float32 and m.head.weight is m.emb.weight

@@ -56,6 +56,31 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def keep_16bit_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """A float32 model loaded from a 16-bit checkpoint on a CPU: each linear weight whose values are all exactly
+    `dtype` values (the checkpoint's, widened at load) goes back to those rows. The compiled decode step reads them
+    as they are and kernels.linear widens them for a GEMM, so every product is the float32 one (no value
+    changes) and a decode step reads half the bytes. A weight shared with another module (tied embeddings) stays.
+    Returns how many weights moved."""
+    shared = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            shared[id(p)] = shared.get(id(p), 0) + 1
+    kept = 0
+    with torch.no_grad():
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if not isinstance(m, torch.nn.Linear) or w is None or w.dtype != torch.float32 or w.dim() != 2 \
+                    or w.device.type != "cpu" or shared.get(id(w), 0) > 1:
+                continue
+            low = w.to(dtype)
+            if not torch.equal(low.float(), w):
+                continue
+            m.weight = torch.nn.Parameter(low, requires_grad=False)
+            kept += 1
+    return kept
+
+
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device, experts_stored: bool = False) -> torch.dtype:
     """--dtype auto: on a CPU float32 (the fastest and most exact there; the compiled decode step needs it) unless
     the weights that take the dtype would fill over a quarter of host memory in float32 — experts_stored: routed
@@ -261,6 +286,11 @@ class Engine:
         load_weights(model, store, self.cfg, folder, compressed_dense=mode)
         if head is not None:
             self._quantize_head(model)
+        if self.expert_fmt is not None and not self.expert_fmt.quantized and self.dtype == torch.float32 \
+                and self.device.type == "cpu" and not self.tp:
+            kept = keep_16bit_linears(model, self.expert_fmt.dtype)
+            log.info("CPU: %d linear weights kept in the checkpoint's %s rows (float32 activations)", kept,
+                     str(self.expert_fmt.dtype).replace("torch.", ""))
         if self.tp:
             model = self.tp.shard(model).to(self.device)
         else:
