@@ -67,8 +67,9 @@ MOE_MID = dict(MOE, hidden_size=2048, num_hidden_layers=12, num_experts=128, num
                intermediate_size=6144)
 
 
-def write_moe_gguf(path: Path, shape: dict = MOE) -> tuple[Path, int]:
-    """The Qwen3-MoE Q4_K_M-style GGUF described in the module docstring (shape: MOE or MOE_MID)."""
+def write_moe_gguf(path: Path, shape: dict = MOE, every: str | None = None) -> tuple[Path, int]:
+    """The Qwen3-MoE Q4_K_M-style GGUF described in the module docstring (shape: MOE or MOE_MID); every: one type
+    for every weight instead ("BF16": the moe-bf16 model, random normal values * 0.05)."""
     import tiny_models
     from gguf import GGMLQuantizationType as Q, GGUFWriter
     from gguf_writer import _metadata
@@ -83,6 +84,12 @@ def write_moe_gguf(path: Path, shape: dict = MOE) -> tuple[Path, int]:
     nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
 
     def q(name, shape, qt="Q4_K"):
+        qt = every or qt
+        if qt in ("BF16", "F16"):
+            vals = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.05)
+            raw = vals.to(torch.bfloat16 if qt == "BF16" else torch.float16).view(torch.uint8).numpy()
+            w.add_tensor(name, raw.reshape(*shape[:-1], 2 * shape[-1]), raw_dtype=Q[qt])
+            return
         w.add_tensor(name, _blocks(qt, shape, rng), raw_dtype=Q[qt])
 
     def f32(name, arr):
@@ -347,7 +354,7 @@ def _bench_fp4_layer(name: str, E: int, H: int, I: int, top_k: int, picks, x, y,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", default="smollm,moe", help="smollm, moe, moe-mid, file:PATH.gguf (comma-separated)")
+    ap.add_argument("--models", default="smollm,moe", help="smollm, moe, moe-mid, moe-bf16, file:PATH.gguf (comma-separated)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
@@ -377,6 +384,8 @@ def main(argv=None) -> int:
 
             path = Path(model[5:])
             vocab = len(GGUFFile(path).fields["tokenizer.ggml.tokens"])
+        elif model == "moe-bf16":
+            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-bf16.gguf", MOE, every="BF16")
         else:
             path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf",
                                          MOE_MID if model == "moe-mid" else MOE)
@@ -385,7 +394,7 @@ def main(argv=None) -> int:
             results[f"{model}/{engine}"] = r
             print(f"{model:7s} {engine:10s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.1f} tok/s"
                   f" (after {args.context} tokens)", flush=True)
-        if model in ("moe", "moe-mid"):
+        if model in ("moe", "moe-mid", "moe-bf16"):
             path.unlink()  # written here (moe-mid: 4.3 GB)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
