@@ -354,7 +354,7 @@ def _bench_fp4_layer(name: str, E: int, H: int, I: int, top_k: int, picks, x, y,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", default="smollm,moe", help="smollm, moe, moe-mid, moe-bf16, file:PATH.gguf (comma-separated)")
+    ap.add_argument("--models", default="smollm,moe", help="smollm, moe, moe-mid, moe-<type> (moe-bf16, moe-q8_0), file:PATH.gguf (comma-separated)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
@@ -384,8 +384,8 @@ def main(argv=None) -> int:
 
             path = Path(model[5:])
             vocab = len(GGUFFile(path).fields["tokenizer.ggml.tokens"])
-        elif model == "moe-bf16":
-            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-bf16.gguf", MOE, every="BF16")
+        elif model.startswith("moe-") and model != "moe-mid":  # moe-bf16, moe-q8_0, ...: every weight one type
+            path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / f"qwen3{model}.gguf", MOE, every=model[4:].upper())
         else:
             path, vocab = write_moe_gguf(Path(tempfile.mkdtemp()) / "qwen3moe-q4_k_m.gguf",
                                          MOE_MID if model == "moe-mid" else MOE)
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
             results[f"{model}/{engine}"] = r
             print(f"{model:7s} {engine:10s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.1f} tok/s"
                   f" (after {args.context} tokens)", flush=True)
-        if model in ("moe", "moe-mid", "moe-bf16"):
+        if model == "moe" or model.startswith("moe-"):
             path.unlink()  # written here (moe-mid: 4.3 GB)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
