@@ -183,6 +183,7 @@ def test_bench_bw_on_cpu_writes_profile(tmp_path, monkeypatch, capsys):
     assert "host memory read" in out and "n/a" in out and "auto would choose" in out
     prof = json.loads((tmp_path / "moestream" / "benchbw.json").read_text())
     assert prof["host_read_gbs"] > 0 and prof["cpu_expert_gbs"] > 0 and prof["pcie_pinned_gbs"] is None
+    assert prof["cpu_expert_gbs"] == min(prof["cpu_expert_measured_gbs"], prof["host_read_gbs"])
     assert torch.get_num_threads() == threads
     assert load_profile(torch.device("cpu")) == prof  # what the engine reads
     other = tmp_path / "x.json"
@@ -781,3 +782,35 @@ def test_banks_count_each_layers_own_expert_size():
     assert fused.bytes.experts_device == banks
     cpu = plan_memory(m, Hardware("cpu", "test", 60 * GiB, 64 * GiB, 60 * GiB, 8), EngineConfig(num_tokens=4096))
     assert cpu.bytes.experts_device == banks
+
+
+def test_bench_cpu_rate_is_the_bridges_layer_call(monkeypatch):
+    """bench bw's CPU experts rate times the call the cpu / hybrid backends' bridge makes (cpu_moe.LayerCall, a new
+    set of experts each call) where the kernels read the bank — a bf16 bank included — and compute.CpuExperts'
+    path where they do not (float32 rows)."""
+    import torch
+
+    from moestream.kernels import cpu_quant
+    from moestream.moe import bench, cpu_moe
+    from moestream.moe.compute import CpuExperts
+
+    if not cpu_quant.available():
+        pytest.skip("CPU kernels not built here")
+    seen, submits = [], []
+    real = cpu_moe.LayerCall.__call__
+    monkeypatch.setattr(cpu_moe.LayerCall, "__call__",
+                        lambda self, x, experts, *a: seen.append(tuple(experts)) or real(self, x, experts, *a))
+    real_submit = CpuExperts.submit
+    monkeypatch.setattr(CpuExperts, "submit", lambda self, *a, **k: submits.append(1) or real_submit(self, *a, **k))
+    cpu = CpuExperts(1)
+    try:
+        for dtype, bridged in ((torch.bfloat16, True), (torch.float32, False)):
+            seen.clear(), submits.clear()
+            fmt = bench.expert_format("bf16", dtype, 128, 64)
+            bank = bench.make_bank(fmt, 8, 128, 64)
+            assert bench.expert_gbs(bank, 2, 128, dtype, torch.device("cpu"), 3, cpu, fmt) > 0
+            assert bool(seen) == bridged and bool(submits) != bridged
+            if bridged:
+                assert len(set(seen)) == 4 and all(len(e) == 2 for e in seen)  # 8 experts, 2 a call, rotating
+    finally:
+        cpu.close()
