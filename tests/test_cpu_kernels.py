@@ -300,7 +300,8 @@ def test_segments_in_one_call_equal_one_call_each(force_scalar):
                                force_scalar) == -1
 
 
-@pytest.mark.parametrize("name,n,k", [("Q4_0", 64, 576), ("Q4_1", 40, 1536), ("Q4_K", 24, 512), ("Q6_K", 32, 768)])
+@pytest.mark.parametrize("name,n,k", [("Q4_0", 64, 576), ("Q4_1", 40, 1536), ("Q4_K", 24, 512), ("Q6_K", 32, 768),
+                                      ("Q8_0", 48, 640)])
 def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     """repack_x8 (8 rows interleaved, one row per lane of the integer products): the GGUF layout's products up to float
     summation order, near the float64 product as closely; the SIMD and scalar paths, 1 and 2 threads, and a row alone
@@ -329,14 +330,14 @@ def test_rows_interleaved_by_8_give_the_gguf_rows_products(name, n, k):
     with pytest.raises(ValueError):
         cpu_quant.repack_x8(raw.data_ptr(), n - 1, k, raw.stride(0), name)  # not whole groups of 8
     with pytest.raises(ValueError):
-        cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), "Q8_0")  # no interleaved layout
+        cpu_quant.repack_x8(raw.data_ptr(), n, k, raw.stride(0), "Q5_0")  # no interleaved layout
     bad = torch.empty(1, 7)
     assert mod.ms_qmatmul(x.data_ptr(), 1, k, arr.ctypes.data, 7, row_bytes, tid, bad.data_ptr(), 7, 1, 0) == -1
     segs = np.array([[arr.ctypes.data, tid, row_bytes, 7]], dtype=np.int64)  # in one call with others: the same rule
     assert mod.ms_qmatmul_segs(x.data_ptr(), 1, k, 1, segs.ctypes.data, bad.data_ptr(), 7, 1, 0) == -1
 
 
-@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q4_0", 256), ("Q4_1", 384), ("Q6_K", 512)])
+@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q4_0", 256), ("Q4_1", 384), ("Q6_K", 512), ("Q8_0", 320)])
 def test_interleaved_rows_against_many_activation_rows_give_each_rows_own_floats(name, k):
     """A prefill's many activation rows against an interleaved group (several rows a pass over its codes, then 2 and
     1 for what is left): every row's outputs are the floats the row gets alone (the one-row kernel of a decode step)
@@ -760,3 +761,35 @@ def test_one_row_of_x_gives_the_floats_it_gives_among_others(name, k):
         assert torch.equal(cpu_quant.qmatmul(x[r:r + 1], raw, name)[0], both[r]), r
     for rows in (1, 2, 3, 5, 9):  # chunks that end before a group of four does
         assert torch.equal(cpu_quant.qmatmul(x[:1], raw[:rows], name)[0], both[0, :rows])
+
+
+def test_other_builds_give_the_same_interleaved_and_float_products(tmp_path):
+    """The AVX2 build (the one AVX2-only machines run: no vpdpbusd, so Q8_0X8 takes |q| against x signed by q, and
+    8-lane float steps only) checked on this machine where it builds the AVX-512 one by default: interleaved Q8_0 /
+    Q4_0 against the GGUF rows and many activation rows, and the float kernels at every row length. A subprocess
+    with the CPU's AVX-512 flags hidden (the library is built and cached per flags)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if cpu_quant.isa() != "avx512vnni":
+        pytest.skip("this machine runs the AVX2 (or generic) build already: the tests above check it")
+    code = """
+import sys
+sys.path.insert(0, {tests!r})
+from moestream.kernels import cpu_quant
+real = cpu_quant.cpu_flags
+cpu_quant.cpu_flags = lambda: frozenset(f for f in real() if not f.startswith("avx512"))
+assert cpu_quant.isa() == "avx2", cpu_quant.isa()
+import test_cpu_kernels as T
+T.test_rows_interleaved_by_8_give_the_gguf_rows_products("Q8_0", 48, 640)
+T.test_rows_interleaved_by_8_give_the_gguf_rows_products("Q4_0", 64, 576)
+T.test_interleaved_rows_against_many_activation_rows_give_each_rows_own_floats("Q8_0", 320)
+for name in ("BF16", "F16"):
+    for k in (8, 200, 203):
+        for n_x in (1, 2, 4):
+            T.test_float_kernels_every_row_length(name, k, n_x)
+print("ok")
+""".format(tests=str(Path(__file__).parent))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]

@@ -259,11 +259,11 @@ enum : int64_t { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8
                  T_BF16 = 30, T_MXFP4 = 39 };
 // HF safetensors formats the kernels read (not ggml ids; cpu_quant.HF_TYPES): codes and scales in separate arrays
 enum : int64_t { T_HF_NVFP4 = 1001, T_HF_MXFP4 = 1002, T_HF_FP8 = 1003 };
-// This library's own layouts (not ggml ids): Q4_K, Q4_0 and Q4_1 with 8 rows interleaved (ms_repack_x8, the
-// "8 rows interleaved" section)
-enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014, T_Q6_K8 = 1015 };
+// This library's own layouts (not ggml ids): Q4_K, Q4_0, Q4_1, Q6_K and Q8_0 with 8 rows interleaved (ms_repack_x8,
+// the "8 rows interleaved" section)
+enum : int64_t { T_Q4_K8 = 1012, T_Q4_0X8 = 1013, T_Q4_1X8 = 1014, T_Q6_K8 = 1015, T_Q8_0X8 = 1016 };
 inline bool is_x8_type(int64_t type) {
-  return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8 || type == T_Q6_K8;
+  return type == T_Q4_K8 || type == T_Q4_0X8 || type == T_Q4_1X8 || type == T_Q6_K8 || type == T_Q8_0X8;
 }
 inline bool is_hf_fp4(int64_t type) { return type == T_HF_NVFP4 || type == T_HF_MXFP4; }
 inline bool is_hf_fp8(int64_t type) { return type == T_HF_FP8; }
@@ -311,13 +311,17 @@ inline float half_to_float(const uint8_t* p) {
 struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> si;  // each block's sum of its int8 values (s = d * si)
   int64_t K = 0, nb = 0;
   const int8_t* qr(int64_t r) const { return q.data() + r * K; }
   const float* dr(int64_t r) const { return d.data() + r * nb; }
   const float* sr(int64_t r) const { return s.data() + r * nb; }
+  const int32_t* sir(int64_t r) const { return si.data() + r * nb; }
+  void resize(int64_t n) { q.resize(n * K), d.resize(n * nb), s.resize(n * nb), si.resize(n * nb); }
+  void quantize(const float* x, int64_t r);
 };
 
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* si) {
   for (int64_t b = 0; b < K / QB; ++b) {
     const float* xb = x + b * QB;
     float amax = 0.f;
@@ -331,7 +335,12 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     }
     d[b] = db;
     s[b] = db * (float)sum;
+    si[b] = sum;
   }
+}
+
+void QAct::quantize(const float* x, int64_t r) {
+  quantize_row(x, K, q.data() + r * K, d.data() + r * nb, s.data() + r * nb, si.data() + r * nb);
 }
 
 // K-quant activations (llama.cpp's "Q8_K" idea): int8 with ONE float scale per 256 values and the sums of
@@ -426,13 +435,15 @@ struct XR {
   const int8_t* q[XR_ROWS];
   const float* d[XR_ROWS];
   const float* s[XR_ROWS];
+  const int32_t* si[XR_ROWS];  // QAct rows only
   const int16_t* bs[XR_ROWS];  // QActK rows only
   const int32_t* off[XR_ROWS];  // QActF4 rows only
 };
 
 inline XR xrows(const QAct& a, const int64_t* rows, int nr) {
   XR x{};
-  for (int r = 0; r < nr; ++r) x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.s[r] = a.sr(rows[r]);
+  for (int r = 0; r < nr; ++r)
+    x.q[r] = a.qr(rows[r]), x.d[r] = a.dr(rows[r]), x.s[r] = a.sr(rows[r]), x.si[r] = a.sir(rows[r]);
   return x;
 }
 
@@ -452,12 +463,9 @@ QAct quantize(const float* x, int64_t n, int64_t K, int nt) {
   QAct a;
   a.K = K;
   a.nb = K / QB;
-  a.q.resize(n * K);
-  a.d.resize(n * a.nb);
-  a.s.resize(n * a.nb);
+  a.resize(n);
   par_for(n, 16, nt, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row(x + r * K, K, a.q.data() + r * K, a.d.data() + r * a.nb, a.s.data() + r * a.nb);
+    for (int64_t r = r0; r < r1; ++r) a.quantize(x + r * K, r);
   });
   return a;
 }
@@ -1339,6 +1347,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_Q4_0X8: return K / 32 * 18;   // 8 rows share 144 bytes per 32 columns
     case T_Q4_1X8: return K / 32 * 20;   // 8 rows share 160 bytes per 32 columns
     case T_Q6_K8: return K / 256 * 210;  // 8 rows share 1,680 bytes per 256 columns
+    case T_Q8_0X8: return K / 32 * 34;   // 8 rows share 272 bytes per 32 columns
     case T_Q5_K: return K / 256 * 176;
     case T_Q6_K: return K / 256 * 210;
     case T_IQ4_NL: return K / 32 * 18;
@@ -1642,6 +1651,77 @@ void dot_q4x8_avx2(const uint8_t* w, int64_t K, const int8_t* xq, const float* x
 }
 #endif
 
+// Q8_0X8: Q8_0 with 8 rows interleaved, per group of 8 rows and block of 32 columns: the fp16 d of rows 0..7 (16
+// bytes), then the int8 codes: for 4-byte group g (0..7) of the block, 32 bytes at 16 + 32 g: row r's codes 4g..4g+3
+// at + 4 r. 272 bytes: the same bytes as 8 rows of Q8_0. Against one QAct row (int8 per 32, scale dx, si = the
+// block's int8 sum): per block and row the integer sum of codes times activations — with VNNI the codes flipped to
+// unsigned (q + 128) for vpdpbusd against the activation's 4 bytes broadcast, then 128 * si taken off: the exact
+// sum of q * x; without VNNI (vpmaddubsw would saturate on byte products) |q| against x signed by q — then
+// acc += isum * (d * dx) as one fused multiply-add a block, as the scalar twin does.
+void repack_q8x8(const uint8_t* w, int64_t ws, int64_t K, uint8_t* out) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    uint8_t* o = out + b * 272;
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = w + r * ws + b * 34;
+      std::memcpy(o + 2 * r, blk, 2);
+      for (int g = 0; g < 8; ++g) std::memcpy(o + 16 + 32 * g + 4 * r, blk + 2 + 4 * g, 4);
+    }
+  }
+}
+
+void dot_q8x8_scalar(const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, float* out) {
+  float acc[8] = {};
+  for (int64_t b = 0; b < K / QB; ++b, w += 272) {
+    const int8_t* xb = xq + b * QB;
+    for (int r = 0; r < 8; ++r) {
+      int32_t isum = 0;
+      for (int g = 0; g < 8; ++g)
+        for (int k = 0; k < 4; ++k) isum += (int8_t)w[16 + 32 * g + 4 * r + k] * xb[4 * g + k];
+      acc[r] = std::fma((float)isum, half_to_float(w + 2 * r) * xd[b], acc[r]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = acc[r];
+}
+
+#ifdef MS_AVX2
+// Rows r0 .. r0 + NR - 1 of x against a Q8_0X8 group: out[8 r + j]
+template <int NR>
+void dot_q8x8_rows_avx2(const uint8_t* w, int64_t K, const XR& x, int r0, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / QB; ++b, w += 272) {
+    __m256i isum[NR];
+    for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * g));
+#ifdef MS_VNNI
+      const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  // q + 128
+#else
+      const __m256i u = _mm256_sign_epi8(v, v);  // |q|
+#endif
+      for (int r = 0; r < NR; ++r) {
+        int32_t a;
+        std::memcpy(&a, x.q[r0 + r] + b * QB + 4 * g, 4);
+#ifdef MS_VNNI
+        isum[r] = _mm256_dpbusd_epi32(isum[r], u, _mm256_set1_epi32(a));
+#else
+        const __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(a), v));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    for (int r = 0; r < NR; ++r) {
+#ifdef MS_VNNI
+      isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(128 * x.si[r0 + r][b]));
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[r0 + r][b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+#endif
+
 // Q6_K8: Q6_K, 8 rows interleaved. Per group of 8 rows and 256 columns, 1,680 bytes (8 x 210, Q6_K's own size):
 //   [0, 16)      d of rows 0..7 (fp16)
 //   [16, 144)    scale of sub-block j (16 values), row r at 16 + 8 j + r (int8)
@@ -1865,6 +1945,7 @@ inline void dot_x8_rows_avx2(int64_t type, const uint8_t* w, int64_t K, const XR
   if (type == T_Q4_K8) dot_q4_k8_rows_avx2<NR>(w, K, x, r0, out);
   else if (type == T_Q6_K8) dot_q6_k8_rows_avx2<NR>(w, K, x, r0, out);
   else if (type == T_Q4_1X8) dot_q4x8_rows_avx2<true, NR>(w, K, x, r0, out);
+  else if (type == T_Q8_0X8) dot_q8x8_rows_avx2<NR>(w, K, x, r0, out);
   else dot_q4x8_rows_avx2<false, NR>(w, K, x, r0, out);
 }
 #endif
@@ -1876,6 +1957,7 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
     if (type == T_Q4_K8) dot_q4_k8_avx2(w, K, x.q[k], x.d[k], x.bs[k], out);
     else if (type == T_Q6_K8) dot_q6_k8_rows_avx2<1>(w, K, x, k, out);
     else if (type == T_Q4_1X8) dot_q4x8_avx2<true>(w, K, x.q[k], x.d[k], x.s[k], out);
+    else if (type == T_Q8_0X8) dot_q8x8_rows_avx2<1>(w, K, x, k, out);
     else dot_q4x8_avx2<false>(w, K, x.q[k], x.d[k], x.s[k], out);
     return;
   }
@@ -1883,6 +1965,7 @@ inline void dot_x8(int64_t type, bool scalar, const uint8_t* w, int64_t K, const
   if (type == T_Q4_K8) dot_q4_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
   else if (type == T_Q6_K8) dot_q6_k8_scalar(w, K, x.q[k], x.d[k], x.bs[k], out);
   else if (type == T_Q4_1X8) dot_q4x8_scalar<true>(w, K, x.q[k], x.d[k], x.s[k], out);
+  else if (type == T_Q8_0X8) dot_q8x8_scalar(w, K, x.q[k], x.d[k], out);
   else dot_q4x8_scalar<false>(w, K, x.q[k], x.d[k], x.s[k], out);
 }
 
@@ -2074,13 +2157,13 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
   QActK xk;
   QActF4 xp;
   xq.K = H, xq.nb = H / QB;
-  if (q_x) xq.q.resize(nx * H), xq.d.resize(nx * xq.nb), xq.s.resize(nx * xq.nb);
+  if (q_x) xq.resize(nx);
   if (k_x) xk.resize(nx, H);
   if (p_x) xp.resize(nx, H);
   auto x_row = [&](int64_t r) {  // x row r to float32, quantized once for every expert that reads it
     float* xr = xf.data() + r * H;
     for (int64_t i = 0; i < H; ++i) xr[i] = act_to_float(x, xdtype, r * H + i);
-    if (q_x) quantize_row(xr, H, xq.q.data() + r * H, xq.d.data() + r * xq.nb, xq.s.data() + r * xq.nb);
+    if (q_x) xq.quantize(xr, r);
     if (p_x) xp.quantize(xr, r);
     if (k_x) quantize_row_k(xr, H, xk.q.data() + r * H, xk.d.data() + r * xk.nb, xk.bs.data() + r * (H / 16));
   };
@@ -2174,14 +2257,14 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
             md.x8_ahead = x8a;
             md.rows_ahead = rows_ahead;
             const float* h = hbuf.data() + p0 * I;
-            if (q_h) hq.q.resize(n * I), hq.d.resize(n * hq.nb), hq.s.resize(n * hq.nb);
+            if (q_h) hq.resize(n);
             if (k_h) hk.resize(n, I);
             if (p_h) hp.resize(n, I);
             hrow.resize(n);
             for (int64_t r = 0; r < n; ++r) {
               const float* hr = h + r * I;
               hrow[r] = r;
-              if (q_h) quantize_row(hr, I, hq.q.data() + r * I, hq.d.data() + r * hq.nb, hq.s.data() + r * hq.nb);
+              if (q_h) hq.quantize(hr, r);
               if (p_h) hp.quantize(hr, r);
               if (k_h) quantize_row_k(hr, I, hk.q.data() + r * I, hk.d.data() + r * hk.nb, hk.bs.data() + r * (I / 16));
             }
@@ -2389,13 +2472,13 @@ int ms_qmatmul_segs(const float* xf, int64_t n, int64_t K, int64_t nseg, const i
   return 0;
 }
 
-// w: N rows of Q4_K, Q4_0, Q4_1 or Q6_K (`type`, K columns), `ws` bytes apart -> out: the same matrix with 8 rows
-// interleaved (Q4_K8 / Q4_0X8 / Q4_1X8 / Q6_K8, this library's own type ids 1012 / 1013 / 1014 / 1015; N / 8 groups, row_bytes of the
+// w: N rows of Q4_K, Q4_0, Q4_1, Q6_K or Q8_0 (`type`, K columns), `ws` bytes apart -> out: the same matrix with 8
+// rows interleaved (Q4_K8 / Q4_0X8 / Q4_1X8 / Q6_K8 / Q8_0X8, this library's own type ids 1012-1016; N / 8 groups, row_bytes of the
 // new type per row; see the "8 rows interleaved" sections). Returns the new type's id, or -1 for another type, N not a
 // multiple of 8 or K not a multiple of the block.
 int ms_repack_x8(const uint8_t* w, int64_t N, int64_t K, int64_t ws, int64_t type, uint8_t* out, int nthreads) {
   const int64_t to = type == T_Q4_K ? T_Q4_K8 : type == T_Q4_0 ? T_Q4_0X8 : type == T_Q4_1 ? T_Q4_1X8
-                     : type == T_Q6_K ? T_Q6_K8 : -1;
+                     : type == T_Q6_K ? T_Q6_K8 : type == T_Q8_0 ? T_Q8_0X8 : -1;
   if (to < 0 || N % 8 || K <= 0 || K % block_size(to) || ws < row_bytes(type, K)) return -1;
   const int64_t gs = 8 * row_bytes(to, K);  // bytes per group of 8 rows
   par_for(N / 8, 16, nthreads, [&](int64_t g0, int64_t g1) {
@@ -2404,6 +2487,7 @@ int ms_repack_x8(const uint8_t* w, int64_t N, int64_t K, int64_t ws, int64_t typ
       if (to == T_Q4_K8) repack_q4_k8(src, ws, K, out + g * gs);
       else if (to == T_Q6_K8) repack_q6_k8(src, ws, K, out + g * gs);
       else if (to == T_Q4_1X8) repack_q4x8<true>(src, ws, K, out + g * gs);
+      else if (to == T_Q8_0X8) repack_q8x8(src, ws, K, out + g * gs);
       else repack_q4x8<false>(src, ws, K, out + g * gs);
     }
   });
