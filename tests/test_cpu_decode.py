@@ -311,6 +311,7 @@ def test_fused_block_with_its_own_router(tmp_path, tiny_checkpoint, monkeypatch)
             del block.gate.weight
             block.gate.weight = nn.Parameter(f.weight.detach()[:e].clone(), requires_grad=False)
             block.router_rows = 0
+        llm.engine.model.cpu_decode = None  # the engine's plan read the modules replaced here: made again
         runs[flag] = _generate(llm, 8), llm.engine.runtime.stats()["total"]
         plan = llm.engine.model.cpu_decode
     assert all(d is not None and d[M["FW"]] and not d[M["FROUTER"]] and d[M["RW"]] for d in plan.moe)
@@ -378,7 +379,8 @@ def test_interleaved_dense_weights_in_the_plan(qtype, tmp_path, tiny_checkpoint,
 
 def test_interleaved_routed_experts_in_the_plan(tmp_path, tiny_checkpoint, monkeypatch):
     """Routed experts' 4-bit projections are read from interleaved copies too (one type a projection: the MoE
-    descriptions' gate / up ids are the interleaved type's, a Q8_0 down projection stays as stored; every expert's
+    descriptions' gate / up ids are the interleaved type's, a Q5_0 down projection (no interleaved layout) stays as
+    stored; every expert's
     row of the table points into the copy); decode log-probabilities are the GGUF layout's to float rounding; where
     the host could not keep the copy beside the file's bytes none is made."""
     import gguf_writer
@@ -389,9 +391,9 @@ def test_interleaved_routed_experts_in_the_plan(tmp_path, tiny_checkpoint, monke
     from moestream.models.cpu_decode import M
 
     path = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1,
-                                  expert_qtype=lambda layer, proj: Q.Q8_0 if proj == "down_proj" else Q.Q4_1)[0]
+                                  expert_qtype=lambda layer, proj: Q.Q5_0 if proj == "down_proj" else Q.Q4_1)[0]
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)
-    x8, q8 = cpu_quant.X8_TYPES["Q4_1"][0], cpu_quant.TYPES["Q8_0"]
+    x8, q8 = cpu_quant.X8_TYPES["Q4_1"][0], cpu_quant.TYPES["Q5_0"]
     runs = {}
     for repack in ("1", "0", "full"):
         monkeypatch.setenv("MOESTREAM_CPU_REPACK", "0" if repack == "0" else "1")
@@ -431,7 +433,7 @@ def test_prefill_reads_the_plans_interleaved_copies(tmp_path, tiny_checkpoint, m
     from moestream import LLM, SamplingParams
 
     path = gguf_writer.write_gguf(tiny_checkpoint("qwen3"), tmp_path / "m.gguf", Q.Q4_1,
-                                  expert_qtype=lambda layer, proj: Q.Q8_0 if proj == "down_proj" else Q.Q4_1)[0]
+                                  expert_qtype=lambda layer, proj: Q.Q5_0 if proj == "down_proj" else Q.Q4_1)[0]
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
     q41 = cpu_quant.TYPES["Q4_1"]
     seen = {"moe": [], "rows": [], "x8": 0}
@@ -456,16 +458,16 @@ def test_prefill_reads_the_plans_interleaved_copies(tmp_path, tiny_checkpoint, m
     for repack in ("1", "0"):
         monkeypatch.setenv("MOESTREAM_CPU_REPACK", repack)
         llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4)
-        llm.generate([PROMPTS[1]], sp)  # the first decode step makes the plan (and the copies)
+        llm.generate([PROMPTS[1]], sp)  # (the engine made the plan and its copies at start)
         assert llm.engine.model.cpu_decode is not None
         seen.update(moe=[], rows=[], x8=0)
         runs[repack] = llm.generate([PROMPTS[2]], sp)[0]
         assert seen["moe"], "the prompt's experts went elsewhere"
         if repack == "1":
-            assert all(t[:2] == ("Q4_1_x8",) * 2 and t[2] == "Q8_0" for t in seen["moe"]), seen["moe"]
+            assert all(t[:2] == ("Q4_1_x8",) * 2 and t[2] == "Q5_0" for t in seen["moe"]), seen["moe"]
             assert q41 not in seen["rows"] and seen["x8"] > 0
         else:
-            assert all(t == ("Q4_1", "Q4_1", "Q8_0") for t in seen["moe"]) and q41 in seen["rows"] and not seen["x8"]
+            assert all(t == ("Q4_1", "Q4_1", "Q5_0") for t in seen["moe"]) and q41 in seen["rows"] and not seen["x8"]
         llm.close()
     a, b = runs["1"].prompt_logprobs, runs["0"].prompt_logprobs
     assert len(a) == len(b) == len(PROMPTS[2])

@@ -111,21 +111,27 @@ def test_default_model_on_cpu_kernels_within_activation_rounding(monkeypatch):
     """Compressed dense layers and int8-rounded activations (kernels/cpu_quant.py, llama.cpp's scheme): this
     model has outlier activations (|x| up to ~33 against a mean of ~1), so a block holding one rounds its
     other values coarsely; the logits stay within 3% (relative norm) of transformers' float32 ones on the same
-    dequantized weights, and the greedy answer is llama.cpp's (its top logits for this prompt are within 0.5
-    of each other, so llama.cpp, which rounds the lm_head's activations too, answers "L'Étoile..."; the
-    lm_head here multiplies its stored Q8_0 values by float activations, which keeps the float32 model's
-    "Paris")."""
+    dequantized weights. The greedy answer to "What is the capital of France?" sits on a near tie (the top logits
+    within 0.5): the float32 model says "Paris", llama.cpp (int8 activations) "L'Étoile...", and which one the
+    int8 path lands on depends on float summation order (the GGUF layout's kernels say "Paris", the interleaved
+    copies' "L'Étoile"). What must hold: it is one of the two, and the same for the engine's first request and
+    for one after another prompt (the interleaved copies exist before the first prefill, so a request's floats do
+    not depend on what ran before it; they did until 2026-12-07, when only the first prompt read the file's
+    layout)."""
     from moestream.kernels import cpu_quant
     from moestream.layers.quant_linear import QuantLinear
 
     if not cpu_quant.available():
         pytest.skip("CPU quant kernels could not be built here")
     folder = _smollm2()
-    llm = LLM(folder, device="cpu", dtype="float32")
+    llm = LLM(folder, device="cpu", dtype="float32", prefix_cache=False)
     assert isinstance(llm.engine.model.lm_head, QuantLinear)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0))[0]
-    assert "Paris" in out.text
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    france = [{"role": "user", "content": "What is the capital of France?"}]
+    first = llm.chat(france, sp)[0].text
+    llm.chat([{"role": "user", "content": "Hello! Who are you?"}], sp)
+    assert llm.chat(france, sp)[0].text == first
+    assert "Paris" in first or first.startswith("L'Étoile"), first
     import transformers
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name,

@@ -139,6 +139,8 @@ class Engine:
         self.caches = self._build_caches()
         self.model.caches = self.caches
         self.model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, self.max_seq_len, self.device, self.dtype)
+        if self.device.type == "cpu":
+            self.model.prepare_cpu_decode()  # before the first prompt: its prefill reads the plan's weight copies too
         log.info("engine ready: %s on %s (%s), max_seq_len %d, KV %d tokens, %d state slots, experts %s",
                  cfg.architecture, self.device, str(self.dtype).replace("torch.", ""), self.max_seq_len,
                  self.caches.kv.num_pages * self.caches.kv.page_size, self.caches.state.num_slots,
@@ -579,7 +581,8 @@ class Engine:
         for block in model.moe_blocks():
             block.runtime = self.runtime
         if getattr(model, "cpu_decode", None) is not None:
-            model.cpu_decode = None  # a CPU decode plan reads the runtime's expert tables: made again next step
+            model.cpu_decode = None  # a CPU decode plan reads the runtime's expert tables: made again
+            model.prepare_cpu_decode()
         if getattr(self, "_refreeze", False):  # the old runtime was frozen (_release_runtime): so is this one
             self._refreeze = False
             gc.freeze()

@@ -194,13 +194,19 @@ class QwenMoeModel(nn.Module):
         h = self.norm(h[batch.logits_index])
         return self.lm_head(h).float()
 
-    def _cpu_plan(self, batch: ForwardBatch):
-        if batch.input_ids.device.type != "cpu" or not batch.is_decode or "verify_n" in batch.extra:
-            return None  # (a verify step laid out as decode rows: its rows of a request are sequential)
+    def prepare_cpu_decode(self) -> None:
+        """Make the CPU decode plan now (the engine, once the caches and rotary tables are in place on a CPU): its
+        interleaved weight copies are then what every request reads, the first prompt's prefill included, so a
+        request's floats do not depend on whether a decode step ran before it."""
         if self.cpu_decode is None:
             from .cpu_decode import CpuDecodePlan
 
             self.cpu_decode = CpuDecodePlan(self)
+
+    def _cpu_plan(self, batch: ForwardBatch):
+        if batch.input_ids.device.type != "cpu" or not batch.is_decode or "verify_n" in batch.extra:
+            return None  # (a verify step laid out as decode rows: its rows of a request are sequential)
+        self.prepare_cpu_decode()
         return self.cpu_decode if self.cpu_decode.usable(batch, self.norm.weight.dtype) else None
 
     @torch.inference_mode()
