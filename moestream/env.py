@@ -128,9 +128,9 @@ def bridge_ahead() -> tuple[int, int]:
 def bridge_pool() -> str:
     """MOESTREAM_BRIDGE_POOL: where the cpu/hybrid bridge worker on a GPU computes its layer calls. "1" (default): the
     `cpu` backend's on the CPU kernels' own pool held spinning for the whole decode step, hybrid's on the threading of
-    cpu_threading() (default OpenMP); "0": both on cpu_threading()'s; "all": both on the held pool (hybrid's split
-    measured slower held on 2026-12-05, before its misses were fetched by the pair kernels: an A/B setting, see
-    moe/bridge.CpuBridge). Read at each step."""
+    cpu_threading() (default OpenMP); "0": both on cpu_threading()'s; "all": both on the held pool (an A/B setting,
+    see moe/bridge.CpuBridge: hybrid's split measured slower held, 18.6 vs 16.5 ms a step on 2026-12-05, and with
+    the pair kernels' own fetch 41.3 vs 78.4 tok/s at 11.68 GiB on an H100 host on 2026-12-07). Read at each step."""
     v = os.environ.get("MOESTREAM_BRIDGE_POOL", "1").strip().lower()
     return v if v in ("0", "all") else "1"
 
@@ -162,10 +162,11 @@ def hybrid_arms() -> bool:
 
 
 def shared_down_fused() -> bool:
-    """MOESTREAM_SHARED_DOWN=1 (opt-in until timed): the shared expert's silu(gate) * up and its bf16 down projection in
-    one Triton launch at up to 16 rows (layers/triton_ops.shared_down), instead of the activation kernel and cuBLAS's
-    GEMV — whose 4-row choice took 12 µs a call for the 2 MB weight on the H100 (2026-12-07 profile: 0.48 ms of the
-    6.03 ms batch-4 step, 0.19 of 3.59 at batch 1). Read at each call."""
+    """MOESTREAM_SHARED_DOWN=1 (an A/B setting, measured slower): the shared expert's silu(gate) * up and its bf16 down
+    projection in one Triton launch at up to 16 rows (layers/triton_ops.shared_down), instead of the activation kernel
+    and cuBLAS's GEMV. Timed on an H100 on 2026-12-07 (benchmarks/shared_down_bench.py): 14.3-15.1 µs a call against
+    4.6-5.4 for the two launches replayed alone (the 12 µs of the profile's 4-row GEMV is a step's, not the kernel's
+    own), and fused decode 257.3 vs 287.2 tok/s with it. Read at each call."""
     return os.environ.get("MOESTREAM_SHARED_DOWN", "0") == "1"
 
 
