@@ -321,7 +321,8 @@ def test_serve_without_arguments_serves_the_default_model_which_knows_paris():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         assert model == "SmolLM2-135M-Instruct"
-        r = client.chat.completions.create(model=model, messages=msgs("What is the capital of France?"),
+        # (not "What is the capital of France?": a near tie for this model under int8 activations, tests/test_gguf.py)
+        r = client.chat.completions.create(model=model, messages=msgs("Name the capital of France."),
                                            max_tokens=24, temperature=0)
         assert "Paris" in r.choices[0].message.content
         if importlib.util.find_spec("llguidance") is not None:

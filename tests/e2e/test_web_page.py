@@ -186,7 +186,9 @@ def test_chat_round_trip_streams_paris(browser, default_server, shots, capsys):
     p = Page(browser, default_server["url"] + "/")
     try:
         p.wait("window.moestreamPage && window.moestreamPage.model", 60, "the model card")
-        question = "What is the capital of France?"
+        # (not "What is the capital of France?": for that one prompt this 135M model's top two first tokens are a
+        # near tie that int8 activation rounding decides — llama.cpp answers "L'Étoile..." — see tests/test_gguf.py)
+        question = "Name the capital of France."
         _send(p, question)
         assert p.wait("document.getElementById('stop').disabled === false || "
                       "document.querySelector('.msg.assistant[data-done]') !== null", 30, "the request to start")
