@@ -76,7 +76,8 @@ TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K"
          "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 # HF safetensors formats the kernels read (moestream.quant format names -> the C side's ids; not ggml ids)
 HF_TYPES = {"nvfp4": 1001, "mxfp4": 1002, "fp8": 1003}
-# The library's own layouts: Q4_K / Q4_0 / Q4_1 / Q6_K / Q8_0 with 8 rows interleaved (repack_x8), type id and bytes per row of K
+# The library's own layouts: Q4_K / Q4_0 / Q4_1 / Q6_K / Q8_0 with 8 rows interleaved (repack_x8), type id and
+# bytes per row of K
 X8_TYPES = {"Q4_K": (1012, lambda k: k // 256 * 148), "Q4_0": (1013, lambda k: k // 32 * 18),
             "Q4_1": (1014, lambda k: k // 32 * 20), "Q6_K": (1015, lambda k: k // 256 * 210),
             "Q8_0": (1016, lambda k: k // 32 * 34)}

@@ -249,9 +249,10 @@ def _bridge_call(bank: dict, fmt, x: torch.Tensor, k: int):
     where the kernels do not read this bank (then the CPU path is compute.CpuExperts's)."""
     from . import cpu_moe
 
-    if not cpu_moe.ready(fmt if fmt is not None and fmt.quantized else None, x, bank):
+    fmt = fmt if fmt is not None and fmt.quantized else None  # None: a 16-bit bank
+    if not cpu_moe.ready(fmt, x, bank):
         return None
-    call = cpu_moe.LayerCall(bank, fmt if fmt is not None and fmt.quantized else None, x.dtype)
+    call = cpu_moe.LayerCall(bank, fmt, x.dtype)
     E = call.num_experts
     # each call the next k experts of the bank (a decode step's layers read distinct experts, from memory: the same
     # k every call would be read from the CPU's last-level cache)

@@ -325,8 +325,8 @@ def run(x: torch.Tensor, bank: dict, fmt, experts: np.ndarray, starts: np.ndarra
 
 def layer_partials(x: torch.Tensor, topk_w: torch.Tensor, groups, refs: dict) -> dict:
     """`compute.partial_outputs` for the refs the kernels compute (one bank and format: GGUF / HF compressed, or
-    16-bit rows against float32 x for experts of at most DENSE_KERNEL_MAX_ROWS rows): {expert: w * mlp(x rows) float32 [n_e, H]};
-    the others (or {} where the kernels do not apply) are left to the caller."""
+    16-bit rows against float32 x for experts of at most DENSE_KERNEL_MAX_ROWS rows): {expert: w * mlp(x rows)
+    float32 [n_e, H]}; the others (or {} where the kernels do not apply) are left to the caller."""
     first = next(iter(refs.values()))
     dense = first.fmt is None or not first.fmt.quantized
     if not ready(first.fmt, x, first.bank if dense else None) or (dense and x.dtype != torch.float32):
