@@ -38,6 +38,7 @@ CASES = {
     "bf16": ("", "", 256, 128, 8, 23, 2, torch.bfloat16, 0),
     "fp16-k4": ("", "", 256, 128, 8, 5, 4, torch.float16, 0),
     "Q8_0": ("Q8_0", "Q8_0", 256, 128, 8, 40, 3, torch.bfloat16, 0),
+    "Q8_0R-padded-rows": ("Q8_0R", "Q8_0R", 256, 128, 8, 19, 2, torch.bfloat16, 40),  # the GPU stores' Q8_0 layout
     "Q4_0-fp16": ("Q4_0", "Q4_0", 256, 128, 8, 12, 2, torch.float16, 0),
     "Q4_K": ("Q4_K", "Q4_K", 256, 256, 8, 17, 2, torch.bfloat16, 0),
     "Q6_K": ("Q6_K", "Q6_K", 256, 256, 8, 9, 4, torch.bfloat16, 0),

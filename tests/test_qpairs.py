@@ -64,6 +64,8 @@ def _hf(qfmt, H: int, I: int, dtype=torch.float32, scale_dtype=None):
 # name -> (format spec, H, I, x dtype). 32-value blocks: H=256, I=64; 256-value super-blocks: H=I=256.
 CASES = {
     "Q8_0": _gguf("Q8_0", 256, 64, torch.bfloat16),
+    "Q8_0R": _gguf("Q8_0R", 256, 64, torch.bfloat16),  # Q8_0 rows row-planar (the GPU stores' layout)
+    "Q8_0R/Q8_0R/Q4_K": _gguf("Q8_0R/Q8_0R/Q4_K", 256, 256),  # a planar gate/up beside a block-format down
     "Q4_0": _gguf("Q4_0", 256, 64),
     "Q4_1": _gguf("Q4_1", 256, 64, torch.float16),
     "Q5_0": _gguf("Q5_0", 256, 64),
@@ -92,7 +94,7 @@ CASES = {
 }
 # launch constants under the interpreter: few, large programs (gate_up, down): (BN, BV, warps)
 INTERP_CFG = {"gate_up": (64, 256, 4), "down": (128, 256, 4)}
-DEFAULT_CFG_CASES = ("Q8_0",)  # also run with the default constants under the interpreter
+DEFAULT_CFG_CASES = ("Q8_0", "Q8_0R")  # also run with the default constants under the interpreter
 
 
 def make_layer(case: str, device="cpu"):
@@ -241,7 +243,8 @@ def _stage_cases() -> list[str]:
     return errs
 
 
-FETCH_CASES = {"fetchQ8_0": _gguf("Q8_0", 256, 96, torch.bfloat16)}  # I = 96: a partial gate_up block of 64 rows
+FETCH_CASES = {"fetchQ8_0": _gguf("Q8_0", 256, 96, torch.bfloat16),
+               "fetchQ8_0R": _gguf("Q8_0R", 256, 96, torch.bfloat16)}  # I = 96: a partial gate_up block of 64 rows
 
 
 def _fetch_case(case: str, T: int = 1, cfg=None) -> list[str]:
@@ -524,7 +527,8 @@ def _worker_case(case: str) -> list[str]:
 
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "fetch:Q8_0", "fetch:fetchQ8_0",
-                "fetch:fetchQ8_0:2", "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "fetch:fp8_block",
+                "fetch:fetchQ8_0:2", "fetch:fetchQ8_0R", "fetch:fetchQ8_0R:2", "fetch:Q8_0R:1:default",
+                "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "fetch:fp8_block",
                 "fetch:fp8_block_32x64_bf16", "fetch:fp8_block_32x64_bf16:1:default", "fetch:fp8_channel:2",
                 "fetch:fp8_tensor", "fetch:nvfp4", "fetch:nvfp4:1:default", "fetch:mxfp4", "linear:Q8_0", "linear:Q4_K",
                 "linear:Q6_K", "linear:Q4_K:9", "linear:Q6_K:1", "linear:Q4_K:3:pairs", "linear:IQ4_XS:2",
@@ -667,6 +671,30 @@ def test_q8_words_pair_kernels_compile_for_sm90():
         consts = {n: (qpairs.Q8_WORDS if n in ("QG", "QU", "QD") else v) for n, v in consts.items()}
         k = compile_sm90(kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4})
         assert "ld.global" in k.asm["ptx"]
+        if "fetch" in kernel.fn.__name__:
+            assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
+        done += 1
+    assert done == 4
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_q8_planar_pair_kernels_compile_for_sm90():
+    """The pair and fetch kernels on Q8_0R rows (the stores' GPU layout) at the Qwen3.6 expert shape load the codes
+    16 bytes at a time (the point of the layout: GGUF's 34-byte blocks allow 2), the fetch kernels within the
+    driver's default stack frame."""
+    names = ("_gguf_gate_up_kernel", "_gguf_down_kernel", "_gguf_gate_up_fetch_kernel", "_gguf_down_fetch_kernel")
+    done = 0
+    for kernel, sig, consts in _gguf_compile_args("Q8_0R", 2048, 512, 8):
+        if kernel.fn.__name__ not in names or consts.get("Y_BF16") and "I" in consts and consts["H"] == 8192:
+            continue
+        aligned = tuple(n for n, t in sig.items() if t.startswith("*") or n.endswith("stride"))  # as launched
+        k = compile_sm90(kernel, {**sig, **{n: "constexpr" for n in consts}}, consts, {"num_warps": 4},
+                         aligned=aligned)
+        ptx = k.asm["ptx"]
+        # codes in 16-byte loads, one 2-byte load a projection for its scales; the block layout's kernels load the
+        # codes 2 bytes (and a scale 1) at a time: 32 and 4 such loads in gate_up
+        assert "ld.global.v4" in ptx and "ld.global.b8" not in ptx and ptx.count("ld.global.b16") <= 2, \
+            (kernel.fn.__name__, ptx.count("ld.global.b16"))
         if "fetch" in kernel.fn.__name__:
             assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
         done += 1

@@ -86,7 +86,16 @@ def _mxfp4(rng):
     return MXFP4, raw, shape
 
 
+def _q8_0_row_planar(rng):
+    """Q8_0R (each row's scales, then its codes): quantized Q8_0 rows of a [2, 6, 256] weight, rewritten."""
+    from moestream.quant.gguf_formats import q8_0_row_planar
+
+    _, raw, (n, k) = _gguf_quantized("Q8_0")(rng)
+    return gguf_format("Q8_0R"), q8_0_row_planar(raw.clone(), k), (2, n // 2, k)  # the rows as 2 experts
+
+
 CASES = {f"gguf-{n}-random": _gguf_random(n) for n in KERNEL_GGUF}
+CASES["gguf-Q8_0R-quantized"] = _q8_0_row_planar
 CASES.update({f"gguf-{n}-quantized": _gguf_quantized(n) for n in KERNEL_GGUF})
 CASES.update({
     "fp8_block": _fp8(FP8_BLOCK, (2, 1, 2)),

@@ -49,9 +49,11 @@ def assert_case(results: dict, case: str) -> None:
     assert r == "ok", f"{case}: {r}"
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = None, arch: int = 90):
+def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = None, arch: int = 90,
+                 aligned: tuple[str, ...] = ()):
     """triton.compile for an H100/H200 (Triton -> PTX -> ptxas), or another sm_`arch`; skips where the build
-    has no ptxas."""
+    has no ptxas. aligned: arguments that are multiples of 16 (bytes for pointers), as a launch specializes them
+    when they are (torch's allocations, strides of whole 16-byte rows): what lets the compiler emit wide loads."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: kernels are interpreted, not compiled")
     import triton
@@ -59,7 +61,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, options: dict | None = N
     from triton.compiler import ASTSource
 
     try:
-        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options or {})
     except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
         if "ptxas" in str(e).lower():

@@ -494,7 +494,7 @@ class Engine:
         old_ecfg, old_plan = self.ecfg, self.plan
         try:
             self.ecfg = self.ecfg.replace(**changes)
-            self.plan = self._plan_memory(self.model, store.fmt)
+            self.plan = self._plan_memory(self.model, store.file_fmt)
         except Exception:  # refused: the engine goes on as it was (same options, same placement)
             self.ecfg, self.plan = old_ecfg, old_plan
             self._start_runtime(store, self.model)
@@ -523,7 +523,7 @@ class Engine:
                               "experts in all")
         e = self.ecfg.replace(num_tokens=kv_tokens, moe_cache_size=moe_slots, moe_cache_rate=None,
                               moe_backend=old.backend)
-        plan = self._plan_memory(self.model, self.runtime.store.fmt, log_it=False, e=e)
+        plan = self._plan_memory(self.model, self.runtime.store.file_fmt, log_it=False, e=e)
         return dataclasses.replace(plan, reason=old.reason), e
 
     def resize_caches(self, plan: MoePlan, ecfg: EngineConfig, keep: dict[int, int]) -> None:

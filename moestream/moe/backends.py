@@ -120,11 +120,20 @@ def hybrid(options, store, device) -> Composition:
                        prefill=_prefill(options), cpu="misses")
 
 
+def q8_planar_wanted(comp: Composition, device) -> bool:
+    """Q8_0 experts row-planar (ExpertStore.set_q8_layout) where only the GPU's Triton kernels read the store:
+    on CUDA with Triton, a backend whose CPU threads compute nothing (env.q8_planar)."""
+    from ..env import q8_planar
+
+    return comp.cpu == "none" and device.type == "cuda" and triton_ready(device) and q8_planar()
+
+
 # ---- the factory --------------------------------------------------------------------------------
 def build(name: str, comp: Composition, store, device, options) -> ExpertRuntime:
     """The parts of `comp` over one Context, in the order they depend on each other: the copier (any device
     pool), the CPU threads (before the bridge's worker, as torch's thread count is process-wide), the
     cache, the decode strategy, the prefill strategy (which may be the decode one)."""
+    store.set_q8_layout(q8_planar_wanted(comp, device))
     book = StatsBook(store.moe_layers)
     ctx = Context(store, device, options, book, Lookahead(store.moe_layers))
     if comp.cache != "none":

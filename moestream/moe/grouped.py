@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.triton_dequant import _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table
+from ..quant.triton_dequant import Q8R, _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table, q8r_tile
 from ..env import grouped_fp4_grouped_tiles
 from .formats import PROJS, ExpertFormat, GGUFExpertFormat, HFExpertFormat
 
@@ -57,11 +57,14 @@ def _gguf_tile(w, n, nm, k0, K, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.
     G: tl.constexpr = BK // SS
     g = k0 // SS + tl.arange(0, G)  # sub-block ids along the row
     row = n.to(tl.int64) * ((K // BS) * TS)
-    p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
-    s = (g % NS)[None, :, None]
-    e = s * SS + tl.arange(0, SS)[None, None, :]
-    v = gguf_decode(p, e, s, nm[:, None, None], lut, QT)
-    return tl.reshape(v, (BN, BK))
+    if QT == Q8R:  # Q8_0R: a row layout (scales, then codes)
+        out = q8r_tile((w + row)[:, None], k0 + tl.arange(0, BK)[None, :], nm[:, None], K)
+    else:
+        p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
+        s = (g % NS)[None, :, None]
+        e = s * SS + tl.arange(0, SS)[None, None, :]
+        out = tl.reshape(gguf_decode(p, e, s, nm[:, None, None], lut, QT), (BN, BK))
+    return out
 
 
 @triton.jit

@@ -26,6 +26,7 @@ class ExpertStore:
                  device: torch.device | str, pin: bool = False):
         self.moe_layers = list(moe_layers)
         self.num_experts, self.hidden, self.inter, self.fmt = num_experts, hidden, inter, fmt
+        self.file_fmt = fmt  # the checkpoint's layout (planning, the CPU's rates): fmt may be a GPU layout of it
         self.device = torch.device(device)
         specs = fmt.arrays(hidden, inter)
         self.banks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in specs}
@@ -202,6 +203,31 @@ class ExpertStore:
                     _unregister([src.data_ptr()])
                 del src
         return out
+
+    def set_q8_layout(self, planar: bool) -> bool:
+        """Q8_0 expert arrays row-planar (Q8_0R: quant/gguf_formats.RowPlanarQ8, what the GPU pair kernels read
+        fastest) or back in the file's layout (what the CPU kernels read), rewritten in place bank by bank (a bounded
+        temporary; a bank mapped from the file becomes a copy of its own first); the format follows. Returns whether
+        anything changed. Per-layer type mixes keep their layout."""
+        from ..quant.gguf_formats import q8_0_row_planar
+        from .formats import GGUFExpertFormat, gguf_expert_format
+
+        if type(self.fmt) is not GGUFExpertFormat:
+            return False
+        src, dst = ("Q8_0", "Q8_0R") if planar else ("Q8_0R", "Q8_0")
+        types = dict(self.fmt.types)
+        names = [name for name, t in types.items() if t == src]
+        if not names:
+            return False
+        for name in names:
+            k = self.fmt.logical(self.hidden, self.inter)[name][1]
+            for layer in self.moe_layers:
+                bank = self._bank(layer, name, name)  # (a mapped bank: cloned)
+                q8_0_row_planar(bank, k, planar)
+        self.fmt = gguf_expert_format({n: dst if n in names else t for n, t in types.items()}, self.hidden,
+                                      self.inter)
+        log.debug("expert store: %s experts %s", "/".join(names), "row-planar (Q8_0R)" if planar else "as stored")
+        return True
 
     def bytes_per_expert(self, layer: int | None = None) -> int:
         """Bytes of one expert of `layer`; None: of a slot row (the largest layer's, for per-layer types)."""

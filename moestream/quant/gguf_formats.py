@@ -396,7 +396,7 @@ class GGUFFormat(QuantFormat):
 
     def __init__(self, type_name: str, block_size: int, type_size: int, decode: Callable[[torch.Tensor], torch.Tensor]):
         self.type_name = type_name
-        self.ggml_type = GGML_TYPE_IDS[type_name]
+        self.ggml_type = GGML_TYPE_IDS.get(type_name)  # None: a layout of moestream's own, never in a file
         self.name = f"gguf:{type_name}"
         self.block_size = block_size
         self.type_size = type_size
@@ -485,13 +485,78 @@ def quantize_q8_0(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
     return out.view(N, -1)
 
 
+class RowPlanarQ8(GGUFFormat):
+    """Q8_0 with each matrix row row-planar ("Q8_0R"): the row's K / 32 fp16 block scales first, then its K int8
+    codes. The same bytes a row as Q8_0 (34 per 32 values), so banks, slots, staging and PCIe copies move it as they
+    move Q8_0, and the same values: it decodes to Q8_0's floats bit for bit. With K a multiple of 256 every code run
+    starts 16-byte aligned (GGUF's 34-byte blocks leave codes 2-byte aligned), which the GPU pair kernels read 1.7x
+    faster (benchmarks/RESULTS.md, thirty-fourth session). Not a GGUF type: expert stores convert Q8_0 banks to it
+    on a GPU where only the GPU reads them (ExpertStore.set_q8_layout); the CPU kernels read the file's layout."""
+
+    def __init__(self):
+        super().__init__("Q8_0R", 32, 34, _d_q8_0)
+        self.description = "Q8_0, each row's block scales before its codes (moestream's GPU expert layout)"
+
+    def dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        raise QuantFormatError("Q8_0R is a row layout: decode whole rows (dequantize / dequantize_rows)")
+
+    def _dense(self, parts, shape, rows, cols, out_dtype):
+        if cols is None:
+            return super()._dense(parts, shape, rows, None, out_dtype)
+        k = norm_shape(shape)[-1]
+        return super()._dense(parts, shape, rows, None, out_dtype)[:, cols.start or 0:k if cols.stop is None
+                                                                    else min(cols.stop, k)]
+
+    def _cpu_rows(self, data, shape, rows):
+        return None  # the compiled decoders read the file's layout
+
+    def _decode(self, parts, n_rows, n_cols, out_dtype):
+        data = parts["data"]
+        if data.dtype != torch.uint8:
+            data = data.contiguous().view(torch.uint8)
+        data = data.reshape(n_rows, n_cols // 16 + n_cols)
+        d = data[:, :n_cols // 16].contiguous().view(torch.float16).to(torch.float32)
+        q = data[:, n_cols // 16:].contiguous().view(torch.int8).to(torch.float32)
+        vals = (q.reshape(n_rows, n_cols // 32, 32) * d[:, :, None]).reshape(n_rows, n_cols)
+        return vals if out_dtype == torch.float32 else vals.to(out_dtype)
+
+
+Q8_0R = RowPlanarQ8()
+LAYOUTS: dict[str, GGUFFormat] = {"Q8_0R": Q8_0R}  # moestream's own row layouts of GGUF types (not file types)
+
+
+def q8_0_row_planar(raw: torch.Tensor, k: int, planar: bool = True, rows_at_once: int = 1 << 14) -> torch.Tensor:
+    """Rows of Q8_0 bytes (any shape whose last dim holds whole matrix rows of K = k values: [..., n * 34 k / 32])
+    rewritten IN PLACE as Q8_0R rows (planar=True) or back (False), `rows_at_once` matrix rows at a time (a
+    bounded temporary: a GPU bank converts beside the budget that holds it). Returns raw."""
+    rb = k // 32 * 34
+    if k % 32 or raw.dtype != torch.uint8 or raw.numel() % rb:
+        raise QuantFormatError(f"Q8_0 rows of K={k}: {raw.numel()} {raw.dtype} elements are not whole rows")
+    nb = k // 32
+    flat = raw.view(-1, rb).view(torch.int16)  # 2-byte words: a block is 17 (its scale, then 16 of two codes each)
+    tmp = torch.empty((min(rows_at_once, flat.shape[0]), nb * 17), dtype=torch.int16, device=raw.device)
+    for r in range(0, flat.shape[0], rows_at_once):
+        part = flat[r:r + rows_at_once]
+        new = tmp[:part.shape[0]]
+        if planar:
+            b = part.view(-1, nb, 17)
+            new[:, :nb].copy_(b[:, :, 0])
+            new[:, nb:].view(-1, nb, 16).copy_(b[:, :, 1:])
+        else:
+            b = new.view(-1, nb, 17)
+            b[:, :, 0].copy_(part[:, :nb])
+            b[:, :, 1:].copy_(part[:, nb:].view(-1, nb, 16))
+        part.copy_(new)
+    return raw
+
+
 def gguf_format(qtype) -> GGUFFormat:
     """The format of a ggml type given as id (int / gguf enum) or name ('Q4_K', 'q4_k')."""
     if isinstance(qtype, str):
         key = qtype.upper().removeprefix("GGUF:")
     else:
         key = GGML_TYPE_NAMES.get(int(qtype))
-    fmt = GGUF_FORMATS.get(key) if key is not None else None
+    fmt = (GGUF_FORMATS.get(key) or LAYOUTS.get(key)) if key is not None else None
     if fmt is None:
         raise QuantFormatError(
             f"GGUF tensor type {qtype!r} is not supported; supported: {sorted(GGUF_FORMATS)}")

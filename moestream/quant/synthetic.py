@@ -12,11 +12,11 @@ import torch
 
 from .base import QuantFormat, QuantFormatError, Raw, norm_shape
 from .fp_formats import FP8Format, MXFP4Format, NVFP4Format
-from .gguf_formats import GGUFFormat
+from .gguf_formats import GGUFFormat, q8_0_row_planar
 
 # byte offsets of the fp16 scale fields inside one block (ggml-common.h block structs)
 _FP16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q8_0R": (0,), "Q2_K": (80, 82),
     "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ2_XS": (0,),
     "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,),
     "TQ1_0": (52,), "TQ2_0": (64,),
@@ -52,6 +52,8 @@ def random_raw(fmt: QuantFormat, shape, device="cpu", seed: int = 0) -> Raw:
                 blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (nib << 4)
         for off in _FP16_FIELDS.get(fmt.type_name, ()):
             blocks[:, off:off + 2] = _fp16_bytes(0.01, device)
+        if fmt.type_name == "Q8_0R":  # Q8_0 blocks, each row rewritten row-planar
+            return q8_0_row_planar(blocks.reshape(*lead, n, -1), k)
         return blocks.reshape(*lead, n, -1)
     if isinstance(fmt, FP8Format):
         w = (u8(*shape) & 0x77).view(torch.float8_e4m3fn)  # |w| < 240: no NaN
