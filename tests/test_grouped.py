@@ -331,7 +331,7 @@ def test_supports():
 
 
 # --------------------------------------------------------------------------- compiled for sm_90 (no GPU needed)
-_VARIANTS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q6_K": "Q6_K", "fp8_block": "hf", "nvfp4": "hf",
+_VARIANTS = {"bf16": None, "Q8_0": "Q8_0", "Q8_0R": "Q8_0R", "Q4_K": "Q4_K", "Q6_K": "Q6_K", "fp8_block": "hf", "nvfp4": "hf",
              "mxfp4": "hf"}
 
 

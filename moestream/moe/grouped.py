@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.triton_dequant import Q8R, _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table, q8r_tile
+from ..quant.triton_dequant import Q8R, _GGUF_IDS, _GGUF_NS, _e2m1, _e4m3, _e8m0, _ld, gguf_decode, lut_table
 from ..env import grouped_fp4_grouped_tiles
 from .formats import PROJS, ExpertFormat, GGUFExpertFormat, HFExpertFormat
 
@@ -57,14 +57,11 @@ def _gguf_tile(w, n, nm, k0, K, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.
     G: tl.constexpr = BK // SS
     g = k0 // SS + tl.arange(0, G)  # sub-block ids along the row
     row = n.to(tl.int64) * ((K // BS) * TS)
-    if QT == Q8R:  # Q8_0R: a row layout (scales, then codes)
-        out = q8r_tile((w + row)[:, None], k0 + tl.arange(0, BK)[None, :], nm[:, None], K)
-    else:
-        p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
-        s = (g % NS)[None, :, None]
-        e = s * SS + tl.arange(0, SS)[None, None, :]
-        out = tl.reshape(gguf_decode(p, e, s, nm[:, None, None], lut, QT), (BN, BK))
-    return out
+    p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
+    s = (g % NS)[None, :, None]
+    e = s * SS + tl.arange(0, SS)[None, None, :]
+    v = gguf_decode(p, e, s, nm[:, None, None], lut, QT)
+    return tl.reshape(v, (BN, BK))
 
 
 @triton.jit
@@ -148,6 +145,18 @@ def _mma(a, w, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _q8r_mma(a, w, n, nm, k0, K: tl.constexpr, acc, F32: tl.constexpr):
+    """acc + (a [BM, 32] @ codes[n, k0:k0 + 32]^T) * scale[n, k0 / 32] for Q8_0R rows at w: the block's int8 codes
+    (exact in bf16 / fp16) multiplied on the tensor cores, its fp16 scale applied to the fp32 products after — one
+    scale per row and block, where a dequantized tile multiplies (and rounds) every value by it."""
+    row = w + n.to(tl.int64) * (K // 16 + K)
+    q = tl.load((row[:, None] + K // 16 + k0 + tl.arange(0, 32)[None, :]).to(tl.pointer_type(tl.int8)),
+                mask=nm[:, None], other=0)
+    d = tl.load((row + 2 * (k0 // 32)).to(tl.pointer_type(tl.float16)), mask=nm, other=0.0).to(tl.float32)
+    return acc + _mma(a, q.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), F32) * d[None, :]
+
+
+@triton.jit
 def _block(blocks, BM: tl.constexpr):
     """(bank row, pair positions [BM], their mask) of this program's block; row < 0: nothing to do."""
     b = tl.program_id(0)
@@ -184,12 +193,20 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_
     u_sc, u_gs = su + r64 * su_stride, gu + r64 * gu_stride
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc_g = _mma(a, _tile(g_base, g_sc, g_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
-                              BN, BK, F32), acc_g, F32)
-        acc_u = _mma(a, _tile(u_base, u_sc, u_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
-                              BN, BK, F32), acc_u, F32)
+    if QT == Q8R:  # Q8_0R: a block of 32 columns a step, its scale after the products
+        for k0 in range(0, H, 32):
+            a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, 32))[None, :], mask=pm[:, None],
+                        other=0.0)
+            acc_g = _q8r_mma(a, g_base, n, nm, k0, H, acc_g, F32)
+            acc_u = _q8r_mma(a, u_base, n, nm, k0, H, acc_u, F32)
+    else:
+        for k0 in range(0, H, BK):
+            a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None],
+                        other=0.0)
+            acc_g = _mma(a, _tile(g_base, g_sc, g_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
+                                  BN, BK, F32), acc_g, F32)
+            acc_u = _mma(a, _tile(u_base, u_sc, u_gs, n, nm, k0, H, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB,
+                                  BN, BK, F32), acc_u, F32)
     # the rounding points of the torch loop (formats.expert_mlp): g, u, silu(g) and h in the activation dtype
     g = _act(acc_g, DT, F32).to(tl.float32)
     u = _act(acc_u, DT, F32).to(tl.float32)
@@ -214,10 +231,17 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_s
     d_base = wd + r64 * w_stride
     d_sc, d_gs = sd + r64 * sd_stride, gd + r64 * gd_stride
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None], other=0.0)
-        acc = _mma(a, _tile(d_base, d_sc, d_gs, n, nm, k0, I, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB, BN, BK,
-                            F32), acc, F32)
+    if QT == Q8R:  # Q8_0R: a block of 32 columns a step, its scale after the products
+        for k0 in range(0, I, 32):
+            a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, 32))[None, :], mask=pm[:, None],
+                        other=0.0)
+            acc = _q8r_mma(a, d_base, n, nm, k0, I, acc, F32)
+    else:
+        for k0 in range(0, I, BK):
+            a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, BK))[None, :], mask=pm[:, None],
+                        other=0.0)
+            acc = _mma(a, _tile(d_base, d_sc, d_gs, n, nm, k0, I, lut, DT, QT, BS, TS, NS, KIND, SMODE, RB, CB, BN,
+                                BK, F32), acc, F32)
     # as the loop: the expert's output rounded to the activation dtype, then times the routing weight
     acc = _act(acc, DT, F32).to(tl.float32) * tl.load(topk_w + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
     r = pair if SCATTER else p

@@ -41,7 +41,7 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BIG = 1 << 30  # column unit of a part with one value per row: c // _BIG == 0 (K < 2^30)
 
 # kernel ids of the GGUF types (constexpr QT) and their sub-blocks (one scale each) per block (NS)
-Q8R = tl.constexpr(23)  # Q8_0R (gguf_formats.RowPlanarQ8): a row layout, not blocks; kernels address it by row (`q8r_tile`)
+Q8R = tl.constexpr(23)  # Q8_0R (gguf_formats.RowPlanarQ8): a row layout, not blocks; kernels address it by row
 _GGUF_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q2_K": 5, "Q3_K": 6, "Q4_K": 7,
              "Q5_K": 8, "Q6_K": 9, "IQ4_NL": 10, "IQ4_XS": 11, "MXFP4": 12, "NVFP4": 13, "IQ3_S": 14,
              "IQ3_XXS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18,
@@ -459,16 +459,8 @@ def gguf_decode(p, e, s, m, lut, QT: tl.constexpr):
     elif QT == 21:
         return _tq1_0(p, e, m)
     else:
-        tl.static_assert(QT == 22, "gguf_decode reads block types only (Q8_0R: q8r_tile)")
+        tl.static_assert(QT == 22, "gguf_decode reads block types only (Q8_0R is a row layout)")
         return _tq2_0(p, e, m)
-
-
-@triton.jit
-def q8r_tile(row, k, m, K):
-    """float32 values at columns k (any shape broadcasting with row) of the Q8_0R rows starting at row (uint8
-    pointers): code k, at byte K / 16 + k of its row, times the fp16 scale of its block (bytes 2 (k / 32) ..)."""
-    q = tl.load((row + K // 16 + k).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
-    return q * tl.load((row + 2 * (k // 32)).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -485,8 +477,11 @@ def _gguf_kernel(src, out, idx, lut, row0, n_rows, nblk, row_stride,
     m = mg[:, None, None]
     s = tl.arange(0, NS)[None, :, None]
     e = s * (BS // NS) + tl.arange(0, BS // NS)[None, None, :]
-    if QT == Q8R:  # a row layout: block g % nblk's codes and scale found from its row's start
-        v = q8r_tile((src + r * row_stride)[:, None, None], ((g % nblk) * BS)[:, None, None] + e, m, nblk * BS)
+    if QT == Q8R:  # a row layout: block g % nblk's codes (from byte 2 nblk of its row) and scale (2 (g % nblk))
+        row = (src + r * row_stride)[:, None, None]
+        b = (g % nblk)[:, None, None]
+        q = tl.load((row + 2 * nblk + b * BS + e).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
+        v = q * tl.load((row + 2 * b).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
     else:
         p = (src + r * row_stride + (g % nblk) * TS)[:, None, None]
         v = gguf_decode(p, e, s, m, lut, QT)
