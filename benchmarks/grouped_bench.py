@@ -11,10 +11,13 @@ fp8_channel, fp8_tensor, nvfp4, mxfp4: each part's stored bytes a uint8 row per 
 Prints us per layer call (median of --iters, CUDA events), TFLOP/s (2 * T * k * 3 * H * I flops) and the
 normwise difference grouped vs loop. Usage: python benchmarks/grouped_bench.py [--tokens 512]
 [--formats bf16,Q8_0,Q4_K] [--sweep: the 5 fastest launch configurations of grouped_moe instead]
+[--stages 1,2,3: grouped_moe under each num_stages instead]; a format `Q8_0R:scale` runs Q8_0R (the GPU stores' row
+layout of Q8_0) under MOESTREAM_Q8R_GROUPED=scale.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -117,20 +120,43 @@ def sweep(name: str, tokens: int, dev) -> None:
         print(f"{name:6s} T={tokens} {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s {cfg}", flush=True)
 
 
+def stages(name: str, tokens: int, iters: int, dev, values: list[int]) -> None:
+    """grouped_moe at the default configuration under each num_stages in `values` (the loads' software pipelining:
+    1 = none, loads straight to registers)."""
+    from moestream.moe import grouped as G
+
+    bank, fmt = make_bank(name, dev)
+    x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(tokens, E, device=dev).topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(tokens, K, device=dev), -1)
+    rows = torch.arange(E, device=dev)
+    saved, flops = dict(G.CONFIG), 2 * tokens * K * 3 * H * I
+    for st in values:
+        G.CONFIG.update(num_stages=st)
+        us = time_us(lambda: grouped_moe(x, ids, w, bank, rows, fmt), iters)
+        print(f"{name:6s} T={tokens} num_stages {st}: {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+    G.CONFIG.update(saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--formats", default="bf16,Q8_0,Q4_K")
     ap.add_argument("--sweep", action="store_true", help="time grouped_moe under other launch configurations")
+    ap.add_argument("--stages", default="", help="time grouped_moe under these num_stages (e.g. 1,2,3)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_bench needs a CUDA GPU")
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), f"H={H} I={I} E={E} k={K}")
     with torch.inference_mode():
-        for name in args.formats.split(","):
-            if args.sweep:
+        for spec in args.formats.split(","):
+            name, _, mode = spec.partition(":")  # Q8_0R:scale = Q8_0R under MOESTREAM_Q8R_GROUPED=scale
+            os.environ["MOESTREAM_Q8R_GROUPED"] = mode or "tile"
+            if args.stages:
+                stages(name, args.tokens, args.iters, dev, [int(v) for v in args.stages.split(",")])
+            elif args.sweep:
                 sweep(name, args.tokens, dev)
             else:
                 bench(name, args.tokens, args.iters, dev)

@@ -185,6 +185,14 @@ def q8_planar() -> bool:
     return os.environ.get("MOESTREAM_Q8_PLANAR", "1") != "0"
 
 
+def q8r_grouped() -> str:
+    """MOESTREAM_Q8R_GROUPED: how the grouped (prefill) kernels read Q8_0R experts: "tile" (default: each K step's
+    [BN, 64] tile dequantized in registers, one scale a 32-code run, then one tensor-core product) or "scale" (a
+    32-column block a step, its int8 codes multiplied on the tensor cores, the scale applied to the fp32 products).
+    Read at each launch (benchmarks/grouped_bench.py times both)."""
+    return os.environ.get("MOESTREAM_Q8R_GROUPED", "tile")
+
+
 def fetch_in_pairs() -> str:
     """Where a compressed (GGUF, FP8, NVFP4, MXFP4) layer call's missed experts are copied from pinned host memory
     into their slots: "1" (default) inside the pair kernels when the call has one token (each program copies the rows

@@ -19,6 +19,7 @@ Run as a script (`python tests/test_grouped.py --worker OUT.json`) it is the int
 """
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -39,6 +40,7 @@ CASES = {
     "fp16-k4": ("", "", 256, 128, 8, 5, 4, torch.float16, 0),
     "Q8_0": ("Q8_0", "Q8_0", 256, 128, 8, 40, 3, torch.bfloat16, 0),
     "Q8_0R-padded-rows": ("Q8_0R", "Q8_0R", 256, 128, 8, 19, 2, torch.bfloat16, 40),  # the GPU stores' Q8_0 layout
+    "Q8_0R-scale": ("Q8_0R", "Q8_0R", 256, 128, 8, 13, 3, torch.bfloat16, 0),  # MOESTREAM_Q8R_GROUPED=scale
     "Q4_0-fp16": ("Q4_0", "Q4_0", 256, 128, 8, 12, 2, torch.float16, 0),
     "Q4_K": ("Q4_K", "Q4_K", 256, 256, 8, 17, 2, torch.bfloat16, 0),
     "Q6_K": ("Q6_K", "Q6_K", 256, 256, 8, 9, 4, torch.bfloat16, 0),
@@ -169,6 +171,16 @@ def check(y, ref, dt, what: str) -> list[str]:
 
 
 def check_case(case: str, device: str = "cpu") -> list[str]:
+    if case.endswith("-scale"):  # the Q8_0R tiles' other form (env.q8r_grouped), read at each launch
+        os.environ["MOESTREAM_Q8R_GROUPED"] = "scale"
+        try:
+            return _check_case(case, device)
+        finally:
+            del os.environ["MOESTREAM_Q8R_GROUPED"]
+    return _check_case(case, device)
+
+
+def _check_case(case: str, device: str = "cpu") -> list[str]:
     from moestream.moe.grouped import grouped_moe
 
     if case == "block-table":

@@ -57,10 +57,18 @@ def _gguf_tile(w, n, nm, k0, K, lut, QT: tl.constexpr, BS: tl.constexpr, TS: tl.
     G: tl.constexpr = BK // SS
     g = k0 // SS + tl.arange(0, G)  # sub-block ids along the row
     row = n.to(tl.int64) * ((K // BS) * TS)
-    p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
-    s = (g % NS)[None, :, None]
-    e = s * SS + tl.arange(0, SS)[None, None, :]
-    v = gguf_decode(p, e, s, nm[:, None, None], lut, QT)
+    if QT == Q8R:  # Q8_0R (Q8S 0): [BN, BK / 32, 32] code runs at byte K / 16 + k of each row, one scale a run
+        r = (w + row)[:, None, None]
+        q = tl.load((r + K // 16 + (g * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]).to(
+            tl.pointer_type(tl.int8)), mask=nm[:, None, None], other=0).to(tl.float32)
+        d = tl.load((r + 2 * g[None, :, None]).to(tl.pointer_type(tl.float16)), mask=nm[:, None, None],
+                    other=0.0).to(tl.float32)
+        v = q * d
+    else:
+        p = w + row[:, None, None] + ((g // NS) * TS)[None, :, None]
+        s = (g % NS)[None, :, None]
+        e = s * SS + tl.arange(0, SS)[None, None, :]
+        v = gguf_decode(p, e, s, nm[:, None, None], lut, QT)
     return tl.reshape(v, (BN, BK))
 
 
@@ -172,7 +180,7 @@ def _block(blocks, BM: tl.constexpr):
 def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_stride, gg, gg_stride,
                     su, su_stride, gu, gu_stride, lut, h, KTOP, H: tl.constexpr, I: tl.constexpr,
                     QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr, KIND: tl.constexpr,
-                    SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                    SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, Q8S: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """h[p, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the BM pairs p of one block. up's rows
     start u_off elements after wu's (dense: up is the second half of gate_up). sg / gg, su / gu: an HF
@@ -193,7 +201,7 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_
     u_sc, u_gs = su + r64 * su_stride, gu + r64 * gu_stride
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if QT == Q8R:  # Q8_0R: a block of 32 columns a step, its scale after the products
+    if QT == Q8R and Q8S:  # Q8_0R: a block of 32 columns a step, its scale after the products
         for k0 in range(0, H, 32):
             a = tl.load(x + tok.to(tl.int64)[:, None] * H + (k0 + tl.arange(0, 32))[None, :], mask=pm[:, None],
                         other=0.0)
@@ -217,8 +225,8 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_
 @triton.jit
 def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_stride, lut, out, H: tl.constexpr,
                  I: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr,
-                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, SCATTER: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, Q8S: tl.constexpr,
+                 SCATTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """out[r, n] = w_pair * (h[p] . down[n]); r = the pair id (SCATTER) or its sorted position p."""
     row, p, pm = _block(blocks, BM)
     if row < 0:
@@ -231,7 +239,7 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_s
     d_base = wd + r64 * w_stride
     d_sc, d_gs = sd + r64 * sd_stride, gd + r64 * gd_stride
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if QT == Q8R:  # Q8_0R: a block of 32 columns a step, its scale after the products
+    if QT == Q8R and Q8S:  # Q8_0R: a block of 32 columns a step, its scale after the products
         for k0 in range(0, I, 32):
             a = tl.load(h + p.to(tl.int64)[:, None] * I + (k0 + tl.arange(0, 32))[None, :], mask=pm[:, None],
                         other=0.0)
@@ -250,12 +258,16 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_s
 
 
 # ----------------------------------------------------------------------------- host side
-_NO_HF = {"KIND": 0, "SMODE": 0, "RB": 1, "CB": 1}
+_NO_HF = {"KIND": 0, "SMODE": 0, "RB": 1, "CB": 1, "Q8S": 0}
 
 
 def _gguf_consts(q) -> dict:
+    """QT / BS / TS / NS of a GGUF type; Q8S: Q8_0R tiles scaled after their products (env.q8r_grouped "scale"), else
+    dequantized in registers before them ("tile")."""
+    from ..env import q8r_grouped
+
     return {"QT": _GGUF_IDS[q.type_name], "BS": q.block_size, "TS": q.type_size, "NS": _GGUF_NS.get(q.type_name, 1),
-            **_NO_HF}
+            **_NO_HF, "Q8S": int(q.type_name == "Q8_0R" and q8r_grouped() == "scale")}
 
 
 _DENSE = {"QT": -1, "BS": 1, "TS": 1, "NS": 1, **_NO_HF}
@@ -266,7 +278,8 @@ def _hf_consts(fmt: HFExpertFormat) -> dict:
     from .qpairs import _hf_consts as hf
 
     c = hf(fmt)
-    return {"QT": -2, "BS": 1, "TS": 1, "NS": 1, "KIND": c["KIND"], "SMODE": c["SMODE"], "RB": c["RB"], "CB": c["CB"]}
+    return {"QT": -2, "BS": 1, "TS": 1, "NS": 1, "KIND": c["KIND"], "SMODE": c["SMODE"], "RB": c["RB"], "CB": c["CB"],
+            "Q8S": 0}
 
 
 def _hf_kind(fmt) -> bool:
