@@ -178,10 +178,10 @@ def q8_words() -> bool:
 
 
 def q8_planar() -> bool:
-    """MOESTREAM_Q8_PLANAR (default "1"): where only the GPU reads the expert store (fused, offload on CUDA with
-    Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's block scales, then its
-    16-byte-aligned codes; same bytes, same PCIe traffic), which the pair kernels read 1.7x faster; "0" keeps the
-    file's layout. Backends whose CPU threads read the banks (cpu, hybrid) always get the file's layout."""
+    """MOESTREAM_Q8_PLANAR (default "1"): where every expert is resident on the GPU and only its kernels read the
+    store (fused on CUDA with Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's
+    block scales, then its 16-byte-aligned codes; same bytes), which the pair kernels read 1.7x faster; "0" keeps the
+    file's layout. offload, cpu and hybrid always read the file's layout (backends.q8_planar_wanted says why)."""
     return os.environ.get("MOESTREAM_Q8_PLANAR", "1") != "0"
 
 

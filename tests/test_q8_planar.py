@@ -55,14 +55,14 @@ def test_row_layout_refuses_partial_rows():
 def planar_on_cpu(monkeypatch):
     """The store's rule as on a GPU (a backend whose CPU threads compute nothing gets Q8_0R), here on a CPU: the
     torch decoders read the layout, so the engine's layout switching runs in CI."""
-    monkeypatch.setattr(backends, "q8_planar_wanted", lambda comp, device: comp.cpu == "none")
+    monkeypatch.setattr(backends, "q8_planar_wanted", lambda comp, device: comp.cache == "none" and comp.cpu == "none")
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")  # torch tiles: the tokens of dequantize-at-load exactly
 
 
 @pytest.mark.usefixtures("one_torch_thread", "planar_on_cpu")
 @pytest.mark.parametrize("variant", ["qwen3", "qwen35_causal"])
 def test_store_layout_follows_the_backend(variant, tiny_checkpoint, tmp_path):
-    """fused and offload convert the store's Q8_0 experts to Q8_0R (same bytes), cpu and hybrid convert them back,
+    """fused converts the store's Q8_0 experts to Q8_0R (same bytes), offload, cpu and hybrid convert them back,
     through reconfigure_experts on one loaded engine; every backend gives the dequantize-at-load tokens."""
     path, _ = gguf_writer.write_gguf(tiny_checkpoint(variant), tmp_path / "m.gguf", Q.Q8_0)
     common = dict(device="cpu", dtype="float32", chunked_prefill_size=7, max_running_requests=4, moe_cpu_threads=1)
@@ -76,10 +76,12 @@ def test_store_layout_follows_the_backend(variant, tiny_checkpoint, tmp_path):
     bank_bytes = {n: b.numel() for n, b in store.bank(layer).items()}
     ref = [w.clone() for w in store.weights(layer)]  # (dequantized from Q8_0R: the same values as Q8_0)
     assert store.fmt.name == "gguf:Q8_0R" and store.file_fmt.name == "gguf:Q8_0" and not store.mapped_bytes
-    for backend, kw, name in (("fused", {}, "Q8_0R"), ("hybrid", {"moe_cache_size": 3}, "Q8_0"),
-                              ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}, "Q8_0R"),
-                              ("cpu", {}, "Q8_0"), ("offload", {"moe_cache_size": 3}, "Q8_0R")):
-        if (backend, kw) != ("fused", {}):
+    steps = (("fused", {}, "Q8_0R"), ("hybrid", {"moe_cache_size": 3}, "Q8_0"),
+             ("fused", {"moe_decode_kernel": "pairs"}, "Q8_0R"),
+             ("offload", {"moe_cache_size": 3, "moe_decode_kernel": "pairs"}, "Q8_0"), ("cpu", {}, "Q8_0"),
+             ("fused", {}, "Q8_0R"))
+    for i, (backend, kw, name) in enumerate(steps):
+        if i:  # the first is the engine as loaded
             llm.engine.reconfigure_experts(moe_backend=backend, **kw)
         store = llm.engine.runtime.store
         assert store.fmt.name == f"gguf:{name}", (backend, kw)
@@ -96,7 +98,7 @@ def test_only_gpu_read_stores_go_planar():
     if torch.cuda.is_available() and backends.triton_ready(torch.device("cuda")):
         dev = torch.device("cuda")
         assert backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), dev)
-        assert backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)
+        assert not backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)  # offload: measured
         assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
         assert not backends.q8_planar_wanted(comp("host", "bridge", "streamed", "all"), dev)
 
@@ -105,8 +107,8 @@ def test_only_gpu_read_stores_go_planar():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", ["qwen3", "qwen35_causal"])
 def test_cuda_planar_q8_experts(variant, tiny_checkpoint, tmp_path, monkeypatch):
-    """On a GPU, fused and offload read Q8_0R experts through the pair kernels (asserted) and give the same tokens,
-    eager and graphed; cpu and hybrid get the file's layout back. Against fused over the file's layout
+    """On a GPU, fused reads Q8_0R experts through the pair kernels (asserted), eager and graphed alike; offload, cpu
+    and hybrid get the file's layout back. Against fused over the file's layout
     (MOESTREAM_Q8_PLANAR=0) the tokens agree but for near ties: the planar kernel sums a block's 32 products before
     its scale multiplies them (fp32, another order), so a greedy choice between two logits within ~1e-6 may flip and
     the sequence go its own way from there; a wrong code, scale or row makes the tokens unrelated (< 10 % agree)."""
@@ -124,7 +126,7 @@ def test_cuda_planar_q8_experts(variant, tiny_checkpoint, tmp_path, monkeypatch)
     outs = {}
     for graphs in (False, True):
         llm = LLM(path, moe_backend="fused", cuda_graphs=graphs, **common)
-        for backend, kw, name in (("fused", {}, "Q8_0R"), ("offload", {"moe_cache_size": 5}, "Q8_0R"),
+        for backend, kw, name in (("fused", {}, "Q8_0R"), ("offload", {"moe_cache_size": 5}, "Q8_0"),
                                   ("hybrid", {"moe_cache_size": 5}, "Q8_0"), ("cpu", {}, "Q8_0")):
             if backend != "fused":
                 llm.engine.reconfigure_experts(moe_backend=backend, **kw)
@@ -134,6 +136,6 @@ def test_cuda_planar_q8_experts(variant, tiny_checkpoint, tmp_path, monkeypatch)
             outs[graphs, backend] = [o.token_ids for o in llm.generate(prompts, SP)]
         llm.engine.runtime.close()
     planar = outs[False, "fused"]
-    assert outs[True, "fused"] == outs[False, "offload"] == outs[True, "offload"] == planar
+    assert outs[True, "fused"] == planar and outs[True, "offload"] == outs[False, "offload"]
     same = sum(a == b for p, q in zip(planar, block) for a, b in zip(p, q)) / sum(len(p) for p in block)
     assert same >= 0.8, same
