@@ -178,11 +178,14 @@ def q8_words() -> bool:
 
 
 def q8_planar() -> bool:
-    """MOESTREAM_Q8_PLANAR (default "1"): where every expert is resident on the GPU and only its kernels read the
-    store (fused on CUDA with Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's
-    block scales, then its 16-byte-aligned codes; same bytes), which the pair kernels read 1.7x faster; "0" keeps the
-    file's layout. offload, cpu and hybrid always read the file's layout (backends.q8_planar_wanted says why)."""
-    return os.environ.get("MOESTREAM_Q8_PLANAR", "1") != "0"
+    """MOESTREAM_Q8_PLANAR=1 (opt-in): where every expert is resident on the GPU and only its kernels read the store
+    (fused on CUDA with Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's block
+    scales, then its 16-byte-aligned codes; same bytes), which the pair kernels read 1.7x faster. Measured on an H100
+    (benchmarks/RESULTS.md, thirty-fifth session, same runs): decode +7-9 % at batch 1 and +19-21 % at batch 4, but
+    pp512 1,939-2,171 tok/s against the file layout's 3,815-4,246 (the grouped prefill kernels alone timed faster on
+    Q8_0R with uniform routing: not yet explained), so it stays off until prefill is settled. offload, cpu and hybrid
+    always read the file's layout (backends.q8_planar_wanted says why)."""
+    return os.environ.get("MOESTREAM_Q8_PLANAR", "0") == "1"
 
 
 def q8r_grouped() -> str:

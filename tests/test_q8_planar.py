@@ -91,8 +91,9 @@ def test_store_layout_follows_the_backend(variant, tiny_checkpoint, tmp_path):
     llm.engine.runtime.close()
 
 
-def test_only_gpu_read_stores_go_planar():
+def test_only_gpu_read_stores_go_planar(monkeypatch):
     comp = backends.Composition
+    monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "1")
     cpu = torch.device("cpu")
     assert not backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), cpu)  # the CPU reads it here
     if torch.cuda.is_available() and backends.triton_ready(torch.device("cuda")):
@@ -101,6 +102,8 @@ def test_only_gpu_read_stores_go_planar():
         assert not backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)  # offload: measured
         assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
         assert not backends.q8_planar_wanted(comp("host", "bridge", "streamed", "all"), dev)
+        monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "0")  # the default: off (its prefill measured slower)
+        assert not backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), dev)
 
 
 @pytest.mark.cuda
