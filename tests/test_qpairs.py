@@ -503,9 +503,12 @@ def _worker_case(case: str) -> list[str]:
         return _count_case()
     if case == "stage":
         return _stage_cases()
-    if case.startswith("fetch:"):  # fetch:CASE[:T[:default]]
+    if case.startswith("fetch:"):  # fetch:CASE[:T[:default|wide]]
         _, what, *rest = case.split(":")
-        return _fetch_case(what, int(rest[0]) if rest else 1, None if "default" in rest else INTERP_CFG)
+        # wide: a gate_up step of FETCH_CW columns (Q8_0R rows then copy FETCH_CW * 2 words a step: qpairs._fetch_cw)
+        cfg = None if "default" in rest else \
+            {"gate_up": (4, qpairs.FETCH_CW, 4), "down": INTERP_CFG["down"]} if "wide" in rest else INTERP_CFG
+        return _fetch_case(what, int(rest[0]) if rest else 1, cfg)
     if case.startswith("words:"):  # words:K[:perm]
         _, K, *how = case.split(":")
         return _words_case(int(K), *how)
@@ -527,7 +530,7 @@ def _worker_case(case: str) -> list[str]:
 
 
 WORKER_CASES = [*CASES, *(f"{c}:default" for c in DEFAULT_CFG_CASES), "stage", "count", "fetch:Q8_0", "fetch:fetchQ8_0",
-                "fetch:fetchQ8_0:2", "fetch:fetchQ8_0R", "fetch:fetchQ8_0R:2", "fetch:Q8_0R:1:default",
+                "fetch:fetchQ8_0:2", "fetch:fetchQ8_0R", "fetch:fetchQ8_0R:2", "fetch:Q8_0R:1:default", "fetch:fetchQ8_0R:1:wide",
                 "fetch:Q4_K/Q5_K/Q6_K", "fetch:Q8_0:1:default", "fetch:fp8_block",
                 "fetch:fp8_block_32x64_bf16", "fetch:fp8_block_32x64_bf16:1:default", "fetch:fp8_channel:2",
                 "fetch:fp8_tensor", "fetch:nvfp4", "fetch:nvfp4:1:default", "fetch:mxfp4", "linear:Q8_0", "linear:Q4_K",
@@ -617,9 +620,11 @@ def _gguf_compile_args(types: str, H: int, I: int, P: int):
     sig_gu_f = {**{n: t for n, t in sig_gu.items() if n != "K_TOP"}, "K_TOP": "i32", **fetch}
     sig_d_f = {**sig_d, "hd": "*i64", "hd_stride": "i64", "pd": "*i64", "pd_stride": "i64",
                **{n: t for n, t in fetch.items() if n.startswith("stg")}}
-    rows.append((qpairs._gguf_gate_up_fetch_kernel, sig_gu_f,
-                 {**c_gu, "RWG": row_words["gu"], "RWU": row_words["gu"], "CW": 1024, "NSTG": P}))
-    rows.append((qpairs._gguf_down_fetch_kernel, sig_d_f, {**c_d, "RWD": row_words["d"], "CW": 1024, "NSTG": P}))
+    efmt = gguf_expert_format({"gate": types, "up": types, "down": types}, H, I)
+    rows.append((qpairs._gguf_gate_up_fetch_kernel, sig_gu_f, {**c_gu, "RWG": row_words["gu"], "RWU": row_words["gu"],
+                                                               "CW": qpairs._fetch_cw(efmt, c_gu["BV"]), "NSTG": P}))
+    rows.append((qpairs._gguf_down_fetch_kernel, sig_d_f, {**c_d, "RWD": row_words["d"],
+                                                           "CW": qpairs._fetch_cw(efmt, c_d["BV"]), "NSTG": P}))
     return ((qpairs._gguf_gate_up_kernel, sig_gu, c_gu), (qpairs._gguf_down_kernel, sig_d, c_d),
             (qpairs._gguf_down_kernel, {**sig_d, "y": "*i16"}, c_lin), *rows)
 
@@ -697,6 +702,9 @@ def test_q8_planar_pair_kernels_compile_for_sm90():
             (kernel.fn.__name__, ptx.count("ld.global.b16"))
         if "fetch" in kernel.fn.__name__:
             assert frame_bytes(k) <= DRIVER_STACK_LIMIT, (kernel, frame_bytes(k))
+            # the misses' rows copied straight from the host to the slot (ld.global -> st.global) before the barrier
+            # that precedes their reads, not through shared memory (qpairs._fetch_cw says how that happened)
+            assert ptx.split("bar.sync", 1)[0].count("st.global") > 0, kernel.fn.__name__
         done += 1
     assert done == 4
 

@@ -240,6 +240,15 @@ def _gguf_fetch_args(staged, pool: dict, fmt, names) -> tuple[list, list[int]]:
     return args, rws
 
 
+def _fetch_cw(fmt, bv: int) -> int:
+    """The fetch kernels' copy step: FETCH_CW, doubled for Q8_0R rows where the dot's x step is as long. The Q8_0R dot
+    loads x as a 1-D [BV] tile; with BV = FETCH_CW its arange is the copy's, and Triton's coalescing then gave the
+    copy's host loads x's 8 elements a thread and sent every chunk through shared memory, two barriers a chunk (sm_90
+    PTX, RESULTS.md thirty-fifth session); a copy step of another length keeps the copy straight."""
+    q8r = isinstance(fmt, GGUFExpertFormat) and any(t == "Q8_0R" for _, t in fmt.types)
+    return 2 * FETCH_CW if q8r and bv == FETCH_CW else FETCH_CW
+
+
 FETCH_CW = 1024  # words a fetch kernel's copy moves a step (8 KiB of 8-byte words: four 16-byte loads a thread at 4 warps)
 
 
@@ -1166,7 +1175,7 @@ def _launch(pool, fmt, stage: str, acts, N: int, K: int, out: torch.Tensor, cfg,
     bf16 = out.dtype == torch.bfloat16
     out_arg = out.view(torch.int16) if bf16 else out  # _store rounds bf16 itself
     if staged is not None:  # the staged list (experts, rows, count) and its constants, for either kind of format
-        stg, fetch = list(staged[1:]), dict(CW=FETCH_CW, NSTG=_pow2(min(P, staged[1].shape[0])))
+        stg, fetch = list(staged[1:]), dict(CW=_fetch_cw(fmt, bv), NSTG=_pow2(min(P, staged[1].shape[0])))
     if isinstance(fmt, GGUFExpertFormat):
         lut = td.lut_table(a.device)
         if stage == "gate_up":
