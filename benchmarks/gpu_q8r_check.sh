@@ -2,7 +2,8 @@
 # The Q8_0R questions left by the thirty-fifth session, in one short device call (carry [".peer", ".whl"]):
 #   1. the CUDA tests of the Q8_0R layout (pair, fetch, grouped and dequant kernels; the engine moving between layouts)
 #   2. fused pp512 / tg / bs4 on Q8_0R against the file layout, in both orders, on a file of the Qwen3.6 widths with
-#      LAYERS layers (seconds to write; no llama.cpp: the question is Q8_0R against Q8_0 in one process order or the other)
+#      LAYERS layers (seconds to write; no llama.cpp: the question is Q8_0R against Q8_0 in one process order or the
+#      other), and offload at a 4 GiB cap in both layouts (Q8_0R's fetch kernels since qpairs._fetch_cw)
 #   3. the grouped prefill kernels alone (grouped_bench.py --stages), both Q8_0R forms against Q8_0
 # Everything goes to $OUT (the device tool's folder): q8r_check.log and the vs_llama report of step 2.
 #   LAYERS [8]  TESTS=0 skips step 1  BENCH=0 skips step 3
@@ -21,7 +22,8 @@ LOG=$OUT/q8r_check.log
     --vocab-from .peer/qwen3-tokenizer-gguf-fields.json 2>&1 | tail -1
   echo "== $(date -u +%T) fused, both layouts, both orders"
   timeout 400 python3 benchmarks/vs_llama.py moe --model /dev/shm/q8r.gguf --quant q8_0 --work /tmp/q8r_work \
-    --grid "fused+q8blk@all;fused+q8r@all;fused+q8r+again@all;fused+q8blk+again@all" --config-s 60 2>&1 \
+    --grid "fused+q8blk@all;fused+q8r@all;fused+q8r+again@all;fused+q8blk+again@all;offload+q8blk@4;offload+q8rall@4" \
+    --config-s 60 2>&1 \
     | grep -E "tg bs1|error|Error"
   nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader
   python3 benchmarks/vs_llama.py report --work /tmp/q8r_work --out "$OUT" >/dev/null 2>&1  # vs_llama.json / .md

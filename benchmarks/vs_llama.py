@@ -23,8 +23,8 @@ layout / in it for Q4_K and Q6_K too; the default moves Q8_0 only),
 `BACKEND+fetch` / `+fetchall` / `+nofetch` (MOESTREAM_FETCH_IN_PAIRS=1 / all / 0: a GGUF layer call's misses copied
 by the pair kernels themselves at one token, the default / at every batch size / by the copy kernel first),
 `BACKEND+sdown` (MOESTREAM_SHARED_DOWN=1: the shared expert's activation and down projection in one launch),
-`BACKEND+q8r` / `+q8blk` (MOESTREAM_Q8_PLANAR=1 / 0: fused reads its Q8_0 experts row-planar, Q8_0R / in the file's
-block layout, the default),
+`BACKEND+q8r` / `+q8rall` / `+q8blk` (MOESTREAM_Q8_PLANAR=1 / all / 0: fused / fused and offload read their Q8_0
+experts row-planar, Q8_0R / in the file's block layout, the default),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
@@ -250,8 +250,8 @@ def _variant(variant: str, cfg: dict) -> bool:
         cfg.setdefault("env", {})["MOESTREAM_FETCH_IN_PAIRS"] = {"fetch": "1", "nofetch": "0", "fetchall": "all"}[variant]
     elif variant == "q8w":  # the pair kernels read Q8_0 experts as 16-bit words (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_Q8_WORDS"] = "1"
-    elif variant in ("q8blk", "q8r"):  # fused's Q8_0 experts in the file's block layout / row-planar (Q8_0R)
-        set_env("MOESTREAM_Q8_PLANAR", "0" if variant == "q8blk" else "1")
+    elif variant in ("q8blk", "q8r", "q8rall"):  # Q8_0 experts in the file's block layout / row-planar (Q8_0R) for
+        set_env("MOESTREAM_Q8_PLANAR", {"q8blk": "0", "q8r": "1", "q8rall": "all"}[variant])  # fused / fused, offload
     elif variant == "sdown":  # the shared expert's silu * up and down GEMV in one launch (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_SHARED_DOWN"] = "1"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)

@@ -177,15 +177,17 @@ def q8_words() -> bool:
     return os.environ.get("MOESTREAM_Q8_WORDS", "0") == "1"
 
 
-def q8_planar() -> bool:
-    """MOESTREAM_Q8_PLANAR=1 (opt-in): where every expert is resident on the GPU and only its kernels read the store
+def q8_planar() -> str:
+    """MOESTREAM_Q8_PLANAR: "1" (opt-in): where every expert is resident on the GPU and only its kernels read the store
     (fused on CUDA with Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's block
     scales, then its 16-byte-aligned codes; same bytes), which the pair kernels read 1.7x faster. Measured on an H100
     (benchmarks/RESULTS.md, thirty-fifth session, same runs): decode +7-9 % at batch 1 and +19-21 % at batch 4, but
     pp512 1,939-2,171 tok/s against the file layout's 3,815-4,246 (the grouped prefill kernels alone timed faster on
-    Q8_0R with uniform routing: not yet explained), so it stays off until prefill is settled. offload, cpu and hybrid
-    always read the file's layout (backends.q8_planar_wanted says why)."""
-    return os.environ.get("MOESTREAM_Q8_PLANAR", "0") == "1"
+    Q8_0R with uniform routing: not yet explained), so it stays off ("0", the default) until prefill is settled.
+    "all": offload's slot cache too (measured slower before qpairs._fetch_cw; untimed since). cpu and hybrid always
+    read the file's layout (backends.q8_planar_wanted)."""
+    v = os.environ.get("MOESTREAM_Q8_PLANAR", "0")
+    return v if v in ("1", "all") else "0"
 
 
 def q8r_grouped() -> str:

@@ -102,6 +102,9 @@ def test_only_gpu_read_stores_go_planar(monkeypatch):
         assert not backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)  # offload: measured
         assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
         assert not backends.q8_planar_wanted(comp("host", "bridge", "streamed", "all"), dev)
+        monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "all")  # offload too
+        assert backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)
+        assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
         monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "0")  # the default: off (its prefill measured slower)
         assert not backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), dev)
 
