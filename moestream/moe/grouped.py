@@ -180,11 +180,12 @@ def _block(blocks, BM: tl.constexpr):
 def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_stride, gg, gg_stride,
                     su, su_stride, gu, gu_stride, lut, h, KTOP, H: tl.constexpr, I: tl.constexpr,
                     QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr, KIND: tl.constexpr,
-                    SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, Q8S: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                    SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, Q8S: tl.constexpr = 0):
     """h[p, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the BM pairs p of one block. up's rows
     start u_off elements after wu's (dense: up is the second half of gate_up). sg / gg, su / gu: an HF
-    format's scale and global-scale parts of gate and up (else unused). H, I are constexpr: the
+    format's scale and global-scale parts of gate and up (else unused); Q8S (last, with a default: recorded launches
+    keep their positions): Q8_0R blocks scaled after their products (env.q8r_grouped). H, I are constexpr: the
     K loops get constant trip counts (and Triton's interpreter under numpy 2.4 cannot loop to a
     runtime bound)."""
     row, p, pm = _block(blocks, BM)
@@ -225,8 +226,8 @@ def _gate_up_kernel(x, pairs, blocks, wg, g_stride, wu, u_stride, u_off, sg, sg_
 @triton.jit
 def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_stride, lut, out, H: tl.constexpr,
                  I: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NS: tl.constexpr,
-                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, Q8S: tl.constexpr,
-                 SCATTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                 KIND: tl.constexpr, SMODE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, SCATTER: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, Q8S: tl.constexpr = 0):
     """out[r, n] = w_pair * (h[p] . down[n]); r = the pair id (SCATTER) or its sorted position p."""
     row, p, pm = _block(blocks, BM)
     if row < 0:
