@@ -525,11 +525,12 @@ Q8_0R = RowPlanarQ8()
 LAYOUTS: dict[str, GGUFFormat] = {"Q8_0R": Q8_0R}  # moestream's own row layouts of GGUF types (not file types)
 
 
-def q8_0_row_planar(raw: torch.Tensor, k: int, planar: bool = True, rows_at_once: int = 1 << 14) -> torch.Tensor:
+def q8_0_row_planar(raw: torch.Tensor, k: int, planar: bool = True, temp_bytes: int = 8 << 20) -> torch.Tensor:
     """Rows of Q8_0 bytes (any shape whose last dim holds whole matrix rows of K = k values: [..., n * 34 k / 32])
-    rewritten IN PLACE as Q8_0R rows (planar=True) or back (False), `rows_at_once` matrix rows at a time (a
-    bounded temporary: a GPU bank converts beside the budget that holds it). Returns raw."""
+    rewritten IN PLACE as Q8_0R rows (planar=True) or back (False), through a temporary of at most `temp_bytes` (a
+    GPU bank converts beside the budget that holds it: 8 MiB, where a plan keeps more headroom). Returns raw."""
     rb = k // 32 * 34
+    rows_at_once = max(1, temp_bytes // rb)
     if k % 32 or raw.dtype != torch.uint8 or raw.numel() % rb:
         raise QuantFormatError(f"Q8_0 rows of K={k}: {raw.numel()} {raw.dtype} elements are not whole rows")
     nb = k // 32
