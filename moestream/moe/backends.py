@@ -121,12 +121,12 @@ def hybrid(options, store, device) -> Composition:
 
 
 def q8_planar_wanted(comp: Composition, device) -> bool:
-    """Q8_0 experts row-planar (ExpertStore.set_q8_layout) where every expert is resident in the GPU's banks and only
-    its Triton kernels read them: fused on CUDA with Triton, when env.q8_planar asks (opt-in: its prefill measured
-    slower; "all": offload too). Measured on an H100 (benchmarks/RESULTS.md, thirty-fifth session): fused decode +7-9 % at batch 1,
-    +19-21 % at batch 4; offload at 11.68 GiB lost (50.5-54.9 vs 66.6-68.3 tok/s: the misses' fetch-in-pair kernels
-    run slower on it; with the copy kernel first, 66.6 vs 65.9), so the slot cache keeps the file's layout, as the
-    CPU's backends do."""
+    """Q8_0 experts row-planar (ExpertStore.set_q8_layout) where only the GPU's Triton kernels read the store, as
+    env.q8_planar asks: "1" fused (every expert resident), "all" offload's slot cache too, on CUDA with Triton; never
+    where CPU threads compute experts (their kernels read Q8_0). Opt-in: measured on an H100 (benchmarks/RESULTS.md,
+    thirty-fifth session), fused decode +7-9 % at batch 1 and +19-21 % at batch 4, but pp512 halved; offload at 11.68
+    GiB lost (50.5-54.9 vs 66.6-68.3 tok/s), its fetch-in-pair kernels' row copy since fixed (qpairs._fetch_cw) and
+    untimed."""
     from ..env import q8_planar
 
     mode = q8_planar()

@@ -259,7 +259,7 @@ def _down_kernel(h, pairs, blocks, topk_w, wd, w_stride, sd, sd_stride, gd, gd_s
 
 
 # ----------------------------------------------------------------------------- host side
-_NO_HF = {"KIND": 0, "SMODE": 0, "RB": 1, "CB": 1, "Q8S": 0}
+_NO_HF = {"KIND": 0, "SMODE": 0, "RB": 1, "CB": 1}
 
 
 def _gguf_consts(q) -> dict:
@@ -279,8 +279,7 @@ def _hf_consts(fmt: HFExpertFormat) -> dict:
     from .qpairs import _hf_consts as hf
 
     c = hf(fmt)
-    return {"QT": -2, "BS": 1, "TS": 1, "NS": 1, "KIND": c["KIND"], "SMODE": c["SMODE"], "RB": c["RB"], "CB": c["CB"],
-            "Q8S": 0}
+    return {"QT": -2, "BS": 1, "TS": 1, "NS": 1, "KIND": c["KIND"], "SMODE": c["SMODE"], "RB": c["RB"], "CB": c["CB"]}
 
 
 def _hf_kind(fmt) -> bool:

@@ -501,11 +501,9 @@ class RowPlanarQ8(GGUFFormat):
         raise QuantFormatError("Q8_0R is a row layout: decode whole rows (dequantize / dequantize_rows)")
 
     def _dense(self, parts, shape, rows, cols, out_dtype):
-        if cols is None:
-            return super()._dense(parts, shape, rows, None, out_dtype)
-        k = norm_shape(shape)[-1]
-        return super()._dense(parts, shape, rows, None, out_dtype)[:, cols.start or 0:k if cols.stop is None
-                                                                    else min(cols.stop, k)]
+        """A column window is cut from whole decoded rows (a window of a row's bytes is not one of its columns)."""
+        y = super()._dense(parts, shape, rows, None, out_dtype)
+        return y if cols is None else y[:, cols]
 
     def _cpu_rows(self, data, shape, rows):
         return None  # the compiled decoders read the file's layout
