@@ -24,7 +24,7 @@ layout / in it for Q4_K and Q6_K too; the default moves Q8_0 only),
 by the pair kernels themselves at one token, the default / at every batch size / by the copy kernel first),
 `BACKEND+sdown` (MOESTREAM_SHARED_DOWN=1: the shared expert's activation and down projection in one launch),
 `BACKEND+q8r` / `+q8rall` / `+q8blk` (MOESTREAM_Q8_PLANAR=1 / all / 0: fused / fused and offload read their Q8_0
-experts row-planar, Q8_0R / in the file's block layout, the default),
+experts row-planar, Q8_0R (`all`, the default since the thirty-sixth session) / in the file's block layout),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),

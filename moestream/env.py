@@ -178,16 +178,16 @@ def q8_words() -> bool:
 
 
 def q8_planar() -> str:
-    """MOESTREAM_Q8_PLANAR: "1" (opt-in): where every expert is resident on the GPU and only its kernels read the store
-    (fused on CUDA with Triton), its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's block
-    scales, then its 16-byte-aligned codes; same bytes), which the pair kernels read 1.7x faster. Measured on an H100
-    (benchmarks/RESULTS.md, thirty-fifth session, same runs): decode +7-9 % at batch 1 and +19-21 % at batch 4, but
-    pp512 1,939-2,171 tok/s against the file layout's 3,815-4,246 (the grouped prefill kernels alone timed faster on
-    Q8_0R with uniform routing: not yet explained), so it stays off ("0", the default) until prefill is settled.
-    "all": offload's slot cache too (measured slower before qpairs._fetch_cw; untimed since). cpu and hybrid always
-    read the file's layout (backends.q8_planar_wanted)."""
-    v = os.environ.get("MOESTREAM_Q8_PLANAR", "0")
-    return v if v in ("1", "all") else "0"
+    """MOESTREAM_Q8_PLANAR: where only the GPU's kernels read the expert store (fused and offload on CUDA with Triton),
+    its Q8_0 experts are rewritten row-planar at runtime start (Q8_0R: each row's block scales, then its 16-byte-aligned
+    codes; same bytes), which the pair kernels read 1.7x faster. "all" (the default): fused and offload; "1": fused
+    only; "0": the file's layout everywhere. Measured on an H100 against the file layout in the same run
+    (benchmarks/RESULTS.md, thirty-sixth session, Qwen3.6-shaped Q8_0 file): fused 307.4 / 304.9 vs 281.4 tok/s at
+    batch 1, 804.8 / 801.2 vs 667.0 at batch 4, pp512 3,657 / 3,352 vs 3,098; offload 121.7 vs 114.0 (22.84 GiB),
+    68.7 vs 65.5 (11.68), 52.6 vs 51.5 (8.50). cpu and hybrid always read the file's layout (their CPU kernels read
+    Q8_0: backends.q8_planar_wanted)."""
+    v = os.environ.get("MOESTREAM_Q8_PLANAR", "all")
+    return v if v in ("0", "1") else "all"
 
 
 def q8r_grouped() -> str:

@@ -55,7 +55,8 @@ def test_row_layout_refuses_partial_rows():
 def planar_on_cpu(monkeypatch):
     """The store's rule as on a GPU (a backend whose CPU threads compute nothing gets Q8_0R), here on a CPU: the
     torch decoders read the layout, so the engine's layout switching runs in CI."""
-    monkeypatch.setattr(backends, "q8_planar_wanted", lambda comp, device: comp.cache == "none" and comp.cpu == "none")
+    monkeypatch.setattr(backends, "q8_planar_wanted",
+                        lambda comp, device, mapped_bytes=0: comp.cache == "none" and comp.cpu == "none")
     monkeypatch.setenv("MOESTREAM_CPU_KERNELS", "0")  # torch tiles: the tokens of dequantize-at-load exactly
 
 
@@ -92,21 +93,27 @@ def test_store_layout_follows_the_backend(variant, tiny_checkpoint, tmp_path):
 
 
 def test_only_gpu_read_stores_go_planar(monkeypatch):
-    comp = backends.Composition
-    monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "1")
-    cpu = torch.device("cpu")
-    assert not backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), cpu)  # the CPU reads it here
-    if torch.cuda.is_available() and backends.triton_ready(torch.device("cuda")):
-        dev = torch.device("cuda")
-        assert backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), dev)
-        assert not backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)  # offload: measured
-        assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
-        assert not backends.q8_planar_wanted(comp("host", "bridge", "streamed", "all"), dev)
-        monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "all")  # offload too
-        assert backends.q8_planar_wanted(comp("device", "pairs", "streamed", "none"), dev)
-        assert not backends.q8_planar_wanted(comp("device", "bridge", "streamed", "misses"), dev)
-        monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "0")  # the default: off (its prefill measured slower)
-        assert not backends.q8_planar_wanted(comp("none", "pairs", "resident", "none"), dev)
+    """The rule, on any machine (a CUDA device object with Triton said ready: only the rule is under test)."""
+    comp, wanted = backends.Composition, backends.q8_planar_wanted
+    fused, offload = comp("none", "pairs", "resident", "none"), comp("device", "pairs", "streamed", "none")
+    hybrid, cpu_backend = comp("device", "bridge", "streamed", "misses"), comp("host", "bridge", "streamed", "all")
+    dev, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(backends, "triton_ready", lambda device: device.type == "cuda")
+    monkeypatch.delenv("MOESTREAM_Q8_PLANAR", raising=False)  # the default: fused and offload
+    assert wanted(fused, dev) and wanted(offload, dev)
+    assert not wanted(hybrid, dev) and not wanted(cpu_backend, dev)  # their CPU kernels read Q8_0
+    assert not wanted(fused, cpu) and not wanted(offload, cpu)  # the CPU reads the store there
+    assert not wanted(offload, dev, mapped_bytes=1 << 30)  # host banks still the file's pages: left as they are
+    assert wanted(fused, dev, mapped_bytes=1 << 30)  # (fused's store is on the GPU)
+    monkeypatch.setattr(backends, "triton_ready", lambda device: False)  # --triton off: the torch decoders
+    assert not wanted(fused, dev)
+    monkeypatch.setattr(backends, "triton_ready", lambda device: True)
+    monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "1")  # fused only
+    assert wanted(fused, dev) and not wanted(offload, dev) and not wanted(hybrid, dev)
+    monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "0")  # the file's layout everywhere
+    assert not wanted(fused, dev) and not wanted(offload, dev)
+    monkeypatch.setenv("MOESTREAM_Q8_PLANAR", "all")
+    assert wanted(offload, dev) and not wanted(hybrid, dev)
 
 
 @pytest.mark.cuda

@@ -120,18 +120,19 @@ def hybrid(options, store, device) -> Composition:
                        prefill=_prefill(options), cpu="misses")
 
 
-def q8_planar_wanted(comp: Composition, device) -> bool:
+def q8_planar_wanted(comp: Composition, device, mapped_bytes: int = 0) -> bool:
     """Q8_0 experts row-planar (ExpertStore.set_q8_layout) where only the GPU's Triton kernels read the store, as
-    env.q8_planar asks: "1" fused (every expert resident), "all" offload's slot cache too, on CUDA with Triton; never
-    where CPU threads compute experts (their kernels read Q8_0). Opt-in: measured on an H100 (benchmarks/RESULTS.md,
-    thirty-fifth session), fused decode +7-9 % at batch 1 and +19-21 % at batch 4, but pp512 halved; offload at 11.68
-    GiB lost (50.5-54.9 vs 66.6-68.3 tok/s), its fetch-in-pair kernels' row copy since fixed (qpairs._fetch_cw) and
-    untimed."""
+    env.q8_planar asks: "all" (the default) fused and offload's slot cache, "1" fused only (every expert resident),
+    on CUDA with Triton; never where CPU threads compute experts (their kernels read Q8_0). Timed on an H100 against
+    the file's layout in one run (benchmarks/RESULTS.md, thirty-sixth session): fused +9 % at batch 1, +20 % at
+    batch 4, pp512 +8-18 %; offload +2-7 % at the caps (its fetch-in-pair kernels' row copy: qpairs._fetch_cw).
+    A slot cache over host banks still mapped from the file (`mapped_bytes`: the layers beyond the pin budget) keeps the
+    file's layout: converting would copy those pages into anonymous memory the host may not have."""
     from ..env import q8_planar
 
     mode = q8_planar()
-    return mode != "0" and (comp.cache == "none" or mode == "all") and comp.cpu == "none" and device.type == "cuda" \
-        and triton_ready(device)
+    return mode != "0" and (comp.cache == "none" or (mode == "all" and not mapped_bytes)) and comp.cpu == "none" \
+        and device.type == "cuda" and triton_ready(device)
 
 
 # ---- the factory --------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def build(name: str, comp: Composition, store, device, options) -> ExpertRuntime
     """The parts of `comp` over one Context, in the order they depend on each other: the copier (any device
     pool), the CPU threads (before the bridge's worker, as torch's thread count is process-wide), the
     cache, the decode strategy, the prefill strategy (which may be the decode one)."""
-    store.set_q8_layout(q8_planar_wanted(comp, device))
+    store.set_q8_layout(q8_planar_wanted(comp, device, store.mapped_bytes))
     book = StatsBook(store.moe_layers)
     ctx = Context(store, device, options, book, Lookahead(store.moe_layers))
     if comp.cache != "none":
