@@ -3,7 +3,8 @@ recurrence as one Triton launch (triton_ops.gdn_chunk_scan) vs the torch loop ov
 
     PYTHONPATH=$PWD python3 benchmarks/gdn_chunk_bench.py [--lengths 512,4096] [--sweep]
 
-One line per config: chunk_gated_delta_rule end to end (loop, kernel), then with --sweep the scan alone
+One line per config: chunk_gated_delta_rule end to end (loop, kernel), the chunk terms' prep kernel
+(triton_ops.gdn_chunk_prep, MOESTREAM_GDN_PREP=1) against `_chunk_terms` in GPU and host time, then with --sweep the scan alone
 under other launch settings (bv, num_warps, num_stages, dot precision) than triton_ops.gdn_chunk_launch's for this GPU.
 Median of --reps timed calls (CUDA events) after warm-up; the first kernel call compiles.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -62,6 +65,27 @@ def bench_length(L: int, reps: int, sweep: bool) -> None:
     print(f"L={L} H={H} Dk={DK} Dv={DV}: loop {loop:.3f} ms, kernel {kern:.3f} ms ({loop / kern:.1f}x; "
           f"precompute {pre:.3f} ms + scan {scan:.3f} ms, launch "
           f"{triton_ops.gdn_chunk_launch(torch.cuda.get_device_capability())}), max rel err {err:.1e}", flush=True)
+    # the chunk terms in one launch (MOESTREAM_GDN_PREP=1): GPU time, and host time a call (what an all-resident
+    # prefill waits on: 50 calls issued back to back, no sync inside)
+    prep = time_ms(lambda: triton_ops.gdn_chunk_prep(*args[:5]), reps)
+    host = {}
+    for name, fn in (("torch terms", lambda: _chunk_terms(*args[:5], triton_ops.GDN_CHUNK)),
+                     ("prep kernel", lambda: triton_ops.gdn_chunk_prep(*args[:5]))):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host[name] = (time.perf_counter() - t0) / 50 * 1e3
+        torch.cuda.synchronize()
+    os.environ["MOESTREAM_GDN_PREP"] = "1"
+    both = time_ms(lambda: chunk_gated_delta_rule(*args, kernel=True), reps)
+    o2, s2, _ = chunk_gated_delta_rule(*args, kernel=True)
+    del os.environ["MOESTREAM_GDN_PREP"]
+    err2 = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o2, o0), (s2, s0)))
+    print(f"  prep kernel {prep:.3f} ms GPU (torch terms {pre:.3f}); host a call: torch terms "
+          f"{host['torch terms']:.3f} ms, prep kernel {host['prep kernel']:.3f} ms; rule with both kernels "
+          f"{both:.3f} ms, max rel err {err2:.1e} "
+          f"(launch {triton_ops.gdn_prep_launch(torch.cuda.get_device_capability())})", flush=True)
     if sweep:
         sweep_launch(L, u0, w, q_dec, qk, k_dec, last, args[-1], reps)
 

@@ -190,6 +190,15 @@ def q8_planar() -> str:
     return v if v in ("0", "1") else "all"
 
 
+def gdn_prep_kernel() -> bool:
+    """MOESTREAM_GDN_PREP=1 (opt-in until timed on a GPU): a Gated DeltaNet prefill chunk's terms (the decay matrix,
+    the triangular solves, q k^T, the decayed q and k) computed by one Triton launch per layer
+    (layers/triton_ops.gdn_chunk_prep) where the chunk scan kernel runs, instead of ~35 batched torch ops: an
+    all-resident Qwen3.6 prefill is host-bound (512 tokens: 139 ms wall for 57 ms of kernels on an H100,
+    benchmarks/RESULTS.md thirty-sixth session). Read at each call."""
+    return os.environ.get("MOESTREAM_GDN_PREP", "0") == "1"
+
+
 def q8r_grouped() -> str:
     """MOESTREAM_Q8R_GROUPED: how the grouped (prefill) kernels read Q8_0R experts: "tile" (default: each K step's
     [BN, 64] tile dequantized in registers, one scale a 32-code run, then one tensor-core product) or "scale" (a

@@ -27,7 +27,7 @@ from triton_harness import (HAS_TRITON, assert_case, compile_sm90, frame_bytes, 
                             write_case_results)
 
 from moestream.layers import triton_ops  # noqa: E402
-from moestream.layers.gdn import _l2norm, chunk_gated_delta_rule  # noqa: E402
+from moestream.layers.gdn import _chunk_terms, _l2norm, chunk_gated_delta_rule  # noqa: E402
 
 RTOL = 1e-4
 
@@ -65,6 +65,31 @@ def compare(H, Dk, Dv, L, states_at, device="cpu") -> list[str]:
     return errs
 
 
+def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True) -> list[str]:
+    """triton_ops.gdn_chunk_prep against `_chunk_terms` term by term (strided: q, k, v, g, beta as the layer hands
+    them over, transposed views of [L, H, ...] rows), then chunk_gated_delta_rule with both kernels
+    (MOESTREAM_GDN_PREP=1) against the loop: errors beyond RTOL, as messages."""
+    import os
+
+    q, k, v, g, beta, state = _inputs(H, Dk, Dv, L, device, seed=1)
+    if strided:
+        q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+        g, beta = (x.t().contiguous().t() for x in (g, beta))
+    got = triton_ops.gdn_chunk_prep(q, k, v, g, beta, 64)
+    _, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(q, k, v, g, beta, 64)
+    errs = []
+    for name, a, b in zip(("c", "u0", "w", "q_dec", "k_dec", "qk", "last"), got, (c, u0, w, q_dec, k_dec, qk, last)):
+        e = _rel_err(a, b) if a.shape == b.shape else float("nan")
+        if not e <= RTOL:
+            errs.append(f"prep {name}: {tuple(a.shape)} vs {tuple(b.shape)}, relative error {e:.2e}")
+    os.environ["MOESTREAM_GDN_PREP"] = "1"
+    try:
+        errs += compare(H, Dk, Dv, L, states_at, device)
+    finally:
+        del os.environ["MOESTREAM_GDN_PREP"]
+    return errs
+
+
 # --------------------------------------------------------------------------- interpreter cases
 CASES = {  # (H, Dk, Dv, L, states_at): L = 1, within, at and just past a chunk, several chunks with a tail
     "L1": (2, 32, 32, 1, [1]),
@@ -75,10 +100,18 @@ CASES = {  # (H, Dk, Dv, L, states_at): L = 1, within, at and just past a chunk,
     "L200-no-snapshots": (2, 64, 64, 200, []),
     "L130-Dv128": (2, 32, 128, 130, [128]),  # 4 blocks of value dims
 }
+PREP_CASES = {  # the same shapes through gdn_chunk_prep (with the scan kernel after it)
+    "prep-L1": (2, 32, 32, 1, [1]),
+    "prep-L64": (2, 64, 32, 64, [64, 3]),
+    "prep-L130": (3, 32, 64, 130, [1, 65, 130]),
+    "prep-L200-no-snapshots": (2, 64, 128, 200, []),
+}
 
 
 def _worker(out_path: str) -> None:
-    write_case_results(CASES, lambda case: compare(*CASES[case]), out_path)
+    write_case_results({**CASES, **PREP_CASES},
+                       lambda case: compare(*CASES[case]) if case in CASES else compare_prep(*PREP_CASES[case]),
+                       out_path)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +122,29 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_kernel_equals_loop(interpreted, case):
     assert_case(interpreted, case)
+
+
+@pytest.mark.parametrize("case", list(PREP_CASES))
+def test_interpreted_prep_kernel_equals_chunk_terms(interpreted, case):
+    assert_case(interpreted, case)
+
+
+def test_prep_kernel_is_opt_in(monkeypatch):
+    """MOESTREAM_GDN_PREP=1 alone takes gdn_chunk_prep, and only with the scan kernel (never for CPU tensors)."""
+    calls = []
+    monkeypatch.setattr(triton_ops, "gdn_chunk_prep", lambda *a, **k: calls.append(1) or 1 / 0)
+    args = _inputs(2, 32, 32, 70)
+    monkeypatch.delenv("MOESTREAM_GDN_PREP", raising=False)
+    monkeypatch.setattr(triton_ops, "gdn_chunk_scan", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the scan kernel, after the torch terms
+        chunk_gated_delta_rule(*args, kernel=True)
+    assert calls == []
+    monkeypatch.setenv("MOESTREAM_GDN_PREP", "1")
+    chunk_gated_delta_rule(*args)  # CPU tensors: the loop, no kernel
+    assert calls == []
+    with pytest.raises(ZeroDivisionError):
+        chunk_gated_delta_rule(*args, kernel=True)
+    assert calls == [1]
 
 
 def test_cpu_tensors_take_the_loop(monkeypatch):
@@ -142,6 +198,34 @@ def test_frame_check_sees_a_spilling_launch():
     assert frame_bytes(k) > 4 * triton_ops.DRIVER_STACK_LIMIT
 
 
+PREP_SIG = {**{p: "*fp32" for p in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "u0_ptr", "w_ptr", "qk_ptr", "qd_ptr",
+                                    "kd_ptr", "last_ptr", "c_ptr")},
+            **{a: "i32" for a in ("L", "N", "sq_h", "sq_l", "sk_h", "sk_l", "sv_h", "sv_l", "sg_h", "sg_l", "sb_h",
+                                  "sb_l")},
+            **{c: "constexpr" for c in ("DK", "DV", "C", "PREC", "BD")}}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("arch,precision", [(75, None), (86, None), (90, None), (90, "ieee"), (90, "tf32x3")])
+def test_prep_kernel_compiles_within_shared_memory_and_without_a_big_frame(arch, precision):
+    """The prep kernel at the Qwen3.6 shape with each generation's launch (and a forced precision, as the tests'
+    GDN_CHUNK_PRECISION): within shared memory, no big frame."""
+    launch = triton_ops.gdn_prep_launch((arch // 10, arch % 10), precision)
+    consts = {"DK": 128, "DV": 128, "C": 64, "PREC": launch.pop("precision"), "BD": launch.pop("bd")}
+    k = compile_sm90(triton_ops._gdn_prep_kernel, PREP_SIG, consts, launch, arch=arch)
+    assert f".target sm_{arch}" in k.asm["ptx"]
+    assert k.metadata.shared <= (SM90_SHARED if arch >= 90 else 99 * 1024), k.metadata.shared
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT, frame_bytes(k)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_prep_frame_check_sees_a_spilling_launch():
+    """The prep frame test can fail: ieee dots in column blocks of 32 spill kilobytes a thread on sm_90."""
+    consts = {"DK": 128, "DV": 128, "C": 64, "PREC": "ieee", "BD": 32}
+    k = compile_sm90(triton_ops._gdn_prep_kernel, PREP_SIG, consts, {"num_warps": 8, "num_stages": 1})
+    assert frame_bytes(k) > 2 * triton_ops.DRIVER_STACK_LIMIT
+
+
 # --------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
@@ -152,6 +236,17 @@ def test_cuda_full_shape_equals_loop(monkeypatch, precision):
     monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
     assert triton_ops.enabled(torch.empty(1, device="cuda")) and triton_ops.gdn_chunk_ok(128, 128, 64)
     errs = compare(32, 128, 128, 512, [100, 256, 512], device="cuda")
+    assert not errs, errs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_cuda_prep_kernel_full_shape(monkeypatch, precision):
+    """The prep kernel at Qwen3.6's GDN shape, pp512 with snapshots: its terms and the rule vs the torch terms."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
+    errs = compare_prep(32, 128, 128, 512, [100, 256, 512], device="cuda")
     assert not errs, errs
 
 

@@ -28,6 +28,8 @@ def test_grid_variants_set_their_environment():
     assert by["hybrid+nohold@n29"]["set_env"] == {"MOESTREAM_BRIDGE_POOL": "0"}
     assert by["fused+sdown@all"]["env"] == {"MOESTREAM_SHARED_DOWN": "1"}
     assert vs_llama.parse_grid("fused+q8w@all", {})[0]["env"] == {"MOESTREAM_Q8_WORDS": "1"}
+    assert vs_llama.parse_grid("fused+gdnprep@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "1"}
+    assert "MOESTREAM_GDN_PREP" in vs_llama.SET_ENV_KEYS  # reset between the shared child's configurations
 
 
 def test_llama_buffer_sizes_are_summed():

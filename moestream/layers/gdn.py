@@ -12,6 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
+from ..env import gdn_prep_kernel
 from . import triton_ops
 from ..kernels.linear import Linear
 from .norm import GatedRMSNorm
@@ -33,14 +34,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=(
     and the state after the chunk's j-th token is the same sum cut at j (`_state_within`).
     Everything but the recurrence over chunks is batched over all chunks (`_chunk_terms`); the recurrence
     is one Triton launch (triton_ops.gdn_chunk_scan) where `kernel` (default: on CUDA with Triton enabled
-    and shapes it handles; True forces it, e.g. for CPU tensors under TRITON_INTERPRET=1), else a loop.
+    and shapes it handles; True forces it, e.g. for CPU tensors under TRITON_INTERPRET=1), else a loop; with
+    `kernel` and env.gdn_prep_kernel (MOESTREAM_GDN_PREP=1, opt-in) the chunk terms are one launch as well
+    (triton_ops.gdn_chunk_prep) instead of `_chunk_terms`' batched torch ops.
     Returns (o [H, L, Dv], final state, [state after e tokens for e in states_at]).
     """
     H, L, Dk = k.shape
     if kernel is None:
         kernel = (triton_ops.enabled(q) and triton_ops.gdn_chunk_ok(Dk, v.shape[-1], chunk)
                   and q.dtype == k.dtype == v.dtype == state.dtype == torch.float32)
-    k, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(q, k, v, g, beta, chunk)
+    if kernel and gdn_prep_kernel():  # the chunk terms in one launch too (triton_ops.gdn_chunk_prep)
+        c, u0, w, q_dec, k_dec, qk, last = triton_ops.gdn_chunk_prep(q, k, v, g, beta, chunk)
+        if states_at:  # the snapshots' sums read k by chunk
+            k = F.pad(k, (0, 0, 0, (-L) % chunk)).reshape(H, -1, chunk, Dk)
+    else:
+        k, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(q, k, v, g, beta, chunk)
     wanted = {}  # chunk index -> [(index into states_at, last token's position within the chunk)]
     for a, e in enumerate(states_at):
         assert 1 <= e <= L, (e, L)

@@ -336,6 +336,100 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
     return out, final, starts
 
 
+# ---- Gated DeltaNet prefill: every chunk's terms in one launch (layers/gdn.py `_chunk_terms`) -----------------
+# `_chunk_terms` builds the terms the scan above reads with ~35 batched torch ops (cumsum, the decay matrix, two
+# triangular solves, two batched products, a dozen elementwise ops): ~1,100 of an all-resident 512-token Qwen3.6
+# prefill's 3,806 launches (H100, thirty-sixth session), a prefill whose wall time is the host's (139 ms for 57 ms
+# of kernels). Here a program per (value head, chunk) computes them all from q, k, v, g, beta as they are.
+
+if triton is not None:
+    @triton.jit
+    def _gdn_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, u0_ptr, w_ptr, qk_ptr, qd_ptr, kd_ptr, last_ptr, c_ptr,
+                         L, N, sq_h, sq_l, sk_h, sk_l, sv_h, sv_l, sg_h, sg_l, sb_h, sb_l,
+                         DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr):
+        """Chunk i of head h (tokens i*C .. i*C+C-1; past L: g = beta = 0 and q = k = v = 0, as `_chunk_terms`
+        pads): c = cumsum(g); decay_ij = exp(c_i - c_j) (j <= i); A = beta_i (k_i . k_j) decay_ij (j < i);
+        T = (I + A)^-1 by forward substitution (row i = e_i - sum_j A_ij T_j; the stable order of a triangular solve);
+        u0 = T (beta v), w = T (beta exp(c) k), qk = (q k^T) decay, q_dec = q exp(c), k_dec = k exp(c_last - c),
+        last = exp(c_last), all fp32, written [H, N, C, ...] like `_chunk_terms` (c too, for the snapshots). Head
+        dims are read in [C, BD] column blocks (the products accumulate over them)."""
+        h = tl.program_id(0)
+        i = tl.program_id(1)
+        rc = tl.arange(0, C)
+        t = i * C + rc
+        tm = t < L
+        hi = (h * N + i).to(tl.int64)
+        gv = tl.load(g_ptr + h * sg_h + t * sg_l, mask=tm, other=0.0)
+        bv = tl.load(b_ptr + h * sb_h + t * sb_l, mask=tm, other=0.0)
+        c = tl.cumsum(gv, 0)
+        c_last = tl.sum(gv, 0)
+        tl.store(c_ptr + hi * C + rc, c)
+        tl.store(last_ptr + hi, tl.exp(c_last))
+        lower = rc[:, None] >= rc[None, :]
+        decay = tl.exp(tl.where(lower, c[:, None] - c[None, :], float("-inf")))  # 0 above the diagonal
+        e_c, e_rest = tl.exp(c), tl.exp(c_last - c)
+        qk = tl.zeros((C, C), dtype=tl.float32)
+        kk = tl.zeros((C, C), dtype=tl.float32)
+        for d0 in tl.static_range(0, DK, BD):  # [C, BD] column blocks: small tiles, no spilled frame
+            rd = d0 + tl.arange(0, BD)
+            kb = tl.load(k_ptr + h * sk_h + t[:, None] * sk_l + rd[None, :], mask=tm[:, None], other=0.0)
+            qb = tl.load(q_ptr + h * sq_h + t[:, None] * sq_l + rd[None, :], mask=tm[:, None], other=0.0)
+            off = hi * C * DK + rc[:, None] * DK + rd[None, :]
+            tl.store(kd_ptr + off, kb * e_rest[:, None])
+            tl.store(qd_ptr + off, qb * e_c[:, None])
+            kt = tl.trans(kb)
+            qk = tl.dot(qb, kt, qk, input_precision=PREC)
+            kk = tl.dot(kb, kt, kk, input_precision=PREC)
+        tl.store(qk_ptr + hi * C * C + rc[:, None] * C + rc[None, :], qk * decay)
+        a = tl.where(rc[:, None] > rc[None, :], kk * decay * bv[:, None], 0.0)
+        inv = tl.where(lower & (rc[:, None] <= rc[None, :]), 1.0, 0.0)  # the identity, rows replaced in order
+        for r in range(1, C):
+            a_r = tl.sum(tl.where(rc[:, None] == r, a, 0.0), 0)  # row r of A (zero from column r on)
+            inv = tl.where(rc[:, None] == r, inv - tl.sum(a_r[:, None] * inv, 0)[None, :], inv)
+        for d0 in tl.static_range(0, DK, BD):
+            rd = d0 + tl.arange(0, BD)
+            kb = tl.load(k_ptr + h * sk_h + t[:, None] * sk_l + rd[None, :], mask=tm[:, None], other=0.0)
+            w = tl.dot(inv, kb * (bv * e_c)[:, None], input_precision=PREC)
+            tl.store(w_ptr + hi * C * DK + rc[:, None] * DK + rd[None, :], w)
+        for d0 in tl.static_range(0, DV, BD):
+            rd = d0 + tl.arange(0, BD)
+            vb = tl.load(v_ptr + h * sv_h + t[:, None] * sv_l + rd[None, :], mask=tm[:, None], other=0.0)
+            u0 = tl.dot(inv, vb * bv[:, None], input_precision=PREC)
+            tl.store(u0_ptr + hi * C * DV + rc[:, None] * DV + rd[None, :], u0)
+
+
+def gdn_prep_launch(capability: tuple[int, int], precision: str | None = None) -> dict:
+    """Launch settings of the prep kernel (8 warps, column blocks of bd): Hopper and later TF32x3 dots in blocks of
+    32, every other GPU (or a forced "ieee") FMA dots in blocks of 16 — the settings whose sm_75..sm_120 builds keep
+    no spilled frame (TF32x3 spills 1.3-1.7 KB a thread on sm_80-89; ieee in blocks of 32 spills on every GPU:
+    tests/test_gdn_triton.py). Its products are 2 x 64 x 64 x (Dk + Dv) a chunk: FMA costs little there."""
+    precision = precision or ("tf32x3" if tuple(capability) >= (9, 0) else "ieee")
+    return dict(num_warps=8, num_stages=1, bd=32 if precision == "tf32x3" else 16, precision=precision)
+
+
+def gdn_chunk_prep(q, k, v, g, beta, chunk: int = GDN_CHUNK, precision: str | None = None, **launch):
+    """`layers/gdn._chunk_terms` in one launch: q, k [H, L, Dk], v [H, L, Dv] (fp32, the last dim contiguous, any
+    head and token strides), g, beta [H, L] (fp32). Returns (c [H, n, C], u0 [H, n, C, Dv], w, q_dec, k_dec
+    [H, n, C, Dk], qk [H, n, C, C], last [H, n]) with n = ceil(L / C)."""
+    H, L, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    launch = {**gdn_prep_launch(_capability(k.device), precision or GDN_CHUNK_PRECISION), **launch}
+    precision = launch.pop("precision")
+    bd = min(launch.pop("bd"), Dk, Dv)
+    n = triton.cdiv(L, chunk)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    c, last = torch.empty((H, n, chunk), **f32), torch.empty((H, n), **f32)
+    u0 = torch.empty((H, n, chunk, Dv), **f32)
+    w, q_dec, k_dec = (torch.empty((H, n, chunk, Dk), **f32) for _ in range(3))
+    qk = torch.empty((H, n, chunk, chunk), **f32)
+    _gdn_prep_kernel[(H, n)](q, k, v, g, beta, u0, w, qk, q_dec, k_dec, last, c, L, n,
+                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+                             DK=Dk, DV=Dv, C=chunk, PREC=precision, BD=bd, **launch)
+    return c, u0, w, q_dec, k_dec, qk, last
+
+
 # ---- the MoE block's small ops: router top-k, shared-expert activation, combine + residual ----------------
 # Each public function below takes the kernel on CUDA (enabled()) and otherwise its torch reference
 # (`*_torch`, also what the tests compare the kernels with under the interpreter).
