@@ -25,7 +25,8 @@ by the pair kernels themselves at one token, the default / at every batch size /
 `BACKEND+sdown` (MOESTREAM_SHARED_DOWN=1: the shared expert's activation and down projection in one launch),
 `BACKEND+q8r` / `+q8rall` / `+q8blk` (MOESTREAM_Q8_PLANAR=1 / all / 0: fused / fused and offload read their Q8_0
 experts row-planar, Q8_0R (`all`, the default since the thirty-sixth session) / in the file's block layout),
-`BACKEND+gdnprep` (MOESTREAM_GDN_PREP=1: the Gated DeltaNet prefill's chunk terms in one Triton launch a layer),
+`BACKEND+gdnprep` / `+gdnfront` (MOESTREAM_GDN_PREP=1 / MOESTREAM_GDN_FRONT=1: the Gated DeltaNet prefill's chunk
+terms / its conv, q/k norms and gates in one Triton launch a layer),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
@@ -74,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
 SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP", "MOESTREAM_HYBRID_ARMS",
                 "MOESTREAM_BRIDGE_POOL", "MOESTREAM_CPU_LAYER_TUNING", "MOESTREAM_Q8_PLANAR",
-                "MOESTREAM_GDN_PREP")  # settings a configuration may change inside the shared child
+                "MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -254,8 +255,8 @@ def _variant(variant: str, cfg: dict) -> bool:
         cfg.setdefault("env", {})["MOESTREAM_Q8_WORDS"] = "1"
     elif variant in ("q8blk", "q8r", "q8rall"):  # Q8_0 experts in the file's block layout / row-planar (Q8_0R) for
         set_env("MOESTREAM_Q8_PLANAR", {"q8blk": "0", "q8r": "1", "q8rall": "all"}[variant])  # fused / fused, offload
-    elif variant == "gdnprep":  # the GDN prefill chunk terms in one Triton launch (read at each call)
-        set_env("MOESTREAM_GDN_PREP", "1")
+    elif variant in ("gdnprep", "gdnfront"):  # the GDN prefill's chunk terms / conv, norms and gates in one Triton
+        set_env({"gdnprep": "MOESTREAM_GDN_PREP", "gdnfront": "MOESTREAM_GDN_FRONT"}[variant], "1")  # launch a layer
     elif variant == "sdown":  # the shared expert's silu * up and down GEMV in one launch (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_SHARED_DOWN"] = "1"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)

@@ -199,6 +199,13 @@ def gdn_prep_kernel() -> bool:
     return os.environ.get("MOESTREAM_GDN_PREP", "0") == "1"
 
 
+def gdn_front_kernel() -> bool:
+    """MOESTREAM_GDN_FRONT=1 (opt-in until timed on a GPU): a Gated DeltaNet prefill's conv, SiLU, q/k L2 norms and
+    gates for a sequence's tokens in one Triton launch (layers/triton_ops.gdn_prefill_front) instead of ~28 torch
+    launches a layer (the all-resident Qwen3.6 prefill is host-bound: see gdn_prep_kernel). Read at each call."""
+    return os.environ.get("MOESTREAM_GDN_FRONT", "0") == "1"
+
+
 def q8r_grouped() -> str:
     """MOESTREAM_Q8R_GROUPED: how the grouped (prefill) kernels read Q8_0R experts: "tile" (default: each K step's
     [BN, 64] tile dequantized in registers, one scale a 32-code run, then one tensor-core product) or "scale" (a

@@ -218,6 +218,41 @@ def test_prep_kernel_compiles_within_shared_memory_and_without_a_big_frame(arch,
     assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT, frame_bytes(k)
 
 
+FRONT_SIG = {**{p: "*bf16" for p in ("mixed_ptr", "conv_ptr", "convw_ptr", "braw_ptr", "a_ptr")},
+             **{p: "*fp32" for p in ("alog_ptr", "dtb_ptr", "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr")},
+             **{a: "i32" for a in ("MIXED_STRIDE", "B_STRIDE", "A_STRIDE", "L", "KEY_DIM", "HV", "REP")},
+             "scale": "fp32", **{c: "constexpr" for c in ("DK", "DV", "KW", "BT")}}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("arch", [75, 86, 90])
+def test_front_kernel_compiles_without_a_big_frame(arch):
+    """The GDN prefill front (triton_ops.gdn_prefill_front) at the Qwen3.6 shape, bf16 rows: no big frame."""
+    k = compile_sm90(triton_ops._gdn_front_kernel, FRONT_SIG, {"DK": 128, "DV": 128, "KW": 4, "BT": 16},
+                     {"num_warps": 4, "num_stages": 1}, arch=arch)
+    assert f".target sm_{arch}" in k.asm["ptx"]
+    assert frame_bytes(k) <= triton_ops.DRIVER_STACK_LIMIT, frame_bytes(k)
+
+
+def test_front_kernel_is_opt_in(monkeypatch):
+    """MOESTREAM_GDN_FRONT=1 alone sends a prefill through gdn_prefill_front, and only where the decode kernel's
+    gate holds (CUDA, Triton, its shapes): CPU tensors keep the torch front."""
+    from moestream.layers.gdn import GatedDeltaNet
+
+    m = GatedDeltaNet(64, 2, 4, 32, 64, 4, 1e-6)
+    mixed, conv = torch.zeros(3, m.conv_dim), torch.zeros(2, m.conv_dim, 3)
+    monkeypatch.delenv("MOESTREAM_GDN_FRONT", raising=False)
+    monkeypatch.setattr(m, "_triton_decode", lambda mixed, conv_state: True)
+    assert not m._triton_front(mixed, conv)
+    monkeypatch.setenv("MOESTREAM_GDN_FRONT", "1")
+    assert m._triton_front(mixed, conv)
+    monkeypatch.setattr(m, "_triton_decode", lambda mixed, conv_state: False)
+    assert not m._triton_front(mixed, conv)
+    monkeypatch.undo()
+    monkeypatch.setenv("MOESTREAM_GDN_FRONT", "1")
+    assert not m._triton_front(mixed, conv)  # CPU tensors
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_prep_frame_check_sees_a_spilling_launch():
     """The prep frame test can fail: ieee dots in column blocks of 32 spill kilobytes a thread on sm_90."""
@@ -248,6 +283,33 @@ def test_cuda_prep_kernel_full_shape(monkeypatch, precision):
     monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
     errs = compare_prep(32, 128, 128, 512, [100, 256, 512], device="cuda")
     assert not errs, errs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
+def test_cuda_front_kernel_qwen36_layer(monkeypatch):
+    """A Qwen3.6-shaped GDN layer (16 key / 32 value heads of 128, bf16) prefilling 300 tokens with snapshots: the
+    front kernel (MOESTREAM_GDN_FRONT=1) against the torch front, outputs and states."""
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    m = GatedDeltaNet(2048, 16, 32, 128, 128, 4, 1e-6).to("cuda", torch.bfloat16)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    L = 300
+    fused = torch.randn(L, m.conv_dim + m.value_dim + 2 * m.hv, device="cuda").to(torch.bfloat16) * 2
+    mixed, _, b, a = torch.split(fused, [m.conv_dim, m.value_dim, m.hv, m.hv], dim=-1)
+    conv = torch.randn(4, m.conv_dim, 3, device="cuda").to(torch.bfloat16)
+    rec = torch.randn(4, m.hv, m.dk, m.dv, device="cuda") * 0.1
+    snaps = [(64, 1), (299, 3)]
+    c1, r1 = conv.clone(), rec.clone()
+    o1 = m._prefill_front(mixed, b, a, 2, c1, r1, snaps)
+    c2, r2 = conv.clone(), rec.clone()
+    g, beta = m._gates(b, a)
+    o2 = m._prefill_one(mixed, g, beta, 2, c2, r2, None, snaps)
+    assert torch.equal(c1, c2)
+    torch.testing.assert_close(r1, r2, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(o1.float(), o2.float(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.cuda

@@ -152,6 +152,34 @@ def case_gdn_raw_gates(dtype, state_dtype) -> list[str]:
     return errs
 
 
+def case_gdn_prefill_front(dtype, state_dtype, L, snapshots) -> list[str]:
+    """triton_ops.gdn_prefill_front inside GatedDeltaNet._prefill_front against _gates + _prefill_one (the torch
+    front) on one slot: the chunk's output, the slot's conv window (bit for bit) and recurrent state, the snapshots'
+    windows and states; L from 1 (shorter than the conv's K-1 kept inputs) to past a 64-token chunk. b, a are views of
+    a fused projection row, as the layer passes them."""
+    m = _gdn(dtype)
+    slots_n, K = 6, m.kernel
+    g = torch.Generator().manual_seed(11)
+    fused = (torch.randn(L, m.conv_dim + m.value_dim + 2 * m.hv, generator=g) * 2).to(dtype)
+    mixed, _, b, a = torch.split(fused, [m.conv_dim, m.value_dim, m.hv, m.hv], dim=-1)
+    conv = torch.randn(slots_n, m.conv_dim, K - 1, generator=g).to(dtype)
+    rec = (torch.randn(slots_n, m.hv, m.dk, m.dv, generator=g) * 0.1).to(state_dtype)
+    snaps = [(e, dst) for e, dst in zip(snapshots, (1, 3, 5))]
+    c1, r1 = conv.clone(), rec.clone()
+    o1 = m._prefill_front(mixed, b, a, 2, c1, r1, snaps)
+    c2, r2 = conv.clone(), rec.clone()
+    gg, beta = m._gates(b, a)
+    o2 = m._prefill_one(mixed, gg, beta, 2, c2, r2, None, snaps)
+    f32 = dtype == torch.float32 and state_dtype == torch.float32
+    tol = dict(rtol=1e-4, atol=1e-5) if f32 else dict(rtol=3e-2, atol=3e-2)  # the torch front rounds the conv twice
+    errs = _close("out", o1, o2, tol) + _close("rec", r1, r2, tol) + _close("conv", c1, c2, dict(rtol=0, atol=0))
+    if not (torch.equal(c1[[0, 4]], conv[[0, 4]]) and torch.equal(r1[[0, 4]], rec[[0, 4]])):
+        errs.append("states of other slots changed")
+    if torch.equal(c1[2], conv[2]):
+        errs.append("the slot's conv window did not move")
+    return errs
+
+
 def case_gated_norm_strided(dtype) -> list[str]:
     """GatedRMSNorm's gate as GatedDeltaNet passes it: z [T, Hv, Dv] inside a wider fused row."""
     g = torch.Generator().manual_seed(4)
@@ -233,6 +261,11 @@ CASES = {
     "combine-norm-bf16": lambda: case_combine_norm(torch.bfloat16, False),
     "gdn-raw-gates-f32": lambda: case_gdn_raw_gates(torch.float32, torch.float32),
     "gdn-raw-gates-bf16": lambda: case_gdn_raw_gates(torch.bfloat16, torch.float32),
+    "gdn-front-L1-f32": lambda: case_gdn_prefill_front(torch.float32, torch.float32, 1, []),
+    "gdn-front-L2-snap1-f32": lambda: case_gdn_prefill_front(torch.float32, torch.float32, 2, [1]),
+    "gdn-front-L37-f32": lambda: case_gdn_prefill_front(torch.float32, torch.float32, 37, [5, 36]),
+    "gdn-front-L70-bf16": lambda: case_gdn_prefill_front(torch.bfloat16, torch.float32, 70, [1, 64, 69]),
+    "gdn-front-L20-bf16-state": lambda: case_gdn_prefill_front(torch.bfloat16, torch.bfloat16, 20, []),
     "gated-norm-strided-f32": lambda: case_gated_norm_strided(torch.float32),
     "gated-norm-strided-bf16": lambda: case_gated_norm_strided(torch.bfloat16),
     "add-rms-norm-f32": lambda: case_add_rms_norm(torch.float32, False),

@@ -29,7 +29,9 @@ def test_grid_variants_set_their_environment():
     assert by["fused+sdown@all"]["env"] == {"MOESTREAM_SHARED_DOWN": "1"}
     assert vs_llama.parse_grid("fused+q8w@all", {})[0]["env"] == {"MOESTREAM_Q8_WORDS": "1"}
     assert vs_llama.parse_grid("fused+gdnprep@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "1"}
-    assert "MOESTREAM_GDN_PREP" in vs_llama.SET_ENV_KEYS  # reset between the shared child's configurations
+    assert vs_llama.parse_grid("fused+gdnprep+gdnfront@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "1",
+                                                                                   "MOESTREAM_GDN_FRONT": "1"}
+    assert {"MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT"} <= set(vs_llama.SET_ENV_KEYS)  # reset between configurations
 
 
 def test_llama_buffer_sizes_are_summed():

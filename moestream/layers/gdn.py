@@ -12,7 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
-from ..env import gdn_prep_kernel
+from ..env import gdn_front_kernel, gdn_prep_kernel
 from . import triton_ops
 from ..kernels.linear import Linear
 from .norm import GatedRMSNorm
@@ -186,9 +186,16 @@ class GatedDeltaNet(nn.Module):
         elif batch.is_decode:
             core = self._decode_rows(mixed, b, a, batch.state_slots, conv_state, rec_state)
         else:
-            g, beta = self._gates(b, a)
+            front = self._triton_front(mixed, conv_state)
+            g = beta = None
             for s in batch.seqs:
                 sl = slice(s.start, s.start + s.length)
+                if front and not s.checkpoints:  # conv, norms and gates in one launch (no speculative verify)
+                    core[sl] = self._prefill_front(mixed[sl], b[sl], a[sl], s.state_slot, conv_state, rec_state,
+                                                   s.snapshots)
+                    continue
+                if g is None:
+                    g, beta = self._gates(b, a)
                 core[sl] = self._prefill_one(mixed[sl], g[sl], beta[sl], s.state_slot, conv_state, rec_state,
                                              s.checkpoints, s.snapshots)
         # z stays a (strided) view: [T, Hv, Dv] rows of the fused product, normed with core [T, Hv, Dv]
@@ -200,6 +207,33 @@ class GatedDeltaNet(nn.Module):
 
     def _triton_decode(self, mixed, conv_state) -> bool:
         return triton_ops.enabled(mixed) and triton_ops.gdn_decode_ok(conv_state, self.kernel, self.dk, self.dv)
+
+    def _triton_front(self, mixed, conv_state) -> bool:
+        """Whether a prefill takes triton_ops.gdn_prefill_front (MOESTREAM_GDN_FRONT=1, CUDA, the decode kernel's
+        shapes)."""
+        return gdn_front_kernel() and self._triton_decode(mixed, conv_state)
+
+    def _prefill_front(self, mixed, b, a, slot, conv_state, rec_state, snapshots=()):
+        """_prefill_one with the conv, SiLU, split, norms and gates in one launch (triton_ops.gdn_prefill_front);
+        the conv state's new tail (and the snapshots' windows) cut from the old kept inputs and the last rows."""
+        K = self.kernel
+        q, k, v, g, beta = triton_ops.gdn_prefill_front(mixed, conv_state[slot], self.conv1d.weight[:, 0, :], b, a,
+                                                        self.A_log, self.dt_bias, self.key_dim, self.hk, self.hv,
+                                                        self.dk, self.dv)
+        old = conv_state[slot].to(mixed.dtype)
+
+        def tail(e: int) -> torch.Tensor:  # the K-1 inputs ending at token e (the cat of _prefill_one, cut)
+            return torch.cat([old, mixed[max(0, e - (K - 1)):e].t()], dim=-1)[:, -(K - 1):].to(conv_state.dtype)
+
+        for e, dst in snapshots:
+            conv_state[dst] = tail(e)
+        conv_state[slot] = tail(mixed.shape[0])
+        o, S, mids = chunk_gated_delta_rule(q, k, v, g, beta, rec_state[slot].float(),
+                                            states_at=[e for e, _ in snapshots])
+        rec_state[slot] = S.to(rec_state.dtype)
+        for (_, dst), m in zip(snapshots, mids):
+            rec_state[dst] = m.to(rec_state.dtype)
+        return o.transpose(0, 1).to(mixed.dtype)
 
     def _split(self, conv_out: torch.Tensor):
         """conv_out [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, repeated to value heads), v [..., Hv, Dv]."""

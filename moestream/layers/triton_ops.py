@@ -336,6 +336,82 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
     return out, final, starts
 
 
+# ---- Gated DeltaNet prefill: the conv, SiLU, q/k norms and gates of a sequence's tokens in one launch --------
+# GatedDeltaNet._prefill_one's front (the conv window's cat, conv1d, SiLU, casts, the split, two L2 norms, the key
+# heads repeated to the value heads, the scale, the gates' ~7 ops): ~28 launches a GDN layer in torch.
+
+if triton is not None:
+    @triton.jit
+    def _gdn_front_kernel(mixed_ptr, MIXED_STRIDE, conv_ptr, convw_ptr, braw_ptr, B_STRIDE, a_ptr, A_STRIDE, alog_ptr,
+                          dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, L, KEY_DIM, HV, REP, scale,
+                          DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BT: tl.constexpr):
+        """Tokens t0 .. t0 + BT - 1 of value head h: the causal depthwise conv over the KW-1 kept inputs (conv_ptr
+        [conv_dim, KW-1], rounded to mixed's dtype as the torch path's cat does) and the sequence's rows, SiLU
+        rounded to mixed's dtype (_conv_silu), q and k of key head h // REP L2-normalised (q times scale), v; the
+        gates as GatedDeltaNet._gates (_decay_beta's RAW_GATES math). Writes q, k [HV, L, DK], v [HV, L, DV],
+        g (log decay) and beta [HV, L], fp32."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        h = tl.program_id(1)
+        tm = t < L
+        hk = h // REP
+        in_ty = mixed_ptr.dtype.element_ty
+        cq = hk * DK + tl.arange(0, DK)
+        ck = KEY_DIM + hk * DK + tl.arange(0, DK)
+        cv = 2 * KEY_DIM + h * DV + tl.arange(0, DV)
+        q = tl.zeros((BT, DK), dtype=tl.float32)
+        k = tl.zeros((BT, DK), dtype=tl.float32)
+        v = tl.zeros((BT, DV), dtype=tl.float32)
+        for j in tl.static_range(KW):  # tap j reads the input KW-1-j tokens back
+            pos = t + j - (KW - 1)
+            new = tm & (pos >= 0)
+            old = tm & (pos < 0)
+            row = mixed_ptr + pos.to(tl.int64)[:, None] * MIXED_STRIDE
+            kept = conv_ptr + (KW - 1 + pos)[:, None]
+            xq = tl.where(new[:, None], tl.load(row + cq[None, :], mask=new[:, None], other=0.0).to(tl.float32),
+                          tl.load(kept + cq[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
+            xk = tl.where(new[:, None], tl.load(row + ck[None, :], mask=new[:, None], other=0.0).to(tl.float32),
+                          tl.load(kept + ck[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
+            xv = tl.where(new[:, None], tl.load(row + cv[None, :], mask=new[:, None], other=0.0).to(tl.float32),
+                          tl.load(kept + cv[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
+            q += xq * tl.load(convw_ptr + cq * KW + j).to(tl.float32)[None, :]
+            k += xk * tl.load(convw_ptr + ck * KW + j).to(tl.float32)[None, :]
+            v += xv * tl.load(convw_ptr + cv * KW + j).to(tl.float32)[None, :]
+        q = (q / (1.0 + tl.exp(-q))).to(in_ty).to(tl.float32)
+        k = (k / (1.0 + tl.exp(-k))).to(in_ty).to(tl.float32)
+        v = (v / (1.0 + tl.exp(-v))).to(in_ty).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        out = (h * L + t).to(tl.int64)
+        tl.store(q_ptr + out[:, None] * DK + tl.arange(0, DK)[None, :], q, mask=tm[:, None])
+        tl.store(k_ptr + out[:, None] * DK + tl.arange(0, DK)[None, :], k, mask=tm[:, None])
+        tl.store(v_ptr + out[:, None] * DV + tl.arange(0, DV)[None, :], v, mask=tm[:, None])
+        braw = tl.load(braw_ptr + t * B_STRIDE + h, mask=tm, other=0.0)
+        beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
+        x = tl.load(a_ptr + t * A_STRIDE + h, mask=tm, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x)
+        tl.store(g_ptr + h * L + t, g, mask=tm)
+        tl.store(beta_ptr + h * L + t, beta, mask=tm)
+
+
+def gdn_prefill_front(mixed, conv_old, conv_w, b, a, a_log, dt_bias, key_dim, hk, hv, dk, dv, bt: int = 16):
+    """One sequence's GDN front in one launch: mixed [L, conv_dim] (the in-projection's rows, any row stride),
+    conv_old [conv_dim, K-1] (the slot's kept inputs, before this chunk), conv_w [conv_dim, K], b, a [L, Hv] (the
+    gate projections), A_log, dt_bias [Hv]. Returns q, k [Hv, L, Dk], v [Hv, L, Dv] (q, k normalised, q scaled by
+    Dk^-1/2), g, beta [Hv, L], all fp32: what `_split` and `_gates` give, laid out for chunk_gated_delta_rule.
+    The conv state is not written (the caller keeps the window's tail and the snapshots)."""
+    L = mixed.shape[0]
+    K = conv_w.shape[1]
+    mixed, b, a = _rows(mixed), _rows(b), _rows(a)
+    f32 = dict(dtype=torch.float32, device=mixed.device)
+    q, k = torch.empty((hv, L, dk), **f32), torch.empty((hv, L, dk), **f32)
+    v = torch.empty((hv, L, dv), **f32)
+    g, beta = torch.empty((hv, L), **f32), torch.empty((hv, L), **f32)
+    _gdn_front_kernel[(triton.cdiv(L, bt), hv)](
+        mixed, mixed.stride(0), conv_old.contiguous(), conv_w.contiguous(), b, b.stride(0), a, a.stride(0),
+        a_log, dt_bias, q, k, v, g, beta, L, key_dim, hv, hv // hk, dk ** -0.5, DK=dk, DV=dv, KW=K, BT=bt)
+    return q, k, v, g, beta
+
+
 # ---- Gated DeltaNet prefill: every chunk's terms in one launch (layers/gdn.py `_chunk_terms`) -----------------
 # `_chunk_terms` builds the terms the scan above reads with ~35 batched torch ops (cumsum, the decay matrix, two
 # triangular solves, two batched products, a dozen elementwise ops): ~1,100 of an all-resident 512-token Qwen3.6
