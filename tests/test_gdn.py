@@ -82,3 +82,52 @@ def test_layer_snapshot_equals_prefilling_up_to_the_boundary():
     torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(conv[2], conv[0])
     torch.testing.assert_close(rec[2], rec[0], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_forward_routes_prefill_sequences_through_the_front(monkeypatch):
+    """GatedDeltaNet.forward with the one-launch front on (MOESTREAM_GDN_FRONT=1 where the kernels run): each prefill
+    sequence without verify checkpoints goes through _prefill_front, a verify sequence keeps _prefill_one, and the
+    output and states equal the torch front's. The kernel is stood in for by a torch front here (its own numerics:
+    tests/test_triton_fused.py's interpreter cases)."""
+    from moestream.batch import ForwardBatch, SeqMeta
+    from moestream.layers import triton_ops
+    from moestream.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    m = GatedDeltaNet(hidden=32, num_k_heads=2, num_v_heads=4, k_dim=8, v_dim=8, conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+    def torch_front(mixed, conv_old, conv_w, b, a, a_log, dt_bias, key_dim, hk, hv, dk, dv):
+        window = torch.cat([conv_old.to(mixed.dtype), mixed.t()], dim=-1)
+        conv_out = torch.nn.functional.silu(torch.nn.functional.conv1d(window.unsqueeze(0), conv_w.unsqueeze(1),
+                                                                       groups=conv_w.shape[0]))[0].t()
+        q, k, v = m._split(conv_out)
+        g, beta = m._gates(b, a)
+        calls.append(mixed.shape[0])
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t()
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "gdn_prefill_front", torch_front)
+    lens = (5, 2, 70)  # the second shorter than the conv's 3 kept inputs; the third past a 64-token chunk
+    x = torch.randn(sum(lens), 32)
+    starts = [0, 5, 7]
+    seqs = [SeqMeta(start=s, length=n, cached=0, state_slot=slot, kv_index=torch.zeros(0, dtype=torch.long))
+            for s, n, slot in zip(starts, lens, (0, 2, 3))]
+    seqs[2].snapshots = [(40, 5)]
+    seqs[1].checkpoints = [1, 4]  # a verify sequence: the step recurrence, not the front
+    batch = ForwardBatch(torch.zeros(sum(lens), dtype=torch.long), torch.zeros(sum(lens), dtype=torch.long), seqs,
+                         torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    conv0, rec0 = torch.randn(6, m.conv_dim, 3), torch.randn(6, m.hv, m.dk, m.dv) * 0.1
+    outs = {}
+    for front in (False, True):
+        monkeypatch.setattr(m, "_triton_front", lambda mixed, conv_state, on=front: on)
+        conv, rec = conv0.clone(), rec0.clone()
+        with torch.no_grad():
+            outs[front] = (m(x, batch, conv, rec), conv, rec)
+    assert calls == [5, 70]
+    torch.testing.assert_close(outs[True][0], outs[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[True][1], outs[False][1])  # conv windows (and the snapshot's) cut alike
+    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outs[True][1][5], conv0[5])  # the snapshot slot was written
