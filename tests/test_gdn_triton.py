@@ -265,23 +265,14 @@ def test_prep_frame_check_sees_a_spilling_launch():
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_cuda_full_shape_equals_loop(monkeypatch, precision):
-    """Qwen3.6's GDN shape, pp512 with snapshots, vs the loop (torch matmuls in full fp32, no TF32)."""
+@pytest.mark.parametrize("check", [compare, compare_prep], ids=["scan", "prep"])
+def test_cuda_full_shape_equals_loop(monkeypatch, precision, check):
+    """Qwen3.6's GDN shape, pp512 with snapshots, vs the loop (torch matmuls in full fp32, no TF32): the scan kernel
+    after the torch terms, and (prep) the prep kernel's terms against the torch terms, then both kernels."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
     assert triton_ops.enabled(torch.empty(1, device="cuda")) and triton_ops.gdn_chunk_ok(128, 128, 64)
-    errs = compare(32, 128, 128, 512, [100, 256, 512], device="cuda")
-    assert not errs, errs
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs an NVIDIA GPU and triton")
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_cuda_prep_kernel_full_shape(monkeypatch, precision):
-    """The prep kernel at Qwen3.6's GDN shape, pp512 with snapshots: its terms and the rule vs the torch terms."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(triton_ops, "GDN_CHUNK_PRECISION", precision)
-    errs = compare_prep(32, 128, 128, 512, [100, 256, 512], device="cuda")
+    errs = check(32, 128, 128, 512, [100, 256, 512], device="cuda")
     assert not errs, errs
 
 
