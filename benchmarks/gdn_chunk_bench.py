@@ -77,6 +77,7 @@ def bench_length(L: int, reps: int, sweep: bool) -> None:
             fn()
         host[name] = (time.perf_counter() - t0) / 50 * 1e3
         torch.cuda.synchronize()
+    alt = {nw: time_ms(lambda: triton_ops.gdn_chunk_prep(*args[:5], num_warps=nw), reps) for nw in (4, 16)}
     os.environ["MOESTREAM_GDN_PREP"] = "1"
     both = time_ms(lambda: chunk_gated_delta_rule(*args, kernel=True), reps)
     o2, s2, _ = chunk_gated_delta_rule(*args, kernel=True)
@@ -84,7 +85,7 @@ def bench_length(L: int, reps: int, sweep: bool) -> None:
     err2 = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o2, o0), (s2, s0)))
     print(f"  prep kernel {prep:.3f} ms GPU (torch terms {pre:.3f}); host a call: torch terms "
           f"{host['torch terms']:.3f} ms, prep kernel {host['prep kernel']:.3f} ms; rule with both kernels "
-          f"{both:.3f} ms, max rel err {err2:.1e} "
+          f"{both:.3f} ms, max rel err {err2:.1e}; prep at 4 / 16 warps {alt[4]:.3f} / {alt[16]:.3f} ms "
           f"(launch {triton_ops.gdn_prep_launch(torch.cuda.get_device_capability())})", flush=True)
     if sweep:
         sweep_launch(L, u0, w, q_dec, qk, k_dec, last, args[-1], reps)
