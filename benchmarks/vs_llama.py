@@ -469,6 +469,9 @@ def run_child(args) -> None:
                                                    moe_prefetch=cfg.get("prefetch", "off"))
                     rec["load_s"] = time.perf_counter() - t
                     rec["reconfigured"] = True
+                    if args.device.startswith("cuda"):  # what the last configuration's plan held goes back to the
+                        gc.collect()  # driver, so nvidia-smi's peak of this one is its own (thirty-sixth session:
+                        torch.cuda.empty_cache()  # 11.03 GiB shown at an 8.5 GiB cap, torch's own peak 7.23)
                 except ConfigError as err:
                     # a live engine keeps its running requests' state and prefill chunk (a rebuild refuses what
                     # they cannot fit); a fresh one plans fewer requests / smaller chunks for a small cap
@@ -729,7 +732,13 @@ def markdown(rep: dict) -> str:
                                f"PCIe {_f(x.get('pcie_mb_per_token'), '.0f')} MB/token (bs4: hit "
                                f"{_f(x.get('bs4_hit_rate'), '.2f')}, PCIe {_f(x.get('bs4_pcie_mb_per_token'), '.0f')} "
                                f"MB/token), nvidia-smi peak "
-                               f"{_f((x.get('vram_used_mib') or 0) / 1024 or None, '.2f')} GiB, tokens tg {x['tg_tokens']} / "
+                               f"{_f((x.get('vram_used_mib') or 0) / 1024 or None, '.2f')} GiB"
+                               # a configuration reconfigured from the shared child's last one: nvidia-smi's peak
+                               # counts what torch's allocator still held from it; torch's own peak is this one's
+                               + (f" (torch peak reserved {x['torch_max_reserved_gib']:.2f} GiB"
+                                  + (", the engine reconfigured from the last configuration" if x.get("reconfigured")
+                                     else "") + ")" if x.get("torch_max_reserved_gib") is not None else "")
+                               + f", tokens tg {x['tg_tokens']} / "
                                f"bs4 {x['bs4_tokens']}, load {x['load_s']:.0f} s"
                                + (", llama.cpp build running" if x.get("concurrent_build") else "")
                                + (f", **CUDA graphs off: {x['cuda_graphs']['capture_error'][:120]}**"
