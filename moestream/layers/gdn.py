@@ -228,12 +228,7 @@ class GatedDeltaNet(nn.Module):
         for e, dst in snapshots:
             conv_state[dst] = tail(e)
         conv_state[slot] = tail(mixed.shape[0])
-        o, S, mids = chunk_gated_delta_rule(q, k, v, g, beta, rec_state[slot].float(),
-                                            states_at=[e for e, _ in snapshots])
-        rec_state[slot] = S.to(rec_state.dtype)
-        for (_, dst), m in zip(snapshots, mids):
-            rec_state[dst] = m.to(rec_state.dtype)
-        return o.transpose(0, 1).to(mixed.dtype)
+        return self._recur(q, k, v, g, beta, slot, rec_state, snapshots).to(mixed.dtype)
 
     def _split(self, conv_out: torch.Tensor):
         """conv_out [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, repeated to value heads), v [..., Hv, Dv]."""
@@ -258,13 +253,19 @@ class GatedDeltaNet(nn.Module):
         if checkpoints:  # a speculative verify (a few tokens): the step recurrence, keeping each state
             return self._steps(q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints,
                                snapshots).to(mixed.dtype)
-        o, S, mids = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                            g.t(), beta.t(), rec_state[slot].float(),
+        return self._recur(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), slot, rec_state,
+                           snapshots).to(mixed.dtype)
+
+    @staticmethod
+    def _recur(q, k, v, g, beta, slot, rec_state, snapshots):
+        """The chunked rule over one sequence's q, k [Hv, L, Dk], v [Hv, L, Dv], g, beta [Hv, L] from the slot's
+        state; the slot's state and the snapshots' states written. Returns o [L, Hv, Dv] (fp32)."""
+        o, S, mids = chunk_gated_delta_rule(q, k, v, g, beta, rec_state[slot].float(),
                                             states_at=[e for e, _ in snapshots])
         rec_state[slot] = S.to(rec_state.dtype)
         for (_, dst), m in zip(snapshots, mids):
             rec_state[dst] = m.to(rec_state.dtype)
-        return o.transpose(0, 1).to(mixed.dtype)
+        return o.transpose(0, 1)
 
     def _steps(self, q, k, v, g, beta, slot, window, conv_state, rec_state, checkpoints, snapshots=()):
         """Token by token (the decode recurrence): the conv window and state after token i also go to

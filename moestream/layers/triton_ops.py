@@ -83,9 +83,13 @@ if triton is not None:
         return tl.where(taps[None, :] == KW - 1, new[:, None], old)
 
     @triton.jit
+    def _silu_round(y, ty):
+        return (y / (1.0 + tl.exp(-y))).to(ty).to(tl.float32)  # rounded like the torch path
+
+    @triton.jit
     def _conv_silu(win, convw_ptr, c, taps, out_ty, KW: tl.constexpr):
-        y = tl.sum(win * tl.load(convw_ptr + c[:, None] * KW + taps[None, :]).to(tl.float32), axis=1)
-        return (y / (1.0 + tl.exp(-y))).to(out_ty).to(tl.float32)  # rounded like the torch path
+        return _silu_round(tl.sum(win * tl.load(convw_ptr + c[:, None] * KW + taps[None, :]).to(tl.float32), axis=1),
+                           out_ty)
 
     @triton.jit
     def _softplus(x):
@@ -96,16 +100,22 @@ if triton is not None:
         return tl.where(x > 20.0, x, log1p)
 
     @triton.jit
+    def _raw_gates(braw, a, h, alog_ptr, dtb_ptr):
+        """(g, beta) of value head h from its projections b, a as GatedDeltaNet._gates: beta = sigmoid(b) rounded to
+        b's dtype, g = -exp(A_log) * softplus(a + dt_bias) in fp32."""
+        beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
+        x = a.to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        return -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x), beta
+
+    @triton.jit
     def _decay_beta(b, h, g_ptr, beta_ptr, HV, a_ptr, braw_ptr, A_STRIDE, B_STRIDE, alog_ptr, dtb_ptr,
                     RAW_GATES: tl.constexpr):
         """exp(g) and beta of token b, value head h: read (fp32 [B, Hv]) or, RAW_GATES, computed from the
         projections a, b like GatedDeltaNet._gates: beta = sigmoid(b) rounded to b's dtype,
         g = -exp(A_log) * softplus(a + dt_bias) in fp32."""
         if RAW_GATES:
-            braw = tl.load(braw_ptr + b * B_STRIDE + h)
-            beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
-            x = tl.load(a_ptr + b * A_STRIDE + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-            g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x)
+            g, beta = _raw_gates(tl.load(braw_ptr + b * B_STRIDE + h), tl.load(a_ptr + b * A_STRIDE + h), h, alog_ptr,
+                                 dtb_ptr)
         else:
             g = tl.load(g_ptr + b * HV + h)
             beta = tl.load(beta_ptr + b * HV + h)
@@ -342,12 +352,20 @@ def gdn_chunk_scan(u0, w, q_dec, qk, k_dec, last, state, snap_chunks=(), precisi
 
 if triton is not None:
     @triton.jit
+    def _conv_tap(row, kept, c, new, old, convw_ptr, j, in_ty, KW: tl.constexpr):
+        """Tap j of channels c for a block of tokens: each token's input from the sequence's rows (`new`) or the
+        slot's kept inputs (`old`, rounded to the rows' dtype as the torch path's cat does), times the tap's weight."""
+        x = tl.where(new[:, None], tl.load(row + c[None, :], mask=new[:, None], other=0.0).to(tl.float32),
+                     tl.load(kept + c[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
+        return x * tl.load(convw_ptr + c * KW + j).to(tl.float32)[None, :]
+
+    @triton.jit
     def _gdn_front_kernel(mixed_ptr, MIXED_STRIDE, conv_ptr, convw_ptr, braw_ptr, B_STRIDE, a_ptr, A_STRIDE, alog_ptr,
                           dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, L, KEY_DIM, HV, REP, scale,
                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BT: tl.constexpr):
         """Tokens t0 .. t0 + BT - 1 of value head h: the causal depthwise conv over the KW-1 kept inputs (conv_ptr
         [conv_dim, KW-1], rounded to mixed's dtype as the torch path's cat does) and the sequence's rows, SiLU
-        rounded to mixed's dtype (_conv_silu), q and k of key head h // REP L2-normalised (q times scale), v; the
+        rounded to mixed's dtype (_silu_round), q and k of key head h // REP L2-normalised (q times scale), v; the
         gates as GatedDeltaNet._gates (_decay_beta's RAW_GATES math). Writes q, k [HV, L, DK], v [HV, L, DV],
         g (log decay) and beta [HV, L], fp32."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -367,28 +385,18 @@ if triton is not None:
             old = tm & (pos < 0)
             row = mixed_ptr + pos.to(tl.int64)[:, None] * MIXED_STRIDE
             kept = conv_ptr + (KW - 1 + pos)[:, None]
-            xq = tl.where(new[:, None], tl.load(row + cq[None, :], mask=new[:, None], other=0.0).to(tl.float32),
-                          tl.load(kept + cq[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
-            xk = tl.where(new[:, None], tl.load(row + ck[None, :], mask=new[:, None], other=0.0).to(tl.float32),
-                          tl.load(kept + ck[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
-            xv = tl.where(new[:, None], tl.load(row + cv[None, :], mask=new[:, None], other=0.0).to(tl.float32),
-                          tl.load(kept + cv[None, :] * (KW - 1), mask=old[:, None], other=0.0).to(in_ty).to(tl.float32))
-            q += xq * tl.load(convw_ptr + cq * KW + j).to(tl.float32)[None, :]
-            k += xk * tl.load(convw_ptr + ck * KW + j).to(tl.float32)[None, :]
-            v += xv * tl.load(convw_ptr + cv * KW + j).to(tl.float32)[None, :]
-        q = (q / (1.0 + tl.exp(-q))).to(in_ty).to(tl.float32)
-        k = (k / (1.0 + tl.exp(-k))).to(in_ty).to(tl.float32)
-        v = (v / (1.0 + tl.exp(-v))).to(in_ty).to(tl.float32)
+            q += _conv_tap(row, kept, cq, new, old, convw_ptr, j, in_ty, KW)
+            k += _conv_tap(row, kept, ck, new, old, convw_ptr, j, in_ty, KW)
+            v += _conv_tap(row, kept, cv, new, old, convw_ptr, j, in_ty, KW)
+        q, k, v = _silu_round(q, in_ty), _silu_round(k, in_ty), _silu_round(v, in_ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
         out = (h * L + t).to(tl.int64)
         tl.store(q_ptr + out[:, None] * DK + tl.arange(0, DK)[None, :], q, mask=tm[:, None])
         tl.store(k_ptr + out[:, None] * DK + tl.arange(0, DK)[None, :], k, mask=tm[:, None])
         tl.store(v_ptr + out[:, None] * DV + tl.arange(0, DV)[None, :], v, mask=tm[:, None])
-        braw = tl.load(braw_ptr + t * B_STRIDE + h, mask=tm, other=0.0)
-        beta = (1.0 / (1.0 + tl.exp(-braw.to(tl.float32)))).to(braw.dtype).to(tl.float32)
-        x = tl.load(a_ptr + t * A_STRIDE + h, mask=tm, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(x)
+        g, beta = _raw_gates(tl.load(braw_ptr + t * B_STRIDE + h, mask=tm, other=0.0),
+                             tl.load(a_ptr + t * A_STRIDE + h, mask=tm, other=0.0), h, alog_ptr, dtb_ptr)
         tl.store(g_ptr + h * L + t, g, mask=tm)
         tl.store(beta_ptr + h * L + t, beta, mask=tm)
 
@@ -489,7 +497,7 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int = GDN_CHUNK, precision: str | No
     [H, n, C, Dk], qk [H, n, C, C], last [H, n]) with n = ceil(L / C)."""
     H, L, Dk = k.shape
     Dv = v.shape[-1]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = _rows(q), _rows(k), _rows(v)
     launch = {**gdn_prep_launch(_capability(k.device), precision or GDN_CHUNK_PRECISION), **launch}
     precision = launch.pop("precision")
     bd = min(launch.pop("bd"), Dk, Dv)
