@@ -10,7 +10,8 @@ calls, as a GPU's share of each layer leaves).
 --sweep 4,8,16 [--experts 640] (a GPU host, where 48 experts sit in the last-level cache): per thread count, both
 layouts, cold experts drawn from --experts of them (640: ~1.2 GB, beyond any cache), 8 experts a call back to back,
 8 with the 100 us gap, and 64 a call (the kernel's rate with a call's overhead spread): GB/s and the share of the
-host's read bandwidth (moe/bench's figure, measured here first); then where a call of 8 goes at the largest count
+host's read bandwidth (moe/bench's figure, measured here first); calls of 3 and 8 after the caller yielded its core for
+300 us (the team's wake-up: OpenMP, the kernels' pool, the pool spinning 2 ms); then where a call of 8 goes at the largest count
 (kernels/cpu_quant.layer_profile: setup, first / last thread done with each phase), with and without flow;
 --json FILE keeps them.
 """
@@ -53,8 +54,10 @@ X = torch.randn(1, H).to(torch.bfloat16)
 OUT = torch.zeros(64, H)
 
 
-def time_calls(layout: str, G: int, nt: int, reps: int = 150, gap_s: float = 0.0, hot: bool = False) -> float:
-    """Median seconds of a layer call of G experts (one token), nt threads; gap_s of busy waiting before each."""
+def time_calls(layout: str, G: int, nt: int, reps: int = 150, gap_s: float = 0.0, hot: bool = False,
+               idle: bool = False) -> float:
+    """Median seconds of a layer call of G experts (one token), nt threads; gap_s of busy waiting before each (idle:
+    yielding the core meanwhile, as the bridge's worker waits for the GPU's next request)."""
     banks, tids = LAYOUTS[layout]
     starts, rows = np.arange(G + 1, dtype=np.int64), np.zeros(G, np.int64)
     w, dst = np.ones(G, np.float32), np.arange(G, dtype=np.int64)
@@ -65,7 +68,8 @@ def time_calls(layout: str, G: int, nt: int, reps: int = 150, gap_s: float = 0.0
         wptr = np.array([[banks[p][e].ctypes.data for p in NAMES] for e in ex], dtype=np.int64)
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < gap_s:
-            pass
+            if idle:
+                os.sched_yield()
         t = time.perf_counter()
         rc = mod.ms_moe_layer(X.data_ptr(), 1, 1, H, I, G, wptr.ctypes.data, tids.ctypes.data, starts.ctypes.data,
                               rows.ctypes.data, w.ctypes.data, dst.ctypes.data, OUT.data_ptr(), OUT.shape[0], H, 1, 0, nt, 0)
@@ -150,6 +154,23 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
             print(f"{nt:3d} threads {layout:5s}: 8 a call {got['g8']:6.1f} GB/s ({got['g8'] / read:4.0%}), with gaps "
                   f"{got['g8_gap']:6.1f}, 64 a call {got['g64']:6.1f} ({got['g64'] / read:4.0%})", flush=True)
     nt = max(counts)
+    # the team's wake-up: calls of 3 and 8 experts after 300 us of the caller yielding its core (hybrid's worker
+    # between two layers' requests), on OpenMP's team, the kernels' own pool (idle workers spin 300 us, then sleep) and
+    # the pool spinning 2 ms; back to back for reference
+    wake = {}
+    for mode, env in (("omp", {"MOESTREAM_CPU_POOL": "omp"}), ("pool", {"MOESTREAM_CPU_POOL": "pool"}),
+                      ("pool spin 2000", {"MOESTREAM_CPU_POOL": "pool", "MOESTREAM_CPU_SPIN_US": "2000"})):
+        os.environ.update(env)
+        cq.threads()
+        for G in (3, 8):
+            wake[f"{mode} G{G}"] = w = {"back_to_back": gbs(G, min(time_calls("plain", G, nt) for _ in range(2))),
+                                        "idle_300us": gbs(G, min(time_calls("plain", G, nt, gap_s=300e-6, idle=True)
+                                                                 for _ in range(2)))}
+            print(f"{nt:3d} threads plain {mode:15s} {G} a call: back to back {w['back_to_back']:6.1f} GB/s, after "
+                  f"300 us idle {w['idle_300us']:6.1f}", flush=True)
+        for k in env:
+            os.environ.pop(k)
+    cq.threads()
     profiles = {}
     for setting in ("", "flow=0"):  # where a call of 8 cold experts goes at the largest thread count
         tuned(setting)
@@ -183,7 +204,7 @@ def sweep(counts: list[int], experts: int, out: str, tunings: list[str] = (), ro
     if out:
         with open(out, "w") as f:
             json.dump({"host_read_gbs": read, "experts": E, "expert_bytes": EXPERT_BYTES, "isa": cq.isa(),
-                       "rows": rows, "tunings": tuned_rows, "profile_us": profiles}, f, indent=1)
+                       "rows": rows, "tunings": tuned_rows, "profile_us": profiles, "wake": wake}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ terms / its conv, q/k norms and gates in one Triton launch a layer),
 OpenMP threads / their own pool; `+spinN`: an idle pool worker spins N us before it sleeps, default 300), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
 `BACKEND+raN` / `+x8aN` (the bridge's CPU layer calls read N rows / interleaved 8-row groups ahead; its defaults are 8
-and 1; the bridge on a GPU reads the file's layout unless `+x8`, so rows), `+kbN` / `+chunksN` (the layer calls' least
-KiB a chunk / chunks a thread; chained tunings join: `cpu+x8+x8a2+kb128`), `+noflow` (a decode layer call's barrier between its
+and 1; the bridge on a GPU reads the file's layout unless `+x8`, so rows), `+kbN` / `+chunksN` / `+tailN` (the layer calls' least
+KiB a chunk / chunks a thread / each phase's last chunks cut in N; chained tunings join: `cpu+x8+x8a2+kb128`), `+noflow` (a decode layer call's barrier between its
 gate/up and down rows, which the default `flow` does without), `hybrid+noarms`
 (every step on the live split, no measured fallback to offload's step), `BACKEND+pf`
 (--moe-prefetch on: the next layer's predicted experts copied ahead on a side stream; `+pfN`: only each token's N
@@ -244,7 +244,7 @@ def _variant(variant: str, cfg: dict) -> bool:
     threads = re.fullmatch(r"t(\d+)", variant)  # +tN: --moe-cpu-threads N
     spin = re.fullmatch(r"spin(\d+)", variant)  # +spinN: the CPU kernels' idle pool workers spin N us before sleeping
     top = re.fullmatch(r"pf(\d+)", variant)  # +pfN: prefetch each token's N likeliest experts
-    x8a = re.fullmatch(r"(x8a|ra|kb|chunks)(\d+)", variant)  # +x8aN / +raN / +kbN / +chunksN: the layer calls' tuning
+    x8a = re.fullmatch(r"(x8a|ra|kb|chunks|tail)(\d+)", variant)  # +x8aN / +raN / +kbN / +chunksN: the layer calls' tuning
     if variant in ("qdense", "bf16dense"):  # the GGUF's dense layers kept compressed on the GPU, or bf16 at load
         cfg.setdefault("env", {})["MOESTREAM_DENSE_QUANT"] = "1" if variant == "qdense" else "0"
     elif variant in ("noplanar", "planar4k"):  # compressed dense layers in quant/planar.py's layouts: none / Q4_K too
@@ -286,7 +286,7 @@ def _variant(variant: str, cfg: dict) -> bool:
             set_env("MOESTREAM_PREFETCH_TOP", top[1])
     elif x8a or variant == "noflow":  # interleaved groups / rows ahead (the bridge's defaults: env.BRIDGE_AHEAD;
         # this names one), least KiB a chunk, chunks a thread, the barrier between phases (chained: joined)
-        key, v = ({"x8a": "x8ahead", "ra": "rowsahead", "kb": "kb", "chunks": "chunks"}[x8a[1]], x8a[2]) if x8a \
+        key, v = ({"x8a": "x8ahead", "ra": "rowsahead", "kb": "kb", "chunks": "chunks", "tail": "tail"}[x8a[1]], x8a[2]) if x8a \
             else ("flow", "0")
         old = cfg.get("set_env", {}).get("MOESTREAM_CPU_LAYER_TUNING")
         set_env("MOESTREAM_CPU_LAYER_TUNING", f"{old + ',' if old else ''}{key}={v}")

@@ -89,25 +89,25 @@ def bridge_worker_in_c() -> bool:
     return os.environ.get("MOESTREAM_BRIDGE_C", "1") != "0"
 
 
-def cpu_layer_tuning() -> tuple[int, int, int, int, int]:
-    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=0,x8ahead=0,rowsahead=2,flow=1": the compiled MoE layer call's chunks
-    per thread, least KiB of weights a chunk (0: max(32, 8 x the call's threads)), interleaved 8-row groups read ahead,
-    rows read ahead for the other types, and flow (1: a decode call's down rows of an expert start once that expert's
-    gate/up rows are done; 0: after a
-    barrier on every expert's) (kernels/cpu/qmatmul.cpp, g_layer_chunks, g_layer_flow; the defaults are those
-    numbers). For timing settings on a machine (benchmarks/cpu_layer_tuning.py, vs_llama.py's `+x8aN` / `+raN` / `+kbN`
-    / `+flow` variants); results do not depend on them. Read at each kernel call; a key left out keeps its default. A
-    malformed value is a ValueError naming it."""
+def cpu_layer_tuning() -> tuple[int, int, int, int, int, int]:
+    """MOESTREAM_CPU_LAYER_TUNING="chunks=8,kb=0,x8ahead=0,rowsahead=2,flow=1,tail=1": the compiled MoE layer call's
+    chunks per thread, least KiB of weights a chunk (0: max(32, 8 x the call's threads)), interleaved 8-row groups read
+    ahead, rows read ahead for the other types, flow (1: a decode call's down rows of an expert start once that expert's
+    gate/up rows are done; 0: after a barrier on every expert's) and tail (S > 1: each phase's last chunks, one a
+    thread, cut into S: the threads wait less for the last one) (kernels/cpu/qmatmul.cpp, g_layer_chunks, g_layer_flow,
+    g_layer_tail; the defaults are those numbers). For timing settings on a machine (benchmarks/cpu_layer_tuning.py,
+    vs_llama.py's `+x8aN` / `+raN` / `+kbN` / `+tailN` / `+noflow` variants); results do not depend on them. Read at
+    each kernel call; a key left out keeps its default. A malformed value is a ValueError naming it."""
     raw = os.environ.get("MOESTREAM_CPU_LAYER_TUNING", "")
-    vals = {"chunks": 8, "kb": 0, "x8ahead": 0, "rowsahead": 2, "flow": 1}
+    vals = {"chunks": 8, "kb": 0, "x8ahead": 0, "rowsahead": 2, "flow": 1, "tail": 1}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         key, _, v = part.partition("=")
         if key not in vals or not v.isdigit() or (key not in ("x8ahead", "flow", "kb") and int(v) < 1) or \
                 (key == "flow" and v not in ("0", "1")):
-            raise ValueError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, rowsahead=N (N >= 1), "
+            raise ValueError(f"MOESTREAM_CPU_LAYER_TUNING: {part!r} is not chunks=N, rowsahead=N, tail=N (N >= 1), "
                               "kb=N, x8ahead=N or flow=0|1")
         vals[key] = int(v)
-    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"], vals["flow"]
+    return vals["chunks"], vals["kb"] << 10, vals["x8ahead"], vals["rowsahead"], vals["flow"], vals["tail"]
 
 
 BRIDGE_AHEAD = (1, 8)  # the bridge worker's read-ahead (interleaved groups, rows), unless the env sets them

@@ -747,17 +747,18 @@ def test_layer_call_tuning_changes_no_result(monkeypatch):
     want = {layout: call(layout) for layout in layouts}
     assert all(torch.isfinite(y).all() and y.abs().sum() > 0 for y in want.values())
     for setting in ("chunks=1,kb=1024", "kb=32", "chunks=32,kb=1,x8ahead=2", "x8ahead=1", "kb=4", "rowsahead=16", "flow=0",
-                    "flow=0,chunks=32,kb=1", "flow=0,chunks=1,kb=1024,x8ahead=1"):
+                    "flow=0,chunks=32,kb=1", "flow=0,chunks=1,kb=1024,x8ahead=1", "tail=4",
+                    "tail=3,chunks=1,kb=1024", "tail=2,flow=0,kb=1,x8ahead=1"):
         monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", setting)
-        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 0, 0, 2, 1)  # in force in the library
+        assert cpu_quant.layer_tuning() == cpu_layer_tuning() != (8, 0, 0, 2, 1, 1)  # in force in the library
         for layout in layouts:
             assert torch.equal(call(layout), want[layout]), (setting, layout)
-    for bad in ("chunks=0", "flow=2"):
+    for bad in ("chunks=0", "flow=2", "tail=0"):
         monkeypatch.setenv("MOESTREAM_CPU_LAYER_TUNING", bad)
         with pytest.raises(ValueError, match=f"'{bad}'"):
             cpu_layer_tuning()
     monkeypatch.delenv("MOESTREAM_CPU_LAYER_TUNING")
-    assert cpu_layer_tuning() == (8, 0, 0, 2, 1) == cpu_quant.layer_tuning()  # the defaults back for later tests
+    assert cpu_layer_tuning() == (8, 0, 0, 2, 1, 1) == cpu_quant.layer_tuning()  # the defaults back for later tests
 
 
 def test_bridge_interleaved_copies(monkeypatch):

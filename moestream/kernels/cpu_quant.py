@@ -192,7 +192,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_float_act_matmul.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
-    lib.ms_set_layer_tuning.argtypes = [i64, i64, i64, i64, i64]
+    lib.ms_set_layer_tuning.argtypes = [i64, i64, i64, i64, i64, i64]
     lib.ms_set_layer_tuning.restype = None
     lib.ms_get_layer_tuning.argtypes = [ptr]
     lib.ms_get_layer_tuning.restype = None
@@ -245,12 +245,12 @@ def _threads(mod) -> int:
     return torch.get_num_threads()
 
 
-def layer_tuning() -> tuple[int, int, int, int, int]:
+def layer_tuning() -> tuple[int, int, int, int, int, int]:
     """The MoE layer call's tuning in force in the library (chunks per thread, chunk bytes, interleaved groups
-    read ahead, rows read ahead, flow), after passing MOESTREAM_CPU_LAYER_TUNING on."""
+    read ahead, rows read ahead, flow, tail), after passing MOESTREAM_CPU_LAYER_TUNING on."""
     mod = _required_module()
     _threads(mod)
-    out = np.zeros(5, dtype=np.int64)
+    out = np.zeros(6, dtype=np.int64)
     mod.ms_get_layer_tuning(out.ctypes.data)
     return tuple(int(v) for v in out)
 

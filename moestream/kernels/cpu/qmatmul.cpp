@@ -214,6 +214,10 @@ std::atomic<int64_t> g_layer_chunks{CHUNKS_PER_THREAD}, g_layer_chunk_bytes{0}, 
 // +1.3 %; a 16-core H100 host, 2026-12-06: 92.4 vs 89.6 GB/s a call of 8 experts, the `cpu` backend's decode 63.5 / 66.2
 // vs 61.4 / 63.1 tok/s alternating). 1 is the default; 0: the barrier. Same products either way.
 std::atomic<int64_t> g_layer_flow{1};
+// tail S > 1: each of a phase's last `threads` chunks is split into S (a phase ends when its last chunk does: with chunks
+// of 128 KiB a thread of a 16-core host reads ~30 us a chunk, and the threads that finish early wait that long for the
+// last one). 1 (the default): no split. Same products either way.
+std::atomic<int64_t> g_layer_tail{1};
 
 // Where a layer call's time goes (ms_layer_profile; off unless asked, for benchmarks/cpu_layer_tuning.py): per call,
 // seconds from entry to the first thread's start, from then to the first and the last thread done with the gate/up rows,
@@ -2086,14 +2090,20 @@ inline float act_to_float(const void* x, int64_t dtype, int64_t i) {
 // Static share [b, e) of thread t over items weighted by cost(i) (prefix sums `cum`, cum[0] = 0).
 // Item bounds of `chunks` chunks of equal cost over G groups of `rows` items, group g's items costing c[g] each:
 // chunk k is items [b[k], b[k + 1]) (item g * rows + i is row i of group g). Any bounds give the same numbers.
-std::vector<int64_t> cost_chunks(const std::vector<double>& c, int64_t rows, int64_t chunks) {
+// tail_n, tail_s: the last tail_n of the chunks are each cut into tail_s of equal cost (g_layer_tail).
+std::vector<int64_t> cost_chunks(const std::vector<double>& c, int64_t rows, int64_t chunks, int64_t tail_n = 0,
+                                 int64_t tail_s = 1) {
   const int64_t G = (int64_t)c.size();
   std::vector<double> cg(G + 1, 0.0);
   for (int64_t g = 0; g < G; ++g) cg[g + 1] = cg[g] + c[g] * (double)rows;
-  std::vector<int64_t> b(chunks + 1, 0);
-  b[chunks] = G * rows;
-  for (int64_t k = 1; k < chunks; ++k) {
-    const double at = cg[G] * (double)k / (double)chunks;
+  tail_n = tail_s > 1 ? std::min(tail_n, chunks) : 0;
+  const int64_t head = chunks - tail_n, total = head + tail_n * std::max<int64_t>(1, tail_s);
+  std::vector<int64_t> b(total + 1, 0);
+  b[total] = G * rows;
+  for (int64_t k = 1; k < total; ++k) {
+    // chunk boundary k at the cost fraction of `chunks` equal chunks, the tail's in steps of 1 / tail_s of one
+    const double frac = k <= head ? (double)k : (double)head + (double)(k - head) / (double)tail_s;
+    const double at = cg[G] * frac / (double)chunks;
     const int64_t g = std::min<int64_t>(G - 1, std::upper_bound(cg.begin(), cg.end(), at) - cg.begin() - 1);
     const int64_t i = c[g] > 0 ? std::min<int64_t>(rows, (int64_t)std::ceil((at - cg[g]) / c[g])) : rows;
     b[k] = std::max(b[k - 1], g * rows + i);
@@ -2141,7 +2151,8 @@ int ms_moe_layer_impl(const void* x, int64_t xdtype, int64_t nx, int64_t H, int6
     for (double v : c) b += v * (double)rows;
     return std::max<int64_t>(nt, std::min<int64_t>(nt * per_thread, (int64_t)(b / chunk_bytes)));
   };
-  std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I)), b3 = cost_chunks(c3, H, nchunks(c3, H));
+  const int64_t tail = std::max<int64_t>(1, g_layer_tail.load(std::memory_order_relaxed));
+  std::vector<int64_t> b1 = cost_chunks(c1, I, nchunks(c1, I), nt, tail), b3 = cost_chunks(c3, H, nchunks(c3, H), nt, tail);
   if (is_x8_type(tg) || is_x8_type(tu))  // an interleaved group of 8 rows within one chunk (I % 8 == 0: checked)
     for (int64_t& k : b1) k -= k % 8;
   if (is_x8_type(td))
@@ -2663,7 +2674,8 @@ void ms_set_threading(int use_pool, int64_t spin_us) {
 // The MoE layer call's tuning (see g_layer_chunks): values < 0 (chunks, rows ahead: <= 0) leave a setting as it is;
 // chunk bytes 0: by the thread count (g_layer_chunk_bytes).
 void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t x8_ahead, int64_t rows_ahead,
-                         int64_t flow) {
+                         int64_t flow, int64_t tail) {
+  if (tail > 0) g_layer_tail.store(tail);
   if (chunks_per_thread > 0) g_layer_chunks.store(chunks_per_thread);
   if (chunk_bytes >= 0) g_layer_chunk_bytes.store(chunk_bytes);
   if (x8_ahead >= 0) g_x8_ahead.store(x8_ahead);
@@ -2671,10 +2683,10 @@ void ms_set_layer_tuning(int64_t chunks_per_thread, int64_t chunk_bytes, int64_t
   if (flow >= 0) g_layer_flow.store(flow ? 1 : 0);
 }
 
-// The tuning in force: out[0..4] = chunks per thread, chunk bytes, interleaved groups ahead, rows ahead, flow.
+// The tuning in force: out[0..5] = chunks per thread, chunk bytes, interleaved groups ahead, rows ahead, flow, tail.
 void ms_get_layer_tuning(int64_t* out) {
   out[0] = g_layer_chunks.load(), out[1] = g_layer_chunk_bytes.load(), out[2] = g_x8_ahead.load();
-  out[3] = g_rows_ahead.load(), out[4] = g_layer_flow.load();
+  out[3] = g_rows_ahead.load(), out[4] = g_layer_flow.load(), out[5] = g_layer_tail.load();
 }
 
 // The layer call's profile (g_layer_prof): on 1 / 0 from now; out (may be null) gets the sums since the last read
