@@ -7,7 +7,8 @@
 #   2. benchmarks/gdn_chunk_bench.py: one layer's terms in torch vs the kernel, GPU and host time a call
 #   3. an 8-layer file of the Qwen3.6 widths: step_profile --prefill 512 with both off and on, then fused pp512 / tg
 #      with none, both, each alone, both again, none again (vs_llama.py, one shared process: read at each call)
-# Everything goes to $OUT (gdn_prep_check.log, the profiles, the vs_llama report). LAYERS [8]
+# Everything goes to $OUT (gdn_prep_check.log, the profiles, the vs_llama report). LAYERS [8]; GDN_GRID=0 skips step 3's
+# fused grid (when a full-file grid with the +gdnprep / +gdnfront variants follows in the same call).
 set -uo pipefail
 source benchmarks/device_env.sh
 LOG=$OUT/gdn_prep_check.log
@@ -27,12 +28,14 @@ LOG=$OUT/gdn_prep_check.log
     MOESTREAM_GDN_PREP=$P MOESTREAM_GDN_FRONT=$P timeout 90 python3 benchmarks/step_profile.py --model /dev/shm/gdn.gguf --backend fused \
       --prefill 512 --out "$OUT/prefill_profile_gdnprep$P.json" 2>&1 | grep -v -i warn | head -14
   done
+  if [ "${GDN_GRID:-1}" = 1 ]; then  # GDN_GRID=0: no fused grid on the 8-layer file (a full-file grid follows)
   echo "== $(date -u +%T) fused with and without, both orders"
   timeout 240 python3 benchmarks/vs_llama.py moe --model /dev/shm/gdn.gguf --quant q8_0 --work /tmp/gdn_work \
     --grid "fused@all;fused+gdnprep+gdnfront@all;fused+gdnprep@all;fused+gdnfront@all;fused+gdnprep+gdnfront+again@all;fused+again@all" \
     --config-s 60 --measure-s 8 2>&1 \
     | grep -E "tg bs1|error|Error"
   python3 benchmarks/vs_llama.py report --work /tmp/gdn_work --out "$OUT" >/dev/null 2>&1
+  fi
   echo "== $(date -u +%T) done"
 } > "$LOG" 2>&1
 cat "$LOG"
