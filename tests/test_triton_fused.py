@@ -171,12 +171,50 @@ def case_gdn_prefill_front(dtype, state_dtype, L, snapshots) -> list[str]:
     gg, beta = m._gates(b, a)
     o2 = m._prefill_one(mixed, gg, beta, 2, c2, r2, None, snaps)
     f32 = dtype == torch.float32 and state_dtype == torch.float32
-    tol = dict(rtol=1e-4, atol=1e-5) if f32 else dict(rtol=3e-2, atol=3e-2)  # the torch front rounds the conv twice
+    # bf16: the interpreter truncates at the two rounding points where torch rounds to nearest (the points themselves:
+    # case_gdn_front_rounding, bit for bit)
+    tol = dict(rtol=1e-4, atol=1e-5) if f32 else dict(rtol=3e-2, atol=3e-2)
     errs = _close("out", o1, o2, tol) + _close("rec", r1, r2, tol) + _close("conv", c1, c2, dict(rtol=0, atol=0))
     if not (torch.equal(c1[[0, 4]], conv[[0, 4]]) and torch.equal(r1[[0, 4]], rec[[0, 4]])):
         errs.append("states of other slots changed")
     if torch.equal(c1[2], conv[2]):
         errs.append("the slot's conv window did not move")
+    return errs
+
+
+def _as_backend_rounds(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 -> float32 as this Triton backend converts (the interpreter truncates; a GPU rounds to
+    nearest even): found from a probe the backend converts, so the reference rounds where and as the kernel does."""
+    probe = torch.tensor([1.0 + 2 ** -8 + 2 ** -12], dtype=torch.float32)  # past half an ulp: truncation keeps 1.0
+    got = triton_ops.round_probe(probe)
+    if float(got) == 1.0:
+        return (x.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return x.to(torch.bfloat16).float()
+
+
+def case_gdn_front_rounding() -> list[str]:
+    """The front's 16-bit rounding points: the conv's sums rounded to the rows' dtype (F.conv1d's bf16 output), then
+    SiLU rounded again, as the torch front (and HF) computes them; v, which only the conv and SiLU touch, must equal
+    that reference bit for bit, and must not equal the one-rounding form (SiLU of the fp32 sums) the kernel had when a
+    bf16 model's prefill logits came out 15 % from HF bf16's on an H100 (thirty-seventh session)."""
+    m = _gdn(torch.bfloat16)
+    L, K = 40, m.kernel
+    g = torch.Generator().manual_seed(5)
+    fused = (torch.randn(L, m.conv_dim + m.value_dim + 2 * m.hv, generator=g) * 2).to(torch.bfloat16)
+    mixed, _, b, a = torch.split(fused, [m.conv_dim, m.value_dim, m.hv, m.hv], dim=-1)
+    kept = torch.randn(m.conv_dim, K - 1, generator=g).to(torch.bfloat16)
+    _, _, v, _, _ = triton_ops.gdn_prefill_front(mixed, kept, m.conv1d.weight[:, 0, :], b, a, m.A_log, m.dt_bias,
+                                                 m.key_dim, m.hk, m.hv, m.dk, m.dv)
+    window = torch.cat([kept, mixed.t()], dim=-1).float()
+    sums = torch.nn.functional.conv1d(window.unsqueeze(0), m.conv1d.weight.float(), groups=m.conv_dim)[0].t()
+    r = _as_backend_rounds
+    errs = []
+    for name, out in (("two roundings", r(torch.nn.functional.silu(r(sums)))),
+                      ("one rounding", r(torch.nn.functional.silu(sums)))):
+        want = out[:, 2 * m.key_dim:].unflatten(-1, (m.hv, m.dv)).transpose(0, 1)
+        same = torch.equal(v, want)
+        if same != (name == "two roundings"):
+            errs.append(f"v {'equals' if same else 'differs from'} the {name} reference")
     return errs
 
 
@@ -266,6 +304,7 @@ CASES = {
     "gdn-front-L37-f32": lambda: case_gdn_prefill_front(torch.float32, torch.float32, 37, [5, 36]),
     "gdn-front-L70-bf16": lambda: case_gdn_prefill_front(torch.bfloat16, torch.float32, 70, [1, 64, 69]),
     "gdn-front-L20-bf16-state": lambda: case_gdn_prefill_front(torch.bfloat16, torch.bfloat16, 20, []),
+    "gdn-front-rounding-bf16": case_gdn_front_rounding,
     "gated-norm-strided-f32": lambda: case_gated_norm_strided(torch.float32),
     "gated-norm-strided-bf16": lambda: case_gated_norm_strided(torch.bfloat16),
     "add-rms-norm-f32": lambda: case_add_rms_norm(torch.float32, False),

@@ -35,7 +35,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, states_at=(
     Everything but the recurrence over chunks is batched over all chunks (`_chunk_terms`); the recurrence
     is one Triton launch (triton_ops.gdn_chunk_scan) where `kernel` (default: on CUDA with Triton enabled
     and shapes it handles; True forces it, e.g. for CPU tensors under TRITON_INTERPRET=1), else a loop; with
-    `kernel` and env.gdn_prep_kernel (MOESTREAM_GDN_PREP=1, opt-in) the chunk terms are one launch as well
+    `kernel` and env.gdn_prep_kernel (on by default; MOESTREAM_GDN_PREP=0: off) the chunk terms are one launch as well
     (triton_ops.gdn_chunk_prep) instead of `_chunk_terms`' batched torch ops.
     Returns (o [H, L, Dv], final state, [state after e tokens for e in states_at]).
     """
@@ -305,7 +305,8 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
         window = torch.cat([conv_state[slots].to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, conv, K]
         conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
-        conv_out = F.silu((window.to(w.dtype) * w).sum(-1)).to(mixed.dtype)  # [B, conv_dim]
+        # F.conv1d's products and sums in fp32, rounded to w's dtype once (as the prefill's conv and HF's decode)
+        conv_out = F.silu((window.to(w.dtype).float() * w.float()).sum(-1).to(w.dtype)).to(mixed.dtype)  # [B, conv]
         q, k, v = self._split(conv_out)
         o, S = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state[slots].float())
         rec_state[slots] = S.to(rec_state.dtype)

@@ -83,13 +83,17 @@ if triton is not None:
         return tl.where(taps[None, :] == KW - 1, new[:, None], old)
 
     @triton.jit
-    def _silu_round(y, ty):
-        return (y / (1.0 + tl.exp(-y))).to(ty).to(tl.float32)  # rounded like the torch path
+    def _conv_act(y, w_ty, out_ty):
+        """The conv's fp32 sums y as the torch path (and HF) turns them into activations: F.conv1d's output rounded to
+        the conv weight's dtype, F.silu rounded to it again, then cast to the rows' dtype."""
+        y = y.to(w_ty).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(w_ty).to(tl.float32)
+        return y.to(out_ty).to(tl.float32)
 
     @triton.jit
     def _conv_silu(win, convw_ptr, c, taps, out_ty, KW: tl.constexpr):
-        return _silu_round(tl.sum(win * tl.load(convw_ptr + c[:, None] * KW + taps[None, :]).to(tl.float32), axis=1),
-                           out_ty)
+        return _conv_act(tl.sum(win * tl.load(convw_ptr + c[:, None] * KW + taps[None, :]).to(tl.float32), axis=1),
+                         convw_ptr.dtype.element_ty, out_ty)
 
     @triton.jit
     def _softplus(x):
@@ -364,8 +368,8 @@ if triton is not None:
                           dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, L, KEY_DIM, HV, REP, scale,
                           DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr, BT: tl.constexpr):
         """Tokens t0 .. t0 + BT - 1 of value head h: the causal depthwise conv over the KW-1 kept inputs (conv_ptr
-        [conv_dim, KW-1], rounded to mixed's dtype as the torch path's cat does) and the sequence's rows, SiLU
-        rounded to mixed's dtype (_silu_round), q and k of key head h // REP L2-normalised (q times scale), v; the
+        [conv_dim, KW-1], rounded to mixed's dtype as the torch path's cat does) and the sequence's rows, its sums
+        and SiLU rounded as the torch path's F.conv1d and F.silu round them (_conv_act), q and k of key head h // REP L2-normalised (q times scale), v; the
         gates as GatedDeltaNet._gates (_decay_beta's RAW_GATES math). Writes q, k [HV, L, DK], v [HV, L, DV],
         g (log decay) and beta [HV, L], fp32."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -388,7 +392,10 @@ if triton is not None:
             q += _conv_tap(row, kept, cq, new, old, convw_ptr, j, in_ty, KW)
             k += _conv_tap(row, kept, ck, new, old, convw_ptr, j, in_ty, KW)
             v += _conv_tap(row, kept, cv, new, old, convw_ptr, j, in_ty, KW)
-        q, k, v = _silu_round(q, in_ty), _silu_round(k, in_ty), _silu_round(v, in_ty)
+        # the conv's sums rounded as F.conv1d returns them, SiLU rounded again (_conv_act): with SiLU of the fp32 sums
+        # rounded once, half of a bf16 model's v was an ulp off and its prefill logits 15 % from HF bf16's (H100)
+        w_ty = convw_ptr.dtype.element_ty
+        q, k, v = _conv_act(q, w_ty, in_ty), _conv_act(k, w_ty, in_ty), _conv_act(v, w_ty, in_ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
         out = (h * L + t).to(tl.int64)
@@ -399,6 +406,20 @@ if triton is not None:
                              tl.load(a_ptr + t * A_STRIDE + h, mask=tm, other=0.0), h, alog_ptr, dtb_ptr)
         tl.store(g_ptr + h * L + t, g, mask=tm)
         tl.store(beta_ptr + h * L + t, beta, mask=tm)
+
+
+if triton is not None:
+    @triton.jit
+    def _round_probe_kernel(x_ptr, y_ptr):
+        tl.store(y_ptr, tl.load(x_ptr).to(tl.bfloat16).to(tl.float32))
+
+
+def round_probe(x: torch.Tensor) -> torch.Tensor:
+    """x[0] (float32) converted to bfloat16 and back by this Triton backend (the tests: the interpreter truncates
+    where a GPU rounds to nearest even)."""
+    y = torch.empty(1, dtype=torch.float32, device=x.device)
+    _round_probe_kernel[(1,)](x, y)
+    return y
 
 
 def gdn_prefill_front(mixed, conv_old, conv_w, b, a, a_log, dt_bias, key_dim, hk, hv, dk, dv, bt: int = 16):
