@@ -26,7 +26,7 @@ by the pair kernels themselves at one token, the default / at every batch size /
 `BACKEND+q8r` / `+q8rall` / `+q8blk` (MOESTREAM_Q8_PLANAR=1 / all / 0: fused / fused and offload read their Q8_0
 experts row-planar, Q8_0R (`all`, the default since the thirty-sixth session) / in the file's block layout),
 `BACKEND+gdnprep` / `+gdnfront` (MOESTREAM_GDN_PREP=1 / MOESTREAM_GDN_FRONT=1: the Gated DeltaNet prefill's chunk
-terms / its conv, q/k norms and gates in one Triton launch a layer),
+terms / its conv, q/k norms and gates in one Triton launch a layer; the first is the default, `+nogdnprep` turns it off),
 `BACKEND+x8` (MOESTREAM_BRIDGE_X8=1: the cpu/hybrid bridge's worker reads 8-row interleaved copies of the host banks),
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
@@ -258,6 +258,8 @@ def _variant(variant: str, cfg: dict) -> bool:
         set_env("MOESTREAM_Q8_PLANAR", {"q8blk": "0", "q8r": "1", "q8rall": "all"}[variant])  # fused / fused, offload
     elif variant in ("gdnprep", "gdnfront"):  # the GDN prefill's chunk terms / conv, norms and gates in one Triton
         set_env({"gdnprep": "MOESTREAM_GDN_PREP", "gdnfront": "MOESTREAM_GDN_FRONT"}[variant], "1")  # launch a layer
+    elif variant == "nogdnprep":  # the chunk terms in torch (the prep kernel is the default since the 37th session)
+        set_env("MOESTREAM_GDN_PREP", "0")
     elif variant == "sdown":  # the shared expert's silu * up and down GEMV in one launch (a process of its own)
         cfg.setdefault("env", {})["MOESTREAM_SHARED_DOWN"] = "1"
     elif variant == "repack":  # Q4_K dense layers repacked at their first decode call (a process of its own)

@@ -48,10 +48,21 @@ def _rel_err(got, want) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def compare(H, Dk, Dv, L, states_at, device="cpu") -> list[str]:
-    """The kernel path vs the loop: errors beyond RTOL, as messages."""
+def compare(H, Dk, Dv, L, states_at, device="cpu", prep: bool = False) -> list[str]:
+    """The kernel path (the scan kernel after the torch terms, or after gdn_chunk_prep: prep) vs the loop: errors
+    beyond RTOL, as messages."""
+    import os
+
     args = _inputs(H, Dk, Dv, L, device)
-    o1, s1, m1 = chunk_gated_delta_rule(*args, states_at=states_at, kernel=True)
+    old = os.environ.get("MOESTREAM_GDN_PREP")
+    os.environ["MOESTREAM_GDN_PREP"] = "1" if prep else "0"
+    try:
+        o1, s1, m1 = chunk_gated_delta_rule(*args, states_at=states_at, kernel=True)
+    finally:
+        if old is None:
+            del os.environ["MOESTREAM_GDN_PREP"]
+        else:
+            os.environ["MOESTREAM_GDN_PREP"] = old
     o0, s0, m0 = chunk_gated_delta_rule(*args, states_at=states_at, kernel=False)
     errs = [] if o1.shape == o0.shape and len(m1) == len(m0) else [f"shapes {o1.shape} {o0.shape} {len(m1)}"]
     pairs = [("out", o1, o0), ("final state", s1, s0)] + [(f"state after {e}", a, b)
@@ -68,9 +79,7 @@ def compare(H, Dk, Dv, L, states_at, device="cpu") -> list[str]:
 def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True) -> list[str]:
     """triton_ops.gdn_chunk_prep against `_chunk_terms` term by term (strided: q, k, v, g, beta as the layer hands
     them over, transposed views of [L, H, ...] rows), then chunk_gated_delta_rule with both kernels
-    (MOESTREAM_GDN_PREP=1) against the loop: errors beyond RTOL, as messages."""
-    import os
-
+    against the loop: errors beyond RTOL, as messages."""
     q, k, v, g, beta, state = _inputs(H, Dk, Dv, L, device, seed=1)
     if strided:
         q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
@@ -82,12 +91,7 @@ def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True) -> list[st
         e = _rel_err(a, b) if a.shape == b.shape else float("nan")
         if not e <= RTOL:
             errs.append(f"prep {name}: {tuple(a.shape)} vs {tuple(b.shape)}, relative error {e:.2e}")
-    os.environ["MOESTREAM_GDN_PREP"] = "1"
-    try:
-        errs += compare(H, Dk, Dv, L, states_at, device)
-    finally:
-        del os.environ["MOESTREAM_GDN_PREP"]
-    return errs
+    return errs + compare(H, Dk, Dv, L, states_at, device, prep=True)
 
 
 # --------------------------------------------------------------------------- interpreter cases
@@ -129,17 +133,18 @@ def test_interpreted_prep_kernel_equals_chunk_terms(interpreted, case):
     assert_case(interpreted, case)
 
 
-def test_prep_kernel_is_opt_in(monkeypatch):
-    """MOESTREAM_GDN_PREP=1 alone takes gdn_chunk_prep, and only with the scan kernel (never for CPU tensors)."""
+def test_prep_kernel_by_default_with_the_scan(monkeypatch):
+    """gdn_chunk_prep is taken by default, and only with the scan kernel (never for CPU tensors);
+    MOESTREAM_GDN_PREP=0 keeps the torch terms."""
     calls = []
     monkeypatch.setattr(triton_ops, "gdn_chunk_prep", lambda *a, **k: calls.append(1) or 1 / 0)
     args = _inputs(2, 32, 32, 70)
-    monkeypatch.delenv("MOESTREAM_GDN_PREP", raising=False)
+    monkeypatch.setenv("MOESTREAM_GDN_PREP", "0")
     monkeypatch.setattr(triton_ops, "gdn_chunk_scan", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # the scan kernel, after the torch terms
         chunk_gated_delta_rule(*args, kernel=True)
     assert calls == []
-    monkeypatch.setenv("MOESTREAM_GDN_PREP", "1")
+    monkeypatch.delenv("MOESTREAM_GDN_PREP")
     chunk_gated_delta_rule(*args)  # CPU tensors: the loop, no kernel
     assert calls == []
     with pytest.raises(ZeroDivisionError):
