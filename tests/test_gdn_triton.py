@@ -76,7 +76,7 @@ def compare(H, Dk, Dv, L, states_at, device="cpu", prep: bool = False) -> list[s
     return errs
 
 
-def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True) -> list[str]:
+def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True, precision=None) -> list[str]:
     """triton_ops.gdn_chunk_prep against `_chunk_terms` term by term (strided: q, k, v, g, beta as the layer hands
     them over, transposed views of [L, H, ...] rows), then chunk_gated_delta_rule with both kernels
     against the loop: errors beyond RTOL, as messages."""
@@ -84,7 +84,7 @@ def compare_prep(H, Dk, Dv, L, states_at, device="cpu", strided=True) -> list[st
     if strided:
         q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
         g, beta = (x.t().contiguous().t() for x in (g, beta))
-    got = triton_ops.gdn_chunk_prep(q, k, v, g, beta, 64)
+    got = triton_ops.gdn_chunk_prep(q, k, v, g, beta, 64, precision=precision)
     _, c, u0, w, qk, q_dec, k_dec, last = _chunk_terms(q, k, v, g, beta, 64)
     errs = []
     for name, a, b in zip(("c", "u0", "w", "q_dec", "k_dec", "qk", "last"), got, (c, u0, w, q_dec, k_dec, qk, last)):
@@ -110,12 +110,20 @@ PREP_CASES = {  # the same shapes through gdn_chunk_prep (with the scan kernel a
     "prep-L130": (3, 32, 64, 130, [1, 65, 130]),
     "prep-L200-no-snapshots": (2, 64, 128, 200, []),
 }
+# the launch GPUs before Hopper get (gdn_prep_launch: FMA dots, head dims in 16-column blocks; the interpreter's own
+# capability picks the Hopper one): consumer Ampere / Ada cards run this form
+PREP_IEEE_CASES = {"prep-ieee-L130": (3, 32, 64, 130, [1, 65, 130]), "prep-ieee-L64-Dk128": (2, 128, 128, 64, [64])}
 
 
 def _worker(out_path: str) -> None:
-    write_case_results({**CASES, **PREP_CASES},
-                       lambda case: compare(*CASES[case]) if case in CASES else compare_prep(*PREP_CASES[case]),
-                       out_path)
+    def run(case):
+        if case in CASES:
+            return compare(*CASES[case])
+        if case in PREP_CASES:
+            return compare_prep(*PREP_CASES[case])
+        return compare_prep(*PREP_IEEE_CASES[case], precision="ieee")
+
+    write_case_results({**CASES, **PREP_CASES, **PREP_IEEE_CASES}, run, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +136,7 @@ def test_interpreted_kernel_equals_loop(interpreted, case):
     assert_case(interpreted, case)
 
 
-@pytest.mark.parametrize("case", list(PREP_CASES))
+@pytest.mark.parametrize("case", list(PREP_CASES) + list(PREP_IEEE_CASES))
 def test_interpreted_prep_kernel_equals_chunk_terms(interpreted, case):
     assert_case(interpreted, case)
 
