@@ -408,20 +408,6 @@ if triton is not None:
         tl.store(beta_ptr + h * L + t, beta, mask=tm)
 
 
-if triton is not None:
-    @triton.jit
-    def _round_probe_kernel(x_ptr, y_ptr):
-        tl.store(y_ptr, tl.load(x_ptr).to(tl.bfloat16).to(tl.float32))
-
-
-def round_probe(x: torch.Tensor) -> torch.Tensor:
-    """x[0] (float32) converted to bfloat16 and back by this Triton backend (the tests: the interpreter truncates
-    where a GPU rounds to nearest even)."""
-    y = torch.empty(1, dtype=torch.float32, device=x.device)
-    _round_probe_kernel[(1,)](x, y)
-    return y
-
-
 def gdn_prefill_front(mixed, conv_old, conv_w, b, a, a_log, dt_bias, key_dim, hk, hv, dk, dv, bt: int = 16):
     """One sequence's GDN front in one launch: mixed [L, conv_dim] (the in-projection's rows, any row stride),
     conv_old [conv_dim, K-1] (the slot's kept inputs, before this chunk), conv_w [conv_dim, K], b, a [L, Hv] (the
