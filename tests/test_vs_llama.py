@@ -31,7 +31,11 @@ def test_grid_variants_set_their_environment():
     assert vs_llama.parse_grid("fused+gdnprep@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "1"}
     assert vs_llama.parse_grid("fused+gdnprep+gdnfront@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "1",
                                                                                    "MOESTREAM_GDN_FRONT": "1"}
-    assert {"MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT"} <= set(vs_llama.SET_ENV_KEYS)  # reset between configurations
+    assert vs_llama.parse_grid("fused+nogdnprep@all", {})[0]["set_env"] == {"MOESTREAM_GDN_PREP": "0"}
+    assert vs_llama.parse_grid("hybrid+pool+spin2000@4", {})[0]["set_env"] == {"MOESTREAM_CPU_POOL": "pool",
+                                                                              "MOESTREAM_CPU_SPIN_US": "2000"}
+    assert vs_llama.parse_grid("hybrid+tail4+kb64@4", {})[0]["set_env"] == {"MOESTREAM_CPU_LAYER_TUNING": "tail=4,kb=64"}
+    assert {"MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT", "MOESTREAM_CPU_SPIN_US"} <= set(vs_llama.SET_ENV_KEYS)  # reset
 
 
 def test_llama_buffer_sizes_are_summed():
