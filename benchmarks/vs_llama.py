@@ -31,7 +31,8 @@ terms / its conv, q/k norms and gates in one Triton launch a layer; the first is
 `BACKEND+own` (a process of its own like the variants above, nothing else changed: their baseline),
 `BACKEND+again[N]` (the same configuration again under another name, e.g. `cpu@n36;hybrid@n28;cpu+again@n36`),
 `BACKEND+tN` (--moe-cpu-threads N, e.g. `cpu+t15@all`), `BACKEND+omp` / `BACKEND+pool` (the CPU kernels on
-OpenMP threads / their own pool; `+spinN`: an idle pool worker spins N us before it sleeps, default 300), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+nohold` (the bridge's
+OpenMP threads / their own pool; `+spinN`: an idle pool worker spins N us before it sleeps, default 300), `BACKEND+pyloop` (the cpu/hybrid bridge worker's Python loop, not its compiled step), `BACKEND+omprel` (MOESTREAM_OMP_RELEASE=1: the
+stepping thread frees its OpenMP team before each bridge step, so the worker's team spins between layer calls), `BACKEND+nohold` (the bridge's
 layer calls on OpenMP threads that sleep between layers, not the kernels' pool held spinning for the step),
 `BACKEND+raN` / `+x8aN` (the bridge's CPU layer calls read N rows / interleaved 8-row groups ahead; its defaults are 8
 and 1; the bridge on a GPU reads the file's layout unless `+x8`, so rows), `+kbN` / `+chunksN` / `+tailN` (the layer calls' least
@@ -75,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NCMOE = (0, 15, 29, 33, 40)
 SET_ENV_KEYS = ("MOESTREAM_CPU_POOL", "MOESTREAM_BRIDGE_C", "MOESTREAM_PREFETCH_TOP", "MOESTREAM_HYBRID_ARMS",
                 "MOESTREAM_BRIDGE_POOL", "MOESTREAM_CPU_LAYER_TUNING", "MOESTREAM_Q8_PLANAR",
-                "MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT", "MOESTREAM_CPU_SPIN_US")  # settings a configuration may change inside the shared child
+                "MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT", "MOESTREAM_CPU_SPIN_US", "MOESTREAM_OMP_RELEASE")  # settings a configuration may change inside the shared child
 DEFAULT_GRID = ("fused@all;offload@n15,n29,n33;auto@n15,n29,n33;hybrid@n15,n29,n33;cpu@n15,n29,n33,n40;auto@n40;"
                 "cpu@all")
 BACKENDS = ("fused", "offload", "hybrid", "cpu", "auto")
@@ -272,6 +273,8 @@ def _variant(variant: str, cfg: dict) -> bool:
         cfg["threads"] = int(threads[1])
     elif spin:  # read by the CPU kernels at each call (env.cpu_threading): set inside the shared child
         set_env("MOESTREAM_CPU_SPIN_US", spin[1])
+    elif variant == "omprel":  # the stepping thread's OpenMP team freed before each bridge step (read at each step)
+        set_env("MOESTREAM_OMP_RELEASE", "1")
     elif variant in ("omp", "pool"):  # read by the CPU kernels at each call: set inside the shared child
         set_env("MOESTREAM_CPU_POOL", variant)
     elif variant == "pyloop":  # the bridge worker's Python loop instead of its compiled step

@@ -878,3 +878,28 @@ def test_dense_banks_take_the_layer_kernel_up_to_a_few_rows(x_dtype):
         want = reference(x[rows].double(), gate, up, bank["down"][e].double()) * w[rows, pos, None].double()
         got = out[e].double()
         assert (got - want).abs().max() <= tol * want.abs().max(), (e, x_dtype)
+
+
+def test_omp_release_team_frees_the_calling_threads_team():
+    """kernels/cpu_quant.omp_release_team (the bridge's stepping thread before its steps, MOESTREAM_OMP_RELEASE): the
+    calling thread's OpenMP team's threads exit (the process's thread count drops by all but the caller), a later
+    parallel region starts a new team, and kernel results do not change."""
+    import os
+
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    types = ("Q8_0",) * 3
+    banks = _banks(types, seed=9)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(10))
+    w = np.random.default_rng(11).random(5).astype(np.float32)
+    torch.set_num_threads(2)
+    try:
+        want = _call(types, banks, x, w)  # a parallel region of 2 on this thread: its team holds 1 thread besides
+        before = tasks()
+        assert cpu_quant.omp_release_team()
+        assert tasks() == before - 1
+        assert cpu_quant.omp_release_team()  # nothing left to free: still fine
+        assert tasks() == before - 1
+        assert torch.equal(_call(types, banks, x, w), want)  # a new team
+        assert tasks() == before
+    finally:
+        torch.set_num_threads(1)

@@ -35,7 +35,9 @@ def test_grid_variants_set_their_environment():
     assert vs_llama.parse_grid("hybrid+pool+spin2000@4", {})[0]["set_env"] == {"MOESTREAM_CPU_POOL": "pool",
                                                                               "MOESTREAM_CPU_SPIN_US": "2000"}
     assert vs_llama.parse_grid("hybrid+tail4+kb64@4", {})[0]["set_env"] == {"MOESTREAM_CPU_LAYER_TUNING": "tail=4,kb=64"}
-    assert {"MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT", "MOESTREAM_CPU_SPIN_US"} <= set(vs_llama.SET_ENV_KEYS)  # reset
+    assert vs_llama.parse_grid("hybrid+omprel+t15@4", {})[0]["set_env"] == {"MOESTREAM_OMP_RELEASE": "1"}
+    assert {"MOESTREAM_GDN_PREP", "MOESTREAM_GDN_FRONT", "MOESTREAM_CPU_SPIN_US",
+            "MOESTREAM_OMP_RELEASE"} <= set(vs_llama.SET_ENV_KEYS)  # reset
 
 
 def test_llama_buffer_sizes_are_summed():

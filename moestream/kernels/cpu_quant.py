@@ -190,6 +190,7 @@ def _build_isa(cxx: str, isa: str, flags: list[str]):
     lib.ms_moe_decode.restype = ctypes.c_int
     lib.ms_float_act_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_int]
     lib.ms_float_act_matmul.restype = ctypes.c_int
+    lib.ms_omp_release_team.restype = ctypes.c_int
     lib.ms_set_threading.argtypes = [ctypes.c_int, i64]
     lib.ms_set_threading.restype = None
     lib.ms_set_layer_tuning.argtypes = [i64, i64, i64, i64, i64, i64]
@@ -243,6 +244,13 @@ def _threads(mod) -> int:
         mod.ms_set_layer_tuning(*cpu_layer_tuning())
         _STATE["tuning"] = raw
     return torch.get_num_threads()
+
+
+def omp_release_team() -> bool:
+    """Frees the calling thread's OpenMP team (kernels/cpu/qmatmul.cpp ms_omp_release_team: why the cpu/hybrid bridge's
+    stepping thread does); False where the library or the OpenMP runtime cannot."""
+    mod = module()
+    return mod is not None and mod.ms_omp_release_team() == 0
 
 
 def layer_tuning() -> tuple[int, int, int, int, int, int]:

@@ -39,6 +39,8 @@ from collections import deque
 import numpy as np
 import torch
 
+from ..env import omp_release
+from ..kernels import cpu_quant
 from . import cpu_moe
 from .pairs import triton, triton_ready
 from .swiglu import swiglu
@@ -108,6 +110,7 @@ class CpuBridge:
         self.mlp = PairMlp(P)
         self.qmlp = QuantPairMlp()
         self._jobs: queue.Queue = queue.Queue()
+        self.omp_released = 0  # steps before which this thread's OpenMP team was freed (MOESTREAM_OMP_RELEASE)
         self._thread = threading.Thread(target=self._loop, name="moestream-cpu-bridge", daemon=True)
         self._thread.start()
 
@@ -136,6 +139,8 @@ class CpuBridge:
         layer, after the model's: the worker must not wait for layer 0)."""
         while len(self._pending) > keep:
             self.finish_step()
+        if omp_release() and self.device.type == "cuda":  # this thread's OpenMP team off: the worker's spins again
+            self.omp_released += int(cpu_quant.omp_release_team())
         self.seq += 1
         self.seq_h[0] = self.seq
         self.dseq.fill_(self.seq)  # in the stream: after the step before it, before this step's posts

@@ -479,7 +479,8 @@ class BridgeDecode(Strategy):
         """hybrid: the live share and the rates it follows; the arms held per batch size."""
         if self.share is None:
             return {}
-        return {"hybrid": {**self.share.as_dict(), **({"arms": self.arms.as_dict()} if self.arms else {})}}
+        return {"hybrid": {**self.share.as_dict(), **({"arms": self.arms.as_dict()} if self.arms else {}),
+                           "omp_released": self.bridge.omp_released}}
 
     def close(self) -> None:
         """Stops the worker thread."""

@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <dlfcn.h>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -2662,6 +2663,22 @@ int ms_bridge_step(int64_t L, int64_t seq, const int64_t* req, int64_t* done, co
 void ms_set_iq3s_grid(const uint8_t* grid) {
   std::memcpy(g_iq3s_grid, grid, sizeof g_iq3s_grid);
   g_iq3s_ready.store(1, std::memory_order_release);
+}
+
+// Frees the calling thread's OpenMP team: its idle threads exit (libgomp's omp_pause_resource on the host; the next
+// parallel region of this thread starts a new team). Why: libgomp's idle team threads spin ~3 ms before they sleep,
+// but next to none (~100 spins) while the process holds more OpenMP threads, in all teams together, than there are
+// CPUs. A GPU process whose main thread once ran torch's CPU ops in parallel (loading a checkpoint does) keeps that
+// thread's team of one thread a core; the cpu/hybrid bridge worker's own team on top makes twice the CPUs, so the
+// worker's team sleeps between layer calls and every call waits for its threads' wake-up (a 2-core VM: a fork/join
+// 1.0 us without the main thread's team, 34-62 us with it). The main thread releases its team before the bridge's
+// steps (CpuBridge.begin_step, MOESTREAM_OMP_RELEASE). Returns 0 when done, -1 where the runtime cannot.
+// Looked up at run time (OpenMP 5.0: libgomp of GCC 9+, LLVM's libomp): GCC still reports _OPENMP 201511 and an older
+// omp.h has no declaration, while the runtime loaded is torch's, whatever compiled this file.
+int ms_omp_release_team() {
+  using pause_fn = int (*)(int);
+  static const pause_fn pause_all = reinterpret_cast<pause_fn>(dlsym(RTLD_DEFAULT, "omp_pause_resource_all"));
+  return pause_all != nullptr && pause_all(1 /* omp_pause_soft */) == 0 ? 0 : -1;
 }
 
 // Threads of the kernels: use_pool 1 the library's own pool, whose idle workers spin spin_us microseconds
