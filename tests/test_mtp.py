@@ -682,12 +682,24 @@ def test_drafter_passes_through_the_cpu_bridge(mtp_dir, plain_tokens, backend, k
     assert llm.stats()["speculative"]["drafted"] > 0
 
 
-def test_drafter_passes_through_the_compiled_bridge_worker(mtp_gguf, monkeypatch):
+def test_drafter_passes_through_the_compiled_bridge_worker(tiny_checkpoint, tmp_path, monkeypatch):
     """The same through the bridge's compiled worker (GGUF experts: ms_bridge_step), which is handed the
     per-layer arrays from the MTP layer on: the pass's CPU pairs are answered and the greedy tokens are those
-    of decoding without drafts (one request: its rows' products do not depend on other requests)."""
+    of decoding without drafts (one request: its rows' products do not depend on other requests).
+
+    The file's experts are Q8_0 (what the compiled worker reads), its dense layers F16: Q8_0 dense layers round
+    their inputs to int8 per block, and a verify pass (3 rows) differs from a decode step (1 row) by ~1e-7 in the
+    float ops between them, which now and then crosses a rounding boundary and moves that layer's output by a
+    quantum (a random tiny model, 2026-12-08: layer 2's input 1e-6 apart, its output 4e-3, the logits 0.2 by the
+    head), enough to flip a greedy token — numerics of int8 activations, not of the drafter or the worker."""
+    import gguf_writer
+    from gguf import GGMLQuantizationType as Q
+
     from moestream.kernels import cpu_quant
     from moestream.moe import bridge
+
+    mtp_gguf, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen35_mtp", layout="causal"), tmp_path / "m.gguf", Q.F16,
+                                         expert_qtype=lambda layer, name: Q.Q8_0)
 
     if not cpu_quant.available():
         pytest.skip("the compiled CPU kernels cannot be built here")
