@@ -466,6 +466,10 @@ def run_child(args) -> None:
         for k in SET_ENV_KEYS:
             os.environ.pop(k, None)
         os.environ.update(cfg.get("set_env", {}))
+        if os.environ.get("MOESTREAM_OMP_RELEASE") != "1":
+            # this thread's OpenMP team as loading left it (an earlier +omprel configuration freed it): torch's CPU ops in
+            # parallel start one, so each configuration without +omprel runs beside it whatever ran before
+            torch.ones(1 << 22).add_(1).sum()
         rec = dict(cfg)
         t = time.perf_counter()
         cap = cfg["cap_gb"] if args.device.startswith("cuda") else None  # on a CPU the cap would be host memory
