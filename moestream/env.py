@@ -139,7 +139,7 @@ def omp_release() -> bool:
     """MOESTREAM_OMP_RELEASE=1: the cpu/hybrid bridge's stepping thread frees its own OpenMP team before each step
     (kernels/cpu_quant.omp_release_team), so that the bridge worker's team is the process's only one and libgomp lets
     its idle threads spin between layer calls instead of sleeping (a 2-core VM: a worker's small call after 300 us
-    idle 51-56 us with the main thread's team alive, 17-27 without). Off by default until timed inside GPU steps
+    idle 87-112 us with the main thread's team alive, 20-28 without: benchmarks/omp_team_wake.py). Off by default until timed inside GPU steps
     (a team spinning through the GPU's part of a step takes cores the stepping thread needs). Read at each step."""
     return os.environ.get("MOESTREAM_OMP_RELEASE", "0").strip() == "1"
 

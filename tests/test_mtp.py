@@ -698,11 +698,10 @@ def test_drafter_passes_through_the_compiled_bridge_worker(tiny_checkpoint, tmp_
     from moestream.kernels import cpu_quant
     from moestream.moe import bridge
 
-    mtp_gguf, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen35_mtp", layout="causal"), tmp_path / "m.gguf", Q.F16,
-                                         expert_qtype=lambda layer, name: Q.Q8_0)
-
     if not cpu_quant.available():
         pytest.skip("the compiled CPU kernels cannot be built here")
+    mtp_gguf, _ = gguf_writer.write_gguf(tiny_checkpoint("qwen35_mtp", layout="causal"), tmp_path / "m.gguf", Q.F16,
+                                         expert_qtype=lambda layer, name: Q.Q8_0)
     monkeypatch.setattr(bridge, "WORKER_TIMEOUT_S", 5.0)
     firsts, real = [], cpu_quant.bridge_step
 

@@ -2671,7 +2671,7 @@ void ms_set_iq3s_grid(const uint8_t* grid) {
 // CPUs. A GPU process whose main thread once ran torch's CPU ops in parallel (loading a checkpoint does) keeps that
 // thread's team of one thread a core; the cpu/hybrid bridge worker's own team on top makes twice the CPUs, so the
 // worker's team sleeps between layer calls and every call waits for its threads' wake-up (a 2-core VM: a fork/join
-// 1.0 us without the main thread's team, 34-62 us with it). The main thread releases its team before the bridge's
+// 1.0 us without the main thread's team, 34-65 us with it). The main thread releases its team before the bridge's
 // steps (CpuBridge.begin_step, MOESTREAM_OMP_RELEASE). Returns 0 when done, -1 where the runtime cannot.
 // Looked up at run time (OpenMP 5.0: libgomp of GCC 9+, LLVM's libomp): GCC still reports _OPENMP 201511 and an older
 // omp.h has no declaration, while the runtime loaded is torch's, whatever compiled this file.
